@@ -1,0 +1,9 @@
+"""parallax: sparsity-aware data-parallel training for TensorFlow 2."""
+from parallax.client import ClientOptions, PSClient, ShardedTable
+from parallax.errors import ConfigError, ParallaxError, ServerError
+from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
+from parallax.version import __version__
+
+__all__ = ["Adagrad", "Adam", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
+           "PSClient", "ParallaxError", "SGD", "ServerError", "ShardedTable", "TableSpec",
+           "__version__"]

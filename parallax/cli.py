@@ -1,0 +1,45 @@
+"""The `parallax` command: `parallax server ...`, `parallax demo ...`, `parallax version`."""
+from __future__ import annotations
+
+import sys
+
+from parallax.version import PROTOCOL_VERSION, __version__
+
+
+def _server(argv: list[str]) -> int:
+    from parallax_ps.server import main as server_main
+    return server_main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from parallax.demo import main as demo_main
+    return demo_main(argv)
+
+
+def _version(argv: list[str]) -> int:
+    print(f"parallax {__version__} (wire protocol parallax.ps.v{PROTOCOL_VERSION})")
+    return 0
+
+
+COMMANDS = {
+    "server": (_server, "run a parameter server (parallax server --help)"),
+    "demo": (_demo, "start a local cluster and run a client round trip"),
+    "version": (_version, "print versions"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = "\n".join(f"  {name:<10}{help_}" for name, (_, help_) in COMMANDS.items())
+        stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"parallax: unknown command {argv[0]!r}", file=stream)
+        print(f"usage: parallax COMMAND [ARGS]\n\ncommands:\n{lines}", file=stream)
+        return 0 if stream is sys.stdout else 2
+    handler, _ = COMMANDS[argv[0]]
+    return handler(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

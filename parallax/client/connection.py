@@ -1,0 +1,133 @@
+"""One parameter server as the client sees it: channels, stub, deadlines, bounded retries.
+
+Every failure becomes a `ServerError` that names the server address, the table and the fix.
+Only UNAVAILABLE (server not up yet, connection reset) is retried, a few times with backoff;
+anything else is an answer from the server and is raised at once.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from parallax.errors import ServerError
+from parallax.ps.v1 import ps_pb2_grpc
+
+_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "check that the server is running and reachable "
+                                 "(`parallax server --port ...`)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the server did not answer in time; raise "
+                                       "ClientOptions.timeout or check for stalled workers",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the message exceeds a size limit; lower "
+                                        "ClientOptions.max_message_mb or raise the server's "
+                                        "--max-message-mb",
+}
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    timeout: float = 60.0            # seconds per RPC (sync-mode pulls wait for the step)
+    retries: int = 3                 # extra attempts after UNAVAILABLE
+    backoff: float = 0.2             # seconds before the first retry, doubled after each
+    channels_per_server: int = 2     # independent HTTP/2 connections, used round-robin
+    max_message_mb: int = 64         # requests are chunked to stay below this
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def describe(method: str, address: str, table: str | None, err: grpc.RpcError,
+             attempts: int = 1) -> ServerError:
+    code = err.code()
+    where = f"{method} of table {table!r}" if table else method
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    hint = _HINTS.get(code)
+    message = f"{where} on server {address} failed{tries}: {code.name}: {err.details()}"
+    return ServerError(message + (f" ({hint})" if hint else ""), address=address, table=table,
+                       code=code)
+
+
+class ServerConnection:
+    def __init__(self, address: str, options: ClientOptions = ClientOptions()) -> None:
+        self.address = address
+        self.options = options
+        limit = options.max_message_bytes + (1 << 20)
+        channel_options = [("grpc.max_receive_message_length", limit),
+                           ("grpc.max_send_message_length", limit),
+                           ("grpc.enable_retries", 0)]
+        self._channels = [
+            grpc.insecure_channel(address, options=channel_options + [("grpc.channel_id", i)])
+            for i in range(max(1, options.channels_per_server))]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._next = itertools.cycle(range(len(self._stubs)))
+
+    def stub(self) -> ps_pb2_grpc.ParameterServerStub:
+        return self._stubs[next(self._next)]
+
+    def call(self, method: str, request, table: str | None = None,
+             timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None):
+        """A unary (or, given an iterator factory, client-streaming) call with retries.
+
+        `done_on_retry`: a code that, answered to a retry, means the first attempt landed
+        (a push answered ALREADY_EXISTS); the call then returns None.
+        """
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                payload = request() if callable(request) else request
+                return getattr(self.stub(), method)(payload, timeout=timeout or
+                                                    self.options.timeout)
+            except grpc.RpcError as err:
+                if attempts > 1 and done_on_retry is not None and err.code() == done_on_retry:
+                    return None
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries:
+                    raise describe(method, self.address, table, err, attempts) from None
+                time.sleep(self.options.backoff * 2 ** (attempts - 1))
+
+    def future(self, method: str, request, timeout: float | None = None):
+        """Start a unary call without waiting; resolve it with `result`."""
+        return getattr(self.stub(), method).future(request, timeout=timeout or
+                                                   self.options.timeout)
+
+    def result(self, future, method: str, request, table: str | None = None,
+               timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None):
+        """Wait for a `future` call; an UNAVAILABLE answer is retried synchronously."""
+        try:
+            return future.result()
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or self.options.retries < 1:
+                raise describe(method, self.address, table, err) from None
+        time.sleep(self.options.backoff)
+        try:
+            return self.call(method, request, table, timeout)
+        except ServerError as exc:
+            if done_on_retry is not None and exc.code == done_on_retry:
+                return None
+            raise
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channels[0])
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise ServerError(f"server {self.address} is not serving after {timeout:.0f}s; "
+                                  f"check that it was started and that the address is right",
+                                  address=self.address, table=None,
+                                  code=grpc.StatusCode.UNAVAILABLE)
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()

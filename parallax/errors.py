@@ -1,0 +1,20 @@
+"""The package's single exception family, so callers can catch everything parallax raises."""
+from __future__ import annotations
+
+
+class ParallaxError(Exception):
+    """Base class of every error parallax raises on purpose."""
+
+
+class ConfigError(ParallaxError, ValueError):
+    """A spec, argument or configuration value is invalid; the message names it and the fix."""
+
+
+class ServerError(ParallaxError):
+    """An RPC to a parameter server failed; carries the server address, table and gRPC code."""
+
+    def __init__(self, message: str, *, address: str, table: str | None, code: object) -> None:
+        super().__init__(message)
+        self.address = address
+        self.table = table
+        self.code = code

@@ -1,0 +1,419 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+
+class Partition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PARTITION_UNSPECIFIED: _ClassVar[Partition]
+    MOD: _ClassVar[Partition]
+    RANGE: _ClassVar[Partition]
+
+class SyncMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SYNC_MODE_UNSPECIFIED: _ClassVar[SyncMode]
+    SYNC: _ClassVar[SyncMode]
+    ASYNC: _ClassVar[SyncMode]
+
+class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGGREGATION_UNSPECIFIED: _ClassVar[Aggregation]
+    SUM: _ClassVar[Aggregation]
+    MEAN: _ClassVar[Aggregation]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+INT32: DType
+INT64: DType
+PARTITION_UNSPECIFIED: Partition
+MOD: Partition
+RANGE: Partition
+SYNC_MODE_UNSPECIFIED: SyncMode
+SYNC: SyncMode
+ASYNC: SyncMode
+AGGREGATION_UNSPECIFIED: Aggregation
+SUM: Aggregation
+MEAN: Aggregation
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "content")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    content: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class InitializerSpec(_message.Message):
+    __slots__ = ("kind", "value", "minval", "maxval", "mean", "stddev", "seed")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[InitializerSpec.Kind]
+        ZEROS: _ClassVar[InitializerSpec.Kind]
+        CONSTANT: _ClassVar[InitializerSpec.Kind]
+        RANDOM_UNIFORM: _ClassVar[InitializerSpec.Kind]
+        RANDOM_NORMAL: _ClassVar[InitializerSpec.Kind]
+        TRUNCATED_NORMAL: _ClassVar[InitializerSpec.Kind]
+    KIND_UNSPECIFIED: InitializerSpec.Kind
+    ZEROS: InitializerSpec.Kind
+    CONSTANT: InitializerSpec.Kind
+    RANDOM_UNIFORM: InitializerSpec.Kind
+    RANDOM_NORMAL: InitializerSpec.Kind
+    TRUNCATED_NORMAL: InitializerSpec.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    MINVAL_FIELD_NUMBER: _ClassVar[int]
+    MAXVAL_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STDDEV_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    kind: InitializerSpec.Kind
+    value: float
+    minval: float
+    maxval: float
+    mean: float
+    stddev: float
+    seed: int
+    def __init__(self, kind: _Optional[_Union[InitializerSpec.Kind, str]] = ..., value: _Optional[float] = ..., minval: _Optional[float] = ..., maxval: _Optional[float] = ..., mean: _Optional[float] = ..., stddev: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SGD(_message.Message):
+    __slots__ = ("learning_rate", "momentum", "nesterov")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    momentum: float
+    nesterov: bool
+    def __init__(self, learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: bool = ...) -> None: ...
+
+class Adagrad(_message.Message):
+    __slots__ = ("learning_rate", "initial_accumulator_value", "epsilon")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    initial_accumulator_value: float
+    epsilon: float
+    def __init__(self, learning_rate: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class Adam(_message.Message):
+    __slots__ = ("learning_rate", "beta_1", "beta_2", "epsilon", "amsgrad")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    AMSGRAD_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    amsgrad: bool
+    def __init__(self, learning_rate: _Optional[float] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., amsgrad: bool = ...) -> None: ...
+
+class Ftrl(_message.Message):
+    __slots__ = ("learning_rate", "learning_rate_power", "initial_accumulator_value", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_POWER_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    L1_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    L2_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    L2_SHRINKAGE_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    learning_rate_power: float
+    initial_accumulator_value: float
+    l1_regularization_strength: float
+    l2_regularization_strength: float
+    l2_shrinkage_regularization_strength: float
+    beta: float
+    def __init__(self, learning_rate: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("sgd", "adagrad", "adam", "ftrl")
+    SGD_FIELD_NUMBER: _ClassVar[int]
+    ADAGRAD_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    FTRL_FIELD_NUMBER: _ClassVar[int]
+    sgd: SGD
+    adagrad: Adagrad
+    adam: Adam
+    ftrl: Ftrl
+    def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCABULARY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASHED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_PER_SHARD_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocabulary_size: int
+    hashed_keys: bool
+    max_rows_per_shard: int
+    dim: int
+    dtype: DType
+    initializer: InitializerSpec
+    optimizer: OptimizerSpec
+    shard_count: int
+    partition: Partition
+    num_workers: int
+    sync_mode: SyncMode
+    aggregation: Aggregation
+    allow_non_finite: bool
+    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec", "shard_index")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    shard_index: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("created", "rows", "step")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    rows: int
+    step: int
+    def __init__(self, created: bool = ..., rows: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DeleteTableRequest(_message.Message):
+    __slots__ = ("table", "shard_index")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ...) -> None: ...
+
+class DeleteTableResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InitRowsChunk(_message.Message):
+    __slots__ = ("table", "shard_index", "ids", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    ids: Tensor
+    values: Tensor
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class InitRowsResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("table", "shard_index", "ids", "min_step")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    ids: Tensor
+    min_step: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., min_step: _Optional[int] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("values", "step")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    values: Tensor
+    step: int
+    def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("table", "shard_index", "step", "worker", "ids", "grads", "learning_rate")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    step: int
+    worker: int
+    ids: Tensor
+    grads: Tensor
+    learning_rate: float
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., worker: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("step", "applied")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    applied: bool
+    def __init__(self, step: _Optional[int] = ..., applied: bool = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("table", "shard_index", "min_step")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    min_step: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., min_step: _Optional[int] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("step", "pushed_workers")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    pushed_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., pushed_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BarrierRequest(_message.Message):
+    __slots__ = ("name", "rank", "count")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    count: int
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class BarrierResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("path", "tables")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShardCheckpoint(_message.Message):
+    __slots__ = ("table", "shard_index", "rows", "step", "file")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    rows: int
+    step: int
+    file: str
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., file: _Optional[str] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("path", "tables")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("method", "requests", "errors", "rows", "bytes", "total_seconds", "max_seconds")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    requests: int
+    errors: int
+    rows: int
+    bytes: int
+    total_seconds: float
+    max_seconds: float
+    def __init__(self, method: _Optional[str] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("table", "shard_index", "shard_count", "rows", "dim", "dtype", "bytes", "step", "pushed_workers", "methods")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    shard_count: int
+    rows: int
+    dim: int
+    dtype: DType
+    bytes: int
+    step: int
+    pushed_workers: _containers.RepeatedScalarFieldContainer[int]
+    methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., pushed_workers: _Optional[_Iterable[int]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("server_version", "protocol_version", "pid", "max_message_bytes", "tables")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    protocol_version: int
+    pid: int
+    max_message_bytes: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    def __init__(self, server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...

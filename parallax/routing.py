@@ -1,0 +1,102 @@
+"""Which shard owns a row, where the row sits inside it, and how a request splits by shard.
+
+Shared by the client (to route) and the server (to validate and locate), so both sides always
+agree. Fixed-vocabulary tables use MOD (`id % S`, local row `id // S`) or RANGE (blocks of
+ceil(V / S) ids); hashed-key tables route by a 64-bit mix of the key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-spread bijection on uint64 (vectorised)."""
+    z = np.asarray(x).astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += _GOLDEN
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+    return z
+
+
+@dataclass(frozen=True)
+class Partitioner:
+    """Maps global ids to (shard, local row) for one table."""
+
+    shard_count: int
+    vocabulary_size: int = 0  # 0: hashed keys
+    partition: str = "mod"
+
+    @property
+    def hashed(self) -> bool:
+        return self.vocabulary_size == 0
+
+    @property
+    def block(self) -> int:
+        return -(-self.vocabulary_size // self.shard_count)
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.hashed:
+            return (mix64(ids.view(np.uint64)) % np.uint64(self.shard_count)).astype(np.int64)
+        if self.partition == "range":
+            return ids // self.block
+        return ids % self.shard_count
+
+    def shard_size(self, shard: int) -> int:
+        """Rows a fixed-vocabulary shard holds."""
+        v, s = self.vocabulary_size, self.shard_count
+        if self.partition == "range":
+            return max(0, min(v, (shard + 1) * self.block) - shard * self.block)
+        return (v - shard + s - 1) // s
+
+    def local_rows(self, ids: np.ndarray, shard: int) -> np.ndarray:
+        """Local row index inside `shard` of ids the shard owns (fixed vocabulary)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.partition == "range":
+            return ids - shard * self.block
+        return ids // self.shard_count
+
+    def global_ids(self, shard: int) -> np.ndarray:
+        """Every global id a fixed-vocabulary shard holds, in local-row order."""
+        if self.partition == "range":
+            start = shard * self.block
+            return np.arange(start, start + self.shard_size(shard), dtype=np.int64)
+        return np.arange(shard, self.vocabulary_size, self.shard_count, dtype=np.int64)
+
+    def split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """[(shard, positions into ids)] for every shard, in shard order (empty ones too)."""
+        shards = self.shard_of(ids)
+        if self.shard_count == 1:
+            return [(0, np.arange(len(shards)))]
+        order = np.argsort(shards, kind="stable")
+        bounds = np.searchsorted(shards[order], np.arange(self.shard_count + 1))
+        return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.shard_count)]
+
+
+def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids, inverse) with ids == unique[inverse]; the wire carries each id once."""
+    unique, inverse = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1), return_inverse=True)
+    return unique, inverse.reshape(-1)
+
+
+def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) == 0:
+        return ids, values.reshape(0, *values.shape[1:])
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    if len(starts) == len(ids):
+        return sorted_ids, values[order]
+    return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)

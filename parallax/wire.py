@@ -1,0 +1,75 @@
+"""numpy <-> wire `Tensor` conversion: raw little-endian bytes plus dtype and shape.
+
+Decoding returns a read-only view on the message's bytes (no copy); encoding makes the one
+copy protobuf needs. Malformed tensors raise `WireError` naming the field and the mismatch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from parallax.errors import ParallaxError
+from parallax.ps.v1 import ps_pb2
+
+_TO_NUMPY = {
+    ps_pb2.FLOAT32: np.dtype("<f4"),
+    ps_pb2.FLOAT64: np.dtype("<f8"),
+    ps_pb2.FLOAT16: np.dtype("<f2"),
+    ps_pb2.INT32: np.dtype("<i4"),
+    ps_pb2.INT64: np.dtype("<i8"),
+}
+_FROM_NUMPY = {dt.newbyteorder("="): code for code, dt in _TO_NUMPY.items()}
+_NAMES = {"float32": ps_pb2.FLOAT32, "float64": ps_pb2.FLOAT64, "float16": ps_pb2.FLOAT16,
+          "int32": ps_pb2.INT32, "int64": ps_pb2.INT64}
+
+
+class WireError(ParallaxError, ValueError):
+    """A tensor on the wire is malformed (unknown dtype, shape and byte length disagree)."""
+
+
+def dtype_code(dtype: object) -> int:
+    """The wire code of a numpy dtype or dtype name ('float32', np.float32, ...)."""
+    dt = np.dtype(dtype).newbyteorder("=")
+    if dt not in _FROM_NUMPY:
+        raise WireError(f"dtype {np.dtype(dtype).name} cannot travel; use one of {sorted(_NAMES)}")
+    return _FROM_NUMPY[dt]
+
+
+def numpy_dtype(code: int) -> np.dtype:
+    """The little-endian numpy dtype of a wire dtype code."""
+    if code not in _TO_NUMPY:
+        name = ps_pb2.DType.Name(code) if code in ps_pb2.DType.values() else str(code)
+        raise WireError(f"dtype {name} is not a tensor dtype; use one of {sorted(_NAMES)}")
+    return _TO_NUMPY[code]
+
+
+def dtype_name(code: int) -> str:
+    return numpy_dtype(code).name
+
+
+def encode(array: np.ndarray, out: ps_pb2.Tensor | None = None) -> ps_pb2.Tensor:
+    """Fill (or create) a wire Tensor from an array; one copy into the message."""
+    arr = np.asarray(array)
+    wire_dtype = _TO_NUMPY[dtype_code(arr.dtype)]
+    arr = np.ascontiguousarray(arr, dtype=wire_dtype)
+    tensor = ps_pb2.Tensor() if out is None else out
+    tensor.dtype = _FROM_NUMPY[wire_dtype.newbyteorder("=")]
+    del tensor.shape[:]
+    tensor.shape.extend(arr.shape)
+    tensor.content = arr.tobytes()
+    return tensor
+
+
+def decode(tensor: ps_pb2.Tensor, field: str = "tensor") -> np.ndarray:
+    """A read-only array viewing the tensor's bytes; validates dtype, shape and length."""
+    dtype = numpy_dtype(tensor.dtype) if tensor.dtype else None
+    if dtype is None:
+        raise WireError(f"{field}: dtype is unset; set it to one of {sorted(_NAMES)}")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"{field}: negative dimension in shape {list(shape)}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    expected = count * dtype.itemsize
+    if len(tensor.content) != expected:
+        raise WireError(f"{field}: shape {list(shape)} of {dtype.name} needs {expected} bytes, "
+                        f"got {len(tensor.content)}")
+    return np.frombuffer(tensor.content, dtype=dtype, count=count).reshape(shape)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Creates (or completes) the project's virtual environment: TensorFlow 2.17.1, Horovod 0.28.1
+# built with gloo, gRPC pinned to the protobuf 4.25 runtime TF brings, and parallax itself
+# (editable). Idempotent: each stage leaves a stamp in the venv and is skipped when present.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${PARALLAX_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+stamps="$venv/.parallax-stamps"
+
+log() { printf '[setup] %s\n' "$*"; }
+done_stage() { [ -f "$stamps/$1" ] && [ "$(cat "$stamps/$1")" = "$2" ]; }
+mark_stage() { mkdir -p "$stamps"; printf '%s' "$2" >"$stamps/$1"; }
+
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating virtual environment at $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+base_reqs="$root/requirements/base.txt"
+base_key="$(sha256sum "$base_reqs" | cut -c1-16)"
+if ! done_stage base "$base_key"; then
+  log "installing TensorFlow, gRPC and build tools (about a minute)"
+  "${pip[@]}" install --upgrade pip setuptools wheel
+  "${pip[@]}" install -r "$base_reqs"
+  mark_stage base "$base_key"
+fi
+
+if ! done_stage horovod 0.28.1; then
+  log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores)"
+  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+    "${pip[@]}" install --no-build-isolation --no-cache-dir horovod==0.28.1
+  "$venv/bin/python" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'Horovod was built without gloo'"
+  mark_stage horovod 0.28.1
+fi
+
+project_key="$(cat "$root/setup.cfg" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
+if ! done_stage project "$project_key"; then
+  log "installing parallax (editable) with its test dependencies"
+  "${pip[@]}" install --no-build-isolation -e "$root[test]"
+  mark_stage project "$project_key"
+fi
+log "environment ready: $venv"

@@ -1,0 +1,1 @@
+"""parallax parameter server: hosts sparse-table shards over gRPC (`parallax server`)."""

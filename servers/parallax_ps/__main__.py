@@ -1,0 +1,5 @@
+import sys
+
+from parallax_ps.server import main
+
+sys.exit(main())

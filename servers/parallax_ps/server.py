@@ -1,0 +1,119 @@
+"""The parameter-server process: gRPC server, health service, graceful shutdown.
+
+On SIGTERM or SIGINT the server reports NOT_SERVING, stops taking new RPCs, wakes every
+request waiting on a step or barrier (they end with UNAVAILABLE), lets in-flight requests
+finish within the grace period, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from parallax.ps.v1 import ps_pb2_grpc
+from parallax_ps.service import ParameterServerService
+
+SERVICE_NAME = "parallax.ps.v1.ParameterServer"
+READY_PREFIX = "PARALLAX_SERVER_READY"
+log = logging.getLogger("parallax_ps")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: Path | None = None
+    max_message_mb: int = 256
+    threads: int = 16
+    grace_seconds: float = 5.0
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+class RunningServer:
+    """A started server; `address` is host:port with the real port when 0 was asked."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        if config.data_dir is not None:
+            config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        limit = config.max_message_bytes
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="ps"),
+            options=[("grpc.max_receive_message_length", limit),
+                     ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)])
+        self.service = ParameterServerService(config.data_dir, limit)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port} (address in use or "
+                          f"not local); pick another --port or --host")
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        self.address = f"{host}:{port}"
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float | None = None) -> None:
+        self.health.enter_graceful_shutdown()
+        done = self.server.stop(self.config.grace_seconds if grace is None else grace)
+        self.service.close()
+        done.wait()
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser(prog="parallax server",
+                                     description="Run a parallax parameter server.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="directory for checkpoints (save/restore are refused without it)")
+    parser.add_argument("--max-message-mb", type=int, default=256,
+                        help="largest request or response in MiB (default 256)")
+    parser.add_argument("--threads", type=int, default=16, help="RPC worker threads")
+    parser.add_argument("--grace-seconds", type=float, default=5.0,
+                        help="how long in-flight requests may finish on shutdown")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port {args.port} is not a TCP port (0-65535)")
+    if args.max_message_mb < 1:
+        parser.error(f"--max-message-mb {args.max_message_mb} must be >= 1")
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads} must be >= 1")
+    return ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir,
+                        max_message_mb=args.max_message_mb, threads=args.threads,
+                        grace_seconds=args.grace_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s parallax-ps %(message)s")
+    config = parse_args(argv)
+    try:
+        server = RunningServer(config)
+    except OSError as exc:
+        print(f"parallax server: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"{READY_PREFIX} address={server.address} pid={os.getpid()}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutting down %s", server.address)
+    server.stop()
+    return 0

@@ -1,0 +1,225 @@
+"""The ParameterServer gRPC service: decode, hand to the shard, encode, count.
+
+Each handler turns every rejection into a precise gRPC status: `RequestError` carries its own
+code, spec and wire errors are INVALID_ARGUMENT, anything unexpected is INTERNAL and logged.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from parallax import wire
+from parallax.errors import ConfigError
+from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
+from parallax.specs import TableSpec
+from parallax.version import PROTOCOL_VERSION, __version__
+from parallax_ps import checkpoint
+from parallax_ps.barrier import Barriers
+from parallax_ps.errors import RequestError, invalid
+from parallax_ps.shard import TableShard
+from parallax_ps.stats import ServerStats
+
+log = logging.getLogger("parallax_ps")
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _rpc(method: str):
+    """Wrap a handler returning (response, table, rows, bytes) with stats and error mapping."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def handler(self: "ParameterServerService", request, context):
+            start = time.perf_counter()
+            table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
+            try:
+                response, table, rows, nbytes = fn(self, request, context)
+            except RequestError as exc:
+                error = (exc.code, exc.message)
+            except (ConfigError, wire.WireError) as exc:
+                error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # a bug: keep serving, tell the client, log the trace
+                log.exception("%s failed", method)
+                error = (grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+            else:
+                self.stats.record(table, method, time.perf_counter() - start, rows=rows,
+                                  nbytes=nbytes)
+                return response
+            self.stats.record(table, method, time.perf_counter() - start, error=True)
+            context.abort(*error)
+        return handler
+    return decorate
+
+
+class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, data_dir: Path | None, max_message_bytes: int) -> None:
+        self.data_dir = data_dir
+        self.max_message_bytes = max_message_bytes
+        self.stats = ServerStats()
+        self.barriers = Barriers()
+        self._shards: dict[tuple[str, int], TableShard] = {}
+        self._lock = threading.Lock()         # guards the dict
+        self._create_lock = threading.Lock()  # serialises (slow) table creation
+
+    # ---- registry ------------------------------------------------------------------------
+    def shard(self, table: str, shard_index: int) -> TableShard:
+        with self._lock:
+            found = self._shards.get((table, shard_index))
+            if found is None:
+                held = sorted(f"{t}[{i}]" for t, i in self._shards)
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"table {table!r} shard {shard_index} does not exist on this "
+                                   f"server (it holds {held or 'no tables'}); create it first")
+            return found
+
+    def selected(self, tables) -> list[TableShard]:
+        with self._lock:
+            shards = [s for (t, _), s in sorted(self._shards.items()) if not tables or t in tables]
+            missing = set(tables) - {s.spec.name for s in shards}
+        if missing:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"tables {sorted(missing)} do not exist on this server")
+        return shards
+
+    def close(self) -> None:
+        self.barriers.close()
+        with self._lock:
+            for shard in self._shards.values():
+                shard.close()
+
+    # ---- tables ----------------------------------------------------------------------------
+    @_rpc("CreateTable")
+    def CreateTable(self, request, context):
+        spec = TableSpec.from_proto(request.spec)
+        key = (spec.name, request.shard_index)
+        with self._create_lock:
+            with self._lock:
+                existing = self._shards.get(key)
+            if existing is None:
+                shard = TableShard(spec, request.shard_index)
+                with self._lock:
+                    self._shards[key] = shard
+                log.info("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
+                return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows),
+                        spec.name, shard.storage.num_rows, 0)
+        if existing.spec != spec:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"{existing.label} exists with a different spec "
+                               f"({existing.spec.describe_difference(spec)}); delete it first "
+                               f"or create it with the same spec")
+        return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
+                                           step=existing.steps.step), spec.name, 0, 0)
+
+    @_rpc("DeleteTable")
+    def DeleteTable(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        with self._lock:
+            self._shards.pop((request.table, request.shard_index), None)
+        shard.close()
+        return ps_pb2.DeleteTableResponse(), request.table, 0, 0
+
+    @_rpc("InitRows")
+    def InitRows(self, request_iterator, context):
+        shard, ids_parts, value_parts = None, [], []
+        for chunk in request_iterator:
+            if shard is None:
+                shard = self.shard(chunk.table, chunk.shard_index)
+            elif (chunk.table, chunk.shard_index) != (shard.spec.name, shard.shard_index):
+                raise invalid(f"InitRows stream for {shard.label} carries a chunk for table "
+                              f"{chunk.table!r} shard {chunk.shard_index}; one stream per shard")
+            ids = shard.check_ids(wire.decode(chunk.ids, "ids"))
+            values = wire.decode(chunk.values, "values")
+            shard.check_rows(values, len(ids), "values")
+            ids_parts.append(ids)
+            value_parts.append(values)
+        if shard is None:
+            raise invalid("InitRows stream was empty; send at least one chunk")
+        ids = np.concatenate(ids_parts)
+        unique, counts = np.unique(ids, return_counts=True)
+        if len(unique) != len(ids):
+            raise invalid(f"{shard.label}: InitRows sets id {unique[counts > 1][0]} more than "
+                          f"once; send each id once")
+        values = np.concatenate(value_parts)
+        shard.assign(ids, values)
+        return ps_pb2.InitRowsResponse(rows=len(ids)), shard.spec.name, len(ids), values.nbytes
+
+    # ---- rows ------------------------------------------------------------------------------
+    @_rpc("Pull")
+    def Pull(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        values, step = shard.pull(wire.decode(request.ids, "ids"), request.min_step,
+                                  _deadline(context))
+        response = ps_pb2.PullResponse(step=step)
+        wire.encode(values, response.values)
+        return response, request.table, len(values), values.nbytes
+
+    @_rpc("Push")
+    def Push(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        grads = wire.decode(request.grads, "grads")
+        step, applied = shard.push(request.step, request.worker, wire.decode(request.ids, "ids"),
+                                   grads, request.learning_rate)
+        return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
+                grads.nbytes)
+
+    @_rpc("WaitStep")
+    def WaitStep(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        step, pushed = shard.wait_step(request.min_step, _deadline(context))
+        return ps_pb2.StepResponse(step=step, pushed_workers=pushed), request.table, 0, 0
+
+    @_rpc("Barrier")
+    def Barrier(self, request, context):
+        generation = self.barriers.wait(request.name, request.rank, request.count,
+                                        _deadline(context))
+        return ps_pb2.BarrierResponse(generation=generation), "", 0, 0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @_rpc("Save")
+    def Save(self, request, context):
+        directory = checkpoint.resolve(self.data_dir, request.path)
+        response = ps_pb2.SaveResponse()
+        for shard in self.selected(request.tables):
+            path, rows, step = checkpoint.save_shard(shard, directory)
+            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index, rows=rows,
+                                step=step, file=str(path))
+        return response, "", sum(s.rows for s in response.shards), 0
+
+    @_rpc("Restore")
+    def Restore(self, request, context):
+        directory = checkpoint.resolve(self.data_dir, request.path)
+        shards = self.selected(request.tables)
+        loaded = [checkpoint.load_for_shard(shard, directory) for shard in shards]
+        for shard in shards:
+            shard.check_between_steps()
+        response = ps_pb2.RestoreResponse()
+        for shard, (ids, values, slots, step) in zip(shards, loaded):
+            shard.restore(ids, values, slots, step)
+            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
+                                rows=len(ids), step=step, file=str(directory / shard.spec.name))
+        return response, "", sum(s.rows for s in response.shards), 0
+
+    # ---- observability -----------------------------------------------------------------------
+    @_rpc("Stats")
+    def Stats(self, request, context):
+        response = ps_pb2.StatsResponse(server_version=__version__,
+                                        protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
+                                        max_message_bytes=self.max_message_bytes)
+        for shard in self.selected(request.tables):
+            spec = shard.spec
+            response.tables.add(
+                table=spec.name, shard_index=shard.shard_index, shard_count=spec.shard_count,
+                rows=shard.storage.num_rows, dim=spec.dim, dtype=wire.dtype_code(spec.dtype),
+                bytes=shard.nbytes, step=shard.steps.step,
+                pushed_workers=shard.steps.pushed_workers(),
+                methods=self.stats.methods(spec.name))
+        return response, "", 0, 0

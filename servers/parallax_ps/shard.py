@@ -1,0 +1,186 @@
+"""One shard of one table: validates requests, then reads or updates rows under its own lock.
+
+Every check runs before any state changes, so a rejected request leaves the shard exactly as
+it was. The lock is per shard (tables never contend with each other) and numpy releases the
+GIL for the heavy array work. Sync-mode readers wait on the shard's condition until the step
+they need is applied, so no pull ever sees a half-applied step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from parallax.routing import Partitioner
+from parallax.specs import TableSpec
+from parallax_ps.errors import RequestError, invalid
+from parallax_ps.optimizers import ServerOptimizer, Slots
+from parallax_ps.steps import StepState
+from parallax_ps.storage import new_storage
+
+
+class ShuttingDown(RequestError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on "
+                         "another server or after it restarts")
+
+
+class TableShard:
+    def __init__(self, spec: TableSpec, shard_index: int) -> None:
+        if not 0 <= shard_index < spec.shard_count:
+            raise invalid(f"table {spec.name!r}: shard_index {shard_index} is out of range "
+                          f"[0, {spec.shard_count})")
+        self.spec = spec
+        self.shard_index = shard_index
+        self.label = f"table {spec.name!r} shard {shard_index}"
+        self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
+        self.optimizer = ServerOptimizer(spec.optimizer)
+        self.storage = new_storage(spec, shard_index, self.optimizer)
+        self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
+                               spec.aggregation == "mean")
+        self.cond = threading.Condition()
+        self.closed = False
+
+    # ---- validation (no state changes) -------------------------------------------------
+    def check_ids(self, ids: np.ndarray, field: str = "ids") -> np.ndarray:
+        if ids.ndim != 1:
+            raise invalid(f"{self.label}: {field} must be 1-D, got shape {list(ids.shape)}")
+        if ids.dtype.kind != "i":
+            raise invalid(f"{self.label}: {field} must be int32 or int64, got {ids.dtype.name}")
+        ids = ids.astype(np.int64, copy=False)
+        if len(ids) == 0:
+            return ids
+        if not self.spec.hashed_keys:
+            vocab = self.spec.vocabulary_size
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+            if len(bad):
+                raise invalid(f"{self.label}: id {ids[bad[0]]} (position {bad[0]}) is outside "
+                              f"the vocabulary [0, {vocab}); {len(bad)} ids are out of range")
+        owner = self.partitioner.shard_of(ids)
+        wrong = np.flatnonzero(owner != self.shard_index)
+        if len(wrong):
+            raise invalid(f"{self.label}: id {ids[wrong[0]]} belongs to shard "
+                          f"{owner[wrong[0]]} of {self.spec.shard_count}, not this one; "
+                          f"route ids with parallax.routing.Partitioner")
+        return ids
+
+    def check_rows(self, values: np.ndarray, n: int, field: str) -> None:
+        dim, dtype = self.spec.dim, np.dtype(self.spec.dtype)
+        if values.ndim != 2 or values.shape[1] != dim:
+            raise invalid(f"{self.label}: {field} must have shape [n, {dim}], got "
+                          f"{list(values.shape)}")
+        if values.shape[0] != n:
+            raise invalid(f"{self.label}: {field} has {values.shape[0]} rows but ids has {n}; "
+                          f"send one row per id")
+        if values.dtype != dtype:
+            raise invalid(f"{self.label}: {field} dtype {values.dtype.name} does not match the "
+                          f"table dtype {dtype.name}")
+        if not self.spec.allow_non_finite and n and not np.isfinite(values).all():
+            bad = np.argwhere(~np.isfinite(values))[0]
+            raise invalid(f"{self.label}: {field} row {bad[0]} column {bad[1]} is "
+                          f"{values[bad[0], bad[1]]}; NaN/Inf are rejected (create the table "
+                          f"with allow_non_finite=True to accept them)")
+
+    def _check_capacity(self, ids: np.ndarray) -> None:
+        limit = self.spec.max_rows_per_shard
+        if not (self.spec.hashed_keys and limit):
+            return
+        new = self.storage.count_new(np.concatenate([ids, *self.steps.pending_keys()]))
+        if self.storage.num_rows + new > limit:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.label}: {new} new keys would exceed max_rows_per_shard="
+                               f"{limit} (holding {self.storage.num_rows}); raise it or add shards")
+
+    # ---- reads and writes ----------------------------------------------------------------
+    def wait_for_step(self, min_step: int, deadline: float | None) -> int:
+        """Block until `min_step` steps are applied; the caller holds `self.cond`."""
+        while self.steps.step < min_step:
+            if self.closed:
+                raise ShuttingDown()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise RequestError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.label}: still at step {self.steps.step}, waiting for {min_step}; "
+                    f"workers {self.steps.pushed_workers()} of {self.spec.num_workers} pushed "
+                    f"step {self.steps.step}")
+            self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
+        return self.steps.step
+
+    def pull(self, ids: np.ndarray, min_step: int, deadline: float | None) -> tuple[np.ndarray, int]:
+        ids = self.check_ids(ids)
+        with self.cond:
+            step = self.wait_for_step(min_step, deadline)
+            if self.spec.hashed_keys:
+                self._check_capacity(ids)
+            rows = self.storage.locate(ids, create=True)
+            return self.storage.values[rows], step
+
+    def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
+             learning_rate: float) -> tuple[int, bool]:
+        ids = self.check_ids(ids)
+        self.check_rows(grads, len(ids), "grads")
+        if learning_rate < 0 or not np.isfinite(learning_rate):
+            raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
+                          f"(0 uses the table's optimizer spec)")
+        lr = learning_rate or self.spec.optimizer.learning_rate
+        with self.cond:
+            if self.closed:
+                raise ShuttingDown()
+            self.steps.check_push(self.spec.name, self.shard_index, step, worker)
+            self.steps.check_learning_rate(self.spec.name, lr)
+            self._check_capacity(ids)
+            if not self.steps.add(worker, ids, grads, lr):
+                return self.steps.step, False
+            unique, summed, lr = self.steps.take()
+            if len(unique):
+                rows = self.storage.locate(unique, create=True)
+                self.optimizer.apply(self.storage.values, self.storage.slots, rows, summed,
+                                     self.steps.step, lr)
+            self.steps.step += 1
+            self.cond.notify_all()
+            return self.steps.step, True
+
+    def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Set rows to explicit values (validated by the caller); slots keep their state."""
+        with self.cond:
+            rows = self.storage.locate(ids, create=True)
+            self.storage.values[rows] = values
+
+    def wait_step(self, min_step: int, deadline: float | None) -> tuple[int, list[int]]:
+        with self.cond:
+            step = self.wait_for_step(min_step, deadline)
+            return step, self.steps.pushed_workers()
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, Slots, int]:
+        """A consistent copy (ids, values, slots, step) of the applied steps only."""
+        with self.cond:
+            values, slots = self.storage.trimmed()
+            return (self.storage.row_ids(), values.copy(),
+                    {n: s.copy() for n, s in slots.items()}, self.steps.step)
+
+    def check_between_steps(self) -> None:
+        with self.cond:
+            if self.steps.pending:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"{self.label}: workers {self.steps.pushed_workers()} have "
+                                   f"pushed step {self.steps.step}; restore between steps")
+
+    def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int) -> None:
+        self.check_between_steps()
+        with self.cond:
+            self.storage.replace(ids, values, slots)
+            self.steps.step = step
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    @property
+    def nbytes(self) -> int:
+        values, slots = self.storage.trimmed()
+        return int(values.nbytes + sum(s.nbytes for s in slots.values()))

@@ -1,0 +1,144 @@
+"""Row storage of one shard: values and optimizer slots in numpy, addressed by local row.
+
+`FixedRows` holds a fixed-vocabulary shard (every row allocated at creation). `KeyedRows` holds
+a hashed-key shard: rows are created on first use, found through a sorted key index (vectorised
+binary search, no Python loop over ids), and arrays grow geometrically.
+"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from parallax.initial_values import initial_rows
+from parallax.routing import Partitioner
+from parallax.specs import TableSpec
+from parallax_ps.errors import RequestError
+from parallax_ps.optimizers import ServerOptimizer, Slots
+
+
+class FixedRows:
+    """All rows of a fixed-vocabulary shard, initialised from the spec's initializer."""
+
+    def __init__(self, spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> None:
+        self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
+        self.shard = shard
+        ids = self.partitioner.global_ids(shard)
+        self.values = initial_rows(spec.initializer, ids, spec.dim, spec.dtype)
+        self.slots: Slots = optimizer.new_slots(len(ids), spec.dim, self.values.dtype)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.values)
+
+    def row_ids(self) -> np.ndarray:
+        return self.partitioner.global_ids(self.shard)
+
+    def locate(self, ids: np.ndarray, create: bool = False) -> np.ndarray:
+        return self.partitioner.local_rows(ids, self.shard)
+
+    def count_new(self, ids: np.ndarray) -> int:
+        return 0
+
+    def trimmed(self) -> tuple[np.ndarray, Slots]:
+        return self.values, self.slots
+
+    def replace(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        """Adopt restored rows; `ids` must be exactly this shard's ids (any order)."""
+        rows = self.locate(ids)
+        self.values[rows] = values
+        for name, slot in self.slots.items():
+            slot[rows] = slots[name]
+
+
+class KeyedRows:
+    """Rows keyed by arbitrary int64 keys, created (initialised by key) on first use."""
+
+    def __init__(self, spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> None:
+        self.spec = spec
+        self.shard = shard
+        self.optimizer = optimizer
+        self._keys_sorted = np.empty(0, dtype=np.int64)
+        self._rows_sorted = np.empty(0, dtype=np.int64)
+        self._keys = np.empty(0, dtype=np.int64)  # key of each local row
+        self.values = np.empty((0, spec.dim), dtype=spec.dtype)
+        self.slots: Slots = optimizer.new_slots(0, spec.dim, self.values.dtype)
+        self._count = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self._count
+
+    def row_ids(self) -> np.ndarray:
+        return self._keys[: self._count].copy()
+
+    def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.searchsorted(self._keys_sorted, keys)
+        pos_clipped = np.minimum(pos, max(len(self._keys_sorted) - 1, 0))
+        found = (pos < len(self._keys_sorted)) & (self._keys_sorted[pos_clipped] == keys) \
+            if len(self._keys_sorted) else np.zeros(len(keys), dtype=bool)
+        rows = np.where(found, self._rows_sorted[pos_clipped] if len(self._rows_sorted) else 0, -1)
+        return rows, found
+
+    def count_new(self, ids: np.ndarray) -> int:
+        _, found = self._find(np.asarray(ids, dtype=np.int64))
+        return int(len(np.unique(ids[~found])))
+
+    def locate(self, ids: np.ndarray, create: bool = False) -> np.ndarray:
+        keys = np.asarray(ids, dtype=np.int64)
+        rows, found = self._find(keys)
+        if found.all() or not create:
+            return rows
+        new_keys = np.unique(keys[~found])
+        limit = self.spec.max_rows_per_shard
+        if limit and self._count + len(new_keys) > limit:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"table {self.spec.name!r} shard {self.shard}: {len(new_keys)} new keys would "
+                f"exceed max_rows_per_shard={limit} (holding {self._count}); raise the limit "
+                f"or add shards")
+        self._append(new_keys)
+        return self._find(keys)[0]
+
+    def _append(self, new_keys: np.ndarray) -> None:
+        start, stop = self._count, self._count + len(new_keys)
+        if stop > len(self.values):
+            self._grow(max(stop, 2 * len(self.values), 1024))
+        self._keys[start:stop] = new_keys
+        self.values[start:stop] = initial_rows(self.spec.initializer, new_keys, self.spec.dim,
+                                               self.spec.dtype)
+        for name, slot in self.slots.items():
+            slot[start:stop] = self.optimizer.slot_initial_value(name)
+        self._count = stop
+        keys = self._keys[:stop]
+        order = np.argsort(keys, kind="stable")
+        self._keys_sorted, self._rows_sorted = keys[order], order.astype(np.int64)
+
+    def _grow(self, capacity: int) -> None:
+        def grown(arr: np.ndarray) -> np.ndarray:
+            out = np.zeros((capacity,) + arr.shape[1:], dtype=arr.dtype)
+            out[: self._count] = arr[: self._count]
+            return out
+
+        self._keys = grown(self._keys)
+        self.values = grown(self.values)
+        self.slots = {name: grown(slot) for name, slot in self.slots.items()}
+
+    def replace(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        """Adopt restored rows: the shard then holds exactly these keys."""
+        self._count = 0
+        self._keys_sorted = np.empty(0, dtype=np.int64)
+        self._rows_sorted = np.empty(0, dtype=np.int64)
+        self._grow(max(len(ids), 1024))
+        if len(ids):
+            self._append(np.asarray(ids, dtype=np.int64))
+            rows = self.locate(ids)
+            self.values[rows] = values
+            for name, slot in self.slots.items():
+                slot[rows] = slots[name]
+
+    def trimmed(self) -> tuple[np.ndarray, Slots]:
+        return self.values[: self._count], {n: s[: self._count] for n, s in self.slots.items()}
+
+
+def new_storage(spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> FixedRows | KeyedRows:
+    return (KeyedRows if spec.hashed_keys else FixedRows)(spec, shard, optimizer)
