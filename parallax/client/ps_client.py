@@ -71,15 +71,23 @@ class PSClient:
         calls = [(s, s.future(method, request)) for s in self.servers]
         return [s.result(f, method, request) for s, f in calls]
 
+    def _shards_of(self, replies, tables: Sequence[str], verb: str) -> list:
+        shards = [shard for reply in replies for shard in reply.shards]
+        missing = set(tables) - {s.table for s in shards}
+        if missing:
+            raise ConfigError(f"cannot {verb} tables {sorted(missing)}: no server of "
+                              f"{self.addresses} holds them; create them first")
+        return shards
+
     def save(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
         """Every server writes its shards under its data directory at `path`."""
         replies = self._each("Save", ps_pb2.SaveRequest(path=path, tables=list(tables)))
-        return [shard for reply in replies for shard in reply.shards]
+        return self._shards_of(replies, tables, "save")
 
     def restore(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
         """Every server reloads its shards (any saved shard count) from `path`."""
         replies = self._each("Restore", ps_pb2.RestoreRequest(path=path, tables=list(tables)))
-        return [shard for reply in replies for shard in reply.shards]
+        return self._shards_of(replies, tables, "restore")
 
     def stats(self, tables: Sequence[str] = ()) -> dict[str, ps_pb2.StatsResponse]:
         replies = self._each("Stats", ps_pb2.StatsRequest(tables=list(tables)))

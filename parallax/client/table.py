@@ -78,19 +78,22 @@ class ShardedTable:
         return out
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
-        """Send gradients for `ids` (duplicates summed here); True if this push closed the step
-        on every shard."""
+        """Send gradients for `ids` (duplicates summed here), chunked to the message limit;
+        True if this push closed the step on every shard."""
         ids = self._check_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         unique, summed = sum_duplicates(ids, grads)
         calls = []
         for shard, positions in self.partitioner.split(unique):
-            request = ps_pb2.PushRequest(table=self.name, shard_index=shard, step=step,
-                                         worker=worker, learning_rate=learning_rate)
-            wire.encode(unique[positions], request.ids)
-            wire.encode(summed[positions], request.grads)
-            conn = self.shards[shard]
-            calls.append((conn, conn.future("Push", request), request))
+            chunks = self._chunks(positions)
+            for index, chunk in enumerate(chunks):
+                request = ps_pb2.PushRequest(table=self.name, shard_index=shard, step=step,
+                                             worker=worker, learning_rate=learning_rate,
+                                             chunk_index=index, chunk_count=len(chunks))
+                wire.encode(unique[chunk], request.ids)
+                wire.encode(summed[chunk], request.grads)
+                conn = self.shards[shard]
+                calls.append((conn, conn.future("Push", request), request))
         applied = True
         for conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,

@@ -119,7 +119,7 @@ class TableShard:
             return self.storage.values[rows], step
 
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
-             learning_rate: float) -> tuple[int, bool]:
+             learning_rate: float, chunk: int = 0, chunks: int = 1) -> tuple[int, bool]:
         ids = self.check_ids(ids)
         self.check_rows(grads, len(ids), "grads")
         if learning_rate < 0 or not np.isfinite(learning_rate):
@@ -129,12 +129,12 @@ class TableShard:
         with self.cond:
             if self.closed:
                 raise ShuttingDown()
-            self.steps.check_push(self.spec.name, self.shard_index, step, worker)
-            self.steps.check_learning_rate(self.spec.name, lr)
+            self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks)
+            self.steps.check_learning_rate(self.spec.name, worker, lr)
             self._check_capacity(ids)
-            if not self.steps.add(worker, ids, grads, lr):
+            if not self.steps.add(worker, ids, grads, lr, chunk, chunks):
                 return self.steps.step, False
-            unique, summed, lr = self.steps.take()
+            unique, summed, lr = self.steps.take(worker)
             if len(unique):
                 rows = self.storage.locate(unique, create=True)
                 self.optimizer.apply(self.storage.values, self.storage.slots, rows, summed,

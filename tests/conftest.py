@@ -1,0 +1,65 @@
+"""Shared fixtures: real parameter-server processes on loopback, and table snapshots."""
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.local_cluster import LocalCluster
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ps-data")
+
+
+@pytest.fixture(scope="session")
+def cluster(data_dir):
+    """Two real server processes sharing one data directory (as on a shared filesystem)."""
+    with LocalCluster(2, data_dir=data_dir, extra_args=["--max-message-mb", "8"]) as c:
+        yield c
+    assert c.exit_codes == [0, 0], f"servers exited with {c.exit_codes}"
+
+
+@pytest.fixture
+def client(cluster):
+    with PSClient(cluster.addresses, ClientOptions(timeout=20, max_message_mb=4)) as c:
+        yield c
+
+
+@pytest.fixture
+def table_name(request) -> str:
+    """A table name unique within the session (tables outlive a test on the shared cluster)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"t{next(_names)}_{request.node.name[:40]}")
+
+
+class Snapshot:
+    """Everything observable about a table: rows, optimizer slots and step (via a checkpoint)."""
+
+    def __init__(self, client: PSClient, data_dir: Path, name: str) -> None:
+        path = f"snap-{name}-{next(_names)}"
+        shards = client.save(path, [name])
+        self.step = {(s.shard_index): s.step for s in shards}
+        self.arrays: dict[str, np.ndarray] = {}
+        parts = sorted((data_dir / path / name).glob("*.npz"))
+        loaded = [dict(np.load(p)) for p in parts]
+        order = np.argsort(np.concatenate([p["ids"] for p in loaded]), kind="stable")
+        for key in loaded[0]:
+            self.arrays[key] = np.concatenate([p[key] for p in loaded])[order]
+
+    def assert_equal(self, other: "Snapshot") -> None:
+        assert self.step == other.step
+        assert self.arrays.keys() == other.arrays.keys()
+        for key, value in self.arrays.items():
+            np.testing.assert_array_equal(value, other.arrays[key], err_msg=key)
+
+
+@pytest.fixture
+def snapshot(client, data_dir):
+    return lambda name: Snapshot(client, data_dir, name)

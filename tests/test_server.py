@@ -1,0 +1,164 @@
+"""Parameter-server behaviour through real gRPC on loopback (two server processes)."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.errors import ServerError
+from parallax.initial_values import initial_rows
+from parallax.specs import SGD, Initializer, TableSpec
+
+
+def _spec(name, **kw) -> TableSpec:
+    base = dict(name=name, vocabulary_size=1000, dim=4, shard_count=3,
+                initializer=Initializer(kind="uniform", seed=5), optimizer=SGD(learning_rate=0.5))
+    return TableSpec(**{**base, **kw})
+
+
+def test_pull_returns_initial_rows_in_callers_order(client, table_name):
+    spec = _spec(table_name)
+    table = client.create_table(spec)
+    ids = np.array([[7, 999], [0, 7]])
+    rows = table.pull(ids)
+    assert rows.shape == (2, 2, 4)
+    np.testing.assert_array_equal(rows.reshape(-1, 4),
+                                  initial_rows(spec.initializer, ids.reshape(-1), 4, "float32"))
+
+
+def test_create_is_idempotent_and_rejects_a_different_shape(client, table_name):
+    table = client.create_table(_spec(table_name))
+    table.push([1], [[1, 1, 1, 1]], step=0)
+    before = table.pull([1])
+    client.create_table(_spec(table_name))  # identical: no-op, rows kept
+    np.testing.assert_array_equal(table.pull([1]), before)
+    with pytest.raises(ServerError, match=r"exists with a different spec \(dim 4 != 8") as info:
+        client.create_table(_spec(table_name, dim=8))
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    np.testing.assert_array_equal(table.pull([1]), before)
+
+
+def test_sync_step_applies_once_from_all_workers_sum(client, table_name):
+    spec = _spec(table_name, num_workers=2, optimizer=SGD(learning_rate=1.0))
+    table = client.create_table(spec)
+    start = table.pull([1, 2, 3])
+    assert table.push([1, 2], [[1] * 4, [2] * 4], step=0, worker=0) is False
+    np.testing.assert_array_equal(table.pull([1, 2, 3]), start)  # half a step is invisible
+    assert table.push([2, 3], [[10] * 4, [20] * 4], step=0, worker=1) is True
+    after = table.pull([1, 2, 3], min_step=1)
+    np.testing.assert_allclose(after, start - np.array([[1] * 4, [12] * 4, [20] * 4]))
+
+
+def test_mean_aggregation_divides_by_workers(client, table_name):
+    table = client.create_table(_spec(table_name, num_workers=2, aggregation="mean",
+                                      optimizer=SGD(learning_rate=1.0)))
+    start = table.pull([4])
+    table.push([4], [[2] * 4], step=0, worker=0)
+    table.push([4], [[4] * 4], step=0, worker=1)
+    np.testing.assert_allclose(table.pull([4], min_step=1), start - 3)
+
+
+def test_pull_for_next_step_waits_until_the_step_closes(client, table_name):
+    table = client.create_table(_spec(table_name, num_workers=2, optimizer=SGD(learning_rate=1)))
+    start = table.pull([9])
+    table.push([9], [[1] * 4], step=0, worker=0)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(rows=table.pull([9], min_step=1)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive(), "a pull for step 1 returned before step 0 closed"
+    table.push([9], [[2] * 4], step=0, worker=1)
+    reader.join(10)
+    np.testing.assert_allclose(result["rows"], start - 3)
+
+
+def test_waiting_pull_times_out_with_who_is_missing(cluster, table_name):
+    with PSClient(cluster.addresses, ClientOptions(timeout=0.5)) as impatient:
+        table = impatient.create_table(_spec(table_name, num_workers=2, shard_count=1))
+        table.push([0], [[1] * 4], step=0, worker=1)
+        with pytest.raises(ServerError, match=r"DEADLINE_EXCEEDED") as info:
+            table.pull([0], min_step=1)
+        assert cluster.addresses[0] in str(info.value) and table_name in str(info.value)
+
+
+def test_async_mode_applies_each_push_on_arrival(client, table_name):
+    table = client.create_table(_spec(table_name, num_workers=2, sync_mode="async",
+                                      optimizer=SGD(learning_rate=1.0)))
+    start = table.pull([5])
+    assert table.push([5, 5], [[1] * 4, [1] * 4], step=0, worker=1) is True
+    np.testing.assert_allclose(table.pull([5]), start - 2)
+    table.push([5], [[1] * 4], step=0, worker=0)
+    np.testing.assert_allclose(table.pull([5]), start - 3)
+
+
+def test_explicit_initial_values_streamed_in_chunks(cluster, table_name):
+    with PSClient(cluster.addresses, ClientOptions(max_message_mb=1)) as small_messages:
+        spec = _spec(table_name, vocabulary_size=200_000, dim=8)
+        table = small_messages.create_table(spec)
+        assert table.chunk_rows < 50_000  # forces several chunks per shard
+        values = np.random.default_rng(0).normal(size=(200_000, 8)).astype(np.float32)
+        assert table.assign(np.arange(200_000), values) == 200_000
+        np.testing.assert_array_equal(table.pull_all(), values)
+
+
+def test_hashed_keys_create_rows_on_first_use(client, table_name, snapshot):
+    spec = TableSpec(name=table_name, hashed_keys=True, dim=3, shard_count=2,
+                     initializer=Initializer(kind="normal", seed=2), optimizer=SGD(1.0))
+    table = client.create_table(spec)
+    keys = np.array([-5, 2**40, 17, 2**40])
+    rows = table.pull(keys)
+    np.testing.assert_array_equal(rows, initial_rows(spec.initializer, keys, 3, "float32"))
+    table.push([17], [[1, 1, 1]], step=0)
+    np.testing.assert_allclose(table.pull([17]), rows[[2]] - 1)
+    snap = snapshot(table_name)
+    assert sorted(snap.arrays["ids"]) == sorted({-5, 2**40, 17})
+
+
+def test_hashed_keys_respect_max_rows(client, table_name):
+    spec = TableSpec(name=table_name, hashed_keys=True, dim=2, max_rows_per_shard=3)
+    table = client.create_table(spec)
+    table.pull([1, 2, 3])
+    with pytest.raises(ServerError, match="exceed max_rows_per_shard=3") as info:
+        table.pull([4])
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert table.pull([1, 2, 3]).shape == (3, 2)
+
+
+def test_stats_count_rows_bytes_requests(client, table_name):
+    table = client.create_table(_spec(table_name, shard_count=1))
+    table.pull(np.arange(100))
+    table.push(np.arange(10), np.ones((10, 4)), step=0)
+    stats = client.stats([table_name])[client.addresses[0]]
+    (entry,) = stats.tables
+    methods = {m.method: m for m in entry.methods}
+    assert entry.rows == 1000 and entry.bytes == 1000 * 4 * 4 and entry.step == 1
+    assert methods["Pull"].rows == 100 and methods["Pull"].bytes == 100 * 16
+    assert methods["Push"].requests == 1 and methods["Push"].rows == 10
+    assert methods["Pull"].total_seconds > 0 and stats.pid > 0
+
+
+def test_health_and_barrier(client):
+    assert all(s.healthy() for s in client.servers)
+    results = []
+    threads = [threading.Thread(target=lambda r=r: results.append(client.barrier("b1", r, 3)))
+               for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [0, 0, 0]
+    with pytest.raises(ServerError, match="rank 5 must be in"):
+        client.barrier("b2", 5, 2)
+
+
+def test_unreachable_server_error_names_address_after_bounded_retries():
+    with PSClient(["127.0.0.1:1"], ClientOptions(timeout=1, retries=2, backoff=0.05)) as c:
+        with pytest.raises(ServerError, match=r"on server 127\.0\.0\.1:1 failed after 3 "
+                                              r"attempts: UNAVAILABLE") as info:
+            c.create_table(_spec("unreachable"))
+        assert info.value.table == "unreachable"
+        with pytest.raises(ServerError, match=r"server 127\.0\.0\.1:1 is not serving after 1s"):
+            c.wait_ready(timeout=1)

@@ -1,0 +1,141 @@
+"""Fast unit tests: wire codec, specs, routing, deterministic initial values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parallax import wire
+from parallax.errors import ConfigError
+from parallax.initial_values import initial_rows
+from parallax.ps.v1 import ps_pb2
+from parallax.routing import Partitioner, dedup, sum_duplicates
+from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64"])
+def test_wire_round_trip_is_a_readonly_view(dtype):
+    arr = (np.arange(24).reshape(4, 6) * 3).astype(dtype)
+    tensor = wire.encode(arr)
+    back = wire.decode(ps_pb2.Tensor.FromString(tensor.SerializeToString()))
+    np.testing.assert_array_equal(back, arr)
+    assert back.dtype == arr.dtype and not back.flags.writeable
+
+
+def test_wire_rejects_malformed_tensors():
+    tensor = wire.encode(np.zeros((3, 4), np.float32))
+    del tensor.shape[:]
+    tensor.shape.extend([3, 5])
+    with pytest.raises(wire.WireError, match=r"needs 60 bytes, got 48"):
+        wire.decode(tensor, "grads")
+    with pytest.raises(wire.WireError, match="dtype is unset"):
+        wire.decode(ps_pb2.Tensor(shape=[1], content=b"1234"))
+    with pytest.raises(wire.WireError, match="cannot travel"):
+        wire.encode(np.zeros(2, dtype=np.complex64))
+
+
+def test_table_spec_round_trips_through_proto():
+    spec = TableSpec(name="emb", vocabulary_size=1000, dim=8, shard_count=3, partition="range",
+                     optimizer=Ftrl(l1_regularization_strength=0.1), num_workers=4,
+                     sync_mode="async", aggregation="mean",
+                     initializer=Initializer(kind="truncated_normal", stddev=0.1, seed=7))
+    assert TableSpec.from_proto(spec.to_proto()) == spec
+    for opt in (SGD(momentum=0.9, nesterov=True), Adagrad(), Adam(amsgrad=True)):
+        other = TableSpec(name="x", vocabulary_size=10, dim=2, optimizer=opt)
+        assert TableSpec.from_proto(other.to_proto()) == other
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="a/b"), "table name 'a/b' is invalid"),
+    (dict(dim=0), "dim must be a positive int"),
+    (dict(vocabulary_size=0), "vocabulary_size must be > 0"),
+    (dict(shard_count=20), "shard_count 20 exceeds vocabulary_size 10"),
+    (dict(dtype="int32"), "dtype must be 'float32' or 'float64'"),
+    (dict(partition="hash"), "partition 'hash' is not supported"),
+    (dict(optimizer=SGD(learning_rate=0.1), sync_mode="semi"), "sync_mode 'semi'"),
+    (dict(hashed_keys=True), "set vocabulary_size=0"),
+])
+def test_bad_specs_name_the_field(kwargs, message):
+    base = dict(name="t", vocabulary_size=10, dim=4)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TableSpec(**{**base, **kwargs})
+
+
+def test_bad_optimizer_hyper_parameters():
+    with pytest.raises(ConfigError, match="learning_rate must be a finite number > 0"):
+        SGD(learning_rate=0)
+    with pytest.raises(ConfigError, match="beta_1 must be in"):
+        Adam(beta_1=1.0)
+    with pytest.raises(ConfigError, match="learning_rate_power must be <= 0"):
+        Ftrl(learning_rate_power=0.5)
+
+
+def test_unspecified_enums_from_the_wire_are_rejected():
+    msg = TableSpec(name="t", vocabulary_size=10, dim=2).to_proto()
+    msg.sync_mode = ps_pb2.SYNC_MODE_UNSPECIFIED
+    with pytest.raises(ConfigError, match="sync_mode code 0 is unset"):
+        TableSpec.from_proto(msg)
+    msg = TableSpec(name="t", vocabulary_size=10, dim=2).to_proto()
+    msg.optimizer.Clear()
+    with pytest.raises(ConfigError, match="optimizer is unset"):
+        TableSpec.from_proto(msg)
+
+
+@pytest.mark.parametrize("partition", ["mod", "range"])
+@pytest.mark.parametrize("vocab, shards", [(10, 1), (10, 3), (17, 4), (100, 7)])
+def test_partitioner_covers_every_id_exactly_once(partition, vocab, shards):
+    part = Partitioner(shards, vocab, partition)
+    seen = np.concatenate([part.global_ids(s) for s in range(shards)])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(vocab))
+    for s in range(shards):
+        ids = part.global_ids(s)
+        assert len(ids) == part.shard_size(s)
+        np.testing.assert_array_equal(part.shard_of(ids), s)
+        np.testing.assert_array_equal(part.local_rows(ids, s), np.arange(len(ids)))
+
+
+def test_split_groups_positions_by_shard_in_order():
+    part = Partitioner(3, 100)
+    ids = np.array([5, 3, 9, 4, 0, 7])
+    split = part.split(ids)
+    assert [s for s, _ in split] == [0, 1, 2]
+    for shard, positions in split:
+        assert (part.shard_of(ids[positions]) == shard).all()
+    assert sorted(np.concatenate([p for _, p in split])) == list(range(len(ids)))
+
+
+def test_hashed_routing_spreads_keys():
+    part = Partitioner(4, 0)
+    counts = np.bincount(part.shard_of(np.arange(0, 40_000) * 1024), minlength=4)
+    assert counts.min() > 9000, counts
+
+
+def test_dedup_and_sum_duplicates():
+    ids = np.array([4, 1, 4, 2, 1, 4])
+    unique, inverse = dedup(ids)
+    np.testing.assert_array_equal(unique[inverse], ids)
+    grads = np.arange(12, dtype=np.float32).reshape(6, 2)
+    uids, sums = sum_duplicates(ids, grads)
+    np.testing.assert_array_equal(uids, [1, 2, 4])
+    np.testing.assert_array_equal(sums, [[2 + 8, 3 + 9], [6, 7], [0 + 4 + 10, 1 + 5 + 11]])
+
+
+def test_initial_values_depend_only_on_seed_id_and_column():
+    init = Initializer(kind="normal", stddev=1.0, seed=11)
+    full = initial_rows(init, np.arange(1000), 8, "float32")
+    subset = initial_rows(init, np.array([999, 3, 500]), 8, "float32")
+    np.testing.assert_array_equal(subset, full[[999, 3, 500]])
+    assert abs(full.mean()) < 0.05 and abs(full.std() - 1) < 0.05
+    other_seed = initial_rows(Initializer(kind="normal", stddev=1.0, seed=12), np.arange(5), 8,
+                              "float32")
+    assert not np.array_equal(other_seed, full[:5])
+
+
+@pytest.mark.parametrize("kind, check", [
+    ("zeros", lambda x: (x == 0).all()),
+    ("constant", lambda x: (x == 0.5).all()),
+    ("uniform", lambda x: x.min() >= -0.2 and x.max() < 0.2 and x.std() > 0.1),
+    ("truncated_normal", lambda x: np.abs(x).max() <= 0.2 and 0.08 < x.std() < 0.1),
+])
+def test_initializer_kinds(kind, check):
+    init = Initializer(kind=kind, value=0.5, minval=-0.2, maxval=0.2, stddev=0.1, seed=3)
+    assert check(initial_rows(init, np.arange(2000), 16, "float64"))
