@@ -20,12 +20,15 @@ from parallax.errors import ParallaxError
 READY_PREFIX = "PARALLAX_SERVER_READY"
 
 
+SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
+
+
 class ServerProcess:
-    def __init__(self, index: int, args: list[str], echo: IO[str] | None) -> None:
+    def __init__(self, index: int, command: list[str], echo: IO[str] | None) -> None:
         self.index = index
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "parallax_ps", *args], stdout=subprocess.PIPE,
+            command, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.address: str | None = None
@@ -59,11 +62,16 @@ class ServerProcess:
 
 
 class LocalCluster:
-    """`with LocalCluster(2) as cluster: PSClient(cluster.addresses)`."""
+    """`with LocalCluster(2) as cluster: PSClient(cluster.addresses)`.
+
+    `command` starts one server (the `--host/--port/--data-dir` flags are appended); the
+    default runs the server module with this interpreter.
+    """
 
     def __init__(self, num_servers: int = 2, *, data_dir: str | Path | None = None,
                  host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                 echo: IO[str] | None = None, start_timeout: float = 60.0) -> None:
+                 echo: IO[str] | None = None, start_timeout: float = 60.0,
+                 command: tuple[str, ...] = SERVER_COMMAND) -> None:
         if num_servers < 1:
             raise ParallaxError(f"LocalCluster needs at least 1 server, got {num_servers}")
         self.num_servers = num_servers
@@ -72,6 +80,7 @@ class LocalCluster:
         self.extra_args = list(extra_args or [])
         self.echo = echo
         self.start_timeout = start_timeout
+        self.command = list(command)
         self.servers: list[ServerProcess] = []
         self.exit_codes: list[int | None] = []
 
@@ -84,7 +93,8 @@ class LocalCluster:
         if self.data_dir is not None:
             args += ["--data-dir", str(self.data_dir)]
         try:
-            self.servers = [ServerProcess(i, args, self.echo) for i in range(self.num_servers)]
+            self.servers = [ServerProcess(i, self.command + args, self.echo)
+                            for i in range(self.num_servers)]
             for server in self.servers:
                 server.wait_ready(self.start_timeout)
         except BaseException:

@@ -58,7 +58,10 @@ class RunningServer:
         ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        try:
+            port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:  # grpc reports a failed bind by raising or by returning 0
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port} (address in use or "
                           f"not local); pick another --port or --host")

@@ -1,0 +1,53 @@
+"""Checkpoints are keyed by global row id: save with S shards, restore with S' shards."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parallax.specs import Adam, Ftrl, Initializer, TableSpec
+
+
+def _train(table, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        ids = rng.integers(0, 1000, size=300) if not table.spec.hashed_keys else \
+            rng.integers(-10**12, 10**12, size=50)
+        table.push(ids, rng.normal(size=(len(ids), table.spec.dim)), step=step)
+
+
+@pytest.mark.parametrize("saved_shards, restored_shards, partition", [
+    (2, 3, "mod"), (3, 2, "range"), (1, 4, "mod")])
+def test_restore_into_a_different_shard_count(client, snapshot, table_name, saved_shards,
+                                              restored_shards, partition):
+    base = dict(vocabulary_size=1000, dim=6, partition=partition, optimizer=Adam(0.1),
+                initializer=Initializer("normal", seed=4))
+    table = client.create_table(TableSpec(name=table_name, shard_count=saved_shards, **base))
+    _train(table)
+    saved = snapshot(table_name)
+    client.save(f"reshard-{table_name}", [table_name])
+    client.delete_table(table)
+    restored = client.create_table(TableSpec(name=table_name, shard_count=restored_shards,
+                                             **base))
+    assert not np.array_equal(restored.pull_all(), saved.arrays["values"])  # fresh init
+    shards = client.restore(f"reshard-{table_name}", [table_name])
+    assert len(shards) == restored_shards and {s.step for s in shards} == {3}
+    np.testing.assert_array_equal(restored.pull_all(), saved.arrays["values"])
+    after = snapshot(table_name)
+    for key in ("ids", "values", "slot_momentum", "slot_velocity"):
+        np.testing.assert_array_equal(after.arrays[key], saved.arrays[key], err_msg=key)
+    restored.push([1], np.ones((1, 6)), step=3)  # training resumes at the saved step
+
+
+def test_hashed_keys_table_reshards_too(client, snapshot, table_name):
+    spec = dict(name=table_name, hashed_keys=True, dim=3, optimizer=Ftrl(0.1),
+                initializer=Initializer("uniform", seed=8))
+    table = client.create_table(TableSpec(shard_count=2, **spec))
+    _train(table)
+    saved = snapshot(table_name)
+    client.save(f"hashed-{table_name}", [table_name])
+    client.delete_table(table)
+    client.create_table(TableSpec(shard_count=3, **spec))
+    client.restore(f"hashed-{table_name}", [table_name])
+    after = snapshot(table_name)
+    for key, value in saved.arrays.items():
+        np.testing.assert_array_equal(after.arrays[key], value, err_msg=key)

@@ -1,0 +1,78 @@
+"""The server as a process: CLI arguments, graceful SIGTERM, message-size limits."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.errors import ServerError
+from parallax.local_cluster import LocalCluster
+from parallax.specs import TableSpec
+
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+    (["--max-message-mb", "0"], "--max-message-mb 0 must be >= 1"),
+    (["--host", "203.0.113.9", "--port", "0"], "cannot listen on 203.0.113.9:0"),
+])
+def test_bad_server_arguments_fail_clearly(args, message):
+    result = subprocess.run([PARALLAX, "server", *args], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_port_in_use_is_reported():
+    with LocalCluster(1) as cluster:
+        port = cluster.addresses[0].rsplit(":", 1)[1]
+        result = subprocess.run([PARALLAX, "server", "--port", port], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_sigterm_ends_waiting_requests_and_exits_zero():
+    cluster = LocalCluster(1, extra_args=["--grace-seconds", "2"]).start()
+    try:
+        with PSClient(cluster.addresses, ClientOptions(timeout=30, retries=0)) as client:
+            table = client.create_table(TableSpec(name="t", vocabulary_size=10, dim=2,
+                                                  num_workers=2))
+            table.push([1], [[1, 1]], step=0, worker=0)
+            errors = []
+
+            def waiting_pull():
+                try:
+                    table.pull([1], min_step=1)  # can never complete: worker 1 never pushes
+                except ServerError as exc:
+                    errors.append(exc)
+            reader = threading.Thread(target=waiting_pull)
+            reader.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            cluster.servers[0].proc.send_signal(signal.SIGTERM)
+            assert cluster.servers[0].proc.wait(15) == 0
+            reader.join(15)
+            assert time.monotonic() - t0 < 10
+            assert errors and "UNAVAILABLE" in str(errors[0])
+    finally:
+        cluster.stop()
+    assert cluster.exit_codes == [0]
+
+
+def test_large_pulls_and_pushes_are_chunked_below_the_limit():
+    with LocalCluster(1, extra_args=["--max-message-mb", "1"]) as cluster, \
+            PSClient(cluster.addresses, ClientOptions(max_message_mb=1)) as client:
+        table = client.create_table(TableSpec(name="big", vocabulary_size=100_000, dim=16))
+        ids = np.arange(100_000)  # 6.4 MB of rows: several chunks each way
+        grads = np.ones((100_000, 16), np.float32)
+        start = table.pull(ids)
+        assert table.push(ids, grads, step=0) is True
+        np.testing.assert_allclose(table.pull(ids, min_step=1), start - 0.01, rtol=1e-6)
