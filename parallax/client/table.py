@@ -93,13 +93,14 @@ class ShardedTable:
                 wire.encode(unique[chunk], request.ids)
                 wire.encode(summed[chunk], request.grads)
                 conn = self.shards[shard]
-                calls.append((conn, conn.future("Push", request), request))
-        applied = True
-        for conn, future, request in calls:
+                calls.append((shard, conn, conn.future("Push", request), request))
+        closed = set()  # shards on which one of this push's chunks completed the step
+        for shard, conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,
                                 done_on_retry=grpc.StatusCode.ALREADY_EXISTS)
-            applied = applied and (reply is None or reply.applied)
-        return applied
+            if reply is not None and reply.applied:
+                closed.add(shard)
+        return len(closed) == self.spec.shard_count
 
     def wait_step(self, min_step: int) -> int:
         """Block until every shard has applied `min_step` steps; returns the lowest step."""
