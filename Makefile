@@ -1,0 +1,18 @@
+# The two commands of the README's quick start. Each installs whatever is missing first
+# (scripts/setup_env.sh is idempotent), then runs.
+VENV ?= .venv
+export PARALLAX_VENV := $(abspath $(VENV))
+
+.PHONY: demo test env bench
+
+demo: env          ## install everything, then run the main job
+	$(VENV)/bin/parallax demo
+
+test: env          ## install everything, then run the whole test suite
+	$(VENV)/bin/python -m pytest
+
+env:
+	bash scripts/setup_env.sh
+
+bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
+	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
