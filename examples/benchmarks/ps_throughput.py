@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -44,6 +45,7 @@ from typing import Callable, Sequence
 
 import grpc
 import numpy as np
+import parallax
 from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
@@ -233,6 +235,22 @@ def row(r: Result) -> str:
     return line + (f"  ERROR: {r.error}" if r.error else "")
 
 
+def code_version() -> dict[str, object]:
+    """Commit and uncommitted changes of the parallax checkout being measured."""
+    root = Path(parallax.__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.rstrip("\n")
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()
+               if line[3:].endswith(".py") and not line[3:].startswith("examples/")]
+    return {"path": str(root), "commit": git("rev-parse", "--short", "HEAD") or None,
+            "uncommitted_py": changed}
+
+
 def machine_info() -> dict[str, object]:
     return {
         "cpu_count": os.cpu_count(),
@@ -257,7 +275,8 @@ def peaks(results: Sequence[Result]) -> dict[str, dict[str, object]]:
 
 def write_json(path: Path, settings: Settings, results: Sequence[Result], seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": "ps_throughput", "machine": machine_info(), "settings": asdict(settings),
+    doc = {"benchmark": "ps_throughput", "machine": machine_info(), "code": code_version(),
+           "settings": asdict(settings),
            "total_seconds": seconds, "peaks": peaks(results),
            "results": [asdict(r) for r in results]}
     path.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
@@ -316,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     info = machine_info()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    print("code: " + ", ".join(f"{k}={v}" for k, v in code_version().items()))
     print(header(), flush=True)
     results: list[Result] = []
 

@@ -14,7 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.errors import ServerError
-from parallax.ps.v1 import ps_pb2_grpc
+from parallax import bulk_codec
+from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "check that the server is running and reachable "
@@ -51,6 +52,19 @@ def describe(method: str, address: str, table: str | None, err: grpc.RpcError,
                        code=code)
 
 
+def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
+    """The generated stub, with Pull answers and Push requests through the bulk codec."""
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    prefix = "/parallax.ps.v1.ParameterServer/"
+    stub.Pull = channel.unary_unary(prefix + "Pull",
+                                    request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                    response_deserializer=bulk_codec.decode_pull_response)
+    stub.Push = channel.unary_unary(prefix + "Push",
+                                    request_serializer=bulk_codec.serialize_push,
+                                    response_deserializer=ps_pb2.PushResponse.FromString)
+    return stub
+
+
 class ServerConnection:
     def __init__(self, address: str, options: ClientOptions = ClientOptions()) -> None:
         self.address = address
@@ -62,7 +76,7 @@ class ServerConnection:
         self._channels = [
             grpc.insecure_channel(address, options=channel_options + [("grpc.channel_id", i)])
             for i in range(max(1, options.channels_per_server))]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._stubs = [_stub(c) for c in self._channels]
         self._next = itertools.cycle(range(len(self._stubs)))
 
     def stub(self) -> ps_pb2_grpc.ParameterServerStub:

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import grpc
 import numpy as np
 
-from parallax import wire
+from parallax import bulk_codec, wire
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
@@ -73,8 +73,8 @@ class ShardedTable:
                 conn = self.shards[shard]
                 calls.append((conn, conn.future("Pull", request), request, chunk))
         for conn, future, request, chunk in calls:
-            reply = conn.result(future, "Pull", request, self.name)
-            out[chunk] = wire.decode(reply.values, "values")
+            values, _ = conn.result(future, "Pull", request, self.name)
+            out[chunk] = values
         return out
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
@@ -87,11 +87,9 @@ class ShardedTable:
         for shard, positions in self.partitioner.split(unique):
             chunks = self._chunks(positions)
             for index, chunk in enumerate(chunks):
-                request = ps_pb2.PushRequest(table=self.name, shard_index=shard, step=step,
-                                             worker=worker, learning_rate=learning_rate,
-                                             chunk_index=index, chunk_count=len(chunks))
-                wire.encode(unique[chunk], request.ids)
-                wire.encode(summed[chunk], request.grads)
+                request = bulk_codec.encode_push_request(
+                    self.name, shard, step, worker, unique[chunk], summed[chunk],
+                    learning_rate, index, len(chunks))
                 conn = self.shards[shard]
                 calls.append((shard, conn, conn.future("Push", request), request))
         closed = set()  # shards on which one of this push's chunks completed the step

@@ -19,10 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from parallax.ps.v1 import ps_pb2_grpc
-from parallax_ps.service import ParameterServerService
+from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
-SERVICE_NAME = "parallax.ps.v1.ParameterServer"
 READY_PREFIX = "PARALLAX_SERVER_READY"
 log = logging.getLogger("parallax_ps")
 
@@ -55,7 +53,7 @@ class RunningServer:
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)])
         self.service = ParameterServerService(config.data_dir, limit)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from parallax import wire
+from parallax import bulk_codec, wire
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.specs import TableSpec
@@ -27,6 +27,7 @@ from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
 
 log = logging.getLogger("parallax_ps")
+SERVICE_NAME = "parallax.ps.v1.ParameterServer"
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -152,19 +153,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- rows ------------------------------------------------------------------------------
     @_rpc("Pull")
     def Pull(self, request, context):
+        """Answers with pre-encoded bytes (bulk_codec): rows are copied once, not three times."""
         shard = self.shard(request.table, request.shard_index)
         values, step = shard.pull(wire.decode(request.ids, "ids"), request.min_step,
                                   _deadline(context))
-        response = ps_pb2.PullResponse(step=step)
-        wire.encode(values, response.values)
-        return response, request.table, len(values), values.nbytes
+        return (bulk_codec.encode_pull_response(values, step), request.table, len(values),
+                values.nbytes)
 
     @_rpc("Push")
-    def Push(self, request, context):
+    def Push(self, request: bulk_codec.BulkPush, context):
+        """`request` was decoded by bulk_codec: ids and grads are views of the received bytes."""
+        if request.error:
+            raise invalid(request.error)
         shard = self.shard(request.table, request.shard_index)
-        grads = wire.decode(request.grads, "grads")
-        step, applied = shard.push(request.step, request.worker, wire.decode(request.ids, "ids"),
-                                   grads, request.learning_rate, request.chunk_index,
+        grads = request.grads
+        step, applied = shard.push(request.step, request.worker, request.ids, grads,
+                                   request.learning_rate, request.chunk_index,
                                    max(1, request.chunk_count))
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
@@ -221,3 +225,24 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 pushed_workers=shard.steps.pushed_workers(),
                 methods=self.stats.methods(spec.name))
         return response, "", 0, 0
+
+
+def add_to_server(service: ParameterServerService, server: grpc.Server) -> None:
+    """Register the service like the generated helper does, except that Pull answers and
+    Push requests use the bulk codec (same wire format, fewer copies)."""
+    handlers = {}
+    for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
+        request_type = getattr(ps_pb2, method.input_type.name)
+        response_type = getattr(ps_pb2, method.output_type.name)
+        deserialize, serialize = request_type.FromString, response_type.SerializeToString
+        if method.name == "Pull":
+            serialize = bytes
+        if method.name == "Push":
+            deserialize = bulk_codec.decode_push_request
+        factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = factory(getattr(service, method.name),
+                                        request_deserializer=deserialize,
+                                        response_serializer=serialize)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
