@@ -73,14 +73,36 @@ class Partitioner:
             return np.arange(start, start + self.shard_size(shard), dtype=np.int64)
         return np.arange(shard, self.vocabulary_size, self.shard_count, dtype=np.int64)
 
-    def split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """[(shard, positions into ids)] for every shard, in shard order (empty ones too)."""
-        shards = self.shard_of(ids)
+    def shard_order(self, ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(order, offsets): ids[order][offsets[s]:offsets[s + 1]] are shard s's ids, in their
+        original relative order. `order` is None when it is the identity (one shard)."""
         if self.shard_count == 1:
-            return [(0, np.arange(len(shards)))]
+            return None, np.array([0, len(ids)])
+        shards = self.shard_of(ids)
         order = np.argsort(shards, kind="stable")
-        bounds = np.searchsorted(shards[order], np.arange(self.shard_count + 1))
-        return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.shard_count)]
+        return order, np.searchsorted(shards[order], np.arange(self.shard_count + 1))
+
+    def sum_by_shard(self, ids: np.ndarray, values: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, summed values, offsets): duplicates summed, laid out shard after shard with
+        ids sorted within each shard, so every shard's part is a contiguous slice. One gather
+        of `values` (none when ids are already sorted, unique and in one shard)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if self.shard_count == 1 or len(ids) == 0:
+            unique, summed = sum_duplicates(ids, values)
+            if len(ids) == 0:
+                return unique, summed, np.zeros(self.shard_count + 1, dtype=np.int64)
+            return unique, summed, np.array([0, len(unique)])
+        shards = self.shard_of(ids)
+        order = np.lexsort((ids, shards))
+        sorted_ids = ids[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        gathered = values[order]
+        if len(starts) < len(ids):
+            gathered = np.add.reduceat(gathered, starts, axis=0)
+        unique_shards = shards[order][starts]
+        offsets = np.searchsorted(unique_shards, np.arange(self.shard_count + 1))
+        return sorted_ids[starts], gathered, offsets
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,10 +112,14 @@ def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows."""
+    """(sorted unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows.
+
+    Sorted unique input is returned as is (no copy)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if len(ids) == 0:
         return ids, values.reshape(0, *values.shape[1:])
+    if len(ids) == 1 or bool(np.all(ids[1:] > ids[:-1])):
+        return ids, values  # already unique and sorted (what the client sends): no copy
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])

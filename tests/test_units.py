@@ -93,14 +93,32 @@ def test_partitioner_covers_every_id_exactly_once(partition, vocab, shards):
         np.testing.assert_array_equal(part.local_rows(ids, s), np.arange(len(ids)))
 
 
-def test_split_groups_positions_by_shard_in_order():
+def test_shard_order_groups_ids_by_shard_keeping_their_order():
     part = Partitioner(3, 100)
     ids = np.array([5, 3, 9, 4, 0, 7])
-    split = part.split(ids)
-    assert [s for s, _ in split] == [0, 1, 2]
-    for shard, positions in split:
-        assert (part.shard_of(ids[positions]) == shard).all()
-    assert sorted(np.concatenate([p for _, p in split])) == list(range(len(ids)))
+    order, offsets = part.shard_order(ids)
+    grouped = ids[order]
+    np.testing.assert_array_equal(grouped, [3, 9, 0, 4, 7, 5])
+    for shard in range(3):
+        assert (part.shard_of(grouped[offsets[shard]:offsets[shard + 1]]) == shard).all()
+    assert Partitioner(1, 100).shard_order(ids)[0] is None
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_sum_by_shard_sums_duplicates_into_contiguous_shard_slices(shards):
+    part = Partitioner(shards, 100)
+    ids = np.array([4, 1, 4, 2, 1, 4, 99])
+    grads = np.arange(14, dtype=np.float32).reshape(7, 2)
+    unique, summed, offsets = part.sum_by_shard(ids, grads)
+    expected = {i: grads[ids == i].sum(axis=0) for i in set(ids.tolist())}
+    assert sorted(unique.tolist()) == sorted(expected)
+    for i, row in zip(unique, summed):
+        np.testing.assert_array_equal(row, expected[i])
+    for shard in range(shards):
+        part_ids = unique[offsets[shard]:offsets[shard + 1]]
+        assert (part.shard_of(part_ids) == shard).all() and (np.diff(part_ids) > 0).all()
+    empty = part.sum_by_shard(np.array([], np.int64), np.zeros((0, 2), np.float32))
+    assert len(empty[0]) == 0 and list(empty[2]) == [0] * (shards + 1)
 
 
 def test_hashed_routing_spreads_keys():

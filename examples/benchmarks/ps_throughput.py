@@ -27,6 +27,9 @@ How to run
         --shards 1,4 --channels 1,2,4 --max-message-mb 16,64
 
     Prints an aligned table and writes JSON (default bench-results/ps_throughput.json).
+    The server inherits this process's environment, so glibc malloc settings (for example
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296) apply to both sides;
+    they are recorded in the JSON with the machine info.
 """
 from __future__ import annotations
 
@@ -261,6 +264,10 @@ def machine_info() -> dict[str, object]:
         "numpy": np.__version__,
         "grpcio": grpc.__version__,
         "protobuf": f"{protobuf_version} ({api_implementation.Type()})",
+        "loadavg_1m": round(os.getloadavg()[0], 2),  # other load on the box skews results
+        # glibc malloc settings change large-buffer reuse (page faults) in client and server
+        "malloc_env": {k: v for k, v in os.environ.items()
+                       if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
     }
 
 

@@ -1,9 +1,10 @@
 """A sharded table as one object: pull rows and push gradients by global id.
 
-Pull: dedup ids -> split by shard -> chunk to the message limit -> all RPCs in flight at once
--> decode (zero-copy views) -> reassemble in the caller's order. Push: sum duplicate ids ->
-split -> one push per shard, empty ones included, since in sync mode every worker's push is
-what closes a step on every shard.
+Pull: dedup ids -> order by shard -> chunk to the message limit -> every RPC in flight at
+once -> each answer (a zero-copy view) lands in a contiguous slice -> one gather into the
+caller's order. Push: sum duplicates and lay out shard after shard in one gather -> one push
+per shard and chunk, empty ones included: in sync mode every worker's push is what closes a
+step on every shard.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from parallax import bulk_codec, wire
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
-from parallax.routing import Partitioner, dedup, sum_duplicates
+from parallax.routing import Partitioner, dedup
 from parallax.specs import TableSpec
 
 
@@ -36,7 +37,7 @@ class ShardedTable:
     def name(self) -> str:
         return self.spec.name
 
-    def _check_ids(self, ids: np.ndarray) -> np.ndarray:
+    def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ConfigError(f"table {self.name!r}: ids must be integers, got {ids.dtype}")
@@ -48,33 +49,52 @@ class ShardedTable:
                                   f"vocabulary [0, {self.spec.vocabulary_size})")
         return ids
 
-    def _chunks(self, positions: np.ndarray) -> list[np.ndarray]:
-        return [positions[i:i + self.chunk_rows]
-                for i in range(0, max(len(positions), 1), self.chunk_rows)]
+    def _slices(self, offsets: np.ndarray) -> Iterator[tuple[int, int, int, int, int]]:
+        """(shard, lo, hi, chunk index, chunk count) covering each shard's slice; a shard with
+        nothing still gets one empty chunk."""
+        for shard in range(self.spec.shard_count):
+            start, stop = int(offsets[shard]), int(offsets[shard + 1])
+            bounds = list(range(start, stop, self.chunk_rows)) or [start]
+            for index, lo in enumerate(bounds):
+                yield shard, lo, min(lo + self.chunk_rows, stop), index, len(bounds)
 
-    def pull(self, ids, min_step: int = 0) -> np.ndarray:
-        """Rows for `ids` (any shape, duplicates allowed), shape ids.shape + (dim,)."""
-        shape = np.shape(ids)
-        unique, inverse = dedup(self._check_ids(ids))
-        rows = self.pull_unique(unique, min_step)
-        return rows[inverse].reshape(*shape, self.spec.dim)
-
-    def pull_unique(self, unique: np.ndarray, min_step: int = 0) -> np.ndarray:
-        """Rows for ids that are already unique, in their order."""
-        out = np.empty((len(unique), self.spec.dim), dtype=self.dtype)
+    def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int) -> np.ndarray:
+        rows = np.empty((len(ids), self.spec.dim), dtype=self.dtype)
         calls = []
-        for shard, positions in self.partitioner.split(unique):
-            for chunk in self._chunks(positions):
-                if len(chunk) == 0:
-                    continue
+        for shard, lo, hi, _, _ in self._slices(offsets):
+            if hi > lo:
                 request = ps_pb2.PullRequest(table=self.name, shard_index=shard,
                                              min_step=min_step)
-                wire.encode(unique[chunk], request.ids)
+                wire.encode(ids[lo:hi], request.ids)
                 conn = self.shards[shard]
-                calls.append((conn, conn.future("Pull", request), request, chunk))
-        for conn, future, request, chunk in calls:
+                calls.append((conn, conn.future("Pull", request), request, lo, hi))
+        for conn, future, request, lo, hi in calls:
             values, _ = conn.result(future, "Pull", request, self.name)
-            out[chunk] = values
+            rows[lo:hi] = values
+        return rows
+
+    def pull(self, ids, min_step: int = 0) -> np.ndarray:
+        """Rows for `ids` (any shape, duplicates allowed), shape ids.shape + (dim,).
+
+        `min_step=k` waits until every shard has applied steps [0, k)."""
+        shape = np.shape(ids)
+        unique, inverse = dedup(self._check_ids(ids))
+        order, offsets = self.partitioner.shard_order(unique)
+        if order is None:
+            return self._pull_grouped(unique, offsets, min_step)[inverse].reshape(*shape, -1)
+        rows = self._pull_grouped(unique[order], offsets, min_step)
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        return rows[position[inverse]].reshape(*shape, self.spec.dim)
+
+    def pull_unique(self, unique, min_step: int = 0) -> np.ndarray:
+        """Rows for ids that are already unique, in their order (skips the dedup)."""
+        unique = self._check_ids(unique)
+        order, offsets = self.partitioner.shard_order(unique)
+        if order is None:
+            return self._pull_grouped(unique, offsets, min_step)
+        out = np.empty((len(unique), self.spec.dim), dtype=self.dtype)
+        out[order] = self._pull_grouped(unique[order], offsets, min_step)
         return out
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
@@ -82,16 +102,14 @@ class ShardedTable:
         True if this push closed the step on every shard."""
         ids = self._check_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        unique, summed = sum_duplicates(ids, grads)
+        unique, summed, offsets = self.partitioner.sum_by_shard(ids, grads)
         calls = []
-        for shard, positions in self.partitioner.split(unique):
-            chunks = self._chunks(positions)
-            for index, chunk in enumerate(chunks):
-                request = bulk_codec.encode_push_request(
-                    self.name, shard, step, worker, unique[chunk], summed[chunk],
-                    learning_rate, index, len(chunks))
-                conn = self.shards[shard]
-                calls.append((shard, conn, conn.future("Push", request), request))
+        for shard, lo, hi, index, count in self._slices(offsets):
+            request = bulk_codec.encode_push_request(
+                self.name, shard, step, worker, unique[lo:hi], summed[lo:hi], learning_rate,
+                index, count)
+            conn = self.shards[shard]
+            calls.append((shard, conn, conn.future("Push", request), request))
         closed = set()  # shards on which one of this push's chunks completed the step
         for shard, conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,
@@ -112,16 +130,21 @@ class ShardedTable:
         """Set rows to explicit values, streamed to each shard in message-sized chunks."""
         ids = self._check_ids(ids)
         values = np.asarray(values, dtype=self.dtype).reshape(len(ids), self.spec.dim)
+        order, offsets = self.partitioner.shard_order(ids)
+        if order is not None:
+            ids, values = ids[order], values[order]
         total = 0
-        for shard, positions in self.partitioner.split(ids):
-            if len(positions) == 0:
+        for shard in range(self.spec.shard_count):
+            lo, hi = int(offsets[shard]), int(offsets[shard + 1])
+            if hi == lo:
                 continue
 
-            def chunks(shard=shard, positions=positions) -> Iterator[ps_pb2.InitRowsChunk]:
-                for chunk in self._chunks(positions):
+            def chunks(shard=shard, lo=lo, hi=hi) -> Iterator[ps_pb2.InitRowsChunk]:
+                for start in range(lo, hi, self.chunk_rows):
+                    stop = min(start + self.chunk_rows, hi)
                     msg = ps_pb2.InitRowsChunk(table=self.name, shard_index=shard)
-                    wire.encode(ids[chunk], msg.ids)
-                    wire.encode(values[chunk], msg.values)
+                    wire.encode(ids[start:stop], msg.ids)
+                    wire.encode(values[start:stop], msg.values)
                     yield msg
 
             total += self.shards[shard].call("InitRows", chunks, self.name).rows

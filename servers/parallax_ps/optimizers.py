@@ -47,8 +47,8 @@ class ServerOptimizer:
               step: int, learning_rate: float) -> None:
         """Update `values[rows]` (and slots) in place; `rows` must be unique."""
         dtype = values.dtype.type
-        w = values[rows]
-        s = {name: slot[rows] for name, slot in slots.items()}
+        w = np.take(values, rows, axis=0)
+        s = {name: np.take(slot, rows, axis=0) for name, slot in slots.items()}
         g = grads.astype(dtype, copy=False)
         self._update(self.spec, w, s, g, dtype(learning_rate), step, dtype)
         values[rows] = w

@@ -21,6 +21,11 @@ from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
 
 
+def _sum_is_finite(values: np.ndarray) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.sum(values)))
+
+
 class ShuttingDown(RequestError):
     def __init__(self) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on "
@@ -77,7 +82,10 @@ class TableShard:
         if values.dtype != dtype:
             raise invalid(f"{self.label}: {field} dtype {values.dtype.name} does not match the "
                           f"table dtype {dtype.name}")
-        if not self.spec.allow_non_finite and n and not np.isfinite(values).all():
+        # One summing pass first (a NaN/Inf anywhere makes the sum non-finite); the exact
+        # element-wise check runs only when that sum is not finite (or overflowed).
+        if not self.spec.allow_non_finite and n and not _sum_is_finite(values) and \
+                not np.isfinite(values).all():
             bad = np.argwhere(~np.isfinite(values))[0]
             raise invalid(f"{self.label}: {field} row {bad[0]} column {bad[1]} is "
                           f"{values[bad[0], bad[1]]}; NaN/Inf are rejected (create the table "
@@ -116,7 +124,7 @@ class TableShard:
             if self.spec.hashed_keys:
                 self._check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
-            return self.storage.values[rows], step
+            return np.take(self.storage.values, rows, axis=0), step  # take: 2x fancy indexing
 
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
              learning_rate: float, chunk: int = 0, chunks: int = 1) -> tuple[int, bool]:

@@ -81,8 +81,11 @@ class StepState:
         for w in workers:
             self.learning_rates.pop(w)
         self.finished.difference_update(workers)
-        unique, summed = sum_duplicates(np.concatenate([c[0] for c in chunks]),
-                                        np.concatenate([c[1] for c in chunks]))
+        if len(chunks) == 1:
+            unique, summed = sum_duplicates(*chunks[0])
+        else:
+            unique, summed = sum_duplicates(np.concatenate([c[0] for c in chunks]),
+                                            np.concatenate([c[1] for c in chunks]))
         if self.sync and self.mean:
             summed = summed / summed.dtype.type(self.num_workers)
         return unique, summed, lr
