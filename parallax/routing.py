@@ -82,27 +82,47 @@ class Partitioner:
         order = np.argsort(shards, kind="stable")
         return order, np.searchsorted(shards[order], np.arange(self.shard_count + 1))
 
-    def sum_by_shard(self, ids: np.ndarray, values: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, summed values, offsets): duplicates summed, laid out shard after shard with
-        ids sorted within each shard, so every shard's part is a contiguous slice. One gather
-        of `values` (none when ids are already sorted, unique and in one shard)."""
+    def plan_push(self, ids: np.ndarray) -> "PushPlan":
+        """Where each row of a push goes: unique ids laid out shard after shard (sorted within
+        each shard), and which input rows sum into each. Only ids are touched here."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if self.shard_count == 1 or len(ids) == 0:
-            unique, summed = sum_duplicates(ids, values)
-            if len(ids) == 0:
-                return unique, summed, np.zeros(self.shard_count + 1, dtype=np.int64)
-            return unique, summed, np.array([0, len(unique)])
-        shards = self.shard_of(ids)
+        n, s = len(ids), self.shard_count
+        if n == 0 or (s == 1 and (n == 1 or bool(np.all(ids[1:] > ids[:-1])))):
+            offsets = np.array([0] * s + [n]) if n else np.zeros(s + 1, dtype=np.int64)
+            return PushPlan(ids, offsets, None, None)
+        shards = self.shard_of(ids) if s > 1 else np.zeros(n, dtype=np.int64)
         order = np.lexsort((ids, shards))
         sorted_ids = ids[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        gathered = values[order]
-        if len(starts) < len(ids):
-            gathered = np.add.reduceat(gathered, starts, axis=0)
         unique_shards = shards[order][starts]
-        offsets = np.searchsorted(unique_shards, np.arange(self.shard_count + 1))
-        return sorted_ids[starts], gathered, offsets
+        offsets = np.searchsorted(unique_shards, np.arange(s + 1))
+        return PushPlan(sorted_ids[starts], offsets, order,
+                        None if len(starts) == n else starts)
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """A push grouped by shard; `fill` writes the summed rows of a slice straight into the
+    message being built, so gradient bytes are copied once on the client."""
+
+    ids: np.ndarray                # unique ids, shard after shard
+    offsets: np.ndarray            # shard s owns ids[offsets[s]:offsets[s + 1]]
+    order: np.ndarray | None       # input rows in wire order (None: the identity)
+    starts: np.ndarray | None      # where each unique id's run starts in `order` (None: no dups)
+
+    def fill(self, values: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
+        """out[:] = the summed rows of ids[lo:hi]."""
+        if hi <= lo:
+            return
+        if self.order is None:
+            out[...] = values[lo:hi]
+        elif self.starts is None:
+            np.take(values, self.order[lo:hi], axis=0, out=out, mode="clip")
+        else:
+            first = self.starts[lo]
+            last = self.starts[hi] if hi < len(self.starts) else len(self.order)
+            np.add.reduceat(values[self.order[first:last]], self.starts[lo:hi] - first, axis=0,
+                            out=out)
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

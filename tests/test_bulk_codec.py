@@ -20,10 +20,27 @@ def test_pull_response_matches_protobuf_both_ways(shape, dtype, step):
     np.testing.assert_array_equal(wire.decode(parsed.values), values)
     theirs = ps_pb2.PullResponse(step=step)
     wire.encode(values, theirs.values)
-    assert ours == theirs.SerializeToString()
     decoded, decoded_step = bulk_codec.decode_pull_response(theirs.SerializeToString())
     np.testing.assert_array_equal(decoded, values)
     assert decoded_step == step and decoded.dtype == values.dtype
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 1), (3, 5), (1000, 64)])
+def test_writers_fill_bytes_in_place_with_aligned_rows(rows, dim):
+    writer = bulk_codec.PullResponseWriter(rows, dim, np.float32, step=3)
+    assert writer.values.ctypes.data % 16 == 0 and writer.values.flags.writeable
+    writer.values[...] = np.arange(rows * dim, dtype=np.float32).reshape(rows, dim)
+    data = writer.data()
+    assert type(data) is bytes
+    parsed = ps_pb2.PullResponse.FromString(data)  # the padding is an unknown field
+    np.testing.assert_array_equal(wire.decode(parsed.values), writer.values)
+    push = bulk_codec.PushRequestWriter("t", 1, 2, 0, rows, dim, np.float64, chunk_count=2)
+    assert push.ids.ctypes.data % 16 == 0 and push.grads.ctypes.data % 16 == 0
+    push.ids[...] = np.arange(rows)
+    push.grads[...] = 1.5
+    message = ps_pb2.PushRequest.FromString(push.data())
+    np.testing.assert_array_equal(wire.decode(message.ids), np.arange(rows))
+    assert (wire.decode(message.grads) == 1.5).all() and message.chunk_count == 2
 
 
 def test_push_request_matches_protobuf_both_ways():

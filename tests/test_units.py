@@ -105,20 +105,25 @@ def test_shard_order_groups_ids_by_shard_keeping_their_order():
 
 
 @pytest.mark.parametrize("shards", [1, 3])
-def test_sum_by_shard_sums_duplicates_into_contiguous_shard_slices(shards):
+@pytest.mark.parametrize("ids", [[4, 1, 4, 2, 1, 4, 99], [1, 2, 5, 9], [9, 2, 5], []])
+def test_push_plan_sums_duplicates_into_contiguous_shard_slices(shards, ids):
     part = Partitioner(shards, 100)
-    ids = np.array([4, 1, 4, 2, 1, 4, 99])
-    grads = np.arange(14, dtype=np.float32).reshape(7, 2)
-    unique, summed, offsets = part.sum_by_shard(ids, grads)
+    ids = np.array(ids, dtype=np.int64)
+    grads = np.arange(2 * len(ids), dtype=np.float32).reshape(len(ids), 2)
+    plan = part.plan_push(ids)
     expected = {i: grads[ids == i].sum(axis=0) for i in set(ids.tolist())}
-    assert sorted(unique.tolist()) == sorted(expected)
-    for i, row in zip(unique, summed):
-        np.testing.assert_array_equal(row, expected[i])
+    assert sorted(plan.ids.tolist()) == sorted(expected)
     for shard in range(shards):
-        part_ids = unique[offsets[shard]:offsets[shard + 1]]
+        lo, hi = plan.offsets[shard], plan.offsets[shard + 1]
+        part_ids = plan.ids[lo:hi]
         assert (part.shard_of(part_ids) == shard).all() and (np.diff(part_ids) > 0).all()
-    empty = part.sum_by_shard(np.array([], np.int64), np.zeros((0, 2), np.float32))
-    assert len(empty[0]) == 0 and list(empty[2]) == [0] * (shards + 1)
+        for cut in range(lo, hi + 1):  # any split into chunks fills the same rows
+            out = np.full((hi - lo, 2), np.nan, np.float32)
+            plan.fill(grads, lo, cut, out[:cut - lo])
+            plan.fill(grads, cut, hi, out[cut - lo:])
+            for i, row in zip(part_ids, out):
+                np.testing.assert_array_equal(row, expected[i])
+    assert plan.offsets[-1] == len(plan.ids)
 
 
 def test_hashed_routing_spreads_keys():

@@ -2,9 +2,9 @@
 
 Pull: dedup ids -> order by shard -> chunk to the message limit -> every RPC in flight at
 once -> each answer (a zero-copy view) lands in a contiguous slice -> one gather into the
-caller's order. Push: sum duplicates and lay out shard after shard in one gather -> one push
-per shard and chunk, empty ones included: in sync mode every worker's push is what closes a
-step on every shard.
+caller's order. Push: plan the layout from the ids alone -> sum duplicates straight into each
+outgoing message (one copy of the gradients) -> one push per shard and chunk, empty ones
+included: in sync mode every worker's push is what closes a step on every shard.
 """
 from __future__ import annotations
 
@@ -102,12 +102,15 @@ class ShardedTable:
         True if this push closed the step on every shard."""
         ids = self._check_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        unique, summed, offsets = self.partitioner.sum_by_shard(ids, grads)
+        plan = self.partitioner.plan_push(ids)
         calls = []
-        for shard, lo, hi, index, count in self._slices(offsets):
-            request = bulk_codec.encode_push_request(
-                self.name, shard, step, worker, unique[lo:hi], summed[lo:hi], learning_rate,
-                index, count)
+        for shard, lo, hi, index, count in self._slices(plan.offsets):
+            writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
+                                                  self.spec.dim, self.dtype, learning_rate,
+                                                  index, count)
+            writer.ids[...] = plan.ids[lo:hi]
+            plan.fill(grads, lo, hi, writer.grads)
+            request = writer.data()
             conn = self.shards[shard]
             calls.append((shard, conn, conn.future("Push", request), request))
         closed = set()  # shards on which one of this push's chunks completed the step

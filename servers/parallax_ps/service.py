@@ -153,12 +153,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- rows ------------------------------------------------------------------------------
     @_rpc("Pull")
     def Pull(self, request, context):
-        """Answers with pre-encoded bytes (bulk_codec): rows are copied once, not three times."""
+        """Answers with bytes the rows were gathered straight into (bulk_codec): one copy."""
         shard = self.shard(request.table, request.shard_index)
-        values, step = shard.pull(wire.decode(request.ids, "ids"), request.min_step,
-                                  _deadline(context))
-        return (bulk_codec.encode_pull_response(values, step), request.table, len(values),
-                values.nbytes)
+        writer = None
+
+        def allocate(rows: int, step: int) -> np.ndarray:
+            nonlocal writer
+            writer = bulk_codec.PullResponseWriter(rows, shard.spec.dim, shard.spec.dtype, step)
+            return writer.values
+
+        values, _ = shard.pull(wire.decode(request.ids, "ids"), request.min_step,
+                               _deadline(context), allocate)
+        return writer.data(), request.table, len(values), values.nbytes
 
     @_rpc("Push")
     def Push(self, request: bulk_codec.BulkPush, context):

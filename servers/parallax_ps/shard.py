@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -117,14 +118,19 @@ class TableShard:
             self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
         return self.steps.step
 
-    def pull(self, ids: np.ndarray, min_step: int, deadline: float | None) -> tuple[np.ndarray, int]:
+    def pull(self, ids: np.ndarray, min_step: int, deadline: float | None,
+             allocate: Callable[[int, int], np.ndarray] | None = None) -> tuple[np.ndarray, int]:
+        """(rows, step). `allocate(n, step)` may provide the array to gather into (e.g. the
+        response message's own storage), so the rows are copied once."""
         ids = self.check_ids(ids)
         with self.cond:
             step = self.wait_for_step(min_step, deadline)
             if self.spec.hashed_keys:
                 self._check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
-            return np.take(self.storage.values, rows, axis=0), step  # take: 2x fancy indexing
+            out = allocate(len(rows), step) if allocate else None
+            # ids are validated, so mode="clip" never clips; it spares take a buffered copy
+            return np.take(self.storage.values, rows, axis=0, out=out, mode="clip"), step
 
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
              learning_rate: float, chunk: int = 0, chunks: int = 1) -> tuple[int, bool]:
