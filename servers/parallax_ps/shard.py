@@ -144,18 +144,18 @@ class TableShard:
             if self.closed:
                 raise ShuttingDown()
             self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks)
-            self.steps.check_learning_rate(self.spec.name, worker, lr)
+            self.steps.check_learning_rate(self.spec.name, lr)
             self._check_capacity(ids)
-            if not self.steps.add(worker, ids, grads, lr, chunk, chunks):
-                return self.steps.step, False
-            unique, summed, lr = self.steps.take(worker)
-            if len(unique):
-                rows = self.storage.locate(unique, create=True)
-                self.optimizer.apply(self.storage.values, self.storage.slots, rows, summed,
-                                     self.steps.step, lr)
-            self.steps.step += 1
-            self.cond.notify_all()
-            return self.steps.step, True
+            batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks)
+            for batch_ids, batch_grads in batches:
+                if len(batch_ids):
+                    rows = self.storage.locate(batch_ids, create=True)
+                    self.optimizer.apply(self.storage.values, self.storage.slots, rows,
+                                         batch_grads, self.steps.step, lr)
+            if completed:
+                self.steps.step += 1
+                self.cond.notify_all()
+            return self.steps.step, completed
 
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Set rows to explicit values (validated by the caller); slots keep their state."""
