@@ -7,6 +7,7 @@ saves a checkpoint, restores it into a table with a different shard count, and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -56,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         table.wait_step(args.steps)
         saved = client.save("demo-checkpoint")
         print(f"saved {sum(s.rows for s in saved)} rows from {len(saved)} shards")
-        resharded = TableSpec(**{**spec.__dict__, "name": spec.name,
-                                 "shard_count": args.servers + 1})
+        resharded = dataclasses.replace(spec, shard_count=args.servers + 1)
         client.delete_table(table)
         table = client.create_table(resharded)
         restored = client.restore("demo-checkpoint")

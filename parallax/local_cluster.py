@@ -54,7 +54,8 @@ class ServerProcess:
         if not self._ready.wait(timeout) or self.address is None:
             tail = "\n".join(self.lines[-10:])
             raise ParallaxError(f"parameter server {self.index} did not start within "
-                                f"{timeout:.0f}s (exit code {self.proc.poll()}); its output:\n{tail}")
+                                f"{timeout:.0f}s (exit code {self.proc.poll()}); its "
+                                f"output:\n{tail}")
         return self.address
 
     def tail(self, n: int = 10) -> str:

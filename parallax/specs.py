@@ -149,7 +149,8 @@ class Ftrl:
                  f"got {self.initial_accumulator_value}")
         for name in ("l1_regularization_strength", "l2_regularization_strength",
                      "l2_shrinkage_regularization_strength", "beta"):
-            _require(getattr(self, name) >= 0, f"Ftrl {name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            _require(value >= 0, f"Ftrl {name} must be >= 0, got {value}")
 
 
 OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl]
@@ -281,6 +282,7 @@ class TableSpec:
 
     def describe_difference(self, other: "TableSpec") -> str:
         """'dim 64 != 32, ...': the fields in which two specs of one table disagree."""
-        diffs = [f"{f.name} {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
-                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        pairs = [(f.name, getattr(self, f.name), getattr(other, f.name))
+                 for f in dataclasses.fields(self)]
+        diffs = [f"{name} {mine!r} != {theirs!r}" for name, mine, theirs in pairs if mine != theirs]
         return ", ".join(diffs)

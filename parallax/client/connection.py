@@ -66,9 +66,9 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
 
 
 class ServerConnection:
-    def __init__(self, address: str, options: ClientOptions = ClientOptions()) -> None:
+    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
         self.address = address
-        self.options = options
+        self.options = options = options or ClientOptions()
         limit = options.max_message_bytes + (1 << 20)
         channel_options = [("grpc.max_receive_message_length", limit),
                            ("grpc.max_send_message_length", limit),

@@ -14,11 +14,11 @@ class PSClient:
     """Connections to every server of a job; shard i of a table goes to server i % N unless a
     placement is given."""
 
-    def __init__(self, addresses: Sequence[str], options: ClientOptions = ClientOptions()) -> None:
+    def __init__(self, addresses: Sequence[str], options: ClientOptions | None = None) -> None:
         if not addresses:
             raise ConfigError("PSClient needs at least one server address (host:port)")
         self.addresses = list(addresses)
-        self.options = options
+        self.options = options = options or ClientOptions()
         self.servers = [ServerConnection(a, options) for a in self.addresses]
 
     def __enter__(self) -> "PSClient":

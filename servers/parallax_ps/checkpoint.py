@@ -107,8 +107,9 @@ def _read_manifests(table_dir: Path, table: str) -> list[dict]:
         by_count.setdefault(int(match.group(2)), {})[int(match.group(1))] = manifest
     complete = [c for c, parts in by_count.items() if sorted(parts) == list(range(c))]
     if not complete:
+        found = sorted((count, sorted(parts)) for count, parts in by_count.items())
         raise _data_loss(f"checkpoint of table {table!r} at {table_dir} has no complete set of "
-                         f"shard manifests (found {sorted((c, sorted(p)) for c, p in by_count.items())})")
+                         f"shard manifests (found {found})")
     if len(complete) > 1:
         raise _data_loss(f"checkpoint of table {table!r} at {table_dir} mixes shard counts "
                          f"{sorted(complete)}; save each checkpoint to its own path")

@@ -62,7 +62,8 @@ def _slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
     if isinstance(spec, Adagrad):
         return ("accumulator",)
     if isinstance(spec, Adam):
-        return ("momentum", "velocity", "velocity_hat") if spec.amsgrad else ("momentum", "velocity")
+        moments = ("momentum", "velocity")
+        return moments + ("velocity_hat",) if spec.amsgrad else moments
     return ("accumulator", "linear")
 
 

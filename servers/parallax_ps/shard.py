@@ -160,6 +160,7 @@ class TableShard:
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Set rows to explicit values (validated by the caller); slots keep their state."""
         with self.cond:
+            self._check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
             self.storage.values[rows] = values
 
