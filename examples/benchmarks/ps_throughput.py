@@ -1,9 +1,9 @@
-"""Pull and push throughput of ONE parameter-server process, against memcpy.
+"""Pull and push throughput of ONE parameter-server process, against memcpy and raw gRPC.
 
 What it measures
     For each row width (--dims), request size in unique ids (--ids) and shard count
     (--shards, every shard hosted on the same single server process), and for each client
-    configuration (--channels x --max-message-mb):
+    configuration (--channels x --chunk-mb):
 
     * pull_unique  ShardedTable.pull_unique(ids): the raw path, ids already unique.
     * pull         ShardedTable.pull(ids): the same ids through the deduping path
@@ -14,7 +14,11 @@ What it measures
     Throughput is rows/s and MB/s of row data (rows * dim * 4 bytes, 1 MB = 10**6 bytes),
     from the median wall time of several repetitions after a warm-up. The reference is this
     process's memcpy bandwidth (np.copyto of an array of the same byte size), and
-    ratio = measured MB/s / memcpy MB/s. Client and server share this machine's cores.
+    ratio = measured MB/s / memcpy MB/s. The second reference is plain Python gRPC moving the
+    same bytes in the same chunks and channels between two processes (grpc_echo.py): the
+    ceiling for any gRPC parameter server in Python, reported as echo MB/s and echo ratio.
+    Client and server share this machine's cores; both reuse freed buffers
+    (parallax.malloc_tuning), as `parallax server` does.
 
     Tables are fixed-vocabulary (--vocab rows, zeros initializer, float32) and created and
     deleted as the benchmark goes, so only one lives on the server at a time
@@ -24,12 +28,10 @@ How to run
     .venv/bin/python examples/benchmarks/ps_throughput.py            # full, < ~5 min
     .venv/bin/python examples/benchmarks/ps_throughput.py --quick    # < 60 s
     .venv/bin/python examples/benchmarks/ps_throughput.py --dims 256 --ids 65536 \\
-        --shards 1,4 --channels 1,2,4 --max-message-mb 16,64
+        --shards 1,4 --channels 1,2,4 --chunk-mb 2,4,16
 
     Prints an aligned table and writes JSON (default bench-results/ps_throughput.json).
-    The server inherits this process's environment, so glibc malloc settings (for example
-    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296) apply to both sides;
-    they are recorded in the JSON with the machine info.
+    Machine info, the code version and the load average are recorded in the JSON.
 """
 from __future__ import annotations
 
@@ -55,7 +57,13 @@ from google.protobuf.internal import api_implementation
 from parallax.client import ClientOptions, PSClient, ShardedTable
 from parallax.errors import ParallaxError
 from parallax.local_cluster import LocalCluster
+from parallax.malloc_tuning import reuse_freed_memory
 from parallax.specs import SGD, TableSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpc_echo import EchoClient  # noqa: E402
+
+MALLOC_REUSE = reuse_freed_memory()  # the client reuses freed buffers, as the server does
 
 OPS = ("pull_unique", "pull", "push")
 MIN_REPS = 3          # a configuration always gets at least this many timed repetitions
@@ -69,7 +77,7 @@ class Settings:
     shards: tuple[int, ...] = (1, 2, 4)
     ops: tuple[str, ...] = OPS
     channels: tuple[int, ...] = (ClientOptions.channels_per_server,)
-    max_message_mb: tuple[int, ...] = (ClientOptions.max_message_mb,)
+    chunk_mb: tuple[int, ...] = (ClientOptions.chunk_mb,)
     vocab: int = 1_000_000
     reps: int = 5
     warmup: int = 1
@@ -88,13 +96,15 @@ class Result:
     ids: int
     shards: int
     channels: int
-    max_message_mb: int
+    chunk_mb: int
     reps: int
     median_s: float
     rows_per_s: float
     mb_per_s: float
     memcpy_mb_per_s: float
     ratio: float
+    echo_mb_per_s: float
+    echo_ratio: float
     error: str | None = None
 
 
@@ -117,6 +127,19 @@ def time_calls(fn: Callable[[], object], warmup: int, reps: int, budget_s: float
 
 
 _MEMCPY: dict[int, float] = {}
+_ECHO: dict[tuple[str, int, int, int], float] = {}
+_ECHO_CLIENTS: dict[int, EchoClient] = {}
+
+
+def echo_mb_per_s(direction: str, nbytes: int, options: ClientOptions) -> float:
+    """Raw gRPC bytes moved the same way (cached per direction, size, chunk, channels)."""
+    key = (direction, nbytes, options.chunk_bytes, options.channels_per_server)
+    if key not in _ECHO:
+        channels = options.channels_per_server
+        if channels not in _ECHO_CLIENTS:
+            _ECHO_CLIENTS[channels] = EchoClient(channels)
+        _ECHO[key] = _ECHO_CLIENTS[channels].mb_per_s(direction, nbytes, options.chunk_bytes)
+    return _ECHO[key]
 
 
 def memcpy_mb_per_s(nbytes: int) -> float:
@@ -129,7 +152,8 @@ def memcpy_mb_per_s(nbytes: int) -> float:
     return _MEMCPY[nbytes]
 
 
-def op_call(table: ShardedTable, op: str, ids: np.ndarray, grads: np.ndarray) -> Callable[[], object]:
+def op_call(table: ShardedTable, op: str, ids: np.ndarray,
+            grads: np.ndarray) -> Callable[[], object]:
     """A zero-argument callable performing one request of `op`."""
     if op == "pull_unique":
         return lambda: table.pull_unique(ids)
@@ -146,8 +170,9 @@ def measure(table: ShardedTable, op: str, ids: np.ndarray, grads: np.ndarray,
     dim = table.spec.dim
     nbytes = len(ids) * dim * 4
     base = dict(op=op, dim=dim, ids=len(ids), shards=table.spec.shard_count,
-                channels=client.channels_per_server, max_message_mb=client.max_message_mb)
+                channels=client.channels_per_server, chunk_mb=client.chunk_mb)
     reference = memcpy_mb_per_s(nbytes)
+    echo = echo_mb_per_s("put" if op == "push" else "get", nbytes, client)
     try:
         times = time_calls(op_call(table, op, ids, grads), settings.warmup, settings.reps,
                            settings.budget_s)
@@ -155,11 +180,12 @@ def measure(table: ShardedTable, op: str, ids: np.ndarray, grads: np.ndarray,
         message = str(exc).splitlines()[0][:200]
         return Result(**base, reps=0, median_s=float("nan"), rows_per_s=float("nan"),
                       mb_per_s=float("nan"), memcpy_mb_per_s=reference, ratio=float("nan"),
-                      error=message)
+                      echo_mb_per_s=echo, echo_ratio=float("nan"), error=message)
     median = statistics.median(times)
     mb_per_s = nbytes / median / MB
     return Result(**base, reps=len(times), median_s=median, rows_per_s=len(ids) / median,
-                  mb_per_s=mb_per_s, memcpy_mb_per_s=reference, ratio=mb_per_s / reference)
+                  mb_per_s=mb_per_s, memcpy_mb_per_s=reference, ratio=mb_per_s / reference,
+                  echo_mb_per_s=echo, echo_ratio=mb_per_s / echo)
 
 
 # ---- orchestration -----------------------------------------------------------------------
@@ -199,13 +225,12 @@ def run(settings: Settings, report: Callable[[Result], None]) -> None:
     too_big = [n for n in settings.ids if n > settings.vocab]
     if too_big:
         raise SystemExit(f"--ids {too_big} exceed --vocab {settings.vocab}; raise --vocab")
-    # The server's own limit is set above every client limit, so the client's is the binding one.
-    server_mb = max(256, max(settings.max_message_mb) + 8)
+    server_mb = 256
     rng = np.random.default_rng(settings.seed)
     with LocalCluster(1, extra_args=["--max-message-mb", str(server_mb)],
                       echo=None) as cluster:
-        options = [ClientOptions(channels_per_server=c, max_message_mb=m)
-                   for c in settings.channels for m in settings.max_message_mb]
+        options = [ClientOptions(channels_per_server=c, chunk_mb=m)
+                   for c in settings.channels for m in settings.chunk_mb]
         clients = [PSClient(cluster.addresses, o) for o in options]
         try:
             clients[0].wait_ready()
@@ -215,14 +240,17 @@ def run(settings: Settings, report: Callable[[Result], None]) -> None:
         finally:
             for client in clients:
                 client.close()
+            for echo in _ECHO_CLIENTS.values():
+                echo.close()
 
 
 # ---- output ------------------------------------------------------------------------------
 
 COLUMNS = [("op", 11, "{}"), ("dim", 4, "{}"), ("ids", 7, "{}"), ("shards", 6, "{}"),
-           ("ch", 3, "{}"), ("msgMB", 5, "{}"), ("MB/req", 7, "{:.1f}"), ("reps", 4, "{}"),
+           ("ch", 3, "{}"), ("chunkMB", 7, "{}"), ("MB/req", 7, "{:.1f}"), ("reps", 4, "{}"),
            ("ms", 9, "{:.2f}"), ("Mrows/s", 8, "{:.3f}"), ("MB/s", 8, "{:.1f}"),
-           ("memcpyMB/s", 10, "{:.0f}"), ("ratio", 6, "{:.3f}")]
+           ("memcpyMB/s", 10, "{:.0f}"), ("ratio", 6, "{:.3f}"), ("echoMB/s", 8, "{:.0f}"),
+           ("vs echo", 7, "{:.2f}")]
 
 
 def header() -> str:
@@ -230,9 +258,9 @@ def header() -> str:
 
 
 def row(r: Result) -> str:
-    values = [r.op, r.dim, r.ids, r.shards, r.channels, r.max_message_mb,
+    values = [r.op, r.dim, r.ids, r.shards, r.channels, r.chunk_mb,
               r.ids * r.dim * 4 / MB, r.reps, r.median_s * 1e3, r.rows_per_s / 1e6,
-              r.mb_per_s, r.memcpy_mb_per_s, r.ratio]
+              r.mb_per_s, r.memcpy_mb_per_s, r.ratio, r.echo_mb_per_s, r.echo_ratio]
     cells = [fmt.format(v).rjust(width) for (_, width, fmt), v in zip(COLUMNS, values)]
     line = "  ".join(cells)
     return line + (f"  ERROR: {r.error}" if r.error else "")
@@ -265,9 +293,7 @@ def machine_info() -> dict[str, object]:
         "grpcio": grpc.__version__,
         "protobuf": f"{protobuf_version} ({api_implementation.Type()})",
         "loadavg_1m": round(os.getloadavg()[0], 2),  # other load on the box skews results
-        # glibc malloc settings change large-buffer reuse (page faults) in client and server
-        "malloc_env": {k: v for k, v in os.environ.items()
-                       if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
+        "malloc_reuse": MALLOC_REUSE,
     }
 
 
@@ -324,7 +350,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--shards", type=int_list, help="shards on the one server (default 1,2,4)")
     p.add_argument("--ops", type=op_list, help=f"subset of {','.join(OPS)}")
     p.add_argument("--channels", type=int_list, help="ClientOptions.channels_per_server values")
-    p.add_argument("--max-message-mb", type=int_list, help="ClientOptions.max_message_mb values")
+    p.add_argument("--chunk-mb", type=int_list, help="ClientOptions.chunk_mb values (default 4)")
     p.add_argument("--vocab", type=int, help="rows per table (default 1,000,000)")
     p.add_argument("--reps", type=int, help="timed repetitions per configuration (default 5)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default 1)")
@@ -355,9 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     for op, best in peaks(results).items():
         print(f"peak {op:11s}: {best['mb_per_s']:8.1f} MB/s  ({best['rows_per_s'] / 1e6:.3f} "
-              f"Mrows/s, ratio {best['ratio']:.3f} to memcpy) at dim={best['dim']} "
-              f"ids={best['ids']} shards={best['shards']} channels={best['channels']} "
-              f"max_message_mb={best['max_message_mb']}")
+              f"Mrows/s, ratio {best['ratio']:.3f} to memcpy, {best['echo_ratio']:.2f} of raw "
+              f"gRPC echo) at dim={best['dim']} ids={best['ids']} shards={best['shards']} "
+              f"channels={best['channels']} chunk_mb={best['chunk_mb']}")
     out = Path(settings.out)
     write_json(out, settings, results, seconds)
     print(f"total {seconds:.1f} s; wrote {out}")

@@ -34,11 +34,18 @@ class ClientOptions:
     retries: int = 3                 # extra attempts after UNAVAILABLE
     backoff: float = 0.2             # seconds before the first retry, doubled after each
     channels_per_server: int = 2     # independent HTTP/2 connections, used round-robin
-    max_message_mb: int = 64         # requests are chunked to stay below this
+    max_message_mb: int = 64         # hard limit on any message this client sends or accepts
+    chunk_mb: int = 4                # bulk requests are split into chunks of about this size:
+                                     # several in flight overlap server and client work, and
+                                     # buffers this size are reused rather than page-faulted
 
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb * 1024 * 1024
+
+    @property
+    def chunk_bytes(self) -> int:
+        return min(self.chunk_mb * 1024 * 1024, self.max_message_bytes)
 
 
 def describe(method: str, address: str, table: str | None, err: grpc.RpcError,

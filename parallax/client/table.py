@@ -31,7 +31,7 @@ class ShardedTable:
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.dtype = np.dtype(spec.dtype)
         row_bytes = spec.dim * self.dtype.itemsize + 8  # the row and its int64 id
-        self.chunk_rows = max(1, (shards[0].options.max_message_bytes - 4096) // row_bytes)
+        self.chunk_rows = max(1, (shards[0].options.chunk_bytes - 4096) // row_bytes)
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from parallax.malloc_tuning import reuse_freed_memory
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
 READY_PREFIX = "PARALLAX_SERVER_READY"
@@ -104,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s parallax-ps %(message)s")
     config = parse_args(argv)
+    reuse_freed_memory()
     try:
         server = RunningServer(config)
     except OSError as exc:
