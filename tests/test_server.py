@@ -162,3 +162,37 @@ def test_unreachable_server_error_names_address_after_bounded_retries():
         assert info.value.table == "unreachable"
         with pytest.raises(ServerError, match=r"server 127\.0\.0\.1:1 is not serving after 1s"):
             c.wait_ready(timeout=1)
+
+
+def test_concurrent_async_pushes_from_many_clients_lose_nothing(cluster, table_name):
+    """8 clients x 25 pushes of overlapping ids: every single update lands exactly once."""
+    spec = _spec(table_name, num_workers=8, sync_mode="async", optimizer=SGD(learning_rate=1.0),
+                 vocabulary_size=64, shard_count=2)
+    clients = [PSClient(cluster.addresses) for _ in range(8)]
+    try:
+        table = clients[0].create_table(spec)
+        start = table.pull(np.arange(64))
+        errors = []
+
+        def worker(rank: int) -> None:
+            mine = clients[rank].table(spec)
+            try:
+                for step in range(25):
+                    ids = np.arange(rank, rank + 40) % 64  # overlaps every other worker
+                    mine.push(ids, np.ones((40, 4)), step=step, worker=rank)
+            except Exception as exc:  # surfaced by the assertion below
+                errors.append(exc)
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        touched = np.zeros(64)
+        for rank in range(8):
+            touched[np.arange(rank, rank + 40) % 64] += 25
+        np.testing.assert_allclose(table.pull(np.arange(64)), start - touched[:, None],
+                                   rtol=1e-6)
+    finally:
+        for c in clients:
+            c.close()
