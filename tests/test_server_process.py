@@ -76,3 +76,24 @@ def test_large_pulls_and_pushes_are_chunked_below_the_limit():
         start = table.pull(ids)
         assert table.push(ids, grads, step=0) is True
         np.testing.assert_allclose(table.pull(ids, min_step=1), start - 0.01, rtol=1e-6)
+
+
+def test_waiting_workers_do_not_starve_the_push_that_closes_the_step():
+    """A server with 4 threads, a sync table with 2 shards on it, and a worker whose big pull
+    for the next step is split into many chunks: the other worker's push must still get a
+    thread and close the step (each waiting worker holds one thread per shard, not per chunk)."""
+    with LocalCluster(1, extra_args=["--threads", "4"]) as cluster, \
+            PSClient(cluster.addresses, ClientOptions(chunk_mb=1, timeout=20)) as client:
+        spec = TableSpec(name="starve", vocabulary_size=200_000, dim=8, shard_count=2,
+                         num_workers=2)
+        table = client.create_table(spec, placement=[0, 0])
+        ids = np.arange(200_000)  # 6.4 MB of rows: several 1 MB chunks per shard
+        assert len(ids) // 2 > 2 * table.chunk_rows
+        table.push([1], [[1] * 8], step=0, worker=0)
+        result = {}
+        reader = threading.Thread(target=lambda: result.update(rows=table.pull(ids, min_step=1)))
+        reader.start()
+        time.sleep(0.5)
+        table.push([1], [[1] * 8], step=0, worker=1)
+        reader.join(30)
+        assert result["rows"][1, 0] == pytest.approx(-0.02) and result["rows"][0, 0] == 0

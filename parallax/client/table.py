@@ -59,12 +59,16 @@ class ShardedTable:
                 yield shard, lo, min(lo + self.chunk_rows, stop), index, len(bounds)
 
     def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int) -> np.ndarray:
+        if min_step > 0:
+            # Wait with one RPC per shard, then pull every chunk without waiting: a waiting
+            # request holds a server thread, and a step can only close if the other workers'
+            # pushes still find a free one.
+            self.wait_step(min_step)
         rows = np.empty((len(ids), self.spec.dim), dtype=self.dtype)
         calls = []
         for shard, lo, hi, _, _ in self._slices(offsets):
             if hi > lo:
-                request = ps_pb2.PullRequest(table=self.name, shard_index=shard,
-                                             min_step=min_step)
+                request = ps_pb2.PullRequest(table=self.name, shard_index=shard)
                 wire.encode(ids[lo:hi], request.ids)
                 conn = self.shards[shard]
                 calls.append((conn, conn.future("Pull", request), request, lo, hi))
@@ -123,11 +127,12 @@ class ShardedTable:
 
     def wait_step(self, min_step: int) -> int:
         """Block until every shard has applied `min_step` steps; returns the lowest step."""
-        steps = []
+        calls = []
         for shard, conn in enumerate(self.shards):
             request = ps_pb2.StepRequest(table=self.name, shard_index=shard, min_step=min_step)
-            steps.append(conn.call("WaitStep", request, self.name).step)
-        return min(steps)
+            calls.append((conn, conn.future("WaitStep", request), request))
+        return min(conn.result(future, "WaitStep", request, self.name).step
+                   for conn, future, request in calls)
 
     def assign(self, ids, values) -> int:
         """Set rows to explicit values, streamed to each shard in message-sized chunks."""

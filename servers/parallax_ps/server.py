@@ -32,7 +32,7 @@ class ServerConfig:
     port: int = 0
     data_dir: Path | None = None
     max_message_mb: int = 256
-    threads: int = 16
+    threads: int = 64  # sync-mode waits hold a thread each: keep well above workers x shards
     grace_seconds: float = 5.0
 
     @property
@@ -87,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="directory for checkpoints (save/restore are refused without it)")
     parser.add_argument("--max-message-mb", type=int, default=256,
                         help="largest request or response in MiB (default 256)")
-    parser.add_argument("--threads", type=int, default=16, help="RPC worker threads")
+    parser.add_argument("--threads", type=int, default=64,
+                        help="RPC worker threads (default 64); in sync mode every waiting "
+                             "worker holds one per shard, so keep it above workers x shards")
     parser.add_argument("--grace-seconds", type=float, default=5.0,
                         help="how long in-flight requests may finish on shutdown")
     args = parser.parse_args(argv)
