@@ -90,16 +90,20 @@ class ServerConnection:
         return self._stubs[next(self._next)]
 
     def call(self, method: str, request, table: str | None = None,
-             timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None):
+             timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None,
+             pending=None):
         """A unary (or, given an iterator factory, client-streaming) call with retries.
 
-        `done_on_retry`: a code that, answered to a retry, means the first attempt landed
+        `pending`: a call already started with `future`, which counts as the first attempt.
+        `done_on_retry`: a code that, answered to a retry, means an earlier attempt landed
         (a push answered ALREADY_EXISTS); the call then returns None.
         """
         attempts = 0
         while True:
             attempts += 1
             try:
+                if pending is not None and attempts == 1:
+                    return pending.result()
                 payload = request() if callable(request) else request
                 return getattr(self.stub(), method)(payload, timeout=timeout or
                                                     self.options.timeout)
@@ -117,19 +121,8 @@ class ServerConnection:
 
     def result(self, future, method: str, request, table: str | None = None,
                timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None):
-        """Wait for a `future` call; an UNAVAILABLE answer is retried synchronously."""
-        try:
-            return future.result()
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE or self.options.retries < 1:
-                raise describe(method, self.address, table, err) from None
-        time.sleep(self.options.backoff)
-        try:
-            return self.call(method, request, table, timeout)
-        except ServerError as exc:
-            if done_on_retry is not None and exc.code == done_on_retry:
-                return None
-            raise
+        """Wait for a `future` call; UNAVAILABLE is retried like `call` does."""
+        return self.call(method, request, table, timeout, done_on_retry, pending=future)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels[0])
