@@ -66,6 +66,13 @@ class Partitioner:
             return ids - shard * self.block
         return ids // self.shard_count
 
+    def global_ids_of(self, local_rows: np.ndarray, shard: int) -> np.ndarray:
+        """Global ids of local rows of a fixed-vocabulary shard (inverse of `local_rows`)."""
+        local_rows = np.asarray(local_rows, dtype=np.int64)
+        if self.partition == "range":
+            return local_rows + shard * self.block
+        return local_rows * self.shard_count + shard
+
     def global_ids(self, shard: int) -> np.ndarray:
         """Every global id a fixed-vocabulary shard holds, in local-row order."""
         if self.partition == "range":

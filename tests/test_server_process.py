@@ -97,3 +97,32 @@ def test_waiting_workers_do_not_starve_the_push_that_closes_the_step():
         table.push([1], [[1] * 8], step=0, worker=1)
         reader.join(30)
         assert result["rows"][1, 0] == pytest.approx(-0.02) and result["rows"][0, 0] == 0
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_large_tables_are_initialised_lazily():
+    """A 20M x 16 table (1.3 GB of rows, 2.6 GB with Adagrad slots) is created at once and
+    the server's memory grows with the rows used, while every row reads as if initialised."""
+    from parallax.initial_values import initial_rows
+    from parallax.specs import Adagrad, Initializer
+    with LocalCluster(1) as cluster, PSClient(cluster.addresses) as client:
+        pid = cluster.servers[0].proc.pid
+        before = _rss_mb(pid)
+        spec = TableSpec(name="huge", vocabulary_size=20_000_000, dim=16,
+                         initializer=Initializer("normal", seed=5), optimizer=Adagrad(0.1))
+        t0 = time.monotonic()
+        table = client.create_table(spec)
+        assert time.monotonic() - t0 < 5
+        ids = np.array([0, 7, 19_999_999, 12_345_678])
+        np.testing.assert_array_equal(table.pull(ids), initial_rows(spec.initializer, ids, 16,
+                                                                    "float32"))
+        table.push(ids, np.ones((4, 16)), step=0)
+        after = table.pull(ids, min_step=1)
+        assert (after < initial_rows(spec.initializer, ids, 16, "float32")).all()
+        assert _rss_mb(pid) - before < 200, (before, _rss_mb(pid))

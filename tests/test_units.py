@@ -91,6 +91,7 @@ def test_partitioner_covers_every_id_exactly_once(partition, vocab, shards):
         assert len(ids) == part.shard_size(s)
         np.testing.assert_array_equal(part.shard_of(ids), s)
         np.testing.assert_array_equal(part.local_rows(ids, s), np.arange(len(ids)))
+        np.testing.assert_array_equal(part.global_ids_of(np.arange(len(ids)), s), ids)
 
 
 def test_shard_order_groups_ids_by_shard_keeping_their_order():

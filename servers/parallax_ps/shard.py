@@ -172,6 +172,7 @@ class TableShard:
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, Slots, int]:
         """A consistent copy (ids, values, slots, step) of the applied steps only."""
         with self.cond:
+            self.storage.materialize()
             values, slots = self.storage.trimmed()
             return (self.storage.row_ids(), values.copy(),
                     {n: s.copy() for n, s in slots.items()}, self.steps.step)

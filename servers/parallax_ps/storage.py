@@ -1,6 +1,6 @@
 """Row storage of one shard: values and optimizer slots in numpy, addressed by local row.
 
-`FixedRows` holds a fixed-vocabulary shard (every row allocated at creation). `KeyedRows` holds
+`FixedRows` holds a fixed-vocabulary shard (rows initialised on first use). `KeyedRows` holds
 a hashed-key shard: rows are created on first use, found through a sorted key index (vectorised
 binary search, no Python loop over ids), and arrays grow geometrically.
 """
@@ -17,14 +17,24 @@ from parallax_ps.optimizers import ServerOptimizer, Slots
 
 
 class FixedRows:
-    """All rows of a fixed-vocabulary shard, initialised from the spec's initializer."""
+    """Every row of a fixed-vocabulary shard, initialised lazily on first use.
+
+    Arrays are allocated zeroed (the kernel maps pages on first write), and a row gets its
+    initial value when a request first touches it, so creating a 10M-row table is instant
+    and memory grows with the rows actually used. Values never differ from eager
+    initialisation: a row's initial value depends only on (seed, global id, column).
+    """
 
     def __init__(self, spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> None:
+        self.spec = spec
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.shard = shard
-        ids = self.partitioner.global_ids(shard)
-        self.values = initial_rows(spec.initializer, ids, spec.dim, spec.dtype)
-        self.slots: Slots = optimizer.new_slots(len(ids), spec.dim, self.values.dtype)
+        self.optimizer = optimizer
+        rows = self.partitioner.shard_size(shard)
+        self.values = np.zeros((rows, spec.dim), dtype=spec.dtype)
+        self.slots: Slots = {name: np.zeros((rows, spec.dim), dtype=spec.dtype)
+                             for name in optimizer.slot_names}
+        self._ready = np.zeros(rows, dtype=bool)
 
     @property
     def num_rows(self) -> int:
@@ -33,8 +43,30 @@ class FixedRows:
     def row_ids(self) -> np.ndarray:
         return self.partitioner.global_ids(self.shard)
 
+    def _ensure(self, rows: np.ndarray) -> None:
+        """Give rows that were never touched their initial values (and slot values)."""
+        fresh = rows[~self._ready[rows]]
+        if len(fresh) == 0:
+            return
+        fresh = np.unique(fresh)
+        if self.spec.initializer.kind != "zeros":
+            ids = self.partitioner.global_ids_of(fresh, self.shard)
+            self.values[fresh] = initial_rows(self.spec.initializer, ids, self.spec.dim,
+                                              self.spec.dtype)
+        for name, slot in self.slots.items():
+            start = self.optimizer.slot_initial_value(name)
+            if start:
+                slot[fresh] = start
+        self._ready[fresh] = True
+
     def locate(self, ids: np.ndarray, create: bool = False) -> np.ndarray:
-        return self.partitioner.local_rows(ids, self.shard)
+        rows = self.partitioner.local_rows(ids, self.shard)
+        self._ensure(rows)
+        return rows
+
+    def materialize(self) -> None:
+        """Initialise every row (before a checkpoint reads them all)."""
+        self._ensure(np.flatnonzero(~self._ready))
 
     def count_new(self, ids: np.ndarray) -> int:
         return 0
@@ -44,10 +76,11 @@ class FixedRows:
 
     def replace(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
         """Adopt restored rows; `ids` must be exactly this shard's ids (any order)."""
-        rows = self.locate(ids)
+        rows = self.partitioner.local_rows(ids, self.shard)
         self.values[rows] = values
         for name, slot in self.slots.items():
             slot[rows] = slots[name]
+        self._ready[rows] = True
 
 
 class KeyedRows:
@@ -100,6 +133,8 @@ class KeyedRows:
         return self._find(keys)[0]
 
     def _append(self, new_keys: np.ndarray) -> None:
+        """Create rows for keys that are unique and not held yet."""
+        new_keys = np.sort(new_keys)
         start, stop = self._count, self._count + len(new_keys)
         if stop > len(self.values):
             self._grow(max(stop, 2 * len(self.values), 1024))
@@ -109,9 +144,10 @@ class KeyedRows:
         for name, slot in self.slots.items():
             slot[start:stop] = self.optimizer.slot_initial_value(name)
         self._count = stop
-        keys = self._keys[:stop]
-        order = np.argsort(keys, kind="stable")
-        self._keys_sorted, self._rows_sorted = keys[order], order.astype(np.int64)
+        # merge the (sorted, absent) new keys into the index in O(n): no re-sort
+        at = np.searchsorted(self._keys_sorted, new_keys)
+        self._keys_sorted = np.insert(self._keys_sorted, at, new_keys)
+        self._rows_sorted = np.insert(self._rows_sorted, at, np.arange(start, stop))
 
     def _grow(self, capacity: int) -> None:
         def grown(arr: np.ndarray) -> np.ndarray:
@@ -138,6 +174,9 @@ class KeyedRows:
 
     def trimmed(self) -> tuple[np.ndarray, Slots]:
         return self.values[: self._count], {n: s[: self._count] for n, s in self.slots.items()}
+
+    def materialize(self) -> None:
+        """Every row held is initialised already."""
 
 
 def new_storage(spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> FixedRows | KeyedRows:
