@@ -11,6 +11,7 @@ keeps numpy's copies into the message at full speed.
 from __future__ import annotations
 
 import ctypes
+import math
 import platform
 import struct
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 from parallax import wire
 
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+_U64 = (1 << 64) - 1
 _BYTES_OFFSET = bytes.__basicsize__ - 1  # where a bytes object's storage starts (CPython)
 if platform.python_implementation() == "CPython":
     _FROM_SIZE = ctypes.pythonapi.PyBytes_FromStringAndSize
@@ -44,6 +46,7 @@ def _varint(value: int) -> bytes:
 
 
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    """A varint as protobuf reads it: at most 10 bytes, bits beyond 64 dropped."""
     result = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -52,12 +55,18 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return result, pos
+            return result & _U64, pos
         shift += 7
 
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _int32(value: int) -> int:
+    """An int32 field: protobuf keeps the low 32 bits of the varint."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _fields(data: memoryview):
@@ -185,7 +194,7 @@ def _decode_tensor(buffer: bytes, data: memoryview, start: int, end: int, field:
     dtype = wire.numpy_dtype(dtype_code)
     if any(d < 0 for d in shape):
         raise DecodeError(f"{field}: negative dimension in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: a huge shape cannot overflow into a match
     lo, hi = content if content else (start, start)
     if hi - lo != count * dtype.itemsize:
         raise DecodeError(f"{field}: shape {shape} of {dtype.name} needs "
@@ -282,6 +291,7 @@ def encode_push_request(table: str, shard_index: int, step: int, worker: int, id
 
 
 _PUSH_INTS = {2: "shard_index", 3: "step", 4: "worker", 8: "chunk_index", 9: "chunk_count"}
+_PUSH_INT32 = {"shard_index", "worker", "chunk_index", "chunk_count"}
 
 
 def decode_push_request(buffer: bytes) -> BulkPush:
@@ -292,7 +302,8 @@ def decode_push_request(buffer: bytes) -> BulkPush:
             if number == 1 and kind == _LEN:
                 push.table = bytes(data[start:end]).decode()
             elif number in _PUSH_INTS and kind == _VARINT:
-                setattr(push, _PUSH_INTS[number], _signed(value))
+                name = _PUSH_INTS[number]
+                setattr(push, name, _int32(value) if name in _PUSH_INT32 else _signed(value))
             elif number in (5, 6) and kind == _LEN:
                 name = "ids" if number == 5 else "grads"
                 setattr(push, name, _decode_tensor(buffer, data, start, end, name))

@@ -5,6 +5,8 @@ copy protobuf needs. Malformed tensors raise `WireError` naming the field and th
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from parallax.errors import ParallaxError
@@ -67,7 +69,7 @@ def decode(tensor: ps_pb2.Tensor, field: str = "tensor") -> np.ndarray:
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"{field}: negative dimension in shape {list(shape)}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: a huge shape cannot overflow into a match
     expected = count * dtype.itemsize
     if len(tensor.content) != expected:
         raise WireError(f"{field}: shape {list(shape)} of {dtype.name} needs {expected} bytes, "

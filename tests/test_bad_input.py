@@ -205,3 +205,35 @@ def test_incomplete_or_mismatched_checkpoint(client, data_dir, table, snapshot, 
         client.save("../../escape", [table.name])
     shutil.rmtree(ckpt)
     snapshot(table.name).assert_equal(before)
+
+
+def test_checkpoint_with_a_malformed_slot_changes_nothing(client, data_dir, table, snapshot):
+    import hashlib
+    ckpt = _saved(client, data_dir, table, f"ckpt-slot-{table.name}")
+    part = ckpt / "shard-00000-of-00002.npz"
+    arrays = dict(np.load(part))
+    arrays["slot_velocity"] = arrays["slot_velocity"][:, :3].copy()
+    np.savez(part, **arrays)
+    manifest = ckpt / "shard-00000-of-00002.json"
+    meta = json.loads(manifest.read_text())
+    meta.update(bytes=part.stat().st_size, sha256=hashlib.sha256(part.read_bytes()).hexdigest())
+    manifest.write_text(json.dumps(meta))
+    before = snapshot(table.name)
+    with pytest.raises(ServerError, match=r"DATA_LOSS.*slot_velocity is float32\[50, 3\], "
+                                          r"expected float32\[50, 4\]"):
+        client.restore(f"ckpt-slot-{table.name}", [table.name])
+    snapshot(table.name).assert_equal(before)
+
+
+def test_hashed_checkpoint_over_the_row_limit_is_refused(client, table_name, snapshot):
+    spec = TableSpec(name=table_name, hashed_keys=True, dim=2)
+    table = client.create_table(spec)
+    table.pull(np.arange(10))
+    client.save(f"limit-{table_name}", [table_name])
+    client.delete_table(table)
+    client.create_table(TableSpec(name=table_name, hashed_keys=True, dim=2,
+                                  max_rows_per_shard=4))
+    before = snapshot(table_name)
+    with pytest.raises(ServerError, match="puts 10 rows on shard 0, above max_rows_per_shard=4"):
+        client.restore(f"limit-{table_name}", [table_name])
+    snapshot(table_name).assert_equal(before)

@@ -94,3 +94,21 @@ def test_server_answers_malformed_push_bytes_with_invalid_argument(cluster):
             push(b"\x0a\x01t\x2a\x05\x08\x05\x1a\x10", timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed PushRequest" in info.value.details()
+
+
+def test_decoder_reads_integers_as_protobuf_does():
+    message = ps_pb2.PushRequest(table="t", worker=1)
+    data = message.SerializeToString().replace(b"\x20\x01", b"\x20\x81\x80\x80\x80\x10")
+    assert ps_pb2.PushRequest.FromString(data).worker == 1  # 2**32 + 1 as int32 is 1
+    assert bulk_codec.decode_push_request(data).worker == 1
+    minus_one = b"\x18" + b"\xff" * 9 + b"\x7f"  # step: 10-byte varint with high bits set
+    assert ps_pb2.PushRequest.FromString(minus_one).step == -1
+    assert bulk_codec.decode_push_request(minus_one).step == -1
+
+
+def test_shape_whose_size_overflows_int64_is_rejected():
+    huge = ps_pb2.Tensor(dtype=ps_pb2.FLOAT32, shape=[2**61 + 1, 8], content=bytes(64))
+    decoded = bulk_codec.decode_push_request(ps_pb2.PushRequest(grads=huge).SerializeToString())
+    assert decoded.error and "needs" in decoded.error
+    with pytest.raises(wire.WireError, match="needs"):
+        wire.decode(huge)

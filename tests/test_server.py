@@ -196,3 +196,44 @@ def test_concurrent_async_pushes_from_many_clients_lose_nothing(cluster, table_n
     finally:
         for c in clients:
             c.close()
+
+
+def _raw_push(table, ids, grads, step, worker=0, chunk=0, chunks=1, shard=0):
+    from parallax import bulk_codec
+    data = bulk_codec.encode_push_request(table.name, shard, step, worker, np.asarray(ids),
+                                          np.asarray(grads, np.float32), 0.0, chunk, chunks)
+    return table.shards[shard].stub().Push(data, timeout=10)
+
+
+def test_async_push_sums_duplicate_ids_sent_by_any_client(client, table_name):
+    table = client.create_table(_spec(table_name, shard_count=1, sync_mode="async",
+                                      optimizer=SGD(learning_rate=1.0)))
+    start = table.pull([1])
+    _raw_push(table, [1, 1, 1], np.ones((3, 4)), step=0)  # bypasses the client's dedup
+    np.testing.assert_allclose(table.pull([1]), start - 3)
+
+
+def test_async_repeated_chunk_of_an_older_step_is_refused(client, table_name):
+    table = client.create_table(_spec(table_name, shard_count=1, sync_mode="async",
+                                      optimizer=SGD(learning_rate=1.0)))
+    start = table.pull([1])
+    _raw_push(table, [1], np.ones((1, 4)), step=0, chunk=0, chunks=2)
+    _raw_push(table, [1], np.ones((1, 4)), step=1)
+    assert _raw_push(table, [1], np.ones((1, 4)), step=0, chunk=1, chunks=2).applied
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_push(table, [1], np.ones((1, 4)), step=0, chunk=0, chunks=2)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_push(table, [1], np.ones((1, 4)), step=2, chunk=0, chunks=2)
+        _raw_push(table, [1], np.ones((1, 4)), step=2, chunk=1, chunks=3)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chunk_count 3 differs from the 2" in info.value.details()
+    np.testing.assert_allclose(table.pull([1]), start - 4)
+
+
+def test_restore_starts_push_bookkeeping_afresh(client, table_name):
+    table = client.create_table(_spec(table_name, shard_count=1, sync_mode="async"))
+    client.save(f"fresh-{table_name}", [table_name])
+    table.push([1], np.ones((1, 4)), step=0)
+    client.restore(f"fresh-{table_name}", [table_name])
+    table.push([1], np.ones((1, 4)), step=0)  # the replayed step is accepted again

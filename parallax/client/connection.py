@@ -90,13 +90,14 @@ class ServerConnection:
         return self._stubs[next(self._next)]
 
     def call(self, method: str, request, table: str | None = None,
-             timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None,
+             timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = (),
              pending=None):
         """A unary (or, given an iterator factory, client-streaming) call with retries.
 
         `pending`: a call already started with `future`, which counts as the first attempt.
-        `done_on_retry`: a code that, answered to a retry, means an earlier attempt landed
-        (a push answered ALREADY_EXISTS); the call then returns None.
+        `done_on_retry`: codes that, answered to a retry, mean an earlier attempt landed (a
+        push answered ALREADY_EXISTS, or "step already closed", which it could not be without
+        this push); the call then returns None.
         """
         attempts = 0
         while True:
@@ -108,7 +109,7 @@ class ServerConnection:
                 return getattr(self.stub(), method)(payload, timeout=timeout or
                                                     self.options.timeout)
             except grpc.RpcError as err:
-                if attempts > 1 and done_on_retry is not None and err.code() == done_on_retry:
+                if attempts > 1 and err.code() in done_on_retry:
                     return None
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries:
                     raise describe(method, self.address, table, err, attempts) from None
@@ -120,7 +121,7 @@ class ServerConnection:
                                                    self.options.timeout)
 
     def result(self, future, method: str, request, table: str | None = None,
-               timeout: float | None = None, done_on_retry: grpc.StatusCode | None = None):
+               timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = ()):
         """Wait for a `future` call; UNAVAILABLE is retried like `call` does."""
         return self.call(method, request, table, timeout, done_on_retry, pending=future)
 

@@ -20,6 +20,7 @@ class PSClient:
         self.addresses = list(addresses)
         self.options = options = options or ClientOptions()
         self.servers = [ServerConnection(a, options) for a in self.addresses]
+        self._sync_tables: set[str] = set()  # sync tables this client has handles on
 
     def __enter__(self) -> "PSClient":
         return self
@@ -48,6 +49,8 @@ class PSClient:
 
     def table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
         """A handle on an existing table (no RPC)."""
+        if spec.sync_mode == "sync":
+            self._sync_tables.add(spec.name)
         return ShardedTable(spec, [self.servers[p] for p in self._placement(spec, placement)])
 
     def create_table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
@@ -82,7 +85,16 @@ class PSClient:
     def save(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
         """Every server writes its shards under its data directory at `path`."""
         replies = self._each("Save", ps_pb2.SaveRequest(path=path, tables=list(tables)))
-        return self._shards_of(replies, tables, "save")
+        shards = self._shards_of(replies, tables, "save")
+        steps: dict[str, set[int]] = {}
+        for shard in shards:
+            steps.setdefault(shard.table, set()).add(shard.step)
+        mixed = {t: sorted(s) for t, s in steps.items() if len(s) > 1}
+        if mixed and self._sync_tables.intersection(mixed):
+            raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard steps "
+                              f"{mixed}); save between steps, after table.wait_step(k) and "
+                              f"before any push of step k")
+        return shards
 
     def restore(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
         """Every server reloads its shards (any saved shard count) from `path`."""

@@ -120,7 +120,8 @@ class ShardedTable:
         closed = set()  # shards on which one of this push's chunks completed the step
         for shard, conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,
-                                done_on_retry=grpc.StatusCode.ALREADY_EXISTS)
+                                done_on_retry=(grpc.StatusCode.ALREADY_EXISTS,
+                                               grpc.StatusCode.FAILED_PRECONDITION))
             if reply is not None and reply.applied:
                 closed.add(shard)
         return len(closed) == self.spec.shard_count

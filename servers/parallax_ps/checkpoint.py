@@ -130,7 +130,8 @@ def _check_compatible(manifest: dict, spec: TableSpec, slot_names: list[str]) ->
                            + "; ".join(diff) + "); create the table with the saved shape")
 
 
-def _load_part(table_dir: Path, manifest: dict, slot_names: list[str]) -> dict[str, np.ndarray]:
+def _load_part(table_dir: Path, manifest: dict, spec: TableSpec,
+               slot_names: list[str]) -> dict[str, np.ndarray]:
     path = table_dir / str(manifest.get("file", ""))
     if not path.is_file():
         raise _data_loss(f"checkpoint file {path} is missing")
@@ -144,9 +145,13 @@ def _load_part(table_dir: Path, manifest: dict, slot_names: list[str]) -> dict[s
     except (OSError, ValueError, KeyError) as exc:
         raise _data_loss(f"checkpoint file {path} is unreadable: {exc}") from None
     rows = manifest.get("rows")
-    if any(len(a) != rows for a in arrays.values()):
-        raise _data_loss(f"checkpoint file {path} holds arrays of unequal length (manifest: "
-                         f"{rows} rows)")
+    expected = {name: ((rows, spec.dim), np.dtype(spec.dtype)) for name in arrays}
+    expected["ids"] = ((rows,), np.dtype(np.int64))
+    for name, array in arrays.items():
+        shape, dtype = expected[name]
+        if array.shape != shape or array.dtype != dtype:
+            raise _data_loss(f"checkpoint file {path}: {name} is {array.dtype.name}"
+                             f"{list(array.shape)}, expected {dtype.name}{list(shape)}")
     return arrays
 
 
@@ -162,25 +167,28 @@ def load_for_shard(shard: TableShard, directory: Path) -> tuple[np.ndarray, np.n
     for manifest in manifests:
         _check_compatible(manifest, spec, slot_names)
     steps = {m.get("step") for m in manifests}
-    if len(steps) != 1:
-        raise _data_loss(f"checkpoint of table {spec.name!r} mixes steps {sorted(steps)}")
+    if len(steps) != 1 and spec.sync_mode == "sync":
+        raise _data_loss(f"checkpoint of table {spec.name!r} mixes steps {sorted(steps)}; "
+                         f"save a sync table between steps")
     kept: dict[str, list[np.ndarray]] = {}
     for manifest in manifests:
-        arrays = _load_part(table_dir, manifest, slot_names)
+        arrays = _load_part(table_dir, manifest, spec, slot_names)
         mine = shard.partitioner.shard_of(arrays["ids"]) == shard.shard_index
         for name, arr in arrays.items():
             kept.setdefault(name, []).append(arr[mine])
     ids = np.concatenate(kept["ids"])
+    if len(np.unique(ids)) != len(ids):
+        raise _data_loss(f"checkpoint of table {spec.name!r} holds some row id twice")
     if not spec.hashed_keys:
         expected = shard.partitioner.global_ids(shard.shard_index)
         if len(ids) != len(expected) or not np.array_equal(np.sort(ids), expected):
             raise _data_loss(f"checkpoint of table {spec.name!r} does not cover shard "
                              f"{shard.shard_index}'s {len(expected)} rows exactly "
                              f"(found {len(ids)})")
+    elif spec.max_rows_per_shard and len(ids) > spec.max_rows_per_shard:
+        raise precondition(f"checkpoint of table {spec.name!r} puts {len(ids)} rows on shard "
+                           f"{shard.shard_index}, above max_rows_per_shard="
+                           f"{spec.max_rows_per_shard}; raise the limit or add shards")
     values = np.concatenate(kept["values"])
     slots = {n: np.concatenate(kept[f"slot_{n}"]) for n in slot_names}
-    if values.shape[1:] != (spec.dim,) or values.dtype != np.dtype(spec.dtype):
-        raise _data_loss(f"checkpoint of table {spec.name!r} holds values of shape "
-                         f"{list(values.shape)} {values.dtype.name}, manifest says dim "
-                         f"{spec.dim} {spec.dtype}")
-    return ids, values, slots, int(steps.pop())
+    return ids, values, slots, int(max(steps))  # async shards count their own pushes

@@ -5,6 +5,7 @@ code, spec and wire errors are INVALID_ARGUMENT, anything unexpected is INTERNAL
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -92,7 +93,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.barriers.close()
         with self._lock:
             for shard in self._shards.values():
-                shard.close()
+                shard.close("the server is shutting down; retry after it restarts")
 
     # ---- tables ----------------------------------------------------------------------------
     @_rpc("CreateTable")
@@ -122,7 +123,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard(request.table, request.shard_index)
         with self._lock:
             self._shards.pop((request.table, request.shard_index), None)
-        shard.close()
+        shard.close("the table was deleted")
         return ps_pb2.DeleteTableResponse(), request.table, 0, 0
 
     @_rpc("InitRows")
@@ -207,13 +208,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         directory = checkpoint.resolve(self.data_dir, request.path)
         shards = self.selected(request.tables)
         loaded = [checkpoint.load_for_shard(shard, directory) for shard in shards]
-        for shard in shards:
-            shard.check_between_steps()
         response = ps_pb2.RestoreResponse()
-        for shard, (ids, values, slots, step) in zip(shards, loaded):
-            shard.restore(ids, values, slots, step)
-            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                rows=len(ids), step=step, file=str(directory / shard.spec.name))
+        with contextlib.ExitStack() as held:  # all shards of this server, or none
+            for shard in shards:
+                held.enter_context(shard.cond)
+            for shard in shards:
+                shard.check_between_steps()
+            for shard, (ids, values, slots, step) in zip(shards, loaded):
+                shard.restore(ids, values, slots, step)
+                response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
+                                    rows=len(ids), step=step,
+                                    file=str(directory / shard.spec.name))
         return response, "", sum(s.rows for s in response.shards), 0
 
     # ---- observability -----------------------------------------------------------------------

@@ -28,9 +28,8 @@ def _sum_is_finite(values: np.ndarray) -> bool:
 
 
 class ShuttingDown(RequestError):
-    def __init__(self) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on "
-                         "another server or after it restarts")
+    def __init__(self, reason: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, reason)
 
 
 class TableShard:
@@ -47,7 +46,7 @@ class TableShard:
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
-        self.closed = False
+        self.closed = ""  # why the shard stopped serving, once it has
 
     # ---- validation (no state changes) -------------------------------------------------
     def check_ids(self, ids: np.ndarray, field: str = "ids") -> np.ndarray:
@@ -107,14 +106,16 @@ class TableShard:
         """Block until `min_step` steps are applied; the caller holds `self.cond`."""
         while self.steps.step < min_step:
             if self.closed:
-                raise ShuttingDown()
+                raise ShuttingDown(self.closed)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                waiting = (f"workers {self.steps.pushed_workers()} of "
+                           f"{self.spec.num_workers} pushed step {self.steps.step}"
+                           if self.steps.sync else "async steps count complete pushes")
                 raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.label}: still at step {self.steps.step}, waiting for {min_step}; "
-                    f"workers {self.steps.pushed_workers()} of {self.spec.num_workers} pushed "
-                    f"step {self.steps.step}")
+                    f"{waiting}")
             self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
         return self.steps.step
 
@@ -142,7 +143,7 @@ class TableShard:
         lr = learning_rate or self.spec.optimizer.learning_rate
         with self.cond:
             if self.closed:
-                raise ShuttingDown()
+                raise ShuttingDown(self.closed)
             self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks)
             self.steps.check_learning_rate(self.spec.name, lr)
             self._check_capacity(ids)
@@ -178,22 +179,25 @@ class TableShard:
                     {n: s.copy() for n, s in slots.items()}, self.steps.step)
 
     def check_between_steps(self) -> None:
+        """Raise unless no push is pending; callers that go on to `restore` hold `cond`."""
         with self.cond:
             if self.steps.pending:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"{self.label}: workers {self.steps.pushed_workers()} have "
-                                   f"pushed step {self.steps.step}; restore between steps")
+                                   f"{self.label}: workers {sorted(self.steps.pushes)} have "
+                                   f"pushed part of step {self.steps.step}; restore between "
+                                   f"steps")
 
     def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int) -> None:
-        self.check_between_steps()
+        """Adopt checkpointed rows and step; every push bookkeeping starts afresh."""
         with self.cond:
+            self.check_between_steps()
             self.storage.replace(ids, values, slots)
-            self.steps.step = step
+            self.steps.reset(step)
             self.cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, reason: str) -> None:
         with self.cond:
-            self.closed = True
+            self.closed = f"{self.label}: {reason}"
             self.cond.notify_all()
 
     @property

@@ -4,7 +4,8 @@ Sync mode closes a step when all `num_workers` workers have sent every chunk of 
 the aggregate (sum, or mean over workers) is applied once. Async mode applies each chunk on
 arrival and counts one step per complete push. A worker may split a large push into
 `chunk_count` chunks that arrive in any order; a chunk that arrives twice (a retry) is refused
-with ALREADY_EXISTS instead of being applied twice.
+with ALREADY_EXISTS instead of being applied twice (async: for a worker's last
+`ASYNC_HISTORY` steps).
 """
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ from parallax.routing import sum_duplicates
 from parallax_ps.errors import RequestError, invalid, precondition
 
 Batch = tuple[np.ndarray, np.ndarray]  # (ids, grads)
+ASYNC_HISTORY = 64  # async steps per worker whose chunks are remembered to refuse repeats
+
+
+@dataclass
+class _Push:
+    """One worker's push for one step, as its chunks arrive."""
+
+    chunk_count: int
+    chunks: dict[int, Batch | None] = field(default_factory=dict)  # async keeps no data
+
+    @property
+    def whole(self) -> bool:
+        return len(self.chunks) == self.chunk_count
 
 
 @dataclass
@@ -25,10 +39,12 @@ class StepState:
     sync: bool
     mean: bool
     step: int = 0  # steps applied so far == index of the open step
-    parts: dict[int, dict[int, Batch]] = field(default_factory=dict)  # sync: worker -> chunks
+    pushes: dict[int, _Push] = field(default_factory=dict)  # sync: worker -> open-step push
     learning_rates: dict[int, float] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)  # sync: workers whose push is whole
-    recent: dict[int, tuple[int, set[int]]] = field(default_factory=dict)  # async: last push
+    history: dict[int, dict[int, _Push]] = field(default_factory=dict)  # async: worker -> step
+
+    def _known(self, worker: int, step: int) -> _Push | None:
+        return self.pushes.get(worker) if self.sync else self.history.get(worker, {}).get(step)
 
     def check_push(self, table: str, shard: int, step: int, worker: int, chunk: int,
                    chunks: int) -> None:
@@ -39,27 +55,24 @@ class StepState:
                           f"num_workers={self.num_workers}")
         if not 0 <= chunk < chunks:
             raise invalid(f"{where}: chunk_index {chunk} is outside [0, chunk_count={chunks})")
-        if not self.sync:
-            last_step, seen = self.recent.get(worker, (None, set()))
-            if last_step == step and chunk in seen:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"{where}: worker {worker} already sent chunk {chunk} of "
-                                   f"step {step}")
-            return
-        if step < self.step:
+        if self.sync and step < self.step:
             raise precondition(f"{where}: step {step} is already closed (the shard has applied "
                                f"{self.step} steps); push step {self.step}")
-        if step > self.step:
+        if self.sync and step > self.step:
             raise precondition(f"{where}: step {step} is ahead of the open step {self.step}; "
                                f"wait for step {self.step} to close (pull or WaitStep with "
                                f"min_step={step})")
-        if worker in self.finished:
+        known = self._known(worker, step)
+        if known is None:
+            return
+        if known.chunk_count != chunks:
+            raise invalid(f"{where}: worker {worker} step {step}: chunk_count {chunks} differs "
+                          f"from the {known.chunk_count} its earlier chunks gave")
+        if chunk in known.chunks:
+            what = "push" if known.whole and chunks == 1 else f"chunk {chunk} of its push"
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"{where}: worker {worker} already pushed step {step}")
-        if chunk in self.parts.get(worker, {}):
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"{where}: worker {worker} already sent chunk {chunk} of this "
-                               f"push")
+                               f"{where}: worker {worker} already sent the {what} for step "
+                               f"{step}")
 
     def check_learning_rate(self, table: str, learning_rate: float) -> None:
         for other, lr in self.learning_rates.items():
@@ -71,17 +84,16 @@ class StepState:
             chunks: int) -> tuple[list[Batch], bool]:
         """Record a validated chunk: (batches to apply now, whether a step is completed)."""
         if not self.sync:
-            last_step, seen = self.recent.get(worker, (None, set()))
-            seen = seen if last_step == step else set()
-            seen.add(chunk)
-            self.recent[worker] = (step, seen)
-            return [batch], len(seen) == chunks
-        received = self.parts.setdefault(worker, {})
-        received[chunk] = batch
+            steps = self.history.setdefault(worker, {})
+            push = steps.setdefault(step, _Push(chunks))
+            push.chunks[chunk] = None
+            while len(steps) > ASYNC_HISTORY:
+                del steps[min(steps)]
+            return [sum_duplicates(*batch)], push.whole
+        push = self.pushes.setdefault(worker, _Push(chunks))
+        push.chunks[chunk] = batch
         self.learning_rates[worker] = learning_rate
-        if len(received) == chunks:
-            self.finished.add(worker)
-        if len(self.finished) < self.num_workers:
+        if len(self.pushes) < self.num_workers or not all(p.whole for p in self.pushes.values()):
             return [], False
         return self._aggregate(), True
 
@@ -90,9 +102,9 @@ class StepState:
 
         One worker's chunks whose ids are already increasing across chunks (what the client
         sends) are applied chunk by chunk, avoiding a copy the size of the whole push."""
-        chunks = [self.parts[w][c] for w in sorted(self.parts) for c in sorted(self.parts[w])]
-        self.parts.clear()
-        self.finished.clear()
+        chunks = [push.chunks[c] for _, push in sorted(self.pushes.items())
+                  for c in sorted(push.chunks)]
+        self.pushes.clear()
         self.learning_rates.clear()
         ids = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
         if self.num_workers == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
@@ -102,12 +114,20 @@ class StepState:
             summed = summed / summed.dtype.type(self.num_workers)
         return [(unique, summed)]
 
+    def reset(self, step: int) -> None:
+        """Forget every push (after a restore) and continue from `step`."""
+        self.step = step
+        self.pushes.clear()
+        self.learning_rates.clear()
+        self.history.clear()
+
     def pending_keys(self) -> list[np.ndarray]:
-        return [ids for chunks in self.parts.values() for ids, _ in chunks.values()]
+        return [b[0] for p in self.pushes.values() for b in p.chunks.values() if b is not None]
 
     @property
     def pending(self) -> bool:
-        return bool(self.parts)
+        return bool(self.pushes)
 
     def pushed_workers(self) -> list[int]:
-        return sorted(self.finished)
+        """Sync: the workers whose push for the open step is complete."""
+        return sorted(w for w, p in self.pushes.items() if p.whole)
