@@ -51,3 +51,17 @@ def test_hashed_keys_table_reshards_too(client, snapshot, table_name):
     after = snapshot(table_name)
     for key, value in saved.arrays.items():
         np.testing.assert_array_equal(after.arrays[key], value, err_msg=key)
+
+
+def test_saving_a_sync_table_mid_step_is_refused(client, table_name):
+    from parallax.errors import ConfigError
+    spec = TableSpec(name=table_name, vocabulary_size=100, dim=2, shard_count=2, num_workers=2)
+    table = client.create_table(spec)
+    table.push([0, 1], np.ones((2, 2)), step=0, worker=0)
+    from parallax import bulk_codec
+    data = bulk_codec.encode_push_request(table_name, 0, 0, 1, np.array([0]),
+                                          np.ones((1, 2), np.float32))
+    table.shards[0].stub().Push(data, timeout=10)  # worker 1 reached shard 0 only
+    with pytest.raises(ConfigError, match=r"caught sync tables mid-step \(shard steps "
+                                          r"\{'" + table_name + r"': \[0, 1\]\}\)"):
+        client.save(f"midstep-{table_name}", [table_name])
