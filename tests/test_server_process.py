@@ -126,3 +126,11 @@ def test_large_tables_are_initialised_lazily():
         after = table.pull(ids, min_step=1)
         assert (after < initial_rows(spec.initializer, ids, 16, "float32")).all()
         assert _rss_mb(pid) - before < 200, (before, _rss_mb(pid))
+
+
+def test_readme_quickstart_example_runs():
+    example = Path(__file__).resolve().parents[1] / "examples" / "ps_quickstart.py"
+    result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pulled (2, 2, 64); row 3 moved by 0.0010" in result.stdout
