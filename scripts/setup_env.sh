@@ -13,6 +13,16 @@ log() { printf '[setup] %s\n' "$*"; }
 done_stage() { [ -f "$stamps/$1" ] && [ "$(cat "$stamps/$1")" = "$2" ]; }
 mark_stage() { mkdir -p "$stamps"; printf '%s' "$2" >"$stamps/$1"; }
 
+if ! "$python" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))'; then
+  echo "[setup] $python is Python $("$python" -c 'import platform; print(platform.python_version())'):" \
+       "TensorFlow 2.17.1 needs 3.10-3.12; run with PYTHON=python3.11 (for example)" >&2
+  exit 1
+fi
+if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+  echo "[setup] no C++ compiler found: Horovod is built from source; install g++ (Debian: apt-get install g++)" >&2
+  exit 1
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   log "creating virtual environment at $venv"
   "$python" -m venv "$venv"
