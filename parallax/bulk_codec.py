@@ -252,6 +252,7 @@ class BulkPush:
     learning_rate: float = 0.0
     chunk_index: int = 0
     chunk_count: int = 0
+    session: int = 0
     error: str | None = None  # set instead of raising, so the handler can answer precisely
 
 
@@ -260,7 +261,7 @@ class PushRequestWriter:
 
     def __init__(self, table: str, shard_index: int, step: int, worker: int, rows: int,
                  dim: int, dtype: object, learning_rate: float = 0.0, chunk_index: int = 0,
-                 chunk_count: int = 0) -> None:
+                 chunk_count: int = 0, session: int = 0) -> None:
         name = table.encode()
         writer = _Writer().raw(b"\x0a" + _varint(len(name)) + name)
         for number, value in ((2, shard_index), (3, step), (4, worker)):
@@ -269,7 +270,7 @@ class PushRequestWriter:
         writer.tensor(5, "ids", np.int64, (rows,)).tensor(6, "grads", np.dtype(dtype), (rows, dim))
         if learning_rate:
             writer.raw(b"\x39" + struct.pack("<d", learning_rate))
-        for number, value in ((8, chunk_index), (9, chunk_count)):
+        for number, value in ((8, chunk_index), (9, chunk_count), (10, session)):
             if value:
                 writer.raw(_varint(number << 3) + _varint(value))
         self._data, views = writer.build()
@@ -281,16 +282,17 @@ class PushRequestWriter:
 
 def encode_push_request(table: str, shard_index: int, step: int, worker: int, ids: np.ndarray,
                         grads: np.ndarray, learning_rate: float = 0.0, chunk_index: int = 0,
-                        chunk_count: int = 0) -> bytes:
+                        chunk_count: int = 0, session: int = 0) -> bytes:
     grads = np.asarray(grads)
     writer = PushRequestWriter(table, shard_index, step, worker, len(ids), grads.shape[1],
-                               grads.dtype, learning_rate, chunk_index, chunk_count)
+                               grads.dtype, learning_rate, chunk_index, chunk_count, session)
     writer.ids[...] = ids
     writer.grads[...] = grads
     return writer.data()
 
 
-_PUSH_INTS = {2: "shard_index", 3: "step", 4: "worker", 8: "chunk_index", 9: "chunk_count"}
+_PUSH_INTS = {2: "shard_index", 3: "step", 4: "worker", 8: "chunk_index", 9: "chunk_count",
+              10: "session"}
 _PUSH_INT32 = {"shard_index", "worker", "chunk_index", "chunk_count"}
 
 
@@ -303,7 +305,8 @@ def decode_push_request(buffer: bytes) -> BulkPush:
                 push.table = bytes(data[start:end]).decode()
             elif number in _PUSH_INTS and kind == _VARINT:
                 name = _PUSH_INTS[number]
-                setattr(push, name, _int32(value) if name in _PUSH_INT32 else _signed(value))
+                setattr(push, name, _int32(value) if name in _PUSH_INT32 else
+                        value if name == "session" else _signed(value))
             elif number in (5, 6) and kind == _LEN:
                 name = "ids" if number == 5 else "grads"
                 setattr(push, name, _decode_tensor(buffer, data, start, end, name))

@@ -46,7 +46,7 @@ def test_writers_fill_bytes_in_place_with_aligned_rows(rows, dim):
 def test_push_request_matches_protobuf_both_ways():
     ids, grads = np.array([5, -1, 2**50]), np.ones((3, 2), np.float32)
     fields = dict(table="emb.v2", shard_index=3, step=2**33, worker=-2, learning_rate=0.125,
-                  chunk_index=1, chunk_count=4)
+                  chunk_index=1, chunk_count=4, session=2**63 + 5)
     ours = bulk_codec.encode_push_request(ids=ids, grads=grads, **fields)
     message = ps_pb2.PushRequest.FromString(ours)
     for name, value in fields.items():

@@ -11,11 +11,25 @@ import pytest
 BIN = Path(sys.executable).parent
 
 
-def test_tensorflow_and_grpc_versions():
+def _pinned(name: str) -> str:
+    requirements = Path(__file__).resolve().parents[1] / "requirements" / "base.txt"
+    for line in requirements.read_text().splitlines():
+        if line.startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise AssertionError(f"{name} is not pinned in {requirements}")
+
+
+def test_installed_versions_are_the_pinned_ones():
+    import google.protobuf
     import grpc
+    import grpc_tools
     import tensorflow as tf
-    assert tf.__version__ == "2.17.1"
-    assert grpc.__version__.startswith("1.62.")
+    from importlib.metadata import version
+    assert tf.__version__ == _pinned("tensorflow") == "2.17.1"
+    assert grpc.__version__ == _pinned("grpcio")
+    assert version("grpcio-tools") == _pinned("grpcio-tools")
+    assert google.protobuf.__version__.startswith("4.25.")
+    assert grpc_tools is not None
 
 
 @pytest.mark.multiprocess

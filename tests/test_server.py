@@ -198,10 +198,11 @@ def test_concurrent_async_pushes_from_many_clients_lose_nothing(cluster, table_n
             c.close()
 
 
-def _raw_push(table, ids, grads, step, worker=0, chunk=0, chunks=1, shard=0):
+def _raw_push(table, ids, grads, step, worker=0, chunk=0, chunks=1, shard=0, session=7):
     from parallax import bulk_codec
     data = bulk_codec.encode_push_request(table.name, shard, step, worker, np.asarray(ids),
-                                          np.asarray(grads, np.float32), 0.0, chunk, chunks)
+                                          np.asarray(grads, np.float32), 0.0, chunk, chunks,
+                                          session)
     return table.shards[shard].stub().Push(data, timeout=10)
 
 
@@ -237,3 +238,14 @@ def test_restore_starts_push_bookkeeping_afresh(client, table_name):
     table.push([1], np.ones((1, 4)), step=0)
     client.restore(f"fresh-{table_name}", [table_name])
     table.push([1], np.ones((1, 4)), step=0)  # the replayed step is accepted again
+
+
+def test_async_restarted_worker_counting_from_zero_is_not_taken_for_a_retry(cluster, table_name):
+    spec = _spec(table_name, shard_count=1, sync_mode="async", optimizer=SGD(learning_rate=1.0))
+    with PSClient(cluster.addresses) as first:
+        table = first.create_table(spec)
+        start = table.pull([1])
+        table.push([1], np.ones((1, 4)), step=0)
+    with PSClient(cluster.addresses) as restarted:  # a new process: a new session
+        restarted.table(spec).push([1], np.ones((1, 4)), step=0)
+        np.testing.assert_allclose(restarted.table(spec).pull([1]), start - 2, rtol=1e-6)

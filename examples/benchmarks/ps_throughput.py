@@ -66,6 +66,7 @@ from grpc_echo import EchoClient  # noqa: E402
 MALLOC_REUSE = reuse_freed_memory()  # the client reuses freed buffers, as the server does
 
 OPS = ("pull_unique", "pull", "push")
+_PUSH_STEPS = itertools.count()
 MIN_REPS = 3          # a configuration always gets at least this many timed repetitions
 MB = 1e6
 
@@ -159,9 +160,8 @@ def op_call(table: ShardedTable, op: str, ids: np.ndarray,
         return lambda: table.pull_unique(ids)
     if op == "pull":
         return lambda: table.pull(ids)
-    if op == "push":
-        steps = itertools.count()
-        return lambda: table.push(ids, grads, step=next(steps), worker=0)
+    if op == "push":  # async: every push of this client's session needs a step of its own
+        return lambda: table.push(ids, grads, step=next(_PUSH_STEPS), worker=0)
     raise ValueError(f"unknown op {op!r}; use one of {OPS}")
 
 

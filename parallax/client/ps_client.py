@@ -1,6 +1,7 @@
 """The client of a set of parameter servers: create tables, place shards, checkpoints, stats."""
 from __future__ import annotations
 
+import secrets
 from typing import Sequence
 
 from parallax.client.connection import ClientOptions, ServerConnection
@@ -21,6 +22,7 @@ class PSClient:
         self.options = options = options or ClientOptions()
         self.servers = [ServerConnection(a, options) for a in self.addresses]
         self._sync_tables: set[str] = set()  # sync tables this client has handles on
+        self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
 
     def __enter__(self) -> "PSClient":
         return self
@@ -51,7 +53,8 @@ class PSClient:
         """A handle on an existing table (no RPC)."""
         if spec.sync_mode == "sync":
             self._sync_tables.add(spec.name)
-        return ShardedTable(spec, [self.servers[p] for p in self._placement(spec, placement)])
+        return ShardedTable(spec, [self.servers[p] for p in self._placement(spec, placement)],
+                            self.session)
 
     def create_table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
         """Create every shard (idempotent: identical re-creation is a no-op)."""

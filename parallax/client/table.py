@@ -22,12 +22,14 @@ from parallax.specs import TableSpec
 
 
 class ShardedTable:
-    def __init__(self, spec: TableSpec, shards: Sequence[ServerConnection]) -> None:
+    def __init__(self, spec: TableSpec, shards: Sequence[ServerConnection],
+                 session: int = 0) -> None:
         if len(shards) != spec.shard_count:
             raise ConfigError(f"table {spec.name!r} has {spec.shard_count} shards but "
                               f"{len(shards)} server connections were given")
         self.spec = spec
         self.shards = list(shards)
+        self.session = session  # sent with pushes: async retries are recognised per session
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.dtype = np.dtype(spec.dtype)
         row_bytes = spec.dim * self.dtype.itemsize + 8  # the row and its int64 id
@@ -111,7 +113,7 @@ class ShardedTable:
         for shard, lo, hi, index, count in self._slices(plan.offsets):
             writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
                                                   self.spec.dim, self.dtype, learning_rate,
-                                                  index, count)
+                                                  index, count, self.session)
             writer.ids[...] = plan.ids[lo:hi]
             plan.fill(grads, lo, hi, writer.grads)
             request = writer.data()

@@ -176,7 +176,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         grads = request.grads
         step, applied = shard.push(request.step, request.worker, request.ids, grads,
                                    request.learning_rate, request.chunk_index,
-                                   max(1, request.chunk_count))
+                                   max(1, request.chunk_count), request.session)
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
 

@@ -134,7 +134,8 @@ class TableShard:
             return np.take(self.storage.values, rows, axis=0, out=out, mode="clip"), step
 
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
-             learning_rate: float, chunk: int = 0, chunks: int = 1) -> tuple[int, bool]:
+             learning_rate: float, chunk: int = 0, chunks: int = 1,
+             session: int = 0) -> tuple[int, bool]:
         ids = self.check_ids(ids)
         self.check_rows(grads, len(ids), "grads")
         if learning_rate < 0 or not np.isfinite(learning_rate):
@@ -144,10 +145,12 @@ class TableShard:
         with self.cond:
             if self.closed:
                 raise ShuttingDown(self.closed)
-            self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks)
+            self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks,
+                                  session)
             self.steps.check_learning_rate(self.spec.name, lr)
             self._check_capacity(ids)
-            batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks)
+            batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks,
+                                                session)
             for batch_ids, batch_grads in batches:
                 if len(batch_ids):
                     rows = self.storage.locate(batch_ids, create=True)

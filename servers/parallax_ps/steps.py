@@ -41,13 +41,17 @@ class StepState:
     step: int = 0  # steps applied so far == index of the open step
     pushes: dict[int, _Push] = field(default_factory=dict)  # sync: worker -> open-step push
     learning_rates: dict[int, float] = field(default_factory=dict)
-    history: dict[int, dict[int, _Push]] = field(default_factory=dict)  # async: worker -> step
+    # async: worker -> (session, step -> push); a new session of a worker forgets the old one
+    history: dict[int, tuple[int, dict[int, _Push]]] = field(default_factory=dict)
 
-    def _known(self, worker: int, step: int) -> _Push | None:
-        return self.pushes.get(worker) if self.sync else self.history.get(worker, {}).get(step)
+    def _known(self, worker: int, step: int, session: int) -> _Push | None:
+        if self.sync:
+            return self.pushes.get(worker)
+        known_session, steps = self.history.get(worker, (None, {}))
+        return steps.get(step) if known_session == session else None
 
     def check_push(self, table: str, shard: int, step: int, worker: int, chunk: int,
-                   chunks: int) -> None:
+                   chunks: int, session: int = 0) -> None:
         """Raise (changing nothing) unless `worker` may push this chunk of `step` now."""
         where = f"table {table!r} shard {shard}"
         if not 0 <= worker < self.num_workers:
@@ -62,7 +66,7 @@ class StepState:
             raise precondition(f"{where}: step {step} is ahead of the open step {self.step}; "
                                f"wait for step {self.step} to close (pull or WaitStep with "
                                f"min_step={step})")
-        known = self._known(worker, step)
+        known = self._known(worker, step, session)
         if known is None:
             return
         if known.chunk_count != chunks:
@@ -81,10 +85,13 @@ class StepState:
                               f"worker {other}'s {lr} for the same step; workers must agree")
 
     def add(self, worker: int, step: int, batch: Batch, learning_rate: float, chunk: int,
-            chunks: int) -> tuple[list[Batch], bool]:
+            chunks: int, session: int = 0) -> tuple[list[Batch], bool]:
         """Record a validated chunk: (batches to apply now, whether a step is completed)."""
         if not self.sync:
-            steps = self.history.setdefault(worker, {})
+            known_session, steps = self.history.get(worker, (None, {}))
+            if known_session != session:
+                steps = {}
+                self.history[worker] = (session, steps)
             push = steps.setdefault(step, _Push(chunks))
             push.chunks[chunk] = None
             while len(steps) > ASYNC_HISTORY:

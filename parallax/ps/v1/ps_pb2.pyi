@@ -255,7 +255,7 @@ class PullResponse(_message.Message):
     def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "shard_index", "step", "worker", "ids", "grads", "learning_rate", "chunk_index", "chunk_count")
+    __slots__ = ("table", "shard_index", "step", "worker", "ids", "grads", "learning_rate", "chunk_index", "chunk_count", "session")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class PushRequest(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     step: int
@@ -274,7 +275,8 @@ class PushRequest(_message.Message):
     learning_rate: float
     chunk_index: int
     chunk_count: int
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., worker: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., learning_rate: _Optional[float] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ...) -> None: ...
+    session: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., worker: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., learning_rate: _Optional[float] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("step", "applied")
