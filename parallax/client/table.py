@@ -60,7 +60,9 @@ class ShardedTable:
             for index, lo in enumerate(bounds):
                 yield shard, lo, min(lo + self.chunk_rows, stop), index, len(bounds)
 
-    def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int) -> np.ndarray:
+    def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int,
+                      order: np.ndarray | None = None) -> np.ndarray:
+        """Rows of shard-grouped `ids`; with `order`, row k lands at position order[k]."""
         if min_step > 0:
             # Wait with one RPC per shard, then pull every chunk without waiting: a waiting
             # request holds a server thread, and a step can only close if the other workers'
@@ -76,7 +78,10 @@ class ShardedTable:
                 calls.append((conn, conn.future("Pull", request), request, lo, hi))
         for conn, future, request, lo, hi in calls:
             values, _ = conn.result(future, "Pull", request, self.name)
-            rows[lo:hi] = values
+            if order is None:
+                rows[lo:hi] = values
+            else:
+                rows[order[lo:hi]] = values
         return rows
 
     def pull(self, ids, min_step: int = 0) -> np.ndarray:
@@ -99,9 +104,7 @@ class ShardedTable:
         order, offsets = self.partitioner.shard_order(unique)
         if order is None:
             return self._pull_grouped(unique, offsets, min_step)
-        out = np.empty((len(unique), self.spec.dim), dtype=self.dtype)
-        out[order] = self._pull_grouped(unique[order], offsets, min_step)
-        return out
+        return self._pull_grouped(unique[order], offsets, min_step, order)
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
         """Send gradients for `ids` (duplicates summed here), chunked to the message limit;
