@@ -75,13 +75,14 @@ def test_pull_for_next_step_waits_until_the_step_closes(client, table_name):
     np.testing.assert_allclose(result["rows"], start - 3)
 
 
-def test_waiting_pull_times_out_with_who_is_missing(cluster, table_name):
+def test_waiting_pull_times_out_with_who_is_missing(cluster, client, table_name):
+    spec = _spec(table_name, num_workers=2, shard_count=1)
+    client.create_table(spec).push([0], [[1] * 4], step=0, worker=1)
     with PSClient(cluster.addresses, ClientOptions(timeout=0.5)) as impatient:
-        table = impatient.create_table(_spec(table_name, num_workers=2, shard_count=1))
-        table.push([0], [[1] * 4], step=0, worker=1)
         with pytest.raises(ServerError, match=r"DEADLINE_EXCEEDED") as info:
-            table.pull([0], min_step=1)
+            impatient.table(spec).pull([0], min_step=1)
         assert cluster.addresses[0] in str(info.value) and table_name in str(info.value)
+        assert "workers [1] of 2 pushed step 0" in str(info.value)
 
 
 def test_async_mode_applies_each_push_on_arrival(client, table_name):

@@ -32,8 +32,12 @@ SERVICE_NAME = "parallax.ps.v1.ParameterServer"
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
+    """When a waiting request gives up: a little before the caller's own deadline, so the
+    caller gets the server's explanation (who has not pushed) rather than a bare timeout."""
     remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+    if remaining is None:
+        return None
+    return time.monotonic() + remaining - min(0.25, 0.1 * remaining)
 
 
 def _rpc(method: str):
