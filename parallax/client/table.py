@@ -90,21 +90,16 @@ class ShardedTable:
         `min_step=k` waits until every shard has applied steps [0, k)."""
         shape = np.shape(ids)
         unique, inverse = dedup(self._check_ids(ids))
-        order, offsets = self.partitioner.shard_order(unique)
-        if order is None:
-            return self._pull_grouped(unique, offsets, min_step)[inverse].reshape(*shape, -1)
-        rows = self._pull_grouped(unique[order], offsets, min_step)
-        position = np.empty_like(order)
-        position[order] = np.arange(len(order))
-        return rows[position[inverse]].reshape(*shape, self.spec.dim)
+        return self._pull_in_order(unique, min_step)[inverse].reshape(*shape, self.spec.dim)
 
     def pull_unique(self, unique, min_step: int = 0) -> np.ndarray:
         """Rows for ids that are already unique, in their order (skips the dedup)."""
-        unique = self._check_ids(unique)
+        return self._pull_in_order(self._check_ids(unique), min_step)
+
+    def _pull_in_order(self, unique: np.ndarray, min_step: int) -> np.ndarray:
         order, offsets = self.partitioner.shard_order(unique)
-        if order is None:
-            return self._pull_grouped(unique, offsets, min_step)
-        return self._pull_grouped(unique[order], offsets, min_step, order)
+        grouped = unique if order is None else unique[order]
+        return self._pull_grouped(grouped, offsets, min_step, order)
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
         """Send gradients for `ids` (duplicates summed here), chunked to the message limit;

@@ -6,13 +6,11 @@ binary search, no Python loop over ids), and arrays grow geometrically.
 """
 from __future__ import annotations
 
-import grpc
 import numpy as np
 
 from parallax.initial_values import initial_rows
 from parallax.routing import Partitioner
 from parallax.specs import TableSpec
-from parallax_ps.errors import RequestError
 from parallax_ps.optimizers import ServerOptimizer, Slots
 
 
@@ -105,44 +103,40 @@ class KeyedRows:
         return self._keys[: self._count].copy()
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.searchsorted(self._keys_sorted, keys)
-        pos_clipped = np.minimum(pos, max(len(self._keys_sorted) - 1, 0))
-        found = (pos < len(self._keys_sorted)) & (self._keys_sorted[pos_clipped] == keys) \
-            if len(self._keys_sorted) else np.zeros(len(keys), dtype=bool)
-        rows = np.where(found, self._rows_sorted[pos_clipped] if len(self._rows_sorted) else 0, -1)
-        return rows, found
+        """(local row or -1, found) for each key, by binary search of the sorted index."""
+        held = len(self._keys_sorted)
+        if held == 0:
+            return np.full(len(keys), -1, dtype=np.int64), np.zeros(len(keys), dtype=bool)
+        pos = np.minimum(np.searchsorted(self._keys_sorted, keys), held - 1)
+        found = self._keys_sorted[pos] == keys
+        return np.where(found, self._rows_sorted[pos], -1), found
 
     def count_new(self, ids: np.ndarray) -> int:
         _, found = self._find(np.asarray(ids, dtype=np.int64))
         return int(len(np.unique(ids[~found])))
 
     def locate(self, ids: np.ndarray, create: bool = False) -> np.ndarray:
+        """Local rows of keys, creating missing ones when asked (the shard has already checked
+        them against max_rows_per_shard, before changing anything)."""
         keys = np.asarray(ids, dtype=np.int64)
         rows, found = self._find(keys)
         if found.all() or not create:
             return rows
-        new_keys = np.unique(keys[~found])
-        limit = self.spec.max_rows_per_shard
-        if limit and self._count + len(new_keys) > limit:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"table {self.spec.name!r} shard {self.shard}: {len(new_keys)} new keys would "
-                f"exceed max_rows_per_shard={limit} (holding {self._count}); raise the limit "
-                f"or add shards")
-        self._append(new_keys)
+        self._append(np.unique(keys[~found]))
         return self._find(keys)[0]
 
-    def _append(self, new_keys: np.ndarray) -> None:
+    def _append(self, new_keys: np.ndarray, initialise: bool = True) -> None:
         """Create rows for keys that are unique and not held yet."""
         new_keys = np.sort(new_keys)
         start, stop = self._count, self._count + len(new_keys)
         if stop > len(self.values):
             self._grow(max(stop, 2 * len(self.values), 1024))
         self._keys[start:stop] = new_keys
-        self.values[start:stop] = initial_rows(self.spec.initializer, new_keys, self.spec.dim,
-                                               self.spec.dtype)
-        for name, slot in self.slots.items():
-            slot[start:stop] = self.optimizer.slot_initial_value(name)
+        if initialise:
+            self.values[start:stop] = initial_rows(self.spec.initializer, new_keys,
+                                                   self.spec.dim, self.spec.dtype)
+            for name, slot in self.slots.items():
+                slot[start:stop] = self.optimizer.slot_initial_value(name)
         self._count = stop
         # merge the (sorted, absent) new keys into the index in O(n): no re-sort
         at = np.searchsorted(self._keys_sorted, new_keys)
@@ -166,7 +160,7 @@ class KeyedRows:
         self._rows_sorted = np.empty(0, dtype=np.int64)
         self._grow(max(len(ids), 1024))
         if len(ids):
-            self._append(np.asarray(ids, dtype=np.int64))
+            self._append(np.asarray(ids, dtype=np.int64), initialise=False)  # overwritten next
             rows = self.locate(ids)
             self.values[rows] = values
             for name, slot in self.slots.items():
