@@ -142,14 +142,9 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     """(sorted unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows.
 
     Sorted unique input is returned as is (no copy)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if len(ids) == 0:
-        return ids, values.reshape(0, *values.shape[1:])
-    if len(ids) == 1 or bool(np.all(ids[1:] > ids[:-1])):
-        return ids, values  # already unique and sorted (what the client sends): no copy
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    if len(starts) == len(ids):
-        return sorted_ids, values[order]
-    return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)
+    plan = Partitioner(1).plan_push(ids)
+    if plan.order is None:
+        return plan.ids, values  # already unique and sorted (what the client sends)
+    summed = np.empty((len(plan.ids),) + values.shape[1:], dtype=values.dtype)
+    plan.fill(values, 0, len(plan.ids), summed)
+    return plan.ids, summed
