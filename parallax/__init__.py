@@ -5,5 +5,13 @@ from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
 from parallax.version import __version__
 
 __all__ = ["Adagrad", "Adam", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
-           "PSClient", "ParallaxError", "SGD", "ServerError", "ShardedTable", "TableSpec",
-           "__version__"]
+           "PSClient", "ParallaxError", "ParallaxStrategy", "SGD", "ServerError",
+           "ShardedTable", "TableSpec", "__version__"]
+
+
+def __getattr__(name: str):
+    # The strategy imports TensorFlow; parameter servers import this package without it.
+    if name == "ParallaxStrategy":
+        from parallax.strategy import ParallaxStrategy
+        return ParallaxStrategy
+    raise AttributeError(f"module 'parallax' has no attribute {name!r}")

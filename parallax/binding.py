@@ -1,0 +1,133 @@
+"""Put a plan into effect: check that every worker made the same plan, create the tables on
+the servers (the chief streams the initial values once), bind each variable to its table and
+release the worker's copy, and broadcast rank 0's replicated variables.
+
+Failures on the chief are broadcast to the other workers before it raises, so no worker is
+left waiting in a collective for a peer that gave up.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from parallax.client import ClientOptions, PSClient
+from parallax.cluster import ClusterSpec
+from parallax.collectives import HorovodWorkers, SingleWorker
+from parallax.errors import ConfigError, ParallaxError
+from parallax.keras_support import slots_of
+from parallax.plan import Plan, VariablePlan
+from parallax.remote import RemoteTable
+from parallax.specs import Initializer, TableSpec, optimizer_from_keras
+from parallax.variables import ParallaxVariable
+
+Workers = SingleWorker | HorovodWorkers
+
+
+def check_agreement(plan: Plan, workers: Workers) -> None:
+    """Every worker must plan the same variables with the same shapes: the alternative is a
+    collective that hangs or tables that silently mix two models."""
+    signatures = workers.allgather_object(plan.signature())
+    chief = signatures[0]
+    for rank, other in enumerate(signatures[1:], start=1):
+        if other == chief:
+            continue
+        if len(other) != len(chief):
+            raise ConfigError(f"workers disagree on the model: worker 0 has {len(chief)} "
+                              f"trainable variables, worker {rank} has {len(other)}; every "
+                              f"worker must build the same model")
+        for mine, theirs in zip(chief, other):
+            if mine != theirs:
+                raise ConfigError(
+                    f"workers disagree on the model: variable #{mine[0]} is {mine[1]!r} "
+                    f"shape {mine[2]} {mine[3]} ({mine[4]}) on worker 0 but {theirs[1]!r} "
+                    f"shape {theirs[2]} {theirs[3]} ({theirs[4]}) on worker {rank}; every "
+                    f"worker must build the same model")
+
+
+def _on_chief_then_all(workers: Workers, chief_work: Callable[[], None]) -> None:
+    """Run `chief_work` on rank 0; the others wait, and raise the chief's error if it fails."""
+    error = None
+    if workers.info.is_chief:
+        try:
+            chief_work()
+        except Exception as exc:  # noqa: BLE001 - forwarded to the peers, then re-raised
+            error = exc
+    message = workers.broadcast_object(None if error is None else f"{error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ParallaxError(f"worker 0 failed to set up the parameter-server tables: {message}")
+
+
+def _table_spec(vp: VariablePlan, var: tf.Variable, optimizer_spec, *, sync: bool,
+                pushers: int) -> TableSpec:
+    shape = var.shape.as_list()
+    rows = shape[0] if shape else 1
+    dim = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=var.dtype.name,
+                     initializer=Initializer("zeros"), optimizer=optimizer_spec,
+                     shard_count=vp.shards, num_workers=pushers,
+                     sync_mode="sync" if sync else "async", aggregation="sum")
+
+
+class TableBinder:
+    """Creates and binds the tables of one plan; owns the PS client."""
+
+    def __init__(self, plan: Plan, cluster: ClusterSpec, workers: Workers,
+                 options: ClientOptions | None, connect_timeout: float,
+                 local_aggregation: bool) -> None:
+        self.plan = plan
+        self.cluster = cluster
+        self.workers = workers
+        self.client = PSClient(cluster.ps_addresses, options)
+        self.connect_timeout = connect_timeout
+        info = workers.info
+        self.pushers = info.size // info.local_size if local_aggregation else info.size
+        self.sends_pushes = info.local_rank == 0 if local_aggregation else True
+        self.remotes: dict[int, RemoteTable] = {}
+
+    def bind(self, variables: dict[int, ParallaxVariable], optimizer) -> dict[int, RemoteTable]:
+        on_servers = self.plan.on_servers
+        if optimizer is None:
+            raise ConfigError(
+                f"{len(on_servers)} variable(s) go to the parameter servers, which apply the "
+                f"optimizer themselves, but no Keras optimizer updated them in the traced "
+                f"step; update variables with a keras.optimizers optimizer "
+                f"(apply_gradients / fit), or use mode='allreduce'")
+        optimizer_spec = optimizer_from_keras(optimizer)
+        specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
+                             pushers=self.pushers) for vp in on_servers]
+        self.client.wait_ready(self.connect_timeout)
+
+        def create_and_fill() -> None:
+            for vp, spec in zip(on_servers, specs):
+                table = self.client.create_table(spec)
+                values = variables[vp.index].numpy().reshape(spec.vocabulary_size, spec.dim)
+                table.assign(np.arange(spec.vocabulary_size, dtype=np.int64), values)
+
+        _on_chief_then_all(self.workers, create_and_fill)
+        for vp, spec in zip(on_servers, specs):
+            table = self.client.create_table(spec)  # idempotent; a differing spec is refused
+            var = variables[vp.index]
+            remote = RemoteTable(vp.name, var.shape, var.dtype, table, sync=self.plan.sync,
+                                 sends_pushes=self.sends_pushes)
+            var.bind_remote(remote)
+            for slot in slots_of(optimizer, var):
+                if isinstance(slot, ParallaxVariable):
+                    slot.release_as_constant()
+            self.remotes[vp.index] = remote
+        return self.remotes
+
+
+def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
+    """Rank 0's values for every variable the workers keep (dense weights, their slots)."""
+    local = [v for v in variables if getattr(v, "_parallax_remote", None) is None]
+    workers.broadcast_variables(local)
+
+
+def log_plan(plan: Plan, workers: Workers) -> None:
+    if workers.info.is_chief:
+        print(plan.format(), file=sys.stderr, flush=True)

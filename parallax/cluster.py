@@ -1,0 +1,78 @@
+"""Where the parameter servers are: from explicit arguments, from the launcher's environment,
+or (nothing configured) servers this process starts on loopback: the embedded default.
+
+The launcher (`parallax run`) and workers agree on two variables:
+  PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
+  PARALLAX_RUN_ID        the job's id; table names on the servers are prefixed with it
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from parallax.errors import ConfigError
+
+ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
+RUN_ID_ENV = "PARALLAX_RUN_ID"
+_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    ps_addresses: tuple[str, ...]
+    run_id: str
+    embedded: bool = False  # True: servers started by this process, stopped at exit
+
+
+def parse_addresses(text: str, source: str) -> tuple[str, ...]:
+    addresses = tuple(a.strip() for a in text.split(",") if a.strip())
+    if not addresses:
+        raise ConfigError(f"{source} is empty; give host:port of each parameter server, "
+                          f"comma-separated (e.g. 10.0.0.1:7000,10.0.0.2:7000)")
+    for address in addresses:
+        port = address.rsplit(":", 1)[-1]
+        if not _ADDRESS.match(address) or not 0 < int(port) < 65536:
+            raise ConfigError(f"{source}: {address!r} is not host:port with a port in "
+                              f"1-65535 (e.g. 127.0.0.1:7000)")
+    return addresses
+
+
+def check_run_id(run_id: str, source: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ConfigError(f"{source} {run_id!r} must be 1-48 letters, digits, '_' or '-'")
+    return run_id
+
+
+def new_run_id() -> str:
+    return time.strftime("%m%d%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = None,
+                    run_id: str | None = None, *, embedded_servers: int = 2,
+                    environ: dict[str, str] | None = None) -> ClusterSpec:
+    """Explicit arguments win over the environment; with neither, start local servers."""
+    environ = dict(os.environ if environ is None else environ)
+    if run_id is None:
+        run_id = environ.get(RUN_ID_ENV) or None
+    if ps_addresses is not None:
+        text = ps_addresses if isinstance(ps_addresses, str) else ",".join(ps_addresses)
+        addresses = parse_addresses(text, "ps_addresses")
+    elif environ.get(ADDRESSES_ENV):
+        addresses = parse_addresses(environ[ADDRESSES_ENV], ADDRESSES_ENV)
+    else:
+        return _embedded(embedded_servers, run_id or new_run_id())
+    return ClusterSpec(addresses, check_run_id(run_id or "job", "run id"))
+
+
+def _embedded(num_servers: int, run_id: str) -> ClusterSpec:
+    """Start `num_servers` parameter servers as children of this process (loopback)."""
+    from parallax.local_cluster import LocalCluster
+
+    cluster = LocalCluster(num_servers).start()
+    atexit.register(cluster.stop)
+    return ClusterSpec(tuple(cluster.addresses), check_run_id(run_id, "run id"), embedded=True)

@@ -1,0 +1,105 @@
+"""Dense collectives between workers: Horovod ring all-reduce when launched by horovodrun,
+identity for a single worker.
+
+The strategy only needs five things from its peers: who am I, sum these gradients (as one
+fused group, in the graph), all-gather sparse gradients (the `allreduce` run mode), copy rank
+0's variables, and exchange small Python objects (plans, to check that workers agree).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from parallax.errors import ConfigError
+
+_HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    host: str
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+class SingleWorker:
+    """One worker: every collective is the identity."""
+
+    def __init__(self) -> None:
+        self.info = WorkerInfo(0, 1, 0, 1, socket.gethostname())
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
+    def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
+        return tensor
+
+    def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
+        return None
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+
+class HorovodWorkers:
+    """Horovod (gloo or MPI) peers. Dense gradients are reduced with one grouped all-reduce,
+    which Horovod fuses into large buffers; IndexedSlices are all-gathered."""
+
+    def __init__(self) -> None:
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as exc:
+            raise ConfigError(f"this worker was launched by horovodrun/mpirun but Horovod "
+                              f"cannot be imported ({exc}); install it with the README's "
+                              f"`make env`") from None
+        self.hvd = hvd
+        hvd.init()
+        self.info = WorkerInfo(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
+                               socket.gethostname())
+        self._local_set = None
+
+    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
+        if not tensors:
+            return []
+        return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Sum,
+                                               name="parallax_dense"))
+
+    def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
+        """Concatenate `tensor` over the workers of this host (local aggregation)."""
+        if self.info.local_size == self.info.size:
+            return self.hvd.allgather(tensor)
+        raise ConfigError("local aggregation across several hosts needs Horovod process sets "
+                          "per host, which parallax does not create yet; run without "
+                          "local_aggregation")
+
+    def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
+        if variables:
+            self.hvd.broadcast_variables(list(variables), root_rank=0)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return list(self.hvd.allgather_object(obj))
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+
+def launched_by_horovod(environ: dict[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in _HOROVOD_ENV)
+
+
+def make_collectives() -> SingleWorker | HorovodWorkers:
+    return HorovodWorkers() if launched_by_horovod() else SingleWorker()

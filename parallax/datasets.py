@@ -1,0 +1,48 @@
+"""Each worker's share of a dataset batched with the global batch size.
+
+Same contract as MultiWorkerMirroredStrategy's data sharding: the dataset yields global
+batches of B; worker r of W gets, for every global batch, its r-th slice of B/W elements.
+So step i on W workers sees exactly the elements single-process step i sees with batch B,
+which is what makes distributed training comparable with single-process training.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from parallax.errors import ConfigError
+
+
+def _static_batch_size(dataset: tf.data.Dataset) -> int | None:
+    sizes = {spec.shape[0] for spec in tf.nest.flatten(dataset.element_spec)
+             if hasattr(spec, "shape") and spec.shape.rank}
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
+def _peeked_batch_size(dataset: tf.data.Dataset) -> int:
+    for element in dataset.take(1):
+        first = tf.nest.flatten(element)[0]
+        return int(tf.shape(first)[0])
+    raise ConfigError("the dataset is empty; nothing to distribute")
+
+
+def global_batch_size(dataset: tf.data.Dataset) -> int:
+    return _static_batch_size(dataset) or _peeked_batch_size(dataset)
+
+
+def shard_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
+    """Rebatch to B/W and keep every W-th mini-batch, starting at `rank`. Finite datasets
+    are cut to whole global steps so no worker runs a step the others do not (which would
+    wait forever for their gradients)."""
+    if size == 1:
+        return dataset
+    batch = global_batch_size(dataset)
+    if batch % size:
+        raise ConfigError(f"global batch size {batch} is not divisible by the {size} workers;"
+                          f" use a multiple of {size} (e.g. {batch - batch % size or size})")
+    local = dataset.rebatch(batch // size)
+    cardinality = int(local.cardinality())
+    if cardinality > 0:
+        local = local.take(cardinality - cardinality % size)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return local.shard(size, rank).with_options(options)

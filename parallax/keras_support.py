@@ -1,0 +1,90 @@
+"""What parallax needs to know about Keras 3 (checked on 3.15 with TF 2.17).
+
+- Keras' `Embedding` (and any layer calling `keras.ops.take(variable, ids, axis=0)`) reads the
+  whole variable, then gathers. For a table on the servers that would pull every row, so
+  `route_keras_take()` wraps the TensorFlow backend's `take` once: when `x` is a Keras
+  variable whose storage is a remote `ParallaxVariable` and `axis == 0`, the lookup becomes
+  the variable's `sparse_read`. Everything else goes to Keras' own `take` unchanged.
+- The Keras optimizer that updates a variable is found in the update function it hands to
+  `strategy.extended.update`, so the servers can apply the same optimizer.
+- Optimizer slots of a table that moved to the servers are never used on the worker; their
+  storage is released (the servers keep their own slots).
+"""
+from __future__ import annotations
+
+import inspect
+
+import tensorflow as tf
+
+_ROUTED_MARK = "_parallax_routed"
+
+
+def _remote_storage(x):
+    value = getattr(x, "value", None) if not isinstance(x, tf.Variable) else x
+    if isinstance(value, tf.Variable) and getattr(value, "_parallax_remote", None) is not None:
+        return value
+    return None
+
+
+def route_keras_take() -> None:
+    """Idempotent: install the `take` routing described in the module docstring."""
+    from keras.src.backend.tensorflow import numpy as tf_numpy
+
+    original = tf_numpy.take
+    if getattr(original, _ROUTED_MARK, False):
+        return
+
+    def take(x, indices, axis=None):
+        remote = _remote_storage(x) if axis == 0 else None
+        if remote is None or isinstance(indices, tf.SparseTensor):
+            return original(x, indices, axis=axis)
+        return remote.sparse_read(tf.convert_to_tensor(indices))
+
+    take.__doc__ = original.__doc__
+    setattr(take, _ROUTED_MARK, True)
+    take.__wrapped__ = original
+    tf_numpy.take = take
+
+
+def keras_optimizer_of(update_fn):
+    """The Keras optimizer whose update function this is (its closure holds `self`)."""
+    import keras
+
+    update_fn = inspect.unwrap(update_fn)  # tf.distribute wraps it for autograph
+    owner = getattr(update_fn, "__self__", None)
+    if isinstance(owner, keras.optimizers.Optimizer):
+        return owner
+    try:
+        nonlocals = inspect.getclosurevars(update_fn).nonlocals
+    except (TypeError, ValueError):
+        return None
+    for value in nonlocals.values():
+        if isinstance(value, keras.optimizers.Optimizer):
+            return getattr(value, "inner_optimizer", value)  # LossScaleOptimizer wraps one
+    return None
+
+
+def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:
+    """The optimizer's slot variables for `variable` (Keras names them after its path and
+    gives them its shape)."""
+    if optimizer is None:
+        return []
+    keras_var = next((v for v in getattr(optimizer, "_trainable_variables", [])
+                      if getattr(v, "value", v) is variable), None)
+    if keras_var is None:
+        return []
+    prefix = keras_var.path.replace("/", "_") + "_"
+    slots = []
+    for slot in optimizer.variables:
+        storage = getattr(slot, "value", slot)
+        if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(variable.shape) \
+                and isinstance(storage, tf.Variable):
+            slots.append(storage)
+    return slots
+
+
+def keras_path_of(variable: tf.Variable, optimizer) -> str | None:
+    for v in getattr(optimizer, "_trainable_variables", []) or []:
+        if getattr(v, "value", v) is variable:
+            return v.path
+    return None

@@ -1,0 +1,182 @@
+"""The placement plan: for every trainable variable, sparse or dense (with the reason), where
+it lives (parameter servers or replicated and all-reduced), its size and shard count.
+
+Built once, at the first training step, from what graph inspection saw; the same on every
+worker (checked), logged once by the chief, and exposed as `strategy.plan`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from parallax.errors import ConfigError
+
+RUN_MODES = ("hybrid", "ps", "allreduce")
+PLACEMENTS = ("ps", "allreduce")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Everything the user can choose; the defaults train synchronously in hybrid mode."""
+
+    mode: str = "hybrid"
+    sync: bool = True
+    ps_addresses: tuple[str, ...] | None = None
+    run_id: str | None = None
+    embedded_servers: int = 2
+    local_aggregation: bool = False
+    placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
+    shards: int | Mapping[str, int] | None = None  # default: one shard per server
+    log_plan: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in RUN_MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
+        for name, where in self.placement.items():
+            if where not in PLACEMENTS:
+                raise ConfigError(f"placement of {name!r} is {where!r}; use 'ps' (rows on the "
+                                  f"parameter servers) or 'allreduce' (replicated)")
+        if self.embedded_servers < 1:
+            raise ConfigError(f"embedded_servers must be >= 1, got {self.embedded_servers}")
+        shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
+        for count in shards:
+            if count is not None and (not isinstance(count, int) or count < 1):
+                raise ConfigError(f"shards must be positive ints, got {count!r}")
+
+
+@dataclass(frozen=True)
+class VariableInfo:
+    """What the planner knows about one variable before deciding."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    gather_only: bool
+    read_reason: str
+    gradient: str  # "IndexedSlices", "Tensor" or "none"
+
+    @property
+    def bytes(self) -> int:
+        itemsize = 2 if self.dtype in ("float16", "bfloat16") else 8 if self.dtype in (
+            "float64", "int64") else 4
+        return int(math.prod(self.shape)) * itemsize
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    index: int
+    name: str
+    kind: str        # "sparse" or "dense"
+    placement: str   # "ps" or "allreduce"
+    reason: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    shards: int      # 0 for replicated variables
+    table: str = ""  # the table's name on the servers
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    sync: bool
+    num_servers: int
+    num_workers: int
+    variables: tuple[VariablePlan, ...]
+
+    @property
+    def on_servers(self) -> tuple[VariablePlan, ...]:
+        return tuple(v for v in self.variables if v.placement == "ps")
+
+    @property
+    def replicated(self) -> tuple[VariablePlan, ...]:
+        return tuple(v for v in self.variables if v.placement == "allreduce")
+
+    def get(self, name: str) -> VariablePlan:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise KeyError(f"no variable {name!r} in the plan; known: "
+                       f"{', '.join(v.name for v in self.variables)}")
+
+    def signature(self) -> tuple:
+        """What every worker must agree on."""
+        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards)
+                     for v in self.variables)
+
+    def summary(self) -> str:
+        ps, rep = self.on_servers, self.replicated
+        mb = lambda vs: sum(v.bytes for v in vs) / 2**20  # noqa: E731
+        head = (f"parallax plan ({self.mode}, {'sync' if self.sync else 'async'}, "
+                f"{self.num_workers} worker(s), {self.num_servers} server(s)): "
+                f"{len(ps)} variable(s) on the servers ({mb(ps):.1f} MB), "
+                f"{len(rep)} replicated and all-reduced ({mb(rep):.1f} MB)")
+        if self.mode == "hybrid" and not ps:
+            head += "; no sparse variables: running as pure all-reduce"
+        elif self.mode == "hybrid" and not rep:
+            head += "; no dense variables: running as pure parameter server"
+        return head
+
+    def format(self) -> str:
+        rows = [("variable", "kind", "placement", "shape", "MB", "shards", "reason")]
+        for v in self.variables:
+            rows.append((v.name, v.kind, v.placement, "x".join(map(str, v.shape)) or "scalar",
+                         f"{v.bytes / 2**20:.2f}", str(v.shards or "-"), v.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
+                 for r in rows]
+        return self.summary() + "\n" + "\n".join(lines)
+
+
+def table_name(run_id: str, index: int, name: str) -> str:
+    clean = re.sub(r"[^A-Za-z0-9_.-]", "_", name.split(":")[0]).strip("._-") or "var"
+    return f"{run_id}.v{index}.{clean}"[:128]
+
+
+def _kind(info: VariableInfo) -> tuple[str, str]:
+    if not info.gather_only:
+        return "dense", info.read_reason
+    if info.gradient == "Tensor":
+        return "dense", "gathered, but its gradient is a dense Tensor"
+    return "sparse", info.read_reason + (
+        "; gradient IndexedSlices" if info.gradient == "IndexedSlices" else "")
+
+
+def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[str, str]:
+    override = config.placement.get(info.name)
+    if override is not None:
+        return override, f"placed on {override} by the user"
+    if config.mode == "ps":
+        return "ps", ""
+    if config.mode == "allreduce":
+        return "allreduce", ""
+    return ("ps" if kind == "sparse" else "allreduce"), ""
+
+
+def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
+    wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
+        else config.shards
+    rows = info.shape[0] if info.shape else 1
+    return max(1, min(wanted or num_servers, rows))
+
+
+def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
+              num_servers: int, num_workers: int) -> Plan:
+    unknown = set(config.placement) - {i.name for i in infos}
+    if unknown:
+        raise ConfigError(f"placement names {sorted(unknown)} match no trainable variable; "
+                          f"known: {', '.join(i.name for i in infos)}")
+    plans = []
+    for info in sorted(infos, key=lambda i: i.index):
+        kind, reason = _kind(info)
+        placement, why = _placement(config, info, kind)
+        on_ps = placement == "ps"
+        plans.append(VariablePlan(
+            index=info.index, name=info.name, kind=kind, placement=placement,
+            reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
+            bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
+            table=table_name(run_id, info.index, info.name) if on_ps else ""))
+    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))

@@ -1,0 +1,177 @@
+"""A variable's rows on the parameter servers, as TensorFlow ops with gradients.
+
+Lookup: ids -> tf.unique -> pull the unique rows (one numpy_function op calling the gRPC
+client) -> gather with the inverse indices. The pull is recorded on the gradient tape against
+the variable's handle, with a backward function that returns an `IndexedSlices` over the
+*global* ids, so the optimizer hands the strategy exactly what must be pushed: unique ids and
+their summed gradients. Sync steps: a pull waits until the servers applied every step this
+worker pushed (`min_step`), so all workers read the same rows.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.ops.resource_variable_ops import variable_accessed
+
+from parallax.client import ShardedTable
+from parallax.errors import ConfigError
+
+
+@dataclass
+class TableTraffic:
+    """Bytes and calls of one table on this worker, for logs and benchmarks."""
+
+    pulls: int = 0
+    pulled_rows: int = 0
+    pushes: int = 0
+    pushed_rows: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class RemoteTable:
+    """The servers' copy of one variable, seen as a [rows, dim] table."""
+
+    def __init__(self, label: str, shape: tf.TensorShape, dtype: tf.DType,
+                 table: ShardedTable, *, sync: bool, sends_pushes: bool = True) -> None:
+        self.label = label  # the user's name for the variable, used in every message
+        self.shape = tf.TensorShape(shape)
+        self.dtype = dtype
+        self.rows = int(self.shape[0]) if self.shape.rank else 1
+        self.row_shape = self.shape.as_list()[1:]
+        self.dim = int(math.prod(self.row_shape)) if self.row_shape else 1
+        self.table = table
+        self.sync = sync
+        self.sends_pushes = sends_pushes  # False on non-root workers under local aggregation
+        self.steps_pushed = 0
+        self.traffic = TableTraffic()
+        self._np_dtype = dtype.as_numpy_dtype
+
+    # ---- numpy side: runs inside numpy_function ops ----
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if len(ids):
+            bad = np.flatnonzero((ids < 0) | (ids >= self.rows))
+            if len(bad):
+                raise ConfigError(f"table {self.label!r} has {self.rows} rows: id "
+                                  f"{int(ids[bad[0]])} is out of range [0, {self.rows}) "
+                                  f"({len(bad)} bad ids in this batch); check the "
+                                  f"vocabulary size of the layer and the input ids")
+
+    def _min_step(self) -> int:
+        return self.steps_pushed if self.sync else 0
+
+    def pull_rows(self, unique: np.ndarray) -> np.ndarray:
+        self._check_ids(unique)
+        rows = self.table.pull_unique(unique, min_step=self._min_step())
+        with self.traffic.lock:
+            self.traffic.pulls += 1
+            self.traffic.pulled_rows += len(unique)
+        return rows.astype(self._np_dtype, copy=False)
+
+    def pull_all_rows(self) -> np.ndarray:
+        return self.pull_rows(np.arange(self.rows, dtype=np.int64))
+
+    def push_rows(self, ids: np.ndarray, grads: np.ndarray, learning_rate) -> np.int64:
+        step = self.steps_pushed
+        if self.sends_pushes:
+            ids = ids.astype(np.int64, copy=False)
+            self._check_ids(ids)
+            self.table.push(ids, grads.reshape(len(ids), self.dim), step=step,
+                            learning_rate=float(learning_rate))
+            with self.traffic.lock:
+                self.traffic.pushes += 1
+                self.traffic.pushed_rows += len(ids)
+        self.steps_pushed = step + 1
+        return np.int64(step)
+
+    def assign_all(self, value) -> None:
+        """Replace every row (eager), e.g. when weights are loaded into a trained model."""
+        values = np.asarray(value, dtype=self._np_dtype)
+        if values.shape != tuple(self.shape.as_list()):
+            raise ConfigError(f"cannot assign a value of shape {values.shape} to "
+                              f"{self.label!r} of shape {tuple(self.shape.as_list())}")
+        if self.sync:
+            self.table.wait_step(self.steps_pushed)
+        self.table.assign(np.arange(self.rows, dtype=np.int64),
+                          values.reshape(self.rows, self.dim))
+
+    # ---- graph side ----
+
+    def gather(self, var: tf.Variable, ids) -> tf.Tensor:
+        """Rows of `ids` (any shape); differentiable with respect to `var`."""
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise ConfigError(f"lookup in {self.label!r}: ids must be integers, got {ids.dtype}")
+        unique, inverse = tf.unique(tf.reshape(tf.cast(ids, tf.int64), [-1]), out_idx=tf.int32)
+        rows = tf.numpy_function(self.pull_rows, [unique], self.dtype, stateful=True,
+                                 name="parallax_pull")
+        rows = tf.reshape(rows, [-1] + self.row_shape)
+        self._record(var, rows, unique)
+        out = tf.gather(rows, inverse)
+        out = tf.reshape(out, tf.concat([tf.shape(ids), tf.constant(self.row_shape, tf.int32)],
+                                        axis=0))
+        out.set_shape(ids.shape.concatenate(self.row_shape))
+        return out
+
+    def read_all(self, var: tf.Variable) -> tf.Tensor:
+        """The whole variable pulled from the servers; its gradient is dense."""
+        rows = tf.numpy_function(self.pull_all_rows, [], self.dtype, stateful=True,
+                                 name="parallax_pull_all")
+        value = tf.reshape(rows, self.shape)
+        variable_accessed(var)
+        record.record_operation("ParallaxPullAll", [value], [var.handle],
+                                backward_function=lambda grad: [tf.convert_to_tensor(grad)],
+                                forward_function=lambda x: [x])
+        return value
+
+    def _record(self, var: tf.Variable, rows: tf.Tensor, unique: tf.Tensor) -> None:
+        dense_shape = tf.constant(self.shape.as_list(), tf.int64)
+        _GRADIENT_OWNERS[id(dense_shape)] = (dense_shape, self)
+
+        def backward(grad_rows):
+            if isinstance(grad_rows, tf.IndexedSlices):
+                grad_rows = tf.math.unsorted_segment_sum(grad_rows.values, grad_rows.indices,
+                                                         tf.shape(unique)[0])
+            return [tf.IndexedSlices(grad_rows, unique, dense_shape)]
+
+        variable_accessed(var)
+        record.record_operation("ParallaxPull", [rows], [var.handle], backward_function=backward)
+
+    def push(self, grad, learning_rate=None) -> tf.Tensor:
+        """An op sending this step's gradient (IndexedSlices or dense) to the servers."""
+        if isinstance(grad, tf.IndexedSlices):
+            ids = tf.cast(grad.indices, tf.int64)
+            values = tf.reshape(grad.values, [-1, self.dim])
+        else:
+            ids = tf.range(self.rows, dtype=tf.int64)
+            values = tf.reshape(grad, [self.rows, self.dim])
+        lr = tf.constant(0.0, tf.float64) if learning_rate is None else \
+            tf.cast(learning_rate, tf.float64)
+        return tf.numpy_function(self.push_rows, [ids, tf.cast(values, self.dtype), lr],
+                                 tf.int64, stateful=True, name="parallax_push")
+
+    def push_nothing(self) -> tf.Tensor:
+        """An empty push: a sync step must hear from every worker, used or not."""
+        return self.push(tf.IndexedSlices(tf.zeros([0, self.dim], self.dtype),
+                                          tf.zeros([0], tf.int64)))
+
+
+_GRADIENT_OWNERS: dict[int, tuple[tf.Tensor, RemoteTable]] = {}
+
+
+def owner_of_gradient(grad) -> RemoteTable | None:
+    """The table whose lookup produced this IndexedSlices gradient (the tape keeps the
+    `dense_shape` tensor of the first lookup when it aggregates several)."""
+    if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None:
+        return None
+    entry = _GRADIENT_OWNERS.get(id(grad.dense_shape))
+    return entry[1] if entry is not None and entry[0] is grad.dense_shape else None
+
+
+def forget_gradient_owners() -> None:
+    _GRADIENT_OWNERS.clear()

@@ -1,0 +1,313 @@
+"""`ParallaxStrategy`: a `tf.distribute.Strategy` for hybrid parameter-server / all-reduce
+data parallelism. One replica per worker process; workers are Horovod ranks.
+
+The hooks TF and Keras call, and what parallax does in each:
+- `_create_variable`: every variable made in `scope()` is a `ParallaxVariable`, so the plan
+  can later move its rows to the servers.
+- `_call_for_each_replica` (`strategy.run`): before the first training step, trace the step
+  once for analysis (updates are observed, not applied), classify variables, make and apply
+  the plan. Afterwards: run the step; tables untouched by a training step get an empty push.
+- `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
+  (the servers sum them); everything else goes through one grouped Horovod all-reduce.
+- `_update` (the optimizer's per-variable update): variables on the servers push their
+  gradient there; replicated variables are updated locally, identically on every worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
+
+from parallax import binding, keras_support
+from parallax.analysis import inspect_reads
+from parallax.client import ClientOptions
+from parallax.cluster import ADDRESSES_ENV, ClusterSpec, resolve_cluster
+from parallax.collectives import WorkerInfo, make_collectives
+from parallax.datasets import shard_for_worker
+from parallax.errors import ConfigError, ParallaxError
+from parallax.malloc_tuning import reuse_freed_memory
+from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan
+from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
+from parallax.variables import ParallaxVariable, is_liftable
+
+_OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
+
+
+class _Observations:
+    """What the analysis trace saw: gradient kinds per variable, and the optimizer."""
+
+    def __init__(self) -> None:
+        self.gradients: dict[int, str] = {}
+        self.optimizer = None
+
+    def record(self, var, fn, args) -> None:
+        grad = args[0] if args else None
+        kind = "IndexedSlices" if isinstance(grad, tf.IndexedSlices) else \
+            "Tensor" if grad is not None else "none"
+        self.gradients[id(var)] = kind
+        self.optimizer = self.optimizer or keras_support.keras_optimizer_of(fn)
+
+
+def _spec_of(value):
+    if isinstance(value, (tf.Tensor, tf.__internal__.CompositeTensor)):
+        return tf.type_spec_from_value(value)
+    return value
+
+
+class ParallaxExtended(one_device_strategy.OneDeviceExtended):
+    def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
+                 connect_timeout: float) -> None:
+        self.config = config
+        self.workers = make_collectives()
+        info = self.workers.info
+        gpus = tf.config.list_physical_devices("GPU")
+        device = f"/gpu:{info.local_rank % len(gpus)}" if gpus else "/cpu:0"
+        super().__init__(container, device)
+        self._client_options = client_options
+        self._connect_timeout = connect_timeout
+        self._created: list[weakref.ref] = []
+        self._observations: _Observations | None = None
+        self._pushed: set[int] | None = None
+        self.plan: Plan | None = None
+        self.remotes: dict[int, RemoteTable] = {}
+        self.cluster: ClusterSpec | None = None
+        self._binder = None
+        if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
+                and not os.environ.get(ADDRESSES_ENV):
+            raise ConfigError(
+                f"{info.size} workers were launched but no parameter servers were given: "
+                f"start the job with `parallax run` (it sets {ADDRESSES_ENV}), or pass "
+                f"ps_addresses=... to ParallaxStrategy")
+        reuse_freed_memory()
+
+    # ---- variables ----
+
+    def _create_variable(self, next_creator, **kwargs):
+        kwargs.pop("colocate_with", None)
+        if kwargs.get("variable_def") is not None or not is_liftable(kwargs.get("initial_value")):
+            return next_creator(**kwargs)
+        with tf.init_scope(), tf.device(self._device):
+            var = ParallaxVariable.create(len(self._created), **kwargs)
+        self._created.append(weakref.ref(var))
+        return var
+
+    def variables(self) -> list[ParallaxVariable]:
+        return [v for v in (ref() for ref in self._created) if v is not None]
+
+    # ---- steps ----
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self.plan is None and self._observations is None:
+            self._plan_from(fn, args, kwargs)
+        if self._observations is not None:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        forget_gradient_owners()
+        self._pushed = set()
+        try:
+            result = super()._call_for_each_replica(fn, args, kwargs)
+            if self._pushed:  # a training step: every table must hear from this worker
+                for index, remote in self.remotes.items():
+                    if index not in self._pushed:
+                        remote.push_nothing()
+        finally:
+            self._pushed = None
+        return result
+
+    def _plan_from(self, fn, args, kwargs) -> None:
+        observations = _Observations()
+        self._observations = observations
+        try:
+            spec_args, spec_kwargs = tf.nest.map_structure(_spec_of, (tuple(args), kwargs or {}))
+            strategy = self._container_strategy()
+            traced = tf.function(lambda *a, **k: strategy.run(fn, a, k))
+            graph = traced.get_concrete_function(*spec_args, **spec_kwargs).graph
+        finally:
+            self._observations = None
+        if not observations.gradients:
+            return  # not a training step (evaluate, predict): variables stay local for now
+        with tf.init_scope():
+            self._make_plan(graph, observations)
+
+    def _variable_infos(self, graph, observations: _Observations) -> dict[int, VariableInfo]:
+        variables = [v for v in self.variables() if v.trainable]
+        reports = inspect_reads(graph, variables)
+        names: dict[str, int] = {}
+        infos = {}
+        for var in variables:
+            name = keras_support.keras_path_of(var, observations.optimizer) or \
+                var.name.split(":")[0]
+            names[name] = names.get(name, 0) + 1
+            if names[name] > 1:
+                name = f"{name}#{var._parallax_index}"
+            report = reports[id(var)]
+            infos[var._parallax_index] = VariableInfo(
+                index=var._parallax_index, name=name, shape=tuple(var.shape.as_list()),
+                dtype=var.dtype.name, gather_only=report.gather_only, read_reason=report.reason,
+                gradient=observations.gradients.get(id(var), "none"))
+        return infos
+
+    def _make_plan(self, graph, observations: _Observations) -> None:
+        infos = self._variable_infos(graph, observations)
+        info = self.workers.info
+        wants_servers = self.config.mode != "allreduce" or any(
+            p == "ps" for p in self.config.placement.values())
+        if wants_servers and self.cluster is None:
+            self.cluster = resolve_cluster(self.config.ps_addresses, self.config.run_id,
+                                           embedded_servers=self.config.embedded_servers)
+        run_id = self.cluster.run_id if self.cluster else "local"
+        plan = make_plan(self.config, list(infos.values()), run_id=run_id,
+                         num_servers=len(self.cluster.ps_addresses) if self.cluster else 0,
+                         num_workers=info.size)
+        binding.check_agreement(plan, self.workers)
+        by_index = {v._parallax_index: v for v in self.variables()}
+        if plan.on_servers:
+            self._binder = binding.TableBinder(plan, self.cluster, self.workers,
+                                               self._client_options, self._connect_timeout,
+                                               self.config.local_aggregation)
+            self.remotes = self._binder.bind(by_index, observations.optimizer)
+            keras_support.route_keras_take()
+        binding.broadcast_replicated(self.variables(), self.workers)
+        self.plan = plan
+        if self.config.log_plan:
+            binding.log_plan(plan, self.workers)
+
+    # ---- reductions and updates ----
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [value for value, _ in value_destination_pairs]
+        if self._observations is not None:
+            return values
+        size = self.workers.info.size
+        mean = reduce_op == tf.distribute.ReduceOp.MEAN
+        results: list = [None] * len(values)
+        dense_positions = []
+        for i, value in enumerate(values):
+            if owner_of_gradient(value) is None:
+                dense_positions.append(i)
+                continue
+            if mean and size > 1:
+                value = tf.IndexedSlices(value.values / size, value.indices, value.dense_shape)
+            if self.config.local_aggregation and size > 1:
+                value = tf.IndexedSlices(self.workers.local_allgather(value.values),
+                                         self.workers.local_allgather(value.indices),
+                                         value.dense_shape)
+            results[i] = value
+        reduced = self.workers.allreduce_sum([values[i] for i in dense_positions])
+        for i, value in zip(dense_positions, reduced):
+            results[i] = value / size if mean and size > 1 else value
+        return results
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def _update(self, var, fn, args, kwargs, group):
+        if self._observations is not None:
+            self._observations.record(var, fn, args)
+            return tf.no_op() if group else (tf.no_op(),)
+        remote = getattr(var, "_parallax_remote", None)
+        if remote is None:
+            return super()._update(var, fn, args, kwargs, group)
+        if getattr(fn, "__name__", "") != _OPTIMIZER_UPDATE or not args:
+            raise ParallaxError(
+                f"{getattr(fn, '__name__', fn)!r} tried to update {remote.label!r}, which lives"
+                f" on the parameter servers; only Keras optimizer updates are forwarded there")
+        op = remote.push(args[0], learning_rate=args[1] if len(args) > 1 else None)
+        if self._pushed is not None:
+            self._pushed.add(var._parallax_index)
+        return op if group else (op,)
+
+    # ---- datasets and topology ----
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        info = self.workers.info
+        return super()._experimental_distribute_dataset(
+            shard_for_worker(dataset, info.rank, info.size), options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        info = self.workers.info
+        context = distribute_lib.InputContext(num_input_pipelines=info.size,
+                                              input_pipeline_id=info.rank,
+                                              num_replicas_in_sync=info.size)
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn, self._input_workers_with_options(options), [context],
+            self._container_strategy(), options=options)
+
+    def _in_multi_worker_mode(self):
+        return self.workers.info.size > 1
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self.workers.info.size
+
+    @property
+    def should_checkpoint(self):
+        return self.workers.info.is_chief
+
+    @property
+    def should_save_summary(self):
+        return self.workers.info.is_chief
+
+
+class ParallaxStrategy(distribute_lib.Strategy):
+    """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
+    variables all-reduced with Horovod.
+
+    mode: "hybrid" (default), "ps" (every variable on the servers) or "allreduce" (every
+    variable replicated, sparse gradients all-gathered). sync: synchronous steps (default) or
+    asynchronous pushes. ps_addresses / run_id: override the launcher's environment; with
+    neither, `embedded_servers` local servers are started. placement: {variable name: "ps" |
+    "allreduce"} overrides. shards: shard count for every table, or per table name.
+    """
+
+    def __init__(self, mode: str = "hybrid", *, sync: bool = True,
+                 ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
+                 local_aggregation: bool = False, placement: dict | None = None,
+                 shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
+                 client_options: ClientOptions | None = None) -> None:
+        if isinstance(ps_addresses, str):
+            ps_addresses = tuple(a for a in ps_addresses.split(",") if a)
+        config = StrategyConfig(mode=mode, sync=sync,
+                                ps_addresses=tuple(ps_addresses) if ps_addresses else None,
+                                run_id=run_id, embedded_servers=embedded_servers,
+                                local_aggregation=local_aggregation,
+                                placement=dict(placement or {}), shards=shards,
+                                log_plan=log_plan)
+        super().__init__(ParallaxExtended(self, config, client_options, connect_timeout))
+
+    @property
+    def plan(self) -> Plan | None:
+        """The placement plan, once the first training step has run (None before)."""
+        return self.extended.plan
+
+    @property
+    def worker(self) -> WorkerInfo:
+        return self.extended.workers.info
+
+    @property
+    def tables(self) -> dict[str, RemoteTable]:
+        """Variables on the parameter servers, by name in the plan."""
+        plan = self.extended.plan
+        if plan is None:
+            return {}
+        return {v.name: self.extended.remotes[v.index] for v in plan.on_servers}
+
+    @contextlib.contextmanager
+    def local_tables(self):
+        """Pull every table into the worker's memory for the duration of the block, e.g. to
+        export a SavedModel that serves without parallax. Changes made inside are dropped."""
+        remotes = {v._parallax_index: v for v in self.extended.variables()
+                   if v.remote is not None}
+        with tf.init_scope():
+            values = {i: var.numpy() for i, var in remotes.items()}
+            for i, var in remotes.items():
+                var._parallax_remote = None
+                var.assign(values[i])
+        try:
+            yield
+        finally:
+            with tf.init_scope():
+                for i, var in remotes.items():
+                    var.bind_remote(self.extended.remotes[i])
