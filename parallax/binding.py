@@ -87,6 +87,7 @@ class TableBinder:
         info = workers.info
         self.pushers = info.size // info.local_size if local_aggregation else info.size
         self.sends_pushes = info.local_rank == 0 if local_aggregation else True
+        self.pusher_index = info.rank // info.local_size if local_aggregation else info.rank
         self.remotes: dict[int, RemoteTable] = {}
 
     def bind(self, variables: dict[int, ParallaxVariable], optimizer) -> dict[int, RemoteTable]:
@@ -113,7 +114,7 @@ class TableBinder:
             table = self.client.create_table(spec)  # idempotent; a differing spec is refused
             var = variables[vp.index]
             remote = RemoteTable(vp.name, var.shape, var.dtype, table, sync=self.plan.sync,
-                                 sends_pushes=self.sends_pushes)
+                                 worker=self.pusher_index, sends_pushes=self.sends_pushes)
             var.bind_remote(remote)
             for slot in slots_of(optimizer, var):
                 if isinstance(slot, ParallaxVariable):

@@ -1,9 +1,15 @@
-"""The `parallax` command: `parallax server ...`, `parallax demo ...`, `parallax version`."""
+"""The `parallax` command: `parallax run ...`, `parallax server ...`, `parallax demo ...`,
+`parallax version`."""
 from __future__ import annotations
 
 import sys
 
 from parallax.version import PROTOCOL_VERSION, __version__
+
+
+def _run(argv: list[str]) -> int:
+    from parallax.launch import main as launch_main
+    return launch_main(argv)
 
 
 def _server(argv: list[str]) -> int:
@@ -22,6 +28,7 @@ def _version(argv: list[str]) -> int:
 
 
 COMMANDS = {
+    "run": (_run, "start parameter servers and N Horovod workers (parallax run --help)"),
     "server": (_server, "run a parameter server (parallax server --help)"),
     "demo": (_demo, "start a local cluster and run a client round trip"),
     "version": (_version, "print versions"),

@@ -37,7 +37,8 @@ class RemoteTable:
     """The servers' copy of one variable, seen as a [rows, dim] table."""
 
     def __init__(self, label: str, shape: tf.TensorShape, dtype: tf.DType,
-                 table: ShardedTable, *, sync: bool, sends_pushes: bool = True) -> None:
+                 table: ShardedTable, *, sync: bool, worker: int = 0,
+                 sends_pushes: bool = True) -> None:
         self.label = label  # the user's name for the variable, used in every message
         self.shape = tf.TensorShape(shape)
         self.dtype = dtype
@@ -46,6 +47,7 @@ class RemoteTable:
         self.dim = int(math.prod(self.row_shape)) if self.row_shape else 1
         self.table = table
         self.sync = sync
+        self.worker = worker  # this worker's index among those that push
         self.sends_pushes = sends_pushes  # False on non-root workers under local aggregation
         self.steps_pushed = 0
         self.traffic = TableTraffic()
@@ -82,7 +84,7 @@ class RemoteTable:
             ids = ids.astype(np.int64, copy=False)
             self._check_ids(ids)
             self.table.push(ids, grads.reshape(len(ids), self.dim), step=step,
-                            learning_rate=float(learning_rate))
+                            worker=self.worker, learning_rate=float(learning_rate))
             with self.traffic.lock:
                 self.traffic.pushes += 1
                 self.traffic.pushed_rows += len(ids)

@@ -236,7 +236,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self._container_strategy(), options=options)
 
     def _in_multi_worker_mode(self):
-        return self.workers.info.size > 1
+        # To TensorFlow each worker is a single client (one device, no TF collectives): the
+        # workers coordinate through Horovod. So datasets yield plain tensors, not PerReplica.
+        return False
 
     @property
     def _num_replicas_in_sync(self):
