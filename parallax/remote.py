@@ -121,25 +121,25 @@ class RemoteTable:
         return out
 
     def read_all(self, var: tf.Variable) -> tf.Tensor:
-        """The whole variable pulled from the servers; its gradient is dense."""
+        """The whole variable pulled from the servers. Its gradient is still delivered as an
+        `IndexedSlices` (over every row) so the strategy knows it belongs to the servers and
+        does not all-reduce it as well."""
         rows = tf.numpy_function(self.pull_all_rows, [], self.dtype, stateful=True,
                                  name="parallax_pull_all")
-        value = tf.reshape(rows, self.shape)
-        variable_accessed(var)
-        record.record_operation("ParallaxPullAll", [value], [var.handle],
-                                backward_function=lambda grad: [tf.convert_to_tensor(grad)],
-                                forward_function=lambda x: [x])
-        return value
+        self._record(var, rows, tf.range(self.rows, dtype=tf.int64))
+        return tf.reshape(rows, self.shape)
 
-    def _record(self, var: tf.Variable, rows: tf.Tensor, unique: tf.Tensor) -> None:
-        dense_shape = tf.constant(self.shape.as_list(), tf.int64)
+    def _record(self, var: tf.Variable, rows: tf.Tensor, ids: tf.Tensor) -> None:
+        """Put `rows` (pulled for `ids`) on the gradient tape as a read of `var`."""
+        dense_shape = tf.constant(self.shape.as_list() or [1], tf.int64)
         _GRADIENT_OWNERS[id(dense_shape)] = (dense_shape, self)
 
         def backward(grad_rows):
             if isinstance(grad_rows, tf.IndexedSlices):
                 grad_rows = tf.math.unsorted_segment_sum(grad_rows.values, grad_rows.indices,
-                                                         tf.shape(unique)[0])
-            return [tf.IndexedSlices(grad_rows, unique, dense_shape)]
+                                                         tf.shape(ids)[0])
+            return [tf.IndexedSlices(tf.reshape(grad_rows, [-1] + self.row_shape), ids,
+                                     dense_shape)]
 
         variable_accessed(var)
         record.record_operation("ParallaxPull", [rows], [var.handle], backward_function=backward)

@@ -1,0 +1,156 @@
+"""Trains small models the same way under three set-ups, for the equivalence tests:
+
+  --setup plain     no parallax: one process, the whole global batch, table gradients made
+                    dense before the optimizer (the mathematically plain update)
+  --setup parallax  ParallaxStrategy (embedded servers, or the launcher's when launched)
+
+Several cases run in one process (each with its own run id, so its own tables), which saves
+the cost of starting TensorFlow and Horovod for every case. Worker 0 writes, per case, the
+final values of every trainable variable (tables pulled from the servers) to OUT/<case>.npz.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+VOCAB, DIM, FEATURES = 400, 4, 3
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "momentum": lambda: keras.optimizers.SGD(0.2, momentum=0.9),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.3),
+    "adam": lambda: keras.optimizers.Adam(0.05),
+}
+
+
+def data(steps: int, batch: int):
+    rng = np.random.default_rng(7)
+    n = steps * batch
+    ids = np.minimum(rng.zipf(1.3, size=(n, FEATURES)) - 1, VOCAB - 1).astype("int64")
+    labels = rng.normal(size=(n, 1)).astype("float32")
+    return ids, labels
+
+
+class TableModel(tf.Module):
+    """(b): a plain tf.Variable read with tf.nn.embedding_lookup, dense weights as well."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.table = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype("float32"), name="table")
+        self.kernel = tf.Variable(rng.normal(size=(FEATURES * DIM, 1)).astype("float32") * 0.3,
+                                  name="kernel")
+
+    def __call__(self, ids):
+        rows = tf.nn.embedding_lookup(self.table, ids)
+        return tf.reshape(rows, [-1, FEATURES * DIM]) @ self.kernel
+
+
+class SharedLookup(keras.layers.Layer):
+    """(c): a second layer reading another layer's table."""
+
+    def __init__(self, owner: keras.layers.Embedding):
+        super().__init__()
+        self.owner = owner
+
+    def call(self, ids):
+        return keras.ops.take(self.owner.embeddings, ids, axis=0)
+
+
+def build(model: str) -> keras.Model:
+    keras.utils.set_random_seed(11)
+    if model == "custom":
+        return TableModel()
+    inputs = keras.Input((FEATURES,), dtype="int64")
+    embedding = keras.layers.Embedding(VOCAB, DIM)
+    if model == "keras":
+        h = keras.layers.Flatten()(embedding(inputs))
+    else:  # shared: the same table read by two layers, on two halves of the features
+        a = embedding(inputs[:, :2])
+        b = SharedLookup(embedding)(inputs[:, 2:])
+        h = keras.layers.Flatten()(keras.layers.Concatenate(axis=1)([a, b]))
+    h = keras.layers.Dense(5, activation="tanh")(h)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: bool) -> None:
+    dataset = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(batch)
+    dataset = strategy.experimental_distribute_dataset(dataset)
+    variables = model.trainable_variables
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = tf.square(model(x) - y)[:, 0]
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+        grads = tape.gradient(loss, variables)
+        if densify:
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    @tf.function
+    def step(x, y):
+        losses = strategy.run(replica_step, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    for x, y in dataset:
+        step(x, y)
+
+
+def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: str) -> None:
+    model_kind, optimizer_name, loop, mode = (case.split("-") + ["hybrid"])[:4]
+    ids, labels = data(steps, batch)
+    if setup == "plain":
+        strategy = tf.distribute.get_strategy()
+    else:
+        import parallax
+        strategy = parallax.ParallaxStrategy(
+            mode="hybrid" if mode == "localagg" else mode, local_aggregation=mode == "localagg",
+            run_id=f"{run_id}-{case}"[:48], log_plan=False)
+    with strategy.scope():
+        model = build(model_kind)
+        optimizer = OPTIMIZERS[optimizer_name]()
+    if loop == "fit" and setup != "plain":
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    else:
+        train_custom(strategy, model, optimizer, ids, labels, batch, densify=setup == "plain")
+    rank = getattr(strategy, "worker", None)
+    if rank is None or rank.is_chief:
+        names = [v.path if hasattr(v, "path") else v.name for v in model.trainable_variables]
+        values = [np.asarray(v.numpy()) for v in model.trainable_variables]
+        np.savez(out / f"{case}.npz", **{f"{i}:{n}": v for i, (n, v) in
+                                         enumerate(zip(names, values))})
+        if setup != "plain":
+            summary = {"case": case, "plan": [(v.name, v.kind, v.placement)
+                                              for v in strategy.plan.variables],
+                       "workers": strategy.worker.size}
+            print("CASE " + json.dumps(summary), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setup", choices=("plain", "parallax"), required=True)
+    parser.add_argument("--cases", required=True,
+                        help="comma-separated model-optimizer-loop[-mode], mode: hybrid (default)"
+                             ", ps, allreduce, localagg (hybrid with local aggregation)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_id = os.environ.get("PARALLAX_RUN_ID", "eq")
+    for case in args.cases.split(","):
+        run_case(case, args.setup, args.steps, args.batch, args.out, run_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
