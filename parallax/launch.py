@@ -1,0 +1,436 @@
+"""`parallax run`: parameter servers and N Horovod workers on this machine, in one command.
+
+`run(LaunchConfig(...))` starts the servers (`LocalCluster`, unless external ones are given),
+then the workers: the command itself when there is one worker, `horovodrun -np N -H
+localhost:N --gloo COMMAND` otherwise. Workers learn where the servers are from the
+environment (the contract the strategy reads):
+
+  PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
+  PARALLAX_RUN_ID        the job's id (table names on the servers are namespaced with it)
+
+and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
+worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
+dies while the job runs stops the job with exit code 1; SIGINT/SIGTERM to the launcher is
+forwarded to the workers and gives 128 + signal. Servers this launcher started are always
+stopped. The launcher's own messages and the servers' output (`[ps i]` lines) go to stderr;
+the workers' output goes to stdout and stderr as they write it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallax.errors import ConfigError, ParallaxError
+
+ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
+RUN_ID_ENV = "PARALLAX_RUN_ID"
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")  # what workers accept as a run id
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+_PYTHON = re.compile(r"^python[0-9.]*$")
+# horovodrun prints this for each worker that exits non-zero, the first failure first
+_HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
+STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
+SERVER_DIED_EXIT = 1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_workers: int = 1                  # -np
+    num_servers: int = 2                  # --servers; 0: use ps_addresses (external servers)
+    ps_addresses: tuple[str, ...] = ()    # --ps-addresses host:port,... (servers not started)
+    command: tuple[str, ...] = ()         # e.g. ("python", "train.py"); a leading .py file
+                                          # is run with this interpreter
+    run_id: str | None = None             # --run-id; generated when None
+    server_args: tuple[str, ...] = ()     # extra args for each `parallax server`
+    data_dir: str | None = None           # --data-dir of the servers (checkpoints)
+    start_timeout: float = 60.0           # seconds for the servers to become ready
+
+
+def new_run_id() -> str:
+    """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
+    return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def check_address(address: str, source: str = "--ps-addresses") -> str:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: {address!r} is not host:port with a port in 1-65535; "
+                          f"give each server as e.g. 127.0.0.1:7000, comma-separated")
+    return address.strip()
+
+
+def validate(config: LaunchConfig) -> list[str]:
+    """Check every field; returns the program's argv as each worker will run it."""
+    for name in ("command", "ps_addresses", "server_args"):
+        if isinstance(getattr(config, name), str):
+            raise ConfigError(f"{name} must be a tuple of strings, not the string "
+                              f"{getattr(config, name)!r}")
+    if config.num_workers < 1:
+        raise ConfigError(f"-np {config.num_workers}: the number of workers must be at least 1")
+    if config.num_servers < 0:
+        raise ConfigError(f"--servers {config.num_servers} must be >= 0 (0: use "
+                          f"--ps-addresses of servers started elsewhere)")
+    if config.num_servers > 0 and config.ps_addresses:
+        raise ConfigError(f"--servers {config.num_servers} and --ps-addresses both given: "
+                          f"use --servers 0 with --ps-addresses, or drop --ps-addresses")
+    if config.num_servers == 0:
+        if not config.ps_addresses:
+            raise ConfigError("--servers 0 needs --ps-addresses host:port,... of running "
+                              "parameter servers (or give --servers N to start N here)")
+        for address in config.ps_addresses:
+            check_address(address)
+        if config.server_args or config.data_dir is not None:
+            raise ConfigError("--server-arg and --data-dir apply to servers this command "
+                              "starts; with --ps-addresses, give them to those servers")
+    for arg in config.server_args:
+        if arg.split("=", 1)[0] in ("--port", "--data-dir"):
+            raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
+                              f"the data directory is --data-dir; drop it")
+    if config.run_id is not None and not _RUN_ID.match(config.run_id):
+        raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
+                          f"'_' or '-'")
+    if config.start_timeout <= 0:
+        raise ConfigError(f"--start-timeout {config.start_timeout} must be > 0 seconds")
+    return program_argv(config.command)
+
+
+def program_argv(command: tuple[str, ...] | list[str]) -> list[str]:
+    argv = list(command)
+    if not argv or not argv[0]:
+        raise ConfigError("no command to run: give the program after the options, e.g. "
+                          "`parallax run -np 2 -- python train.py`")
+    if argv[0].endswith(".py"):
+        _check_script(argv[0])
+        return [sys.executable, *argv]
+    if shutil.which(argv[0], path=worker_path()) is None:
+        raise ConfigError(f"command {argv[0]!r} is neither an executable file nor on PATH; "
+                          f"check its spelling, or give a .py file to run it with "
+                          f"{sys.executable}")
+    if _PYTHON.match(Path(argv[0]).name) and len(argv) > 1 and argv[1].endswith(".py"):
+        _check_script(argv[1])
+    return argv
+
+
+def _check_script(path: str) -> None:
+    if not Path(path).is_file():
+        raise ConfigError(f"script {path!r} not found (relative to {os.getcwd()}); check the "
+                          f"path")
+
+
+def find_horovodrun() -> str:
+    beside = Path(sys.executable).parent / "horovodrun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if found is None:
+        raise ConfigError(f"more than one worker needs horovodrun (Horovod's launcher), which "
+                          f"is neither next to {sys.executable} nor on PATH: install Horovod "
+                          f"with gloo (`make demo` does), or run with -np 1")
+    return found
+
+
+def worker_path() -> str:
+    """PATH for the workers: in a virtual environment, its bin directory first (as if it were
+    activated), so that `python train.py` runs with the launcher's interpreter."""
+    path = os.environ.get("PATH", os.defpath)
+    if sys.prefix == sys.base_prefix:
+        return path
+    bin_dir = str(Path(sys.executable).parent)
+    return os.pathsep.join([bin_dir, *(p for p in path.split(os.pathsep) if p != bin_dir)])
+
+
+def worker_env(addresses: list[str], run_id: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = worker_path()
+    env[ADDRESSES_ENV] = ",".join(addresses)
+    env[RUN_ID_ENV] = run_id
+    env.setdefault("PYTHONUNBUFFERED", "1")  # live output through pipes (horovodrun's too)
+    return env
+
+
+def _say(message: str) -> None:
+    print(f"parallax run: {message}", file=sys.stderr, flush=True)
+
+
+class _Job:
+    """The workers' process (the command, or horovodrun) in its own process group, so that
+    signals reach it once, from the launcher, and leftovers in the group can be killed."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], horovod: bool) -> None:
+        group = ({"process_group": 0} if sys.version_info >= (3, 11)
+                 else {"preexec_fn": os.setpgrp})
+        self.horovod = horovod
+        self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod
+                                     else None, **group)
+        self._pump = None
+        if horovod:
+            self._pump = threading.Thread(target=self._forward, daemon=True)
+            self._pump.start()
+
+    def _forward(self) -> None:
+        """Copy horovodrun's stdout as it comes (partial lines too) and note the failures."""
+        fd, line = self.proc.stdout.fileno(), b""
+        while chunk := os.read(fd, 65536):
+            _write_stdout(chunk)
+            line += chunk
+            *complete, line = line.split(b"\n")
+            for text in complete:
+                match = _HVD_EXIT.match(text)
+                if match and self.first_failure is None:
+                    self.first_failure = (int(match[1]), int(match[2]))
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM the group, wait, SIGKILL what is left (also after the leader exited)."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait()
+        self._reap_group(grace)
+        if self._pump is not None:
+            self._pump.join(2.0)
+
+    def _reap_group(self, grace: float) -> None:
+        """Processes left in the job's group (e.g. the multiprocessing resource tracker of
+        horovodrun, which ignores SIGTERM and leaves when its last user has gone)."""
+        self.signal(signal.SIGTERM)
+        deadline, killed = time.monotonic() + grace, False
+        while _group_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                if killed:
+                    _say(f"processes of group {self.proc.pid} survived SIGKILL; giving up")
+                    return
+                self.signal(signal.SIGKILL)
+                deadline, killed = time.monotonic() + 2.0, True
+            time.sleep(0.05)
+
+    def exit_code(self) -> int:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return 128 - code  # killed by a signal: the shell's convention
+        if code and self.first_failure is not None:  # horovodrun itself exits 1
+            return self.first_failure[1]
+        return code or 0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs; zombies (exited, waiting for whoever
+    adopted them to reap them) do not count."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _write_stdout(data: bytes) -> None:
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT/SIGTERM while the launcher runs: before the job starts, abort the start; once
+    it runs, forward the signal to the job (a second one kills it)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.job: _Job | None = None
+        self.abortable = True  # False from just before the job's Popen
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.job is None:
+            if self.abortable:
+                raise _Interrupted(signum)
+            return  # attach() forwards it
+        self.job.signal(signum if first else signal.SIGKILL)
+
+    def attach(self, job: _Job) -> None:
+        self.job = job
+        if self.signum is not None:  # arrived while the job was being started
+            job.signal(self.signum)
+
+
+def _dead_server(cluster):
+    if cluster is None:
+        return None
+    return next((s for s in cluster.servers if s.proc.poll() is not None), None)
+
+
+def _report_dead_server(server) -> None:
+    reader = getattr(server, "_reader", None)
+    if reader is not None:
+        reader.join(1.0)  # the last lines it printed
+    _say(f"parameter server {server.index} ({server.address}) exited with code "
+         f"{server.proc.returncode} while the job was running; stopping the workers. "
+         f"Its last output:\n{server.tail(10)}")
+
+
+def _supervise(job: _Job, cluster, signals: _Signals) -> int:
+    while True:
+        try:
+            job.proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if signals.signum is not None:  # already forwarded to the job: give it time
+            _say(f"got {signal.Signals(signals.signum).name}: stopping the workers and servers")
+            try:
+                job.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            job.stop(grace=2.0)
+            return 128 + signals.signum
+        dead = _dead_server(cluster)
+        if dead is not None:
+            _report_dead_server(dead)
+            job.stop()
+            return SERVER_DIED_EXIT
+        if job.proc.returncode is not None:
+            job.stop()  # leftovers in its process group
+            code = job.exit_code()
+            if code and job.first_failure is not None:
+                _say(f"worker rank {job.first_failure[0]} exited with code "
+                     f"{job.first_failure[1]} first; the job exits with {code}")
+            return code
+
+
+def _start_servers(config: LaunchConfig):
+    from parallax.local_cluster import LocalCluster
+    cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
+                           extra_args=list(config.server_args), echo=sys.stderr,
+                           start_timeout=config.start_timeout)
+    return cluster.start()
+
+
+def _check_external(addresses: list[str], timeout: float) -> None:
+    from parallax.client import PSClient
+    with PSClient(addresses) as client:
+        client.wait_ready(timeout)
+
+
+def run(config: LaunchConfig) -> int:
+    """Run the job; returns its exit code. Raises ConfigError before starting anything."""
+    program = validate(config)
+    argv = program if config.num_workers == 1 else [
+        find_horovodrun(), "-np", str(config.num_workers), "-H",
+        f"localhost:{config.num_workers}", "--gloo", *program]
+    run_id = config.run_id or new_run_id()
+    cluster = None
+    with _Signals() as signals:
+        try:
+            if config.num_servers > 0:
+                cluster = _start_servers(config)
+                addresses, where = cluster.addresses, "started here"
+            else:
+                addresses, where = [a.strip() for a in config.ps_addresses], "external"
+                _check_external(addresses, config.start_timeout)
+            _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
+                 f"({where}): {','.join(addresses)}; run id {run_id}")
+            signals.abortable = False
+            job = _Job(argv, worker_env(addresses, run_id), horovod=config.num_workers > 1)
+            signals.attach(job)
+            return _supervise(job, cluster, signals)
+        except _Interrupted as exc:
+            _say(f"got {exc}: stopped before the job started")
+            return 128 + exc.signum
+        finally:
+            signals.abortable = False  # a signal now must not interrupt the cleanup
+            if cluster is not None:
+                cluster.stop()
+
+
+def parse_args(argv: list[str]) -> LaunchConfig:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="parallax run", allow_abbrev=False,
+        description="Start parameter servers and N Horovod workers on this machine; the "
+                    "workers find the servers in PARALLAX_PS_ADDRESSES and the job id in "
+                    "PARALLAX_RUN_ID.",
+        usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
+              "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
+              "[--] COMMAND [ARGS ...]")
+    parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=1,
+                        help="number of workers (default 1; more than 1 uses horovodrun)")
+    parser.add_argument("--servers", type=int, default=None,
+                        help="parameter servers to start (default 2; 0 with --ps-addresses)")
+    parser.add_argument("--ps-addresses", default=None,
+                        help="comma-separated host:port of running servers (none started)")
+    parser.add_argument("--run-id", default=None, help="job id (default: generated)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument(s) for each server, e.g. --server-arg=--threads=128")
+    parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
+    parser.add_argument("--start-timeout", type=float, default=60.0,
+                        help="seconds to wait for the servers (default 60)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program: a .py file (run with this Python) or a command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    addresses = tuple(a.strip() for a in (args.ps_addresses or "").split(",") if a.strip())
+    if args.ps_addresses is not None and not addresses:
+        raise ConfigError("--ps-addresses is empty; give host:port of each parameter server, "
+                          "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
+    servers = args.servers if args.servers is not None else (0 if addresses else 2)
+    return LaunchConfig(
+        num_workers=args.num_workers, num_servers=servers, ps_addresses=addresses,
+        command=tuple(command), run_id=args.run_id,
+        server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
+        data_dir=args.data_dir, start_timeout=args.start_timeout)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return run(parse_args(argv))
+    except ConfigError as exc:
+        _say(f"error: {exc}")
+        return 2
+    except ParallaxError as exc:
+        _say(f"error: {exc}")
+        return 1

@@ -1,0 +1,231 @@
+"""`parallax run`: real servers, real workers (tests/launch_probe.py), horovodrun on loopback.
+
+Every launcher started here runs with a unique LAUNCH_TEST_MARK in its environment, which all
+its descendants inherit (servers, horovodrun and its helpers, workers); after each test no
+running process may carry it: that is the orphan check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from parallax.errors import ConfigError
+from parallax.launch import LaunchConfig, run, validate
+from parallax.local_cluster import LocalCluster
+
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+PROBE = str(Path(__file__).parent / "launch_probe.py")
+MARK = "LAUNCH_TEST_MARK"
+
+
+def marked_processes(mark: str) -> dict[int, str]:
+    """pid -> command line of every live (non-zombie) process whose environment has the mark."""
+    found = {}
+    needle = f"{MARK}={mark}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                continue
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def wait_gone(mark: str, timeout: float = 10.0) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def port_closed(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return False
+    except OSError:
+        return True
+
+
+class Launcher:
+    """`parallax run ARGS` as a child process; its output is collected line by line."""
+
+    def __init__(self, *args: str, mark: str) -> None:
+        self.proc = subprocess.Popen(
+            [PARALLAX, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, MARK: mark, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
+                         for s, lines in ((self.proc.stdout, self.out),
+                                          (self.proc.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        for reader in self._readers:
+            reader.join(5)
+        return code
+
+    def probes(self) -> list[dict]:
+        return [json.loads(line[line.index("{"):]) for line in self.out if '{"probe"' in line]
+
+    def wait_for_probes(self, count: int, timeout: float = 60.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while len(self.probes()) < count:
+            assert self.proc.poll() is None, f"launcher exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {count} probes:\n{self.output()}"
+            time.sleep(0.05)
+        return self.probes()
+
+    def start_line(self) -> str:
+        return next(line for line in self.err if line.startswith("parallax run: "))
+
+    def output(self) -> str:
+        return "\n".join(["--- stdout", *self.out, "--- stderr", *self.err])
+
+
+@pytest.fixture
+def mark():
+    mark = uuid.uuid4().hex
+    yield mark
+    left = wait_gone(mark)
+    for pid in left:  # clean up after a failure, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.multiprocess
+def test_two_workers_two_servers(mark):
+    launcher = Launcher("-np", "2", "--servers", "2", "--run-id", "two-by-two", PROBE,
+                        mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    probes = launcher.probes()
+    assert sorted(p["rank"] for p in probes) == [0, 1], launcher.output()
+    assert {p["size"] for p in probes} == {2}
+    assert {p["run_id"] for p in probes} == {"two-by-two"}
+    addresses = probes[0]["addresses"]
+    assert len(addresses) == 2 and probes[1]["addresses"] == addresses
+    start = launcher.start_line()
+    assert "2 worker(s)" in start and "run id two-by-two" in start
+    assert ",".join(addresses) in start
+    assert all(port_closed(a) for a in addresses)
+
+
+@pytest.mark.multiprocess
+def test_failing_worker_exit_code_comes_through_horovodrun(mark):
+    launcher = Launcher("-np", "2", "--", "python", PROBE, "--exit", "3", "--exit-rank", "1",
+                        mark=mark)
+    assert launcher.wait() == 3, launcher.output()  # horovodrun itself exits 1
+    assert any("worker rank 1 exited with code 3" in line for line in launcher.err)
+    assert all(port_closed(a) for a in launcher.probes()[0]["addresses"])
+
+
+@pytest.mark.multiprocess
+def test_single_worker_through_the_api_returns_its_exit_code():
+    config = LaunchConfig(num_workers=1, num_servers=1, command=(PROBE, "--exit", "5"))
+    assert run(config) == 5
+
+
+@pytest.mark.multiprocess
+def test_external_servers_are_used_and_left_running(mark):
+    with LocalCluster(2) as cluster:
+        launcher = Launcher("--servers", "0", "--ps-addresses", ",".join(cluster.addresses),
+                            "--run-id", "ext", PROBE, mark=mark)
+        assert launcher.wait() == 0, launcher.output()
+        [probe] = launcher.probes()
+        assert probe["addresses"] == cluster.addresses and probe["run_id"] == "ext"
+        assert probe["size"] == 1 and "(external)" in launcher.start_line()
+        assert all(s.proc.poll() is None for s in cluster.servers)
+    assert cluster.exit_codes == [0, 0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum, workers", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signal_stops_workers_and_servers(mark, signum, workers):
+    launcher = Launcher("-np", str(workers), PROBE, "--sleep", "120", mark=mark)
+    probes = launcher.wait_for_probes(workers)
+    assert marked_processes(mark)  # the orphan check sees the job while it runs
+    launcher.proc.send_signal(signum)
+    started = time.monotonic()
+    assert launcher.wait(20) == 128 + signum, launcher.output()
+    assert not wait_gone(mark), "processes left behind"
+    assert time.monotonic() - started < 10
+    assert all(port_closed(a) for a in probes[0]["addresses"])
+    for probe in probes:
+        with pytest.raises(ProcessLookupError):
+            os.kill(probe["pid"], 0)
+
+
+@pytest.mark.multiprocess
+def test_a_dead_server_stops_the_job(mark):
+    launcher = Launcher("-np", "1", "--servers", "2", PROBE, "--sleep", "120", mark=mark)
+    launcher.wait_for_probes(1)
+    servers = [pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd]
+    assert len(servers) == 2
+    os.kill(servers[1], signal.SIGKILL)
+    assert launcher.wait(20) == 1, launcher.output()
+    message = "\n".join(launcher.err)
+    assert "exited with code -9 while the job was running; stopping the workers" in message
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"num_workers": 0}, "-np 0"),
+    ({"command": ()}, "no command to run"),
+    ({"command": ("missing.py",)}, "script 'missing.py' not found"),
+    ({"command": ("python", "missing.py")}, "script 'missing.py' not found"),
+    ({"command": ("no-such-program-xyz",)}, "'no-such-program-xyz' is neither"),
+    ({"num_servers": 0}, "--servers 0 needs --ps-addresses"),
+    ({"num_servers": 0, "ps_addresses": ("localhost",)}, "'localhost' is not host:port"),
+    ({"num_servers": 0, "ps_addresses": ("h:70000",)}, "'h:70000' is not host:port"),
+    ({"ps_addresses": ("h:7000",)}, "use --servers 0 with --ps-addresses"),
+    ({"run_id": "a b"}, "--run-id 'a b'"),
+    ({"server_args": ("--port=5000",)}, "drop it"),
+    ({"start_timeout": 0}, "--start-timeout 0"),
+    ({"command": "train.py"}, "command must be a tuple of strings"),
+])
+def test_bad_config_is_refused_before_anything_starts(fields, words):
+    config = LaunchConfig(**{"command": (PROBE,), **fields})
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    assert words in str(info.value)
+    with pytest.raises(ConfigError):
+        run(config)
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["-np", "0", PROBE], 2, "-np 0: the number of workers must be at least 1"),
+    (["--ps-addresses", "nohost", PROBE], 2, "'nohost' is not host:port"),
+    (["missing.py"], 2, "script 'missing.py' not found"),
+    ([], 2, "no command to run"),
+    (["-np", "x", PROBE], 2, "invalid int value: 'x'"),
+    (["--ps-addresses", "127.0.0.1:1", "--start-timeout", "0.5", PROBE], 1, "not serving"),
+])
+def test_cli_reports_bad_input(mark, args, code, words):
+    launcher = Launcher(*args, mark=mark)
+    assert launcher.wait(30) == code, launcher.output()
+    assert words in "\n".join(launcher.err), launcher.output()
+    assert not launcher.probes()
