@@ -44,7 +44,8 @@ class TableModel(tf.Module):
     def __init__(self):
         super().__init__()
         rng = np.random.default_rng(3)
-        self.table = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype("float32"), name="table")
+        self.table = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype("float32") * 0.1,
+                                 name="table")
         self.kernel = tf.Variable(rng.normal(size=(FEATURES * DIM, 1)).astype("float32") * 0.3,
                                   name="kernel")
 
