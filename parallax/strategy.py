@@ -31,7 +31,7 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan
 from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
-from parallax.variables import ParallaxVariable, is_liftable
+from parallax.variables import ParallaxVariable, is_liftable, restore_storage
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
 
@@ -41,6 +41,7 @@ class _Observations:
 
     def __init__(self) -> None:
         self.gradients: dict[int, str] = {}
+        self.updated: list[tf.Variable] = []
         self.optimizer = None
 
     def record(self, var, fn, args) -> None:
@@ -48,6 +49,7 @@ class _Observations:
         kind = "IndexedSlices" if isinstance(grad, tf.IndexedSlices) else \
             "Tensor" if grad is not None else "none"
         self.gradients[id(var)] = kind
+        self.updated.append(var)
         self.optimizer = self.optimizer or keras_support.keras_optimizer_of(fn)
 
 
@@ -150,6 +152,12 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         return infos
 
     def _make_plan(self, graph, observations: _Observations) -> None:
+        foreign = [v.name for v in observations.updated if not isinstance(v, ParallaxVariable)]
+        if foreign:
+            raise ConfigError(
+                f"variables {foreign} were created outside strategy.scope(), so parallax "
+                f"cannot place them; build the model and the optimizer inside "
+                f"`with strategy.scope():`")
         infos = self._variable_infos(graph, observations)
         info = self.workers.info
         wants_servers = self.config.mode != "allreduce" or any(
@@ -306,7 +314,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
             values = {i: var.numpy() for i, var in remotes.items()}
             for i, var in remotes.items():
                 var._parallax_remote = None
-                var.assign(values[i])
+                restore_storage(var, values[i])
         try:
             yield
         finally:

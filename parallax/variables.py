@@ -116,6 +116,15 @@ def release_storage(variable: tf.Variable) -> None:
                                                      validate_shape=False)
 
 
+def restore_storage(variable: tf.Variable, value) -> None:
+    """Give a released variable a full local value again (the shape check of `assign` would
+    compare with the empty storage)."""
+    with tf.init_scope():
+        gen_resource_variable_ops.assign_variable_op(
+            variable.handle, tf.convert_to_tensor(value, dtype=variable.dtype),
+            validate_shape=False)
+
+
 def is_liftable(initial_value) -> bool:
     """Whether the value can be computed outside the graph being traced (Keras passes a
     callable; a tensor computed inside a tf.function cannot be lifted)."""

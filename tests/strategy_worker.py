@@ -105,7 +105,18 @@ def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: b
         step(x, y)
 
 
-def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: str) -> None:
+def export(strategy, model, ids, out: Path, case: str) -> None:
+    """Chief only: predictions of the trained model, then the model saved both ways."""
+    probe = ids[:32]
+    np.save(out / f"{case}-probe.npy", probe)
+    np.save(out / f"{case}-pred.npy", model.predict(probe, verbose=0))
+    model.save(out / f"{case}.keras")
+    with strategy.local_tables():
+        model.export(str(out / f"{case}-savedmodel"), verbose=False)
+
+
+def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: str,
+             export_case: str = "") -> None:
     model_kind, optimizer_name, loop, mode = (case.split("-") + ["hybrid"])[:4]
     ids, labels = data(steps, batch)
     if setup == "plain":
@@ -134,6 +145,8 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
                                               for v in strategy.plan.variables],
                        "workers": strategy.worker.size}
             print("CASE " + json.dumps(summary), flush=True)
+            if case == export_case:
+                export(strategy, model, ids, out, case)
 
 
 def main(argv: list[str]) -> int:
@@ -145,11 +158,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--export-case", default="", help="save this case's trained model")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     run_id = os.environ.get("PARALLAX_RUN_ID", "eq")
     for case in args.cases.split(","):
-        run_case(case, args.setup, args.steps, args.batch, args.out, run_id)
+        run_case(case, args.setup, args.steps, args.batch, args.out, run_id, args.export_case)
     return 0
 
 

@@ -31,7 +31,22 @@ PLAIN_CASES = ["keras-sgd-fit", "keras-adagrad-custom", "custom-sgd-custom",
 LAZY_CASES = ["keras-adam-fit", "custom-adam-custom", "shared-adam-custom",
               "keras-momentum-custom"]
 
+EXPORT_CASE = "keras-adagrad-fit"
+PLAIN_CASES.append(EXPORT_CASE)
+
 pytestmark = pytest.mark.multiprocess
+
+SERVE_WITHOUT_PARALLAX = """
+import sys, numpy as np, keras, tensorflow as tf
+out, case = sys.argv[1], sys.argv[2]
+probe = np.load(f"{out}/{case}-probe.npy")
+want = np.load(f"{out}/{case}-pred.npy")
+got_keras = keras.models.load_model(f"{out}/{case}.keras").predict(probe, verbose=0)
+loaded = tf.saved_model.load(f"{out}/{case}-savedmodel")  # keep it: it owns the variables
+got_saved = loaded.serve(tf.constant(probe)).numpy()
+assert not any(m.startswith("parallax") for m in sys.modules), "parallax was imported"
+print("DIFF", float(np.abs(got_keras - want).max()), float(np.abs(got_saved - want).max()))
+"""
 
 
 def _run(command: list[str], timeout: float = 600) -> str:
@@ -51,7 +66,8 @@ def results(tmp_path_factory) -> dict[str, Path]:
     _run(worker + ["--setup", "parallax", "--cases", ",".join(LAZY_CASES),
                    "--out", str(base / "one")])
     _run([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--setup", "parallax",
-          "--cases", ",".join(PLAIN_CASES + LAZY_CASES), "--out", str(base / "two")])
+          "--cases", ",".join(PLAIN_CASES + LAZY_CASES), "--out", str(base / "two"),
+          "--export-case", EXPORT_CASE])
     return {"plain": base / "plain", "one": base / "one", "two": base / "two"}
 
 
@@ -89,3 +105,14 @@ def test_training_moved_every_parameter(results, case):
     assert len(trained.files) == len(initial)
     for key, before in zip(trained.files, initial):
         assert np.abs(trained[key] - before).max() > 1e-4, f"{case} {key} did not change"
+
+
+def test_model_trained_on_two_workers_serves_without_parallax(results):
+    """The chief's .keras file and SavedModel load in a fresh process that never imports
+    parallax, and predict what the trained model predicted (tables pulled from the servers)."""
+    out = _run([sys.executable, "-c", SERVE_WITHOUT_PARALLAX, str(results["two"]), EXPORT_CASE])
+    line = next(l for l in out.splitlines() if l.startswith("DIFF"))
+    diff_keras, diff_saved = map(float, line.split()[1:])
+    assert diff_keras < 1e-6 and diff_saved < 1e-6, line
+    pred = np.load(results["two"] / f"{EXPORT_CASE}-pred.npy")
+    assert np.abs(pred).max() > 0 and np.isfinite(pred).all()
