@@ -24,7 +24,7 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 from parallax import binding, keras_support
 from parallax.analysis import inspect_reads
 from parallax.client import ClientOptions
-from parallax.cluster import ADDRESSES_ENV, ClusterSpec, resolve_cluster
+from parallax.cluster import ADDRESSES_ENV, ClusterSpec, parse_addresses, resolve_cluster
 from parallax.collectives import WorkerInfo, make_collectives
 from parallax.datasets import shard_for_worker
 from parallax.errors import ConfigError, ParallaxError
@@ -277,8 +277,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  local_aggregation: bool = False, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
                  client_options: ClientOptions | None = None) -> None:
-        if isinstance(ps_addresses, str):
-            ps_addresses = tuple(a for a in ps_addresses.split(",") if a)
+        if ps_addresses is not None:
+            ps_addresses = parse_addresses(ps_addresses if isinstance(ps_addresses, str)
+                                           else ",".join(ps_addresses), "ps_addresses")
         config = StrategyConfig(mode=mode, sync=sync,
                                 ps_addresses=tuple(ps_addresses) if ps_addresses else None,
                                 run_id=run_id, embedded_servers=embedded_servers,

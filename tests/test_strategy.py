@@ -1,0 +1,245 @@
+"""ParallaxStrategy in one worker process, against the session's two real parameter servers:
+the tf.distribute contract, the plan, run modes, and every bad input the issue lists."""
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax
+from parallax.errors import ConfigError, ParallaxError
+from parallax.variables import ParallaxVariable
+
+_ids = itertools.count()
+VOCAB, DIM = 300, 4
+
+
+@pytest.fixture
+def make_strategy(cluster):
+    def make(**kwargs):
+        kwargs.setdefault("ps_addresses", cluster.addresses)
+        kwargs.setdefault("log_plan", False)
+        return parallax.ParallaxStrategy(run_id=f"st{next(_ids)}-{int(time.time())}", **kwargs)
+    return make
+
+
+def data(n=128, vocab=VOCAB, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.3, size=(n, 3)) - 1, vocab - 1).astype("int64")
+    return ids, (ids.sum(axis=1, keepdims=True) % 7 / 7.0).astype("float32")
+
+
+def embedding_model(vocab=VOCAB, dense=True):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((3,), dtype="int64")
+    h = keras.layers.Embedding(vocab, DIM, name="embedding")(inputs)
+    if dense:
+        out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(h))
+    else:
+        out = keras.ops.mean(h, axis=[1, 2])[:, None]
+    return keras.Model(inputs, out)
+
+
+def test_is_a_tf_distribute_strategy(make_strategy):
+    strategy = make_strategy()
+    assert isinstance(strategy, tf.distribute.Strategy)
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.plan is None
+    with strategy.scope():
+        model = embedding_model()
+        assert tf.distribute.get_strategy() is strategy
+    assert all(isinstance(v.value, ParallaxVariable) for v in model.weights)
+
+
+def test_fit_evaluate_predict_and_the_plan(make_strategy, capsys):
+    strategy = make_strategy(log_plan=True)
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    plan = strategy.plan
+    table = plan.get("embedding/embeddings")
+    assert (table.kind, table.placement, table.shards) == ("sparse", "ps", 2)
+    assert "gather on axis 0" in table.reason and "IndexedSlices" in table.reason
+    kernel = plan.get("dense/kernel")
+    assert (kernel.kind, kernel.placement) == ("dense", "allreduce")
+    assert "MatMul" in kernel.reason
+    assert table.bytes == VOCAB * DIM * 4 and table.shape == (VOCAB, DIM)
+    assert capsys.readouterr().err.count("parallax plan (hybrid") == 1  # logged once
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(losses[-1], rel=0.5)
+    assert model.predict(x[:5], verbose=0).shape == (5, 1)
+    traffic = strategy.tables["embedding/embeddings"].traffic
+    assert traffic.pushes == 3 * 8 and traffic.pulled_rows > 0
+    # The worker keeps no copy of the table: its storage was released.
+    storage = model.layers[1].embeddings.value
+    assert storage.remote is not None and storage.handle is not None
+
+
+def test_custom_loop_written_for_multi_worker_mirrored(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    global_batch = 16
+
+    def dataset_fn(context: tf.distribute.InputContext):
+        batch = context.get_per_replica_batch_size(global_batch)
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        return ds.shard(context.num_input_pipelines, context.input_pipeline_id).batch(batch)
+
+    with strategy.scope():
+        model = embedding_model()
+        optimizer = keras.optimizers.SGD(0.5)
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+
+    @tf.function
+    def train_step(batch):
+        def step_fn(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    keras.losses.mean_squared_error(labels, model(features)),
+                    global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        per_replica = strategy.run(step_fn, args=(batch,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    epochs = [float(np.mean([train_step(b) for b in dist])) for _ in range(3)]
+    assert epochs[-1] < epochs[0]
+    assert strategy.plan.get("embedding/embeddings").placement == "ps"
+
+
+def test_placement_override(make_strategy):
+    strategy = make_strategy(placement={"embedding/embeddings": "allreduce"})
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    entry = strategy.plan.get("embedding/embeddings")
+    assert (entry.kind, entry.placement) == ("sparse", "allreduce")
+    assert "by the user" in entry.reason
+    assert strategy.tables == {}
+    assert "no sparse variables" in strategy.plan.summary() or not strategy.plan.on_servers
+
+
+def test_override_of_unknown_variable_is_refused(make_strategy):
+    strategy = make_strategy(placement={"no/such/variable": "ps"})
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ConfigError, match="no/such/variable"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_bad_configuration_values_are_named():
+    with pytest.raises(ConfigError, match="'fastest'"):
+        parallax.ParallaxStrategy(mode="fastest")
+    with pytest.raises(ConfigError, match="'gpu'"):
+        parallax.ParallaxStrategy(placement={"x": "gpu"})
+    with pytest.raises(ConfigError, match="'localhost' is not host:port"):
+        parallax.ParallaxStrategy(ps_addresses="localhost")
+    with pytest.raises(ConfigError, match="shards must be positive"):
+        parallax.ParallaxStrategy(shards=0)
+
+
+def test_dense_only_model_runs_as_pure_allreduce(make_strategy):
+    strategy = make_strategy()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert "pure all-reduce" in strategy.plan.summary()
+    assert strategy.tables == {}
+
+
+def test_embedding_only_model_runs_as_pure_parameter_server(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model(dense=False)
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert "pure parameter server" in strategy.plan.summary()
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_async_training_learns(make_strategy):
+    strategy = make_strategy(sync=False)
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert not strategy.plan.sync
+
+
+def test_id_out_of_range_names_table_and_id_and_changes_nothing(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    before = model.get_weights()
+    bad = x.copy()
+    bad[5, 1] = VOCAB + 17
+    with pytest.raises(Exception, match=rf"embedding/embeddings.*id {VOCAB + 17} is out of range"):
+        model.fit(bad, y, batch_size=128, epochs=1, verbose=0)
+    after = model.get_weights()
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_is_named_after_a_bounded_wait():
+    port = _closed_port()
+    strategy = parallax.ParallaxStrategy(ps_addresses=[f"127.0.0.1:{port}"], run_id="unreach",
+                                         connect_timeout=2.0, log_plan=False)
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    start = time.monotonic()
+    with pytest.raises(ParallaxError, match=f"127.0.0.1:{port}"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert time.monotonic() - start < 30
+
+
+def test_model_built_outside_the_scope_is_refused(make_strategy):
+    strategy = make_strategy()
+    model = embedding_model()  # outside the scope
+    optimizer = keras.optimizers.SGD(0.1)
+    x, y = data()
+
+    @tf.function
+    def step(features, labels):
+        def replica(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(features) - labels))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica, args=(features, labels))
+
+    # (autograph re-raises errors from a traced tf.function as StagingError, same message)
+    with pytest.raises(Exception, match=r"ConfigError: .*outside strategy.scope\(\)"):
+        step(tf.constant(x[:16]), tf.constant(y[:16]))
