@@ -13,6 +13,21 @@ log() { printf '[setup] %s\n' "$*"; }
 done_stage() { [ -f "$stamps/$1" ] && [ "$(cat "$stamps/$1")" = "$2" ]; }
 mark_stage() { mkdir -p "$stamps"; printf '%s' "$2" >"$stamps/$1"; }
 
+# WordNet's glosses are the corpus of examples/language_model.py (Debian's wordnet-base).
+# Installed when missing if we are root with apt-get; otherwise only a warning (the example
+# then says what to install). A failure here never stops the setup.
+if [ ! -f /usr/share/wordnet/data.noun ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    log "installing Debian's wordnet-base (corpus of examples/language_model.py)"
+    apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends wordnet-base; }
+    apt_install || { apt-get update && apt_install; } \
+      || echo "[setup] warning: could not install wordnet-base; examples/language_model.py needs it" >&2
+  else
+    echo "[setup] warning: /usr/share/wordnet is missing and cannot be installed here (needs root and" \
+         "apt-get): examples/language_model.py needs it; run 'apt-get install wordnet-base' as root" >&2
+  fi
+fi
+
 if ! "$python" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))'; then
   echo "[setup] $python is Python $("$python" -c 'import platform; print(platform.python_version())'):" \
        "TensorFlow 2.17.1 needs 3.10-3.12; run with PYTHON=python3.11 (for example)" >&2
