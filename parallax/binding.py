@@ -18,6 +18,7 @@ from parallax.cluster import ClusterSpec
 from parallax.collectives import HorovodWorkers, SingleWorker
 from parallax.errors import ConfigError, ParallaxError
 from parallax.keras_support import slots_of
+from parallax.malloc_tuning import return_freed_memory
 from parallax.plan import Plan, VariablePlan
 from parallax.remote import RemoteTable
 from parallax.specs import Initializer, TableSpec, optimizer_from_keras
@@ -78,12 +79,13 @@ class TableBinder:
 
     def __init__(self, plan: Plan, cluster: ClusterSpec, workers: Workers,
                  options: ClientOptions | None, connect_timeout: float,
-                 local_aggregation: bool) -> None:
+                 local_aggregation: bool, init_chunk_bytes: int = 8 << 20) -> None:
         self.plan = plan
         self.cluster = cluster
         self.workers = workers
         self.client = PSClient(cluster.ps_addresses, options)
         self.connect_timeout = connect_timeout
+        self.init_chunk_bytes = init_chunk_bytes
         info = workers.info
         self.pushers = info.size // info.local_size if local_aggregation else info.size
         self.sends_pushes = info.local_rank == 0 if local_aggregation else True
@@ -106,10 +108,12 @@ class TableBinder:
         def create_and_fill() -> None:
             for vp, spec in zip(on_servers, specs):
                 table = self.client.create_table(spec)
-                values = variables[vp.index].numpy().reshape(spec.vocabulary_size, spec.dim)
-                table.assign(np.arange(spec.vocabulary_size, dtype=np.int64), values)
+                for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
+                    ids = np.arange(first, first + len(rows), dtype=np.int64)
+                    table.assign(ids, rows.reshape(len(rows), spec.dim))
 
         _on_chief_then_all(self.workers, create_and_fill)
+        return_freed_memory()
         for vp, spec in zip(on_servers, specs):
             table = self.client.create_table(spec)  # idempotent; a differing spec is refused
             var = variables[vp.index]

@@ -24,3 +24,13 @@ def reuse_freed_memory(mmap_threshold_mb: int = 32, trim_threshold_mb: int = 102
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold_mb << 20)
     return bool(ok and mallopt(_M_TRIM_THRESHOLD, trim_threshold_mb << 20))
+
+
+def return_freed_memory() -> bool:
+    """Hand freed heap memory back to the kernel now (after a one-off burst such as streaming
+    a table's initial values); False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -31,7 +31,8 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan
 from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
-from parallax.variables import ParallaxVariable, is_liftable, restore_storage
+from parallax.variables import (ParallaxVariable, analysis_trace, is_liftable,
+                                restore_storage)
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
 
@@ -125,13 +126,21 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             spec_args, spec_kwargs = tf.nest.map_structure(_spec_of, (tuple(args), kwargs or {}))
             strategy = self._container_strategy()
             traced = tf.function(lambda *a, **k: strategy.run(fn, a, k))
-            graph = traced.get_concrete_function(*spec_args, **spec_kwargs).graph
+            with analysis_trace():
+                graph = traced.get_concrete_function(*spec_args, **spec_kwargs).graph
         finally:
             self._observations = None
-        if not observations.gradients:
-            return  # not a training step (evaluate, predict): variables stay local for now
         with tf.init_scope():
-            self._make_plan(graph, observations)
+            if observations.gradients:
+                self._make_plan(graph, observations)
+            # Not a training step (evaluate, predict): no plan yet, variables stay local.
+            self._materialize_local()
+
+    def _materialize_local(self) -> None:
+        """Compute the deferred initial value of every variable that stays on this worker."""
+        for var in self.variables():
+            if var.remote is None:
+                var.materialize()
 
     def _variable_infos(self, graph, observations: _Observations) -> dict[int, VariableInfo]:
         variables = [v for v in self.variables() if v.trainable]

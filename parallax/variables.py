@@ -2,18 +2,26 @@
 plan moves it to the parameter servers, then a view of remote rows.
 
 Every variable made in `strategy.scope()` is a `ParallaxVariable`, because which ones are
-sparse is only known after the first step is traced. Once the plan binds a `RemoteTable`:
-- `sparse_read(ids)` (what `tf.gather(var, ids)` and `tf.nn.embedding_lookup` call, and what
-  parallax routes Keras' `ops.take` to) pulls only the rows of `ids`; its gradient is an
-  `IndexedSlices` over global row ids, pushed to the servers instead of applied here;
-- a whole read (`value()`, `numpy()`, `model.save`) pulls every row, so saving and exporting
-  see the trained table; in the `ps` run mode dense variables are read this way every step;
-- local storage is released: the worker keeps no copy of the table.
+sparse is only known after the first step is traced. Two consequences shape this class:
+- Initialisation is deferred: a variable is created with empty storage and its initial
+  value is computed the first time something reads it locally. Tables that go to the servers
+  are never computed in full on a worker: the chief streams their initial rows chunk by chunk,
+  the other workers never compute them. (TensorFlow's oneDNN CPU allocator keeps freed memory
+  pooled, so a table computed once would stay in the worker's RSS for good.)
+- Once the plan binds a `RemoteTable`, `sparse_read(ids)` (what `tf.gather(var, ids)` and
+  `tf.nn.embedding_lookup` call, and what Keras' `ops.take` is routed to) pulls only the rows
+  of `ids`, with an `IndexedSlices` gradient over global ids that is pushed, not applied; a
+  whole read (`value()`, `numpy()`, `model.save`) pulls every row.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
+import threading
+from typing import Callable, Iterator
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
@@ -21,6 +29,21 @@ from parallax.errors import ParallaxError
 
 _INIT_PARAMETERS = frozenset(inspect.signature(
     resource_variable_ops.ResourceVariable.__init__).parameters) - {"self"}
+_tracing = threading.local()
+
+
+@contextlib.contextmanager
+def analysis_trace() -> Iterator[None]:
+    """Reads made inside are traced, never run: they must not compute deferred values."""
+    _tracing.active = True
+    try:
+        yield
+    finally:
+        _tracing.active = False
+
+
+def _in_analysis() -> bool:
+    return getattr(_tracing, "active", False)
 
 
 class ParallaxVariable(resource_variable_ops.ResourceVariable):
@@ -29,10 +52,23 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     _parallax_remote = None  # the RemoteTable holding the rows, once the plan moved them
     _parallax_index = -1     # creation order in the strategy: the same on every worker
     _parallax_fill = None    # set on released optimizer slots: what a read returns
+    _parallax_init = None    # the deferred initial value (a callable), until computed
 
     @classmethod
     def create(cls, index: int, **kwargs) -> "ParallaxVariable":
-        var = cls(**{k: v for k, v in kwargs.items() if k in _INIT_PARAMETERS})
+        """A deferred variable when the initial value is a Keras initializer call (the
+        shape is then known without computing it), else an ordinary one."""
+        kwargs = {k: v for k, v in kwargs.items() if k in _INIT_PARAMETERS}
+        spec = _keras_initializer(kwargs.get("initial_value"))
+        if spec is not None and spec[1].rank:
+            _, full, dtype = spec
+            kwargs.update(initial_value=tf.zeros([0] + full.as_list()[1:], dtype),
+                          shape=tf.TensorShape([None] + full.as_list()[1:]), dtype=dtype)
+            var = cls(**kwargs)
+            var._shape = full  # the logical shape; storage fills in on first use
+            var._parallax_init = _DeferredValue(*spec)
+        else:
+            var = cls(**kwargs)
         var._parallax_index = index
         return var
 
@@ -40,8 +76,58 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     def remote(self):
         return self._parallax_remote
 
+    # ---- deferred initial values ----
+
+    def materialize(self) -> None:
+        """Compute the deferred initial value into local storage (idempotent)."""
+        init, self._parallax_init = self._parallax_init, None
+        if init is not None:
+            with tf.init_scope():  # possibly called while a function is being traced
+                restore_storage(self, init())
+
+    def _materialize_callback(self) -> np.bool_:
+        self.materialize()
+        return np.bool_(True)
+
+    def _local_ready(self):
+        """A context in which local reads and writes see the initial value. Eagerly: compute
+        it now. While tracing: compute it when the traced op first runs (a graph traced only
+        to infer shapes, like Keras' symbolic build, then never computes it)."""
+        if self._parallax_init is None or _in_analysis():
+            return contextlib.nullcontext()
+        if tf.executing_eagerly():
+            self.materialize()
+            return contextlib.nullcontext()
+        ready = tf.numpy_function(self._materialize_callback, [], tf.bool, stateful=True,
+                                  name="parallax_initial_value")
+        return tf.control_dependencies([ready])
+
+    def initial_chunks(self, chunk_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, rows) of the initial value, without ever holding all of it when the
+        initializer is a Keras initializer: chunks are drawn from the same distribution (not
+        the same random draws as one call for the whole shape, for tables over chunk_bytes)."""
+        if self._parallax_init is None:
+            yield 0, self.numpy()
+            return
+        rows, rest = self.shape[0], self.shape.as_list()[1:]
+        row_bytes = max(1, int(math.prod(rest)) * self.dtype.size)
+        initializer = self._parallax_init.initializer
+        if rows * row_bytes <= chunk_bytes:
+            yield 0, np.asarray(self._parallax_init())
+            return
+        step = max(1, chunk_bytes // row_bytes)
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            yield lo, np.asarray(initializer((hi - lo, *rest), dtype=self.dtype.name))
+
+    def forget_initial_value(self) -> None:
+        self._parallax_init = None
+
+    # ---- placement ----
+
     def bind_remote(self, remote) -> None:
         """Hand the rows to `remote` and free the local copy (shape metadata is kept)."""
+        self._parallax_init = None
         release_storage(self)
         self._parallax_remote = remote
 
@@ -49,63 +135,101 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         """For optimizer slots of a table on the servers (the servers keep the real slots):
         free the storage; reads return the slot's initial fill, so saving a model with its
         optimizer still works, and assignments (loading such a model) are ignored."""
-        with tf.init_scope():
-            flat = tf.reshape(self.read_value(), [-1])
-            self._parallax_fill = float(flat[0]) if int(tf.size(flat)) else 0.0
+        first = next(self.initial_chunks(self.dtype.size))[1] if self._parallax_init \
+            else self.numpy()
+        flat = np.asarray(first).reshape(-1)
+        self._parallax_fill = float(flat[0]) if flat.size else 0.0
+        self._parallax_init = None
         release_storage(self)
 
+    # ---- reads and writes ----
+
     def sparse_read(self, indices, name=None):
-        if self._parallax_remote is None:
+        if self._parallax_remote is not None:
+            return self._parallax_remote.gather(self, indices)
+        with self._local_ready():
             return super().sparse_read(indices, name=name)
-        return self._parallax_remote.gather(self, indices)
 
     def _read_variable_op(self, no_copy=False):
         if self._parallax_remote is not None:
             return self._parallax_remote.read_all(self)
         if self._parallax_fill is not None:
             return tf.fill(self.shape, tf.constant(self._parallax_fill, self.dtype))
-        return super()._read_variable_op(no_copy=no_copy)
+        with self._local_ready():
+            return super()._read_variable_op(no_copy=no_copy)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         if self._parallax_fill is not None:
             return self if read_value else None
-        if self._parallax_remote is None:
+        if self._parallax_remote is not None:
+            self._parallax_remote.assign_all(value)
+            return self if read_value else None
+        with self._local_ready():
             return super().assign(value, use_locking=use_locking, name=name,
                                   read_value=read_value)
-        self._parallax_remote.assign_all(value)
-        return self if read_value else None
 
-    def _refuse(self, what: str):
-        raise ParallaxError(
-            f"variable {self.name!r} lives on the parameter servers; {what} cannot change it "
-            f"there. Update it through a Keras optimizer (apply_gradients / fit), which the "
-            f"strategy forwards to the servers, or assign() a whole new value eagerly")
-
-    def _maybe_refuse(self, what: str) -> None:
+    def _local_update(self, what: str):
         if self._parallax_remote is not None:
-            self._refuse(what)
+            raise ParallaxError(
+                f"variable {self.name!r} lives on the parameter servers; {what} cannot change "
+                f"it there. Update it through a Keras optimizer (apply_gradients / fit), which "
+                f"the strategy forwards to the servers, or assign() a whole new value eagerly")
+        return self._local_ready()
 
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        self._maybe_refuse("assign_add")
-        return super().assign_add(delta, use_locking=use_locking, name=name,
-                                  read_value=read_value)
+    def gather_nd(self, indices, name=None):
+        with self._local_update("gather_nd"):
+            return super().gather_nd(indices, name=name)
 
-    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        self._maybe_refuse("assign_sub")
-        return super().assign_sub(delta, use_locking=use_locking, name=name,
-                                  read_value=read_value)
+    def _restore_from_tensors(self, restored_tensors):
+        self._parallax_init = None  # a checkpoint's value replaces the deferred one
+        return super()._restore_from_tensors(restored_tensors)
 
-    def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        self._maybe_refuse("scatter_add")
-        return super().scatter_add(sparse_delta, use_locking=use_locking, name=name)
 
-    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        self._maybe_refuse("scatter_sub")
-        return super().scatter_sub(sparse_delta, use_locking=use_locking, name=name)
+def _guarded(name: str):
+    """An update method that refuses remote variables and computes deferred values first."""
+    parent = getattr(resource_variable_ops.ResourceVariable, name)
 
-    def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        self._maybe_refuse("scatter_update")
-        return super().scatter_update(sparse_delta, use_locking=use_locking, name=name)
+    def method(self, *args, **kwargs):
+        with self._local_update(name):
+            return parent(self, *args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = parent.__doc__
+    return method
+
+
+for _name in ("assign_add", "assign_sub", "scatter_add", "scatter_sub", "scatter_update",
+              "scatter_max", "scatter_min", "scatter_mul", "scatter_div",
+              "batch_scatter_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_update",
+              "scatter_nd_max", "scatter_nd_min"):
+    setattr(ParallaxVariable, _name, _guarded(_name))
+
+
+class _DeferredValue:
+    """`initializer(shape, dtype)`, called when the value is needed."""
+
+    def __init__(self, initializer: Callable, shape: tf.TensorShape, dtype: tf.DType) -> None:
+        self.initializer, self.shape, self.dtype = initializer, shape, dtype
+
+    def __call__(self):
+        return self.initializer(tuple(self.shape.as_list()), dtype=self.dtype.name)
+
+
+def _keras_initializer(init_fn) -> tuple[Callable, tf.TensorShape, tf.DType] | None:
+    """Keras 3 passes `lambda: initializer(self._shape, dtype=self._dtype)` (self: the Keras
+    variable): return (initializer, shape, dtype) read from that closure, or None."""
+    if not callable(init_fn) or not getattr(init_fn, "__closure__", None):
+        return None
+    try:
+        nonlocals = inspect.getclosurevars(init_fn).nonlocals
+    except (TypeError, ValueError):
+        return None
+    initializer, owner = nonlocals.get("initializer"), nonlocals.get("self")
+    shape, dtype = getattr(owner, "_shape", None), getattr(owner, "_dtype", None)
+    if not callable(initializer) or shape is None or dtype is None:
+        return None
+    shape = tf.TensorShape(shape)
+    return (initializer, shape, tf.as_dtype(dtype)) if shape.is_fully_defined() else None
 
 
 def release_storage(variable: tf.Variable) -> None:

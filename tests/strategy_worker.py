@@ -109,7 +109,8 @@ def export(strategy, model, ids, out: Path, case: str) -> None:
     """Chief only: predictions of the trained model, then the model saved both ways."""
     probe = ids[:32]
     np.save(out / f"{case}-probe.npy", probe)
-    np.save(out / f"{case}-pred.npy", model.predict(probe, verbose=0))
+    # model.predict would shard the probe across workers, as it does under MWMS.
+    np.save(out / f"{case}-pred.npy", np.asarray(model(probe, training=False)))
     model.save(out / f"{case}.keras")
     with strategy.local_tables():
         model.export(str(out / f"{case}-savedmodel"), verbose=False)
