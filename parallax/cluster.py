@@ -54,8 +54,9 @@ def new_run_id() -> str:
 
 def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = None,
                     run_id: str | None = None, *, embedded_servers: int = 2,
-                    environ: dict[str, str] | None = None) -> ClusterSpec:
-    """Explicit arguments win over the environment; with neither, start local servers."""
+                    environ: dict[str, str] | None = None, start: bool = True) -> ClusterSpec:
+    """Explicit arguments win over the environment; with neither, start local servers (with
+    start=False: return the spec they would have, with no addresses yet)."""
     environ = dict(os.environ if environ is None else environ)
     if run_id is None:
         run_id = environ.get(RUN_ID_ENV) or None
@@ -64,8 +65,11 @@ def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = Non
         addresses = parse_addresses(text, "ps_addresses")
     elif environ.get(ADDRESSES_ENV):
         addresses = parse_addresses(environ[ADDRESSES_ENV], ADDRESSES_ENV)
-    else:
+    elif start:
         return _embedded(embedded_servers, run_id or new_run_id())
+    else:
+        return ClusterSpec(("",) * embedded_servers, check_run_id(run_id or new_run_id(),
+                                                                  "run id"), embedded=True)
     return ClusterSpec(addresses, check_run_id(run_id or "job", "run id"))
 
 

@@ -169,15 +169,14 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 f"`with strategy.scope():`")
         infos = self._variable_infos(graph, observations)
         info = self.workers.info
-        wants_servers = self.config.mode != "allreduce" or any(
-            p == "ps" for p in self.config.placement.values())
-        if wants_servers and self.cluster is None:
-            self.cluster = resolve_cluster(self.config.ps_addresses, self.config.run_id,
-                                           embedded_servers=self.config.embedded_servers)
-        run_id = self.cluster.run_id if self.cluster else "local"
-        plan = make_plan(self.config, list(infos.values()), run_id=run_id,
-                         num_servers=len(self.cluster.ps_addresses) if self.cluster else 0,
-                         num_workers=info.size)
+        # Where the servers would be (started only if the plan puts something on them).
+        planned = resolve_cluster(self.config.ps_addresses, self.config.run_id,
+                                  embedded_servers=self.config.embedded_servers, start=False)
+        plan = make_plan(self.config, list(infos.values()), run_id=planned.run_id,
+                         num_servers=len(planned.ps_addresses), num_workers=info.size)
+        if plan.on_servers:
+            self.cluster = planned if not planned.embedded else resolve_cluster(
+                None, planned.run_id, embedded_servers=self.config.embedded_servers)
         binding.check_agreement(plan, self.workers)
         by_index = {v._parallax_index: v for v in self.variables()}
         if plan.on_servers:

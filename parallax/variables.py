@@ -156,7 +156,9 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         if self._parallax_fill is not None:
             return tf.fill(self.shape, tf.constant(self._parallax_fill, self.dtype))
         with self._local_ready():
-            return super()._read_variable_op(no_copy=no_copy)
+            value = super()._read_variable_op(no_copy=no_copy)
+        value.set_shape(self.shape)  # deferred storage is [None, ...]; the value is not
+        return value
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         if self._parallax_fill is not None:

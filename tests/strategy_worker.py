@@ -65,12 +65,12 @@ class SharedLookup(keras.layers.Layer):
         return keras.ops.take(self.owner.embeddings, ids, axis=0)
 
 
-def build(model: str) -> keras.Model:
+def build(model: str, vocab: int = VOCAB) -> keras.Model:
     keras.utils.set_random_seed(11)
     if model == "custom":
         return TableModel()
     inputs = keras.Input((FEATURES,), dtype="int64")
-    embedding = keras.layers.Embedding(VOCAB, DIM)
+    embedding = keras.layers.Embedding(vocab, DIM)
     if model == "keras":
         h = keras.layers.Flatten()(embedding(inputs))
     else:  # shared: the same table read by two layers, on two halves of the features
@@ -117,7 +117,7 @@ def export(strategy, model, ids, out: Path, case: str) -> None:
 
 
 def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: str,
-             export_case: str = "") -> None:
+             export_case: str = "", disagree: bool = False) -> None:
     model_kind, optimizer_name, loop, mode = (case.split("-") + ["hybrid"])[:4]
     ids, labels = data(steps, batch)
     if setup == "plain":
@@ -128,7 +128,8 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
             mode="hybrid" if mode == "localagg" else mode, local_aggregation=mode == "localagg",
             run_id=f"{run_id}-{case}"[:48], log_plan=False)
     with strategy.scope():
-        model = build(model_kind)
+        rank = strategy.worker.rank if setup != "plain" else 0
+        model = build(model_kind, VOCAB + 1 if disagree and rank == 1 else VOCAB)
         optimizer = OPTIMIZERS[optimizer_name]()
     if loop == "fit" and setup != "plain":
         model.compile(optimizer=optimizer, loss="mse")
@@ -160,11 +161,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--export-case", default="", help="save this case's trained model")
+    parser.add_argument("--disagree", action="store_true",
+                        help="worker 1 builds a table one row larger (a broken job)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     run_id = os.environ.get("PARALLAX_RUN_ID", "eq")
     for case in args.cases.split(","):
-        run_case(case, args.setup, args.steps, args.batch, args.out, run_id, args.export_case)
+        run_case(case, args.setup, args.steps, args.batch, args.out, run_id, args.export_case,
+                 args.disagree)
     return 0
 
 

@@ -116,3 +116,17 @@ def test_model_trained_on_two_workers_serves_without_parallax(results):
     assert diff_keras < 1e-6 and diff_saved < 1e-6, line
     pred = np.load(results["two"] / f"{EXPORT_CASE}-pred.npy")
     assert np.abs(pred).max() > 0 and np.isfinite(pred).all()
+
+
+def test_workers_disagreeing_on_the_model_fail_clearly(tmp_path):
+    """Worker 1 builds its table one row larger: both workers stop with a message naming the
+    variable and both shapes, before any table is created or any collective can hang."""
+    proc = subprocess.run(
+        [PARALLAX, "run", "-np", "2", "--servers", "1", "--", sys.executable, str(WORKER),
+         "--setup", "parallax", "--cases", "keras-sgd-fit", "--out", str(tmp_path),
+         "--disagree"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "workers disagree on the model" in output
+    assert "(400, 4)" in output and "(401, 4)" in output
+    assert not (tmp_path / "keras-sgd-fit.npz").exists()
