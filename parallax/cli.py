@@ -22,6 +22,11 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _ps_demo(argv: list[str]) -> int:
+    from parallax.ps_demo import main as ps_demo_main
+    return ps_demo_main(argv)
+
+
 def _version(argv: list[str]) -> int:
     print(f"parallax {__version__} (wire protocol parallax.ps.v{PROTOCOL_VERSION})")
     return 0
@@ -30,7 +35,8 @@ def _version(argv: list[str]) -> int:
 COMMANDS = {
     "run": (_run, "start parameter servers and N Horovod workers (parallax run --help)"),
     "server": (_server, "run a parameter server (parallax server --help)"),
-    "demo": (_demo, "start a local cluster and run a client round trip"),
+    "demo": (_demo, "the main job: train the WordNet language model on 2 workers + 2 servers"),
+    "ps-demo": (_ps_demo, "start parameter servers and run a client round trip"),
     "version": (_version, "print versions"),
 }
 

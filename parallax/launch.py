@@ -155,6 +155,7 @@ def worker_env(addresses: list[str], run_id: str) -> dict[str, str]:
     env[ADDRESSES_ENV] = ",".join(addresses)
     env[RUN_ID_ENV] = run_id
     env.setdefault("PYTHONUNBUFFERED", "1")  # live output through pipes (horovodrun's too)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up notices, per worker
     return env
 
 
