@@ -111,7 +111,7 @@ def test_model_trained_on_two_workers_serves_without_parallax(results):
     """The chief's .keras file and SavedModel load in a fresh process that never imports
     parallax, and predict what the trained model predicted (tables pulled from the servers)."""
     out = _run([sys.executable, "-c", SERVE_WITHOUT_PARALLAX, str(results["two"]), EXPORT_CASE])
-    line = next(l for l in out.splitlines() if l.startswith("DIFF"))
+    line = next(x for x in out.splitlines() if x.startswith("DIFF"))
     diff_keras, diff_saved = map(float, line.split()[1:])
     assert diff_keras < 1e-6 and diff_saved < 1e-6, line
     pred = np.load(results["two"] / f"{EXPORT_CASE}-pred.npy")

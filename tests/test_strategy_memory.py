@@ -14,7 +14,7 @@ def _steady_rss(vocabulary: int) -> tuple[int, int]:
     proc = subprocess.run([sys.executable, str(WORKER), str(vocabulary)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RSS_MB"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RSS_MB"))
     fields = line.split()
     return int(fields[1]), int(fields[3])
 
