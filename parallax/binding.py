@@ -63,6 +63,22 @@ def _on_chief_then_all(workers: Workers, chief_work: Callable[[], None]) -> None
         raise ParallaxError(f"worker 0 failed to set up the parameter-server tables: {message}")
 
 
+def _on_every_worker(workers: Workers, work: Callable[[], None]) -> None:
+    """Run `work` everywhere; if it fails on any worker, every worker raises (none is left
+    waiting in the next collective for a peer that gave up)."""
+    error = None
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - shared with the peers, then re-raised
+        error = exc
+    messages = workers.allgather_object(None if error is None else f"{error}")
+    if error is not None:
+        raise error
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise ParallaxError(f"worker {rank} could not reach the parameter servers: {message}")
+
+
 def _table_spec(vp: VariablePlan, var: tf.Variable, optimizer_spec, *, sync: bool,
                 pushers: int) -> TableSpec:
     shape = var.shape.as_list()
@@ -103,11 +119,18 @@ class TableBinder:
         optimizer_spec = optimizer_from_keras(optimizer)
         specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
                              pushers=self.pushers) for vp in on_servers]
-        self.client.wait_ready(self.connect_timeout)
+        _on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout))
 
         def create_and_fill() -> None:
             for vp, spec in zip(on_servers, specs):
                 table = self.client.create_table(spec)
+                applied = table.wait_step(0)
+                if applied:
+                    raise ConfigError(
+                        f"table {spec.name!r} already exists on the servers and has applied "
+                        f"{applied} steps: another job, or an earlier run, used run id "
+                        f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
+                        f" or restart the servers. Nothing was changed")
                 for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
                     ids = np.arange(first, first + len(rows), dtype=np.int64)
                     table.assign(ids, rows.reshape(len(rows), spec.dim))
@@ -129,7 +152,8 @@ class TableBinder:
 
 def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
     """Rank 0's values for every variable the workers keep (dense weights, their slots)."""
-    local = [v for v in variables if getattr(v, "_parallax_remote", None) is None]
+    local = [v for v in variables if getattr(v, "_parallax_remote", None) is None
+             and getattr(v, "_parallax_fill", None) is None]  # released slots stay empty
     workers.broadcast_variables(local)
 
 

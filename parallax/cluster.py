@@ -70,7 +70,7 @@ def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = Non
     else:
         return ClusterSpec(("",) * embedded_servers, check_run_id(run_id or new_run_id(),
                                                                   "run id"), embedded=True)
-    return ClusterSpec(addresses, check_run_id(run_id or "job", "run id"))
+    return ClusterSpec(addresses, check_run_id(run_id or new_run_id(), "run id"))
 
 
 def _embedded(num_servers: int, run_id: str) -> ClusterSpec:

@@ -29,20 +29,23 @@ def global_batch_size(dataset: tf.data.Dataset) -> int:
     return _static_batch_size(dataset) or _peeked_batch_size(dataset)
 
 
+def _full(batch: int):
+    def is_full(*element) -> tf.Tensor:
+        return tf.shape(tf.nest.flatten(element)[0])[0] == batch
+    return is_full
+
+
 def shard_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
-    """Rebatch to B/W and keep every W-th mini-batch, starting at `rank`. Finite datasets
-    are cut to whole global steps so no worker runs a step the others do not (which would
-    wait forever for their gradients)."""
+    """Rebatch to B/W and keep every W-th mini-batch, starting at `rank`. A last, partial
+    global batch is dropped: every worker must run the same steps (a step one worker runs
+    alone would wait forever for the others' gradients)."""
     if size == 1:
         return dataset
     batch = global_batch_size(dataset)
     if batch % size:
         raise ConfigError(f"global batch size {batch} is not divisible by the {size} workers;"
                           f" use a multiple of {size} (e.g. {batch - batch % size or size})")
-    local = dataset.rebatch(batch // size)
-    cardinality = int(local.cardinality())
-    if cardinality > 0:
-        local = local.take(cardinality - cardinality % size)
+    local = dataset.filter(_full(batch)).rebatch(batch // size)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return local.shard(size, rank).with_options(options)

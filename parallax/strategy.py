@@ -15,6 +15,7 @@ The hooks TF and Keras call, and what parallax does in each:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 
@@ -78,6 +79,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.remotes: dict[int, RemoteTable] = {}
         self.cluster: ClusterSpec | None = None
         self._binder = None
+        self._optimizer = None  # the Keras optimizer the servers replicate
         if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
                 and not os.environ.get(ADDRESSES_ENV):
             raise ConfigError(
@@ -94,6 +96,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return next_creator(**kwargs)
         with tf.init_scope(), tf.device(self._device):
             var = ParallaxVariable.create(len(self._created), **kwargs)
+            var._parallax_planned = self.plan is not None  # made after the plan: stays local
         self._created.append(weakref.ref(var))
         return var
 
@@ -105,7 +108,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.plan is None and self._observations is None:
             self._plan_from(fn, args, kwargs)
-        if self._observations is not None:
+        if self._observations is not None or self._pushed is not None:
+            # The analysis trace, or a nested call inside a step (LossScaleOptimizer's
+            # merge_call runs its own replica functions): part of the step in progress.
             return super()._call_for_each_replica(fn, args, kwargs)
         forget_gradient_owners()
         self._pushed = set()
@@ -137,10 +142,12 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self._materialize_local()
 
     def _materialize_local(self) -> None:
-        """Compute the deferred initial value of every variable that stays on this worker."""
+        """Compute the deferred initial value of every variable that stays on this worker;
+        once planned, a variable stays where it is (local reads need no run-time check)."""
         for var in self.variables():
             if var.remote is None:
                 var.materialize()
+            var._parallax_planned = self.plan is not None
 
     def _variable_infos(self, graph, observations: _Observations) -> dict[int, VariableInfo]:
         variables = [v for v in self.variables() if v.trainable]
@@ -172,6 +179,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         # Where the servers would be (started only if the plan puts something on them).
         planned = resolve_cluster(self.config.ps_addresses, self.config.run_id,
                                   embedded_servers=self.config.embedded_servers, start=False)
+        # Without a configured run id each worker made one up: use the chief's.
+        planned = dataclasses.replace(planned,
+                                      run_id=self.workers.broadcast_object(planned.run_id))
         plan = make_plan(self.config, list(infos.values()), run_id=planned.run_id,
                          num_servers=len(planned.ps_addresses), num_workers=info.size)
         if plan.on_servers:
@@ -184,6 +194,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                                                self._client_options, self._connect_timeout,
                                                self.config.local_aggregation)
             self.remotes = self._binder.bind(by_index, observations.optimizer)
+            self._optimizer = observations.optimizer
             keras_support.route_keras_take()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
@@ -230,6 +241,12 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             raise ParallaxError(
                 f"{getattr(fn, '__name__', fn)!r} tried to update {remote.label!r}, which lives"
                 f" on the parameter servers; only Keras optimizer updates are forwarded there")
+        if keras_support.keras_optimizer_of(fn) is not self._optimizer:
+            raise ParallaxError(
+                f"{remote.label!r} lives on the parameter servers, which apply the optimizer "
+                f"the first training step used ({type(self._optimizer).__name__}); a "
+                f"different optimizer cannot update it. Keep one optimizer per strategy, or "
+                f"build the model again in a new strategy")
         op = remote.push(args[0], learning_rate=args[1] if len(args) > 1 else None)
         if self._pushed is not None:
             self._pushed.add(var._parallax_index)

@@ -53,6 +53,7 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     _parallax_index = -1     # creation order in the strategy: the same on every worker
     _parallax_fill = None    # set on released optimizer slots: what a read returns
     _parallax_init = None    # the deferred initial value (a callable), until computed
+    _parallax_planned = False  # True once the plan decided where this variable lives
 
     @classmethod
     def create(cls, index: int, **kwargs) -> "ParallaxVariable":
@@ -85,21 +86,30 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
             with tf.init_scope():  # possibly called while a function is being traced
                 restore_storage(self, init())
 
-    def _materialize_callback(self) -> np.bool_:
+    def _before_local_run(self) -> np.bool_:
+        """Runs before a local read traced before the plan: the variable may have moved."""
+        if self._parallax_remote is not None:
+            raise ParallaxError(
+                f"variable {self.name!r} moved to the parameter servers after this function "
+                f"was traced (before the first training step made the plan), so it would "
+                f"read an empty local copy; trace the function again (Keras: "
+                f"model.make_predict_function(force=True) / make_test_function(force=True), "
+                f"or call predict/evaluate only after training has started)")
         self.materialize()
         return np.bool_(True)
 
     def _local_ready(self):
         """A context in which local reads and writes see the initial value. Eagerly: compute
         it now. While tracing: compute it when the traced op first runs (a graph traced only
-        to infer shapes, like Keras' symbolic build, then never computes it)."""
-        if self._parallax_init is None or _in_analysis():
+        to infer shapes, like Keras' symbolic build, then never computes it); a function
+        traced before the plan also checks, when it runs, that the variable did not move."""
+        if _in_analysis() or (self._parallax_init is None and self._parallax_planned):
             return contextlib.nullcontext()
         if tf.executing_eagerly():
             self.materialize()
             return contextlib.nullcontext()
-        ready = tf.numpy_function(self._materialize_callback, [], tf.bool, stateful=True,
-                                  name="parallax_initial_value")
+        ready = tf.numpy_function(self._before_local_run, [], tf.bool, stateful=True,
+                                  name="parallax_local_value")
         return tf.control_dependencies([ready])
 
     def initial_chunks(self, chunk_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -164,6 +174,9 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         if self._parallax_fill is not None:
             return self if read_value else None
         if self._parallax_remote is not None:
+            if not tf.executing_eagerly():
+                raise ParallaxError(f"variable {self.name!r} lives on the parameter servers: "
+                                    f"assign() a new value eagerly, not inside a tf.function")
             self._parallax_remote.assign_all(value)
             return self if read_value else None
         with self._local_ready():
@@ -184,6 +197,11 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
 
     def _restore_from_tensors(self, restored_tensors):
         self._parallax_init = None  # a checkpoint's value replaces the deferred one
+        if self._parallax_fill is not None:
+            return None  # a released slot: the servers hold the real one
+        if self._parallax_remote is not None:  # a table: the restored rows go to the servers
+            self.assign(next(iter(restored_tensors.values())))
+            return None
         return super()._restore_from_tensors(restored_tensors)
 
 

@@ -27,6 +27,7 @@ OPTIMIZERS = {
     "momentum": lambda: keras.optimizers.SGD(0.2, momentum=0.9),
     "adagrad": lambda: keras.optimizers.Adagrad(0.3),
     "adam": lambda: keras.optimizers.Adam(0.05),
+    "lso": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5)),
 }
 
 
@@ -90,6 +91,7 @@ def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: b
         with tf.GradientTape() as tape:
             per_example = tf.square(model(x) - y)[:, 0]
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+            loss = optimizer.scale_loss(loss)  # what fit does: LossScaleOptimizer scales
         grads = tape.gradient(loss, variables)
         if densify:
             grads = [tf.convert_to_tensor(g) for g in grads]

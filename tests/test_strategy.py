@@ -243,3 +243,83 @@ def test_model_built_outside_the_scope_is_refused(make_strategy):
     # (autograph re-raises errors from a traced tf.function as StagingError, same message)
     with pytest.raises(Exception, match=r"ConfigError: .*outside strategy.scope\(\)"):
         step(tf.constant(x[:16]), tf.constant(y[:16]))
+
+
+def test_dataset_sharding_matches_multi_worker_mirrored():
+    """Worker r of W gets the r-th slice of every global batch; a partial last global batch
+    is dropped, so every worker runs the same steps."""
+    from parallax.datasets import shard_for_worker
+
+    ds = tf.data.Dataset.from_tensor_slices((np.arange(36), np.arange(36) * 10)).batch(16)
+    parts = [[b[0].numpy().tolist() for b in shard_for_worker(ds, r, 2)] for r in range(2)]
+    assert parts[0] == [list(range(0, 8)), list(range(16, 24))]
+    assert parts[1] == [list(range(8, 16)), list(range(24, 32))]
+    by_dict = tf.data.Dataset.from_tensor_slices({"a": np.arange(32)}).batch(16)
+    assert [b["a"].numpy()[0] for b in shard_for_worker(by_dict, 1, 2)] == [8, 24]
+    with pytest.raises(ConfigError, match="global batch size 15 is not divisible by the 2"):
+        shard_for_worker(tf.data.Dataset.range(30).batch(15), 0, 2)
+
+
+def test_checkpoint_restore_puts_rows_back_on_the_servers(make_strategy, tmp_path):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    saved = model.get_weights()
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.abs(model.get_weights()[0] - saved[0]).max() > 1e-3
+    checkpoint.restore(path)
+    for want, got in zip(saved, model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=0)
+    assert model.layers[1].embeddings.value.remote is not None  # still on the servers
+
+
+def test_second_job_with_the_same_run_id_changes_nothing(cluster):
+    x, y = data()
+    run_id = f"same{int(time.time())}"
+    first = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, run_id=run_id,
+                                      log_plan=False)
+    with first.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trained = model.get_weights()[0]
+    second = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, run_id=run_id,
+                                       log_plan=False)
+    with second.scope():
+        other = embedding_model()
+        other.compile(keras.optimizers.SGD(0.5), loss="mse")
+    with pytest.raises(ConfigError, match="already exists on the servers and has applied 8"):
+        other.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], trained)
+
+
+def test_function_traced_before_the_plan_says_so(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    early = model.predict(x[:8], verbose=0)  # runs locally, before any plan
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(Exception, match="moved to the parameter servers after this function"):
+        model.predict(x[:8], verbose=0)
+    model.make_predict_function(force=True)
+    assert not np.allclose(model.predict(x[:8], verbose=0), early)
+
+
+def test_a_second_optimizer_cannot_update_server_tables(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with strategy.scope():
+        model.compile(keras.optimizers.Adam(0.01), loss="mse")
+    with pytest.raises(Exception, match="servers, which apply the optimizer the first"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

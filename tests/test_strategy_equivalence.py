@@ -27,7 +27,7 @@ PARALLAX = str(Path(sys.executable).parent / "parallax")
 PLAIN_CASES = ["keras-sgd-fit", "keras-adagrad-custom", "custom-sgd-custom",
                "custom-adagrad-custom", "shared-sgd-fit", "shared-adagrad-custom",
                "keras-sgd-fit-ps", "custom-adagrad-custom-ps", "keras-sgd-custom-allreduce",
-               "keras-adagrad-fit-localagg"]
+               "keras-adagrad-fit-localagg", "keras-lso-fit", "shared-lso-custom"]
 LAZY_CASES = ["keras-adam-fit", "custom-adam-custom", "shared-adam-custom",
               "keras-momentum-custom"]
 
