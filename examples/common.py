@@ -114,7 +114,8 @@ class EpochReport(keras.callbacks.Callback):
             chief_print(self.strategy, f"plan: {self.strategy.plan.summary()}")
 
     def _combined(self, logs: dict) -> dict:
-        """Metrics averaged over the workers, traffic summed (one collective)."""
+        """Metrics (already aggregated over the workers by the strategy, so this average
+        changes nothing) and traffic summed over the workers, in one collective."""
         names = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
         pulled, pushed = _table_bytes(self.strategy)
         local = [float(logs[k]) for k in names] + [pulled - self._traffic[0],
@@ -124,8 +125,6 @@ class EpochReport(keras.callbacks.Callback):
         workers = self.strategy.num_replicas_in_sync
         combined = {k: float(v) / workers for k, v in zip(names, total)}
         combined["pulled_mb"], combined["pushed_mb"] = total[-2] / MB, total[-1] / MB
-        if "loss" in logs:  # this worker's own loss: workers train on different data
-            combined["worker_loss"] = float(logs["loss"])
         return combined
 
     def on_epoch_end(self, epoch, logs=None) -> None:
@@ -171,7 +170,7 @@ class EpochReport(keras.callbacks.Callback):
 
 
 _NOT_SHOWN = {"seconds", "steps", "examples_per_s", "pulled_mb", "pushed_mb",
-              "pulled_mb_per_s", "pushed_mb_per_s", "worker_loss"}
+              "pulled_mb_per_s", "pushed_mb_per_s"}
 
 
 def print_result(record: dict) -> None:

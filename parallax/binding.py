@@ -153,7 +153,8 @@ class TableBinder:
 def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
     """Rank 0's values for every variable the workers keep (dense weights, their slots)."""
     local = [v for v in variables if getattr(v, "_parallax_remote", None) is None
-             and getattr(v, "_parallax_fill", None) is None]  # released slots stay empty
+             and getattr(v, "_parallax_fill", None) is None  # released slots stay empty
+             and v.synchronization != tf.VariableSynchronization.ON_READ]  # per worker
     workers.broadcast_variables(local)
 
 

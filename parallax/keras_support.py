@@ -7,6 +7,9 @@
   the variable's `sparse_read`. Everything else goes to Keras' own `take` unchanged.
 - The Keras optimizer that updates a variable is found in the update function it hands to
   `strategy.extended.update`, so the servers can apply the same optimizer.
+- Keras' train_step / test_step return each worker's own metric values; the strategy averages
+  them across workers, so every worker's progress bar and callbacks (EarlyStopping,
+  ReduceLROnPlateau, ...) see the same, global numbers and take the same decisions.
 - Optimizer slots of a table that moved to the servers are never used on the worker; their
   storage is released (the servers keep their own slots).
 """
@@ -62,6 +65,16 @@ def keras_optimizer_of(update_fn):
         if isinstance(value, keras.optimizers.Optimizer):
             return getattr(value, "inner_optimizer", value)  # LossScaleOptimizer wraps one
     return None
+
+
+def is_keras_logging_step(fn) -> bool:
+    """Whether `fn` is a Keras model's train_step / test_step (they return the logs that the
+    progress bar and callbacks see)."""
+    import keras
+
+    fn = inspect.unwrap(fn)
+    return getattr(fn, "__name__", "") in ("train_step", "test_step") and \
+        isinstance(getattr(fn, "__self__", None), keras.Model)
 
 
 def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:

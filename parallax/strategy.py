@@ -97,6 +97,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         with tf.init_scope(), tf.device(self._device):
             var = ParallaxVariable.create(len(self._created), **kwargs)
             var._parallax_planned = self.plan is not None  # made after the plan: stays local
+            if self.workers.info.size > 1 and \
+                    var.synchronization == tf.VariableSynchronization.ON_READ:
+                var._parallax_across_workers = self._aggregate_across_workers
         self._created.append(weakref.ref(var))
         return var
 
@@ -116,6 +119,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._pushed = set()
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
+            if self.workers.info.size > 1 and keras_support.is_keras_logging_step(fn):
+                result = self._average_logs(result)
             if self._pushed:  # a training step: every table must hear from this worker
                 for index, remote in self.remotes.items():
                     if index not in self._pushed:
@@ -200,6 +205,25 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.plan = plan
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
+
+    def _aggregate_across_workers(self, value: tf.Tensor, aggregation) -> tf.Tensor:
+        total = self.workers.allreduce_sum([value])[0]
+        if aggregation == tf.VariableAggregation.MEAN:
+            return total / self.workers.info.size
+        if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+            return value
+        return total
+
+    def _average_logs(self, logs):
+        """Keras' per-worker metric values -> their mean over workers (one grouped
+        all-reduce of a few scalars per step), identical on every worker."""
+        flat = tf.nest.flatten(logs)
+        positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)
+                     and v.dtype.is_floating and v.shape.rank == 0]
+        summed = self.workers.allreduce_sum([flat[i] for i in positions])
+        for i, total in zip(positions, summed):
+            flat[i] = total / self.workers.info.size
+        return tf.nest.pack_sequence_as(logs, flat)
 
     # ---- reductions and updates ----
 

@@ -54,6 +54,7 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     _parallax_fill = None    # set on released optimizer slots: what a read returns
     _parallax_init = None    # the deferred initial value (a callable), until computed
     _parallax_planned = False  # True once the plan decided where this variable lives
+    _parallax_across_workers = None  # sync-on-read (metrics): local value -> all workers'
 
     @classmethod
     def create(cls, index: int, **kwargs) -> "ParallaxVariable":
@@ -168,7 +169,16 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         with self._local_ready():
             value = super()._read_variable_op(no_copy=no_copy)
         value.set_shape(self.shape)  # deferred storage is [None, ...]; the value is not
+        if self._parallax_across_workers is not None and tf.executing_eagerly() \
+                and not self._in_own_replica_step():
+            # A metric read outside a step (Keras' epoch logs, evaluate's result): like
+            # MWMS' sync-on-read variables, the aggregate over all workers.
+            value = self._parallax_across_workers(value, self.aggregation)
         return value
+
+    def _in_own_replica_step(self) -> bool:
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.strategy is self._distribute_strategy
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         if self._parallax_fill is not None:

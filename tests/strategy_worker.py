@@ -133,9 +133,12 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
         rank = strategy.worker.rank if setup != "plain" else 0
         model = build(model_kind, VOCAB + 1 if disagree and rank == 1 else VOCAB)
         optimizer = OPTIMIZERS[optimizer_name]()
+        if loop == "fit" and setup != "plain":
+            model.compile(optimizer=optimizer, loss="mse")  # in the scope: metrics too
     if loop == "fit" and setup != "plain":
-        model.compile(optimizer=optimizer, loss="mse")
-        model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        history = model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        print(f"HISTORY {strategy.worker.rank} {case} {json.dumps(history.history)}",
+              flush=True)
     else:
         train_custom(strategy, model, optimizer, ids, labels, batch, densify=setup == "plain")
     rank = getattr(strategy, "worker", None)

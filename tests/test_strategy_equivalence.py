@@ -13,6 +13,7 @@ Models: (a) Keras Embedding + Dense, (b) a tf.Variable read by tf.nn.embedding_l
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,10 +66,11 @@ def results(tmp_path_factory) -> dict[str, Path]:
                    "--out", str(base / "plain")])
     _run(worker + ["--setup", "parallax", "--cases", ",".join(LAZY_CASES),
                    "--out", str(base / "one")])
-    _run([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--setup", "parallax",
-          "--cases", ",".join(PLAIN_CASES + LAZY_CASES), "--out", str(base / "two"),
-          "--export-case", EXPORT_CASE])
-    return {"plain": base / "plain", "one": base / "one", "two": base / "two"}
+    two = _run([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--setup",
+                "parallax", "--cases", ",".join(PLAIN_CASES + LAZY_CASES), "--out",
+                str(base / "two"), "--export-case", EXPORT_CASE])
+    return {"plain": base / "plain", "one": base / "one", "two": base / "two",
+            "two_output": two}
 
 
 def _compare(reference: Path, distributed: Path, case: str, tolerance: float = 1e-5) -> None:
@@ -130,3 +132,19 @@ def test_workers_disagreeing_on_the_model_fail_clearly(tmp_path):
     assert "workers disagree on the model" in output
     assert "(400, 4)" in output and "(401, 4)" in output
     assert not (tmp_path / "keras-sgd-fit.npz").exists()
+
+
+def test_keras_metrics_are_aggregated_over_workers(results):
+    """Like MWMS: every worker's fit history (what callbacks such as EarlyStopping see) is
+    the same, global value, so workers take the same decisions."""
+    histories: dict[str, dict[int, dict]] = {}
+    for line in results["two_output"].splitlines():
+        if "HISTORY " in line:
+            rank, case, payload = line.split("HISTORY ", 1)[1].split(" ", 2)
+            histories.setdefault(case, {})[int(rank)] = json.loads(payload)
+    fit_cases = [c for c in PLAIN_CASES + LAZY_CASES if c.split("-")[2] == "fit"]
+    assert sorted(histories) == sorted(fit_cases)
+    for case, by_rank in histories.items():
+        assert sorted(by_rank) == [0, 1], case
+        assert by_rank[0] == by_rank[1], case
+        assert np.isfinite(by_rank[0]["loss"]).all()
