@@ -18,6 +18,8 @@ from parallax.errors import ConfigError
 
 ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
 RUN_ID_ENV = "PARALLAX_RUN_ID"
+MODE_ENV = "PARALLAX_MODE"   # hybrid | ps | allreduce, from `parallax run --mode`
+SYNC_ENV = "PARALLAX_SYNC"   # sync | async, from `parallax run --async`
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
@@ -46,6 +48,20 @@ def check_run_id(run_id: str, source: str) -> str:
     if not _RUN_ID.match(run_id):
         raise ConfigError(f"{source} {run_id!r} must be 1-48 letters, digits, '_' or '-'")
     return run_id
+
+
+def mode_from_env(mode: str | None, sync: bool | None,
+                  environ: dict[str, str] | None = None) -> tuple[str, bool]:
+    """Explicit arguments win; then the launcher's environment; then hybrid, sync."""
+    environ = os.environ if environ is None else environ
+    if mode is None:
+        mode = environ.get(MODE_ENV) or "hybrid"
+    if sync is None:
+        text = environ.get(SYNC_ENV, "sync")
+        if text not in ("sync", "async"):
+            raise ConfigError(f"{SYNC_ENV}={text!r} must be 'sync' or 'async'")
+        sync = text == "sync"
+    return mode, sync
 
 
 def new_run_id() -> str:

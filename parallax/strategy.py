@@ -25,7 +25,8 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 from parallax import binding, keras_support
 from parallax.analysis import inspect_reads
 from parallax.client import ClientOptions
-from parallax.cluster import ADDRESSES_ENV, ClusterSpec, parse_addresses, resolve_cluster
+from parallax.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
+                              resolve_cluster)
 from parallax.collectives import WorkerInfo, make_collectives
 from parallax.datasets import shard_for_worker
 from parallax.errors import ConfigError, ParallaxError
@@ -317,11 +318,12 @@ class ParallaxStrategy(distribute_lib.Strategy):
     mode: "hybrid" (default), "ps" (every variable on the servers) or "allreduce" (every
     variable replicated, sparse gradients all-gathered). sync: synchronous steps (default) or
     asynchronous pushes. ps_addresses / run_id: override the launcher's environment; with
-    neither, `embedded_servers` local servers are started. placement: {variable name: "ps" |
-    "allreduce"} overrides. shards: shard count for every table, or per table name.
+    neither, `embedded_servers` local servers are started. mode and sync left unset come from
+    `parallax run --mode/--async` (PARALLAX_MODE, PARALLAX_SYNC), else hybrid and sync.
+    placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every table, or per table name.
     """
 
-    def __init__(self, mode: str = "hybrid", *, sync: bool = True,
+    def __init__(self, mode: str | None = None, *, sync: bool | None = None,
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool = False, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
@@ -329,6 +331,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
         if ps_addresses is not None:
             ps_addresses = parse_addresses(ps_addresses if isinstance(ps_addresses, str)
                                            else ",".join(ps_addresses), "ps_addresses")
+        mode, sync = mode_from_env(mode, sync)
         config = StrategyConfig(mode=mode, sync=sync,
                                 ps_addresses=tuple(ps_addresses) if ps_addresses else None,
                                 run_id=run_id, embedded_servers=embedded_servers,

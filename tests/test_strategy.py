@@ -323,3 +323,15 @@ def test_a_second_optimizer_cannot_update_server_tables(make_strategy):
         model.compile(keras.optimizers.Adam(0.01), loss="mse")
     with pytest.raises(Exception, match="servers, which apply the optimizer the first"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_mode_and_sync_come_from_the_launcher_environment(monkeypatch, cluster):
+    monkeypatch.setenv("PARALLAX_MODE", "ps")
+    monkeypatch.setenv("PARALLAX_SYNC", "async")
+    strategy = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, log_plan=False)
+    assert (strategy.extended.config.mode, strategy.extended.config.sync) == ("ps", False)
+    explicit = parallax.ParallaxStrategy("hybrid", sync=True, ps_addresses=cluster.addresses)
+    assert (explicit.extended.config.mode, explicit.extended.config.sync) == ("hybrid", True)
+    monkeypatch.setenv("PARALLAX_SYNC", "sometimes")
+    with pytest.raises(ConfigError, match="PARALLAX_SYNC='sometimes'"):
+        parallax.ParallaxStrategy(ps_addresses=cluster.addresses)
