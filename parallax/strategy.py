@@ -320,7 +320,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
     asynchronous pushes. ps_addresses / run_id: override the launcher's environment; with
     neither, `embedded_servers` local servers are started. mode and sync left unset come from
     `parallax run --mode/--async` (PARALLAX_MODE, PARALLAX_SYNC), else hybrid and sync.
-    placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every table, or per table name.
+    placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
+    table, or per table name.
     """
 
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
