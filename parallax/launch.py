@@ -7,6 +7,8 @@ environment (the contract the strategy reads):
 
   PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
   PARALLAX_RUN_ID        the job's id (table names on the servers are namespaced with it)
+  PARALLAX_MODE          hybrid, ps or allreduce (only when --mode is given)
+  PARALLAX_SYNC          sync or async (only when --async, or sync=... in the API, is given)
 
 and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
 worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
@@ -34,6 +36,9 @@ from parallax.errors import ConfigError, ParallaxError
 
 ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
 RUN_ID_ENV = "PARALLAX_RUN_ID"
+MODE_ENV = "PARALLAX_MODE"
+SYNC_ENV = "PARALLAX_SYNC"
+MODES = ("hybrid", "ps", "allreduce")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")  # what workers accept as a run id
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -54,6 +59,8 @@ class LaunchConfig:
     server_args: tuple[str, ...] = ()     # extra args for each `parallax server`
     data_dir: str | None = None           # --data-dir of the servers (checkpoints)
     start_timeout: float = 60.0           # seconds for the servers to become ready
+    mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
+    sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
 
 
 def new_run_id() -> str:
@@ -101,6 +108,10 @@ def validate(config: LaunchConfig) -> list[str]:
                           f"'_' or '-'")
     if config.start_timeout <= 0:
         raise ConfigError(f"--start-timeout {config.start_timeout} must be > 0 seconds")
+    if config.mode is not None and config.mode not in MODES:
+        raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(MODES)}")
+    if config.sync is not None and not isinstance(config.sync, bool):
+        raise ConfigError(f"sync must be True, False or None, not {config.sync!r}")
     return program_argv(config.command)
 
 
@@ -149,11 +160,16 @@ def worker_path() -> str:
     return os.pathsep.join([bin_dir, *(p for p in path.split(os.pathsep) if p != bin_dir)])
 
 
-def worker_env(addresses: list[str], run_id: str) -> dict[str, str]:
+def worker_env(addresses: list[str], run_id: str, mode: str | None = None,
+               sync: bool | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = worker_path()
     env[ADDRESSES_ENV] = ",".join(addresses)
     env[RUN_ID_ENV] = run_id
+    if mode is not None:
+        env[MODE_ENV] = mode
+    if sync is not None:
+        env[SYNC_ENV] = "sync" if sync else "async"
     env.setdefault("PYTHONUNBUFFERED", "1")  # live output through pipes (horovodrun's too)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up notices, per worker
     return env
@@ -376,7 +392,8 @@ def run(config: LaunchConfig) -> int:
             _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
                  f"({where}): {','.join(addresses)}; run id {run_id}")
             signals.abortable = False
-            job = _Job(argv, worker_env(addresses, run_id), horovod=config.num_workers > 1)
+            job = _Job(argv, worker_env(addresses, run_id, config.mode, config.sync),
+                       horovod=config.num_workers > 1)
             signals.attach(job)
             return _supervise(job, cluster, signals)
         except _Interrupted as exc:
@@ -397,7 +414,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
-              "[--] COMMAND [ARGS ...]")
+              "[--mode hybrid|ps|allreduce] [--async] [--] COMMAND [ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=1,
                         help="number of workers (default 1; more than 1 uses horovodrun)")
     parser.add_argument("--servers", type=int, default=None,
@@ -410,6 +427,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
     parser.add_argument("--start-timeout", type=float, default=60.0,
                         help="seconds to wait for the servers (default 60)")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="the strategy's mode for the workers (PARALLAX_MODE; default: "
+                             "the strategy's own default)")
+    parser.add_argument("--async", dest="sync", action="store_false", default=None,
+                        help="asynchronous parameter-server updates (PARALLAX_SYNC=async)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program: a .py file (run with this Python) or a command")
     args = parser.parse_args(argv)
@@ -423,7 +445,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         num_workers=args.num_workers, num_servers=servers, ps_addresses=addresses,
         command=tuple(command), run_id=args.run_id,
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
-        data_dir=args.data_dir, start_timeout=args.start_timeout)
+        data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,
+        sync=args.sync)
 
 
 def main(argv: list[str]) -> int:

@@ -1,9 +1,9 @@
 """A worker for `parallax run` tests: reports what the launcher gave it, as one JSON line.
 
 Initialises horovod.tensorflow when HOROVOD_SIZE is set (under horovodrun), waits until
-every server in PARALLAX_PS_ADDRESSES is serving, prints
-{"probe": 1, "rank", "size", "addresses", "run_id", "pid"}, optionally sleeps, and exits
-with --exit CODE (only on --exit-rank R when given; the other ranks exit 0).
+every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "size",
+"addresses", "run_id", "pid", "mode", "sync"}, optionally sleeps, and exits with --exit CODE
+(only on --exit-rank R when given; the other ranks exit 0).
 """
 import argparse
 import json
@@ -31,6 +31,8 @@ addresses = os.environ["PARALLAX_PS_ADDRESSES"].split(",")
 with PSClient(addresses) as client:
     client.wait_ready(30)
 print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses,
-                  "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid()}), flush=True)
+                  "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid(),
+                  "mode": os.environ.get("PARALLAX_MODE"),
+                  "sync": os.environ.get("PARALLAX_SYNC")}), flush=True)
 time.sleep(args.sleep)
 sys.exit(args.exit if args.exit_rank in (None, rank) else 0)

@@ -136,6 +136,29 @@ def test_two_workers_two_servers(mark):
 
 
 @pytest.mark.multiprocess
+def test_mode_and_async_reach_every_worker(mark):
+    launcher = Launcher("-np", "2", "--servers", "1", "--mode", "ps", "--async", PROBE,
+                        mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    probes = launcher.probes()
+    assert len(probes) == 2, launcher.output()
+    assert {(p["mode"], p["sync"]) for p in probes} == {("ps", "async")}
+
+
+@pytest.mark.multiprocess
+def test_mode_and_sync_are_unset_by_default_and_set_through_the_api(capfd, monkeypatch):
+    monkeypatch.delenv("PARALLAX_MODE", raising=False)
+    monkeypatch.delenv("PARALLAX_SYNC", raising=False)
+    for fields, expected in [({}, (None, None)), ({"mode": "allreduce", "sync": True},
+                                                  ("allreduce", "sync"))]:
+        config = LaunchConfig(num_workers=1, num_servers=1, command=(PROBE,), **fields)
+        assert run(config) == 0
+        [line] = [x for x in capfd.readouterr().out.splitlines() if '{"probe"' in x]
+        probe = json.loads(line)
+        assert (probe["mode"], probe["sync"]) == expected
+
+
+@pytest.mark.multiprocess
 def test_failing_worker_exit_code_comes_through_horovodrun(mark):
     launcher = Launcher("-np", "2", "--", "python", PROBE, "--exit", "3", "--exit-rank", "1",
                         mark=mark)
@@ -206,6 +229,7 @@ def test_a_dead_server_stops_the_job(mark):
     ({"server_args": ("--port=5000",)}, "drop it"),
     ({"start_timeout": 0}, "--start-timeout 0"),
     ({"command": "train.py"}, "command must be a tuple of strings"),
+    ({"mode": "mirrored"}, "--mode 'mirrored' must be one of hybrid, ps, allreduce"),
 ])
 def test_bad_config_is_refused_before_anything_starts(fields, words):
     config = LaunchConfig(**{"command": (PROBE,), **fields})
@@ -222,6 +246,7 @@ def test_bad_config_is_refused_before_anything_starts(fields, words):
     (["missing.py"], 2, "script 'missing.py' not found"),
     ([], 2, "no command to run"),
     (["-np", "x", PROBE], 2, "invalid int value: 'x'"),
+    (["--mode", "sync", PROBE], 2, "invalid choice: 'sync'"),
     (["--ps-addresses", "127.0.0.1:1", "--start-timeout", "0.5", PROBE], 1, "not serving"),
 ])
 def test_cli_reports_bad_input(mark, args, code, words):
