@@ -1,0 +1,505 @@
+"""`parallax k8s`: Kubernetes manifests for a parallax job, and the worker pods' bootstrap.
+
+`render(K8sConfig(...))` returns the objects of one job, in the order to apply them:
+
+  ConfigMap    JOB-config   job.json: mode, sync, sizes, server addresses, plan overrides
+  Service      JOB-ps       headless (clusterIP: None): stable DNS names for the servers,
+                            JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>
+  StatefulSet  JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
+                            ready when grpc.health.v1 says SERVING (the kubelet's gRPC probe)
+  Service      JOB-workers  headless: DNS names for the worker pods (the Job's subdomain)
+  Job          JOB-worker   indexed (completionMode: Indexed, parallelism = completions = N),
+                            each pod runs `parallax k8s worker -- COMMAND`
+
+How N worker pods become one Horovod (gloo) job without ssh. `horovodrun --gloo` does two
+things: it serves a rendezvous (Horovod's `RendezvousServer`, an HTTP key-value store the
+ranks use to exchange gloo addresses, initialised with the host plan so it knows the size of
+the `global`, `local_<host>` and `cross_<local rank>` scopes), and it starts each rank with
+HOROVOD_RANK / SIZE / LOCAL_RANK / LOCAL_SIZE / CROSS_RANK / CROSS_SIZE / HOSTNAME plus
+HOROVOD_GLOO_RENDEZVOUS_ADDR / PORT, HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo and
+HOROVOD_GLOO_IFACE (see horovod/runner/gloo_run.py). Here every pod is one Horovod "host"
+with one slot, so rank = JOB_COMPLETION_INDEX (set by Kubernetes), local rank 0, local size
+1, cross rank = rank, cross size = N, hostname `worker-<rank>`. `parallax k8s worker` sets
+these; in the pod of index 0 it also serves the rendezvous (port `rendezvous_port`, the
+same plan horovodrun would build) for as long as its training process runs; the other pods
+wait until that port answers at JOB-worker-0.JOB-workers.<ns>.svc.cluster.local, resolve it
+to an address and start. With one worker nothing of this is set: the command runs alone.
+
+Workers also get PARALLAX_PS_ADDRESSES (the servers' DNS names), PARALLAX_RUN_ID (= JOB),
+PARALLAX_MODE, PARALLAX_SYNC (read by `ParallaxStrategy`) and PARALLAX_JOB_CONFIG (the
+mounted job.json; `strategy_options()` returns its plan overrides as ParallaxStrategy
+keyword arguments).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from parallax.errors import ConfigError
+
+MODES = ("hybrid", "ps", "allreduce")
+CONFIG_DIR = "/etc/parallax"
+CONFIG_FILE = "job.json"
+JOB_CONFIG_ENV = "PARALLAX_JOB_CONFIG"
+RENDEZVOUS_ENV = "PARALLAX_RENDEZVOUS"          # host:port of rank 0's rendezvous server
+RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
+LABEL_JOB = "parallax.io/job"
+LABEL_ROLE = "parallax.io/role"
+MAX_NAME = 40  # leaves room for "-worker-<index>" and StatefulSet revision hashes (63 max)
+PLAN_KEYS = ("placement", "shards", "local_aggregation")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+_IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
+
+
+@dataclass(frozen=True)
+class K8sConfig:
+    name: str                             # job name: a DNS-1123 label, also the run id
+    image: str                            # an image built from this repository's Dockerfile
+    command: tuple[str, ...]              # the training program, e.g. ("python", "train.py")
+    workers: int = 1
+    servers: int = 2                      # 0 only with mode="allreduce"
+    namespace: str = "default"
+    mode: str = "hybrid"                  # hybrid | ps | allreduce
+    sync: bool = True
+    server_port: int = 7000
+    rendezvous_port: int = 7070           # Horovod gloo rendezvous, served by worker 0
+    cpu: str | None = None                # resource requests of every pod, e.g. "2", "500m"
+    memory: str | None = None             # e.g. "4Gi"
+    plan: Mapping[str, Any] = field(default_factory=dict)  # placement / shards / local_aggregation
+    server_args: tuple[str, ...] = ()     # extra `parallax server` arguments
+    gloo_iface: str = "eth0"              # the pod network interface gloo binds to
+    image_pull_policy: str = "IfNotPresent"
+
+
+def _label(value: str, what: str, fix: str) -> None:
+    if not isinstance(value, str) or len(value) > 63 or not _DNS_LABEL.match(value):
+        raise ConfigError(f"{what} {value!r} is not a DNS-1123 label (lower-case letters, "
+                          f"digits and '-', starting and ending with a letter or digit, at "
+                          f"most 63 characters); {fix}")
+
+
+def validate(config: K8sConfig) -> None:
+    """Raise ConfigError naming the first bad field and the fix."""
+    _label(config.name, "--name", "e.g. --name wordlm-1")
+    if len(config.name) > MAX_NAME:
+        raise ConfigError(f"--name {config.name!r} has {len(config.name)} characters; at most "
+                          f"{MAX_NAME} (pod names add '-worker-<index>'): shorten it")
+    _label(config.namespace, "--namespace", "e.g. --namespace default")
+    if not isinstance(config.image, str) or not config.image or any(c.isspace()
+                                                                  for c in config.image):
+        raise ConfigError(f"--image {config.image!r} must be an image reference without "
+                          f"spaces, e.g. registry.example.com/parallax:0.1")
+    for name in ("command", "server_args"):
+        value = getattr(config, name)
+        if isinstance(value, str) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
+    if not config.command or not config.command[0]:
+        raise ConfigError("no command to run: give the training program after '--', e.g. "
+                          "`parallax k8s --name job --image img -- python train.py`")
+    if not isinstance(config.workers, int) or config.workers < 1:
+        raise ConfigError(f"--workers {config.workers!r}: the number of worker pods must be "
+                          f"at least 1")
+    if config.mode not in MODES:
+        raise ConfigError(f"--mode {config.mode!r} is not one of {', '.join(MODES)}")
+    if not isinstance(config.servers, int) or config.servers < 0:
+        raise ConfigError(f"--servers {config.servers!r} must be >= 0")
+    if config.servers == 0 and config.mode != "allreduce":
+        raise ConfigError(f"--servers 0 with --mode {config.mode}: the plan puts variables on "
+                          f"parameter servers; give --servers 1 or more, or --mode allreduce")
+    for flag, port in (("--server-port", config.server_port),
+                       ("--rendezvous-port", config.rendezvous_port)):
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigError(f"{flag} {port!r} must be a port in 1-65535")
+    if config.server_port == config.rendezvous_port:
+        raise ConfigError(f"--server-port and --rendezvous-port are both {config.server_port}; "
+                          f"give them different ports")
+    for flag, value in (("--cpu", config.cpu), ("--memory", config.memory)):
+        if value is not None and not _QUANTITY.match(str(value)):
+            raise ConfigError(f"{flag} {value!r} is not a Kubernetes quantity; e.g. --cpu 2, "
+                              f"--cpu 500m, --memory 4Gi")
+    if not _IFACE.match(config.gloo_iface):
+        raise ConfigError(f"--gloo-iface {config.gloo_iface!r} is not a network interface "
+                          f"name; the pod interface is usually eth0")
+    if config.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+        raise ConfigError(f"--image-pull-policy {config.image_pull_policy!r} must be Always, "
+                          f"IfNotPresent or Never")
+    for arg in config.server_args:
+        if arg.split("=", 1)[0] in ("--port", "--host"):
+            raise ConfigError(f"--server-arg {arg!r}: host and port are set by the manifests "
+                              f"(--server-port); drop it")
+    _validate_plan(config.plan)
+
+
+def _validate_plan(plan: Mapping[str, Any]) -> None:
+    if not isinstance(plan, Mapping):
+        raise ConfigError(f"--plan must be a JSON object, not {plan!r}")
+    unknown = sorted(set(plan) - set(PLAN_KEYS))
+    if unknown:
+        raise ConfigError(f"--plan keys {unknown} are not plan overrides; use "
+                          f"{', '.join(PLAN_KEYS)} (the ParallaxStrategy arguments)")
+    placement = plan.get("placement", {})
+    if not isinstance(placement, Mapping) or any(
+            not isinstance(k, str) or v not in ("ps", "allreduce") for k, v in placement.items()):
+        raise ConfigError(f"--plan placement {placement!r} must map variable names to 'ps' "
+                          f"or 'allreduce', e.g. {{\"embedding/embeddings\": \"ps\"}}")
+    shards = plan.get("shards")
+    counts = list(shards.values()) if isinstance(shards, Mapping) else [shards]
+    if shards is not None and any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                                  for c in counts):
+        raise ConfigError(f"--plan shards {shards!r} must be a positive int or a map of "
+                          f"variable name to positive int")
+    if not isinstance(plan.get("local_aggregation", False), bool):
+        raise ConfigError(f"--plan local_aggregation {plan['local_aggregation']!r} must be "
+                          f"true or false")
+
+
+def ps_service_host(config: K8sConfig, index: int) -> str:
+    return f"{config.name}-ps-{index}.{config.name}-ps.{config.namespace}.svc.cluster.local"
+
+
+def ps_addresses(config: K8sConfig) -> list[str]:
+    return [f"{ps_service_host(config, i)}:{config.server_port}" for i in range(config.servers)]
+
+
+def rendezvous_address(config: K8sConfig) -> str:
+    # An indexed Job's pod is named <job>-<index>; with `subdomain` it resolves as
+    # <job>-<index>.<subdomain>.<namespace>.svc.cluster.local
+    host = f"{config.name}-worker-0.{config.name}-workers.{config.namespace}.svc.cluster.local"
+    return f"{host}:{config.rendezvous_port}"
+
+
+def job_config(config: K8sConfig) -> dict[str, Any]:
+    """What the ConfigMap's job.json holds."""
+    return {
+        "name": config.name, "namespace": config.namespace, "mode": config.mode,
+        "sync": config.sync, "workers": config.workers, "servers": config.servers,
+        "server_port": config.server_port, "ps_addresses": ps_addresses(config),
+        "run_id": config.name, "plan": dict(config.plan), "command": list(config.command),
+    }
+
+
+def _labels(config: K8sConfig, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "parallax", LABEL_JOB: config.name, LABEL_ROLE: role}
+
+
+def _meta(config: K8sConfig, name: str, role: str) -> dict[str, Any]:
+    return {"name": name, "namespace": config.namespace, "labels": _labels(config, role)}
+
+
+def _resources(config: K8sConfig) -> dict[str, Any]:
+    requests = {k: str(v) for k, v in (("cpu", config.cpu), ("memory", config.memory))
+                if v is not None}
+    return {"requests": requests} if requests else {}
+
+
+def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": str(v)} for k, v in pairs.items()]
+
+
+def worker_env(config: K8sConfig) -> dict[str, str]:
+    env = {
+        "PARALLAX_RUN_ID": config.name,
+        "PARALLAX_MODE": config.mode,
+        "PARALLAX_SYNC": "sync" if config.sync else "async",
+        JOB_CONFIG_ENV: f"{CONFIG_DIR}/{CONFIG_FILE}",
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    if config.servers:
+        env["PARALLAX_PS_ADDRESSES"] = ",".join(ps_addresses(config))
+    if config.workers > 1:
+        env.update({
+            RENDEZVOUS_ENV: rendezvous_address(config),
+            "HOROVOD_SIZE": str(config.workers),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": config.gloo_iface,
+        })
+    return env
+
+
+def render(config: K8sConfig) -> list[dict[str, Any]]:
+    """The job's Kubernetes objects, in the order to apply them."""
+    validate(config)
+    name, ns = config.name, config.namespace
+    objects: list[dict[str, Any]] = [{
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(config, f"{name}-config", "config"),
+        "data": {CONFIG_FILE: json.dumps(job_config(config), indent=2, sort_keys=True)},
+    }]
+    resources = _resources(config)
+    if config.servers:
+        ps_labels = _labels(config, "ps")
+        probe = {"grpc": {"port": config.server_port}, "periodSeconds": 5,
+                 "failureThreshold": 3}
+        server = {
+            "name": "server", "image": config.image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": ["parallax", "server", "--host", "0.0.0.0",
+                        "--port", str(config.server_port), *config.server_args],
+            "ports": [{"name": "grpc", "containerPort": config.server_port}],
+            "readinessProbe": dict(probe, initialDelaySeconds=2),
+            "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
+        }
+        if resources:
+            server["resources"] = resources
+        objects += [{
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(config, f"{name}-ps", "ps"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": ps_labels,
+                     "ports": [{"name": "grpc", "port": config.server_port,
+                                "targetPort": config.server_port}]},
+        }, {
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": _meta(config, f"{name}-ps", "ps"),
+            "spec": {
+                "serviceName": f"{name}-ps", "replicas": config.servers,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": ps_labels},
+                "template": {"metadata": {"labels": ps_labels},
+                             "spec": {"terminationGracePeriodSeconds": 30,
+                                      "containers": [server]}},
+            },
+        }]
+    worker_labels = _labels(config, "worker")
+    worker = {
+        "name": "worker", "image": config.image, "imagePullPolicy": config.image_pull_policy,
+        "command": ["parallax", "k8s", "worker", "--", *config.command],
+        "env": _env(worker_env(config)),
+        "volumeMounts": [{"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+    if config.workers > 1:
+        worker["ports"] = [{"name": "rendezvous", "containerPort": config.rendezvous_port}]
+    if resources:
+        worker["resources"] = resources
+    objects += [{
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(config, f"{name}-workers", "worker"),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": worker_labels,
+                 "ports": [{"name": "rendezvous", "port": config.rendezvous_port,
+                            "targetPort": config.rendezvous_port}]},
+    }, {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": _meta(config, f"{name}-worker", "worker"),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": config.workers, "parallelism": config.workers,
+            "backoffLimit": 0,  # one failed rank fails the job (Horovod cannot re-admit it)
+            "template": {
+                "metadata": {"labels": worker_labels},
+                "spec": {"subdomain": f"{name}-workers", "restartPolicy": "Never",
+                         "containers": [worker],
+                         "volumes": [{"name": "job-config",
+                                      "configMap": {"name": f"{name}-config"}}]},
+            },
+        },
+    }]
+    for obj in objects:
+        obj["metadata"]["namespace"] = ns
+    return json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+
+
+def dump(objects: list[dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+
+
+def strategy_options(path: str | None = None) -> dict[str, Any]:
+    """The plan overrides of the job's ConfigMap as ParallaxStrategy keyword arguments
+    (`ParallaxStrategy(**parallax.k8s.strategy_options())`); {} outside such a pod."""
+    path = path or os.environ.get(JOB_CONFIG_ENV)
+    if not path or not Path(path).is_file():
+        return {}
+    plan = json.loads(Path(path).read_text()).get("plan", {})
+    return {k: plan[k] for k in PLAN_KEYS if k in plan}
+
+
+# ---------------------------------------------------------------------------------------
+# Worker bootstrap (`parallax k8s worker -- COMMAND`), run inside each worker pod.
+
+def horovod_env(rank: int, size: int, rendezvous_host: str, rendezvous_port: int,
+                iface: str) -> dict[str, str]:
+    """What `horovodrun --gloo` gives a rank whose host has one slot (gloo_run.py)."""
+    return {
+        "HOROVOD_HOSTNAME": f"worker-{rank}",
+        "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
+        "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
+        "HOROVOD_CROSS_RANK": str(rank), "HOROVOD_CROSS_SIZE": str(size),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_host,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": iface,
+    }
+
+
+def start_rendezvous(port: int, size: int, host: str = "0.0.0.0"):
+    """Horovod's rendezvous server on a fixed port, initialised with one slot per host
+    named worker-<rank> (as horovodrun does with its host plan). Returns the server;
+    call .shutdown() and .server_close() to stop it."""
+    import threading
+
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    httpd = RendezvousHTTPServer((host, port), RendezvousHandler, 0)
+    httpd.init(get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(size)], size))
+    threading.Thread(target=httpd.serve_forever, name="rendezvous", daemon=True).start()
+    return httpd
+
+
+def _wait_for(host: str, port: int, timeout: float) -> str:
+    """Resolve host and wait until host:port accepts connections; returns its address."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            address = socket.gethostbyname(host)
+            with socket.create_connection((address, port), timeout=2):
+                return address
+        except OSError as err:
+            last = err
+            time.sleep(1)
+    raise ConfigError(f"the Horovod rendezvous at {host}:{port} (served by worker 0) did not "
+                      f"answer within {timeout:.0f} s ({last}); is worker 0 running? raise "
+                      f"{RENDEZVOUS_TIMEOUT_ENV} if pods start slowly")
+
+
+def worker_main(command: list[str], environ: Mapping[str, str] | None = None) -> int:
+    environ = dict(os.environ if environ is None else environ)
+    if not command:
+        print("parallax k8s worker: no command; usage: parallax k8s worker -- COMMAND",
+              file=sys.stderr)
+        return 2
+    size = int(environ.get("HOROVOD_SIZE", "1"))
+    if size <= 1:
+        os.execvpe(command[0], command, environ)
+    rank = int(environ.get("JOB_COMPLETION_INDEX", environ.get("HOROVOD_RANK", "-1")))
+    if not 0 <= rank < size:
+        print(f"parallax k8s worker: rank {rank} (JOB_COMPLETION_INDEX) is not in 0..{size - 1}",
+              file=sys.stderr)
+        return 2
+    host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
+    port = int(port_text)
+    server = None
+    try:
+        if rank == 0:
+            server = start_rendezvous(port, size)
+            address = "127.0.0.1"
+        else:
+            address = _wait_for(host, port, float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300")))
+    except (OSError, ConfigError) as err:
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 1
+    environ.update(horovod_env(rank, size, address, port,
+                               environ.get("HOROVOD_GLOO_IFACE", "eth0")))
+    child = subprocess.Popen(command, env=environ)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    return code if code >= 0 else 128 - code
+
+
+# ---------------------------------------------------------------------------------------
+# `parallax k8s` command line
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="parallax k8s",
+        usage="parallax k8s --name JOB --image IMAGE [--workers N] [--servers S] "
+              "[--namespace NS] [--mode hybrid|ps|allreduce] [--async] [--server-port P] "
+              "[--cpu Q] [--memory Q] [--plan JSON] [-o DIR] -- COMMAND [ARGS ...]\n"
+              "       parallax k8s worker -- COMMAND [ARGS ...]   (inside a worker pod)",
+        description="Render the Kubernetes manifests of a parallax job (parameter servers "
+                    "as a StatefulSet with a headless Service, workers as an indexed Job, a "
+                    "ConfigMap with the job config) to stdout, or to files in -o DIR.")
+    p.add_argument("--name", required=True, help="job name (DNS-1123 label); also the run id")
+    p.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
+    p.add_argument("--workers", type=int, default=1, help="worker pods (default 1)")
+    p.add_argument("--servers", type=int, default=2, help="parameter servers (default 2)")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--mode", default="hybrid", help="hybrid (default), ps or allreduce")
+    p.add_argument("--async", dest="sync", action="store_false", help="asynchronous training")
+    p.add_argument("--server-port", type=int, default=7000)
+    p.add_argument("--rendezvous-port", type=int, default=7070,
+                   help="Horovod gloo rendezvous port on worker 0 (default 7070)")
+    p.add_argument("--cpu", help="CPU request of every pod, e.g. 2 or 500m")
+    p.add_argument("--memory", help="memory request of every pod, e.g. 4Gi")
+    p.add_argument("--plan", default="{}", help='plan overrides as JSON, e.g. '
+                   '\'{"shards": 4, "placement": {"dense/kernel": "ps"}}\'')
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra `parallax server` argument, e.g. --server-arg=--threads=32")
+    p.add_argument("--gloo-iface", default="eth0", help="pod network interface (eth0)")
+    p.add_argument("--image-pull-policy", default="IfNotPresent")
+    p.add_argument("-o", "--output-dir", help="write one YAML file per object here")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the training program")
+    return p
+
+
+def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
+    args = _parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        plan = json.loads(args.plan)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--plan {args.plan!r} is not JSON ({err}); e.g. "
+                          f"--plan '{{\"shards\": 4}}'") from None
+    config = K8sConfig(
+        name=args.name, image=args.image, command=tuple(command), workers=args.workers,
+        servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
+        server_port=args.server_port, rendezvous_port=args.rendezvous_port, cpu=args.cpu,
+        memory=args.memory, plan=plan, server_args=tuple(args.server_arg),
+        gloo_iface=args.gloo_iface, image_pull_policy=args.image_pull_policy)
+    return config, args.output_dir
+
+
+def write(objects: list[dict[str, Any]], directory: str) -> list[Path]:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, obj in enumerate(objects):
+        path = out / f"{i:02d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(obj, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["worker"]:
+        rest = argv[1:]
+        return worker_main(rest[1:] if rest[:1] == ["--"] else rest)
+    try:
+        config, output_dir = config_from_args(argv)
+        objects = render(config)
+    except ConfigError as err:
+        print(f"parallax k8s: {err}", file=sys.stderr)
+        return 2
+    if output_dir:
+        for path in write(objects, output_dir):
+            print(path, file=sys.stderr)
+    else:
+        sys.stdout.write(dump(objects))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

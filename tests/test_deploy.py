@@ -1,0 +1,413 @@
+"""Containers and clusters: the Dockerfile installs as the README does, deploy/docker-compose.yml
+is a consistent local cluster, `parallax k8s` renders valid manifests, and its worker bootstrap
+forms a real Horovod gloo job without horovodrun.
+
+No Docker engine or Kubernetes cluster runs here: the Dockerfile and compose file are checked
+by parsing them, the manifests against Kubernetes' JSON schemas (kubernetes-validate, bundled
+offline) and structurally; the worker bootstrap runs for real, as two processes on loopback.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from parallax import cli, k8s
+from parallax.errors import ConfigError
+from parallax.k8s import K8sConfig, render
+from parallax.launch import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+K8S_VERSION = "1.30.0"  # oldest line the manifests target (gRPC probes, Indexed Jobs GA)
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+def _dockerfile():
+    dockerfile_parse = pytest.importorskip("dockerfile_parse")
+    parser = dockerfile_parse.DockerfileParser(path=str(ROOT / "Dockerfile"))
+    return parser.structure
+
+
+def _instructions(name: str) -> list[str]:
+    return [i["value"] for i in _dockerfile() if i["instruction"] == name]
+
+
+def test_dockerfile_base_image_is_a_python_tensorflow_supports():
+    (base,) = _instructions("FROM")
+    match = re.match(r"^python:3\.(\d+)(-[a-z-]+)?$", base)
+    assert match and 10 <= int(match.group(1)) <= 12, base  # TF 2.17.1 needs 3.10-3.12
+
+
+def test_dockerfile_installs_with_the_readme_command():
+    runs = " && ".join(_instructions("RUN"))
+    # the README's install is `make demo` / `make test`, both of which run `make env`
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^env:\n\tbash scripts/setup_env\.sh$", makefile, re.M)
+    assert re.search(r"^(demo|test): env\b", makefile, re.M)
+    assert re.search(r"\bmake env\b", runs) or "scripts/setup_env.sh" in runs, runs
+    # nothing installs TF / Horovod / parallax another way
+    assert not re.search(r"pip[0-9.]* install", runs), runs
+    # the venv the script fills is the one on PATH
+    env = " ".join(_instructions("ENV"))
+    venv = re.search(r"PARALLAX_VENV=(\S+)", env).group(1)
+    assert f"PATH={venv}/bin:" in env
+
+
+def test_dockerfile_copies_what_setup_env_needs():
+    copies = [v.split() for v in _instructions("COPY")]
+    assert ["." , "."] in copies, copies  # the whole context (filtered by .dockerignore)
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    needed = ["Makefile", "scripts/setup_env.sh", "requirements/base.txt", "setup.cfg",
+              "pyproject.toml", "README.md", "parallax/__init__.py",
+              "servers/parallax_ps/server.py", "examples/language_model.py"]
+    for path in needed:
+        assert (ROOT / path).is_file(), path
+        parts = Path(path).parts
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        hit = [p for p in ignored for pre in prefixes
+               if fnmatch.fnmatch(pre, p.lstrip("/")) or fnmatch.fnmatch(pre, p.replace("**/", ""))]
+        assert not hit, f"{path} is excluded from the image by .dockerignore {hit}"
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def test_dockerfile_runtime_settings():
+    (entrypoint,) = _instructions("ENTRYPOINT")
+    assert json.loads(entrypoint) == ["parallax"]
+    runs = " ".join(_instructions("RUN"))
+    assert re.search(r"apt-get install[^&]*\bwordnet-base\b", runs), "LM example corpus"
+    assert re.search(r"apt-get install[^&]*\bg\+\+", runs), "Horovod is built from source"
+    (user,) = _instructions("USER")
+    assert user not in ("root", "0")
+    assert re.search(rf"useradd\b.*--uid {user}\b", runs)
+    exposed = " ".join(_instructions("EXPOSE")).split()
+    assert "7000" in exposed and "7070" in exposed
+    # the default ports of the image are those `parallax k8s` and compose use
+    assert K8sConfig.server_port == 7000 and K8sConfig.rendezvous_port == 7070
+
+
+# --------------------------------------------------------------------------- compose
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+
+
+def _server_port(command: list[str]) -> int:
+    assert command[:1] == ["server"], command
+    args = dict(zip(command[1::2], command[2::2]))
+    assert args["--host"] == "0.0.0.0"  # reachable from the other containers
+    return int(args["--port"])
+
+
+def test_compose_services_are_consistent(compose):
+    services = compose["services"]
+    servers = {name: s for name, s in services.items() if s["command"][0] == "server"}
+    assert sorted(servers) == ["ps0", "ps1"]
+    images = {s["image"] for s in services.values()}
+    assert len(images) == 1, images  # one image for every service
+    builders = [s for s in services.values() if "build" in s]
+    assert len(builders) == 1
+    context = (ROOT / "deploy" / builders[0]["build"]["context"]).resolve()
+    assert context == ROOT and (context / builders[0]["build"]["dockerfile"]).is_file()
+
+    ports = {}
+    for name, server in servers.items():
+        ports[name] = _server_port(server["command"])
+        assert str(ports[name]) in [str(p) for p in server["expose"]]
+        check = server["healthcheck"]["test"]
+        assert check[0] == "CMD" and check[1] == "parallax" and check[2] in cli.COMMANDS
+        assert f"localhost:{ports[name]}" in check
+
+    worker = services["worker"]
+    assert worker["command"][0] == "run"
+    config = parse_args(worker["command"][1:])  # the real `parallax run` argument parser
+    assert config.num_workers == 2 and config.num_servers == 0
+    assert sorted(config.ps_addresses) == sorted(f"{n}:{p}" for n, p in ports.items())
+    assert config.command[:2] == ("python", "examples/language_model.py")
+    assert (ROOT / config.command[1]).is_file()  # the image's WORKDIR is the repository
+    for name in servers:
+        assert worker["depends_on"][name]["condition"] == "service_healthy"
+
+
+# --------------------------------------------------------------------------- k8s render
+
+CONFIGS = {
+    "hybrid-4x2": K8sConfig(name="wordlm", image="registry.example.com/parallax:0.1",
+                            command=("python", "examples/language_model.py", "--epochs", "3"),
+                            workers=4, servers=2, namespace="ml", cpu="2", memory="4Gi",
+                            plan={"shards": 4, "placement": {"dense/kernel": "ps"}}),
+    "ps-1x3-async": K8sConfig(name="ctr-7", image="parallax", command=("python", "train.py"),
+                              workers=1, servers=3, mode="ps", sync=False, server_port=9000,
+                              server_args=("--threads=32",)),
+    "allreduce-no-servers": K8sConfig(name="mlp", image="parallax", workers=2, servers=0,
+                                      mode="allreduce", command=("python", "dense.py")),
+}
+
+
+def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_manifests_are_structurally_valid(key):
+    config = CONFIGS[key]
+    objects = render(config)
+    text = k8s.dump(objects)
+    assert "&id" not in text and "*id" not in text  # no YAML anchors
+    assert list(yaml.safe_load_all(text)) == objects
+    names = set()
+    for obj in objects:
+        assert obj["apiVersion"] and obj["kind"] and obj["metadata"]["name"]
+        assert DNS_1123.match(obj["metadata"]["name"]) and len(obj["metadata"]["name"]) <= 63
+        assert obj["metadata"]["namespace"] == config.namespace
+        assert obj["metadata"]["labels"][k8s.LABEL_JOB] == config.name
+        names.add((obj["kind"], obj["metadata"]["name"]))
+        spec = obj.get("spec", {})
+        if "template" in spec:  # controllers: the selector (if any) matches the pod labels
+            labels = spec["template"]["metadata"]["labels"]
+            for k, v in spec.get("selector", {}).get("matchLabels", {}).items():
+                assert labels[k] == v
+    assert len(names) == len(objects)
+
+    objs = _by_kind(objects)
+    n, s = config.workers, config.servers
+    # ConfigMap
+    job = json.loads(objs["ConfigMap", f"{config.name}-config"]["data"]["job.json"])
+    assert job["mode"] == config.mode and job["sync"] == config.sync
+    assert job["workers"] == n and job["servers"] == s and job["run_id"] == config.name
+    assert job["plan"] == dict(config.plan) and job["command"] == list(config.command)
+    # servers
+    if s:
+        svc = objs["Service", f"{config.name}-ps"]
+        sts = objs["StatefulSet", f"{config.name}-ps"]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert [p["port"] for p in svc["spec"]["ports"]] == [config.server_port]
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
+        assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+        assert sts["spec"]["replicas"] == s
+        (server,) = sts["spec"]["template"]["spec"]["containers"]
+        assert server["command"][:2] == ["parallax", "server"]
+        args = server["command"]
+        assert args[args.index("--port") + 1] == str(config.server_port)
+        assert args[args.index("--host") + 1] == "0.0.0.0"
+        assert [p["containerPort"] for p in server["ports"]] == [config.server_port]
+        assert server["readinessProbe"]["grpc"]["port"] == config.server_port
+        assert tuple(args[6:]) == config.server_args
+    else:
+        assert not any(kind == "StatefulSet" for kind, _ in objs)
+    # workers
+    job_obj = objs["Job", f"{config.name}-worker"]
+    spec = job_obj["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["parallelism"] == spec["completions"] == n
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    workers_svc = objs["Service", pod["subdomain"]]
+    assert workers_svc["spec"]["clusterIP"] == "None"
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in workers_svc["spec"]["selector"].items())
+    (worker,) = pod["containers"]
+    assert worker["command"] == ["parallax", "k8s", "worker", "--", *config.command]
+    env = _env(worker)
+    assert env["PARALLAX_RUN_ID"] == config.name and env["PARALLAX_MODE"] == config.mode
+    assert env["PARALLAX_SYNC"] == ("sync" if config.sync else "async")
+    if s:
+        addresses = env["PARALLAX_PS_ADDRESSES"].split(",")
+        assert addresses == [f"{config.name}-ps-{i}.{config.name}-ps.{config.namespace}"
+                             f".svc.cluster.local:{config.server_port}" for i in range(s)]
+        assert job["ps_addresses"] == addresses
+    else:
+        assert "PARALLAX_PS_ADDRESSES" not in env
+    if n > 1:
+        assert env["HOROVOD_SIZE"] == str(n) and env["HOROVOD_CONTROLLER"] == "gloo"
+        assert env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        host, port = env[k8s.RENDEZVOUS_ENV].rsplit(":", 1)
+        # worker 0 of an indexed Job with this subdomain
+        assert host == (f"{job_obj['metadata']['name']}-0.{pod['subdomain']}."
+                        f"{config.namespace}.svc.cluster.local")
+        assert int(port) in [p["containerPort"] for p in worker["ports"]]
+        assert int(port) in [p["port"] for p in workers_svc["spec"]["ports"]]
+    else:
+        assert not any(k.startswith("HOROVOD_") for k in env)
+    # the ConfigMap is mounted where PARALLAX_JOB_CONFIG points
+    (mount,) = worker["volumeMounts"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == f"{config.name}-config"
+    assert env[k8s.JOB_CONFIG_ENV] == f"{mount['mountPath']}/job.json"
+    if config.cpu:
+        assert worker["resources"]["requests"] == {"cpu": config.cpu, "memory": config.memory}
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_manifests_pass_the_kubernetes_schemas(key):
+    validate = pytest.importorskip("kubernetes_validate").validate
+    for obj in render(CONFIGS[key]):
+        validate(obj, K8S_VERSION, strict=True)  # strict: unknown fields are errors
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"workers": 0}, ["--workers 0", "at least 1"]),
+    ({"name": "Word_LM"}, ["--name 'Word_LM'", "DNS-1123"]),
+    ({"name": "-x"}, ["DNS-1123"]),
+    ({"name": "a" * 41}, ["at most 40"]),
+    ({"namespace": "ML"}, ["--namespace 'ML'"]),
+    ({"servers": 0}, ["--servers 0", "--mode allreduce"]),
+    ({"servers": -1}, ["--servers -1"]),
+    ({"mode": "mirrored"}, ["--mode 'mirrored'", "hybrid"]),
+    ({"server_port": 70000}, ["--server-port 70000"]),
+    ({"rendezvous_port": 7000}, ["both 7000"]),
+    ({"cpu": "two"}, ["--cpu 'two'", "500m"]),
+    ({"memory": "4 GB"}, ["--memory '4 GB'", "4Gi"]),
+    ({"image": ""}, ["--image ''"]),
+    ({"command": ()}, ["no command"]),
+    ({"command": "python train.py"}, ["tuple of strings"]),
+    ({"plan": {"shard": 4}}, ["['shard']", "shards"]),
+    ({"plan": {"placement": {"x": "gpu"}}}, ["placement", "'ps' or 'allreduce'"]),
+    ({"plan": {"shards": 0}}, ["shards 0", "positive"]),
+    ({"server_args": ("--port=1",)}, ["--server-arg '--port=1'"]),
+    ({"gloo_iface": "eth 0"}, ["--gloo-iface"]),
+])
+def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
+    fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
+    fields.update(changes)
+    with pytest.raises(ConfigError) as err:
+        render(K8sConfig(**fields))
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_cli_renders_yaml_to_stdout_and_files(tmp_path):
+    argv = ["k8s", "--name", "lm", "--image", "parallax:dev", "--workers", "2", "--servers",
+            "2", "--namespace", "team", "--cpu", "1", "--memory", "2Gi",
+            "--plan", '{"shards": 2}', "--", "python", "examples/language_model.py",
+            "--epochs", "1"]
+    out = subprocess.run([str(BIN / "parallax"), *argv], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    objects = list(yaml.safe_load_all(out.stdout))
+    assert objects == render(K8sConfig(
+        name="lm", image="parallax:dev", workers=2, servers=2, namespace="team", cpu="1",
+        memory="2Gi", plan={"shards": 2},
+        command=("python", "examples/language_model.py", "--epochs", "1")))
+
+    assert cli.main([*argv[:-5], "-o", str(tmp_path / "m"), *argv[-5:]]) == 0
+    files = sorted((tmp_path / "m").glob("*.yaml"))
+    assert [yaml.safe_load(f.read_text()) for f in files] == objects
+
+    bad = subprocess.run([str(BIN / "parallax"), "k8s", "--name", "LM", "--image", "x", "--",
+                          "python", "t.py"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "DNS-1123" in bad.stderr and not bad.stdout
+    bad = subprocess.run([str(BIN / "parallax"), "k8s", "--name", "lm", "--image", "x",
+                          "--plan", "{shards: 2}", "--", "python", "t.py"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--plan" in bad.stderr and "is not JSON" in bad.stderr
+
+
+def test_strategy_options_come_from_the_mounted_job_config(tmp_path, monkeypatch):
+    config = CONFIGS["hybrid-4x2"]
+    (cm,) = [o for o in render(config) if o["kind"] == "ConfigMap"]
+    path = tmp_path / "job.json"
+    path.write_text(cm["data"]["job.json"])
+    monkeypatch.setenv(k8s.JOB_CONFIG_ENV, str(path))
+    assert k8s.strategy_options() == {"shards": 4, "placement": {"dense/kernel": "ps"}}
+    monkeypatch.delenv(k8s.JOB_CONFIG_ENV)
+    assert k8s.strategy_options() == {}
+
+
+# --------------------------------------------------------------------------- worker bootstrap
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_horovod_env_matches_what_horovodrun_gives_one_slot_hosts():
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    plan = get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(3)], 3)
+    for slot in plan:
+        env = k8s.horovod_env(slot.rank, 3, "10.0.0.1", 7070, "eth0")
+        expected = {**create_slot_env_vars(slot),
+                    **create_run_env_vars("10.0.0.1", ["eth0"], 7070)}
+        expected.pop("NCCL_SOCKET_IFNAME")  # gloo only: no NCCL in the image
+        assert env == {k: str(v) for k, v in expected.items()}
+
+
+@pytest.mark.multiprocess
+def test_worker_bootstrap_runs_a_two_rank_gloo_job_without_horovodrun(tmp_path):
+    """Two 'pods' on loopback: index 0 serves the rendezvous, index 1 starts first and waits
+    for it; each runs `parallax k8s worker -- python hvd_allreduce.py` with the env the Job
+    manifest gives (gloo iface lo instead of eth0)."""
+    config = K8sConfig(name="t", image="x", workers=2, servers=0, mode="allreduce",
+                       command=(sys.executable, str(ROOT / "tests" / "hvd_allreduce.py")))
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    port = _free_port()
+    env = {**_env(container), k8s.RENDEZVOUS_ENV: f"localhost:{port}",
+           "HOROVOD_GLOO_IFACE": "lo", "PATH": f"{BIN}:/usr/bin:/bin",
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
+    argv = [str(BIN / "parallax"), *container["command"][1:]]
+    procs = {}
+    for index in (1, 0):  # rank 1 first: it must wait for rank 0's rendezvous
+        procs[index] = subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(index)},
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        if index == 1:
+            try:
+                procs[1].wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            assert procs[1].poll() is None, "rank 1 did not wait for the rendezvous"
+    try:
+        outs = {i: p.communicate(timeout=180)[0] for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for index, out in outs.items():
+        assert procs[index].returncode == 0, out[-3000:]
+        assert f"HVD rank={index} size=2 sum=[1.0, 2.0]" in out, out[-3000:]
+
+
+def test_worker_bootstrap_with_one_worker_runs_the_command_alone(tmp_path):
+    config = K8sConfig(name="t", image="x", workers=1, servers=1,
+                       command=(sys.executable, "-c",
+                                "import os; print(sorted(k for k in os.environ "
+                                "if k.startswith(('HOROVOD_', 'PARALLAX_'))))"))
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    out = subprocess.run([str(BIN / "parallax"), *container["command"][1:]],
+                         env={**_env(container), "JOB_COMPLETION_INDEX": "0",
+                              "PATH": f"{BIN}:/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HOROVOD" not in out.stdout and "PARALLAX_PS_ADDRESSES" in out.stdout
+
+
+def test_worker_bootstrap_reports_a_missing_rendezvous():
+    env = {"HOROVOD_SIZE": "2", "JOB_COMPLETION_INDEX": "1",
+           k8s.RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", k8s.RENDEZVOUS_TIMEOUT_ENV: "1",
+           "PATH": f"{BIN}:/usr/bin:/bin"}
+    out = subprocess.run([str(BIN / "parallax"), "k8s", "worker", "--", "true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "rendezvous" in out.stderr and "worker 0" in out.stderr, out.stderr
