@@ -48,6 +48,9 @@ def base_parser(description: str, *, epochs: int, batch_size: int, steps_per_epo
     parser.add_argument("--verbose", type=int, choices=(0, 1, 2), default=0,
                         help="Keras progress output on the chief (the per-epoch report "
                              "below is printed regardless)")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="the chief writes per-epoch TensorBoard scalars (loss, metrics, "
+                             "examples/s, MB/s pulled and pushed) under DIR")
     return parser
 
 
@@ -84,10 +87,12 @@ class EpochReport(keras.callbacks.Callback):
     workers and printed by the chief; prints the plan summary once, after the first step.
 
     `derived(logs) -> dict` adds figures computed from the combined logs (e.g. perplexity).
-    Keys of the Keras logs starting with `val_` are reported as they are.
+    Keys of the Keras logs starting with `val_` are reported as they are. With `log_dir`, the
+    chief also writes every figure as a TensorBoard scalar `epoch/<name>` (step: epoch).
     """
 
-    def __init__(self, strategy, global_batch: int, *, derived=None) -> None:
+    def __init__(self, strategy, global_batch: int, *, derived=None,
+                 log_dir: str | None = None) -> None:
         super().__init__()
         self.strategy = strategy
         self.global_batch = global_batch
@@ -98,6 +103,8 @@ class EpochReport(keras.callbacks.Callback):
         self._start = 0.0
         self._traffic = (0.0, 0.0)
         self._train_start = 0.0
+        self.log_dir = log_dir
+        self._writer = None
 
     def on_train_begin(self, logs=None) -> None:
         self._train_start = time.perf_counter()
@@ -145,6 +152,22 @@ class EpochReport(keras.callbacks.Callback):
             line += (f", pulled {figures['pulled_mb_per_s']:.1f} MB/s, "
                      f"pushed {figures['pushed_mb_per_s']:.1f} MB/s (all workers)")
         chief_print(self.strategy, line)
+        self._write_scalars(epoch, figures)
+
+    def _write_scalars(self, epoch: int, figures: dict) -> None:
+        if self.log_dir is None or not self.strategy.worker.is_chief:
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default(step=epoch):
+            for name, value in figures.items():
+                tf.summary.scalar(f"epoch/{name}", value)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def result(self, example: str, args, **extra) -> dict:
         """The RESULT record: per-epoch figures, final metrics and last-epoch throughput."""

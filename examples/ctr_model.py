@@ -150,7 +150,7 @@ def main(argv=None) -> None:
         model.compile(optimizer=keras.optimizers.Adagrad(args.lr),
                       loss=keras.losses.BinaryCrossentropy(from_logits=True),
                       metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
-    report = EpochReport(strategy, args.batch_size)
+    report = EpochReport(strategy, args.batch_size, log_dir=args.tensorboard)
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps, callbacks=[report],
               shuffle=False, verbose=fit_verbosity(strategy, args))
 

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         model.compile(optimizer=keras.optimizers.Adam(args.lr),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
-    report = EpochReport(strategy, args.batch_size)
+    report = EpochReport(strategy, args.batch_size, log_dir=args.tensorboard)
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps, callbacks=[report],
               shuffle=False, verbose=fit_verbosity(strategy, args))
 

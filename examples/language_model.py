@@ -162,7 +162,8 @@ def main(argv=None) -> None:
         model = build_model(len(vocab), output_vocab, args)
         model.compile(optimizer=keras.optimizers.Adam(args.lr),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    report = EpochReport(strategy, args.batch_size, derived=perplexity)
+    report = EpochReport(strategy, args.batch_size, derived=perplexity,
+                          log_dir=args.tensorboard)
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps, callbacks=[report],
               shuffle=False, verbose=fit_verbosity(strategy, args))
 

@@ -27,6 +27,11 @@ def _ps_demo(argv: list[str]) -> int:
     return ps_demo_main(argv)
 
 
+def _status(argv: list[str]) -> int:
+    from parallax.status import main as status_main
+    return status_main(argv)
+
+
 def _version(argv: list[str]) -> int:
     print(f"parallax {__version__} (wire protocol parallax.ps.v{PROTOCOL_VERSION})")
     return 0
@@ -37,6 +42,8 @@ COMMANDS = {
     "server": (_server, "run a parameter server (parallax server --help)"),
     "demo": (_demo, "the main job: train the WordNet language model on 2 workers + 2 servers"),
     "ps-demo": (_ps_demo, "start parameter servers and run a client round trip"),
+    "status": (_status, "health and per-table stats of a job's servers (parallax status "
+                        "--help)"),
     "version": (_version, "print versions"),
 }
 

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from parallax.malloc_tuning import reuse_freed_memory
+from parallax_ps import metrics
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
 READY_PREFIX = "PARALLAX_SERVER_READY"
@@ -34,6 +35,7 @@ class ServerConfig:
     max_message_mb: int = 256
     threads: int = 64  # sync-mode waits hold a thread each: keep well above workers x shards
     grace_seconds: float = 5.0
+    metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
 
     @property
     def max_message_bytes(self) -> int:
@@ -66,11 +68,16 @@ class RunningServer:
                           f"not local); pick another --port or --host")
         host = f"[{config.host}]" if ":" in config.host else config.host
         self.address = f"{host}:{port}"
+        self.metrics = None if config.metrics_port is None else metrics.MetricsServer(
+            config.host, config.metrics_port, lambda: metrics.render(self.service))
+        self.metrics_address = self.metrics.address if self.metrics is not None else None
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
         self.health.enter_graceful_shutdown()
         done = self.server.stop(self.config.grace_seconds if grace is None else grace)
         self.service.close()
@@ -92,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "worker holds one per shard, so keep it above workers x shards")
     parser.add_argument("--grace-seconds", type=float, default=5.0,
                         help="how long in-flight requests may finish on shutdown")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics on the same "
+                             "host as gRPC (0: any free port; default: no metrics endpoint)")
     args = parser.parse_args(argv)
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} is not a TCP port (0-65535)")
@@ -99,9 +109,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error(f"--max-message-mb {args.max_message_mb} must be >= 1")
     if args.threads < 1:
         parser.error(f"--threads {args.threads} must be >= 1")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
     return ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir,
                         max_message_mb=args.max_message_mb, threads=args.threads,
-                        grace_seconds=args.grace_seconds)
+                        grace_seconds=args.grace_seconds, metrics_port=args.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"{READY_PREFIX} address={server.address} pid={os.getpid()}", flush=True)
+    extra = f" metrics={server.metrics_address}" if server.metrics_address else ""
+    print(f"{READY_PREFIX} address={server.address} pid={os.getpid()}{extra}", flush=True)
     while not stop.wait(0.5):
         pass
     log.info("shutting down %s", server.address)

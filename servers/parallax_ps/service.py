@@ -60,7 +60,8 @@ def _rpc(method: str):
                 self.stats.record(table, method, time.perf_counter() - start, rows=rows,
                                   nbytes=nbytes)
                 return response
-            self.stats.record(table, method, time.perf_counter() - start, error=True)
+            self.stats.record(table, method, time.perf_counter() - start, error=True,
+                              code=error[0].name)
             context.abort(*error)
         return handler
     return decorate

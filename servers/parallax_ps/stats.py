@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from parallax.ps.v1 import ps_pb2
+from parallax_ps.metrics import RequestMetrics
 
 
 @dataclass
@@ -22,9 +23,12 @@ class ServerStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], MethodCounter] = defaultdict(MethodCounter)
+        self.metrics = RequestMetrics()  # the same requests, for the Prometheus endpoint
 
     def record(self, table: str, method: str, seconds: float, *, rows: int = 0,
-               nbytes: int = 0, error: bool = False) -> None:
+               nbytes: int = 0, error: bool = False, code: str = "") -> None:
+        self.metrics.observe(method, code or ("UNKNOWN" if error else "OK"), seconds, table,
+                             rows, nbytes)
         with self._lock:
             c = self._counters[(table, method)]
             c.requests += 1

@@ -1,0 +1,175 @@
+"""Observability against real server processes: the Prometheus endpoint (`--metrics-port`),
+`parallax status` (health and per-table stats, exit codes), and the examples' TensorBoard
+scalars (`--tensorboard DIR`)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parallax import SGD, PSClient, ServerError, TableSpec
+from parallax.client import ClientOptions
+from parallax.local_cluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'
+                    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*")*)?\})? '
+                    r'(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+DIM = 8
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallax.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def _metrics_address(cluster: LocalCluster) -> str:
+    ready = next(line for line in cluster.servers[0].lines
+                 if line.startswith("PARALLAX_SERVER_READY"))
+    fields = dict(f.split("=", 1) for f in ready.split()[1:])
+    assert fields["address"] == cluster.addresses[0]  # the old fields keep their meaning
+    return fields["metrics"]
+
+
+def scrape(address: str) -> dict[tuple[str, frozenset], float]:
+    """GET /metrics and parse every line: comments are HELP/TYPE, the rest samples."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-z_]+ \S", line), line
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        labels = frozenset(LABEL.findall(match[2] or ""))
+        samples[(match[1], labels)] = float(match[3])
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
+
+
+@pytest.fixture(scope="module")
+def metered():
+    with LocalCluster(1, extra_args=["--metrics-port", "0"]) as cluster:
+        yield cluster, _metrics_address(cluster)
+
+
+def test_metrics_count_requests_rows_bytes_and_latency(metered):
+    cluster, address = metered
+    spec = TableSpec(name="obs", vocabulary_size=1000, dim=DIM, num_workers=1,
+                     optimizer=SGD(0.1))
+    with PSClient(cluster.addresses) as client:
+        table = client.create_table(spec)
+        before = scrape(address)
+        table.pull(np.arange(10))
+        table.push(np.arange(4), np.ones((4, DIM), np.float32), step=0)
+        table.pull(np.arange(5), min_step=1)
+    after = scrape(address)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("parallax_requests_total", method="Pull", code="OK") == 2
+    assert moved("parallax_requests_total", method="Push", code="OK") == 1
+    assert moved("parallax_rows_total", method="Pull", table="obs") == 15
+    assert moved("parallax_rows_total", method="Push", table="obs") == 4
+    assert moved("parallax_bytes_total", method="Pull", direction="out") == 15 * DIM * 4
+    assert moved("parallax_bytes_total", method="Push", direction="in") == 4 * DIM * 4
+    assert moved("parallax_request_seconds_count", method="Pull") == 2
+    assert moved("parallax_request_seconds_bucket", method="Pull", le="+Inf") == 2
+    assert moved("parallax_request_seconds_sum", method="Pull") > 0
+    buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items()
+                     if k[0] == "parallax_request_seconds_bucket"
+                     and dict(k[1])["method"] == "Pull")
+    assert buckets[0][0] == 0.0001 and buckets[-2][0] == 10.0
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert value(after, "parallax_table_step", table="obs", shard=0) == 1
+    assert value(after, "parallax_step_lag", table="obs", shard=0) == 1  # open step, no push
+    assert value(after, "parallax_tables") >= 1 and value(after, "parallax_up") == 1
+
+
+def test_bad_request_counts_its_code(metered):
+    cluster, address = metered
+    before = scrape(address)
+    with PSClient(cluster.addresses, ClientOptions(retries=0)) as client:
+        missing = client.table(TableSpec(name="no_such_table", vocabulary_size=10, dim=DIM))
+        with pytest.raises(ServerError, match="NOT_FOUND"):
+            missing.pull(np.arange(3))
+    after = scrape(address)
+    key = dict(method="Pull", code="NOT_FOUND")
+    assert value(after, "parallax_requests_total", **key) == \
+        value(before, "parallax_requests_total", **key) + 1
+    assert value(after, "parallax_rows_total", method="Pull", table="no_such_table") == 0
+
+
+def test_metrics_endpoint_answers_404_elsewhere_and_is_off_by_default(metered):
+    _, address = metered
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(f"http://{address}/other", timeout=10)
+    proc = _cli("server", "--metrics-port", "70000")
+    assert proc.returncode == 2 and "--metrics-port 70000" in proc.stderr
+
+
+def test_status_reports_tables_and_exit_codes():
+    with LocalCluster(2) as cluster, PSClient(cluster.addresses) as client:
+        spec = TableSpec(name="stat", vocabulary_size=100, dim=DIM, shard_count=2,
+                         num_workers=1, optimizer=SGD(0.1))
+        table = client.create_table(spec)
+        table.push(np.arange(6), np.ones((6, DIM), np.float32), step=0)
+        table.pull(np.arange(6), min_step=1)
+        joined = ",".join(cluster.addresses)
+
+        proc = _cli("status", env={"PARALLAX_PS_ADDRESSES": joined})
+        assert proc.returncode == 0, proc.stderr
+        for address in cluster.addresses:
+            assert f"{address}  SERVING" in proc.stdout
+        assert len(re.findall(r"^  stat +\d +50 +8 .* 1 +", proc.stdout, re.M)) == 2, proc.stdout
+
+        proc = _cli("status", "--json", "--ps-addresses", joined)
+        servers = json.loads(proc.stdout)["servers"]
+        assert proc.returncode == 0 and [s["health"] for s in servers] == ["SERVING"] * 2
+        shards = [t for s in servers for t in s["tables"]]
+        assert sorted(t["shard"] for t in shards) == [0, 1]
+        assert all(t["step"] == 1 and t["pushes"] == 1 and t["pulls"] == 1 for t in shards)
+        assert sum(t["rows_pushed"] for t in shards) == 6
+
+        dead = "127.0.0.1:1"
+        proc = _cli("status", "--ps-addresses", f"{cluster.addresses[0]},{dead}")
+        assert proc.returncode == 1
+        assert f"{dead}  UNREACHABLE" in proc.stdout and dead in proc.stderr
+
+    proc = _cli("status", "--ps-addresses", "nonsense", env={"PARALLAX_PS_ADDRESSES": ""})
+    assert proc.returncode == 2 and "'nonsense' is not host:port" in proc.stderr
+
+
+def test_example_writes_tensorboard_scalars(tmp_path):
+    logs = tmp_path / "tb"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PARALLAX_", "HOROVOD_", "OMPI_", "PMI_"))}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "dense_model.py"), "--epochs", "2",
+         "--steps-per-epoch", "3", "--train-examples", "2048", "--eval-examples", "512",
+         "--hidden", "16", "--tensorboard", str(logs)],
+        cwd=ROOT, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True, text=True,
+        timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = list(logs.rglob("events.out.tfevents.*"))
+    assert len(events) == 1, list(logs.rglob("*"))
+    data = events[0].read_bytes()
+    for tag in (b"epoch/loss", b"epoch/accuracy", b"epoch/examples_per_s",
+                b"epoch/pulled_mb_per_s"):
+        assert data.count(tag) == 2, tag  # one scalar per epoch
