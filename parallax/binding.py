@@ -21,6 +21,7 @@ from parallax.keras_support import slots_of
 from parallax.malloc_tuning import return_freed_memory
 from parallax.plan import Plan, VariablePlan
 from parallax.remote import RemoteTable
+from parallax.security import client_options_from_env
 from parallax.specs import Initializer, TableSpec, optimizer_from_keras
 from parallax.variables import ParallaxVariable
 
@@ -99,6 +100,8 @@ class TableBinder:
         self.plan = plan
         self.cluster = cluster
         self.workers = workers
+        if not cluster.embedded:  # a launched job's credentials (parallax run --secure)
+            options = client_options_from_env(options)
         self.client = PSClient(cluster.ps_addresses, options)
         self.connect_timeout = connect_timeout
         self.init_chunk_bytes = init_chunk_bytes

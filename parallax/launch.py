@@ -7,6 +7,8 @@ environment (the contract the strategy reads):
 
   PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
   PARALLAX_RUN_ID        the job's id (table names on the servers are namespaced with it)
+  PARALLAX_TLS_CA, PARALLAX_TLS_CERT, PARALLAX_TLS_KEY, PARALLAX_TOKEN_FILE
+                         with --secure: the job's credentials (see parallax.security)
   PARALLAX_MODE          hybrid, ps or allreduce (only when --mode is given)
   PARALLAX_SYNC          sync or async (only when --async, or sync=... in the API, is given)
 
@@ -59,6 +61,7 @@ class LaunchConfig:
     server_args: tuple[str, ...] = ()     # extra args for each `parallax server`
     data_dir: str | None = None           # --data-dir of the servers (checkpoints)
     start_timeout: float = 60.0           # seconds for the servers to become ready
+    secure: bool = False                  # --secure: TLS, client certificates and a token
     mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
     sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
 
@@ -99,7 +102,15 @@ def validate(config: LaunchConfig) -> list[str]:
         if config.server_args or config.data_dir is not None:
             raise ConfigError("--server-arg and --data-dir apply to servers this command "
                               "starts; with --ps-addresses, give them to those servers")
+    if config.secure and config.num_servers == 0:
+        raise ConfigError("--secure makes credentials for the servers this command starts; "
+                          "for --ps-addresses servers, set PARALLAX_TLS_CA (and "
+                          "PARALLAX_TLS_CERT/KEY, PARALLAX_TOKEN_FILE) instead")
     for arg in config.server_args:
+        if config.secure and arg.split("=", 1)[0] in ("--tls-cert", "--tls-key",
+                                                      "--tls-client-ca", "--token-file"):
+            raise ConfigError(f"--server-arg {arg!r}: --secure sets the servers' credentials; "
+                              f"drop one of them")
         if arg.split("=", 1)[0] in ("--port", "--data-dir"):
             raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
                               f"the data directory is --data-dir; drop it")
@@ -359,17 +370,42 @@ def _supervise(job: _Job, cluster, signals: _Signals) -> int:
             return code
 
 
-def _start_servers(config: LaunchConfig):
+def _start_servers(config: LaunchConfig, credentials=None):
     from parallax.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
-                           extra_args=list(config.server_args), echo=sys.stderr,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr,
                            start_timeout=config.start_timeout)
-    return cluster.start()
+    cluster.start()
+    if credentials is not None:  # they serve what the workers will present
+        try:
+            _check_external(cluster.addresses, config.start_timeout,
+                            credentials.client_options())
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
 
 
-def _check_external(addresses: list[str], timeout: float) -> None:
+def _credentials(config: LaunchConfig):
+    """With --secure: the job's credentials in a private temporary directory, removed at the
+    end; else nothing."""
+    import contextlib
+    import socket
+    from parallax.security import temporary_job_credentials
+    if not config.secure:
+        return contextlib.nullcontext()
+    return temporary_job_credentials(("127.0.0.1", "localhost", socket.gethostname()))
+
+
+def _secured(credentials, env: dict[str, str]) -> dict[str, str]:
+    return {**env, **credentials.worker_env()} if credentials is not None else env
+
+
+def _check_external(addresses: list[str], timeout: float, options=None) -> None:
     from parallax.client import PSClient
-    with PSClient(addresses) as client:
+    with PSClient(addresses, options) as client:
         client.wait_ready(timeout)
 
 
@@ -381,18 +417,20 @@ def run(config: LaunchConfig) -> int:
         f"localhost:{config.num_workers}", "--gloo", *program]
     run_id = config.run_id or new_run_id()
     cluster = None
-    with _Signals() as signals:
+    with _credentials(config) as credentials, _Signals() as signals:
         try:
             if config.num_servers > 0:
-                cluster = _start_servers(config)
+                cluster = _start_servers(config, credentials)
                 addresses, where = cluster.addresses, "started here"
             else:
                 addresses, where = [a.strip() for a in config.ps_addresses], "external"
-                _check_external(addresses, config.start_timeout)
+                from parallax.security import client_options_from_env
+                _check_external(addresses, config.start_timeout, client_options_from_env())
             _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
                  f"({where}): {','.join(addresses)}; run id {run_id}")
             signals.abortable = False
-            job = _Job(argv, worker_env(addresses, run_id, config.mode, config.sync),
+            env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
+            job = _Job(argv, env,
                        horovod=config.num_workers > 1)
             signals.attach(job)
             return _supervise(job, cluster, signals)
@@ -414,6 +452,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
+              "[--secure] "
               "[--mode hybrid|ps|allreduce] [--async] [--] COMMAND [ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=1,
                         help="number of workers (default 1; more than 1 uses horovodrun)")
@@ -427,6 +466,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
     parser.add_argument("--start-timeout", type=float, default=60.0,
                         help="seconds to wait for the servers (default 60)")
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS with client certificates and a cluster token: credentials "
+                             "made for this job (removed at the end), passed to the workers "
+                             "in PARALLAX_TLS_CA/CERT/KEY and PARALLAX_TOKEN_FILE")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="the strategy's mode for the workers (PARALLAX_MODE; default: "
                              "the strategy's own default)")
@@ -442,6 +485,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                           "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
     servers = args.servers if args.servers is not None else (0 if addresses else 2)
     return LaunchConfig(
+        secure=args.secure,
         num_workers=args.num_workers, num_servers=servers, ps_addresses=addresses,
         command=tuple(command), run_id=args.run_id,
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),

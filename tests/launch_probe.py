@@ -26,9 +26,10 @@ if "HOROVOD_SIZE" in os.environ:
     rank, size = hvd.rank(), hvd.size()
 
 from parallax import PSClient  # noqa: E402
+from parallax.security import client_options_from_env  # noqa: E402
 
 addresses = os.environ["PARALLAX_PS_ADDRESSES"].split(",")
-with PSClient(addresses) as client:
+with PSClient(addresses, client_options_from_env()) as client:
     client.wait_ready(30)
 print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses,
                   "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid(),

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.errors import ServerError
-from parallax import bulk_codec
+from parallax import bulk_codec, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "check that the server is running and reachable "
-                                 "(`parallax server --port ...`)",
+                                 "(`parallax server --port ...`) and that both sides agree "
+                                 "on TLS (ClientOptions.tls_ca / PARALLAX_TLS_CA against a "
+                                 "server with --tls-cert)",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the server did not answer in time; raise "
                                        "ClientOptions.timeout or check for stalled workers",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the message exceeds a size limit; lower "
@@ -38,6 +40,10 @@ class ClientOptions:
     chunk_mb: int = 4                # bulk requests are split into chunks of about this size:
                                      # several in flight overlap server and client work, and
                                      # buffers this size are reused rather than page-faulted
+    tls_ca: str | None = None        # CA certificate (PEM path) to verify servers: TLS on
+    tls_cert: str | None = None      # client certificate and key (PEM paths), for servers
+    tls_key: str | None = None       # with --tls-client-ca (mutual TLS)
+    token: str | None = field(default=None, repr=False)  # cluster token sent with every RPC
 
     @property
     def max_message_bytes(self) -> int:
@@ -80,9 +86,9 @@ class ServerConnection:
         channel_options = [("grpc.max_receive_message_length", limit),
                            ("grpc.max_send_message_length", limit),
                            ("grpc.enable_retries", 0)]
-        self._channels = [
-            grpc.insecure_channel(address, options=channel_options + [("grpc.channel_id", i)])
-            for i in range(max(1, options.channels_per_server))]
+        self._channels = [security.channel(address, options, channel_options +
+                                           [("grpc.channel_id", i)])
+                          for i in range(max(1, options.channels_per_server))]
         self._stubs = [_stub(c) for c in self._channels]
         self._next = itertools.cycle(range(len(self._stubs)))
 
@@ -129,7 +135,10 @@ class ServerConnection:
         stub = health_pb2_grpc.HealthStub(self._channels[0])
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.PERMISSION_DENIED):  # an answer: no use waiting
+                raise describe("Check", self.address, None, err) from None
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -138,7 +147,8 @@ class ServerConnection:
         while not self.healthy(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise ServerError(f"server {self.address} is not serving after {timeout:.0f}s; "
-                                  f"check that it was started and that the address is right",
+                                  f"check that it was started, that the address is right and "
+                                  f"that its TLS setting matches ClientOptions.tls_ca",
                                   address=self.address, table=None,
                                   code=grpc.StatusCode.UNAVAILABLE)
             time.sleep(0.1)

@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from parallax import security
+from parallax.errors import ConfigError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax_ps import metrics
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
@@ -35,6 +37,10 @@ class ServerConfig:
     max_message_mb: int = 256
     threads: int = 64  # sync-mode waits hold a thread each: keep well above workers x shards
     grace_seconds: float = 5.0
+    tls_cert: Path | None = None       # with tls_key: serve TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: client certificates signed by this CA
+    token_file: Path | None = None     # every RPC must carry this cluster token
     metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
 
     @property
@@ -50,19 +56,30 @@ class RunningServer:
             config.data_dir.mkdir(parents=True, exist_ok=True)
         self.config = config
         limit = config.max_message_bytes
+        token = security.read_token(config.token_file) if config.token_file else None
+        credentials = security.server_credentials(
+            config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="ps"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", 0)])
+                     ("grpc.so_reuseport", 0)],
+            interceptors=[security.TokenInterceptor(token)] if token else None)
         self.service = ParameterServerService(config.data_dir, limit)
         add_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+            bind = f"{config.host}:{config.port}"
+            port = (self.server.add_secure_port(bind, credentials) if credentials
+                    else self.server.add_insecure_port(bind))
         except RuntimeError:  # grpc reports a failed bind by raising or by returning 0
             port = 0
+        if port == 0 and credentials is not None:
+            raise OSError(f"cannot serve TLS on {bind}: gRPC refused --tls-cert "
+                          f"{config.tls_cert} with --tls-key {config.tls_key} (a key that is "
+                          f"not the certificate's, or malformed PEM: gRPC's reason is logged "
+                          f"above), or the address is in use or not local")
         if port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port} (address in use or "
                           f"not local); pick another --port or --host")
@@ -99,6 +116,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "worker holds one per shard, so keep it above workers x shards")
     parser.add_argument("--grace-seconds", type=float, default=5.0,
                         help="how long in-flight requests may finish on shutdown")
+    parser.add_argument("--tls-cert", type=Path, default=None,
+                        help="PEM certificate of this server: serve TLS (needs --tls-key)")
+    parser.add_argument("--tls-key", type=Path, default=None,
+                        help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", type=Path, default=None,
+                        help="PEM CA: require client certificates signed by it (mutual TLS)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the cluster token that every RPC must carry "
+                             "(authorization: Bearer <token>)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics on the same "
                              "host as gRPC (0: any free port; default: no metrics endpoint)")
@@ -109,9 +135,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error(f"--max-message-mb {args.max_message_mb} must be >= 1")
     if args.threads < 1:
         parser.error(f"--threads {args.threads} must be >= 1")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        given, missing = (("--tls-cert", "--tls-key") if args.tls_key is None
+                          else ("--tls-key", "--tls-cert"))
+        parser.error(f"{given} needs {missing} too (the certificate and its private key)")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
-    return ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir,
+    return ServerConfig(tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        tls_client_ca=args.tls_client_ca, token_file=args.token_file,
+                        host=args.host, port=args.port, data_dir=args.data_dir,
                         max_message_mb=args.max_message_mb, threads=args.threads,
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port)
 
@@ -122,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()
     try:
         server = RunningServer(config)
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:
         print(f"parallax server: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()

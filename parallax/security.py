@@ -1,0 +1,302 @@
+"""TLS and the shared cluster token: job credentials, the server's token check, the client's
+token metadata, and the environment contract between `parallax run --secure` and workers.
+
+Servers bind to loopback unless given `--host`. For cluster use a server takes
+`--tls-cert FILE --tls-key FILE` (TLS), `--tls-client-ca FILE` (mutual TLS: client
+certificates required and verified against that CA) and `--token-file FILE` (every RPC,
+health checks included, must carry `authorization: Bearer <token>` metadata). The server
+reads the token from a file only, never from its environment (visible in /proc).
+
+Workers (the strategy, `tests/launch_probe.py`) build their client options from:
+  PARALLAX_TLS_CA      CA certificate that signed the servers' certificates (TLS on)
+  PARALLAX_TLS_CERT    client certificate, for servers with --tls-client-ca
+  PARALLAX_TLS_KEY     its private key
+  PARALLAX_TOKEN_FILE  file holding the cluster token
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hmac
+import ipaddress
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import grpc
+
+from parallax.errors import ConfigError
+
+TLS_CA_ENV = "PARALLAX_TLS_CA"
+TLS_CERT_ENV = "PARALLAX_TLS_CERT"
+TLS_KEY_ENV = "PARALLAX_TLS_KEY"
+TOKEN_FILE_ENV = "PARALLAX_TOKEN_FILE"
+TOKEN_HEADER = "authorization"
+TOKEN_SCHEME = "Bearer "
+CERT_DAYS = 30
+
+
+def read_file(path: str | os.PathLike, what: str) -> bytes:
+    """A credential file's bytes; a missing, unreadable or empty file is a ConfigError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read ({exc.strerror}); check the "
+                          f"path and its permissions") from None
+    if not data.strip():
+        raise ConfigError(f"{what} {str(path)!r} is empty; give the file that holds it")
+    return data
+
+
+def read_pem(path: str | os.PathLike, what: str) -> bytes:
+    data = read_file(path, what)
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{what} {str(path)!r} is not a PEM file (no '-----BEGIN' line); "
+                          f"give a PEM certificate or key")
+    return data
+
+
+def read_token(path: str | os.PathLike) -> str:
+    token = read_file(path, "token file").decode("utf-8", "replace").strip()
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"token file {str(path)!r} must hold one token: printable "
+                          f"characters without spaces")
+    return token
+
+
+# ---- server side -------------------------------------------------------------------------
+def _deny(code: grpc.StatusCode, message: str):
+    def abort(request, context):
+        context.abort(code, message)
+    return abort
+
+
+def _denying_handler(handler, message: str):
+    """A handler of the same shape (streaming or not) as `handler` that only rejects."""
+    deny = _deny(grpc.StatusCode.UNAUTHENTICATED, message)
+    requests = handler is not None and handler.request_streaming
+    responses = handler is not None and handler.response_streaming
+    if requests and responses:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if requests:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if responses:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Rejects every RPC (every service, generic handlers included) that does not carry the
+    cluster token, with UNAUTHENTICATED; the comparison takes constant time."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ConfigError("the cluster token is empty; put a token in the token file")
+        self._expected = (TOKEN_SCHEME + token).encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        given = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER)
+        if given is not None and hmac.compare_digest(
+                given.encode() if isinstance(given, str) else given, self._expected):
+            return continuation(handler_call_details)
+        if given is None:
+            message = ("this server requires the cluster token: send 'authorization: Bearer "
+                       "<token>' metadata (ClientOptions.token, or PARALLAX_TOKEN_FILE for "
+                       "workers)")
+        else:
+            message = ("wrong cluster token: the 'authorization' metadata does not match this "
+                       "server's --token-file; use the job's token")
+        return _denying_handler(continuation(handler_call_details), message)
+
+
+def server_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:
+    """TLS with the server's certificate; with `client_ca`, client certificates are required
+    and must be signed by it (mutual TLS)."""
+    pair = (read_pem(key, "--tls-key"), read_pem(cert, "--tls-cert"))
+    if client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials([pair], root_certificates=read_pem(
+        client_ca, "--tls-client-ca"), require_client_auth=True)
+
+
+# ---- client side -------------------------------------------------------------------------
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call made through the channel."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = (TOKEN_HEADER, TOKEN_SCHEME + token)
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), self._pair]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def channel_credentials(tls_ca: str, tls_cert: str | None,
+                        tls_key: str | None) -> grpc.ChannelCredentials:
+    if (tls_cert is None) != (tls_key is None):
+        raise ConfigError(f"client certificate {tls_cert!r} and key {tls_key!r}: give both "
+                          f"ClientOptions.tls_cert and tls_key ({TLS_CERT_ENV} and "
+                          f"{TLS_KEY_ENV}), or neither")
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(tls_ca, "TLS CA certificate"),
+        private_key=read_pem(tls_key, "client key") if tls_key else None,
+        certificate_chain=read_pem(tls_cert, "client certificate") if tls_cert else None)
+
+
+def channel(address: str, options, channel_options: list) -> grpc.Channel:
+    """A channel to one server as `options` (a ClientOptions) says: TLS when `tls_ca` is set,
+    the token on every call when `token` is set."""
+    if options.tls_ca:
+        made = grpc.secure_channel(address, channel_credentials(
+            options.tls_ca, options.tls_cert, options.tls_key), options=channel_options)
+    elif options.tls_cert or options.tls_key:
+        raise ConfigError(f"ClientOptions.tls_cert/tls_key are set but tls_ca is not: a "
+                          f"client certificate needs TLS; set tls_ca ({TLS_CA_ENV}) to the "
+                          f"CA that signed the servers' certificates")
+    else:
+        made = grpc.insecure_channel(address, options=channel_options)
+    return grpc.intercept_channel(made, TokenMetadata(options.token)) if options.token else made
+
+
+def client_options_from_env(base=None, environ: Mapping[str, str] | None = None):
+    """`base` (default ClientOptions()) with the TLS files and token of the environment
+    filled into the fields `base` leaves unset; unchanged when none is set."""
+    from parallax.client.connection import ClientOptions
+    base = base or ClientOptions()
+    env = os.environ if environ is None else environ
+    changes = {field: env[name] for field, name in (
+        ("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV))
+        if env.get(name) and getattr(base, field) is None}
+    if env.get(TOKEN_FILE_ENV) and base.token is None:
+        changes["token"] = read_token(env[TOKEN_FILE_ENV])
+    if (changes.get("tls_cert") or changes.get("tls_key")) and not (
+            changes.get("tls_ca") or base.tls_ca):
+        raise ConfigError(f"{TLS_CERT_ENV}/{TLS_KEY_ENV} are set but {TLS_CA_ENV} is not: "
+                          f"a client certificate needs TLS; set {TLS_CA_ENV} to the CA that "
+                          f"signed the servers' certificates")
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+# ---- job credentials ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobCredentials:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    token_file: Path
+
+    def server_args(self) -> list[str]:
+        return ["--tls-cert", str(self.server_cert), "--tls-key", str(self.server_key),
+                "--tls-client-ca", str(self.ca_cert), "--token-file", str(self.token_file)]
+
+    def worker_env(self) -> dict[str, str]:
+        return {TLS_CA_ENV: str(self.ca_cert), TLS_CERT_ENV: str(self.client_cert),
+                TLS_KEY_ENV: str(self.client_key), TOKEN_FILE_ENV: str(self.token_file)}
+
+    def client_options(self, base=None):
+        return client_options_from_env(base, self.worker_env())
+
+
+def _openssl(*args: str) -> None:
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise ConfigError("generating job credentials needs the `openssl` command, which is "
+                          "not on PATH: install it (apt-get install openssl), or make the "
+                          "certificates yourself and pass the server --tls-* flags")
+    done = subprocess.run([exe, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"openssl {args[0]} failed ({done.returncode}): "
+                          f"{done.stderr.strip()[-500:]}")
+
+
+def _subject_alt_names(hosts: Sequence[str]) -> str:
+    names = []
+    for host in dict.fromkeys(h.strip("[]") for h in hosts if h):
+        try:
+            names.append(f"IP:{ipaddress.ip_address(host)}")
+        except ValueError:
+            names.append(f"DNS:{host}")
+    return ",".join(names)
+
+
+def _issue(directory: Path, name: str, usage: str, sans: str | None) -> tuple[Path, Path]:
+    """A P-256 key and a certificate for it signed by the job's CA."""
+    key, csr, cert = (directory / f"{name}.key", directory / f"{name}.csr",
+                      directory / f"{name}.pem")
+    ext = directory / f"{name}.ext"
+    ext.write_text(f"basicConstraints=critical,CA:FALSE\nextendedKeyUsage={usage}\n" +
+                   (f"subjectAltName={sans}\n" if sans else ""))
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-out", str(key))
+    _openssl("req", "-new", "-key", str(key), "-subj", f"/CN=parallax-{name}", "-out", str(csr))
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(directory / "ca.pem"),
+             "-CAkey", str(directory / "ca.key"), "-set_serial", str(secrets.randbits(63)),
+             "-days", str(CERT_DAYS), "-extfile", str(ext), "-out", str(cert))
+    csr.unlink()
+    ext.unlink()
+    return cert, key
+
+
+def generate_job_credentials(directory: str | os.PathLike,
+                             hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> JobCredentials:
+    """A fresh CA, a server certificate for `hosts` (IP or DNS names) and a client
+    certificate, both signed by it, and a random token, written to `directory` (created
+    mode 0700; keys and token 0600). The CA's key is deleted once both are signed."""
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-out", str(ca_key))
+    _openssl("req", "-x509", "-new", "-key", str(ca_key), "-subj", "/CN=parallax-job-ca",
+             "-days", str(CERT_DAYS), "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", str(ca_cert))
+    server_cert, server_key = _issue(directory, "server", "serverAuth",
+                                     _subject_alt_names(hosts))
+    client_cert, client_key = _issue(directory, "client", "clientAuth", None)
+    ca_key.unlink()
+    token_file = directory / "token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    for path in (server_key, client_key, token_file):
+        path.chmod(0o600)
+    return JobCredentials(ca_cert, server_cert, server_key, client_cert, client_key, token_file)
+
+
+@contextlib.contextmanager
+def temporary_job_credentials(hosts: Sequence[str]) -> Iterator[JobCredentials]:
+    """Credentials in a private temporary directory, removed on exit."""
+    directory = tempfile.mkdtemp(prefix="parallax-credentials-")
+    try:
+        yield generate_job_credentials(directory, hosts)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
