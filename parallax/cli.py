@@ -32,6 +32,11 @@ def _status(argv: list[str]) -> int:
     return status_main(argv)
 
 
+def _k8s(argv: list[str]) -> int:
+    from parallax.k8s import main as k8s_main
+    return k8s_main(argv)
+
+
 def _version(argv: list[str]) -> int:
     print(f"parallax {__version__} (wire protocol parallax.ps.v{PROTOCOL_VERSION})")
     return 0
@@ -44,6 +49,7 @@ COMMANDS = {
     "ps-demo": (_ps_demo, "start parameter servers and run a client round trip"),
     "status": (_status, "health and per-table stats of a job's servers (parallax status "
                         "--help)"),
+    "k8s": (_k8s, "render Kubernetes manifests for a job (parallax k8s --help)"),
     "version": (_version, "print versions"),
 }
 
