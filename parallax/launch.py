@@ -64,6 +64,9 @@ class LaunchConfig:
     secure: bool = False                  # --secure: TLS, client certificates and a token
     mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
     sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
+    hosts: str | None = None              # --hosts FILE (parallax.hosts): where workers and
+                                          # servers run; servers as the file says unless
+                                          # num_servers is 0; num_workers <= its slots
 
 
 def new_run_id() -> str:
@@ -123,6 +126,18 @@ def validate(config: LaunchConfig) -> list[str]:
         raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
         raise ConfigError(f"sync must be True, False or None, not {config.sync!r}")
+    if config.hosts is not None:
+        from parallax.hosts import load_hosts
+        layout = load_hosts(config.hosts)
+        if config.num_workers > layout.num_slots:
+            raise ConfigError(f"-np {config.num_workers}: {config.hosts} has only "
+                              f"{layout.num_slots} slot(s); lower -np or add slots")
+        if config.secure:
+            raise ConfigError("--secure with --hosts is not supported yet (the credentials "
+                              "are made for this machine only); drop one of them")
+        if config.num_servers > 0 and layout.num_servers == 0:
+            raise ConfigError(f"{config.hosts} places no servers (servers: 0 on every host); "
+                              f"give a host servers >= 1, or use --ps-addresses")
     return program_argv(config.command)
 
 
@@ -371,6 +386,11 @@ def _supervise(job: _Job, cluster, signals: _Signals) -> int:
 
 
 def _start_servers(config: LaunchConfig, credentials=None):
+    if config.hosts is not None:
+        from parallax.hosts import HostCluster, load_hosts
+        return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
+                           extra_args=list(config.server_args), echo=sys.stderr,
+                           start_timeout=config.start_timeout).start()
     from parallax.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
                            extra_args=[*config.server_args, *(credentials.server_args()
@@ -415,6 +435,9 @@ def run(config: LaunchConfig) -> int:
     argv = program if config.num_workers == 1 else [
         find_horovodrun(), "-np", str(config.num_workers), "-H",
         f"localhost:{config.num_workers}", "--gloo", *program]
+    if config.hosts is not None:
+        from parallax.hosts import horovodrun_argv
+        argv = horovodrun_argv(config.hosts, config.num_workers, program, find_horovodrun)
     run_id = config.run_id or new_run_id()
     cluster = None
     with _credentials(config) as credentials, _Signals() as signals:
@@ -431,7 +454,7 @@ def run(config: LaunchConfig) -> int:
             signals.abortable = False
             env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
             job = _Job(argv, env,
-                       horovod=config.num_workers > 1)
+                       horovod=argv is not program)
             signals.attach(job)
             return _supervise(job, cluster, signals)
         except _Interrupted as exc:
@@ -453,9 +476,13 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
               "[--secure] "
-              "[--mode hybrid|ps|allreduce] [--async] [--] COMMAND [ARGS ...]")
-    parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=1,
-                        help="number of workers (default 1; more than 1 uses horovodrun)")
+              "[--mode hybrid|ps|allreduce] [--async] [--hosts FILE] [--] COMMAND [ARGS ...]")
+    parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
+                        help="number of workers (default 1, or every slot of --hosts; more "
+                             "than 1 uses horovodrun)")
+    parser.add_argument("--hosts", default=None, metavar="FILE",
+                        help="host file (`host: 0,1` lines, or YAML with hosts/slots/servers): "
+                             "servers and workers there, over ssh for other hosts")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")
     parser.add_argument("--ps-addresses", default=None,
@@ -484,9 +511,18 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         raise ConfigError("--ps-addresses is empty; give host:port of each parameter server, "
                           "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
     servers = args.servers if args.servers is not None else (0 if addresses else 2)
+    workers = args.num_workers if args.num_workers is not None else 1
+    if args.hosts is not None:
+        from parallax.hosts import load_hosts
+        layout = load_hosts(args.hosts)
+        if args.servers not in (None, 0):
+            raise ConfigError(f"--servers {args.servers} with --hosts: set `servers` per host "
+                              f"in {args.hosts} (default 1 per host)")
+        servers = 0 if addresses else layout.num_servers
+        workers = args.num_workers if args.num_workers is not None else layout.num_slots
     return LaunchConfig(
         secure=args.secure,
-        num_workers=args.num_workers, num_servers=servers, ps_addresses=addresses,
+        num_workers=workers, num_servers=servers, ps_addresses=addresses, hosts=args.hosts,
         command=tuple(command), run_id=args.run_id,
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
         data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,

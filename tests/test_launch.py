@@ -215,6 +215,31 @@ def test_a_dead_server_stops_the_job(mark):
     assert "exited with code -9 while the job was running; stopping the workers" in message
 
 
+@pytest.mark.multiprocess
+def test_hosts_file_on_this_machine_places_workers_and_servers(mark, tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("server_port: 7391\nhosts:\n  - {host: 127.0.0.1, slots: 2, servers: 2}\n")
+    launcher = Launcher("--hosts", str(hosts), PROBE, mark=mark)  # -np: every slot
+    assert launcher.wait() == 0, launcher.output()
+    probes = launcher.probes()
+    assert sorted(p["rank"] for p in probes) == [0, 1], launcher.output()
+    assert probes[0]["addresses"] == ["127.0.0.1:7391", "127.0.0.1:7392"]
+    assert all(port_closed(a) for a in probes[0]["addresses"])
+
+
+@pytest.mark.parametrize("text, args, words", [
+    ("127.0.0.1: 0\n", ["-np", "2"], "-np 2: "),
+    ("127.0.0.1: 0\n", ["--servers", "2"], "--servers 2 with --hosts"),
+    ("a: 0\na: 1\n", [], "line 2: host 'a' is listed again"),
+])
+def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(text)
+    launcher = Launcher("--hosts", str(hosts), *args, PROBE, mark=mark)
+    assert launcher.wait(30) == 2, launcher.output()
+    assert words in "\n".join(launcher.err), launcher.output()
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"num_workers": 0}, "-np 0"),
     ({"command": ()}, "no command to run"),

@@ -1,0 +1,138 @@
+"""`parallax run --hosts` across two "hosts": network namespaces joined by a veth pair, each with
+its own sshd (scripts/netns_cluster.sh). The launcher runs in the first namespace; the second
+namespace's server is started over ssh. Needs root and `ip netns`; sshd comes from
+scripts/setup_env.sh (openssh-server)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+PROBE = str(Path(__file__).parent / "launch_probe.py")
+PREFIX = "pxt"
+NS = {"10.77.0.1": f"{PREFIX}a", "10.77.0.2": f"{PREFIX}b"}
+
+
+def _netns_usable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, sshd)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    probe = f"pxprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "`ip netns add` is not permitted here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    reason = _netns_usable()
+    if reason:
+        pytest.skip(reason)
+    assert shutil.which("sshd") or Path("/usr/sbin/sshd").exists(), \
+        "sshd is missing: run scripts/setup_env.sh as root (installs openssh-server)"
+    env = {**os.environ, "NETNS_PREFIX": PREFIX}
+    up = subprocess.run([str(SCRIPT), "up", str(tmp_path / "nc")], capture_output=True,
+                        text=True, env=env)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield tmp_path / "nc"
+    finally:
+        down = subprocess.run([str(SCRIPT), "down", str(tmp_path / "nc")], capture_output=True,
+                              text=True, env=env)
+        assert down.returncode == 0, down.stderr
+        assert not set(NS.values()) & _namespaces(), "namespaces left behind"
+
+
+def _servers() -> dict[int, str]:
+    """pid -> namespace of every running parallax_ps bound to a 10.77.0.x address."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"parallax_ps" in cmd and b"--host" in cmd and cmd[cmd.index(b"--host") + 1] \
+                .startswith(b"10.77.0.") and b"parallax.hosts" not in cmd:
+            ns = subprocess.run(["ip", "netns", "identify", entry.name], capture_output=True,
+                                text=True).stdout.strip()
+            found[int(entry.name)] = (cmd[cmd.index(b"--host") + 1].decode(), ns)
+    return found
+
+
+def _launch(nc: Path, hosts: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PATH": f"{nc / 'bin'}:{os.environ['PATH']}",
+           "TF_CPP_MIN_LOG_LEVEL": "2", "MULTIHOST_MARK": uuid.uuid4().hex}
+    return subprocess.Popen(["ip", "netns", "exec", NS["10.77.0.1"], PARALLAX, "run",
+                             "--hosts", str(hosts), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _probes(output: str) -> list[dict]:
+    return [json.loads(line[line.index("{"):]) for line in output.splitlines()
+            if '{"probe"' in line]
+
+
+def _write_hosts(path: Path) -> Path:
+    path.write_text("server_port: 7000\nnetwork_interface: eth0\nhosts:\n"
+                    "  - {host: 10.77.0.1, slots: 1, servers: 1}\n"
+                    "  - {host: 10.77.0.2, slots: 1, servers: 1}\n")
+    return path
+
+
+@pytest.mark.multiprocess
+def test_servers_on_two_hosts_one_worker(cluster, tmp_path):
+    """A server in each namespace (the second over ssh); one worker (-np 1) sees both."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "-np", "1", "--", "python", PROBE, "--sleep", "4")
+    deadline, seen = time.monotonic() + 60, {}
+    while launcher.poll() is None and time.monotonic() < deadline:
+        current = _servers()
+        if len(current) == 2:
+            seen = current
+        time.sleep(0.3)
+    output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 0, output
+    [probe] = _probes(output)
+    assert probe["addresses"] == ["10.77.0.1:7000", "10.77.0.2:7000"], output
+    assert sorted(seen.values()) == [("10.77.0.1", NS["10.77.0.1"]),
+                                     ("10.77.0.2", NS["10.77.0.2"])], (seen, output)
+    time.sleep(1)
+    assert not _servers(), "servers left behind"
+    for pid in seen:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xfail(reason="Horovod gloo between the namespaces: rank 0 aborts with gloo::"
+                          "IoException 'connect [127.0.0.1]:PORT: Connection refused' "
+                          "(the peer's advertised address is loopback) even with "
+                          "HOROVOD_GLOO_IFACE=eth0; not solved yet", strict=False)
+def test_two_hosts_two_workers(cluster, tmp_path):
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--", "python", PROBE)
+    output = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 0, output
+    probes = _probes(output)
+    assert sorted(p["rank"] for p in probes) == [0, 1], output
+    for probe in probes:
+        assert probe["addresses"] == ["10.77.0.1:7000", "10.77.0.2:7000"]
+    time.sleep(1)
+    assert not _servers(), "servers left behind"
