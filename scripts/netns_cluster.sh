@@ -25,6 +25,7 @@ down() {
       for _ in $(seq 50); do ip netns del "$ns" 2>/dev/null && break; sleep 0.1; done
       if ip netns list | grep -qw "$ns"; then echo "could not delete namespace $ns" >&2; exit 1; fi
     fi
+    rm -rf "/etc/netns/$ns"
   done
   ip link del "${prefix}-va" 2>/dev/null || true
 }
@@ -69,6 +70,14 @@ chmod +x "$dir/bin/ssh"
 
 ip netns add "$a"
 ip netns add "$b"
+# Each "host" resolves this machine's hostname to its own address (ip netns exec bind-mounts
+# /etc/netns/NS/hosts over /etc/hosts): Horovod's gloo advertises the address the hostname
+# resolves to, and the shared /etc/hosts maps it to 127.0.0.1, unreachable from the peer.
+for pair in "$a 10.77.0.1" "$b 10.77.0.2"; do
+  set -- $pair
+  mkdir -p "/etc/netns/$1"
+  printf '127.0.0.1 localhost\n%s %s\n' "$2" "$(hostname)" >"/etc/netns/$1/hosts"
+done
 ip link add "${prefix}-va" type veth peer name "${prefix}-vb"
 ip link set "${prefix}-va" netns "$a"
 ip link set "${prefix}-vb" netns "$b"

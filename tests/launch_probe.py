@@ -2,8 +2,8 @@
 
 Initialises horovod.tensorflow when HOROVOD_SIZE is set (under horovodrun), waits until
 every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "size",
-"addresses", "run_id", "pid", "mode", "sync"}, optionally sleeps, and exits with --exit CODE
-(only on --exit-rank R when given; the other ranks exit 0).
+"addresses", "run_id", "pid", "netns", "mode", "sync"}, optionally sleeps, and exits with
+--exit CODE (only on --exit-rank R when given; the other ranks exit 0).
 """
 import argparse
 import json
@@ -33,6 +33,7 @@ with PSClient(addresses, client_options_from_env()) as client:
     client.wait_ready(30)
 print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses,
                   "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid(),
+                  "netns": os.readlink("/proc/self/ns/net"),
                   "mode": os.environ.get("PARALLAX_MODE"),
                   "sync": os.environ.get("PARALLAX_SYNC")}), flush=True)
 time.sleep(args.sleep)

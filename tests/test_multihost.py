@@ -121,10 +121,6 @@ def test_servers_on_two_hosts_one_worker(cluster, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(reason="Horovod gloo between the namespaces: rank 0 aborts with gloo::"
-                          "IoException 'connect [127.0.0.1]:PORT: Connection refused' "
-                          "(the peer's advertised address is loopback) even with "
-                          "HOROVOD_GLOO_IFACE=eth0; not solved yet", strict=False)
 def test_two_hosts_two_workers(cluster, tmp_path):
     hosts = _write_hosts(tmp_path / "two.yaml")
     launcher = _launch(cluster, hosts, "--", "python", PROBE)
@@ -134,5 +130,6 @@ def test_two_hosts_two_workers(cluster, tmp_path):
     assert sorted(p["rank"] for p in probes) == [0, 1], output
     for probe in probes:
         assert probe["addresses"] == ["10.77.0.1:7000", "10.77.0.2:7000"]
+    assert probes[0]["netns"] != probes[1]["netns"], "both workers ran in one namespace"
     time.sleep(1)
     assert not _servers(), "servers left behind"
