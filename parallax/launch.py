@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,8 @@ _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
 # horovodrun prints this for each worker that exits non-zero, the first failure first
 _HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
+_RANK_LINE = re.compile(rb"^\[(\d+)\]<std(?:out|err)>:(.*)")  # horovodrun's prefixes
+LAST_LINES = 10  # of a failed worker's output, repeated when the job ends
 STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
 SERVER_DIED_EXIT = 1
 
@@ -214,6 +217,7 @@ class _Job:
                  else {"preexec_fn": os.setpgrp})
         self.horovod = horovod
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
+        self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod
                                      else None, **group)
         self._pump = None
@@ -232,6 +236,13 @@ class _Job:
                 match = _HVD_EXIT.match(text)
                 if match and self.first_failure is None:
                     self.first_failure = (int(match[1]), int(match[2]))
+                ranked = _RANK_LINE.match(text)
+                if ranked and ranked[2].strip():
+                    lines = self.last_lines.setdefault(int(ranked[1]), deque(maxlen=LAST_LINES))
+                    lines.append(ranked[2].decode(errors="replace"))
+
+    def tail(self, rank: int) -> str:
+        return "\n".join(f"  [{rank}] {line}" for line in self.last_lines.get(rank, ()))
 
     def signal(self, signum: int) -> None:
         try:
@@ -380,8 +391,9 @@ def _supervise(job: _Job, cluster, signals: _Signals) -> int:
             job.stop()  # leftovers in its process group
             code = job.exit_code()
             if code and job.first_failure is not None:
-                _say(f"worker rank {job.first_failure[0]} exited with code "
-                     f"{job.first_failure[1]} first; the job exits with {code}")
+                rank, failed = job.first_failure
+                _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
+                     f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
             return code
 
 

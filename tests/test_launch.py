@@ -164,7 +164,22 @@ def test_failing_worker_exit_code_comes_through_horovodrun(mark):
                         mark=mark)
     assert launcher.wait() == 3, launcher.output()  # horovodrun itself exits 1
     assert any("worker rank 1 exited with code 3" in line for line in launcher.err)
+    report = "\n".join(launcher.err)
+    assert "Its last output:\n  [1] {\"probe\": 1, \"rank\": 1" in report, report
     assert all(port_closed(a) for a in launcher.probes()[0]["addresses"])
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_stops_the_job_with_its_last_output(mark):
+    launcher = Launcher("-np", "2", "--servers", "1", "--", "python", PROBE, "--sleep", "60",
+                        mark=mark)
+    victim = next(p for p in launcher.wait_for_probes(2) if p["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert launcher.wait(timeout=60) != 0, launcher.output()
+    report = "\n".join(launcher.err)
+    assert "worker rank 1 exited with code" in report, report
+    assert "[1] {\"probe\": 1" in report, report
+    assert all(port_closed(a) for a in victim["addresses"])
 
 
 @pytest.mark.multiprocess
