@@ -67,6 +67,7 @@ class LaunchConfig:
     secure: bool = False                  # --secure: TLS, client certificates and a token
     mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
     sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
+    progress_seconds: float = 30.0        # a job progress line this often (0: never)
     hosts: str | None = None              # --hosts FILE (parallax.hosts): where workers and
                                           # servers run; servers as the file says unless
                                           # num_servers is 0; num_workers <= its slots
@@ -441,6 +442,14 @@ def _check_external(addresses: list[str], timeout: float, options=None) -> None:
         client.wait_ready(timeout)
 
 
+def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict):
+    from parallax.client import ClientOptions
+    from parallax.progress import ProgressReporter
+    from parallax.security import client_options_from_env
+    options = client_options_from_env(ClientOptions(timeout=5, retries=0), environ=env)
+    return ProgressReporter(addresses, run_id, config.progress_seconds, _say, options).start()
+
+
 def run(config: LaunchConfig) -> int:
     """Run the job; returns its exit code. Raises ConfigError before starting anything."""
     program = validate(config)
@@ -468,7 +477,11 @@ def run(config: LaunchConfig) -> int:
             job = _Job(argv, env,
                        horovod=argv is not program)
             signals.attach(job)
-            return _supervise(job, cluster, signals)
+            progress = _progress(config, addresses, run_id, env)
+            try:
+                return _supervise(job, cluster, signals)
+            finally:
+                progress.stop()
         except _Interrupted as exc:
             _say(f"got {exc}: stopped before the job started")
             return 128 + exc.signum
@@ -505,6 +518,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
     parser.add_argument("--start-timeout", type=float, default=60.0,
                         help="seconds to wait for the servers (default 60)")
+    parser.add_argument("--progress-seconds", type=float, default=30.0,
+                        help="print the job's progress (tables, steps, rows moved, read from "
+                             "the servers) this often; 0: never (default 30)")
     parser.add_argument("--secure", action="store_true",
                         help="TLS with client certificates and a cluster token: credentials "
                              "made for this job (removed at the end), passed to the workers "
@@ -538,6 +554,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         command=tuple(command), run_id=args.run_id,
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
         data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,
+        progress_seconds=args.progress_seconds,
         sync=args.sync)
 
 

@@ -17,8 +17,10 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import parallax
 from parallax.errors import ConfigError
 from parallax.launch import LaunchConfig, run, validate
 from parallax.local_cluster import LocalCluster
@@ -294,3 +296,30 @@ def test_cli_reports_bad_input(mark, args, code, words):
     assert launcher.wait(30) == code, launcher.output()
     assert words in "\n".join(launcher.err), launcher.output()
     assert not launcher.probes()
+
+
+@pytest.mark.multiprocess
+def test_job_progress_lines_come_from_the_servers(mark, cluster):
+    """The launcher reads the job's tables from the servers; a table of another job (another
+    run id prefix) is not reported."""
+    from parallax.progress import ProgressReporter
+    from parallax.specs import TableSpec
+
+    run_id = f"prog{uuid.uuid4().hex[:6]}"
+    lines: list[str] = []
+    reporter = ProgressReporter(cluster.addresses, run_id, 0, lines.append)
+    assert "no tables on the servers yet" in reporter.snapshot()
+    with parallax.PSClient(cluster.addresses) as client:
+        table = client.create_table(TableSpec(f"{run_id}.v0.words", dim=4, vocabulary_size=50,
+                                              shard_count=2))
+        client.create_table(TableSpec(f"x{run_id}.v0.other", dim=4, vocabulary_size=50))
+        for step in range(3):
+            table.pull([1, 2, 3], min_step=step)
+            table.push([1, 2, 3], np.ones((3, 4), np.float32), step=step)
+    line = reporter.snapshot()
+    assert "words step 3" in line and "other" not in line, line
+    assert "rows pulled 9, pushed 9" in line, line
+    launcher = Launcher("-np", "1", "--servers", "1", "--progress-seconds", "0.5", "--",
+                        "python", PROBE, "--sleep", "3", mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    assert any("progress 0m0" in line for line in launcher.err), launcher.output()
