@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ParallaxError
 from parallax.local_cluster import SERVER_COMMAND, ServerProcess
 
 DEFAULT_SERVER_PORT = 7000
@@ -374,6 +374,38 @@ def ssh_command(host: HostSpec, remote_argv: list[str]) -> list[str]:
                           f"install an ssh client (Debian: openssh-client)")
     port = ["-p", str(host.ssh_port)] if host.ssh_port is not None else []
     return [ssh, "-o", "BatchMode=yes", *port, host.ssh_target, shlex.join(remote_argv)]
+
+
+def copy_directory_to_hosts(layout: ClusterLayout, directory: str | Path) -> list[HostSpec]:
+    """Copy the files of `directory` (e.g. a job's credentials) to the same path on every
+    host that is not this machine, private (0700 directory, 0600 files), over ssh; returns
+    the hosts copied to, for `remove_directory_from_hosts`."""
+    import shlex
+    directory = Path(directory)
+    remote = [h for h in {h.ssh_target: h for h in layout.hosts}.values() if not is_local(h.host)]
+    for host in remote:
+        quoted = shlex.quote(str(directory))
+        _ssh_checked(host, f"umask 077 && mkdir -p {quoted}", b"")
+        for path in sorted(p for p in directory.iterdir() if p.is_file()):
+            target = shlex.quote(str(path))
+            _ssh_checked(host, f"umask 077 && cat > {target}", path.read_bytes())
+    return remote
+
+
+def remove_directory_from_hosts(hosts: list[HostSpec], directory: str | Path) -> None:
+    import shlex
+    for host in hosts:
+        subprocess.run(ssh_command(host, ["sh", "-c", f"rm -rf {shlex.quote(str(directory))}"]),
+                       input=b"", capture_output=True, timeout=30)
+
+
+def _ssh_checked(host: HostSpec, script: str, data: bytes) -> None:
+    proc = subprocess.run(ssh_command(host, ["sh", "-c", script]), input=data,
+                          capture_output=True, timeout=60)
+    if proc.returncode != 0:
+        raise ParallaxError(f"could not copy the job's credentials to {host.ssh_target} over "
+                            f"ssh (exit {proc.returncode}): "
+                            f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
 
 
 class _RemoteServer(ServerProcess):

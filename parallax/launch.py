@@ -21,12 +21,14 @@ the workers' output goes to stdout and stderr as they write it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -136,9 +138,6 @@ def validate(config: LaunchConfig) -> list[str]:
         if config.num_workers > layout.num_slots:
             raise ConfigError(f"-np {config.num_workers}: {config.hosts} has only "
                               f"{layout.num_slots} slot(s); lower -np or add slots")
-        if config.secure:
-            raise ConfigError("--secure with --hosts is not supported yet (the credentials "
-                              "are made for this machine only); drop one of them")
         if config.num_servers > 0 and layout.num_servers == 0:
             raise ConfigError(f"{config.hosts} places no servers (servers: 0 on every host); "
                               f"give a host servers >= 1, or use --ps-addresses")
@@ -402,7 +401,9 @@ def _start_servers(config: LaunchConfig, credentials=None):
     if config.hosts is not None:
         from parallax.hosts import HostCluster, load_hosts
         return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
-                           extra_args=list(config.server_args), echo=sys.stderr,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr,
                            start_timeout=config.start_timeout).start()
     from parallax.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
@@ -421,15 +422,32 @@ def _start_servers(config: LaunchConfig, credentials=None):
     return cluster
 
 
+@contextlib.contextmanager
 def _credentials(config: LaunchConfig):
-    """With --secure: the job's credentials in a private temporary directory, removed at the
-    end; else nothing."""
-    import contextlib
-    import socket
-    from parallax.security import temporary_job_credentials
+    """With --secure: the job's credentials in a private temporary directory, for this
+    machine's names and every host of --hosts, copied to the same path on the other hosts;
+    removed everywhere at the end. Without: None."""
     if not config.secure:
-        return contextlib.nullcontext()
-    return temporary_job_credentials(("127.0.0.1", "localhost", socket.gethostname()))
+        yield None
+        return
+    from parallax.security import temporary_job_credentials
+    names = ["127.0.0.1", "localhost", socket.gethostname()]
+    layout = None
+    if config.hosts is not None:
+        from parallax.hosts import load_hosts
+        layout = load_hosts(config.hosts)
+        names += [host.host.strip("[]") for host in layout.hosts]
+    with temporary_job_credentials(tuple(dict.fromkeys(names))) as credentials:
+        copied = []
+        try:
+            if layout is not None:
+                from parallax.hosts import copy_directory_to_hosts
+                copied = copy_directory_to_hosts(layout, credentials.ca_cert.parent)
+            yield credentials
+        finally:
+            if copied:
+                from parallax.hosts import remove_directory_from_hosts
+                remove_directory_from_hosts(copied, credentials.ca_cert.parent)
 
 
 def _secured(credentials, env: dict[str, str]) -> dict[str, str]:

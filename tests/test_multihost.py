@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 import uuid
@@ -131,5 +132,21 @@ def test_two_hosts_two_workers(cluster, tmp_path):
     for probe in probes:
         assert probe["addresses"] == ["10.77.0.1:7000", "10.77.0.2:7000"]
     assert probes[0]["netns"] != probes[1]["netns"], "both workers ran in one namespace"
+    time.sleep(1)
+    assert not _servers(), "servers left behind"
+
+
+@pytest.mark.multiprocess
+def test_secure_job_on_two_hosts(cluster, tmp_path):
+    """--secure with --hosts: certificates for every host, copied over ssh to the other
+    host; the server started there runs TLS + token, and both workers use them."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--secure", "--", "python", PROBE)
+    output = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 0, output
+    probes = _probes(output)
+    assert sorted(p["rank"] for p in probes) == [0, 1], output
+    assert not list(Path(tempfile.gettempdir()).glob("parallax-credentials-*")), \
+        "credentials left behind"
     time.sleep(1)
     assert not _servers(), "servers left behind"
