@@ -8,6 +8,7 @@ left waiting in a collective for a peer that gave up.
 from __future__ import annotations
 
 import sys
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -80,13 +81,42 @@ def _on_every_worker(workers: Workers, work: Callable[[], None]) -> None:
             raise ParallaxError(f"worker {rank} could not reach the parameter servers: {message}")
 
 
+_SERVER_INITIALIZERS = {  # Keras initializer -> the servers' (config keys kept)
+    "RandomUniform": ("uniform", ("minval", "maxval")),
+    "RandomNormal": ("normal", ("mean", "stddev")),
+    "TruncatedNormal": ("truncated_normal", ("mean", "stddev")),
+    "Zeros": ("zeros", ()),
+    "Constant": ("constant", ("value",)),
+}
+
+
+def server_initializer(var: ParallaxVariable, key: str, stream_limit: int) -> Initializer | None:
+    """For a table too big to stream cheaply (over `stream_limit` bytes) whose Keras
+    initializer the servers implement: that initializer, drawn on the servers row by row when
+    first touched, so no worker computes or sends the table (the values follow the same
+    distribution, not the same draws; an unseeded initializer gets a seed from `key`, the
+    same on every worker and in every run of the model). None: stream the initial values."""
+    initializer = var.keras_initializer
+    if initializer is None or var.shape.num_elements() * var.dtype.size <= stream_limit:
+        return None
+    name = "Constant" if type(initializer).__name__ == "Ones" else type(initializer).__name__
+    if name not in _SERVER_INITIALIZERS:
+        return None
+    kind, keys = _SERVER_INITIALIZERS[name]
+    config = initializer.get_config()
+    values = {key: float(config.get(key, 1.0)) for key in keys}
+    seed = config.get("seed")
+    seed = seed if isinstance(seed, int) and seed >= 0 else zlib.crc32(key.encode())
+    return Initializer(kind, seed=seed, **values)
+
+
 def _table_spec(vp: VariablePlan, var: tf.Variable, optimizer_spec, *, sync: bool,
-                pushers: int) -> TableSpec:
+                pushers: int, initializer: Initializer | None) -> TableSpec:
     shape = var.shape.as_list()
     rows = shape[0] if shape else 1
     dim = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=var.dtype.name,
-                     initializer=Initializer("zeros"), optimizer=optimizer_spec,
+                     initializer=initializer or Initializer("zeros"), optimizer=optimizer_spec,
                      shard_count=vp.shards, num_workers=pushers,
                      sync_mode="sync" if sync else "async", aggregation="sum")
 
@@ -120,8 +150,13 @@ class TableBinder:
                 f"step; update variables with a keras.optimizers optimizer "
                 f"(apply_gradients / fit), or use mode='allreduce'")
         optimizer_spec = optimizer_from_keras(optimizer)
+        on_server_init = {vp.index: server_initializer(variables[vp.index],
+                                                       f"{vp.index}:{vp.name}",
+                                                       self.init_chunk_bytes)
+                          for vp in on_servers}
         specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
-                             pushers=self.pushers) for vp in on_servers]
+                             pushers=self.pushers, initializer=on_server_init[vp.index])
+                 for vp in on_servers]
         _on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout))
 
         def create_and_fill() -> None:
@@ -134,6 +169,8 @@ class TableBinder:
                         f"{applied} steps: another job, or an earlier run, used run id "
                         f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
                         f" or restart the servers. Nothing was changed")
+                if on_server_init[vp.index] is not None:
+                    continue  # drawn by the servers
                 for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
                     ids = np.arange(first, first + len(rows), dtype=np.int64)
                     table.assign(ids, rows.reshape(len(rows), spec.dim))

@@ -131,6 +131,12 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
             hi = min(rows, lo + step)
             yield lo, np.asarray(initializer((hi - lo, *rest), dtype=self.dtype.name))
 
+    @property
+    def keras_initializer(self):
+        """The Keras initializer of a deferred initial value (None once computed)."""
+        init = self._parallax_init
+        return init.initializer if isinstance(init, _DeferredValue) else None
+
     def forget_initial_value(self) -> None:
         self._parallax_init = None
 

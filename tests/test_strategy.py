@@ -335,3 +335,23 @@ def test_mode_and_sync_come_from_the_launcher_environment(monkeypatch, cluster):
     monkeypatch.setenv("PARALLAX_SYNC", "sometimes")
     with pytest.raises(ConfigError, match="PARALLAX_SYNC='sometimes'"):
         parallax.ParallaxStrategy(ps_addresses=cluster.addresses)
+
+
+def test_big_tables_with_known_initializers_are_drawn_by_the_servers(make_strategy):
+    from parallax.binding import server_initializer
+    from parallax.specs import Initializer
+
+    with make_strategy().scope():
+        normal = keras.layers.Embedding(
+            1000, 8, embeddings_initializer=keras.initializers.RandomNormal(stddev=0.2, seed=3))
+        glorot = keras.layers.Embedding(1000, 8, embeddings_initializer="glorot_uniform")
+        uniform = keras.layers.Embedding(1000, 8)
+        for layer in (normal, glorot, uniform):
+            layer.build((None,))
+    assert server_initializer(normal.embeddings.value, "k", 1000) == \
+        Initializer("normal", mean=0.0, stddev=0.2, seed=3)
+    assert server_initializer(glorot.embeddings.value, "k", 1000) is None  # streamed
+    assert server_initializer(normal.embeddings.value, "k", 10**6) is None  # small: exact
+    drawn = server_initializer(uniform.embeddings.value, "0:words", 1000)
+    assert (drawn.kind, drawn.minval, drawn.maxval) == ("uniform", -0.05, 0.05)
+    assert drawn == server_initializer(uniform.embeddings.value, "0:words", 1000)  # same seed
