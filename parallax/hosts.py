@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.errors import ConfigError, ParallaxError
-from parallax.local_cluster import SERVER_COMMAND, ServerProcess
+from parallax.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
 
 DEFAULT_SERVER_PORT = 7000
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
@@ -315,25 +315,8 @@ class HostCluster:
         return self
 
     def stop(self, timeout: float = 15.0) -> list[int | None]:
-        import signal
-        import time
-        for server in self.servers:
-            if server.proc.poll() is None:
-                if isinstance(server, _RemoteServer):
-                    server.close()  # the remote wrapper stops its server, then ssh exits
-                else:
-                    server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        codes = []
-        for server in self.servers:
-            try:
-                codes.append(server.proc.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait()
-                codes.append(None)
-        self.exit_codes = codes
-        return codes
+        self.exit_codes = stop_servers(self.servers, timeout)
+        return self.exit_codes
 
 
 def horovodrun_argv(hosts_file: str, num_workers: int, program: list[str],
@@ -413,22 +396,13 @@ class _RemoteServer(ServerProcess):
     READY line and output read from ssh's stdout; ssh's stdin stays open until close()."""
 
     def __init__(self, index: int, host: HostSpec, args: list[str], echo) -> None:
-        # ServerProcess.__init__, with ssh and a stdin pipe
-        self.index = index
         self.host = host
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            ssh_command(host, [sys.executable, "-m", "parallax.hosts", "serve",
-                               sys.executable, "-u", "-m", "parallax_ps", *args]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.address: str | None = None
-        self._ready = threading.Event()
-        self._echo = echo
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__(index, ssh_command(host, [
+            sys.executable, "-m", "parallax.hosts", "serve",
+            sys.executable, "-u", "-m", "parallax_ps", *args]), echo, stdin=subprocess.PIPE)
 
-    def close(self) -> None:
+    def request_stop(self) -> None:
+        """Close ssh's stdin: the remote wrapper stops its server, then ssh exits."""
         try:
             self.proc.stdin.close()
         except OSError:

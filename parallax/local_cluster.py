@@ -24,11 +24,12 @@ SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
 
 
 class ServerProcess:
-    def __init__(self, index: int, command: list[str], echo: IO[str] | None) -> None:
+    def __init__(self, index: int, command: list[str], echo: IO[str] | None,
+                 stdin: int | None = None) -> None:
         self.index = index
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE,
+            command, stdin=stdin, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.address: str | None = None
@@ -58,8 +59,30 @@ class ServerProcess:
                                 f"output:\n{tail}")
         return self.address
 
+    def request_stop(self) -> None:
+        """Ask the server to shut down gracefully (SIGTERM); `stop_servers` waits."""
+        self.proc.send_signal(signal.SIGTERM)
+
     def tail(self, n: int = 10) -> str:
         return "\n".join(self.lines[-n:])
+
+
+def stop_servers(servers: list[ServerProcess], timeout: float) -> list[int | None]:
+    """Ask every server to stop, wait up to `timeout` in all, kill stragglers; the exit
+    codes (None: did not stop in time)."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.request_stop()
+    deadline = time.monotonic() + timeout
+    codes = []
+    for server in servers:
+        try:
+            codes.append(server.proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+            codes.append(None)
+    return codes
 
 
 class LocalCluster:
@@ -104,20 +127,8 @@ class LocalCluster:
         return self
 
     def stop(self, timeout: float = 15.0) -> list[int | None]:
-        for server in self.servers:
-            if server.proc.poll() is None:
-                server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        codes = []
-        for server in self.servers:
-            try:
-                codes.append(server.proc.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait()
-                codes.append(None)  # did not stop in time
-        self.exit_codes = codes
-        return codes
+        self.exit_codes = stop_servers(self.servers, timeout)
+        return self.exit_codes
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
