@@ -50,24 +50,10 @@ def check_agreement(plan: Plan, workers: Workers) -> None:
                     f"worker must build the same model")
 
 
-def _on_chief_then_all(workers: Workers, chief_work: Callable[[], None]) -> None:
-    """Run `chief_work` on rank 0; the others wait, and raise the chief's error if it fails."""
-    error = None
-    if workers.info.is_chief:
-        try:
-            chief_work()
-        except Exception as exc:  # noqa: BLE001 - forwarded to the peers, then re-raised
-            error = exc
-    message = workers.broadcast_object(None if error is None else f"{error}")
-    if error is not None:
-        raise error
-    if message is not None:
-        raise ParallaxError(f"worker 0 failed to set up the parameter-server tables: {message}")
-
-
-def _on_every_worker(workers: Workers, work: Callable[[], None]) -> None:
-    """Run `work` everywhere; if it fails on any worker, every worker raises (none is left
-    waiting in the next collective for a peer that gave up)."""
+def _on_every_worker(workers: Workers, work: Callable[[], None], failed: str) -> None:
+    """Run `work` here; if it fails on any worker, every worker raises (none is left
+    waiting in the next collective for a peer that gave up). `failed` completes
+    "worker R ...: <error>" in the message the others raise."""
     error = None
     try:
         work()
@@ -78,7 +64,12 @@ def _on_every_worker(workers: Workers, work: Callable[[], None]) -> None:
         raise error
     for rank, message in enumerate(messages):
         if message is not None:
-            raise ParallaxError(f"worker {rank} could not reach the parameter servers: {message}")
+            raise ParallaxError(f"worker {rank} {failed}: {message}")
+
+
+def _on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
+    """`work` on rank 0 only; the others wait for it, and raise its error if it fails."""
+    _on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
 
 
 _SERVER_INITIALIZERS = {  # Keras initializer -> the servers' (config keys kept)
@@ -157,7 +148,8 @@ class TableBinder:
         specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
                              pushers=self.pushers, initializer=on_server_init[vp.index])
                  for vp in on_servers]
-        _on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout))
+        _on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout),
+                         "could not reach the parameter servers")
 
         def create_and_fill() -> None:
             for vp, spec in zip(on_servers, specs):
@@ -175,7 +167,8 @@ class TableBinder:
                     ids = np.arange(first, first + len(rows), dtype=np.int64)
                     table.assign(ids, rows.reshape(len(rows), spec.dim))
 
-        _on_chief_then_all(self.workers, create_and_fill)
+        _on_chief(self.workers, create_and_fill,
+                  "failed to set up the parameter-server tables")
         return_freed_memory()
         for vp, spec in zip(on_servers, specs):
             table = self.client.create_table(spec)  # idempotent; a differing spec is refused
