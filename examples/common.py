@@ -68,6 +68,18 @@ def steps_per_epoch(args, examples: int, what: str) -> int:
     return min(args.steps_per_epoch, one_pass) if args.steps_per_epoch > 0 else one_pass
 
 
+def global_batches(args, train: tuple, held_out: tuple, shuffle_buffer: int):
+    """Training data as endless shuffled global batches (the shuffle seed is fixed, so every
+    worker sees the same order and the strategy gives each its share of every batch), and
+    the held-out data as whole global batches with their count."""
+    data = (tf.data.Dataset.from_tensor_slices(train)
+            .shuffle(shuffle_buffer, seed=args.seed, reshuffle_each_iteration=True)
+            .batch(args.batch_size, drop_remainder=True).repeat().prefetch(2))
+    eval_data = (tf.data.Dataset.from_tensor_slices(held_out)
+                 .batch(args.batch_size, drop_remainder=True))
+    return data, eval_data, len(held_out[1]) // args.batch_size
+
+
 def chief_print(strategy, *lines: str) -> None:
     if strategy.worker.is_chief:
         print(*lines, sep="\n", flush=True)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import (EpochReport, base_parser, chief_print, fit_verbosity, make_strategy,
-                    print_result, steps_per_epoch)
+from common import (EpochReport, base_parser, chief_print, fit_verbosity, global_batches,
+                    make_strategy, print_result, steps_per_epoch)
 
 import keras  # noqa: E402  (after common, which quiets TensorFlow's logging)
 import tensorflow as tf  # noqa: E402
@@ -138,12 +138,8 @@ def main(argv=None) -> None:
                 f"out; {strategy.worker.size} worker(s), global batch {args.batch_size}, "
                 f"{steps} steps per epoch")
 
-    data = (tf.data.Dataset.from_tensor_slices((x, y))
-            .shuffle(50_000, seed=args.seed, reshuffle_each_iteration=True)
-            .batch(args.batch_size, drop_remainder=True).repeat().prefetch(2))
-    eval_batches = len(y_eval) // args.batch_size
-    eval_data = (tf.data.Dataset.from_tensor_slices((x_eval, y_eval))
-                 .batch(args.batch_size, drop_remainder=True))
+    data, eval_data, eval_batches = global_batches(args, (x, y), (x_eval, y_eval),
+                                                   50_000)
 
     with strategy.scope():
         model = build_model(vocabularies, args)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import (EpochReport, base_parser, chief_print, fit_verbosity, make_strategy,
-                    print_result, steps_per_epoch)
+from common import (EpochReport, base_parser, chief_print, fit_verbosity, global_batches,
+                    make_strategy, print_result, steps_per_epoch)
 
 import keras  # noqa: E402  (after common, which quiets TensorFlow's logging)
 import tensorflow as tf  # noqa: E402
@@ -66,12 +66,8 @@ def main(argv=None) -> None:
                           f"{len(y)} training examples, {len(y_eval)} held out; "
                           f"{strategy.worker.size} worker(s), global batch {args.batch_size}, "
                           f"{steps} steps per epoch")
-    data = (tf.data.Dataset.from_tensor_slices((x, y))
-            .shuffle(20_000, seed=args.seed, reshuffle_each_iteration=True)
-            .batch(args.batch_size, drop_remainder=True).repeat().prefetch(2))
-    eval_batches = len(y_eval) // args.batch_size
-    eval_data = (tf.data.Dataset.from_tensor_slices((x_eval, y_eval))
-                 .batch(args.batch_size, drop_remainder=True))
+    data, eval_data, eval_batches = global_batches(args, (x, y), (x_eval, y_eval),
+                                                   20_000)
 
     with strategy.scope():
         model = build_model(args)

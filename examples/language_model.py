@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (EpochReport, base_parser, chief_print, fit_verbosity, make_strategy,
-                    print_result, steps_per_epoch)
+from common import (EpochReport, base_parser, chief_print, fit_verbosity, global_batches,
+                    make_strategy, print_result, steps_per_epoch)
 
 import keras  # noqa: E402  (after common, which quiets TensorFlow's logging)
 import tensorflow as tf  # noqa: E402
@@ -149,14 +149,8 @@ def main(argv=None) -> None:
                 f"(covers {covered:.1%} of the targets); {strategy.worker.size} worker(s), "
                 f"global batch {args.batch_size}, {steps} steps per epoch")
 
-    # The whole (pre-shuffled) stream in global batches: the strategy gives each worker its
-    # share of every batch. The shuffle seed is fixed, so every worker sees the same order.
-    data = (tf.data.Dataset.from_tensor_slices((x, y))
-            .shuffle(50_000, seed=args.seed, reshuffle_each_iteration=True)
-            .batch(args.batch_size, drop_remainder=True).repeat().prefetch(2))
-    eval_batches = len(y_eval) // args.batch_size
-    eval_data = (tf.data.Dataset.from_tensor_slices((x_eval, y_eval))
-                 .batch(args.batch_size, drop_remainder=True))
+    data, eval_data, eval_batches = global_batches(args, (x, y), (x_eval, y_eval),
+                                                   50_000)
 
     with strategy.scope():
         model = build_model(len(vocab), output_vocab, args)
