@@ -199,6 +199,17 @@ def _meta(config: K8sConfig, name: str, role: str) -> dict[str, Any]:
     return {"name": name, "namespace": config.namespace, "labels": _labels(config, role)}
 
 
+def _headless_service(config: K8sConfig, name: str, role: str, port_name: str,
+                      port: int) -> dict[str, Any]:
+    """Stable DNS names for the pods of `role` (clusterIP None), ready or not."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(config, name, role),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": _labels(config, role),
+                 "ports": [{"name": port_name, "port": port, "targetPort": port}]},
+    }
+
+
 def _resources(config: K8sConfig) -> dict[str, Any]:
     requests = {k: str(v) for k, v in (("cpu", config.cpu), ("memory", config.memory))
                 if v is not None}
@@ -256,14 +267,7 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         }
         if resources:
             server["resources"] = resources
-        objects += [{
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(config, f"{name}-ps", "ps"),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                     "selector": ps_labels,
-                     "ports": [{"name": "grpc", "port": config.server_port,
-                                "targetPort": config.server_port}]},
-        }, {
+        objects += [_headless_service(config, f"{name}-ps", "ps", "grpc", config.server_port), {
             "apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": _meta(config, f"{name}-ps", "ps"),
             "spec": {
@@ -286,14 +290,8 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         worker["ports"] = [{"name": "rendezvous", "containerPort": config.rendezvous_port}]
     if resources:
         worker["resources"] = resources
-    objects += [{
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(config, f"{name}-workers", "worker"),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": worker_labels,
-                 "ports": [{"name": "rendezvous", "port": config.rendezvous_port,
-                            "targetPort": config.rendezvous_port}]},
-    }, {
+    objects += [_headless_service(config, f"{name}-workers", "worker", "rendezvous",
+                                  config.rendezvous_port), {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": _meta(config, f"{name}-worker", "worker"),
         "spec": {
