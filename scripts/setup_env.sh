@@ -75,8 +75,8 @@ fi
 
 project_key="$(cat "$root/setup.cfg" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
 if ! done_stage project "$project_key"; then
-  log "installing parallax (editable) with its test dependencies"
-  "${pip[@]}" install --no-build-isolation -e "$root[test]"
+  log "installing parallax (editable) with its test and benchmark dependencies"
+  "${pip[@]}" install --no-build-isolation -e "$root[test,bench]"
   mark_stage project "$project_key"
 fi
 log "environment ready: $venv"

@@ -1,0 +1,102 @@
+"""Measurement windows inside one benchmark run, shared by every system.
+
+A run warms up, calibrates its step time, and then times a few windows of equal step counts.
+Windows are wall-clock (`time.time()`) intervals, because the harness matches them against
+the byte and CPU counters it samples from outside the processes (one clock: every namespace
+shares it). Synchronous systems must run the same number of steps on every worker, or the
+last collective would wait forever, so the step count per window is agreed once with a
+collective maximum (`Trainer.agree_max`) instead of each worker stopping on its own clock.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    warmup_steps: int = 3
+    calibration_steps: int = 3
+    windows: int = 3
+    window_seconds: float = 5.0
+    min_window_steps: int = 2
+
+    def args(self) -> list[str]:
+        """The same configuration as worker command-line flags."""
+        return ["--warmup-steps", str(self.warmup_steps),
+                "--calibration-steps", str(self.calibration_steps),
+                "--windows", str(self.windows), "--window-seconds", str(self.window_seconds),
+                "--min-window-steps", str(self.min_window_steps)]
+
+
+@dataclass(frozen=True)
+class Window:
+    t0: float
+    t1: float
+    steps: int
+    samples: int
+
+
+@dataclass
+class Trainer:
+    """One system's training loop, as the measurement needs it.
+
+    step: one global step (every worker one local batch); blocks until done, except under
+      asynchronous coordinators (TF's ClusterCoordinator), whose `sync` waits for the queue.
+    agree_max: a collective maximum over the workers (identity with one worker/coordinator).
+    """
+
+    step: Callable[[], object]
+    rank: int
+    workers: int
+    global_batch: int
+    agree_max: Callable[[float], float] = lambda x: x
+    sync: Callable[[], None] = lambda: None
+    loss: Callable[[], float] = field(default=lambda: float("nan"))
+    close: Callable[[], None] = lambda: None
+
+
+def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
+    for _ in range(config.warmup_steps):
+        trainer.step()
+    trainer.sync()
+    start = time.time()
+    for _ in range(config.calibration_steps):
+        trainer.step()
+    trainer.sync()
+    per_step = max((time.time() - start) / max(1, config.calibration_steps), 1e-6)
+    steps = int(trainer.agree_max(float(max(config.min_window_steps,
+                                            math.ceil(config.window_seconds / per_step)))))
+    windows = []
+    for _ in range(config.windows):
+        t0 = time.time()
+        for _ in range(steps):
+            trainer.step()
+        trainer.sync()
+        t1 = time.time()
+        windows.append(Window(t0, t1, steps, steps * trainer.global_batch))
+    return windows
+
+
+def emit(system: str, workload: str, trainer: Trainer, windows: list[Window],
+         out=sys.stdout) -> None:
+    """The line the harness parses: printed by rank 0 (the coordinator under TF PS)."""
+    record = {"system": system, "workload": workload, "workers": trainer.workers,
+              "global_batch": trainer.global_batch, "loss": trainer.loss(),
+              "windows": [asdict(w) for w in windows]}
+    print(RESULT_PREFIX + json.dumps(record), file=out, flush=True)
+
+
+def parse_result(line: str) -> dict | None:
+    """The record of a BENCH_RESULT line, or None for any other line."""
+    line = line.strip()
+    marker = line.find(RESULT_PREFIX)
+    if marker < 0:
+        return None
+    return json.loads(line[marker + len(RESULT_PREFIX):])
