@@ -1,0 +1,520 @@
+"""Turn a benchmark results file into a report: tables, targets met or missed, and plots.
+
+The harness runs every system for several rounds, alternating systems (A B C A B C) so that drift
+in the machine hits all of them alike; this module only reads its JSON, aggregates the rounds by
+median (one noisy round cannot move it) and sets measured traffic beside the analytic model of
+parallax.traffic_model, so that the report says both how fast each system is and why.
+Usage: `python -m parallax.bench.report RESULTS.json --out DIR`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
+
+from parallax import traffic_model
+from parallax.errors import ConfigError
+from parallax.traffic_model import StepTraffic, Workload
+
+SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
+WORKLOADS = ("lm", "ctr", "dense")
+PARALLAX = "hybrid"
+BYTES_TARGET = 1.2      # hybrid's measured bytes within this factor of the analytic minimum
+DENSE_TOLERANCE = 5.0   # percent: on a dense model hybrid is plain all-reduce, like Horovod
+
+_MODEL = {"hybrid": "hybrid", "ps": "ps", "tf_ps": "ps", "allreduce": "allreduce",
+          "horovod": "allreduce", "horovod_dense": "horovod_sparse_as_dense", "mwms": "mwms"}
+
+
+def analytic_traffic(system: str, workload: Workload) -> StepTraffic | None:
+    """The bytes one worker of `system` is expected to send and receive per step; None for a
+    system the model does not cover.
+
+    horovod (sparse gradients as IndexedSlices) is all-gathered like parallax's allreduce mode.
+    tf_ps is approximated by parallax's ps model: TensorFlow's ParameterServerStrategy keeps all
+    variables on the servers, gathers only the embedding rows a step reads and pushes sparse
+    gradients for them, and pulls and pushes dense variables whole. It ignores what the model
+    cannot see: the coordinator's RPCs that dispatch each step, and rows read twice by one step.
+    """
+    model = _MODEL.get(system)
+    return None if model is None else traffic_model.expected_traffic(model, workload)
+
+
+def minimum_traffic(workload: Workload) -> StepTraffic:
+    """The least a worker must move per step (issue 5): its unique sparse rows pulled and pushed
+    (2 x U x dim x itemsize, plus ids) and dense gradients ring-all-reduced (2 (W-1)/W x dense
+    bytes), which is exactly what hybrid is modelled to move."""
+    return traffic_model.expected_traffic("hybrid", workload)
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    rate_mbit: float | None
+    latency_ms: float | None
+    latency_emulated: bool
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
+        if self.latency_ms is None:
+            return f"{self.name} ({rate})"
+        emulated = "emulated" if self.latency_emulated else "not emulated"
+        return f"{self.name} ({rate}, {self.latency_ms:g} ms latency, {emulated})"
+
+
+@dataclass(frozen=True)
+class Run:
+    system: str
+    workload: str
+    size: str
+    workers: int
+    servers: int
+    network: Network
+    round: int
+    batch_per_worker: int
+    global_batch: int
+    status: str
+    error: str | None
+    windows: tuple[dict[str, Any], ...]  # raw: the report reads only the harness's medians
+    samples_per_s: float | None
+    cpu_seconds_per_sample: float | None
+    worker_bytes_per_step: StepTraffic | None
+    analytic: StepTraffic | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class Meta:
+    date: str
+    commit: str
+    command: str
+    machine: str
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Results:
+    path: str
+    meta: Meta
+    runs: tuple[Run, ...]
+
+
+def _get(obj: dict, key: str, where: str, kinds: tuple[type, ...], optional: bool = False) -> Any:
+    name = f"{where}.{key}" if where else key
+    if key not in obj:
+        raise ConfigError(f"{name} is missing")
+    value = obj[key]
+    if value is None and optional:
+        return None
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds) + (" or null" if optional else "")
+        raise ConfigError(f"{name} must be {want}, got {value!r}")
+    return float(value) if kinds == (int, float) else value
+
+
+_NUM = (int, float)
+
+
+def _traffic(obj: dict, key: str, where: str) -> StepTraffic | None:
+    raw = _get(obj, key, where, (dict,), True)
+    name = f"{where}.{key}"
+    return None if raw is None else StepTraffic(_get(raw, "sent", name, _NUM),
+                                                _get(raw, "received", name, _NUM))
+
+
+def _network(raw: dict, where: str) -> Network:
+    return Network(_get(raw, "name", where, (str,)), _get(raw, "rate_mbit", where, _NUM, True),
+                   _get(raw, "latency_ms", where, _NUM, True),
+                   _get(raw, "latency_emulated", where, (bool,)))
+
+
+def _object_at(raw: Any, where: str) -> dict:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be an object, got {raw!r}")
+    return raw
+
+
+def _run(raw: Any, where: str) -> Run:
+    raw = _object_at(raw, where)
+    status = _get(raw, "status", where, (str,))
+    if status not in ("ok", "failed"):
+        raise ConfigError(f"{where}.status must be 'ok' or 'failed', got {status!r}")
+    run = Run(
+        *(_get(raw, k, where, (str,)) for k in ("system", "workload", "size")),
+        _get(raw, "workers", where, (int,)), _get(raw, "servers", where, (int,)),
+        _network(_get(raw, "network", where, (dict,)), f"{where}.network"),
+        *(_get(raw, k, where, (int,)) for k in ("round", "batch_per_worker", "global_batch")),
+        status, _get(raw, "error", where, (str,), optional=True),
+        tuple(_object_at(w, f"{where}.windows[{i}]")
+              for i, w in enumerate(_get(raw, "windows", where, (list,)))),
+        _get(raw, "samples_per_s", where, _NUM, True),
+        _get(raw, "cpu_seconds_per_sample", where, _NUM, True),
+        _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where))
+    if run.ok and run.samples_per_s is None:
+        raise ConfigError(f"{where}.samples_per_s is null but the run's status is 'ok'")
+    return run
+
+
+def load(path: str | Path) -> Results:
+    """Read and check a results file; a malformed one raises ConfigError naming file and field."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the top level must be an object, got {type(raw).__name__}")
+        meta = _get(raw, "meta", "", (dict,))
+        fields = [_get(meta, k, "meta", (str,)) for k in ("date", "commit", "command", "machine")]
+        notes = _get(meta, "notes", "meta", (list,))
+        if not all(isinstance(n, str) for n in notes):
+            raise ConfigError(f"meta.notes must be a list of strings, got {notes!r}")
+        runs = _get(raw, "runs", "", (list,))
+        return Results(str(path), Meta(*fields, tuple(notes)),
+                       tuple(_run(r, f"runs[{i}]") for i, r in enumerate(runs)))
+    except (OSError, json.JSONDecodeError, ConfigError) as e:
+        raise ConfigError(f"results file {path}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (workload, network, workers, system) point, its rounds aggregated by median."""
+
+    workload: str
+    network: str
+    workers: int
+    system: str
+    rounds_ok: int
+    rounds_total: int
+    samples_per_s: float | None
+    cpu_seconds_per_sample: float | None
+    measured: StepTraffic | None    # bytes per worker per step
+    analytic: StepTraffic | None    # this system's model
+    minimum: StepTraffic | None     # the analytic minimum: hybrid's model at the same point
+    vs_analytic: float | None       # measured total / analytic total
+    vs_minimum: float | None        # measured total / minimum total
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _median_traffic(values: Iterable[StepTraffic | None]) -> StepTraffic | None:
+    present = [v for v in values if v is not None]
+    return StepTraffic(_median(v.sent for v in present), _median(v.received for v in present)) \
+        if present else None
+
+
+def _ratio(a: StepTraffic | None, b: StepTraffic | None) -> float | None:
+    return None if a is None or b is None or b.total == 0 else a.total / b.total
+
+
+def _rank(name: str, known: Sequence[str]) -> tuple[int, str]:
+    return (known.index(name) if name in known else len(known), name)
+
+
+def summarize(results: Results) -> list[Row]:
+    """Rows ordered by workload, network (as first run), workers and system."""
+    groups: dict[tuple[str, str, int, str], list[Run]] = {}
+    for run in results.runs:
+        groups.setdefault((run.workload, run.network.name, run.workers, run.system), []).append(run)
+    analytic = {k: next((r.analytic for r in runs if r.analytic), None)
+                for k, runs in groups.items()}
+    networks = list(dict.fromkeys(r.network.name for r in results.runs))
+    rows = []
+    for key in sorted(groups, key=lambda k: (_rank(k[0], WORKLOADS), networks.index(k[1]),
+                                             k[2], _rank(k[3], SYSTEMS))):
+        ok = [r for r in groups[key] if r.ok]
+        measured = _median_traffic(r.worker_bytes_per_step for r in ok)
+        minimum = analytic.get(key[:3] + (PARALLAX,))
+        rows.append(Row(*key, len(ok), len(groups[key]), _median(r.samples_per_s for r in ok),
+                        _median(r.cpu_seconds_per_sample for r in ok), measured, analytic[key],
+                        minimum, _ratio(measured, analytic[key]), _ratio(measured, minimum)))
+    return rows
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """The rows of one workload on one network: what one group of tables and plots shows."""
+
+    workload: str
+    network: str
+    rows: tuple[Row, ...]
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted({r.workers for r in self.rows})
+
+    @property
+    def systems(self) -> list[str]:
+        return sorted({r.system for r in self.rows}, key=lambda s: _rank(s, SYSTEMS))
+
+    def get(self, system: str, workers: int) -> Row | None:
+        return next((r for r in self.rows if (r.system, r.workers) == (system, workers)), None)
+
+    def speedup(self, system: str) -> float | None:
+        """hybrid's samples/s over `system`'s at the largest worker count."""
+        mine, theirs = (self.get(s, self.workers[-1]) for s in (PARALLAX, system))
+        if not (mine and theirs and mine.samples_per_s and theirs.samples_per_s):
+            return None
+        return mine.samples_per_s / theirs.samples_per_s
+
+
+def _slices(rows: list[Row]) -> list[_Slice]:
+    keys = dict.fromkeys((r.workload, r.network) for r in rows)
+    return [_Slice(w, n, tuple(r for r in rows if (r.workload, r.network) == (w, n)))
+            for w, n in keys]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One goal of the issue, checked at the largest worker count of a workload and network."""
+
+    workload: str
+    network: str
+    workers: int
+    goal: str
+    verdict: str    # "met", "missed" or "not measured"
+    detail: str
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "missed"
+
+
+def _speed_target(s: _Slice) -> Target:
+    w = s.workers[-1]
+    if s.workload == "dense":
+        goal = f"hybrid within {DENSE_TOLERANCE:g}% of horovod"
+        peer = next((p for p in ("horovod", "horovod_dense") if s.speedup(p)), "horovod")
+        ratio = s.speedup(peer)
+        if ratio is None:
+            return Target(s.workload, s.network, w, goal, "not measured",
+                          f"no ok rounds of both hybrid and {peer}")
+        pct = (ratio - 1) * 100
+        return Target(s.workload, s.network, w, goal, _verdict(pct >= -DENSE_TOLERANCE),
+                      f"{pct:+.1f}% vs {peer}")
+    goal = "hybrid faster than every peer"
+    peers = [p for p in s.systems if p != PARALLAX and s.get(p, w)]
+    ratios = {p: s.speedup(p) for p in peers}
+    measured = {p: r for p, r in ratios.items() if r is not None}
+    if not measured:
+        return Target(s.workload, s.network, w, goal, "not measured",
+                      "no ok rounds of hybrid and a peer")
+    verdict = _verdict(all(r > 1 for r in measured.values()))
+    detail = ", ".join(f"{p} {r:.2f}x" for p, r in measured.items())
+    failed = [p for p in peers if p not in measured]
+    return Target(s.workload, s.network, w, goal, verdict,
+                  detail + (f"; no ok rounds: {', '.join(failed)}" if failed else ""))
+
+
+def _bytes_target(s: _Slice) -> Target:
+    w = s.workers[-1]
+    goal = f"hybrid bytes within {BYTES_TARGET:g}x of the analytic minimum"
+    row = s.get(PARALLAX, w)
+    if row is None or row.vs_minimum is None or row.minimum is None or row.measured is None:
+        return Target(s.workload, s.network, w, goal, "not measured",
+                      "no measured bytes or no analytic model for hybrid")
+    return Target(s.workload, s.network, w, goal, _verdict(row.vs_minimum <= BYTES_TARGET),
+                  f"{row.vs_minimum:.2f}x: {human_bytes(row.measured.total)} vs "
+                  f"{human_bytes(row.minimum.total)} per worker per step")
+
+
+def targets(results: Results) -> list[Target]:
+    return [t for s in _slices(summarize(results)) for t in (_speed_target(s), _bytes_target(s))]
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as network rates are quoted: 1740 -> '1.74 KB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(header: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+            *("| " + " | ".join(cells) + " |" for cells in body), ""]
+
+
+def _throughput_cell(row: Row | None) -> str:
+    if row is None:
+        return "n/a"
+    if row.samples_per_s is None:
+        return "failed"
+    cell = f"{row.samples_per_s:,.0f}"
+    return cell if row.rounds_ok == row.rounds_total \
+        else f"{cell} ({row.rounds_ok}/{row.rounds_total} ok)"
+
+
+def _x(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
+def _traffic_cells(row: Row) -> list[str]:
+    def both(t: StepTraffic | None, missing: str) -> list[str]:
+        return [missing] * 2 if t is None else [human_bytes(t.sent), human_bytes(t.received)]
+
+    vs_min = _x(row.vs_minimum)
+    if row.system == PARALLAX and row.vs_minimum is not None:
+        vs_min += f" (target ≤ {BYTES_TARGET:g}x: {_verdict(row.vs_minimum <= BYTES_TARGET)})"
+    ratio = _x(row.vs_analytic) if row.measured else "not measured"
+    return [row.system, *both(row.measured, "not measured"), *both(row.analytic, "no model"),
+            ratio, vs_min if row.measured else "not measured"]
+
+
+def _slice_section(s: _Slice, network: Network) -> list[str]:
+    w = s.workers[-1]
+    cols = [f"{n} worker{'s' if n > 1 else ''}" for n in s.workers]
+    lines = [f"### {s.workload} on {network.describe()}", "",
+             "Median samples/s over ok rounds:", ""]
+    lines += _table(["system", *cols, f"hybrid / this ({w} workers)"],
+                    ([p, *(_throughput_cell(s.get(p, n)) for n in s.workers), _x(s.speedup(p))]
+                     for p in s.systems))
+    lines += [f"Bytes per worker per step at {w} workers (median over ok rounds):", ""]
+    lines += _table(["system", "sent", "received", "analytic sent", "analytic received",
+                     "measured / analytic", "measured / minimum"],
+                    (_traffic_cells(r) for p in s.systems if (r := s.get(p, w))))
+    lines += ["CPU seconds per sample (all processes of a run, median over ok rounds):", ""]
+
+    def cpu(row: Row | None) -> str:
+        if row is None or row.samples_per_s is None:
+            return _throughput_cell(row)
+        return "not measured" if row.cpu_seconds_per_sample is None \
+            else f"{row.cpu_seconds_per_sample:.3g}"
+
+    return lines + _table(["system", *cols],
+                          ([p, *(cpu(s.get(p, n)) for n in s.workers)] for p in s.systems))
+
+
+def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
+    """The report body: per workload and network, throughput, traffic and CPU, then targets."""
+    m = results.meta
+    lines = ["# Parallax benchmark report", "",
+             f"- date: {m.date}", f"- commit: {m.commit}", f"- command: `{m.command}`",
+             f"- machine: {m.machine}", *(f"- note: {n}" for n in m.notes), ""]
+    networks = {r.network.name: r.network for r in results.runs}
+    slices = _slices(summarize(results))
+    for workload in dict.fromkeys(s.workload for s in slices):
+        lines += [f"## Workload {workload}", ""]
+        for s in (s for s in slices if s.workload == workload):
+            lines += _slice_section(s, networks[s.network])
+    lines += ["## Targets", ""]
+    lines += [f"- {t.workload} on {t.network}, {t.workers} workers: {t.goal}: **{t.verdict}** "
+              f"({t.detail})" for t in targets(results)] or ["- not measured: no runs"]
+    if plot_files:
+        lines += ["", "## Plots", "", *(f"![{Path(f).stem}]({f})" for f in plot_files)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+def _figure() -> tuple[Figure, Any]:
+    fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend, and without pyplot's state
+    return fig, fig.add_subplot()
+
+
+def _throughput_plot(s: _Slice, path: Path) -> None:
+    fig, ax = _figure()
+    for system in s.systems:
+        points = [(n, r.samples_per_s) for n in s.workers
+                  if (r := s.get(system, n)) and r.samples_per_s is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(s.workers, [str(n) for n in s.workers])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="workers", ylabel="samples/s (median of ok rounds)",
+           title=f"{s.workload} on {s.network}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+
+
+def _bytes_plot(s: _Slice, path: Path) -> bool:
+    """Grouped sent/received bars at the largest worker count; False (nothing written) when no
+    system's bytes were measured there."""
+    rows = [r for p in s.systems if (r := s.get(p, s.workers[-1])) and r.measured]
+    if not rows:
+        return False
+    fig, ax = _figure()
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.measured.sent for r in rows], 0.4, label="sent")
+    ax.bar([x + 0.2 for x in xs], [r.measured.received for r in rows], 0.4, label="received")
+    modelled = [(x, r.analytic.total / 2) for x, r in zip(xs, rows) if r.analytic]
+    if modelled:
+        ax.scatter(*zip(*modelled), marker="_", s=400, color="black", zorder=3,
+                   label="analytic (mean of directions)")
+    minimum = rows[0].minimum
+    if minimum is not None:
+        ax.axhline(minimum.total / 2, color="red", linestyle="--", label="analytic minimum")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [r.system for r in rows])
+    ax.set(ylabel="bytes per worker per step",
+           title=f"{s.workload} on {s.network}, {s.workers[-1]} workers")
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+    return True
+
+
+def plots(results: Results, out_dir: str | Path) -> list[Path]:
+    """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for s in _slices(summarize(results)):
+        stem = f"{_slug(s.workload)}_{_slug(s.network)}.png"
+        _throughput_plot(s, out / f"throughput_{stem}")
+        written.append(out / f"throughput_{stem}")
+        if _bytes_plot(s, out / f"bytes_{stem}"):
+            written.append(out / f"bytes_{stem}")
+    return written
+
+
+def write_report(results_path: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """report.md, summary.json (rows and targets, for tools) and the PNGs, keyed by file name."""
+    results = load(results_path)
+    out = Path(out_dir)
+    pngs = plots(results, out)
+    written = {p.name: p for p in pngs}
+    written["report.md"] = out / "report.md"
+    written["report.md"].write_text(markdown(results, [p.name for p in pngs]))
+    written["summary.json"] = out / "summary.json"
+    summary = {"source": str(results_path), "meta": asdict(results.meta),
+               "rows": [asdict(r) for r in summarize(results)],
+               "targets": [asdict(t) for t in targets(results)]}
+    written["summary.json"].write_text(json.dumps(summary, indent=2) + "\n")
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallax.bench.report",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="the harness's results JSON")
+    parser.add_argument("--out", required=True, help="directory to write the report into")
+    args = parser.parse_args(argv)
+    try:
+        written = write_report(args.results, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(str(p) for p in written.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,304 @@
+"""The benchmark report: medians over rounds, speed-ups, traffic ratios, targets and plots,
+from a small synthetic results file whose every number is known."""
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import pytest
+from matplotlib.image import imread
+
+from parallax.bench import report
+from parallax.errors import ConfigError
+from parallax.traffic_model import StepTraffic, Workload
+
+NETWORKS = {"1gbit": {"name": "1gbit", "rate_mbit": 1000, "latency_ms": 0.1,
+                      "latency_emulated": False},
+            "loopback": {"name": "loopback", "rate_mbit": None, "latency_ms": None,
+                         "latency_emulated": False}}
+# lm: one 100 x 4 table, 10 unique rows per worker-step (240 B each way) and 1000 dense bytes;
+# dense: 1000 dense bytes only.
+MODELS = {"lm": dict(dense_bytes=1000, table_rows=(100,), table_dims=(4,), unique_rows=(10,)),
+          "dense": dict(dense_bytes=1000)}
+
+
+def _run(system, workload, workers, network, rnd, sps, *, cpu=0.002, sent=None, received=None,
+         error=None):
+    analytic = report.analytic_traffic(system, Workload(workers=workers, **MODELS[workload]))
+    return {"system": system, "workload": workload, "size": "small", "workers": workers,
+            "servers": 2, "network": dict(NETWORKS[network]), "round": rnd, "batch_per_worker": 32,
+            "global_batch": 32 * workers, "status": "failed" if error else "ok", "error": error,
+            "windows": [] if error else [{"seconds": 1.0, "steps": 10, "samples": 320}],
+            "samples_per_s": None if error else sps,
+            "cpu_seconds_per_sample": None if error else cpu,
+            "worker_bytes_per_step": None if sent is None else {"sent": sent,
+                                                                  "received": received},
+            "analytic": None if analytic is None else {"sent": analytic.sent,
+                                                       "received": analytic.received}}
+
+
+def _results() -> dict:
+    runs = []
+    for w in (1, 2, 4):
+        for rnd, (k, cpu, sent) in enumerate([(1.0, 0.002, 2000), (0.9, 0.001, 1900),
+                                              (1.4, 0.006, 2600)]):  # medians, not means
+            runs.append(_run("hybrid", "lm", w, "1gbit", rnd, k * 1000 * w, cpu=cpu, sent=sent,
+                             received=sent - 100))
+            runs.append(_run("ps", "lm", w, "1gbit", rnd, (k - 0.5) * 1000 * w, cpu=0.004,
+                             sent=1500, received=1300))
+            dense_sps = 800 * w if w < 4 else [None, 1600, 1700][rnd]
+            runs.append(_run("horovod_dense", "lm", w, "1gbit", rnd, dense_sps, sent=5000,
+                             received=5000, error=None if dense_sps else "out of memory"))
+            runs.append(_run("mwms", "lm", w, "1gbit", rnd, 300 * w,
+                             error="timeout after 600 s" if w == 4 else None))
+    for w in (1, 4):
+        for rnd in range(3):
+            runs.append(_run("hybrid", "lm", w, "loopback", rnd, 2000 * w))
+            runs.append(_run("ps", "lm", w, "loopback", rnd, 2250 * w))
+    for w in (2, 4):
+        for rnd, hybrid in enumerate([3900, 3800, 4000]):
+            runs.append(_run("horovod", "dense", w, "1gbit", rnd, 4000))
+            runs.append(_run("hybrid", "dense", w, "1gbit", rnd, hybrid if w == 4 else 2000))
+    return {"meta": {"date": "2026-11-29T22:30:00Z", "commit": "abc1234",
+                     "command": "parallax bench --quick", "machine": "2 cores",
+                     "notes": ["synthetic"]},
+            "runs": runs}
+
+
+@pytest.fixture
+def results_file(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results()))
+    return path
+
+
+def _write(tmp_path, raw) -> report.Results:
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(raw))
+    return report.load(path)
+
+
+# --- the analytic model per system -------------------------------------------------------
+
+@pytest.mark.parametrize("system, expected", [
+    ("hybrid", 240 + 1500.0),          # rows pulled/pushed + 2 (W-1)/W x dense
+    ("ps", 240 + 1000.0),              # dense pulled and pushed whole
+    ("tf_ps", 240 + 1000.0),           # approximated by ps
+    ("allreduce", 3 * 240 + 1500.0),   # the other 3 workers' rows
+    ("horovod", 3 * 240 + 1500.0),
+    ("horovod_dense", 1.5 * 2600),     # table (1600 B) densified and all-reduced with dense
+    ("mwms", 1.5 * 2600),
+])
+def test_analytic_traffic_per_system(system, expected):
+    workload = Workload(workers=4, **MODELS["lm"])
+    assert report.analytic_traffic(system, workload) == StepTraffic(expected, expected)
+
+
+def test_analytic_minimum_is_hybrid_and_unknown_systems_have_no_model():
+    workload = Workload(workers=4, **MODELS["lm"])
+    assert report.minimum_traffic(workload) == StepTraffic(1740.0, 1740.0)
+    assert report.analytic_traffic("gossip", workload) is None
+
+
+# --- loading -----------------------------------------------------------------------------
+
+def test_load_gives_typed_runs(results_file):
+    results = report.load(results_file)
+    assert results.meta.commit == "abc1234" and results.meta.notes == ("synthetic",)
+    first = results.runs[0]
+    assert (first.system, first.workers, first.network.name, first.network.rate_mbit) == \
+        ("hybrid", 1, "1gbit", 1000.0)
+    assert first.worker_bytes_per_step == StepTraffic(2000.0, 1900.0)
+    failed = [r for r in results.runs if not r.ok]
+    assert len(failed) == 4 and {r.error for r in failed} == {"out of memory",
+                                                              "timeout after 600 s"}
+
+
+def _drop(key):
+    return lambda raw: raw["runs"][1].pop(key)
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(raw):
+        obj = raw
+        for key in path[:-1]:
+            obj = obj[key]
+        obj[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_drop("workers"), "runs[1].workers is missing"),
+    (_set("runs", 0, "workers", True), "runs[0].workers must be int, got True"),
+    (_set("runs", 2, "network", "rate_mbit", "fast"),
+     "runs[2].network.rate_mbit must be int or float or null, got 'fast'"),
+    (_set("runs", 0, "status", "maybe"), "runs[0].status must be 'ok' or 'failed'"),
+    (_set("runs", 0, "samples_per_s", None), "runs[0].samples_per_s is null but"),
+    (_set("runs", 3, "worker_bytes_per_step", {"sent": 1}),
+     "runs[3].worker_bytes_per_step.received is missing"),
+    (_set("runs", 1, "windows", 0, 7), "runs[1].windows[0] must be an object"),
+    (_set("meta", "notes", "one"), "meta.notes must be list"),
+    (lambda raw: raw.pop("meta"), "meta is missing"),
+])
+def test_malformed_results_name_the_file_and_field(tmp_path, edit, words):
+    raw = _results()
+    edit(raw)
+    with pytest.raises(ConfigError) as info:
+        _write(tmp_path, raw)
+    assert "edited.json" in str(info.value) and words in str(info.value)
+
+
+def test_unreadable_results_are_config_errors(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        report.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="missing.json"):
+        report.load(tmp_path / "missing.json")
+
+
+# --- aggregation -------------------------------------------------------------------------
+
+def _row(rows, workload, network, workers, system):
+    [row] = [r for r in rows if (r.workload, r.network, r.workers, r.system) ==
+             (workload, network, workers, system)]
+    return row
+
+
+def test_summarize_medians_over_ok_rounds(results_file):
+    rows = report.summarize(report.load(results_file))
+    assert len(rows) == 12 + 4 + 4
+    hybrid = _row(rows, "lm", "1gbit", 4, "hybrid")
+    assert (hybrid.rounds_ok, hybrid.rounds_total) == (3, 3)
+    assert hybrid.samples_per_s == 4000 and hybrid.cpu_seconds_per_sample == 0.002
+    assert hybrid.measured == StepTraffic(2000, 1900)
+    assert hybrid.analytic == hybrid.minimum == StepTraffic(1740, 1740)
+    assert hybrid.vs_analytic == pytest.approx(3900 / 3480)
+    dense = _row(rows, "lm", "1gbit", 4, "horovod_dense")
+    assert (dense.rounds_ok, dense.rounds_total, dense.samples_per_s) == (2, 3, 1650)
+    assert dense.vs_minimum == pytest.approx(10000 / 3480)
+    mwms = _row(rows, "lm", "1gbit", 4, "mwms")
+    assert (mwms.rounds_ok, mwms.samples_per_s, mwms.measured) == (0, None, None)
+    loop = _row(rows, "lm", "loopback", 4, "hybrid")
+    assert (loop.samples_per_s, loop.measured, loop.vs_analytic) == (8000, None, None)
+    # ordering: workload, network as first seen, workers, then the canonical system order
+    assert [r.system for r in rows[:4]] == ["hybrid", "ps", "mwms", "horovod_dense"]
+    assert [(r.workload, r.network) for r in rows][-1] == ("dense", "1gbit")
+
+
+# --- the markdown ------------------------------------------------------------------------
+
+def test_throughput_table_cells(results_file):
+    text = report.markdown(report.load(results_file))
+    assert "\n".join([
+        "| system | 1 worker | 2 workers | 4 workers | hybrid / this (4 workers) |",
+        "|---|---:|---:|---:|---:|",
+        "| hybrid | 1,000 | 2,000 | 4,000 | 1.00x |",
+        "| ps | 500 | 1,000 | 2,000 | 2.00x |",
+        "| mwms | 300 | 600 | failed | n/a |",
+        "| horovod_dense | 800 | 1,600 | 1,650 (2/3 ok) | 2.42x |",
+    ]) in text
+    assert "### lm on 1gbit (1000 Mbit/s, 0.1 ms latency, not emulated)" in text
+    assert "### lm on loopback (unshaped)" in text
+    assert "| ps | 2,250 | 9,000 | 0.89x |" in text
+
+
+def test_traffic_table_cells(results_file):
+    text = report.markdown(report.load(results_file))
+    assert "\n".join([
+        "| system | sent | received | analytic sent | analytic received | measured / analytic "
+        "| measured / minimum |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        "| hybrid | 2 KB | 1.9 KB | 1.74 KB | 1.74 KB | 1.12x | 1.12x (target ≤ 1.2x: met) |",
+        "| ps | 1.5 KB | 1.3 KB | 1.24 KB | 1.24 KB | 1.13x | 0.80x |",
+        "| mwms | not measured | not measured | 3.9 KB | 3.9 KB | not measured | not measured |",
+        "| horovod_dense | 5 KB | 5 KB | 3.9 KB | 3.9 KB | 1.28x | 2.87x |",
+    ]) in text
+    assert "| hybrid | not measured | not measured | 1.74 KB | 1.74 KB | not measured " \
+           "| not measured |" in text  # loopback: no byte counters
+
+
+def test_cpu_table_cells(results_file):
+    text = report.markdown(report.load(results_file))
+    assert "\n".join(["| system | 1 worker | 2 workers | 4 workers |",
+                      "|---|---:|---:|---:|",
+                      "| hybrid | 0.002 | 0.002 | 0.002 |",
+                      "| ps | 0.004 | 0.004 | 0.004 |",
+                      "| mwms | 0.002 | 0.002 | failed |",
+                      "| horovod_dense | 0.002 | 0.002 | 0.002 |"]) in text
+
+
+def test_targets_section(results_file):
+    text = report.markdown(report.load(results_file))
+    section = text[text.index("## Targets"):].strip().splitlines()
+    assert section[2:] == [
+        "- lm on 1gbit, 4 workers: hybrid faster than every peer: **met** "
+        "(ps 2.00x, horovod_dense 2.42x; no ok rounds: mwms)",
+        "- lm on 1gbit, 4 workers: hybrid bytes within 1.2x of the analytic minimum: **met** "
+        "(1.12x: 3.9 KB vs 3.48 KB per worker per step)",
+        "- lm on loopback, 4 workers: hybrid faster than every peer: **missed** (ps 0.89x)",
+        "- lm on loopback, 4 workers: hybrid bytes within 1.2x of the analytic minimum: "
+        "**not measured** (no measured bytes or no analytic model for hybrid)",
+        "- dense on 1gbit, 4 workers: hybrid within 5% of horovod: **met** (-2.5% vs horovod)",
+        "- dense on 1gbit, 4 workers: hybrid bytes within 1.2x of the analytic minimum: "
+        "**not measured** (no measured bytes or no analytic model for hybrid)",
+    ]
+
+
+def test_targets_missed(tmp_path):
+    raw = copy.deepcopy(_results())
+    for run in raw["runs"]:
+        if (run["system"], run["workload"], run["workers"]) == ("hybrid", "lm", 4):
+            run["worker_bytes_per_step"] = {"sent": 2500.0, "received": 2500.0}
+        if (run["system"], run["workload"], run["workers"]) == ("horovod", "dense", 4):
+            run["samples_per_s"] = 4200.0
+    found = {(t.workload, t.network, t.goal[:12]): (t.verdict, t.detail)
+             for t in report.targets(_write(tmp_path, raw))}
+    assert found[("lm", "1gbit", "hybrid bytes")] == \
+        ("missed", "1.44x: 5 KB vs 3.48 KB per worker per step")
+    assert found[("dense", "1gbit", "hybrid withi")] == ("missed", "-7.1% vs horovod")
+
+
+def test_no_peer_measured_is_not_guessed(tmp_path):
+    raw = _results()
+    raw["runs"] = [r for r in raw["runs"] if r["system"] == "hybrid" or r["workers"] < 4]
+    found = [t for t in report.targets(_write(tmp_path, raw)) if t.goal.startswith("hybrid f")]
+    assert {(t.verdict, t.detail) for t in found} == \
+        {("not measured", "no ok rounds of hybrid and a peer")}
+
+
+# --- files -------------------------------------------------------------------------------
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_write_report_and_pngs(results_file, tmp_path):
+    out = tmp_path / "out"
+    written = report.write_report(results_file, out)
+    pngs = ["throughput_lm_1gbit.png", "bytes_lm_1gbit.png", "throughput_lm_loopback.png",
+            "throughput_dense_1gbit.png"]  # no bytes plot where no bytes were measured
+    assert sorted(written) == sorted(pngs + ["report.md", "summary.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(written)
+    for name in pngs:
+        assert _png_size(out / name) == (640, 420)
+        image = imread(out / name)
+        assert image.shape[:2] == (420, 640) and image.std() > 0.01  # not blank
+    text = (out / "report.md").read_text()
+    assert text == report.markdown(report.load(results_file), pngs)
+    assert "![bytes_lm_1gbit](bytes_lm_1gbit.png)" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["rows"]) == 20 and len(summary["targets"]) == 6
+    assert summary["rows"][0]["measured"] == {"sent": 2000, "received": 1900}
+
+
+def test_main(results_file, tmp_path, capsys):
+    assert report.main([str(results_file), "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "report.md").exists()
+    (tmp_path / "bad.json").write_text(json.dumps({"meta": {}, "runs": []}))
+    assert report.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "meta.date is missing" in capsys.readouterr().err
