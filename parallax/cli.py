@@ -37,6 +37,11 @@ def _k8s(argv: list[str]) -> int:
     return k8s_main(argv)
 
 
+def _bench(argv: list[str]) -> int:
+    from parallax.bench.command import main as bench_main
+    return bench_main(argv)
+
+
 def _version(argv: list[str]) -> int:
     print(f"parallax {__version__} (wire protocol parallax.ps.v{PROTOCOL_VERSION})")
     return 0
@@ -50,6 +55,8 @@ COMMANDS = {
     "status": (_status, "health and per-table stats of a job's servers (parallax status "
                         "--help)"),
     "k8s": (_k8s, "render Kubernetes manifests for a job (parallax k8s --help)"),
+    "bench": (_bench, "benchmark parallax against TF PS, MWMS and Horovod (parallax bench "
+                      "--help)"),
     "version": (_version, "print versions"),
 }
 

@@ -1,0 +1,1 @@
+"""Benchmark harness: parallax against its peers on an emulated cluster."""

@@ -1,0 +1,433 @@
+"""`parallax bench`: train the same model under every system, side by side, and measure.
+
+For each workload and network, rounds alternate the systems (A B C A B C ...) so that drift
+of this shared machine hits them all alike. One run = one system with W workers: its
+processes start (each in its own network namespace on an emulated cluster, or all on
+loopback), rank 0 reports its measurement windows (`measure`), and the harness turns each
+window into samples/s, CPU seconds per sample (all of the run's processes, from /proc) and
+bytes sent and received per worker per step (each namespace's interface counters), sampled
+from outside the processes by `sampler.ResourceSampler`. Results are appended to a JSON file
+after every run, so a crash keeps what was measured; `report` renders it.
+
+Topologies (hosts are namespaces; "127.0.0.1" on loopback):
+  hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
+  allreduce        workers only (the plan puts nothing on servers)
+  horovod[_dense]  workers only (Horovod gloo ranks)
+  mwms             workers only (TF_CONFIG, ring collectives)
+  tf_ps            coordinator `chief` + TF servers worker0..W-1 and ps0..S-1
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from parallax import k8s
+from parallax.bench import measure, workloads
+from parallax.bench.netns import EmulatedCluster, LinkSpec
+from parallax.bench.sampler import ResourceSampler
+from parallax.errors import ConfigError, ParallaxError
+from parallax.local_cluster import READY_PREFIX
+
+SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
+LOOPBACK = "loopback"
+TF_PORT = 23400          # TF servers and MWMS workers inside namespaces (one per namespace)
+PS_PORT = 7000           # parallax servers inside namespaces
+RENDEZVOUS_PORT = 23399  # Horovod's rendezvous, served by the harness in the root namespace
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workloads: tuple[str, ...] = workloads.WORKLOADS
+    systems: tuple[str, ...] = SYSTEMS
+    workers: tuple[int, ...] = (1, 2, 4)
+    networks: tuple[str, ...] = ("1gbit",)
+    servers: int = 2
+    rounds: int = 2
+    size: str = "full"
+    window: measure.WindowConfig = field(default_factory=measure.WindowConfig)
+    run_timeout: float = 900.0
+    out_dir: str = "bench-results"
+    prefix: str = "pxb"
+
+    def __post_init__(self) -> None:
+        for system in self.systems:
+            if system not in SYSTEMS:
+                raise ConfigError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
+        for name in self.workloads:
+            workloads.get(name, self.size)  # raises ConfigError for a bad name or size
+        if not self.workers or min(self.workers) < 1:
+            raise ConfigError(f"worker counts must be >= 1, got {self.workers}")
+        if self.servers < 1:
+            raise ConfigError(f"servers must be >= 1, got {self.servers}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+
+
+@dataclass
+class Proc:
+    host: str
+    role: str
+    popen: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 12) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Placement:
+    """Where the processes of a run live: namespaces of an emulated cluster, or loopback."""
+
+    def __init__(self, cluster: EmulatedCluster | None) -> None:
+        self.cluster = cluster
+
+    def address(self, host: str) -> str:
+        return self.cluster.address(host) if self.cluster else "127.0.0.1"
+
+    def port(self, fixed: int) -> int:
+        return fixed if self.cluster else _free_port()
+
+    def prefix(self, host: str) -> list[str]:
+        return self.cluster.exec_prefix(host) if self.cluster else []
+
+    @property
+    def gateway(self) -> str:
+        return self.cluster.gateway if self.cluster else "127.0.0.1"
+
+    @property
+    def iface(self) -> str:
+        return "eth0" if self.cluster else "lo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_hosts(config: BenchConfig) -> list[str]:
+    """Every namespace any run may need: the coordinator, the most workers, the servers."""
+    return (["chief"] + [f"worker{i}" for i in range(max(config.workers))]
+            + [f"ps{i}" for i in range(config.servers)])
+
+
+class Run:
+    """The processes of one system's run, started and stopped as one."""
+
+    def __init__(self, system: str, spec: workloads.WorkloadSpec, workers: int,
+                 servers: int, placement: Placement, window: measure.WindowConfig,
+                 log_dir: Path) -> None:
+        self.system, self.spec, self.workers, self.servers = system, spec, workers, servers
+        self.place, self.window, self.log_dir = placement, window, log_dir
+        self.procs: list[Proc] = []
+        self.rendezvous = None
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.procs]
+
+    def _worker_argv(self, role: str = "worker") -> list[str]:
+        return [sys.executable, "-u", "-m", "parallax.bench.worker", "--system", self.system,
+                "--workload", self.spec.name, "--size", self.spec.size, "--role", role,
+                *self.window.args()]
+
+    def _spawn(self, host: str, role: str, argv: list[str], env: dict[str, str]) -> Proc:
+        log = self.log_dir / f"{host}-{role}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+        with open(log, "w") as out:
+            popen = subprocess.Popen(self.place.prefix(host) + argv, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=full_env, start_new_session=True)
+        proc = Proc(host, role, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> list[Proc]:
+        """Start everything; returns the processes whose exit ends the run."""
+        if self.system == "tf_ps":
+            return self._start_tf_ps()
+        if self.system == "mwms":
+            return self._start_mwms()
+        env: dict[str, str] = {}
+        if self.system in ("hybrid", "ps"):
+            env.update({"PARALLAX_PS_ADDRESSES": ",".join(self._start_parallax_servers()),
+                        "PARALLAX_RUN_ID": f"bench-{self.system}-{int(time.time())}"})
+        if self.workers > 1:
+            port = self.place.port(RENDEZVOUS_PORT)
+            self.rendezvous = k8s.start_rendezvous(port, self.workers)
+        workers = []
+        for rank in range(self.workers):
+            rank_env = dict(env)
+            if self.workers > 1:
+                rank_env.update(k8s.horovod_env(rank, self.workers, self.place.gateway, port,
+                                                self.place.iface))
+            workers.append(self._spawn(f"worker{rank}", "worker", self._worker_argv(),
+                                       rank_env))
+        return workers
+
+    def _start_parallax_servers(self, timeout: float = 120.0) -> list[str]:
+        procs = []
+        for i in range(self.servers):
+            host = f"ps{i}"
+            argv = [sys.executable, "-u", "-m", "parallax_ps", "--host",
+                    self.place.address(host), "--port", "0"]
+            procs.append(self._spawn(host, "server", argv, {}))
+        return [_wait_ready(proc, timeout) for proc in procs]
+
+    def _tf_config(self, cluster: dict[str, list[str]], task: str, index: int) -> dict:
+        return {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                         "task": {"type": task, "index": index}})}
+
+    def _start_mwms(self) -> list[Proc]:
+        addresses = [f"{self.place.address(f'worker{i}')}:{self.place.port(TF_PORT)}"
+                     for i in range(self.workers)]
+        cluster = {"worker": addresses}
+        return [self._spawn(f"worker{i}", "worker", self._worker_argv(),
+                            self._tf_config(cluster, "worker", i))
+                for i in range(self.workers)]
+
+    def _start_tf_ps(self) -> list[Proc]:
+        def addresses(names: list[str]) -> list[str]:
+            return [f"{self.place.address(n)}:{self.place.port(TF_PORT)}" for n in names]
+        workers = [f"worker{i}" for i in range(self.workers)]
+        servers = [f"ps{i}" for i in range(self.servers)]
+        cluster = {"chief": addresses(["chief"]), "worker": addresses(workers),
+                   "ps": addresses(servers)}
+        for job, names in (("ps", servers), ("worker", workers)):
+            for i, host in enumerate(names):
+                self._spawn(host, job, self._worker_argv(job), self._tf_config(cluster, job, i))
+        return [self._spawn("chief", "chief", self._worker_argv("chief"),
+                            self._tf_config(cluster, "chief", 0))]
+
+    def wait(self, waited: list[Proc], timeout: float) -> tuple[dict | None, str | None]:
+        """Wait for the processes that end the run; (rank 0's record, error)."""
+        deadline = time.monotonic() + timeout
+        pending = list(waited)
+        while pending:
+            for proc in list(pending):
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                pending.remove(proc)
+                if code != 0:
+                    return None, f"{proc.host} ({proc.role}) exited {code}:\n{proc.tail()}"
+            for proc in self.procs:  # a server or TF server that dies ends the run too
+                if proc not in waited and proc.popen.poll() is not None:
+                    return None, (f"{proc.host} ({proc.role}) died with exit code "
+                                  f"{proc.popen.returncode}:\n{proc.tail()}")
+            if time.monotonic() > deadline:
+                return None, (f"timed out after {timeout:.0f} s; {pending[0].host} still "
+                              f"running:\n{pending[0].tail()}")
+            time.sleep(0.2)
+        for line in waited[0].log.read_text(errors="replace").splitlines():
+            record = measure.parse_result(line)
+            if record is not None:
+                return record, None
+        return None, f"{waited[0].host} printed no {measure.RESULT_PREFIX.strip()} line"
+
+    def stop(self, grace: float = 10.0) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
+            self.rendezvous.server_close()
+            self.rendezvous = None
+
+
+def _wait_ready(proc: Proc, timeout: float) -> str:
+    """A parallax server's address, from the READY line it prints once listening."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in proc.log.read_text(errors="replace").splitlines():
+            if line.startswith(READY_PREFIX):
+                fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+                return fields["address"]
+        if proc.popen.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise ParallaxError(f"parameter server on {proc.host} did not become ready within "
+                        f"{timeout:.0f} s (exit code {proc.popen.poll()}):\n{proc.tail()}")
+
+
+def window_metrics(record: dict, sampler: ResourceSampler | None,
+                   worker_hosts: Sequence[str]) -> list[dict]:
+    """Each reported window with its CPU seconds and per-host bytes from the sampler."""
+    windows = []
+    for w in record["windows"]:
+        seconds = w["t1"] - w["t0"]
+        out = {"seconds": seconds, "steps": w["steps"], "samples": w["samples"],
+               "samples_per_s": w["samples"] / seconds if seconds > 0 else None,
+               "cpu_seconds": None, "bytes_sent": None, "bytes_received": None}
+        if sampler is not None:
+            usage = sampler.between(w["t0"], w["t1"])
+            out["cpu_seconds"] = usage.cpu_seconds
+            if usage.bytes:
+                out["bytes_sent"] = {h: sent for h, (sent, _) in usage.bytes.items()}
+                out["bytes_received"] = {h: recv for h, (_, recv) in usage.bytes.items()}
+        windows.append(out)
+    return windows
+
+
+def summarize_windows(windows: list[dict], worker_hosts: Sequence[str]) -> dict:
+    """Medians over windows: samples/s, CPU s per sample, mean worker bytes per step."""
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def per_step(w: dict, key: str):
+        if not w[key]:
+            return None
+        return statistics.fmean(w[key].get(h, 0.0) for h in worker_hosts) / w["steps"]
+
+    cpu = [w["cpu_seconds"] / w["samples"] if w["cpu_seconds"] is not None else None
+           for w in windows]
+    sent = median(per_step(w, "bytes_sent") for w in windows)
+    received = median(per_step(w, "bytes_received") for w in windows)
+    return {"samples_per_s": median(w["samples_per_s"] for w in windows),
+            "cpu_seconds_per_sample": median(cpu),
+            "worker_bytes_per_step": (None if sent is None
+                                      else {"sent": sent, "received": received})}
+
+
+def analytic(system: str, spec: workloads.WorkloadSpec, workers: int) -> dict | None:
+    from parallax.bench.report import analytic_traffic
+    traffic = analytic_traffic(system, workloads.traffic_workload(spec, workers))
+    return None if traffic is None else {"sent": traffic.sent, "received": traffic.received}
+
+
+def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
+            placement: Placement, log_dir: Path) -> dict:
+    """One run, as a results record (status "failed" with the reason instead of raising)."""
+    run = Run(system, spec, workers, config.servers, placement, config.window, log_dir)
+    worker_hosts = [f"worker{i}" for i in range(workers)]
+    counters = placement.cluster.counters if placement.cluster else None
+    record, error = None, None
+    try:
+        with ResourceSampler(counters, run.pids) as sampler:
+            try:
+                waited = run.start()
+                record, error = run.wait(waited, config.run_timeout)
+            except ParallaxError as err:
+                error = str(err)
+            finally:
+                run.stop()
+    except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
+        error = f"{type(err).__name__}: {err}"
+    result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
+              "servers": config.servers if system in ("hybrid", "ps", "tf_ps") else 0,
+              "batch_per_worker": spec.batch_per_worker,
+              "global_batch": spec.batch_per_worker * workers,
+              "status": "failed" if record is None else "ok", "error": error, "windows": [],
+              "samples_per_s": None, "cpu_seconds_per_sample": None,
+              "worker_bytes_per_step": None, "loss": None,
+              "analytic": analytic(system, spec, workers)}
+    if record is not None:
+        result["windows"] = window_metrics(record, sampler, worker_hosts)
+        result.update(summarize_windows(result["windows"], worker_hosts))
+        result["loss"] = record.get("loss")
+    return result
+
+
+def _network_record(name: str, cluster: EmulatedCluster | None) -> dict:
+    if cluster is None:
+        return {"name": LOOPBACK, "rate_mbit": None, "latency_ms": 0.0,
+                "latency_emulated": False}
+    link = cluster.link
+    return {"name": link.name, "rate_mbit": link.rate_mbit, "latency_ms": link.latency_ms,
+            "latency_emulated": cluster.latency_emulated,
+            "latency_note": cluster.latency_note}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Path:
+    """Every run of the matrix; returns the results JSON path (rewritten after every run)."""
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    results = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "commit": _git_commit(), "command": command,
+                        "machine": f"{os.cpu_count()} cores, {_memory_gib():.0f} GiB RAM",
+                        "notes": []},
+               "runs": []}
+    for network in config.networks:
+        cluster = None
+        if network != LOOPBACK:
+            cluster = EmulatedCluster(cluster_hosts(config), LinkSpec.parse(network),
+                                      prefix=config.prefix).up()
+        try:
+            if cluster is not None and not cluster.latency_emulated and \
+                    cluster.link.latency_ms > 0:
+                note = f"{network}: latency not emulated ({cluster.latency_note})"
+                if note not in results["meta"]["notes"]:
+                    results["meta"]["notes"].append(note)
+            _run_network(config, network, Placement(cluster), results, results_path, out, echo)
+        finally:
+            if cluster is not None:
+                cluster.down()
+    return results_path
+
+
+def _run_network(config, network, placement, results, results_path, out, echo) -> None:
+    for name in config.workloads:
+        spec = workloads.get(name, config.size)
+        for workers in config.workers:
+            for rnd in range(config.rounds):
+                for system in config.systems:
+                    log_dir = out / "logs" / f"{network}-{name}-w{workers}-r{rnd}-{system}"
+                    started = time.monotonic()
+                    result = run_one(system, spec, workers, config, placement, log_dir)
+                    result["network"] = _network_record(network, placement.cluster)
+                    result["round"] = rnd
+                    results["runs"].append(result)
+                    results_path.write_text(json.dumps(results, indent=1))
+                    _echo_run(result, time.monotonic() - started, echo)
+
+
+def _echo_run(result: dict, elapsed: float, echo) -> None:
+    head = (f"{result['network']['name']:>9} {result['workload']:<5} W={result['workers']} "
+            f"r{result['round']} {result['system']:<13}")
+    if result["status"] != "ok":
+        first = (result["error"] or "").splitlines()[0] if result["error"] else ""
+        print(f"{head} FAILED ({elapsed:.0f} s): {first}", file=echo, flush=True)
+        return
+    traffic = result["worker_bytes_per_step"]
+    moved = (f"  {traffic['sent'] / 1e3:9.1f} KB sent/worker/step" if traffic else "")
+    print(f"{head} {result['samples_per_s']:10.1f} samples/s{moved}  ({elapsed:.0f} s)",
+          file=echo, flush=True)
+
+
+def _memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError):
+        return 0.0
+
+
+def as_dict(config: BenchConfig) -> dict:
+    return asdict(config)
