@@ -70,12 +70,12 @@ class ShardedTable:
             self.wait_step(min_step)
         rows = np.empty((len(ids), self.spec.dim), dtype=self.dtype)
         calls = []
-        for shard, lo, hi, _, _ in self._slices(offsets):
-            if hi > lo:
-                request = ps_pb2.PullRequest(table=self.name, shard_index=shard)
-                wire.encode(ids[lo:hi], request.ids)
-                conn = self.shards[shard]
-                calls.append((conn, conn.future("Pull", request), request, lo, hi))
+        slices = [s for s in self._slices(offsets) if s[2] > s[1]]
+        for shard, lo, hi, _, _ in slices:
+            request = ps_pb2.PullRequest(table=self.name, shard_index=shard)
+            wire.encode(ids[lo:hi], request.ids)
+            conn = self.shards[shard]
+            calls.append((conn, _start(conn, "Pull", request, len(slices)), request, lo, hi))
         for conn, future, request, lo, hi in calls:
             values, _ = conn.result(future, "Pull", request, self.name)
             if order is None:
@@ -108,7 +108,8 @@ class ShardedTable:
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         plan = self.partitioner.plan_push(ids)
         calls = []
-        for shard, lo, hi, index, count in self._slices(plan.offsets):
+        slices = list(self._slices(plan.offsets))
+        for shard, lo, hi, index, count in slices:
             writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
                                                   self.spec.dim, self.dtype, learning_rate,
                                                   index, count, self.session)
@@ -116,7 +117,7 @@ class ShardedTable:
             plan.fill(grads, lo, hi, writer.grads)
             request = writer.data()
             conn = self.shards[shard]
-            calls.append((shard, conn, conn.future("Push", request), request))
+            calls.append((shard, conn, _start(conn, "Push", request, len(slices)), request))
         closed = set()  # shards on which one of this push's chunks completed the step
         for shard, conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,
@@ -131,7 +132,7 @@ class ShardedTable:
         calls = []
         for shard, conn in enumerate(self.shards):
             request = ps_pb2.StepRequest(table=self.name, shard_index=shard, min_step=min_step)
-            calls.append((conn, conn.future("WaitStep", request), request))
+            calls.append((conn, _start(conn, "WaitStep", request, len(self.shards)), request))
         return min(conn.result(future, "WaitStep", request, self.name).step
                    for conn, future, request in calls)
 
@@ -164,3 +165,9 @@ class ShardedTable:
         if self.spec.hashed_keys:
             raise ConfigError(f"table {self.name!r} has hashed keys; pull the keys you need")
         return self.pull_unique(np.arange(self.spec.vocabulary_size, dtype=np.int64))
+
+
+def _start(conn, method: str, request, calls: int):
+    """A call started now when others will overlap it; a lone call is made when its result
+    is asked for (no hand-off to another thread)."""
+    return conn.future(method, request) if calls > 1 else None
