@@ -1,0 +1,147 @@
+"""The benchmark harness end to end (`parallax bench` with the short configuration, real
+processes in real namespaces) and its arithmetic."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallax.bench import harness, measure, netns, workloads
+from parallax.bench.command import config_from, parser
+from parallax.errors import ConfigError
+from test_launch import MARK, marked_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prefix() -> str:
+    return "pxh" + secrets.token_hex(2)
+
+
+def _bench(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`parallax bench` with a unique mark in its environment, which every process it
+    starts inherits (see test_launch.marked_processes)."""
+    out = tmp_path / "out"
+    return subprocess.run([sys.executable, "-m", "parallax.cli", "bench", "--size", "short",
+                           "--out", str(out), "--windows", "2", "--window-seconds", "0.5",
+                           "--warmup-steps", "2", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", MARK: tmp_path.name})
+
+
+def _namespaces(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+
+
+def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
+    reason = netns.available()
+    assert reason is None, f"the benchmark's namespaces need root, ip and tc: {reason}"
+    prefix = _prefix()
+    done = _bench(tmp_path, "--workloads", "lm", "--workers", "2", "--networks", "unlimited",
+                  "--systems", "hybrid,horovod,mwms,tf_ps", "--rounds", "1",
+                  "--prefix", prefix)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["system"]: r for r in results["runs"]}
+    assert set(runs) == {"hybrid", "horovod", "mwms", "tf_ps"}
+    for system, run in runs.items():
+        assert run["status"] == "ok", f"{system}: {run['error']}"
+        assert run["samples_per_s"] > 0 and run["cpu_seconds_per_sample"] > 0
+        assert len(run["windows"]) == 2
+        assert run["network"]["name"] == "unlimited"
+    spec = workloads.get("lm", "short")
+    hybrid = runs["hybrid"]
+    measured = hybrid["worker_bytes_per_step"]
+    minimum = hybrid["analytic"]
+    # Bytes are counted on the namespaces' interfaces: the rows and gradients a worker
+    # moves, plus gRPC/TCP framing; the traffic model counts payload only.
+    for way in ("sent", "received"):
+        assert 0.9 * minimum[way] <= measured[way] <= 1.3 * minimum[way], (way, measured,
+                                                                             minimum)
+    # The servers' hosts carried the workers' pulls and pushes; nothing else did.
+    window = hybrid["windows"][0]
+    assert window["bytes_received"]["ps0"] > 0 and window["bytes_received"]["ps1"] > 0
+    assert window["bytes_sent"]["chief"] == 0
+    # Horovod all-gathers the sparse gradients: more bytes per worker than the servers' way.
+    assert runs["horovod"]["worker_bytes_per_step"]["received"] > measured["received"]
+    assert hybrid["global_batch"] == 2 * spec.batch_per_worker
+    report = (out / "report.md").read_text()
+    assert "lm on unlimited" in report and "| hybrid |" in report
+    assert (out / "throughput_lm_unlimited.png").stat().st_size > 1000
+    assert _namespaces(prefix) == []
+    assert marked_processes(tmp_path.name) == {}
+
+
+def test_failed_run_is_recorded_and_everything_is_cleaned_up(tmp_path):
+    prefix = _prefix()
+    done = _bench(tmp_path, "--workloads", "dense", "--workers", "2", "--networks",
+                  "unlimited", "--systems", "hybrid", "--rounds", "1", "--prefix", prefix,
+                  "--run-timeout", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]
+    assert run["status"] == "failed"
+    assert "timed out after 3 s" in run["error"]
+    assert "FAILED" in done.stdout
+    assert _namespaces(prefix) == []
+    assert marked_processes(tmp_path.name) == {}
+
+
+def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
+    done = _bench(tmp_path, "--workloads", "dense", "--workers", "1", "--networks",
+                  "loopback", "--systems", "allreduce,horovod", "--rounds", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    # Rounds alternate systems: A B A B.
+    assert [(r["system"], r["round"]) for r in runs] == [
+        ("allreduce", 0), ("horovod", 0), ("allreduce", 1), ("horovod", 1)]
+    assert all(r["status"] == "ok" and r["worker_bytes_per_step"] is None for r in runs)
+
+
+def test_window_arithmetic():
+    windows = [{"seconds": 2.0, "steps": 10, "samples": 100, "samples_per_s": 50.0,
+                "cpu_seconds": 4.0, "bytes_sent": {"worker0": 1000.0, "worker1": 3000.0,
+                                                   "ps0": 9e9},
+                "bytes_received": {"worker0": 500.0, "worker1": 500.0, "ps0": 0.0}},
+               {"seconds": 1.0, "steps": 10, "samples": 100, "samples_per_s": 100.0,
+                "cpu_seconds": 1.0, "bytes_sent": {"worker0": 2000.0, "worker1": 2000.0},
+                "bytes_received": {"worker0": 100.0, "worker1": 300.0}},
+               {"seconds": 1.0, "steps": 5, "samples": 50, "samples_per_s": 50.0,
+                "cpu_seconds": 3.0, "bytes_sent": {"worker0": 0.0, "worker1": 0.0},
+                "bytes_received": {"worker0": 0.0, "worker1": 0.0}}]
+    summary = harness.summarize_windows(windows, ["worker0", "worker1"])
+    assert summary["samples_per_s"] == 50.0
+    assert summary["cpu_seconds_per_sample"] == pytest.approx(0.04)   # median of .04 .01 .06
+    assert summary["worker_bytes_per_step"] == {"sent": 200.0, "received": 20.0}
+
+
+def test_window_config_round_trips_through_worker_flags():
+    from parallax.bench.worker import _parser
+    config = measure.WindowConfig(4, 2, 5, 1.5, 3)
+    args = _parser().parse_args(["--system", "hybrid", "--workload", "lm", *config.args()])
+    assert measure.WindowConfig(args.warmup_steps, args.calibration_steps, args.windows,
+                                args.window_seconds, args.min_window_steps) == config
+
+
+def test_bad_configurations_are_refused_with_the_value():
+    with pytest.raises(ConfigError, match="unknown system 'horovd'"):
+        config_from(parser().parse_args(["--systems", "hybrid,horovd"]))
+    with pytest.raises(ConfigError, match="unknown workload 'bert'"):
+        config_from(parser().parse_args(["--workloads", "bert"]))
+    with pytest.raises(ConfigError, match="worker counts must be >= 1"):
+        config_from(parser().parse_args(["--workers", "0,2"]))
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--workers", "two"])
+    assert harness.cluster_hosts(harness.BenchConfig(workers=(1, 4), servers=2)) == [
+        "chief", "worker0", "worker1", "worker2", "worker3", "ps0", "ps1"]
+
+
+def test_result_lines_are_found_among_other_output():
+    assert measure.parse_result("noise") is None
+    assert measure.parse_result('[1] BENCH_RESULT {"windows": []}\n') == {"windows": []}
