@@ -48,7 +48,7 @@ class BenchConfig:
     workloads: tuple[str, ...] = workloads.WORKLOADS
     systems: tuple[str, ...] = SYSTEMS
     workers: tuple[int, ...] = (1, 2, 4)
-    networks: tuple[str, ...] = ("1gbit",)
+    networks: tuple[str, ...] = ("1gbit+0.1ms",)
     servers: int = 2
     rounds: int = 2
     size: str = "full"

@@ -24,7 +24,7 @@ class WindowConfig:
     warmup_steps: int = 3
     calibration_steps: int = 3
     windows: int = 3
-    window_seconds: float = 5.0
+    window_seconds: float = 3.0
     min_window_steps: int = 2
 
     def args(self) -> list[str]:
@@ -66,11 +66,7 @@ def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
     for _ in range(config.warmup_steps):
         trainer.step()
     trainer.sync()
-    start = time.time()
-    for _ in range(config.calibration_steps):
-        trainer.step()
-    trainer.sync()
-    per_step = max((time.time() - start) / max(1, config.calibration_steps), 1e-6)
+    per_step = _calibrate(trainer, config)
     steps = int(trainer.agree_max(float(max(config.min_window_steps,
                                             math.ceil(config.window_seconds / per_step)))))
     windows = []
@@ -82,6 +78,21 @@ def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
         t1 = time.time()
         windows.append(Window(t0, t1, steps, steps * trainer.global_batch))
     return windows
+
+
+def _calibrate(trainer: Trainer, config: WindowConfig) -> float:
+    """Seconds per step, from rounds of doubling length until a quarter window has passed:
+    under an asynchronous coordinator a short round mostly measures the queue's latency."""
+    start, done, batch = time.time(), 0, max(1, config.calibration_steps)
+    while True:
+        for _ in range(batch):
+            trainer.step()
+        trainer.sync()
+        done += batch
+        elapsed = time.time() - start
+        if elapsed >= config.window_seconds / 4:
+            return max(elapsed / done, 1e-6)
+        batch *= 2
 
 
 def emit(system: str, workload: str, trainer: Trainer, windows: list[Window],
