@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import NullLocator
+from typing import Iterable, Sequence
 
 from parallax import traffic_model
 from parallax.errors import ConfigError
+from parallax.bench.results import Meta, Network, Results, Run, load  # noqa: F401 (API)
 from parallax.traffic_model import StepTraffic, Workload
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
@@ -54,135 +50,6 @@ def minimum_traffic(workload: Workload) -> StepTraffic:
     (2 x U x dim x itemsize, plus ids) and dense gradients ring-all-reduced (2 (W-1)/W x dense
     bytes), which is exactly what hybrid is modelled to move."""
     return traffic_model.expected_traffic("hybrid", workload)
-
-
-@dataclass(frozen=True)
-class Network:
-    name: str
-    rate_mbit: float | None
-    latency_ms: float | None
-    latency_emulated: bool
-
-    def describe(self) -> str:
-        rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
-        if self.latency_ms is None:
-            return f"{self.name} ({rate})"
-        emulated = "emulated" if self.latency_emulated else "not emulated"
-        return f"{self.name} ({rate}, {self.latency_ms:g} ms latency, {emulated})"
-
-
-@dataclass(frozen=True)
-class Run:
-    system: str
-    workload: str
-    size: str
-    workers: int
-    servers: int
-    network: Network
-    round: int
-    batch_per_worker: int
-    global_batch: int
-    status: str
-    error: str | None
-    windows: tuple[dict[str, Any], ...]  # raw: the report reads only the harness's medians
-    samples_per_s: float | None
-    cpu_seconds_per_sample: float | None
-    worker_bytes_per_step: StepTraffic | None
-    analytic: StepTraffic | None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-@dataclass(frozen=True)
-class Meta:
-    date: str
-    commit: str
-    command: str
-    machine: str
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Results:
-    path: str
-    meta: Meta
-    runs: tuple[Run, ...]
-
-
-def _get(obj: dict, key: str, where: str, kinds: tuple[type, ...], optional: bool = False) -> Any:
-    name = f"{where}.{key}" if where else key
-    if key not in obj:
-        raise ConfigError(f"{name} is missing")
-    value = obj[key]
-    if value is None and optional:
-        return None
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        want = " or ".join(k.__name__ for k in kinds) + (" or null" if optional else "")
-        raise ConfigError(f"{name} must be {want}, got {value!r}")
-    return float(value) if kinds == (int, float) else value
-
-
-_NUM = (int, float)
-
-
-def _traffic(obj: dict, key: str, where: str) -> StepTraffic | None:
-    raw = _get(obj, key, where, (dict,), True)
-    name = f"{where}.{key}"
-    return None if raw is None else StepTraffic(_get(raw, "sent", name, _NUM),
-                                                _get(raw, "received", name, _NUM))
-
-
-def _network(raw: dict, where: str) -> Network:
-    return Network(_get(raw, "name", where, (str,)), _get(raw, "rate_mbit", where, _NUM, True),
-                   _get(raw, "latency_ms", where, _NUM, True),
-                   _get(raw, "latency_emulated", where, (bool,)))
-
-
-def _object_at(raw: Any, where: str) -> dict:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be an object, got {raw!r}")
-    return raw
-
-
-def _run(raw: Any, where: str) -> Run:
-    raw = _object_at(raw, where)
-    status = _get(raw, "status", where, (str,))
-    if status not in ("ok", "failed"):
-        raise ConfigError(f"{where}.status must be 'ok' or 'failed', got {status!r}")
-    run = Run(
-        *(_get(raw, k, where, (str,)) for k in ("system", "workload", "size")),
-        _get(raw, "workers", where, (int,)), _get(raw, "servers", where, (int,)),
-        _network(_get(raw, "network", where, (dict,)), f"{where}.network"),
-        *(_get(raw, k, where, (int,)) for k in ("round", "batch_per_worker", "global_batch")),
-        status, _get(raw, "error", where, (str,), optional=True),
-        tuple(_object_at(w, f"{where}.windows[{i}]")
-              for i, w in enumerate(_get(raw, "windows", where, (list,)))),
-        _get(raw, "samples_per_s", where, _NUM, True),
-        _get(raw, "cpu_seconds_per_sample", where, _NUM, True),
-        _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where))
-    if run.ok and run.samples_per_s is None:
-        raise ConfigError(f"{where}.samples_per_s is null but the run's status is 'ok'")
-    return run
-
-
-def load(path: str | Path) -> Results:
-    """Read and check a results file; a malformed one raises ConfigError naming file and field."""
-    try:
-        raw = json.loads(Path(path).read_text())
-        if not isinstance(raw, dict):
-            raise ConfigError(f"the top level must be an object, got {type(raw).__name__}")
-        meta = _get(raw, "meta", "", (dict,))
-        fields = [_get(meta, k, "meta", (str,)) for k in ("date", "commit", "command", "machine")]
-        notes = _get(meta, "notes", "meta", (list,))
-        if not all(isinstance(n, str) for n in notes):
-            raise ConfigError(f"meta.notes must be a list of strings, got {notes!r}")
-        runs = _get(raw, "runs", "", (list,))
-        return Results(str(path), Meta(*fields, tuple(notes)),
-                       tuple(_run(r, f"runs[{i}]") for i, r in enumerate(runs)))
-    except (OSError, json.JSONDecodeError, ConfigError) as e:
-        raise ConfigError(f"results file {path}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -418,77 +285,11 @@ def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-
-
-def _figure() -> tuple[Figure, Any]:
-    fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend, and without pyplot's state
-    return fig, fig.add_subplot()
-
-
-def _throughput_plot(s: _Slice, path: Path) -> None:
-    fig, ax = _figure()
-    for system in s.systems:
-        points = [(n, r.samples_per_s) for n in s.workers
-                  if (r := s.get(system, n)) and r.samples_per_s is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=system)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(s.workers, [str(n) for n in s.workers])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set(xlabel="workers", ylabel="samples/s (median of ok rounds)",
-           title=f"{s.workload} on {s.network}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.savefig(path)
-
-
-def _bytes_plot(s: _Slice, path: Path) -> bool:
-    """Grouped sent/received bars at the largest worker count; False (nothing written) when no
-    system's bytes were measured there."""
-    rows = [r for p in s.systems if (r := s.get(p, s.workers[-1])) and r.measured]
-    if not rows:
-        return False
-    fig, ax = _figure()
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r.measured.sent for r in rows], 0.4, label="sent")
-    ax.bar([x + 0.2 for x in xs], [r.measured.received for r in rows], 0.4, label="received")
-    modelled = [(x, r.analytic.total / 2) for x, r in zip(xs, rows) if r.analytic]
-    if modelled:
-        ax.scatter(*zip(*modelled), marker="_", s=400, color="black", zorder=3,
-                   label="analytic (mean of directions)")
-    minimum = rows[0].minimum
-    if minimum is not None:
-        ax.axhline(minimum.total / 2, color="red", linestyle="--", label="analytic minimum")
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs), [r.system for r in rows])
-    ax.set(ylabel="bytes per worker per step",
-           title=f"{s.workload} on {s.network}, {s.workers[-1]} workers")
-    ax.legend(fontsize="small")
-    fig.savefig(path)
-    return True
-
-
-def plots(results: Results, out_dir: str | Path) -> list[Path]:
-    """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for s in _slices(summarize(results)):
-        stem = f"{_slug(s.workload)}_{_slug(s.network)}.png"
-        _throughput_plot(s, out / f"throughput_{stem}")
-        written.append(out / f"throughput_{stem}")
-        if _bytes_plot(s, out / f"bytes_{stem}"):
-            written.append(out / f"bytes_{stem}")
-    return written
-
-
 def write_report(results_path: str | Path, out_dir: str | Path) -> dict[str, Path]:
     """report.md, summary.json (rows and targets, for tools) and the PNGs, keyed by file name."""
     results = load(results_path)
     out = Path(out_dir)
+    from parallax.bench.plots import plots
     pngs = plots(results, out)
     written = {p.name: p for p in pngs}
     written["report.md"] = out / "report.md"

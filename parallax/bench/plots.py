@@ -1,0 +1,81 @@
+"""The report's PNG plots: throughput against workers per system, and bytes per worker per
+step per system beside the analytic model. Drawn with matplotlib's Agg canvas directly, so
+nothing depends on pyplot's global state or on a display."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
+
+from parallax.bench.report import Results, _Slice, _slices, summarize
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+def _figure() -> tuple[Figure, Any]:
+    fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend, and without pyplot's state
+    return fig, fig.add_subplot()
+
+
+def _throughput_plot(s: _Slice, path: Path) -> None:
+    fig, ax = _figure()
+    for system in s.systems:
+        points = [(n, r.samples_per_s) for n in s.workers
+                  if (r := s.get(system, n)) and r.samples_per_s is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(s.workers, [str(n) for n in s.workers])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="workers", ylabel="samples/s (median of ok rounds)",
+           title=f"{s.workload} on {s.network}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+
+
+def _bytes_plot(s: _Slice, path: Path) -> bool:
+    """Grouped sent/received bars at the largest worker count; False (nothing written) when no
+    system's bytes were measured there."""
+    rows = [r for p in s.systems if (r := s.get(p, s.workers[-1])) and r.measured]
+    if not rows:
+        return False
+    fig, ax = _figure()
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.measured.sent for r in rows], 0.4, label="sent")
+    ax.bar([x + 0.2 for x in xs], [r.measured.received for r in rows], 0.4, label="received")
+    modelled = [(x, r.analytic.total / 2) for x, r in zip(xs, rows) if r.analytic]
+    if modelled:
+        ax.scatter(*zip(*modelled), marker="_", s=400, color="black", zorder=3,
+                   label="analytic (mean of directions)")
+    minimum = rows[0].minimum
+    if minimum is not None:
+        ax.axhline(minimum.total / 2, color="red", linestyle="--", label="analytic minimum")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [r.system for r in rows])
+    ax.set(ylabel="bytes per worker per step",
+           title=f"{s.workload} on {s.network}, {s.workers[-1]} workers")
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+    return True
+
+
+def plots(results: Results, out_dir: str | Path) -> list[Path]:
+    """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for s in _slices(summarize(results)):
+        stem = f"{_slug(s.workload)}_{_slug(s.network)}.png"
+        _throughput_plot(s, out / f"throughput_{stem}")
+        written.append(out / f"throughput_{stem}")
+        if _bytes_plot(s, out / f"bytes_{stem}"):
+            written.append(out / f"bytes_{stem}")
+    return written
