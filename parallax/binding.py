@@ -153,7 +153,7 @@ class TableBinder:
 
         def create_and_fill() -> None:
             for vp, spec in zip(on_servers, specs):
-                table = self.client.create_table(spec)
+                table = self.client.create_table(spec, vp.servers or None)
                 applied = table.wait_step(0)
                 if applied:
                     raise ConfigError(
@@ -171,7 +171,8 @@ class TableBinder:
                   "failed to set up the parameter-server tables")
         return_freed_memory()
         for vp, spec in zip(on_servers, specs):
-            table = self.client.create_table(spec)  # idempotent; a differing spec is refused
+            # idempotent; a differing spec is refused
+            table = self.client.create_table(spec, vp.servers or None)
             var = variables[vp.index]
             remote = RemoteTable(vp.name, var.shape, var.dtype, table, sync=self.plan.sync,
                                  worker=self.pusher_index, sends_pushes=self.sends_pushes)

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from parallax.errors import ConfigError
 
 RUN_MODES = ("hybrid", "ps", "allreduce")
+# A table is split into shards of at least this size by default. Every shard costs each
+# worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
+# Python gRPC (measured: LM and CTR benchmarks, docs/benchmarks.md), while what sharding buys,
+# spreading one table's memory and rows over servers, matters only for big tables; small
+# tables are spread over the servers whole (see `place_shards`).
+SHARD_MIN_BYTES = 64 << 20
 PLACEMENTS = ("ps", "allreduce")
 
 
@@ -28,7 +34,7 @@ class StrategyConfig:
     embedded_servers: int = 2
     local_aggregation: bool = False
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
-    shards: int | Mapping[str, int] | None = None  # default: one shard per server
+    shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
     log_plan: bool = True
 
     def __post_init__(self) -> None:
@@ -77,6 +83,7 @@ class VariablePlan:
     bytes: int
     shards: int      # 0 for replicated variables
     table: str = ""  # the table's name on the servers
+    servers: tuple[int, ...] = ()  # server of each shard (see place_shards)
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,7 @@ class Plan:
 
     def signature(self) -> tuple:
         """What every worker must agree on."""
-        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards)
+        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers)
                      for v in self.variables)
 
     def summary(self) -> str:
@@ -124,11 +131,18 @@ class Plan:
         rows = [("variable", "kind", "placement", "shape", "MB", "shards", "reason")]
         for v in self.variables:
             rows.append((v.name, v.kind, v.placement, "x".join(map(str, v.shape)) or "scalar",
-                         f"{v.bytes / 2**20:.2f}", str(v.shards or "-"), v.reason))
+                         f"{v.bytes / 2**20:.2f}", _shards_text(v), v.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
                  for r in rows]
         return self.summary() + "\n" + "\n".join(lines)
+
+
+def _shards_text(v: VariablePlan) -> str:
+    """"2 @ 0,1": the shard count and the server of each shard."""
+    if not v.shards:
+        return "-"
+    return f"{v.shards} @ {','.join(map(str, v.servers))}" if v.servers else str(v.shards)
 
 
 def table_name(run_id: str, index: int, name: str) -> str:
@@ -160,7 +174,30 @@ def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
     rows = info.shape[0] if info.shape else 1
-    return max(1, min(wanted or num_servers, rows))
+    if wanted is None:
+        wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
+    return max(1, min(wanted, rows))
+
+
+def place_shards(variables: tuple[VariablePlan, ...], num_servers: int
+                 ) -> dict[int, tuple[int, ...]]:
+    """Server of every shard, balancing bytes: biggest tables first, each shard onto the
+    least-loaded server its table does not use yet (lowest index on ties), so one-shard
+    tables spread over the servers instead of all landing on server 0. Deterministic: every
+    worker computes the same placement from the same plan."""
+    load = [0] * max(1, num_servers)
+    placed: dict[int, tuple[int, ...]] = {}
+    for v in sorted((v for v in variables if v.placement == "ps"),
+                    key=lambda v: (-v.bytes, v.index)):
+        share = v.bytes / v.shards
+        servers: list[int] = []
+        for _ in range(v.shards):
+            free = [i for i in range(len(load)) if i not in servers] or list(range(len(load)))
+            best = min(free, key=lambda i: (load[i], i))
+            servers.append(best)
+            load[best] += share
+        placed[v.index] = tuple(servers)
+    return placed
 
 
 def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
@@ -179,4 +216,6 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
             bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
             table=table_name(run_id, info.index, info.name) if on_ps else ""))
+    placed = place_shards(tuple(plans), num_servers)
+    plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
     return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))
