@@ -3,7 +3,7 @@
 VENV ?= .venv
 export PARALLAX_VENV := $(abspath $(VENV))
 
-.PHONY: demo test env bench
+.PHONY: demo test env bench compare
 
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
@@ -16,3 +16,6 @@ env:
 
 bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
 	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
+
+compare: env       ## parallax vs TF PS, MWMS and Horovod on an emulated cluster (root; ~1 h)
+	$(VENV)/bin/parallax bench --out bench-results/compare

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,33 @@ def test_failed_run_is_recorded_and_everything_is_cleaned_up(tmp_path):
     assert "FAILED" in done.stdout
     assert _namespaces(prefix) == []
     assert marked_processes(tmp_path.name) == {}
+
+
+def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
+    prefix = _prefix()
+    out = tmp_path / "out"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "parallax.cli", "bench", "--size", "short", "--out", str(out),
+         "--workloads", "lm", "--workers", "2", "--networks", "unlimited", "--systems",
+         "hybrid", "--prefix", prefix, "--window-seconds", "30"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", MARK: tmp_path.name})
+    try:
+        deadline = time.monotonic() + 120
+        while not any("parallax.bench.worker" in c
+                      for c in marked_processes(tmp_path.name).values()):
+            assert time.monotonic() < deadline and bench.poll() is None, "no worker started"
+            time.sleep(0.5)
+        assert _namespaces(prefix)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        left_namespaces, left_processes = _namespaces(prefix), marked_processes(tmp_path.name)
+        netns.sweep(prefix)  # whatever the outcome, leave nothing to the next test
+    assert left_namespaces == []
+    assert left_processes == {}
 
 
 def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):

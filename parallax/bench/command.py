@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 
 from parallax.bench import measure, workloads
@@ -78,6 +79,9 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every run's processes are
+    # stopped and every namespace is deleted on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     from parallax.bench import report
     try:
         if args.report_only:
