@@ -6,11 +6,21 @@ the variable's handle, with a backward function that returns an `IndexedSlices` 
 *global* ids, so the optimizer hands the strategy exactly what must be pushed: unique ids and
 their summed gradients. Sync steps: a pull waits until the servers applied every step this
 worker pushed (`min_step`), so all workers read the same rows.
+
+Sync pushes complete in the background: the push op hands the gradient (copied) to an RPC
+thread and returns, so a step's pushes to many tables overlap one another and the rest of
+the step instead of costing one round trip each, in turn. Nothing can read a table before
+its pushes are in: the next pull of the table first waits for them (and raises their error,
+if any), the servers make that pull wait for the step anyway, and exit waits for what is
+still in flight.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import threading
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +29,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 from parallax.client import ShardedTable
+from parallax.client.connection import run_in_background
 from parallax.errors import ConfigError
 
 
@@ -52,6 +63,9 @@ class RemoteTable:
         self.steps_pushed = 0
         self.traffic = TableTraffic()
         self._np_dtype = dtype.as_numpy_dtype
+        self._in_flight: list[Future] = []
+        self._in_flight_lock = threading.Lock()
+        _TABLES.add(self)
 
     # ---- numpy side: runs inside numpy_function ops ----
 
@@ -67,7 +81,15 @@ class RemoteTable:
     def _min_step(self) -> int:
         return self.steps_pushed if self.sync else 0
 
+    def wait_for_pushes(self) -> None:
+        """Block until this worker's pushes to the table have landed; raise the first error."""
+        with self._in_flight_lock:
+            in_flight, self._in_flight = self._in_flight, []
+        for future in in_flight:
+            future.result()
+
     def pull_rows(self, unique: np.ndarray) -> np.ndarray:
+        self.wait_for_pushes()
         self._check_ids(unique)
         rows = self.table.pull_unique(unique, min_step=self._min_step())
         with self.traffic.lock:
@@ -83,8 +105,18 @@ class RemoteTable:
         if self.sends_pushes:
             ids = ids.astype(np.int64, copy=False)
             self._check_ids(ids)
-            self.table.push(ids, grads.reshape(len(ids), self.dim), step=step,
-                            worker=self.worker, learning_rate=float(learning_rate))
+            grads = grads.reshape(len(ids), self.dim)
+            if self.sync:
+                # numpy_function's inputs may share TensorFlow's buffers, reused once the op
+                # returns: the background push gets its own copies.
+                future = run_in_background(self.table.push, ids.copy(), grads.copy(),
+                                           step=step, worker=self.worker,
+                                           learning_rate=float(learning_rate))
+                with self._in_flight_lock:
+                    self._in_flight.append(future)
+            else:
+                self.table.push(ids, grads, step=step, worker=self.worker,
+                                learning_rate=float(learning_rate))
             with self.traffic.lock:
                 self.traffic.pushes += 1
                 self.traffic.pushed_rows += len(ids)
@@ -97,6 +129,7 @@ class RemoteTable:
         if values.shape != tuple(self.shape.as_list()):
             raise ConfigError(f"cannot assign a value of shape {values.shape} to "
                               f"{self.label!r} of shape {tuple(self.shape.as_list())}")
+        self.wait_for_pushes()
         if self.sync:
             self.table.wait_step(self.steps_pushed)
         self.table.assign(np.arange(self.rows, dtype=np.int64),
@@ -164,6 +197,17 @@ class RemoteTable:
 
 
 _GRADIENT_OWNERS: dict[int, tuple[tf.Tensor, RemoteTable]] = {}
+_TABLES: weakref.WeakSet[RemoteTable] = weakref.WeakSet()
+
+
+@atexit.register
+def _land_pushes_in_flight() -> None:
+    """A program that ends right after its last step still delivers that step's pushes."""
+    for table in list(_TABLES):
+        try:
+            table.wait_for_pushes()
+        except Exception as err:  # noqa: BLE001 - exiting: report, do not mask the exit
+            print(f"parallax: a last push to {table.label!r} failed: {err}")
 
 
 def owner_of_gradient(grad) -> RemoteTable | None:

@@ -89,7 +89,7 @@ class _RpcThreads:
     queue. Daemon threads (unlike ThreadPoolExecutor's) never hold up interpreter exit
     behind a call still waiting for a step."""
 
-    def __init__(self, max_threads: int = 64) -> None:
+    def __init__(self, max_threads: int = 1024) -> None:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
@@ -99,7 +99,9 @@ class _RpcThreads:
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Run fn on a thread; a new thread is started unless an idle one will take it, so
-        a call never waits behind calls that are blocked (a pull waiting for a step)."""
+        a call never waits behind calls that are blocked (a pull waiting for a step, a
+        background push waiting for its chunks). The cap is far above any real concurrency:
+        threads are only made when none is idle, so their number is the peak in flight."""
         future: Future = Future()
         with self._lock:
             self._queued += 1
@@ -126,6 +128,11 @@ class _RpcThreads:
 
 
 _RPC_THREADS = _RpcThreads()
+
+
+def run_in_background(fn, *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) on one of the client's RPC threads."""
+    return _RPC_THREADS.submit(fn, *args, **kwargs)
 
 
 class ServerConnection:
