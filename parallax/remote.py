@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import math
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +32,7 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 from parallax.client import ShardedTable
 from parallax.client.connection import run_in_background
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ServerError
 
 
 @dataclass
@@ -65,6 +67,7 @@ class RemoteTable:
         self._np_dtype = dtype.as_numpy_dtype
         self._in_flight: list[Future] = []
         self._in_flight_lock = threading.Lock()
+        self._pulled_since_push = True
         _TABLES.add(self)
 
     # ---- numpy side: runs inside numpy_function ops ----
@@ -81,10 +84,15 @@ class RemoteTable:
     def _min_step(self) -> int:
         return self.steps_pushed if self.sync else 0
 
-    def wait_for_pushes(self) -> None:
-        """Block until this worker's pushes to the table have landed; raise the first error."""
+    def wait_for_pushes(self, timeout: float | None = None) -> None:
+        """Block until this worker's pushes to the table have landed (all of them, even
+        after a failure); raise the first error."""
         with self._in_flight_lock:
             in_flight, self._in_flight = self._in_flight, []
+        done, not_done = futures_wait(in_flight, timeout=timeout)
+        if not_done:
+            raise ServerError(f"{len(not_done)} push(es) to {self.label!r} did not land within "
+                              f"{timeout:.0f} s")
         for future in in_flight:
             future.result()
 
@@ -92,6 +100,7 @@ class RemoteTable:
         self.wait_for_pushes()
         self._check_ids(unique)
         rows = self.table.pull_unique(unique, min_step=self._min_step())
+        self._pulled_since_push = True
         with self.traffic.lock:
             self.traffic.pulls += 1
             self.traffic.pulled_rows += len(unique)
@@ -107,6 +116,14 @@ class RemoteTable:
             self._check_ids(ids)
             grads = grads.reshape(len(ids), self.dim)
             if self.sync:
+                if not self._pulled_since_push:
+                    # No pull since this table's last push (a table pushed but not read this
+                    # step): that pull would have waited for the push and for the step to
+                    # close; a push for the next step before that is refused as "ahead".
+                    self.wait_for_pushes()
+                    self.table.wait_step(step)
+                self._pulled_since_push = False
+                _drain_at_exit()
                 # numpy_function's inputs may share TensorFlow's buffers, reused once the op
                 # returns: the background push gets its own copies.
                 future = run_in_background(self.table.push, ids.copy(), grads.copy(),
@@ -198,16 +215,30 @@ class RemoteTable:
 
 _GRADIENT_OWNERS: dict[int, tuple[tf.Tensor, RemoteTable]] = {}
 _TABLES: weakref.WeakSet[RemoteTable] = weakref.WeakSet()
+_EXIT_DRAIN = threading.Lock()
+_EXIT_DRAIN_REGISTERED = False
+EXIT_PUSH_TIMEOUT = 60.0
 
 
-@atexit.register
+def _drain_at_exit() -> None:
+    """Register `_land_pushes_in_flight` at the first background push, i.e. after embedded
+    servers registered their own stop: exit handlers run last-registered first, so the last
+    pushes land before those servers go away."""
+    global _EXIT_DRAIN_REGISTERED
+    with _EXIT_DRAIN:
+        if not _EXIT_DRAIN_REGISTERED:
+            atexit.register(_land_pushes_in_flight)
+            _EXIT_DRAIN_REGISTERED = True
+
+
 def _land_pushes_in_flight() -> None:
     """A program that ends right after its last step still delivers that step's pushes."""
     for table in list(_TABLES):
         try:
-            table.wait_for_pushes()
+            table.wait_for_pushes(timeout=EXIT_PUSH_TIMEOUT)
         except Exception as err:  # noqa: BLE001 - exiting: report, do not mask the exit
-            print(f"parallax: a last push to {table.label!r} failed: {err}")
+            print(f"parallax: ERROR: the last push to {table.label!r} did not land, so the "
+                  f"servers miss this worker's last step: {err}", file=sys.stderr, flush=True)
 
 
 def owner_of_gradient(grad) -> RemoteTable | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -236,20 +237,29 @@ class Run:
         return None, f"{waited[0].host} printed no {measure.RESULT_PREFIX.strip()} line"
 
     def stop(self, grace: float = 10.0) -> None:
+        """TERM, then KILL after `grace`, to each process's whole session (they were started
+        in their own), so nothing they started outlives the run, on loopback too."""
         for proc in self.procs:
             if proc.popen.poll() is None:
-                proc.popen.terminate()
+                _signal_session(proc.popen, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in self.procs:
             try:
                 proc.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.popen.kill()
+                _signal_session(proc.popen, signal.SIGKILL)
                 proc.popen.wait()
         if self.rendezvous is not None:
             self.rendezvous.shutdown()
             self.rendezvous.server_close()
             self.rendezvous = None
+
+
+def _signal_session(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _wait_ready(proc: Proc, timeout: float) -> str:
@@ -293,9 +303,9 @@ def summarize_windows(windows: list[dict], worker_hosts: Sequence[str]) -> dict:
         return statistics.median(values) if values else None
 
     def per_step(w: dict, key: str):
-        if not w[key]:
-            return None
-        return statistics.fmean(w[key].get(h, 0.0) for h in worker_hosts) / w["steps"]
+        if not w[key] or any(h not in w[key] for h in worker_hosts):
+            return None  # not counted (loopback), never guessed as zero
+        return statistics.fmean(w[key][h] for h in worker_hosts) / w["steps"]
 
     cpu = [w["cpu_seconds"] / w["samples"] if w["cpu_seconds"] is not None else None
            for w in windows]
@@ -340,7 +350,11 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
               "worker_bytes_per_step": None, "loss": None,
               "analytic": analytic(system, spec, workers)}
     if record is not None:
-        result["windows"] = window_metrics(record, sampler, worker_hosts)
+        try:
+            result["windows"] = window_metrics(record, sampler, worker_hosts)
+        except ParallaxError as err:  # e.g. the sampler lost its counters mid-run
+            result.update(status="failed", error=f"measurement windows: {err}")
+            return result
         result.update(summarize_windows(result["windows"], worker_hosts))
         result["loss"] = record.get("loss")
     return result
@@ -375,6 +389,11 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Pa
                         "machine": f"{os.cpu_count()} cores, {_memory_gib():.0f} GiB RAM",
                         "notes": []},
                "runs": []}
+    if "tf_ps" in config.systems:
+        results["meta"]["notes"].append(
+            "tf_ps trains asynchronously, as TensorFlow's ParameterServerStrategy does: each "
+            "worker applies its own batch's gradient, so a global step is W updates and its "
+            "loss is not comparable with the synchronous systems' (throughput and bytes are)")
     for network in config.networks:
         cluster = None
         if network != LOOPBACK:

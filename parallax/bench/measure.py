@@ -82,14 +82,16 @@ def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
 
 def _calibrate(trainer: Trainer, config: WindowConfig) -> float:
     """Seconds per step, from rounds of doubling length until a quarter window has passed:
-    under an asynchronous coordinator a short round mostly measures the queue's latency."""
+    under an asynchronous coordinator a short round mostly measures the queue's latency.
+    Workers agree on each round's elapsed time (the slowest's), so they all stop after the
+    same round: one more round on one worker alone would wait forever for the others."""
     start, done, batch = time.time(), 0, max(1, config.calibration_steps)
     while True:
         for _ in range(batch):
             trainer.step()
         trainer.sync()
         done += batch
-        elapsed = time.time() - start
+        elapsed = trainer.agree_max(time.time() - start)
         if elapsed >= config.window_seconds / 4:
             return max(elapsed / done, 1e-6)
         batch *= 2

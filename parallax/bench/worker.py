@@ -65,9 +65,13 @@ def parallax_trainer(system: str, spec: workloads.WorkloadSpec) -> measure.Train
     def step():
         last["loss"] = float(train(next(batches)))
 
+    def sync():  # a window ends when its last step's pushes have landed
+        for table in strategy.tables.values():
+            table.wait_for_pushes()
+
     return measure.Trainer(step=step, rank=rank, workers=workers,
                            global_batch=spec.batch_per_worker * workers,
-                           agree_max=_horovod_max, loss=lambda: last["loss"])
+                           agree_max=_horovod_max, sync=sync, loss=lambda: last["loss"])
 
 
 def _horovod_max(value: float) -> float:

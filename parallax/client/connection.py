@@ -7,6 +7,7 @@ anything else is an answer from the server and is raised at once.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import queue
 import threading
@@ -90,25 +91,33 @@ class _RpcThreads:
     behind a call still waiting for a step."""
 
     def __init__(self, max_threads: int = 1024) -> None:
+        self._max = max_threads
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a child has none of the threads
+
+    def _reset(self) -> None:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
-        self._idle = 0     # threads not running a call (waiting for one, or starting)
+        self._idle = 0     # threads not running a call (waiting for one)
         self._queued = 0   # calls submitted and not yet taken by a thread
-        self._max = max_threads
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Run fn on a thread; a new thread is started unless an idle one will take it, so
         a call never waits behind calls that are blocked (a pull waiting for a step, a
-        background push waiting for its chunks). The cap is far above any real concurrency:
-        threads are only made when none is idle, so their number is the peak in flight."""
+        background push waiting for its chunks). Threads are only made when none is idle,
+        so their number is the peak in flight; past the cap a call is refused, not queued
+        behind calls that may be waiting for it."""
         future: Future = Future()
         with self._lock:
-            self._queued += 1
-            if self._queued > self._idle and self._threads < self._max:
-                self._threads += 1
-                self._idle += 1
+            if self._queued + 1 > self._idle:
+                if self._threads >= self._max:
+                    raise ServerError(f"{self._max} parameter-server calls are already in "
+                                      f"flight in this process; is a step waiting on itself?")
                 threading.Thread(target=self._serve, name="parallax-rpc", daemon=True).start()
+                self._threads += 1  # counted once started: a failed start changes nothing
+                self._idle += 1
+            self._queued += 1
         self._work.put((future, fn, args, kwargs))
         return future
 
@@ -118,13 +127,20 @@ class _RpcThreads:
             with self._lock:
                 self._queued -= 1
                 self._idle -= 1
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as err:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(err)
-            with self._lock:
+            if not future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._idle += 1
+                continue
+            try:
+                result, error = fn(*args, **kwargs), None
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                result, error = None, err
+            with self._lock:  # idle before the caller wakes: its next call can reuse us
                 self._idle += 1
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
 
 _RPC_THREADS = _RpcThreads()

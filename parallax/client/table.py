@@ -63,15 +63,18 @@ class ShardedTable:
     def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int,
                       order: np.ndarray | None = None) -> np.ndarray:
         """Rows of shard-grouped `ids`; with `order`, row k lands at position order[k]."""
-        slices = [s for s in self._slices(offsets) if s[2] > s[1]]
-        one_chunk_per_shard = len({s[0] for s in slices}) == len(slices)
+        every = list(self._slices(offsets))  # a shard with no ids has one empty slice
+        one_chunk_per_shard = len(every) == self.spec.shard_count
         if min_step > 0 and not one_chunk_per_shard:
             # Wait with one RPC per shard, then pull every chunk without waiting: a waiting
             # request holds a server thread, and a step can only close if the other workers'
             # pushes still find a free one. With one chunk per shard, the pull itself waits
-            # (one thread per shard all the same, and one round trip less per step).
+            # (one thread per shard all the same, and one round trip less per step): then
+            # every shard gets a pull, an empty one where no id falls, because the step must
+            # be closed on every shard before this worker pushes the next one.
             self.wait_step(min_step)
         wait_in_pull = min_step if one_chunk_per_shard else 0
+        slices = [s for s in every if s[2] > s[1] or wait_in_pull]
         rows = np.empty((len(ids), self.spec.dim), dtype=self.dtype)
         calls = []
         for shard, lo, hi, _, _ in slices:
