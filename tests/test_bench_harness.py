@@ -150,6 +150,30 @@ def test_window_arithmetic():
     assert summary["worker_bytes_per_step"] == {"sent": 200.0, "received": 20.0}
 
 
+def test_calibration_stops_when_the_slowest_worker_says_so():
+    steps, agreed = [], []
+
+    def agree_max(value):  # another worker reports a much longer round
+        agreed.append(value)
+        return value + 100.0
+
+    def step():
+        steps.append(1)
+        assert len(steps) < 10_000, "calibration did not stop when the others said so"
+
+    trainer = measure.Trainer(step=step, rank=0, workers=2,
+                              global_batch=8, agree_max=agree_max)
+    config = measure.WindowConfig(warmup_steps=2, calibration_steps=3, windows=2,
+                                  window_seconds=200.0, min_window_steps=4)
+    windows = measure.run_windows(trainer, config)
+    # One calibration round (this worker alone would have doubled it many times), then
+    # windows of ceil(200 / ((elapsed + 100) / 3)) steps, the same on every worker.
+    assert len(agreed) == 2  # the round's elapsed time, then the window's step count
+    per_window = windows[0].steps
+    assert per_window == int(agreed[1] + 100.0) and per_window >= config.min_window_steps
+    assert len(steps) == 2 + 3 + 2 * per_window
+
+
 def test_window_config_round_trips_through_worker_flags():
     from parallax.bench.worker import _parser
     config = measure.WindowConfig(4, 2, 5, 1.5, 3)

@@ -75,6 +75,25 @@ def test_pull_for_next_step_waits_until_the_step_closes(client, table_name):
     np.testing.assert_allclose(result["rows"], start - 3)
 
 
+def test_sync_pull_waits_on_every_shard_even_where_no_id_falls(client, table_name):
+    # The pull below waits inside the Pull request itself (one chunk per shard); it must
+    # still reach shard 1, where step 0 is open: a push of step 1 would be refused there.
+    table = client.create_table(_spec(table_name, num_workers=2, shard_count=2,
+                                      optimizer=SGD(learning_rate=1)))
+    start = table.pull([0])
+    table.push([0, 1], [[1] * 4, [1] * 4], step=0, worker=0)
+    _raw_push(table, [0], [[2] * 4], step=0, worker=1, shard=0)  # worker 1: shard 0 only
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(rows=table.pull([0], min_step=1)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive(), "a pull of shard 0's ids returned while shard 1 had step 0 open"
+    _raw_push(table, [1], [[2] * 4], step=0, worker=1, shard=1)
+    reader.join(10)
+    np.testing.assert_allclose(result["rows"], start - 3)
+    assert table.wait_step(0) == 1
+
+
 def test_waiting_pull_times_out_with_who_is_missing(cluster, client, table_name):
     spec = _spec(table_name, num_workers=2, shard_count=1)
     client.create_table(spec).push([0], [[1] * 4], step=0, worker=1)

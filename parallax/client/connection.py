@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from parallax.errors import ServerError
+from parallax.errors import ParallaxError, ServerError
 from parallax import bulk_codec, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
@@ -112,7 +112,7 @@ class _RpcThreads:
         with self._lock:
             if self._queued + 1 > self._idle:
                 if self._threads >= self._max:
-                    raise ServerError(f"{self._max} parameter-server calls are already in "
+                    raise ParallaxError(f"{self._max} parameter-server calls are already in "
                                       f"flight in this process; is a step waiting on itself?")
                 threading.Thread(target=self._serve, name="parallax-rpc", daemon=True).start()
                 self._threads += 1  # counted once started: a failed start changes nothing
