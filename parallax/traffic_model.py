@@ -89,16 +89,17 @@ def table_bytes(workload: Workload) -> int:
 
 def expected_traffic(system: str, workload: Workload) -> StepTraffic:
     """Per worker per step for: hybrid, ps, allreduce (parallax's modes, the last also
-    Horovod on IndexedSlices), horovod_sparse_as_dense, and mwms (ring all-reduce of
-    densified gradients, like sparse_as_dense)."""
+    Horovod on IndexedSlices), horovod_sparse_as_dense, and mwms (TensorFlow's
+    MultiWorkerMirroredStrategy all-gathers IndexedSlices gradients too: measured in
+    docs/benchmarks.md, it moves what Horovod's all-gather does, not a densified table)."""
     w = workload.workers
     if system == "hybrid":
         return sparse_on_servers(workload) + ring_allreduce(workload.dense_bytes, w)
     if system == "ps":
         return sparse_on_servers(workload) + dense_on_servers(workload.dense_bytes)
-    if system == "allreduce":
+    if system in ("allreduce", "mwms"):
         return sparse_allgathered(workload) + ring_allreduce(workload.dense_bytes, w)
-    if system in ("horovod_sparse_as_dense", "mwms"):
+    if system == "horovod_sparse_as_dense":
         return ring_allreduce(workload.dense_bytes + table_bytes(workload), w)
     raise ConfigError(f"system {system!r} is not one of hybrid, ps, allreduce, "
                       f"horovod_sparse_as_dense, mwms")
