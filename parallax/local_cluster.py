@@ -23,6 +23,15 @@ READY_PREFIX = "PARALLAX_SERVER_READY"
 SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
 
 
+def ready_address(line: str) -> str | None:
+    """The address a server's READY line announces (`PARALLAX_SERVER_READY address=H:P
+    pid=N`); None for any other line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+    return fields.get("address")
+
+
 class ServerProcess:
     def __init__(self, index: int, command: list[str], echo: IO[str] | None,
                  stdin: int | None = None) -> None:
@@ -44,8 +53,7 @@ class ServerProcess:
             line = line.rstrip("\n")
             self.lines.append(line)
             if line.startswith(READY_PREFIX) and self.address is None:
-                fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-                self.address = fields.get("address")
+                self.address = ready_address(line)
                 self._ready.set()
             elif self._echo is not None:
                 print(f"[ps {self.index}] {line}", file=self._echo, flush=True)

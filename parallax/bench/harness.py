@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -35,7 +35,7 @@ from parallax.bench import measure, workloads
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.errors import ConfigError, ParallaxError
-from parallax.local_cluster import READY_PREFIX
+from parallax.local_cluster import ready_address
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
 LOOPBACK = "loopback"
@@ -267,9 +267,9 @@ def _wait_ready(proc: Proc, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in proc.log.read_text(errors="replace").splitlines():
-            if line.startswith(READY_PREFIX):
-                fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-                return fields["address"]
+            address = ready_address(line)
+            if address is not None:
+                return address
         if proc.popen.poll() is not None:
             break
         time.sleep(0.1)
@@ -277,8 +277,7 @@ def _wait_ready(proc: Proc, timeout: float) -> str:
                         f"{timeout:.0f} s (exit code {proc.popen.poll()}):\n{proc.tail()}")
 
 
-def window_metrics(record: dict, sampler: ResourceSampler | None,
-                   worker_hosts: Sequence[str]) -> list[dict]:
+def window_metrics(record: dict, sampler: ResourceSampler | None) -> list[dict]:
     """Each reported window with its CPU seconds and per-host bytes from the sampler."""
     windows = []
     for w in record["windows"]:
@@ -351,7 +350,7 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
               "analytic": analytic(system, spec, workers)}
     if record is not None:
         try:
-            result["windows"] = window_metrics(record, sampler, worker_hosts)
+            result["windows"] = window_metrics(record, sampler)
         except ParallaxError as err:  # e.g. the sampler lost its counters mid-run
             result.update(status="failed", error=f"measurement windows: {err}")
             return result
@@ -446,7 +445,3 @@ def _memory_gib() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     except (ValueError, OSError):
         return 0.0
-
-
-def as_dict(config: BenchConfig) -> dict:
-    return asdict(config)
