@@ -1,10 +1,12 @@
 """The client of a set of parameter servers: create tables, place shards, checkpoints, stats."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Sequence
 
 from parallax.client.connection import ClientOptions, ServerConnection
+from parallax.client.reshard import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
@@ -67,6 +69,22 @@ class PSClient:
         for conn, future, request in calls:
             conn.result(future, "CreateTable", request, spec.name)
         return table
+
+    def reshard(self, table: ShardedTable, name: str, shard_count: int,
+                placement: Sequence[int] | None = None) -> tuple[ShardedTable, MoveReport]:
+        """A new table `name` holding `table`'s rows, slots and step in `shard_count` shards
+        (on `placement`). Call between steps; the old table is left for the caller to delete
+        once no worker routes to it. On failure the new table is deleted again."""
+        spec = dataclasses.replace(table.spec, name=name, shard_count=shard_count)
+        target = self.create_table(spec, placement)
+        try:
+            if target.wait_step(0):
+                raise ConfigError(f"cannot reshard {table.name!r} into {name!r}: a table of "
+                                  f"that name already exists and has trained; pick a new name")
+            return target, move_rows(table, target)
+        except BaseException:
+            self.delete_table(target)
+            raise
 
     def delete_table(self, table: ShardedTable) -> None:
         for shard, conn in enumerate(table.shards):

@@ -197,6 +197,43 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                         _deadline(context))
         return ps_pb2.BarrierResponse(generation=generation), "", 0, 0
 
+    # ---- live resharding ---------------------------------------------------------------------
+    @_rpc("ExportRows")
+    def ExportRows(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        spec = shard.spec
+        row_bytes = (1 + len(shard.optimizer.slot_names)) * spec.dim * \
+            np.dtype(spec.dtype).itemsize + 8
+        fit = max(1, (self.max_message_bytes - 65536) // row_bytes)
+        limit = min(request.max_rows, fit) if request.max_rows > 0 else fit
+        ids, values, slots, step, total = shard.export(request.offset, limit)
+        response = ps_pb2.ShardRows(table=spec.name, shard_index=shard.shard_index, step=step,
+                                    next_offset=request.offset + len(ids), total_rows=total)
+        wire.encode(ids, response.ids)
+        wire.encode(values, response.values)
+        for name, slot in slots.items():
+            response.slot_names.append(name)
+            wire.encode(slot, response.slots.add())
+        nbytes = values.nbytes + sum(s.nbytes for s in slots.values())
+        return response, spec.name, len(ids), nbytes
+
+    @_rpc("ImportRows")
+    def ImportRows(self, request, context):
+        shard = self.shard(request.table, request.shard_index)
+        if len(request.slot_names) != len(request.slots):
+            raise invalid(f"{shard.label}: ImportRows names {len(request.slot_names)} slots but "
+                          f"carries {len(request.slots)} slot tensors; send one per name")
+        if len(set(request.slot_names)) != len(request.slot_names):
+            raise invalid(f"{shard.label}: ImportRows repeats a slot name "
+                          f"({list(request.slot_names)})")
+        ids = wire.decode(request.ids, "ids")
+        values = wire.decode(request.values, "values")
+        slots = {name: wire.decode(t, f"slot {name}")
+                 for name, t in zip(request.slot_names, request.slots)}
+        rows, step = shard.import_rows(ids, values, slots, request.step)
+        return (ps_pb2.ImportRowsResponse(rows=rows, step=step), shard.spec.name, len(ids),
+                values.nbytes)
+
     # ---- checkpoints -------------------------------------------------------------------------
     @_rpc("Save")
     def Save(self, request, context):

@@ -198,6 +198,55 @@ class TableShard:
             self.steps.reset(step)
             self.cond.notify_all()
 
+    # ---- live resharding ---------------------------------------------------------------
+    def export(self, offset: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, Slots, int,
+                                                          int]:
+        """(ids, values, slots, step, total) of touched rows [offset, offset + max_rows), in a
+        stable order; only between steps, so pages of one export see one state."""
+        if offset < 0 or max_rows < 1:
+            raise invalid(f"{self.label}: export page offset {offset} must be >= 0 and "
+                          f"max_rows {max_rows} >= 1")
+        with self.cond:
+            self.check_between_steps()
+            touched = self.storage.touched()
+            rows = touched[offset:offset + max_rows]
+            values, slots = self.storage.trimmed()
+            return (self.storage.ids_of(rows), values[rows],
+                    {name: slot[rows] for name, slot in slots.items()}, self.steps.step,
+                    len(touched))
+
+    def check_slots(self, slots: Slots, n: int) -> None:
+        expected = sorted(self.optimizer.slot_names)
+        if sorted(slots) != expected:
+            raise invalid(f"{self.label}: rows carry optimizer slots {sorted(slots)} but this "
+                          f"table's {self.spec.optimizer.kind} optimizer keeps {expected}; "
+                          f"reshard between tables with the same optimizer")
+        for name, values in slots.items():
+            self.check_rows(values, n, f"slot {name!r}")
+
+    def import_rows(self, ids: np.ndarray, values: np.ndarray, slots: Slots,
+                    step: int) -> tuple[int, int]:
+        """Adopt rows with their slots and the step of the table they came from; everything
+        is checked first, so a bad page changes nothing. Returns (rows held, step)."""
+        ids = self.check_ids(ids)
+        self.check_rows(values, len(ids), "values")
+        self.check_slots(slots, len(ids))
+        if len(np.unique(ids)) != len(ids):
+            raise invalid(f"{self.label}: imported rows repeat an id; send each id once")
+        if step < 0:
+            raise invalid(f"{self.label}: imported step {step} must be >= 0")
+        with self.cond:
+            if self.closed:
+                raise ShuttingDown(self.closed)
+            self.check_between_steps()
+            if self.spec.hashed_keys:
+                self._check_capacity(ids)
+            self.storage.adopt(ids, values, slots)
+            if step != self.steps.step:
+                self.steps.reset(step)
+                self.cond.notify_all()
+            return self.storage.num_rows, self.steps.step
+
     def close(self, reason: str) -> None:
         with self.cond:
             self.closed = f"{self.label}: {reason}"

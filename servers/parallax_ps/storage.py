@@ -41,6 +41,9 @@ class FixedRows:
     def row_ids(self) -> np.ndarray:
         return self.partitioner.global_ids(self.shard)
 
+    def ids_of(self, rows: np.ndarray) -> np.ndarray:
+        return self.partitioner.global_ids_of(rows, self.shard)
+
     def _ensure(self, rows: np.ndarray) -> None:
         """Give rows that were never touched their initial values (and slot values)."""
         fresh = rows[~self._ready[rows]]
@@ -74,11 +77,20 @@ class FixedRows:
 
     def replace(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
         """Adopt restored rows; `ids` must be exactly this shard's ids (any order)."""
+        self.adopt(ids, values, slots)
+
+    def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        """Set rows and their slots (ids owned by this shard); other rows are unchanged."""
         rows = self.partitioner.local_rows(ids, self.shard)
         self.values[rows] = values
         for name, slot in self.slots.items():
             slot[rows] = slots[name]
         self._ready[rows] = True
+
+    def touched(self) -> np.ndarray:
+        """Local rows that hold more than their initial value could: every row ever
+        touched, in local order (stable while no request touches a new row)."""
+        return np.flatnonzero(self._ready)
 
 
 class KeyedRows:
@@ -101,6 +113,9 @@ class KeyedRows:
 
     def row_ids(self) -> np.ndarray:
         return self._keys[: self._count].copy()
+
+    def ids_of(self, rows: np.ndarray) -> np.ndarray:
+        return self._keys[rows]
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(local row or -1, found) for each key, by binary search of the sorted index."""
@@ -159,12 +174,24 @@ class KeyedRows:
         self._keys_sorted = np.empty(0, dtype=np.int64)
         self._rows_sorted = np.empty(0, dtype=np.int64)
         self._grow(max(len(ids), 1024))
-        if len(ids):
-            self._append(np.asarray(ids, dtype=np.int64), initialise=False)  # overwritten next
-            rows = self.locate(ids)
-            self.values[rows] = values
-            for name, slot in self.slots.items():
-                slot[rows] = slots[name]
+        self.adopt(ids, values, slots)
+
+    def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        """Set rows and their slots (unique keys), creating the keys not held yet."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return
+        _, found = self._find(ids)
+        if not found.all():
+            self._append(ids[~found], initialise=False)  # overwritten next
+        rows = self.locate(ids)
+        self.values[rows] = values
+        for name, slot in self.slots.items():
+            slot[rows] = slots[name]
+
+    def touched(self) -> np.ndarray:
+        """Every local row (each was created by a request), in creation order."""
+        return np.arange(self._count)
 
     def trimmed(self) -> tuple[np.ndarray, Slots]:
         return self.values[: self._count], {n: s[: self._count] for n, s in self.slots.items()}

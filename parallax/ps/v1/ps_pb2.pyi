@@ -362,6 +362,48 @@ class RestoreResponse(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("table", "shard_index", "offset", "max_rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    offset: int
+    max_rows: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+
+class ShardRows(_message.Message):
+    __slots__ = ("table", "shard_index", "step", "ids", "values", "slot_names", "slots", "next_offset", "total_rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    shard_index: int
+    step: int
+    ids: Tensor
+    values: Tensor
+    slot_names: _containers.RepeatedScalarFieldContainer[str]
+    slots: _containers.RepeatedCompositeFieldContainer[Tensor]
+    next_offset: int
+    total_rows: int
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., slot_names: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_offset: _Optional[int] = ..., total_rows: _Optional[int] = ...) -> None: ...
+
+class ImportRowsResponse(_message.Message):
+    __slots__ = ("rows", "step")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    step: int
+    def __init__(self, rows: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class MethodStats(_message.Message):
     __slots__ = ("method", "requests", "errors", "rows", "bytes", "total_seconds", "max_seconds")
     METHOD_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,16 @@ class ParameterServerStub(object):
                 request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
                 )
+        self.ExportRows = channel.unary_unary(
+                '/parallax.ps.v1.ParameterServer/ExportRows',
+                request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.FromString,
+                )
+        self.ImportRows = channel.unary_unary(
+                '/parallax.ps.v1.ParameterServer/ImportRows',
+                request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.SerializeToString,
+                response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.FromString,
+                )
 
 
 class ParameterServerServicer(object):
@@ -129,6 +139,18 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +203,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ExportRowsRequest.FromString,
+                    response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.SerializeToString,
+            ),
+            'ImportRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportRows,
+                    request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.FromString,
+                    response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,5 +391,39 @@ class ParameterServer(object):
         return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/Stats',
             parallax_dot_ps_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
             parallax_dot_ps_dot_v1_dot_ps__pb2.StatsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/ExportRows',
+            parallax_dot_ps_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+            parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ImportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/ImportRows',
+            parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.SerializeToString,
+            parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,119 @@
+"""Move a table's rows and optimizer slots into a table with another shard count or
+placement, between steps.
+
+The source is read shard by shard, page by page (ExportRows); each page is split by the
+target's partitioner and written to the owning target shards (ImportRows), all pages of one
+source page in flight at once. Only touched rows travel: an untouched row of a
+fixed-vocabulary table is its initial value, the same on any shard count. Every target
+shard is also told the step the source had applied, so a synchronous job goes on with the
+step it was at. Both sides refuse while a push is pending, so a page never mixes two steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallax import wire
+from parallax.client.table import ShardedTable
+from parallax.errors import ConfigError
+from parallax.ps.v1 import ps_pb2
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What one table's move carried."""
+
+    rows: int
+    bytes: int
+    step: int
+    seconds: float
+
+
+def check_compatible(source: ShardedTable, target: ShardedTable) -> None:
+    a, b = source.spec, target.spec
+    same = (a.dim, a.vocabulary_size, a.dtype, a.optimizer, a.initializer, a.hashed_keys)
+    if same != (b.dim, b.vocabulary_size, b.dtype, b.optimizer, b.initializer, b.hashed_keys):
+        raise ConfigError(f"cannot move rows of {a.name!r} into {b.name!r}: the tables differ "
+                          f"in more than shard count and placement "
+                          f"({a.describe_difference(b)})")
+
+
+def _export_page(table: ShardedTable, shard: int, offset: int, page_rows: int):
+    request = ps_pb2.ExportRowsRequest(table=table.name, shard_index=shard, offset=offset,
+                                       max_rows=page_rows)
+    return table.shards[shard].call("ExportRows", request, table.name)
+
+
+def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> None:
+    """Split one exported page by target shard and write the parts concurrently."""
+    ids = wire.decode(page.ids, "ids")
+    values = wire.decode(page.values, "values")
+    slots = [wire.decode(t, "slot") for t in page.slots]
+    order, offsets = target.partitioner.shard_order(ids)
+    if order is not None:
+        ids, values, slots = ids[order], values[order], [s[order] for s in slots]
+    calls = []
+    for shard in range(target.spec.shard_count):
+        lo, hi = int(offsets[shard]), int(offsets[shard + 1])
+        if hi == lo:
+            continue
+        request = ps_pb2.ShardRows(table=target.name, shard_index=shard, step=step,
+                                   slot_names=list(page.slot_names))
+        wire.encode(ids[lo:hi], request.ids)
+        wire.encode(values[lo:hi], request.values)
+        for slot in slots:
+            wire.encode(slot[lo:hi], request.slots.add())
+        conn = target.shards[shard]
+        calls.append((conn, conn.future("ImportRows", request), request))
+    for conn, future, request in calls:
+        conn.result(future, "ImportRows", request, target.name)
+
+
+def _set_step(target: ShardedTable, step: int, slot_names: list[str]) -> None:
+    """An empty page to every target shard: shards no row landed on still get the step."""
+    dim, dtype = target.spec.dim, np.dtype(target.spec.dtype)
+    for shard, conn in enumerate(target.shards):
+        request = ps_pb2.ShardRows(table=target.name, shard_index=shard, step=step,
+                                   slot_names=slot_names)
+        wire.encode(np.zeros(0, np.int64), request.ids)
+        wire.encode(np.zeros((0, dim), dtype), request.values)
+        for _ in slot_names:
+            wire.encode(np.zeros((0, dim), dtype), request.slots.add())
+        conn.call("ImportRows", request, target.name)
+
+
+def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0) -> MoveReport:
+    """Copy every touched row and its slots from `source` into `target` (created, empty) and
+    give `target` the source's step. The source is left as it was."""
+    check_compatible(source, target)
+    start = time.perf_counter()
+    rows = nbytes = 0
+    step = None
+    slot_names: list[str] = []
+    for shard in range(source.spec.shard_count):
+        offset, total = 0, None
+        while total is None or offset < total:
+            page = _export_page(source, shard, offset, page_rows)
+            if step is None:
+                step = page.step
+            elif page.step != step:
+                raise ConfigError(
+                    f"cannot reshard {source.name!r}: its shards are at different steps "
+                    f"({step} and {page.step} on shard {shard}); a push is still landing. "
+                    f"Wait for every worker's pushes (RemoteTable.wait_for_pushes) first")
+            slot_names = list(page.slot_names)
+            total = page.total_rows
+            count = page.next_offset - offset
+            if count <= 0 and offset < total:
+                raise ConfigError(f"shard {shard} of {source.name!r} exported no rows at "
+                                  f"offset {offset} of {total}")
+            if count:
+                _import_pages(target, page, page.step)
+            rows += count
+            nbytes += len(page.values.content) + sum(len(s.content) for s in page.slots)
+            offset = page.next_offset
+    _set_step(target, step or 0, slot_names)
+    return MoveReport(rows=rows, bytes=nbytes, step=step or 0,
+                      seconds=time.perf_counter() - start)
