@@ -67,7 +67,7 @@ def _on_every_worker(workers: Workers, work: Callable[[], None], failed: str) ->
             raise ParallaxError(f"worker {rank} {failed}: {message}")
 
 
-def _on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
+def on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
     """`work` on rank 0 only; the others wait for it, and raise its error if it fails."""
     _on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
 
@@ -167,7 +167,7 @@ class TableBinder:
                     ids = np.arange(first, first + len(rows), dtype=np.int64)
                     table.assign(ids, rows.reshape(len(rows), spec.dim))
 
-        _on_chief(self.workers, create_and_fill,
+        on_chief(self.workers, create_and_fill,
                   "failed to set up the parameter-server tables")
         return_freed_memory()
         for vp, spec in zip(on_servers, specs):

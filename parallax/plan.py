@@ -179,15 +179,23 @@ def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int
     return max(1, min(wanted, rows))
 
 
-def place_shards(variables: tuple[VariablePlan, ...], num_servers: int
+def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
+                 keep: Mapping[int, tuple[int, ...]] | None = None
                  ) -> dict[int, tuple[int, ...]]:
     """Server of every shard, balancing bytes: biggest tables first, each shard onto the
     least-loaded server its table does not use yet (lowest index on ties), so one-shard
     tables spread over the servers instead of all landing on server 0. Deterministic: every
-    worker computes the same placement from the same plan."""
-    load = [0] * max(1, num_servers)
+    worker computes the same placement from the same plan. Tables in `keep` (index ->
+    servers) stay where they are and count as load (resharding some tables of a job)."""
+    load = [0.0] * max(1, num_servers)
+    keep = keep or {}
     placed: dict[int, tuple[int, ...]] = {}
-    for v in sorted((v for v in variables if v.placement == "ps"),
+    for v in variables:
+        if v.index in keep:
+            placed[v.index] = tuple(keep[v.index])
+            for server in placed[v.index]:
+                load[server] += v.bytes / len(placed[v.index])
+    for v in sorted((v for v in variables if v.placement == "ps" and v.index not in keep),
                     key=lambda v: (-v.bytes, v.index)):
         share = v.bytes / v.shards
         servers: list[int] = []

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import weakref
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
@@ -31,8 +32,9 @@ from parallax.collectives import WorkerInfo, make_collectives
 from parallax.datasets import shard_for_worker
 from parallax.errors import ConfigError, ParallaxError
 from parallax.malloc_tuning import reuse_freed_memory
-from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan
+from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
 from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
+from parallax.resharding import Layout, Resharder, ReshardReport, check_layouts
 from parallax.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                 restore_storage)
 
@@ -80,6 +82,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.remotes: dict[int, RemoteTable] = {}
         self.cluster: ClusterSpec | None = None
         self._binder = None
+        self._resharder: Resharder | None = None
         self._optimizer = None  # the Keras optimizer the servers replicate
         if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
                 and not os.environ.get(ADDRESSES_ENV):
@@ -201,11 +204,43 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                                                self.config.local_aggregation)
             self.remotes = self._binder.bind(by_index, observations.optimizer)
             self._optimizer = observations.optimizer
+            self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
             keras_support.route_keras_take()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
+
+    def reshard(self, layouts: Mapping[str, Layout], log: bool = True) -> ReshardReport:
+        """New layouts for tables, applied now on every worker (all must call it at the same
+        step boundary, outside any tf.function)."""
+        if self.plan is None or self._resharder is None:
+            raise ConfigError("no table is on the parameter servers yet: reshard after the "
+                              "first training step (which makes the plan)")
+        self.plan, report = self._resharder.apply(self.plan, layouts, log=log)
+        return report
+
+    def layouts_for(self, shards: int | Mapping[str, int],
+                    servers: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
+        """Layouts giving tables these shard counts: the servers given, else placed by
+        bytes next to the tables that keep theirs."""
+        plan = self.plan
+        if plan is None:
+            raise ConfigError("reshard after the first training step, which makes the plan")
+        counts = {v.name: shards for v in plan.on_servers} if isinstance(shards, int) \
+            else dict(shards)
+        servers = dict(servers or {})
+        check_layouts(plan, {n: Layout(tuple(servers.get(n, [0] * c))) for n, c in
+                             counts.items()})
+        moving = {v.name for v in plan.on_servers if v.name in counts and v.name not in servers}
+        keep = {v.index: v.servers for v in plan.on_servers if v.name not in moving}
+        wanted = tuple(dataclasses.replace(v, shards=counts.get(v.name, v.shards))
+                       for v in plan.on_servers)
+        placed = place_shards(wanted, plan.num_servers, keep)
+        by_name = {v.name: v for v in plan.on_servers}
+        layouts = {name: Layout(tuple(servers[name]) if name in servers
+                                else placed[by_name[name].index]) for name in counts}
+        return layouts
 
     def _aggregate_across_workers(self, value: tf.Tensor, aggregation) -> tf.Tensor:
         total = self.workers.allreduce_sum([value])[0]
@@ -349,6 +384,18 @@ class ParallaxStrategy(distribute_lib.Strategy):
     @property
     def worker(self) -> WorkerInfo:
         return self.extended.workers.info
+
+    def reshard(self, shards: int | Mapping[str, int],
+                servers: Mapping[str, Sequence[int]] | None = None) -> ReshardReport:
+        """Give tables new shard counts (an int: every table) and, optionally, the server of
+        each shard; rows, optimizer slots and the step move to the new shards, so training
+        continues exactly where it was. Call it on every worker at the same point between
+        steps (outside tf.function), after the first training step."""
+        if tf.inside_function():
+            raise ConfigError("strategy.reshard moves tables between steps: call it eagerly "
+                              "(outside tf.function), on every worker")
+        extended = self.extended
+        return extended.reshard(extended.layouts_for(shards, servers))
 
     @property
     def tables(self) -> dict[str, RemoteTable]:

@@ -1,0 +1,146 @@
+"""Change the shard count and placement of tables while a job runs, between two steps.
+
+Every worker calls `Resharder.apply` at the same step boundary with the same new layouts:
+1. each worker's pushes land (sync: and the servers closed the step), then all meet;
+2. the chief copies each changed table into a new table (rows, optimizer slots, step; see
+   `parallax.client.reshard`), named `<table>.r<generation>`;
+3. every worker routes the variable to the new table; the chief deletes the old one.
+Nothing is lost or applied twice: no push is in flight while rows move, and every push
+after the switch goes to the new table. If the move fails, the old tables stay in use, the
+new ones are deleted, and every worker raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from parallax.binding import Workers, on_chief
+from parallax.client import PSClient, ShardedTable
+from parallax.errors import ConfigError
+from parallax.plan import Plan, VariablePlan
+from parallax.remote import RemoteTable
+
+_GENERATION = re.compile(r"\.r\d+$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one table's shards live: one server index per shard."""
+
+    servers: tuple[int, ...]
+
+    @property
+    def shards(self) -> int:
+        return len(self.servers)
+
+
+@dataclass(frozen=True)
+class ReshardReport:
+    tables: tuple[str, ...]  # variable names whose layout changed
+    rows: int
+    bytes: int
+    seconds: float
+
+
+def check_layouts(plan: Plan, layouts: Mapping[str, Layout]) -> None:
+    on_servers = {v.name: v for v in plan.on_servers}
+    for name, layout in layouts.items():
+        vp = on_servers.get(name)
+        if vp is None:
+            raise ConfigError(f"cannot reshard {name!r}: it is not a table on the parameter "
+                              f"servers; tables: {', '.join(on_servers) or 'none'}")
+        rows = vp.shape[0] if vp.shape else 1
+        if not 1 <= layout.shards <= rows:
+            raise ConfigError(f"cannot give {name!r} {layout.shards} shards: it has {rows} "
+                              f"rows; use 1 to {rows}")
+        bad = [s for s in layout.servers if not 0 <= s < plan.num_servers]
+        if bad:
+            raise ConfigError(f"cannot place a shard of {name!r} on server {bad[0]}: the job "
+                              f"has servers 0 to {plan.num_servers - 1}")
+
+
+class Resharder:
+    """Applies new layouts to the bound tables of one job (see the module docstring)."""
+
+    def __init__(self, client: PSClient, workers: Workers,
+                 remotes: Mapping[int, RemoteTable]) -> None:
+        self.client = client
+        self.workers = workers
+        self.remotes = remotes
+        self.generation = 0
+
+    def apply(self, plan: Plan, layouts: Mapping[str, Layout], log: bool = True
+              ) -> tuple[Plan, ReshardReport]:
+        check_layouts(plan, layouts)
+        start = time.perf_counter()
+        changed = [v for v in plan.on_servers if v.name in layouts
+                   and layouts[v.name].servers != v.servers]
+        if not changed:
+            return plan, ReshardReport((), 0, 0, 0.0)
+        self.generation += 1
+        for vp in changed:
+            remote = self.remotes[vp.index]
+            remote.wait_for_pushes()
+            if remote.sync:
+                remote.table.wait_step(remote.steps_pushed)
+        self.workers.allgather_object(None)  # every worker's last pushes are in
+        targets: dict[int, ShardedTable] = {}
+        moved = [0, 0]
+        on_chief(self.workers, lambda: self._move(changed, layouts, targets, moved),
+                 "failed to reshard the tables")
+        new_plans, replaced = {}, []
+        for vp in changed:
+            layout = layouts[vp.name]
+            remote = self.remotes[vp.index]
+            replaced.append(remote.table)
+            spec = dataclasses.replace(remote.table.spec, name=self._name(vp),
+                                       shard_count=layout.shards)
+            remote.table = targets.get(vp.index) or self.client.table(spec, layout.servers)
+            new_plans[vp.index] = dataclasses.replace(vp, shards=layout.shards,
+                                                      servers=layout.servers, table=spec.name)
+        on_chief(self.workers, lambda: [self.client.delete_table(t) for t in replaced],
+                 "failed to delete the tables replaced by resharding")
+        new_plan = dataclasses.replace(plan, variables=tuple(
+            new_plans.get(v.index, v) for v in plan.variables))
+        report = ReshardReport(tuple(v.name for v in changed), moved[0], moved[1],
+                               time.perf_counter() - start)
+        if log and self.workers.info.is_chief:
+            print(describe(plan, new_plan, report), file=sys.stderr, flush=True)
+        return new_plan, report
+
+    def _name(self, vp: VariablePlan) -> str:
+        base = _GENERATION.sub("", vp.table)[:120]
+        return f"{base}.r{self.generation}"
+
+    def _move(self, changed, layouts, targets: dict, moved: list) -> None:
+        """Chief: copy each changed table; on failure delete the copies made so far."""
+        try:
+            for vp in changed:
+                remote = self.remotes[vp.index]
+                table, report = self.client.reshard(remote.table, self._name(vp),
+                                                    layouts[vp.name].shards,
+                                                    layouts[vp.name].servers)
+                targets[vp.index] = table
+                moved[0] += report.rows
+                moved[1] += report.bytes
+        except BaseException:
+            for table in targets.values():
+                self.client.delete_table(table)
+            targets.clear()
+            raise
+
+
+def describe(before: Plan, after: Plan, report: ReshardReport) -> str:
+    lines = [f"parallax: resharded {len(report.tables)} table(s) in {report.seconds:.2f} s "
+             f"({report.rows} rows, {report.bytes / 2**20:.1f} MB moved)"]
+    old = {v.name: v for v in before.on_servers}
+    for v in after.on_servers:
+        if v.name in report.tables:
+            lines.append(f"  {v.name}: {old[v.name].shards} @ "
+                         f"{','.join(map(str, old[v.name].servers))} -> {v.shards} @ "
+                         f"{','.join(map(str, v.servers))}")
+    return "\n".join(lines)
