@@ -5,7 +5,7 @@ from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
 from parallax.version import __version__
 
 __all__ = ["Adagrad", "Adam", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
-           "PSClient", "ParallaxError", "ParallaxStrategy", "SGD", "ServerError",
+           "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch", "SGD", "ServerError",
            "ShardedTable", "TableSpec", "__version__"]
 
 
@@ -14,4 +14,7 @@ def __getattr__(name: str):
     if name == "ParallaxStrategy":
         from parallax.strategy import ParallaxStrategy
         return ParallaxStrategy
+    if name == "PartitionSearch":
+        from parallax.tuning import PartitionSearch
+        return PartitionSearch
     raise AttributeError(f"module 'parallax' has no attribute {name!r}")

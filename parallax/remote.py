@@ -20,6 +20,7 @@ import atexit
 import math
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -43,6 +44,8 @@ class TableTraffic:
     pulled_rows: int = 0
     pushes: int = 0
     pushed_rows: int = 0
+    pull_seconds: float = 0.0  # wall time of pulls (waits included), for the partitioner
+    push_seconds: float = 0.0  # wall time of push RPCs, in the background or not
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -97,6 +100,7 @@ class RemoteTable:
             future.result()
 
     def pull_rows(self, unique: np.ndarray) -> np.ndarray:
+        start = time.perf_counter()
         self.wait_for_pushes()
         self._check_ids(unique)
         rows = self.table.pull_unique(unique, min_step=self._min_step())
@@ -104,6 +108,7 @@ class RemoteTable:
         with self.traffic.lock:
             self.traffic.pulls += 1
             self.traffic.pulled_rows += len(unique)
+            self.traffic.pull_seconds += time.perf_counter() - start
         return rows.astype(self._np_dtype, copy=False)
 
     def pull_all_rows(self) -> np.ndarray:
@@ -126,19 +131,27 @@ class RemoteTable:
                 _drain_at_exit()
                 # numpy_function's inputs may share TensorFlow's buffers, reused once the op
                 # returns: the background push gets its own copies.
-                future = run_in_background(self.table.push, ids.copy(), grads.copy(),
-                                           step=step, worker=self.worker,
-                                           learning_rate=float(learning_rate))
+                future = run_in_background(self._timed_push, ids.copy(), grads.copy(),
+                                           step, float(learning_rate))
                 with self._in_flight_lock:
                     self._in_flight.append(future)
             else:
-                self.table.push(ids, grads, step=step, worker=self.worker,
-                                learning_rate=float(learning_rate))
+                self._timed_push(ids, grads, step, float(learning_rate))
             with self.traffic.lock:
                 self.traffic.pushes += 1
                 self.traffic.pushed_rows += len(ids)
         self.steps_pushed = step + 1
         return np.int64(step)
+
+    def _timed_push(self, ids: np.ndarray, grads: np.ndarray, step: int,
+                    learning_rate: float) -> bool:
+        start = time.perf_counter()
+        try:
+            return self.table.push(ids, grads, step=step, worker=self.worker,
+                                   learning_rate=learning_rate)
+        finally:
+            with self.traffic.lock:
+                self.traffic.push_seconds += time.perf_counter() - start
 
     def assign_all(self, value) -> None:
         """Replace every row (eager), e.g. when weights are loaded into a trained model."""

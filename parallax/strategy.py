@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
 
-from parallax import binding, keras_support
+from parallax import binding, keras_support, tuning
 from parallax.analysis import inspect_reads
 from parallax.client import ClientOptions
 from parallax.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
@@ -35,6 +35,8 @@ from parallax.malloc_tuning import reuse_freed_memory
 from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
 from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
 from parallax.resharding import Layout, Resharder, ReshardReport, check_layouts
+from parallax.tuner import PartitionTuner
+from parallax.tuning import PartitionSearch
 from parallax.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                 restore_storage)
 
@@ -66,8 +68,10 @@ def _spec_of(value):
 
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
-                 connect_timeout: float) -> None:
+                 connect_timeout: float, search_partitions="auto") -> None:
         self.config = config
+        self._search_setting = search_partitions
+        self.tuner: PartitionTuner | None = None
         self.workers = make_collectives()
         info = self.workers.info
         gpus = tf.config.list_physical_devices("GPU")
@@ -129,6 +133,10 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 for index, remote in self.remotes.items():
                     if index not in self._pushed:
                         remote.push_nothing()
+                if self.tuner is not None and not self.tuner.done:
+                    # after the step's pushes (stateful ops run in program order)
+                    tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
+                                      name="parallax_partition_search")
         finally:
             self._pushed = None
         return result
@@ -196,6 +204,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
+        search = tuning.resolve(self._search_setting, plan, self.config)
+        cached = None
+        if search is not None:  # the chief's saved decision, the same on every worker
+            cached = self.workers.broadcast_object(
+                tuning.load_decision(search, plan) if info.is_chief else None)
+            if cached is not None:
+                plan = tuning.with_layouts(plan, cached["layouts"])
         binding.check_agreement(plan, self.workers)
         by_index = {v._parallax_index: v for v in self.variables()}
         if plan.on_servers:
@@ -205,6 +220,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self.remotes = self._binder.bind(by_index, observations.optimizer)
             self._optimizer = observations.optimizer
             self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
+            if search is not None:
+                self.tuner = PartitionTuner(search, self, cached)
             keras_support.route_keras_take()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
@@ -363,7 +380,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool = False, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
-                 client_options: ClientOptions | None = None) -> None:
+                 client_options: ClientOptions | None = None,
+                 search_partitions: bool | str | PartitionSearch = "auto") -> None:
         if ps_addresses is not None:
             ps_addresses = parse_addresses(ps_addresses if isinstance(ps_addresses, str)
                                            else ",".join(ps_addresses), "ps_addresses")
@@ -374,7 +392,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
                                 log_plan=log_plan)
-        super().__init__(ParallaxExtended(self, config, client_options, connect_timeout))
+        tuning.check_setting(search_partitions)
+        super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
+                                          search_partitions))
 
     @property
     def plan(self) -> Plan | None:
@@ -396,6 +416,11 @@ class ParallaxStrategy(distribute_lib.Strategy):
                               "(outside tf.function), on every worker")
         extended = self.extended
         return extended.reshard(extended.layouts_for(shards, servers))
+
+    @property
+    def partition_search(self) -> PartitionTuner | None:
+        """The measured tuning of shard counts (None when off): `.done`, `.report()`."""
+        return self.extended.tuner
 
     @property
     def tables(self) -> dict[str, RemoteTable]:

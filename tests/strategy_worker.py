@@ -82,7 +82,8 @@ def build(model: str, vocab: int = VOCAB) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(1)(h))
 
 
-def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: bool) -> None:
+def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: bool,
+                 between_steps=lambda step: None) -> None:
     dataset = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(batch)
     dataset = strategy.experimental_distribute_dataset(dataset)
     variables = model.trainable_variables
@@ -103,8 +104,32 @@ def train_custom(strategy, model, optimizer, ids, labels, batch: int, densify: b
         losses = strategy.run(replica_step, args=(x, y))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    for x, y in dataset:
+    for i, (x, y) in enumerate(dataset):
         step(x, y)
+        between_steps(i + 1)
+
+
+def reshard_midway(strategy, steps: int):
+    """Between steps: every table to 3 shards at a third of the run, then each table to 2
+    shards on servers (1, 0) at two thirds (the "reshard" mode)."""
+    def between_steps(step: int) -> None:
+        if step == steps // 3:
+            strategy.reshard(3)
+        elif step == 2 * steps // 3:
+            names = [v.name for v in strategy.plan.on_servers]
+            strategy.reshard({n: 2 for n in names}, servers={n: [1, 0] for n in names})
+    return between_steps
+
+
+class BetweenSteps(keras.callbacks.Callback):
+    def __init__(self, between_steps):
+        super().__init__()
+        self.between_steps = between_steps
+        self.step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        self.between_steps(self.step)
 
 
 def export(strategy, model, ids, out: Path, case: str) -> None:
@@ -126,21 +151,29 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
         strategy = tf.distribute.get_strategy()
     else:
         import parallax
+        search = parallax.PartitionSearch(steps_per_sample=2, warmup_steps=1, max_samples=4,
+                                          max_shards=4, cache_dir="") \
+            if mode == "tuned" else False
         strategy = parallax.ParallaxStrategy(
-            mode="hybrid" if mode == "localagg" else mode, local_aggregation=mode == "localagg",
-            run_id=f"{run_id}-{case}"[:48], log_plan=False)
+            mode="hybrid" if mode in ("localagg", "reshard", "tuned") else mode,
+            local_aggregation=mode == "localagg", run_id=f"{run_id}-{case}"[:48],
+            log_plan=False, search_partitions=search)
     with strategy.scope():
         rank = strategy.worker.rank if setup != "plain" else 0
         model = build(model_kind, VOCAB + 1 if disagree and rank == 1 else VOCAB)
         optimizer = OPTIMIZERS[optimizer_name]()
         if loop == "fit" and setup != "plain":
             model.compile(optimizer=optimizer, loss="mse")  # in the scope: metrics too
+    between_steps = reshard_midway(strategy, steps) if mode == "reshard" and \
+        setup != "plain" else (lambda step: None)
     if loop == "fit" and setup != "plain":
-        history = model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        history = model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                            callbacks=[BetweenSteps(between_steps)])
         print(f"HISTORY {strategy.worker.rank} {case} {json.dumps(history.history)}",
               flush=True)
     else:
-        train_custom(strategy, model, optimizer, ids, labels, batch, densify=setup == "plain")
+        train_custom(strategy, model, optimizer, ids, labels, batch, densify=setup == "plain",
+                     between_steps=between_steps)
     rank = getattr(strategy, "worker", None)
     if rank is None or rank.is_chief:
         names = [v.path if hasattr(v, "path") else v.name for v in model.trainable_variables]
@@ -148,9 +181,11 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
         np.savez(out / f"{case}.npz", **{f"{i}:{n}": v for i, (n, v) in
                                          enumerate(zip(names, values))})
         if setup != "plain":
-            summary = {"case": case, "plan": [(v.name, v.kind, v.placement)
-                                              for v in strategy.plan.variables],
-                       "workers": strategy.worker.size}
+            summary = {"case": case, "plan": [(v.name, v.kind, v.placement, v.shards,
+                                               v.servers) for v in strategy.plan.variables],
+                       "workers": strategy.worker.size,
+                       "search": strategy.partition_search.report()
+                       if strategy.partition_search else None}
             print("CASE " + json.dumps(summary), flush=True)
             if case == export_case:
                 export(strategy, model, ids, out, case)
@@ -161,7 +196,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--setup", choices=("plain", "parallax"), required=True)
     parser.add_argument("--cases", required=True,
                         help="comma-separated model-optimizer-loop[-mode], mode: hybrid (default)"
-                             ", ps, allreduce, localagg (hybrid with local aggregation)")
+                             ", ps, allreduce, localagg (hybrid with local aggregation), reshard "
+                             "(hybrid, resharded twice midway), tuned (hybrid with a short "
+                             "partition search)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--out", type=Path, required=True)

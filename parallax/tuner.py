@@ -1,0 +1,215 @@
+"""The partition search at run time: times training steps, asks the chief what to sample
+next, reshards every worker to it, and finally settles on the best measured layout.
+
+`after_step` runs at the end of every training step on every worker (a numpy_function the
+strategy appends to the step, after its pushes). Steps are counted the same way on every
+worker, so all of them reach each decision point at the same step; there the chief's
+measurement decides and `broadcast_object` hands its decision to the others.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from parallax.partitioner import (ClusterProfile, Measurement, Planner, ShardCountEnumerator,
+                                  TableProfile, fit_report, place)
+from parallax.resharding import Layout
+from parallax.tuning import PartitionSearch, next_uniform, save_decision
+
+HOT_IDS = 64  # the most-read ids of each table the placer balances by name
+
+
+@dataclass
+class _Sample:
+    layouts: dict[str, tuple[int, ...]]
+    measurement: Measurement
+    steps: int
+
+
+class PartitionTuner:
+    def __init__(self, config: PartitionSearch, extended, cached: dict | None = None) -> None:
+        self.config = config
+        self.ext = extended
+        self.done = cached is not None
+        self.samples: list[_Sample] = []
+        self._report: dict = dict(cached["report"], from_cache=True) if cached else {}
+        self._durations: list[float] = []
+        self._last: float | None = None
+        self._search_seconds = 0.0
+        self._search_steps = 0
+        self._traffic_mark: dict[str, tuple[float, float, int, int]] = {}
+        self._model_tried = False
+        self._profiles: dict[str, TableProfile] | None = None
+        self._id_counts: dict[str, np.ndarray] = {}
+
+    # ---- every worker, every training step ----
+
+    def after_step(self) -> np.int64:
+        now = time.perf_counter()
+        if self.done:
+            return np.int64(0)
+        if self._last is None:  # the first step ran the plan and traced: not a sample
+            self._last = now
+            return np.int64(0)
+        self._durations.append(now - self._last)
+        self._last = now
+        self._search_seconds += self._durations[-1]
+        self._search_steps += 1
+        warmup, timed = self.config.warmup_steps, self.config.steps_per_sample
+        if len(self._durations) == warmup:
+            self._mark_traffic()
+        if len(self._durations) < warmup + timed:
+            return np.int64(0)
+        decision = self._decide() if self.ext.workers.info.is_chief else None
+        decision = self.ext.workers.broadcast_object(decision)
+        self._apply(decision)
+        return np.int64(1)
+
+    def _apply(self, decision: dict) -> None:
+        """Reshard to the decided layout; the move's time falls into the next (untimed)
+        step, or into the overhead once the search is over."""
+        layouts = {name: Layout(tuple(servers)) for name, servers in decision["layouts"].items()}
+        start = time.perf_counter()
+        self.ext.reshard(layouts, log=False)
+        self._durations = []
+        if self.config.warmup_steps == 0:
+            self._mark_traffic()
+        if decision["done"]:
+            self.done = True
+            self._report = decision["report"]
+            self._report["final_reshard_seconds"] = time.perf_counter() - start
+            self._report["overhead_seconds"] += self._report["final_reshard_seconds"]
+            if self.ext.workers.info.is_chief:
+                path = save_decision(self.config, self.ext.plan, self._report)
+                print(describe(self._report, path), file=sys.stderr, flush=True)
+
+    # ---- measurements (every worker keeps its own; the chief's decide) ----
+
+    def _tables(self):
+        plan = self.ext.plan
+        return {v.name: (v, self.ext.remotes[v.index]) for v in plan.on_servers}
+
+    def _mark_traffic(self) -> None:
+        self._traffic_mark = {}
+        for name, (_, remote) in self._tables().items():
+            t = remote.traffic
+            self._traffic_mark[name] = (t.pull_seconds, t.push_seconds, t.pulls, t.pulled_rows)
+
+    def _measure(self) -> Measurement:
+        timed = self._durations[self.config.warmup_steps:]
+        steps = len(timed)
+        table_seconds = {}
+        for name, (_, remote) in self._tables().items():
+            t = remote.traffic
+            pull0, push0, _, _ = self._traffic_mark.get(name, (0.0, 0.0, 0, 0))
+            table_seconds[name] = max(0.0, (t.pull_seconds - pull0 + t.push_seconds - push0)
+                                      / steps)
+        counts = {v.name: v.shards for v in self.ext.plan.on_servers}
+        return Measurement(counts=counts, step_seconds=statistics.median(timed),
+                           table_seconds=table_seconds)
+
+    def _table_profiles(self) -> dict[str, TableProfile]:
+        if self._profiles is None:
+            stats = self.ext._binder.client.stats([v.table for v in self.ext.plan.on_servers])
+            held: dict[str, int] = {}
+            for reply in stats.values():
+                for t in reply.tables:
+                    held[t.table] = held.get(t.table, 0) + t.bytes
+            profiles = {}
+            for name, (vp, remote) in self._tables().items():
+                t = remote.traffic
+                _, _, pulls0, rows0 = self._traffic_mark.get(name, (0, 0, 0, 0))
+                unique = (t.pulled_rows - rows0) / max(1, t.pulls - pulls0)
+                profiles[name] = TableProfile(
+                    name=name, rows=remote.rows, dim=remote.dim,
+                    bytes=max(held.get(vp.table, 0), vp.bytes),
+                    unique_rows_per_step=min(float(remote.rows), unique))
+            self._profiles = profiles
+        return self._profiles
+
+    # ---- the chief's decisions ----
+
+    def _cluster(self) -> ClusterProfile:
+        plan = self.ext.plan
+        return ClusterProfile(num_servers=plan.num_servers, num_workers=plan.num_workers)
+
+    def _decide(self) -> dict:
+        measurement = self._measure()
+        profiles = self._table_profiles()
+        current = {v.name: v.servers for v in self.ext.plan.on_servers}
+        self.samples.append(_Sample(current, measurement,
+                                    len(self._durations) - self.config.warmup_steps))
+        rows = {name: p.rows for name, p in profiles.items()}
+        measurements = [s.measurement for s in self.samples]
+        counts = next_uniform(self.config, rows, measurements)
+        if counts is not None:
+            return {"layouts": self._place(counts), "done": False}
+        if not self._model_tried and len(self.samples) < self.config.max_samples:
+            self._model_tried = True
+            proposal = self._planner().plan(list(profiles.values()), self._cluster(),
+                                            measurements)
+            if proposal.counts() not in [dict(m.counts) for m in measurements]:
+                return {"layouts": {t.name: tuple(t.servers) for t in proposal.tables},
+                        "done": False}
+        best = min(self.samples, key=lambda s: s.measurement.step_seconds)
+        return {"layouts": best.layouts, "done": True, "report": self._final_report(best)}
+
+    def _planner(self) -> Planner:
+        enumerator = ShardCountEnumerator(min_shards=self.config.min_shards,
+                                          max_shards=self.config.max_shards)
+        return Planner(enumerator=enumerator, time_budget_seconds=self.config.plan_seconds)
+
+    def _place(self, counts: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+        plan = place(counts, list(self._table_profiles().values()), self._cluster())
+        return {t.name: tuple(t.servers) for t in plan.tables}
+
+    def _final_report(self, best: _Sample) -> dict:
+        chosen = best.measurement.step_seconds
+        planner = self._planner()
+        profiles = list(self._table_profiles().values())
+        measurements = [s.measurement for s in self.samples]
+        cluster = self._cluster()
+        planner.estimator.calibrate(measurements, profiles, cluster)
+        candidates = {p.name: planner.enumerator.candidates(p, cluster) for p in profiles}
+        curve = [[n, seconds] for n, seconds in fit_report(planner.estimator, candidates)]
+        return {
+            "samples": [{"counts": dict(s.measurement.counts), "servers": s.layouts,
+                         "step_seconds": s.measurement.step_seconds, "steps": s.steps,
+                         "table_seconds": dict(s.measurement.table_seconds)}
+                        for s in self.samples],
+            "chosen": dict(best.measurement.counts),
+            "servers": {k: list(v) for k, v in best.layouts.items()},
+            "chosen_step_seconds": chosen,
+            "search_steps": self._search_steps,
+            "search_seconds": self._search_seconds,
+            "overhead_seconds": max(0.0, self._search_seconds - self._search_steps * chosen),
+            "fitted_curve": curve,
+            "fit_residual": planner.estimator.residual(),
+            "decided_at_step": self._search_steps + 1,
+            "from_cache": False,
+        }
+
+    def report(self) -> dict:
+        return dict(self._report)
+
+
+def describe(report: dict, path) -> str:
+    chosen = ", ".join(f"{k}: {n} @ {','.join(map(str, report['servers'][k]))}"
+                       for k, n in report["chosen"].items())
+    tried = "; ".join(f"{_counts_text(s['counts'])} {s['step_seconds'] * 1e3:.1f} ms"
+                      for s in report["samples"])
+    where = f"; saved to {path}" if path else ""
+    return (f"parallax: partition search chose {chosen} ({report['chosen_step_seconds'] * 1e3:.1f}"
+            f" ms/step) after {len(report['samples'])} samples over {report['search_steps']} "
+            f"steps [{tried}]; overhead {report['overhead_seconds']:.2f} s{where}")
+
+
+def _counts_text(counts: Mapping[str, int]) -> str:
+    values = set(counts.values())
+    return f"all {values.pop()}" if len(values) == 1 else \
+        "{" + ", ".join(f"{k}: {n}" for k, n in counts.items()) + "}"
