@@ -28,9 +28,10 @@ PARALLAX = str(Path(sys.executable).parent / "parallax")
 PLAIN_CASES = ["keras-sgd-fit", "keras-adagrad-custom", "custom-sgd-custom",
                "custom-adagrad-custom", "shared-sgd-fit", "shared-adagrad-custom",
                "keras-sgd-fit-ps", "custom-adagrad-custom-ps", "keras-sgd-custom-allreduce",
-               "keras-adagrad-fit-localagg", "keras-lso-fit", "shared-lso-custom"]
+               "keras-adagrad-fit-localagg", "keras-lso-fit", "shared-lso-custom",
+               "keras-adagrad-fit-reshard", "custom-sgd-custom-tuned"]
 LAZY_CASES = ["keras-adam-fit", "custom-adam-custom", "shared-adam-custom",
-              "keras-momentum-custom"]
+              "keras-momentum-custom", "custom-adam-custom-reshard", "keras-adam-fit-tuned"]
 
 EXPORT_CASE = "keras-adagrad-fit"
 PLAIN_CASES.append(EXPORT_CASE)
@@ -148,3 +149,29 @@ def test_keras_metrics_are_aggregated_over_workers(results):
         assert sorted(by_rank) == [0, 1], case
         assert by_rank[0] == by_rank[1], case
         assert np.isfinite(by_rank[0]["loss"]).all()
+
+
+def _case_summaries(output: str) -> dict[str, dict]:
+    summaries = {}
+    for line in output.splitlines():
+        if "CASE " in line:
+            summary = json.loads(line.split("CASE ", 1)[1])
+            summaries[summary["case"]] = summary
+    return summaries
+
+
+def test_resharded_and_tuned_runs_really_changed_their_layouts(results):
+    """The reshard and tuned cases above match the plain run; here, check they moved: the
+    reshard cases end on 2 shards at servers (1, 0), and each search sampled several
+    layouts, decided, and says what it cost."""
+    summaries = _case_summaries(results["two_output"])
+    for case in ("keras-adagrad-fit-reshard", "custom-adam-custom-reshard"):
+        tables = [v for v in summaries[case]["plan"] if v[2] == "ps"]
+        assert tables and all(v[3] == 2 and v[4] == [1, 0] for v in tables), tables
+    for case in ("custom-sgd-custom-tuned", "keras-adam-fit-tuned"):
+        report = summaries[case]["search"]
+        assert report and not report["from_cache"], case
+        assert len({tuple(sorted(s["counts"].items())) for s in report["samples"]}) >= 2
+        assert report["chosen_step_seconds"] == min(s["step_seconds"]
+                                                    for s in report["samples"])
+        assert report["overhead_seconds"] >= 0 and report["fitted_curve"]
