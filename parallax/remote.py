@@ -71,6 +71,7 @@ class RemoteTable:
         self._in_flight: list[Future] = []
         self._in_flight_lock = threading.Lock()
         self._pulled_since_push = True
+        self.id_sample: list[np.ndarray] | None = None  # pulled ids, while the tuner samples
         _TABLES.add(self)
 
     # ---- numpy side: runs inside numpy_function ops ----
@@ -105,6 +106,8 @@ class RemoteTable:
         self._check_ids(unique)
         rows = self.table.pull_unique(unique, min_step=self._min_step())
         self._pulled_since_push = True
+        if self.id_sample is not None:
+            self.id_sample.append(unique.copy())
         with self.traffic.lock:
             self.traffic.pulls += 1
             self.traffic.pulled_rows += len(unique)

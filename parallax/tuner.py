@@ -42,6 +42,7 @@ class PartitionTuner:
         self._last: float | None = None
         self._search_seconds = 0.0
         self._search_steps = 0
+        self._sampled = 0  # samples finished, on every worker (the chief also keeps them)
         self._traffic_mark: dict[str, tuple[float, float, int, int]] = {}
         self._model_tried = False
         self._profiles: dict[str, TableProfile] | None = None
@@ -60,7 +61,7 @@ class PartitionTuner:
         self._last = now
         self._search_seconds += self._durations[-1]
         self._search_steps += 1
-        warmup, timed = self.config.warmup_steps, self.config.steps_per_sample
+        warmup, timed = self._warmup(), self.config.steps_per_sample
         if len(self._durations) == warmup:
             self._mark_traffic()
         if len(self._durations) < warmup + timed:
@@ -70,6 +71,12 @@ class PartitionTuner:
         self._apply(decision)
         return np.int64(1)
 
+    def _warmup(self) -> int:
+        """Untimed steps of the sample under way: the first also lets the job settle (rows
+        touched for the first time are initialised on the servers, caches fill)."""
+        first = self._sampled == 0  # counted on every worker: decision points must agree
+        return self.config.warmup_steps + (self.config.settle_steps if first else 0)
+
     def _apply(self, decision: dict) -> None:
         """Reshard to the decided layout; the move's time falls into the next (untimed)
         step, or into the overhead once the search is over."""
@@ -77,6 +84,7 @@ class PartitionTuner:
         start = time.perf_counter()
         self.ext.reshard(layouts, log=False)
         self._durations = []
+        self._sampled += 1
         if self.config.warmup_steps == 0:
             self._mark_traffic()
         if decision["done"]:
@@ -99,9 +107,22 @@ class PartitionTuner:
         for name, (_, remote) in self._tables().items():
             t = remote.traffic
             self._traffic_mark[name] = (t.pull_seconds, t.push_seconds, t.pulls, t.pulled_rows)
+            if self._profiles is None and remote.id_sample is None and \
+                    self.ext.workers.info.is_chief:
+                remote.id_sample = []  # which rows are hot: sampled during the first sample
+
+    def _hot_ids(self, remote) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The most-read rows (after each step's dedup) and their share of all row reads."""
+        sample, remote.id_sample = remote.id_sample or [], None
+        if not sample:
+            return (), ()
+        ids, counts = np.unique(np.concatenate(sample), return_counts=True)
+        top = np.argsort(-counts, kind="stable")[:HOT_IDS]
+        return (tuple(int(i) for i in ids[top]),
+                tuple(float(c) for c in counts[top] / counts.sum()))
 
     def _measure(self) -> Measurement:
-        timed = self._durations[self.config.warmup_steps:]
+        timed = self._durations[self._warmup():]
         steps = len(timed)
         table_seconds = {}
         for name, (_, remote) in self._tables().items():
@@ -125,10 +146,12 @@ class PartitionTuner:
                 t = remote.traffic
                 _, _, pulls0, rows0 = self._traffic_mark.get(name, (0, 0, 0, 0))
                 unique = (t.pulled_rows - rows0) / max(1, t.pulls - pulls0)
+                hot_ids, hot_shares = self._hot_ids(remote)
                 profiles[name] = TableProfile(
                     name=name, rows=remote.rows, dim=remote.dim,
                     bytes=max(held.get(vp.table, 0), vp.bytes),
-                    unique_rows_per_step=min(float(remote.rows), unique))
+                    unique_rows_per_step=min(float(remote.rows), unique),
+                    hot_ids=hot_ids, hot_shares=hot_shares)
             self._profiles = profiles
         return self._profiles
 
@@ -143,7 +166,7 @@ class PartitionTuner:
         profiles = self._table_profiles()
         current = {v.name: v.servers for v in self.ext.plan.on_servers}
         self.samples.append(_Sample(current, measurement,
-                                    len(self._durations) - self.config.warmup_steps))
+                                    len(self._durations) - self._warmup()))
         rows = {name: p.rows for name, p in profiles.items()}
         measurements = [s.measurement for s in self.samples]
         counts = next_uniform(self.config, rows, measurements)

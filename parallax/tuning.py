@@ -33,7 +33,8 @@ class PartitionSearch:
 
     min_shards / max_shards bound every table's count; steps_per_sample timed steps (after
     warmup_steps untimed ones, which absorb the move) measure each sampled layout, at most
-    max_samples of them; cache_dir keeps decisions (default $PARALLAX_PLAN_CACHE, else
+    max_samples of them; the first sample also waits settle_steps (rows touched for the
+    first time are slower); cache_dir keeps decisions (default $PARALLAX_PLAN_CACHE, else
     ~/.cache/parallax/partitions; "" keeps none); plan_seconds bounds the planner's search.
     For a fixed plan instead, pass `shards=` to the strategy and leave this off."""
 
@@ -41,6 +42,7 @@ class PartitionSearch:
     max_shards: int = 64
     steps_per_sample: int = 15
     warmup_steps: int = 3
+    settle_steps: int = 10
     max_samples: int = 6
     stop_ratio: float = 1.1
     cache_dir: str | None = None
@@ -49,7 +51,8 @@ class PartitionSearch:
     def __post_init__(self) -> None:
         checks = [("min_shards", self.min_shards, 1), ("max_shards", self.max_shards, 1),
                   ("steps_per_sample", self.steps_per_sample, 1),
-                  ("warmup_steps", self.warmup_steps, 0), ("max_samples", self.max_samples, 1)]
+                  ("warmup_steps", self.warmup_steps, 0), ("settle_steps", self.settle_steps, 0),
+                  ("max_samples", self.max_samples, 1)]
         for name, value, least in checks:
             if not isinstance(value, int) or value < least:
                 raise ConfigError(f"PartitionSearch.{name} must be an int >= {least}, got "

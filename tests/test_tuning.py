@@ -113,7 +113,7 @@ def _job(cluster, search, run_id):
 
 
 def test_a_search_decides_saves_and_the_next_run_starts_from_its_decision(cluster, tmp_path):
-    search = PartitionSearch(steps_per_sample=3, warmup_steps=1, max_shards=4,
+    search = PartitionSearch(steps_per_sample=3, warmup_steps=1, settle_steps=2, max_shards=4,
                              cache_dir=str(tmp_path))
     first = _job(cluster, search, f"tune-a-{time.time_ns()}")
     report = first.partition_search.report()
