@@ -58,7 +58,7 @@ RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
 LABEL_JOB = "parallax.io/job"
 LABEL_ROLE = "parallax.io/role"
 MAX_NAME = 40  # leaves room for "-worker-<index>" and StatefulSet revision hashes (63 max)
-PLAN_KEYS = ("placement", "shards", "local_aggregation")
+PLAN_KEYS = ("placement", "shards", "local_aggregation", "search_partitions")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
@@ -164,6 +164,9 @@ def _validate_plan(plan: Mapping[str, Any]) -> None:
     if not isinstance(plan.get("local_aggregation", False), bool):
         raise ConfigError(f"--plan local_aggregation {plan['local_aggregation']!r} must be "
                           f"true or false")
+    if plan.get("search_partitions", "auto") not in ("auto", True, False):
+        raise ConfigError(f"--plan search_partitions {plan['search_partitions']!r} must be "
+                          f'true, false or "auto" (measured tuning of shard counts)')
 
 
 def ps_service_host(config: K8sConfig, index: int) -> str:

@@ -282,6 +282,7 @@ def test_manifests_pass_the_kubernetes_schemas(key):
     ({"plan": {"shard": 4}}, ["['shard']", "shards"]),
     ({"plan": {"placement": {"x": "gpu"}}}, ["placement", "'ps' or 'allreduce'"]),
     ({"plan": {"shards": 0}}, ["shards 0", "positive"]),
+    ({"plan": {"search_partitions": "yes"}}, ["search_partitions 'yes'", "true, false"]),
     ({"server_args": ("--port=1",)}, ["--server-arg '--port=1'"]),
     ({"gloo_iface": "eth 0"}, ["--gloo-iface"]),
 ])
