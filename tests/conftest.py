@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from pathlib import Path
 
@@ -12,6 +13,20 @@ from parallax.client import ClientOptions, PSClient
 from parallax.local_cluster import LocalCluster
 
 _names = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plan_cache(tmp_path_factory):
+    """Partition-search decisions of the tests' jobs (and their subprocesses) go to a fresh
+    directory, not the user's cache: every test run searches again."""
+    path = tmp_path_factory.mktemp("plan-cache")
+    previous = os.environ.get("PARALLAX_PLAN_CACHE")
+    os.environ["PARALLAX_PLAN_CACHE"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("PARALLAX_PLAN_CACHE", None)
+    else:
+        os.environ["PARALLAX_PLAN_CACHE"] = previous
 
 
 @pytest.fixture(scope="session")
