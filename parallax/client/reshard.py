@@ -88,6 +88,9 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0) ->
     """Copy every touched row and its slots from `source` into `target` (created, empty) and
     give `target` the source's step. The source is left as it was."""
     check_compatible(source, target)
+    if page_rows <= 0:  # pages of about the client's chunk size, with up to 3 slots per row
+        row_bytes = 4 * source.spec.dim * source.dtype.itemsize + 8
+        page_rows = max(1, source.shards[0].options.chunk_bytes // row_bytes)
     start = time.perf_counter()
     rows = nbytes = 0
     step = None
