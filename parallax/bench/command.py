@@ -3,6 +3,7 @@
     parallax bench                      # the whole comparison (docs/benchmarks.md), ~1-2 h
     parallax bench --size short --workers 1,2 --networks unlimited --rounds 1   # minutes
     parallax bench --report-only DIR    # re-render DIR/results.json
+    parallax bench partitions           # partition search vs a shard-count sweep (--help)
 
 It writes DIR/results.json (after every run), DIR/logs/<run>/<host>-<role>.log, and the
 report: DIR/report.md and PNG plots.
@@ -78,6 +79,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["partitions"]:
+        return partitions_main(argv[1:])
     args = parser().parse_args(argv)
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every run's processes are
     # stopped and every namespace is deleted on the way out.
@@ -94,5 +97,127 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parallax bench: {err}", file=sys.stderr)
         return 2
     for path in (written.values() if isinstance(written, dict) else written):
+        print(f"wrote {path}")
+    return 0
+
+
+# --- parallax bench partitions ------------------------------------------------------------
+
+PARTITIONS_ESTIMATE = """
+Wall time of the defaults on the 2-core development machine, otherwise idle: about 25-30
+minutes for 32 runs (measured pieces, full size, 4x4: a sweep run takes 20-30 s up to 16
+shards and about 90 s at 32 and 64 shards on ctr, whose steps take 6.7 s there; a tuned ctr
+run about 2.5 min, its search ~50 s and final resharding ~18 s of it; 2x2 runs are faster).
+To fit the ~35 min budget the defaults cut: one round (single runs on this machine vary by
+10-25%, so a 5% target is at the edge of what one round resolves; --rounds 3 for more), 3
+windows of about 2 s (at least 2 steps each), 2 topologies of the issue's 2-4 workers x 2-4
+servers (2x2 and 4x4; e.g. --topologies 2x2,2x4,4x2,4x4 for more), one network. A run past
+--run-timeout (--tuned-timeout) is recorded as timed out, and the benchmark goes on.
+
+    parallax bench partitions --size short --topologies 2x2 --shards 1,2   # ~1 min
+    parallax bench partitions --report-only --out DIR    # re-render DIR/partitions.json
+"""
+
+
+def _topologies(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(x) for x in part.lower().split("x")) for part in _names(text))
+    except ValueError:
+        pairs = ((),)
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise argparse.ArgumentTypeError(
+            f"topologies are WORKERSxSERVERS separated by commas, e.g. 2x2,4x4; got {text!r}")
+    return pairs  # type: ignore[return-value]
+
+
+def _shard_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shard counts must be integers separated by commas, e.g. 1,2,4; "
+            f"got {text!r}") from None
+
+
+def partitions_parser() -> argparse.ArgumentParser:
+    from parallax.bench import partitions
+    p = argparse.ArgumentParser(prog="parallax bench partitions",
+                                description=partitions.__doc__ + PARTITIONS_ESTIMATE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d, w = partitions.PartitionConfig(), partitions.WINDOW
+    p.add_argument("--workloads", type=_names, default=d.workloads, help="from lm,ctr")
+    p.add_argument("--topologies", type=_topologies, default=d.topologies,
+                   help="WORKERSxSERVERS, comma-separated (default 2x2,4x4)")
+    p.add_argument("--shards", type=_shard_counts, default=d.shards,
+                   help="the sweep's shards per table (default 1,2,4,8,16,32,64)")
+    p.add_argument("--no-tuned", dest="tuned", action="store_false",
+                   help="sweep only (no --search-partitions run)")
+    p.add_argument("--network", default=d.network,
+                   help=f"emulated link as in `parallax bench --networks`, or {LOOPBACK}")
+    p.add_argument("--size", choices=workloads.SIZES, default=d.size)
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--warmup-steps", type=int, default=w.warmup_steps)
+    p.add_argument("--windows", type=int, default=w.windows)
+    p.add_argument("--window-seconds", type=float, default=w.window_seconds)
+    p.add_argument("--min-window-steps", type=int, default=w.min_window_steps)
+    p.add_argument("--run-timeout", type=float, default=d.run_timeout,
+                   help="seconds before a sweep run is stopped and recorded as timed out")
+    p.add_argument("--tuned-timeout", type=float, default=d.tuned_timeout,
+                   help="the same for the tuned run (its search steps included)")
+    for name in ("min-shards", "max-shards", "steps-per-sample", "warmup-steps"):
+        p.add_argument(f"--search-{name}", type=int, default=None,
+                       help="parallax.PartitionSearch keyword (default: the tuner's"
+                            + ("; max-shards: the largest --shards)" if name == "max-shards"
+                               else ")"))
+    p.add_argument("--search-cache-dir", default=d.search.cache_dir,
+                   help="PartitionSearch.cache_dir (default '': no saved decisions, so every "
+                        "tuned run searches afresh; a directory there reuses them)")
+    p.add_argument("--search-max-steps", type=int, default=d.search.max_steps,
+                   help="the tuned run fails if the search has not decided by then")
+    p.add_argument("--out", default=d.out_dir, help="output directory")
+    p.add_argument("--prefix", default=d.prefix, help="network namespace name prefix")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: render the report of OUT/partitions.json")
+    return p
+
+
+def partitions_config(args: argparse.Namespace):
+    from parallax.bench import partitions
+    for name in ("search_min_shards", "search_max_shards", "search_steps_per_sample",
+                 "search_warmup_steps", "search_max_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    max_shards = args.search_max_shards or (max(args.shards) if args.shards else None)
+    search = partitions.SearchOptions(
+        min_shards=args.search_min_shards, max_shards=max_shards,
+        steps_per_sample=args.search_steps_per_sample, warmup_steps=args.search_warmup_steps,
+        cache_dir=args.search_cache_dir, max_steps=args.search_max_steps)
+    window = measure.WindowConfig(warmup_steps=args.warmup_steps,
+                                  calibration_steps=partitions.WINDOW.calibration_steps,
+                                  windows=args.windows, window_seconds=args.window_seconds,
+                                  min_window_steps=args.min_window_steps)
+    return partitions.PartitionConfig(
+        workloads=args.workloads, topologies=args.topologies, shards=args.shards,
+        tuned=args.tuned, network=args.network, size=args.size, rounds=args.rounds,
+        window=window, search=search, run_timeout=args.run_timeout,
+        tuned_timeout=args.tuned_timeout, out_dir=args.out, prefix=args.prefix)
+
+
+def partitions_main(argv: list[str]) -> int:
+    from parallax.bench import partitions
+    args = partitions_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        if args.report_only:
+            results = f"{args.out}/partitions.json"
+        else:
+            results = partitions.run_partitions(partitions_config(args),
+                                                partitions.default_command(argv))
+        written = partitions.write_report(results, args.out)
+    except ConfigError as err:
+        print(f"parallax bench partitions: {err}", file=sys.stderr)
+        return 2
+    for path in written.values():
         print(f"wrote {path}")
     return 0

@@ -127,9 +127,10 @@ class Run:
 
     def __init__(self, system: str, spec: workloads.WorkloadSpec, workers: int,
                  servers: int, placement: Placement, window: measure.WindowConfig,
-                 log_dir: Path) -> None:
+                 log_dir: Path, worker_args: Sequence[str] = ()) -> None:
         self.system, self.spec, self.workers, self.servers = system, spec, workers, servers
         self.place, self.window, self.log_dir = placement, window, log_dir
+        self.worker_args = list(worker_args)  # more worker.py flags, e.g. --shards 8
         self.procs: list[Proc] = []
         self.rendezvous = None
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,7 @@ class Run:
     def _worker_argv(self, role: str = "worker") -> list[str]:
         return [sys.executable, "-u", "-m", "parallax.bench.worker", "--system", self.system,
                 "--workload", self.spec.name, "--size", self.spec.size, "--role", role,
-                *self.window.args()]
+                *self.window.args(), *self.worker_args]
 
     def _spawn(self, host: str, role: str, argv: list[str], env: dict[str, str]) -> Proc:
         log = self.log_dir / f"{host}-{role}.log"
@@ -323,9 +324,11 @@ def analytic(system: str, spec: workloads.WorkloadSpec, workers: int) -> dict | 
 
 
 def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
-            placement: Placement, log_dir: Path) -> dict:
-    """One run, as a results record (status "failed" with the reason instead of raising)."""
-    run = Run(system, spec, workers, config.servers, placement, config.window, log_dir)
+            placement: Placement, log_dir: Path, worker_args: Sequence[str] = ()) -> dict:
+    """One run, as a results record (status "failed" with the reason instead of raising).
+    worker_args: more flags for every worker process (parallax.bench.worker's)."""
+    run = Run(system, spec, workers, config.servers, placement, config.window, log_dir,
+              worker_args)
     worker_hosts = [f"worker{i}" for i in range(workers)]
     counters = placement.cluster.counters if placement.cluster else None
     record, error = None, None

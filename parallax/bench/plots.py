@@ -1,6 +1,8 @@
-"""The report's PNG plots: throughput against workers per system, and bytes per worker per
-step per system beside the analytic model. Drawn with matplotlib's Agg canvas directly, so
-nothing depends on pyplot's global state or on a display."""
+"""The report's PNG plots: throughput against workers per system, bytes per worker per
+step per system beside the analytic model, and (`parallax bench partitions`) throughput
+against shard count beside the partition search's choice and fitted curve. Drawn with
+matplotlib's Agg canvas directly, so nothing depends on pyplot's global state or on a
+display."""
 from __future__ import annotations
 
 import re
@@ -16,6 +18,9 @@ from parallax.bench.report import Results, _Slice, _slices, summarize
 
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+slug = _slug  # file-name-safe form of a name, for other reports' plots
 
 
 def _figure() -> tuple[Figure, Any]:
@@ -79,3 +84,35 @@ def plots(results: Results, out_dir: str | Path) -> list[Path]:
         if _bytes_plot(s, out / f"bytes_{stem}"):
             written.append(out / f"bytes_{stem}")
     return written
+
+
+def partition_plot(path: Path, title: str, sweep: list[tuple[int, float]],
+                   tuned: float | None, curve: list[tuple[float, float]],
+                   sampled: list[tuple[float, float, bool]]) -> Path:
+    """samples/s against shards per table: the sweep's measured points, the tuned run's
+    throughput (a horizontal line), the search's fitted curve and the layouts it sampled
+    (uniform: every table at that count; else at its largest count)."""
+    fig, ax = _figure()
+    if sweep:
+        ax.plot(*zip(*sweep), marker="o", label="sweep (measured)")
+    if curve:
+        ax.plot(*zip(*sorted(curve)), linestyle=":", color="gray", label="search: fitted curve")
+    for uniform, marker, label in ((True, "x", "search: sampled"),
+                                   (False, "+", "search: sampled, per-table (at largest)")):
+        points = [(n, s) for n, s, u in sampled if u == uniform]
+        if points:
+            ax.scatter(*zip(*points), marker=marker, s=60, color="black", zorder=3,
+                       label=label)
+    if tuned is not None:
+        ax.axhline(tuned, color="red", linestyle="--", label=f"tuned plan ({tuned:,.0f})")
+    ticks = sorted({n for n, _ in sweep} | {int(n) for n, _, _ in sampled}
+                   | {int(n) for n, _ in curve})
+    ax.set_xscale("log", base=2)
+    if ticks:
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="shards per table", ylabel="samples/s", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path)
+    return path

@@ -7,10 +7,19 @@ and one coordinator) with its role in the environment:
 - TensorFlow's strategies: TF_CONFIG.
 Every system trains the same `workloads.BenchModel` on the same batches with Keras' SGD,
 each worker on its own local batch; rank 0 prints one BENCH_RESULT line.
+
+Partition benchmark (`parallax bench partitions`), parallax systems only: `--shards N` gives
+every sparse table N shards (capped by its rows); `--search-partitions` lets the strategy's
+partition search (`parallax.PartitionSearch`) choose them: the run steps until the search is
+done (at most --search-max-steps), then times its windows at the chosen plan. Rank 0 then also
+prints BENCH_TUNING (the search's report, once decided) and BENCH_PLAN (the shard count and
+servers of every table as measured). Without --search-partitions the search is off (the
+strategy's "auto" would otherwise search during the timed windows at 2+ workers).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -22,6 +31,9 @@ PARALLAX_SYSTEMS = ("hybrid", "ps", "allreduce")
 HOROVOD_SYSTEMS = ("horovod", "horovod_dense")
 TF_SYSTEMS = ("mwms", "tf_ps")
 SYSTEMS = PARALLAX_SYSTEMS + TF_SYSTEMS + HOROVOD_SYSTEMS
+TUNING_PREFIX = "BENCH_TUNING "
+PLAN_PREFIX = "BENCH_PLAN "
+SEARCH_CHECK_EVERY = 5  # steps between the workers' checks that the search is done
 
 
 def _iterator(spec: workloads.WorkloadSpec, rank: int):
@@ -43,13 +55,26 @@ def _train_fn(model, optimizer, scale: float):
     return step_fn
 
 
-def parallax_trainer(system: str, spec: workloads.WorkloadSpec) -> measure.Trainer:
+def parallax_trainer(system: str, spec: workloads.WorkloadSpec, shards: int | None = None,
+                     search=None) -> measure.Trainer:
+    return _parallax_setup(system, spec, shards, search)[0]
+
+
+def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | None, search):
+    """(trainer, strategy): with `shards` shards per table (else the default plan), searched
+    by `search` (a parallax.PartitionSearch) when given."""
     import keras
     import tensorflow as tf
 
     import parallax
 
-    strategy = parallax.ParallaxStrategy(mode=system, sync=True, log_plan=False)
+    # No partition search unless asked for: the strategy's default ("auto") would search
+    # while the windows are timed, so the comparison measures the default (or --shards) plan;
+    # `parallax bench partitions` measures the search itself.
+    options: dict = {"search_partitions": search if search is not None else False}
+    if shards is not None:
+        options["shards"] = shards
+    strategy = parallax.ParallaxStrategy(mode=system, sync=True, log_plan=False, **options)
     with strategy.scope():
         model = workloads.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
@@ -69,9 +94,57 @@ def parallax_trainer(system: str, spec: workloads.WorkloadSpec) -> measure.Train
         for table in strategy.tables.values():
             table.wait_for_pushes()
 
-    return measure.Trainer(step=step, rank=rank, workers=workers,
-                           global_batch=spec.batch_per_worker * workers,
-                           agree_max=_horovod_max, sync=sync, loss=lambda: last["loss"])
+    trainer = measure.Trainer(step=step, rank=rank, workers=workers,
+                              global_batch=spec.batch_per_worker * workers,
+                              agree_max=_horovod_max, sync=sync, loss=lambda: last["loss"])
+    return trainer, strategy
+
+
+def partition_search(args: argparse.Namespace):
+    """The parallax.PartitionSearch the flags ask for (only the keywords given)."""
+    import parallax
+    cls = getattr(parallax, "PartitionSearch", None)
+    if cls is None:
+        raise SystemExit("parallax.bench.worker: --search-partitions needs "
+                         "parallax.PartitionSearch, which this parallax does not have")
+    options = {key: value for key, value in (
+        ("min_shards", args.search_min_shards), ("max_shards", args.search_max_shards),
+        ("steps_per_sample", args.search_steps_per_sample),
+        ("warmup_steps", args.search_warmup_steps), ("cache_dir", args.search_cache_dir))
+        if value is not None}
+    return cls(**options)
+
+
+def run_search(trainer: measure.Trainer, strategy, max_steps: int) -> dict:
+    """Step until the partition search has decided, on every worker alike (they agree every
+    SEARCH_CHECK_EVERY steps, so all run the same steps); its report, plus the steps run."""
+    import time
+    started, steps = time.time(), 0
+    while True:
+        for _ in range(SEARCH_CHECK_EVERY):
+            trainer.step()
+        steps += SEARCH_CHECK_EVERY
+        search = strategy.partition_search
+        if search is None:
+            raise SystemExit("parallax.bench.worker: --search-partitions was given but "
+                             "strategy.partition_search is None")
+        if not trainer.agree_max(0.0 if search.done else 1.0):
+            break
+        if steps >= max_steps:
+            raise SystemExit(f"parallax.bench.worker: the partition search was not done after "
+                             f"{steps} steps (--search-max-steps {max_steps})")
+    trainer.sync()
+    report = dict(search.report())
+    report["bench_steps"], report["bench_seconds"] = steps, time.time() - started
+    return report
+
+
+def plan_record(strategy) -> dict:
+    """Shard count and servers of every table in the plan as it is now."""
+    plan = strategy.plan
+    tables = plan.on_servers if plan is not None else ()
+    return {"shards": {v.name: v.shards for v in tables},
+            "servers": {v.name: list(v.servers) for v in tables}}
 
 
 def _horovod_max(value: float) -> float:
@@ -136,7 +209,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--windows", type=int, default=defaults.windows)
     parser.add_argument("--window-seconds", type=float, default=defaults.window_seconds)
     parser.add_argument("--min-window-steps", type=int, default=defaults.min_window_steps)
+    parser.add_argument("--shards", type=_positive, default=None,
+                        help="parallax systems: shards of every sparse table (capped by rows)")
+    parser.add_argument("--search-partitions", action="store_true",
+                        help="parallax systems: the strategy's partition search picks shard "
+                             "counts; windows are timed once it is done")
+    parser.add_argument("--search-max-steps", type=_positive, default=2000,
+                        help="fail if the search has not decided after this many steps")
+    for name in ("min-shards", "max-shards", "steps-per-sample", "warmup-steps"):
+        parser.add_argument(f"--search-{name}", type=_positive, default=None,
+                            help="passed to parallax.PartitionSearch (its default if unset)")
+    parser.add_argument("--search-cache-dir", default=None,
+                        help="PartitionSearch.cache_dir: where decisions are kept and reused "
+                             "('' keeps none, so the search always runs; default: the tuner's)")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,16 +241,37 @@ def main(argv: list[str] | None = None) -> int:
         from parallax.bench import tf_peers
         return tf_peers.serve(args.role)
     spec = workloads.get(args.workload, args.size)
-    trainer = trainer_for(args.system, spec)
+    partitioned = args.shards is not None or args.search_partitions
+    if partitioned and args.system not in PARALLAX_SYSTEMS:
+        raise SystemExit(f"parallax.bench.worker: --shards and --search-partitions apply to "
+                         f"{', '.join(PARALLAX_SYSTEMS)}, not {args.system}")
+    strategy = None
+    if partitioned:
+        search = partition_search(args) if args.search_partitions else None
+        trainer, strategy = _parallax_setup(args.system, spec, args.shards, search)
+    else:
+        trainer = trainer_for(args.system, spec)
     config = measure.WindowConfig(args.warmup_steps, args.calibration_steps, args.windows,
                                   args.window_seconds, args.min_window_steps)
     try:
+        if args.search_partitions:
+            report = run_search(trainer, strategy, args.search_max_steps)
+            if trainer.rank == 0:
+                print(TUNING_PREFIX + json.dumps(report, default=str), flush=True)
         windows = measure.run_windows(trainer, config)
         if trainer.rank == 0:
+            if strategy is not None:
+                print(PLAN_PREFIX + json.dumps(plan_record(strategy)), flush=True)
             measure.emit(args.system, args.workload, trainer, windows)
     finally:
         trainer.close()
     return 0
+
+
+def parse_line(prefix: str, line: str) -> dict | None:
+    """The record of a `prefix` line (TUNING_PREFIX, PLAN_PREFIX), or None for another line."""
+    marker = line.find(prefix)
+    return None if marker < 0 else json.loads(line[marker + len(prefix):])
 
 
 if __name__ == "__main__":
