@@ -15,6 +15,7 @@ import dataclasses
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -25,6 +26,7 @@ from parallax.plan import Plan, VariablePlan
 from parallax.remote import RemoteTable
 
 _GENERATION = re.compile(r"\.r\d+$")
+MOVE_TABLES = 4  # tables copied at once (each reads its source shards concurrently too)
 
 
 @dataclass(frozen=True)
@@ -117,21 +119,26 @@ class Resharder:
         return f"{base}.r{self.generation}"
 
     def _move(self, changed, layouts, targets: dict, moved: list) -> None:
-        """Chief: copy each changed table; on failure delete the copies made so far."""
-        try:
-            for vp in changed:
-                remote = self.remotes[vp.index]
-                table, report = self.client.reshard(remote.table, self._name(vp),
-                                                    layouts[vp.name].shards,
-                                                    layouts[vp.name].servers)
-                targets[vp.index] = table
-                moved[0] += report.rows
-                moved[1] += report.bytes
-        except BaseException:
+        """Chief: copy the changed tables, several at once; on failure delete every copy
+        made (each `PSClient.reshard` deletes its own half-made one)."""
+        def move(vp: VariablePlan):
+            layout = layouts[vp.name]
+            table, report = self.client.reshard(self.remotes[vp.index].table, self._name(vp),
+                                                layout.shards, layout.servers)
+            targets[vp.index] = table
+            return report
+
+        with ThreadPoolExecutor(max_workers=min(len(changed), MOVE_TABLES)) as pool:
+            futures = [pool.submit(move, vp) for vp in changed]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
             for table in targets.values():
                 self.client.delete_table(table)
             targets.clear()
-            raise
+            raise errors[0]
+        for future in futures:
+            moved[0] += future.result().rows
+            moved[1] += future.result().bytes
 
 
 def describe(before: Plan, after: Plan, report: ReshardReport) -> str:

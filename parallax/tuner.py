@@ -42,6 +42,7 @@ class PartitionTuner:
         self._last: float | None = None
         self._search_seconds = 0.0
         self._search_steps = 0
+        self._moves: list[dict] = []  # every reshard of the search, on this worker
         self._sampled = 0  # samples finished, on every worker (the chief also keeps them)
         self._traffic_mark: dict[str, tuple[float, float, int, int]] = {}
         self._model_tried = False
@@ -82,7 +83,9 @@ class PartitionTuner:
         step, or into the overhead once the search is over."""
         layouts = {name: Layout(tuple(servers)) for name, servers in decision["layouts"].items()}
         start = time.perf_counter()
-        self.ext.reshard(layouts, log=False)
+        moved = self.ext.reshard(layouts, log=False)
+        self._moves.append({"tables": len(moved.tables), "rows": moved.rows,
+                            "bytes": moved.bytes, "seconds": moved.seconds})
         self._durations = []
         self._sampled += 1
         if self.config.warmup_steps == 0:
@@ -91,6 +94,7 @@ class PartitionTuner:
             self.done = True
             self._report = decision["report"]
             self._report["final_reshard_seconds"] = time.perf_counter() - start
+            self._report["moves"] = self._moves
             self._report["overhead_seconds"] += self._report["final_reshard_seconds"]
             if self.ext.workers.info.is_chief:
                 path = save_decision(self.config, self.ext.plan, self._report)
@@ -177,8 +181,7 @@ class PartitionTuner:
             proposal = self._planner().plan(list(profiles.values()), self._cluster(),
                                             measurements)
             if proposal.counts() not in [dict(m.counts) for m in measurements]:
-                return {"layouts": {t.name: tuple(t.servers) for t in proposal.tables},
-                        "done": False}
+                return {"layouts": self._place(proposal.counts()), "done": False}
         best = min(self.samples, key=lambda s: s.measurement.step_seconds)
         return {"layouts": best.layouts, "done": True, "report": self._final_report(best)}
 
@@ -188,7 +191,11 @@ class PartitionTuner:
         return Planner(enumerator=enumerator, time_budget_seconds=self.config.plan_seconds)
 
     def _place(self, counts: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
-        plan = place(counts, list(self._table_profiles().values()), self._cluster())
+        """Servers for `counts`; tables whose count stays keep their servers (moves are the
+        expensive part of a sample)."""
+        current = {v.name: v.servers for v in self.ext.plan.on_servers}
+        plan = place(counts, list(self._table_profiles().values()), self._cluster(),
+                     keep=current)
         return {t.name: tuple(t.servers) for t in plan.tables}
 
     def _final_report(self, best: _Sample) -> dict:

@@ -370,3 +370,18 @@ def test_a_zero_budget_still_plans_with_the_default_proposers():
     candidates = {t.name: ENUM.candidates(t, WIDE) for t in TABLES}
     assert all(plan.get(t).shards in candidates[t] for t in candidates)
     assert all(len(set(p.servers)) == p.shards for p in plan.tables)
+
+
+def test_kept_tables_stay_where_they_are_and_count_as_load():
+    from parallax.partitioner import ClusterProfile, TableProfile, place
+    tables = [TableProfile(f"t{i}", rows=1000, dim=4, bytes=(8 - i) * 1000) for i in range(6)]
+    cluster = ClusterProfile(num_servers=2, num_workers=2)
+    counts = {t.name: 1 for t in tables}
+    free = place(counts, tables, cluster)
+    keep = {t.name: (1,) for t in tables[:3]}  # the three biggest all on server 1
+    kept = place({**counts, "t0": 1}, tables, cluster, keep=keep)
+    assert all(kept.get(n).servers == (1,) for n in keep)
+    assert all(kept.get(f"t{i}").servers == (0,) for i in range(3, 6))  # the rest balance
+    changed = place({**counts, "t0": 2}, tables, cluster, keep=keep)  # t0's count changes:
+    assert changed.get("t0").shards == 2 and changed.get("t1").servers == (1,)  # t0 moves
+    assert free != kept

@@ -11,6 +11,7 @@ step it was at. Both sides refuse while a push is pending, so a page never mixes
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,8 @@ from parallax import wire
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
+
+MOVE_THREADS = 8  # source shards read at once
 
 
 @dataclass(frozen=True)
@@ -84,39 +87,52 @@ def _set_step(target: ShardedTable, step: int, slot_names: list[str]) -> None:
         conn.call("ImportRows", request, target.name)
 
 
+def _move_shard(source: ShardedTable, shard: int, target: ShardedTable,
+                page_rows: int) -> tuple[int, int, int | None, list[str]]:
+    """Copy one source shard page by page: (rows, bytes, step, slot names)."""
+    rows = nbytes = 0
+    step = None
+    slot_names: list[str] = []
+    offset, total = 0, None
+    while total is None or offset < total:
+        page = _export_page(source, shard, offset, page_rows)
+        if step is not None and page.step != step:
+            raise ConfigError(f"cannot reshard {source.name!r}: shard {shard} moved from step "
+                              f"{step} to {page.step} while it was read; a push landed")
+        step, slot_names, total = page.step, list(page.slot_names), page.total_rows
+        count = page.next_offset - offset
+        if count <= 0 and offset < total:
+            raise ConfigError(f"shard {shard} of {source.name!r} exported no rows at "
+                              f"offset {offset} of {total}")
+        if count:
+            _import_pages(target, page, page.step)
+        rows += count
+        nbytes += len(page.values.content) + sum(len(s.content) for s in page.slots)
+        offset = page.next_offset
+    return rows, nbytes, step, slot_names
+
+
 def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0) -> MoveReport:
     """Copy every touched row and its slots from `source` into `target` (created, empty) and
-    give `target` the source's step. The source is left as it was."""
+    give `target` the source's step. The source is left as it was. Source shards are read
+    concurrently (each page by page), so a move runs at the pace of the links, not of one
+    round trip after another."""
     check_compatible(source, target)
     if page_rows <= 0:  # pages of about the client's chunk size, with up to 3 slots per row
         row_bytes = 4 * source.spec.dim * source.dtype.itemsize + 8
         page_rows = max(1, source.shards[0].options.chunk_bytes // row_bytes)
     start = time.perf_counter()
-    rows = nbytes = 0
-    step = None
-    slot_names: list[str] = []
-    for shard in range(source.spec.shard_count):
-        offset, total = 0, None
-        while total is None or offset < total:
-            page = _export_page(source, shard, offset, page_rows)
-            if step is None:
-                step = page.step
-            elif page.step != step:
-                raise ConfigError(
-                    f"cannot reshard {source.name!r}: its shards are at different steps "
-                    f"({step} and {page.step} on shard {shard}); a push is still landing. "
-                    f"Wait for every worker's pushes (RemoteTable.wait_for_pushes) first")
-            slot_names = list(page.slot_names)
-            total = page.total_rows
-            count = page.next_offset - offset
-            if count <= 0 and offset < total:
-                raise ConfigError(f"shard {shard} of {source.name!r} exported no rows at "
-                                  f"offset {offset} of {total}")
-            if count:
-                _import_pages(target, page, page.step)
-            rows += count
-            nbytes += len(page.values.content) + sum(len(s.content) for s in page.slots)
-            offset = page.next_offset
-    _set_step(target, step or 0, slot_names)
-    return MoveReport(rows=rows, bytes=nbytes, step=step or 0,
-                      seconds=time.perf_counter() - start)
+    count = source.spec.shard_count
+    with ThreadPoolExecutor(max_workers=min(count, MOVE_THREADS)) as pool:
+        moved = list(pool.map(lambda shard: _move_shard(source, shard, target, page_rows),
+                              range(count)))
+    steps = {step for _, _, step, _ in moved}
+    if len(steps) > 1:
+        raise ConfigError(
+            f"cannot reshard {source.name!r}: its shards are at different steps "
+            f"{sorted(steps)}; a push is still landing. Wait for every worker's pushes "
+            f"(RemoteTable.wait_for_pushes) first")
+    step = steps.pop() or 0
+    _set_step(target, step, moved[0][3])
+    return MoveReport(rows=sum(m[0] for m in moved), bytes=sum(m[1] for m in moved),
+                      step=step, seconds=time.perf_counter() - start)

@@ -20,7 +20,8 @@ class _Shard:
 
 
 def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: ClusterProfile,
-          load: ServerLoadEstimator | None = None) -> ShardingPlan:
+          load: ServerLoadEstimator | None = None,
+          keep: Mapping[str, Sequence[int]] | None = None) -> ShardingPlan:
     """Greedy LPT over two resources, memory and server work per step.
 
     Each shard weighs its share of each resource: bytes over the cluster's memory (over all
@@ -40,6 +41,10 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     bytes do. Unmeasured tables have request-only loads, equal per shard, so the placer then
     spreads shard counts and bytes like `parallax.plan.place_shards`.
 
+    `keep` (table -> servers of its shards, e.g. the running layout): a table whose count
+    equals its kept layout's stays there and counts as load, so a job that changes a few
+    tables' counts moves only those (moving rows is the expensive part of resharding).
+
     Deterministic: equal inputs give equal plans on every worker."""
     load = load or ServerLoadEstimator()
     names = [t.name for t in tables]
@@ -49,8 +54,16 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     shards = _shards(counts, tables, cluster, load)
     servers: dict[str, list[int]] = {t.name: [0] * counts[t.name] for t in tables}
     state = _Servers(cluster)
+    kept = {name: list(where) for name, where in (keep or {}).items()
+            if name in counts and len(where) == counts[name]
+            and all(0 <= s < cluster.num_servers for s in where)}
+    for shard in shards:
+        if shard.table in kept:
+            servers[shard.table][shard.index] = state.put(
+                shard, tables, counts, at=kept[shard.table][shard.index])
     for shard in sorted(shards, key=lambda s: (-max(s.memory, s.load), s.table, s.index)):
-        servers[shard.table][shard.index] = state.put(shard, tables, counts)
+        if shard.table not in kept:
+            servers[shard.table][shard.index] = state.put(shard, tables, counts)
     return ShardingPlan(tuple(TablePlacement(t.name, counts[t.name], tuple(servers[t.name]))
                               for t in tables))
 
@@ -78,10 +91,11 @@ class _Servers:
         self.holds: list[set[str]] = [set() for _ in range(cluster.num_servers)]
 
     def put(self, shard: _Shard, tables: Sequence[TableProfile],
-            counts: Mapping[str, int]) -> int:
+            counts: Mapping[str, int], at: int | None = None) -> int:
+        """The server `shard` goes to (`at`: that one, if it fits)."""
         limit = self.cluster.server_memory_bytes
-        fits = [i for i in range(len(self.used))
-                if limit is None or self.used[i] + shard.bytes <= limit]
+        fits = [i for i in range(len(self.used)) if (at is None or i == at)
+                and (limit is None or self.used[i] + shard.bytes <= limit)]
         if not fits:
             raise self._full(shard, tables, counts)
         fresh = [i for i in fits if shard.table not in self.holds[i]] or fits
