@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from parallax.capacity import check_fits
 from parallax.client import ClientOptions, PSClient
 from parallax.cluster import ClusterSpec
 from parallax.collectives import HorovodWorkers, SingleWorker
@@ -152,6 +153,9 @@ class TableBinder:
                          "could not reach the parameter servers")
 
         def create_and_fill() -> None:
+            memory = [reply.memory_bytes for reply in self.client.stats().values()]
+            check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
+                       memory)
             for vp, spec in zip(on_servers, specs):
                 table = self.client.create_table(spec, vp.servers or None)
                 applied = table.wait_step(0)

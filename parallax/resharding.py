@@ -21,6 +21,7 @@ from typing import Mapping
 
 from parallax.binding import Workers, on_chief
 from parallax.client import PSClient, ShardedTable
+from parallax.client.reshard import move_rows
 from parallax.errors import ConfigError
 from parallax.plan import Plan, VariablePlan
 from parallax.remote import RemoteTable
@@ -66,7 +67,12 @@ def check_layouts(plan: Plan, layouts: Mapping[str, Layout]) -> None:
 
 
 class Resharder:
-    """Applies new layouts to the bound tables of one job (see the module docstring)."""
+    """Applies new layouts to the bound tables of one job (see the module docstring).
+
+    With `keep_previous`, a replaced table is kept (not deleted) while it is the one before
+    the current: going back to its layout then copies only the rows training changed since
+    (`changed_only` export), not the whole table. The partition search samples that way;
+    `release_previous` deletes what is kept."""
 
     def __init__(self, client: PSClient, workers: Workers,
                  remotes: Mapping[int, RemoteTable]) -> None:
@@ -74,9 +80,10 @@ class Resharder:
         self.workers = workers
         self.remotes = remotes
         self.generation = 0
+        self.previous: dict[int, tuple[ShardedTable, Layout]] = {}
 
-    def apply(self, plan: Plan, layouts: Mapping[str, Layout], log: bool = True
-              ) -> tuple[Plan, ReshardReport]:
+    def apply(self, plan: Plan, layouts: Mapping[str, Layout], log: bool = True,
+              keep_previous: bool = False) -> tuple[Plan, ReshardReport]:
         check_layouts(plan, layouts)
         start = time.perf_counter()
         changed = [v for v in plan.on_servers if v.name in layouts
@@ -90,22 +97,33 @@ class Resharder:
             if remote.sync:
                 remote.table.wait_step(remote.steps_pushed)
         self.workers.allgather_object(None)  # every worker's last pushes are in
+        reverts = {vp.index for vp in changed if vp.index in self.previous
+                   and self.previous[vp.index][1] == layouts[vp.name]}
         targets: dict[int, ShardedTable] = {}
         moved = [0, 0]
-        on_chief(self.workers, lambda: self._move(changed, layouts, targets, moved),
+        on_chief(self.workers, lambda: self._move(changed, layouts, reverts, targets, moved),
                  "failed to reshard the tables")
-        new_plans, replaced = {}, []
+        new_plans, dropped = {}, []
         for vp in changed:
-            layout = layouts[vp.name]
-            remote = self.remotes[vp.index]
-            replaced.append(remote.table)
-            spec = dataclasses.replace(remote.table.spec, name=self._name(vp),
-                                       shard_count=layout.shards)
-            remote.table = targets.get(vp.index) or self.client.table(spec, layout.servers)
+            layout, remote = layouts[vp.name], self.remotes[vp.index]
+            old, old_layout = remote.table, Layout(vp.servers)
+            if vp.index in reverts:
+                remote.table = self.previous.pop(vp.index)[0]
+                dropped.append(old)
+            else:
+                spec = dataclasses.replace(old.spec, name=self._name(vp),
+                                           shard_count=layout.shards)
+                remote.table = targets.get(vp.index) or self.client.table(spec, layout.servers)
+                if vp.index in self.previous:
+                    dropped.append(self.previous.pop(vp.index)[0])
+                if keep_previous:
+                    self.previous[vp.index] = (old, old_layout)
+                else:
+                    dropped.append(old)
             new_plans[vp.index] = dataclasses.replace(vp, shards=layout.shards,
-                                                      servers=layout.servers, table=spec.name)
-        on_chief(self.workers, lambda: [self.client.delete_table(t) for t in replaced],
-                 "failed to delete the tables replaced by resharding")
+                                                      servers=layout.servers,
+                                                      table=remote.table.name)
+        self._delete(dropped)
         new_plan = dataclasses.replace(plan, variables=tuple(
             new_plans.get(v.index, v) for v in plan.variables))
         report = ReshardReport(tuple(v.name for v in changed), moved[0], moved[1],
@@ -114,17 +132,33 @@ class Resharder:
             print(describe(plan, new_plan, report), file=sys.stderr, flush=True)
         return new_plan, report
 
+    def release_previous(self) -> None:
+        """Delete the tables kept for going back (every worker calls it at the same point)."""
+        dropped = [table for table, _ in self.previous.values()]
+        self.previous.clear()
+        self._delete(dropped)
+
+    def _delete(self, tables: list[ShardedTable]) -> None:
+        if tables:
+            on_chief(self.workers, lambda: [self.client.delete_table(t) for t in tables],
+                     "failed to delete the tables replaced by resharding")
+
     def _name(self, vp: VariablePlan) -> str:
         base = _GENERATION.sub("", vp.table)[:120]
         return f"{base}.r{self.generation}"
 
-    def _move(self, changed, layouts, targets: dict, moved: list) -> None:
-        """Chief: copy the changed tables, several at once; on failure delete every copy
-        made (each `PSClient.reshard` deletes its own half-made one)."""
+    def _move(self, changed, layouts, reverts: set[int], targets: dict, moved: list) -> None:
+        """Chief: copy the changed tables, several at once (a revert: only the rows changed
+        since into the kept table); on failure delete every new copy (each
+        `PSClient.reshard` deletes its own half-made one); a kept table caught up halfway
+        is only ever read after a complete catch-up."""
         def move(vp: VariablePlan):
+            current = self.remotes[vp.index].table
+            if vp.index in reverts:
+                return move_rows(current, self.previous[vp.index][0], changed_only=True)
             layout = layouts[vp.name]
-            table, report = self.client.reshard(self.remotes[vp.index].table, self._name(vp),
-                                                layout.shards, layout.servers)
+            table, report = self.client.reshard(current, self._name(vp), layout.shards,
+                                                layout.servers)
             targets[vp.index] = table
             return report
 

@@ -200,6 +200,18 @@ def optimizer_from_keras(optimizer: object) -> OptimizerSpec:
     return cls(**values)
 
 
+def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
+    """The per-row state a server keeps for this optimizer, besides the values."""
+    if isinstance(spec, SGD):
+        return ("momentum",) if spec.momentum != 0 else ()
+    if isinstance(spec, Adagrad):
+        return ("accumulator",)
+    if isinstance(spec, Adam):
+        moments = ("momentum", "velocity")
+        return moments + ("velocity_hat",) if spec.amsgrad else moments
+    return ("accumulator", "linear")
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """A sparse table as every shard of it sees it."""

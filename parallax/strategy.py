@@ -228,14 +228,20 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
 
-    def reshard(self, layouts: Mapping[str, Layout], log: bool = True) -> ReshardReport:
+    def reshard(self, layouts: Mapping[str, Layout], log: bool = True,
+                keep_previous: bool = False) -> ReshardReport:
         """New layouts for tables, applied now on every worker (all must call it at the same
-        step boundary, outside any tf.function)."""
+        step boundary, outside any tf.function); see `Resharder` for `keep_previous`."""
         if self.plan is None or self._resharder is None:
             raise ConfigError("no table is on the parameter servers yet: reshard after the "
                               "first training step (which makes the plan)")
-        self.plan, report = self._resharder.apply(self.plan, layouts, log=log)
+        self.plan, report = self._resharder.apply(self.plan, layouts, log=log,
+                                                  keep_previous=keep_previous)
         return report
+
+    def release_previous(self) -> None:
+        if self._resharder is not None:
+            self._resharder.release_previous()
 
     def layouts_for(self, shards: int | Mapping[str, int],
                     servers: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:

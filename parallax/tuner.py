@@ -46,7 +46,9 @@ class PartitionTuner:
         self._sampled = 0  # samples finished, on every worker (the chief also keeps them)
         self._traffic_mark: dict[str, tuple[float, float, int, int]] = {}
         self._model_tried = False
+        self._skipped: list[dict] = []  # sweep points the model expected too slow
         self._profiles: dict[str, TableProfile] | None = None
+        self._memory: int | None = None  # the smallest server's, once profiles are taken
         self._id_counts: dict[str, np.ndarray] = {}
 
     # ---- every worker, every training step ----
@@ -83,7 +85,7 @@ class PartitionTuner:
         step, or into the overhead once the search is over."""
         layouts = {name: Layout(tuple(servers)) for name, servers in decision["layouts"].items()}
         start = time.perf_counter()
-        moved = self.ext.reshard(layouts, log=False)
+        moved = self.ext.reshard(layouts, log=False, keep_previous=not decision["done"])
         self._moves.append({"tables": len(moved.tables), "rows": moved.rows,
                             "bytes": moved.bytes, "seconds": moved.seconds})
         self._durations = []
@@ -91,6 +93,7 @@ class PartitionTuner:
         if self.config.warmup_steps == 0:
             self._mark_traffic()
         if decision["done"]:
+            self.ext.release_previous()
             self.done = True
             self._report = decision["report"]
             self._report["final_reshard_seconds"] = time.perf_counter() - start
@@ -135,13 +138,19 @@ class PartitionTuner:
             table_seconds[name] = max(0.0, (t.pull_seconds - pull0 + t.push_seconds - push0)
                                       / steps)
         counts = {v.name: v.shards for v in self.ext.plan.on_servers}
-        return Measurement(counts=counts, step_seconds=statistics.median(timed),
-                           table_seconds=table_seconds)
+        step = statistics.median(timed)
+        total = sum(table_seconds.values())
+        if total > step:  # pulls overlap one another and background pushes overlap the step:
+            # share the step out in proportion to the time spent on each table
+            table_seconds = {name: t * step / total for name, t in table_seconds.items()}
+        return Measurement(counts=counts, step_seconds=step, table_seconds=table_seconds)
 
     def _table_profiles(self) -> dict[str, TableProfile]:
         if self._profiles is None:
             stats = self.ext._binder.client.stats([v.table for v in self.ext.plan.on_servers])
             held: dict[str, int] = {}
+            self._memory = min((r.memory_bytes for r in stats.values() if r.memory_bytes),
+                               default=None)
             for reply in stats.values():
                 for t in reply.tables:
                     held[t.table] = held.get(t.table, 0) + t.bytes
@@ -163,7 +172,8 @@ class PartitionTuner:
 
     def _cluster(self) -> ClusterProfile:
         plan = self.ext.plan
-        return ClusterProfile(num_servers=plan.num_servers, num_workers=plan.num_workers)
+        return ClusterProfile(num_servers=plan.num_servers, num_workers=plan.num_workers,
+                              server_memory_bytes=self._memory)
 
     def _decide(self) -> dict:
         measurement = self._measure()
@@ -174,6 +184,8 @@ class PartitionTuner:
         rows = {name: p.rows for name, p in profiles.items()}
         measurements = [s.measurement for s in self.samples]
         counts = next_uniform(self.config, rows, measurements)
+        if counts is not None and not self._worth_measuring(counts, measurements):
+            counts = None  # the sweep is over: its next point would be slower still
         if counts is not None:
             return {"layouts": self._place(counts), "done": False}
         if not self._model_tried and len(self.samples) < self.config.max_samples:
@@ -184,6 +196,20 @@ class PartitionTuner:
                 return {"layouts": self._place(proposal.counts()), "done": False}
         best = min(self.samples, key=lambda s: s.measurement.step_seconds)
         return {"layouts": best.layouts, "done": True, "report": self._final_report(best)}
+
+    def _worth_measuring(self, counts: Mapping[str, int], measurements) -> bool:
+        """Whether the cost model, calibrated on what was measured, expects `counts` to come
+        within `stop_ratio` of the best: a sweep point it expects slower than that is not
+        worth moving every table for (it is listed in the report as skipped)."""
+        estimator = self._planner().estimator
+        estimator.calibrate(measurements, list(self._table_profiles().values()),
+                            self._cluster())
+        predicted = estimator.estimate(counts)
+        best = min(m.step_seconds for m in measurements)
+        if predicted <= self.config.stop_ratio * best:
+            return True
+        self._skipped.append({"counts": dict(counts), "predicted_step_seconds": predicted})
+        return False
 
     def _planner(self) -> Planner:
         enumerator = ShardCountEnumerator(min_shards=self.config.min_shards,
@@ -219,6 +245,7 @@ class PartitionTuner:
             "search_seconds": self._search_seconds,
             "overhead_seconds": max(0.0, self._search_seconds - self._search_steps * chosen),
             "fitted_curve": curve,
+            "skipped": self._skipped,
             "fit_residual": planner.estimator.residual(),
             "decided_at_step": self._search_steps + 1,
             "from_cache": False,

@@ -152,7 +152,8 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
     else:
         import parallax
         search = parallax.PartitionSearch(steps_per_sample=2, warmup_steps=1, settle_steps=1,
-                                          max_samples=4, max_shards=4, cache_dir="") \
+                                          max_samples=4, max_shards=4, stop_ratio=50.0,
+                                          cache_dir="") \
             if mode == "tuned" else False
         strategy = parallax.ParallaxStrategy(
             mode="hybrid" if mode in ("localagg", "reshard", "tuned") else mode,

@@ -96,6 +96,7 @@ def test_decisions_are_saved_per_job_and_bad_files_are_ignored(tmp_path, capsys)
 
 
 def _job(cluster, search, run_id):
+    """(strategy, model) after one epoch of Keras fit on a 500-row table."""
     strategy = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, run_id=run_id,
                                          log_plan=False, search_partitions=search)
     with strategy.scope():
@@ -109,13 +110,14 @@ def _job(cluster, search, run_id):
     ids = np.minimum(rng.zipf(1.3, (480, 3)), 499)
     model.fit(ids, rng.normal(size=(480, 1)), batch_size=16, epochs=1, verbose=0,
               shuffle=False)
-    return strategy
+    return strategy, model
 
 
 def test_a_search_decides_saves_and_the_next_run_starts_from_its_decision(cluster, tmp_path):
+    # stop_ratio 50: the model's forecasts never end the sweep early, so it samples
     search = PartitionSearch(steps_per_sample=3, warmup_steps=1, settle_steps=2, max_shards=4,
-                             cache_dir=str(tmp_path))
-    first = _job(cluster, search, f"tune-a-{time.time_ns()}")
+                             stop_ratio=50.0, cache_dir=str(tmp_path))
+    first, _ = _job(cluster, search, f"tune-a-{time.time_ns()}")
     report = first.partition_search.report()
     assert first.partition_search.done and not report["from_cache"]
     assert len(report["samples"]) >= 2 and report["decided_at_step"] < 30
@@ -123,13 +125,26 @@ def test_a_search_decides_saves_and_the_next_run_starts_from_its_decision(cluste
     assert report["chosen"] == {"table/embeddings": chosen.shards}
     assert report["servers"] == {"table/embeddings": list(chosen.servers)}
     assert list(tmp_path.glob("*.json"))
-    second = _job(cluster, search, f"tune-b-{time.time_ns()}")
+    second, _ = _job(cluster, search, f"tune-b-{time.time_ns()}")
     assert second.partition_search.done and second.partition_search.report()["from_cache"]
     assert second.plan.get("table/embeddings").servers == chosen.servers
 
 
+def test_the_model_skips_sweep_points_it_expects_to_be_slower(cluster):
+    """A 500-row table: more shards only add requests, so after measuring the start the
+    calibrated model expects 2 shards to be slower than stop_ratio allows, and the search
+    ends without moving the table."""
+    search = PartitionSearch(steps_per_sample=3, warmup_steps=1, settle_steps=2, cache_dir="")
+    strategy, _ = _job(cluster, search, f"tune-s-{time.time_ns()}")
+    report = strategy.partition_search.report()
+    assert len(report["samples"]) == 1 and report["moves"][-1]["tables"] == 0
+    (skipped,) = report["skipped"]
+    assert skipped["counts"] == {"table/embeddings": 2}
+    assert skipped["predicted_step_seconds"] > 1.1 * report["chosen_step_seconds"]
+
+
 def test_reshard_errors_name_the_table_and_the_fix(cluster):
-    strategy = _job(cluster, False, f"tune-c-{time.time_ns()}")
+    strategy, _ = _job(cluster, False, f"tune-c-{time.time_ns()}")
     name = "table/embeddings"
     with pytest.raises(ConfigError, match="'nope': it is not a table"):
         strategy.reshard({"nope": 2})
@@ -142,3 +157,25 @@ def test_reshard_errors_name_the_table_and_the_fix(cluster):
     assert report.tables == (name,) and strategy.plan.get(name).shards == 3
     np.testing.assert_array_equal(strategy.tables[name].pull_all_rows(), before)
     assert strategy.reshard({name: 3}).tables == ()  # already so: nothing moves
+
+
+def test_going_back_to_the_kept_table_copies_only_what_changed(cluster):
+    """keep_previous (how the search samples): the table moved from is kept; going back to
+    its layout copies only the rows training wrote since, and every row, slot and the step
+    are then exactly what training on the new table produced."""
+    from parallax.resharding import Layout
+    strategy, keras_model = _job(cluster, False, f"tune-r-{time.time_ns()}")
+    extended, name = strategy.extended, "table/embeddings"
+    table = strategy.tables[name]
+    start = strategy.plan.get(name)
+    first = extended.reshard({name: Layout((1, 0, 1))}, keep_previous=True)
+    assert first.rows == 500  # every row was streamed: the whole table moves
+    ids = np.array([[1, 2, 3], [3, 4, 5]])
+    keras_model.train_on_batch(ids, np.ones((2, 1)))
+    trained = table.pull_all_rows()
+    back = extended.reshard({name: Layout(start.servers)}, keep_previous=True)
+    assert 0 < back.rows <= 6  # the rows the batch touched, not the table
+    assert strategy.plan.get(name).table == start.table  # the kept table, caught up
+    np.testing.assert_array_equal(table.pull_all_rows(), trained)
+    keras_model.train_on_batch(ids, np.ones((2, 1)))  # and training goes on there
+    assert not extended._resharder.previous

@@ -90,7 +90,9 @@ class _RpcThreads:
     queue. Daemon threads (unlike ThreadPoolExecutor's) never hold up interpreter exit
     behind a call still waiting for a step."""
 
-    def __init__(self, max_threads: int = 1024) -> None:
+    def __init__(self, max_threads: int = 8192) -> None:
+        # A step may have every shard of every table in flight at once (26 tables x 64
+        # shards of pushes and pulls is ~3,300 calls): the cap only catches runaway waits.
         self._max = max_threads
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # a child has none of the threads

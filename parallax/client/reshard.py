@@ -43,9 +43,10 @@ def check_compatible(source: ShardedTable, target: ShardedTable) -> None:
                           f"({a.describe_difference(b)})")
 
 
-def _export_page(table: ShardedTable, shard: int, offset: int, page_rows: int):
+def _export_page(table: ShardedTable, shard: int, offset: int, page_rows: int,
+                 changed_only: bool):
     request = ps_pb2.ExportRowsRequest(table=table.name, shard_index=shard, offset=offset,
-                                       max_rows=page_rows)
+                                       max_rows=page_rows, changed_only=changed_only)
     return table.shards[shard].call("ExportRows", request, table.name)
 
 
@@ -87,15 +88,15 @@ def _set_step(target: ShardedTable, step: int, slot_names: list[str]) -> None:
         conn.call("ImportRows", request, target.name)
 
 
-def _move_shard(source: ShardedTable, shard: int, target: ShardedTable,
-                page_rows: int) -> tuple[int, int, int | None, list[str]]:
+def _move_shard(source: ShardedTable, shard: int, target: ShardedTable, page_rows: int,
+                changed_only: bool) -> tuple[int, int, int | None, list[str]]:
     """Copy one source shard page by page: (rows, bytes, step, slot names)."""
     rows = nbytes = 0
     step = None
     slot_names: list[str] = []
     offset, total = 0, None
     while total is None or offset < total:
-        page = _export_page(source, shard, offset, page_rows)
+        page = _export_page(source, shard, offset, page_rows, changed_only)
         if step is not None and page.step != step:
             raise ConfigError(f"cannot reshard {source.name!r}: shard {shard} moved from step "
                               f"{step} to {page.step} while it was read; a push landed")
@@ -112,11 +113,15 @@ def _move_shard(source: ShardedTable, shard: int, target: ShardedTable,
     return rows, nbytes, step, slot_names
 
 
-def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0) -> MoveReport:
+def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0,
+              changed_only: bool = False) -> MoveReport:
     """Copy every touched row and its slots from `source` into `target` (created, empty) and
     give `target` the source's step. The source is left as it was. Source shards are read
     concurrently (each page by page), so a move runs at the pace of the links, not of one
-    round trip after another."""
+    round trip after another.
+
+    `changed_only`: copy only the rows training wrote in `source` since it was made, into
+    the table `source` was made from (kept, unchanged since): that catches it up."""
     check_compatible(source, target)
     if page_rows <= 0:  # pages of about the client's chunk size, with up to 3 slots per row
         row_bytes = 4 * source.spec.dim * source.dtype.itemsize + 8
@@ -124,8 +129,8 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0) ->
     start = time.perf_counter()
     count = source.spec.shard_count
     with ThreadPoolExecutor(max_workers=min(count, MOVE_THREADS)) as pool:
-        moved = list(pool.map(lambda shard: _move_shard(source, shard, target, page_rows),
-                              range(count)))
+        moved = list(pool.map(lambda shard: _move_shard(source, shard, target, page_rows,
+                                                        changed_only), range(count)))
     steps = {step for _, _, step, _ in moved}
     if len(steps) > 1:
         raise ConfigError(

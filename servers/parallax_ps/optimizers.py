@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from parallax.specs import SGD, Adagrad, Adam, Ftrl, OptimizerSpec
+from parallax.specs import SGD, Adagrad, Adam, Ftrl, OptimizerSpec, slot_names
 
 Slots = dict[str, np.ndarray]
 
@@ -31,7 +31,7 @@ class ServerOptimizer:
     def __init__(self, spec: OptimizerSpec) -> None:
         self.spec = spec
         self._update: Callable = _UPDATES[type(spec)]
-        self.slot_names: tuple[str, ...] = _slot_names(spec)
+        self.slot_names: tuple[str, ...] = slot_names(spec)
 
     def slot_initial_value(self, name: str) -> float:
         spec = self.spec
@@ -54,17 +54,6 @@ class ServerOptimizer:
         values[rows] = w
         for name, slot in slots.items():
             slot[rows] = s[name]
-
-
-def _slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
-    if isinstance(spec, SGD):
-        return ("momentum",) if spec.momentum != 0 else ()
-    if isinstance(spec, Adagrad):
-        return ("accumulator",)
-    if isinstance(spec, Adam):
-        moments = ("momentum", "velocity")
-        return moments + ("velocity_hat",) if spec.amsgrad else moments
-    return ("accumulator", "linear")
 
 
 def _sgd(spec: SGD, w, s, g, lr, step, dt) -> None:

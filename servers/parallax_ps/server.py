@@ -42,10 +42,26 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # mutual TLS: client certificates signed by this CA
     token_file: Path | None = None     # every RPC must carry this cluster token
     metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
+    memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
 
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb * 1024 * 1024
+
+
+def memory_budget(memory_mb: int | None) -> int:
+    """Bytes the tables may use: the flag, else this process's cgroup limit (containers),
+    else the machine's RAM."""
+    if memory_mb is not None:
+        return memory_mb << 20
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
+            return int(text)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class RunningServer:
@@ -65,7 +81,8 @@ class RunningServer:
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
             interceptors=[security.TokenInterceptor(token)] if token else None)
-        self.service = ParameterServerService(config.data_dir, limit)
+        self.service = ParameterServerService(config.data_dir, limit,
+                                              memory_budget(config.memory_mb))
         add_to_server(self.service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -128,7 +145,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics on the same "
                              "host as gRPC (0: any free port; default: no metrics endpoint)")
+    parser.add_argument("--memory-mb", type=int, default=None,
+                        help="memory the tables may use, reported to clients, which refuse a "
+                             "plan that does not fit (default: the cgroup limit, else RAM)")
     args = parser.parse_args(argv)
+    if args.memory_mb is not None and args.memory_mb < 1:
+        parser.error(f"--memory-mb {args.memory_mb} must be >= 1")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} is not a TCP port (0-65535)")
     if args.max_message_mb < 1:
@@ -147,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         tls_client_ca=args.tls_client_ca, token_file=args.token_file,
                         host=args.host, port=args.port, data_dir=args.data_dir,
                         max_message_mb=args.max_message_mb, threads=args.threads,
-                        grace_seconds=args.grace_seconds, metrics_port=args.metrics_port)
+                        grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
+                        memory_mb=args.memory_mb)
 
 
 def main(argv: list[str] | None = None) -> int:

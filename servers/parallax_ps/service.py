@@ -68,9 +68,11 @@ def _rpc(method: str):
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, data_dir: Path | None, max_message_bytes: int) -> None:
+    def __init__(self, data_dir: Path | None, max_message_bytes: int,
+                 memory_bytes: int = 0) -> None:
         self.data_dir = data_dir
         self.max_message_bytes = max_message_bytes
+        self.memory_bytes = memory_bytes
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -206,7 +208,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             np.dtype(spec.dtype).itemsize + 8
         fit = max(1, (self.max_message_bytes - 65536) // row_bytes)
         limit = min(request.max_rows, fit) if request.max_rows > 0 else fit
-        ids, values, slots, step, total = shard.export(request.offset, limit)
+        ids, values, slots, step, total = shard.export(request.offset, limit,
+                                                       request.changed_only)
         response = ps_pb2.ShardRows(table=spec.name, shard_index=shard.shard_index, step=step,
                                     next_offset=request.offset + len(ids), total_rows=total)
         wire.encode(ids, response.ids)
@@ -268,7 +271,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def Stats(self, request, context):
         response = ps_pb2.StatsResponse(server_version=__version__,
                                         protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
-                                        max_message_bytes=self.max_message_bytes)
+                                        max_message_bytes=self.max_message_bytes,
+                                        memory_bytes=self.memory_bytes)
         for shard in self.selected(request.tables):
             spec = shard.spec
             response.tables.add(

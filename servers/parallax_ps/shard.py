@@ -156,6 +156,7 @@ class TableShard:
                     rows = self.storage.locate(batch_ids, create=True)
                     self.optimizer.apply(self.storage.values, self.storage.slots, rows,
                                          batch_grads, self.steps.step, lr)
+                    self.storage.mark_changed(rows)
             if completed:
                 self.steps.step += 1
                 self.cond.notify_all()
@@ -167,6 +168,7 @@ class TableShard:
             self._check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
             self.storage.values[rows] = values
+            self.storage.mark_changed(rows)
 
     def wait_step(self, min_step: int, deadline: float | None) -> tuple[int, list[int]]:
         with self.cond:
@@ -199,16 +201,17 @@ class TableShard:
             self.cond.notify_all()
 
     # ---- live resharding ---------------------------------------------------------------
-    def export(self, offset: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, Slots, int,
-                                                          int]:
+    def export(self, offset: int, max_rows: int, changed_only: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, Slots, int, int]:
         """(ids, values, slots, step, total) of touched rows [offset, offset + max_rows), in a
-        stable order; only between steps, so pages of one export see one state."""
+        stable order (`changed_only`: rows training wrote since the shard was made); only
+        between steps, so pages of one export see one state."""
         if offset < 0 or max_rows < 1:
             raise invalid(f"{self.label}: export page offset {offset} must be >= 0 and "
                           f"max_rows {max_rows} >= 1")
         with self.cond:
             self.check_between_steps()
-            touched = self.storage.touched()
+            touched = self.storage.touched(changed_only)
             rows = touched[offset:offset + max_rows]
             values, slots = self.storage.trimmed()
             return (self.storage.ids_of(rows), values[rows],

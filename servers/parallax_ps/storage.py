@@ -33,6 +33,7 @@ class FixedRows:
         self.slots: Slots = {name: np.zeros((rows, spec.dim), dtype=spec.dtype)
                              for name in optimizer.slot_names}
         self._ready = np.zeros(rows, dtype=bool)
+        self._changed = np.zeros(rows, dtype=bool)  # written by training since creation
 
     @property
     def num_rows(self) -> int:
@@ -87,10 +88,14 @@ class FixedRows:
             slot[rows] = slots[name]
         self._ready[rows] = True
 
-    def touched(self) -> np.ndarray:
+    def touched(self, changed_only: bool = False) -> np.ndarray:
         """Local rows that hold more than their initial value could: every row ever
-        touched, in local order (stable while no request touches a new row)."""
-        return np.flatnonzero(self._ready)
+        touched, in local order (stable while no request touches a new row); with
+        `changed_only`, the rows training wrote since the shard was made (imports aside)."""
+        return np.flatnonzero(self._changed if changed_only else self._ready)
+
+    def mark_changed(self, rows: np.ndarray) -> None:
+        self._changed[rows] = True
 
 
 class KeyedRows:
@@ -103,6 +108,7 @@ class KeyedRows:
         self._keys_sorted = np.empty(0, dtype=np.int64)
         self._rows_sorted = np.empty(0, dtype=np.int64)
         self._keys = np.empty(0, dtype=np.int64)  # key of each local row
+        self._changed = np.empty(0, dtype=bool)  # written by training since creation
         self.values = np.empty((0, spec.dim), dtype=spec.dtype)
         self.slots: Slots = optimizer.new_slots(0, spec.dim, self.values.dtype)
         self._count = 0
@@ -165,6 +171,7 @@ class KeyedRows:
             return out
 
         self._keys = grown(self._keys)
+        self._changed = grown(self._changed)
         self.values = grown(self.values)
         self.slots = {name: grown(slot) for name, slot in self.slots.items()}
 
@@ -189,9 +196,15 @@ class KeyedRows:
         for name, slot in self.slots.items():
             slot[rows] = slots[name]
 
-    def touched(self) -> np.ndarray:
-        """Every local row (each was created by a request), in creation order."""
+    def touched(self, changed_only: bool = False) -> np.ndarray:
+        """Every local row (each was created by a request), in creation order; with
+        `changed_only`, those training wrote since the shard was made (imports aside)."""
+        if changed_only:
+            return np.flatnonzero(self._changed[: self._count])
         return np.arange(self._count)
+
+    def mark_changed(self, rows: np.ndarray) -> None:
+        self._changed[rows] = True
 
     def trimmed(self) -> tuple[np.ndarray, Slots]:
         return self.values[: self._count], {n: s[: self._count] for n, s in self.slots.items()}

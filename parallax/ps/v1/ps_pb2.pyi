@@ -363,16 +363,18 @@ class RestoreResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
-    __slots__ = ("table", "shard_index", "offset", "max_rows")
+    __slots__ = ("table", "shard_index", "offset", "max_rows", "changed_only")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_ONLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     offset: int
     max_rows: int
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+    changed_only: bool
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ..., changed_only: bool = ...) -> None: ...
 
 class ShardRows(_message.Message):
     __slots__ = ("table", "shard_index", "step", "ids", "values", "slot_names", "slots", "next_offset", "total_rows")
@@ -453,15 +455,17 @@ class StatsRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("server_version", "protocol_version", "pid", "max_message_bytes", "tables")
+    __slots__ = ("server_version", "protocol_version", "pid", "max_message_bytes", "tables", "memory_bytes")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     protocol_version: int
     pid: int
     max_message_bytes: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
-    def __init__(self, server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
