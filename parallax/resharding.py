@@ -71,8 +71,9 @@ class Resharder:
 
     With `keep_previous`, a replaced table is kept (not deleted) while it is the one before
     the current: going back to its layout then copies only the rows training changed since
-    (`changed_only` export), not the whole table. The partition search samples that way;
-    `release_previous` deletes what is kept."""
+    (`changed_only` export), not the whole table, and the table left is kept in turn, so two
+    layouts can alternate at the cost of their changes. The partition search samples that
+    way; `release_previous` deletes what is kept."""
 
     def __init__(self, client: PSClient, workers: Workers,
                  remotes: Mapping[int, RemoteTable]) -> None:
@@ -107,9 +108,12 @@ class Resharder:
         for vp in changed:
             layout, remote = layouts[vp.name], self.remotes[vp.index]
             old, old_layout = remote.table, Layout(vp.servers)
-            if vp.index in reverts:
+            if vp.index in reverts:  # the kept table is current again; keep this one instead
                 remote.table = self.previous.pop(vp.index)[0]
-                dropped.append(old)
+                if keep_previous:
+                    self.previous[vp.index] = (old, old_layout)
+                else:
+                    dropped.append(old)
             else:
                 spec = dataclasses.replace(old.spec, name=self._name(vp),
                                            shard_count=layout.shards)

@@ -172,6 +172,10 @@ def test_resharded_and_tuned_runs_really_changed_their_layouts(results):
         report = summaries[case]["search"]
         assert report and not report["from_cache"], case
         assert len({tuple(sorted(s["counts"].items())) for s in report["samples"]}) >= 2
-        assert report["chosen_step_seconds"] == min(s["step_seconds"]
-                                                    for s in report["samples"])
+        by_layout: dict = {}  # a near tie may be measured twice: layouts go by their mean
+        for sample in report["samples"]:
+            key = json.dumps(sample["servers"], sort_keys=True)
+            by_layout.setdefault(key, []).append(sample["step_seconds"])
+        assert report["chosen_step_seconds"] == pytest.approx(
+            min(np.mean(times) for times in by_layout.values()))
         assert report["overhead_seconds"] >= 0 and report["fitted_curve"]

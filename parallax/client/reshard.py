@@ -75,12 +75,14 @@ def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> No
         conn.result(future, "ImportRows", request, target.name)
 
 
-def _set_step(target: ShardedTable, step: int, slot_names: list[str]) -> None:
-    """An empty page to every target shard: shards no row landed on still get the step."""
+def _set_step(target: ShardedTable, step: int, slot_names: list[str],
+              restart_changes: bool) -> None:
+    """An empty page to every target shard: shards no row landed on still get the step (and
+    a caught-up table starts counting its changes afresh)."""
     dim, dtype = target.spec.dim, np.dtype(target.spec.dtype)
     for shard, conn in enumerate(target.shards):
         request = ps_pb2.ShardRows(table=target.name, shard_index=shard, step=step,
-                                   slot_names=slot_names)
+                                   slot_names=slot_names, restart_changes=restart_changes)
         wire.encode(np.zeros(0, np.int64), request.ids)
         wire.encode(np.zeros((0, dim), dtype), request.values)
         for _ in slot_names:
@@ -120,8 +122,9 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0,
     concurrently (each page by page), so a move runs at the pace of the links, not of one
     round trip after another.
 
-    `changed_only`: copy only the rows training wrote in `source` since it was made, into
-    the table `source` was made from (kept, unchanged since): that catches it up."""
+    `changed_only`: copy only the rows training wrote in `source` since it was made (or last
+    caught up), into the table `source` was made from (kept, unchanged since): that catches
+    it up, and it counts its own changes afresh from then."""
     check_compatible(source, target)
     if page_rows <= 0:  # pages of about the client's chunk size, with up to 3 slots per row
         row_bytes = 4 * source.spec.dim * source.dtype.itemsize + 8
@@ -138,6 +141,6 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0,
             f"{sorted(steps)}; a push is still landing. Wait for every worker's pushes "
             f"(RemoteTable.wait_for_pushes) first")
     step = steps.pop() or 0
-    _set_step(target, step, moved[0][3])
+    _set_step(target, step, moved[0][3], restart_changes=changed_only)
     return MoveReport(rows=sum(m[0] for m in moved), bytes=sum(m[1] for m in moved),
                       step=step, seconds=time.perf_counter() - start)

@@ -233,7 +233,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         values = wire.decode(request.values, "values")
         slots = {name: wire.decode(t, f"slot {name}")
                  for name, t in zip(request.slot_names, request.slots)}
-        rows, step = shard.import_rows(ids, values, slots, request.step)
+        rows, step = shard.import_rows(ids, values, slots, request.step,
+                                       request.restart_changes)
         return (ps_pb2.ImportRowsResponse(rows=rows, step=step), shard.spec.name, len(ids),
                 values.nbytes)
 

@@ -228,7 +228,7 @@ class TableShard:
             self.check_rows(values, n, f"slot {name!r}")
 
     def import_rows(self, ids: np.ndarray, values: np.ndarray, slots: Slots,
-                    step: int) -> tuple[int, int]:
+                    step: int, restart_changes: bool = False) -> tuple[int, int]:
         """Adopt rows with their slots and the step of the table they came from; everything
         is checked first, so a bad page changes nothing. Returns (rows held, step)."""
         ids = self.check_ids(ids)
@@ -245,6 +245,8 @@ class TableShard:
             if self.spec.hashed_keys:
                 self._check_capacity(ids)
             self.storage.adopt(ids, values, slots)
+            if restart_changes:
+                self.storage.restart_changes()
             if step != self.steps.step:
                 self.steps.reset(step)
                 self.cond.notify_all()

@@ -97,6 +97,9 @@ class FixedRows:
     def mark_changed(self, rows: np.ndarray) -> None:
         self._changed[rows] = True
 
+    def restart_changes(self) -> None:
+        self._changed[:] = False
+
 
 class KeyedRows:
     """Rows keyed by arbitrary int64 keys, created (initialised by key) on first use."""
@@ -205,6 +208,9 @@ class KeyedRows:
 
     def mark_changed(self, rows: np.ndarray) -> None:
         self._changed[rows] = True
+
+    def restart_changes(self) -> None:
+        self._changed[:] = False
 
     def trimmed(self) -> tuple[np.ndarray, Slots]:
         return self.values[: self._count], {n: s[: self._count] for n, s in self.slots.items()}
