@@ -241,7 +241,8 @@ class PartitionTuner:
         best = min(m.step_seconds for m in measurements)
         if predicted <= self.config.stop_ratio * best:
             return True
-        self._skipped.append({"counts": dict(counts), "predicted_step_seconds": predicted})
+        if all(s["counts"] != dict(counts) for s in self._skipped):
+            self._skipped.append({"counts": dict(counts), "predicted_step_seconds": predicted})
         return False
 
     def _planner(self) -> Planner:
