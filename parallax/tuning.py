@@ -34,7 +34,9 @@ class PartitionSearch:
     min_shards / max_shards bound every table's count; steps_per_sample timed steps (after
     warmup_steps untimed ones, which absorb the move) measure each sampled layout, at most
     max_samples of them; the first sample also waits settle_steps (rows touched for the
-    first time are slower); cache_dir keeps decisions (default $PARALLAX_PLAN_CACHE, else
+    first time are slower); a sweep ends past stop_ratio x the best; the last two layouts are
+    measured once more when within confirm_ratio of each other (one sample on a busy machine
+    can be off by 20%); cache_dir keeps decisions (default $PARALLAX_PLAN_CACHE, else
     ~/.cache/parallax/partitions; "" keeps none); plan_seconds bounds the planner's search.
     For a fixed plan instead, pass `shards=` to the strategy and leave this off."""
 
@@ -45,6 +47,7 @@ class PartitionSearch:
     settle_steps: int = 10
     max_samples: int = 6
     stop_ratio: float = 1.1
+    confirm_ratio: float = 1.25
     cache_dir: str | None = None
     plan_seconds: float = 1.0
 
@@ -60,8 +63,10 @@ class PartitionSearch:
         if self.max_shards < self.min_shards:
             raise ConfigError(f"PartitionSearch.max_shards {self.max_shards} is below "
                               f"min_shards {self.min_shards}")
-        if not self.stop_ratio > 1.0:
-            raise ConfigError(f"PartitionSearch.stop_ratio must be > 1, got {self.stop_ratio}")
+        for name in ("stop_ratio", "confirm_ratio"):
+            if not getattr(self, name) > 1.0:
+                raise ConfigError(f"PartitionSearch.{name} must be > 1, got "
+                                  f"{getattr(self, name)}")
         if not self.plan_seconds >= 0:
             raise ConfigError(f"PartitionSearch.plan_seconds must be >= 0, got "
                               f"{self.plan_seconds}")

@@ -51,6 +51,7 @@ def test_sweep_respects_bounds_and_keeps_a_sample_for_the_model():
     ("min_shards", 0, "min_shards must be an int >= 1"),
     ("max_shards", 2, "max_shards 2 is below min_shards 4"),
     ("stop_ratio", 1.0, "stop_ratio must be > 1"),
+    ("confirm_ratio", 0.9, "confirm_ratio must be > 1"),
     ("steps_per_sample", 1.5, "steps_per_sample must be an int"),
 ])
 def test_bad_settings_are_named(field, value, match):
