@@ -9,15 +9,14 @@ import math
 from typing import Mapping, Sequence
 
 from parallax.partitioner.types import PlannerError, size_text
-from parallax.plan import Plan
+from parallax.plan import Plan, dtype_bytes
 from parallax.specs import TableSpec, slot_names
 
 
 def table_bytes(spec: TableSpec) -> int:
     """Values and optimizer slots of a whole fixed-vocabulary table on the servers."""
-    itemsize = 2 if spec.dtype in ("float16", "bfloat16") else 8 if spec.dtype == "float64" \
-        else 4
-    return spec.vocabulary_size * spec.dim * itemsize * (1 + len(slot_names(spec.optimizer)))
+    return spec.vocabulary_size * spec.dim * dtype_bytes(spec.dtype) * \
+        (1 + len(slot_names(spec.optimizer)))
 
 
 def server_bytes(plan: Plan, specs: Mapping[int, TableSpec]) -> list[int]:

@@ -19,7 +19,7 @@ import numpy as np
 from parallax.partitioner import (ClusterProfile, Measurement, Planner, ShardCountEnumerator,
                                   TableProfile, fit_report, place)
 from parallax.resharding import Layout
-from parallax.tuning import PartitionSearch, next_uniform, save_decision
+from parallax.tuning import PartitionSearch, counts_text, next_uniform, save_decision
 
 HOT_IDS = 64  # the most-read ids of each table the placer balances by name
 
@@ -297,15 +297,10 @@ def _layout_key(layouts: Mapping[str, tuple[int, ...]]) -> tuple:
 def describe(report: dict, path) -> str:
     chosen = ", ".join(f"{k}: {n} @ {','.join(map(str, report['servers'][k]))}"
                        for k, n in report["chosen"].items())
-    tried = "; ".join(f"{_counts_text(s['counts'])} {s['step_seconds'] * 1e3:.1f} ms"
+    tried = "; ".join(f"{counts_text(s['counts'])} {s['step_seconds'] * 1e3:.1f} ms"
                       for s in report["samples"])
     where = f"; saved to {path}" if path else ""
     return (f"parallax: partition search chose {chosen} ({report['chosen_step_seconds'] * 1e3:.1f}"
             f" ms/step) after {len(report['samples'])} samples over {report['search_steps']} "
             f"steps [{tried}]; overhead {report['overhead_seconds']:.2f} s{where}")
 
-
-def _counts_text(counts: Mapping[str, int]) -> str:
-    values = set(counts.values())
-    return f"all {values.pop()}" if len(values) == 1 else \
-        "{" + ", ".join(f"{k}: {n}" for k, n in counts.items()) + "}"

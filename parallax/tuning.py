@@ -111,6 +111,16 @@ def uniform_counts(n: int, rows: Mapping[str, int]) -> dict[str, int]:
     return {name: max(1, min(n, r)) for name, r in rows.items()}
 
 
+def counts_text(counts: Mapping[str, int]) -> str:
+    """{table: n} as 'n' when all agree, else 'n x tables' groups: '4 (x20), 8 (x6)'."""
+    values = sorted(counts.values())
+    if not values:
+        return "n/a"
+    if len(set(values)) == 1:
+        return str(values[0]) + (f" (all {len(values)} tables)" if len(values) > 1 else "")
+    return ", ".join(f"{n} (x{values.count(n)})" for n in sorted(set(values)))
+
+
 def sweep_counts(config: PartitionSearch) -> list[int]:
     counts, n = [], 1
     while n <= config.max_shards:

@@ -24,13 +24,20 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in _names(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"worker counts must be integers separated by commas, e.g. 1,2,4; "
-            f"got {text!r}") from None
+def _ints(what: str):
+    """An argparse type: comma-separated integers, refused with `what` named."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(part) for part in _names(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be integers separated by commas, e.g. 1,2,4; "
+                f"got {text!r}") from None
+    return parse
+
+
+_counts = _ints("worker counts")
+_shard_counts = _ints("shard counts")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -129,14 +136,6 @@ def _topologies(text: str) -> tuple[tuple[int, int], ...]:
             f"topologies are WORKERSxSERVERS separated by commas, e.g. 2x2,4x4; got {text!r}")
     return pairs  # type: ignore[return-value]
 
-
-def _shard_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in _names(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"shard counts must be integers separated by commas, e.g. 1,2,4; "
-            f"got {text!r}") from None
 
 
 def partitions_parser() -> argparse.ArgumentParser:

@@ -430,12 +430,19 @@ def _run_network(config, network, placement, results, results_path, out, echo) -
                     _echo_run(result, time.monotonic() - started, echo)
 
 
+def echo_failure(head: str, result: dict, elapsed: float, echo) -> bool:
+    """Print a failed run's line (the first line of its error); True if it failed."""
+    if result["status"] == "ok":
+        return False
+    first = (result["error"] or "").splitlines()[0] if result["error"] else ""
+    print(f"{head} FAILED ({elapsed:.0f} s): {first}", file=echo, flush=True)
+    return True
+
+
 def _echo_run(result: dict, elapsed: float, echo) -> None:
     head = (f"{result['network']['name']:>9} {result['workload']:<5} W={result['workers']} "
             f"r{result['round']} {result['system']:<13}")
-    if result["status"] != "ok":
-        first = (result["error"] or "").splitlines()[0] if result["error"] else ""
-        print(f"{head} FAILED ({elapsed:.0f} s): {first}", file=echo, flush=True)
+    if echo_failure(head, result, elapsed, echo):
         return
     traffic = result["worker_bytes_per_step"]
     moved = (f"  {traffic['sent'] / 1e3:9.1f} KB sent/worker/step" if traffic else "")

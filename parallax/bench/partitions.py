@@ -27,6 +27,7 @@ from typing import Sequence
 from parallax.bench import harness, measure, workloads
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.errors import ConfigError
+from parallax.tuning import counts_text
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
 TOPOLOGIES = ((2, 2), (4, 4))
@@ -199,9 +200,7 @@ def _echo(result: dict, elapsed: float, echo) -> None:
     what = "tuned" if result["tuned"] else f"{result['shards']} shards"
     head = (f"{result['workload']:<4} {result['workers']}x{result['servers']} "
             f"r{result['round']} {what:>10}")
-    if result["status"] != "ok":
-        first = (result["error"] or "").splitlines()[0] if result["error"] else ""
-        print(f"{head} FAILED ({elapsed:.0f} s): {first}", file=echo, flush=True)
+    if harness.echo_failure(head, result, elapsed, echo):
         return
     chosen = ""
     if result["tuning"]:
@@ -209,15 +208,6 @@ def _echo(result: dict, elapsed: float, echo) -> None:
     print(f"{head} {result['samples_per_s']:10.1f} samples/s  ({elapsed:.0f} s){chosen}",
           file=echo, flush=True)
 
-
-def counts_text(counts: dict) -> str:
-    """{table: n} as 'n' when all agree, else 'n x tables' groups: '4 (x20), 8 (x6)'."""
-    values = sorted(counts.values())
-    if not values:
-        return "n/a"
-    if len(set(values)) == 1:
-        return str(values[0]) + (f" (all {len(values)} tables)" if len(values) > 1 else "")
-    return ", ".join(f"{n} (x{values.count(n)})" for n in sorted(set(values)))
 
 
 def default_command(argv: Sequence[str]) -> str:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from parallax.bench.partitions import (OVERHEAD_TARGET, RATIO_TARGET, REFERENCE_STEPS,
-                                       counts_text)
+from parallax.bench.partitions import OVERHEAD_TARGET, RATIO_TARGET, REFERENCE_STEPS
 from parallax.errors import ConfigError
+from parallax.tuning import counts_text
 
 @dataclass(frozen=True)
 class Point:
