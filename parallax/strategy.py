@@ -253,17 +253,20 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         counts = {v.name: shards for v in plan.on_servers} if isinstance(shards, int) \
             else dict(shards)
         servers = dict(servers or {})
+        for name, given in servers.items():
+            if name in counts and len(given) != counts[name]:
+                raise ConfigError(f"{name!r}: {counts[name]} shards but {len(given)} servers "
+                                  f"given ({list(given)}); give one server per shard")
         check_layouts(plan, {n: Layout(tuple(servers.get(n, [0] * c))) for n, c in
                              counts.items()})
         moving = {v.name for v in plan.on_servers if v.name in counts and v.name not in servers}
-        keep = {v.index: v.servers for v in plan.on_servers if v.name not in moving}
+        keep = {v.index: tuple(servers.get(v.name, v.servers)) for v in plan.on_servers
+                if v.name not in moving}  # given servers count as load where they will be
         wanted = tuple(dataclasses.replace(v, shards=counts.get(v.name, v.shards))
                        for v in plan.on_servers)
         placed = place_shards(wanted, plan.num_servers, keep)
         by_name = {v.name: v for v in plan.on_servers}
-        layouts = {name: Layout(tuple(servers[name]) if name in servers
-                                else placed[by_name[name].index]) for name in counts}
-        return layouts
+        return {name: Layout(placed[by_name[name].index]) for name in counts}
 
     def _aggregate_across_workers(self, value: tf.Tensor, aggregation) -> tf.Tensor:
         total = self.workers.allreduce_sum([value])[0]

@@ -151,6 +151,8 @@ def test_reshard_errors_name_the_table_and_the_fix(cluster):
         strategy.reshard({"nope": 2})
     with pytest.raises(ConfigError, match=f"cannot give '{name}' 501 shards: it has 500 rows"):
         strategy.reshard(501)
+    with pytest.raises(ConfigError, match="2 shards but 3 servers given"):
+        strategy.reshard({name: 2}, servers={name: [0, 1, 1]})
     with pytest.raises(ConfigError, match="on server 5: the job has servers 0 to 1"):
         strategy.reshard({name: 2}, servers={name: [0, 5]})
     before = strategy.tables[name].pull_all_rows()
