@@ -69,10 +69,12 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _fields(data: memoryview):
-    """Yield (field number, wire type, value, start, end) for every field of a message."""
-    pos = 0
-    while pos < len(data):
+def _fields(data: memoryview, lo: int = 0, hi: int | None = None):
+    """Yield (field number, wire type, value, start, end) for every field of the message in
+    data[lo:hi]; positions are offsets into `data`."""
+    pos, hi = lo, len(data) if hi is None else hi
+    data = data[:hi]  # a view: varints cannot run past the message
+    while pos < hi:
         key, pos = _read_varint(data, pos)
         number, kind = key >> 3, key & 7
         if kind == _VARINT:
@@ -80,13 +82,13 @@ def _fields(data: memoryview):
             yield number, kind, value, pos, pos
         elif kind == _LEN:
             size, pos = _read_varint(data, pos)
-            if pos + size > len(data):
-                raise DecodeError(f"field {number} claims {size} bytes, {len(data) - pos} left")
+            if pos + size > hi:
+                raise DecodeError(f"field {number} claims {size} bytes, {hi - pos} left")
             yield number, kind, None, pos, pos + size
             pos += size
         elif kind in (_FIXED64, _FIXED32):
             width = 8 if kind == _FIXED64 else 4
-            if pos + width > len(data):
+            if pos + width > hi:
                 raise DecodeError(f"field {number} is truncated")
             yield number, kind, None, pos, pos + width
             pos += width
@@ -124,8 +126,9 @@ def _new_bytes(size: int) -> tuple[bytes, np.ndarray]:
 
 
 class _Writer:
-    """Lays out a message as constant bytes and tensor fields whose contents start 16-byte
-    aligned (fast numpy copies), then allocates it once and exposes the tensors' storage."""
+    """Lays out a message as constant bytes, tensor fields whose contents start 16-byte
+    aligned (fast numpy copies) and nested messages, then allocates it once and exposes the
+    tensors' storage by the keys they were given."""
 
     def __init__(self) -> None:
         self._pieces: list = []
@@ -134,39 +137,76 @@ class _Writer:
         self._pieces.append(data)
         return self
 
-    def tensor(self, number: int, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> "_Writer":
-        self._pieces.append((number, name, np.dtype(dtype), tuple(int(d) for d in shape)))
+    def tensor(self, number: int, key, dtype: np.dtype, shape: tuple[int, ...]) -> "_Writer":
+        self._pieces.append((number, key, np.dtype(dtype), tuple(int(d) for d in shape)))
         return self
 
-    def build(self) -> tuple[bytes, dict[str, np.ndarray]]:
-        plan, offset = [], 0
+    def message(self, number: int, inner: "_Writer") -> "_Writer":
+        """A nested message field (its tensors stay aligned in the whole buffer)."""
+        self._pieces.append((number, inner))
+        return self
+
+    def _layout(self, offset: int, align: bool = True) -> tuple[list, int]:
+        """(plan, length) of this message placed at `offset` of the buffer: the plan holds
+        bytes to copy and (key, offset, nbytes, dtype, shape) tensor slots."""
+        plan, at = [], offset
         for piece in self._pieces:
             if isinstance(piece, bytes):
                 plan.append(piece)
-                offset += len(piece)
-                continue
-            number, name, dtype, shape = piece
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            header = _tensor_header(dtype, shape, nbytes)
-            field = _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
-            pad = -(offset + len(field)) % _ALIGN
-            if pad == 1:
-                pad += _ALIGN
-            if pad:
-                plan.append(_varint(_PAD_FIELD << 3 | _LEN) + _varint(pad - 2) + bytes(pad - 2))
-            plan.append(field)
-            offset += pad + len(field)
-            plan.append((name, offset, nbytes, dtype, shape))
-            offset += nbytes
-        data, raw = _new_bytes(offset)
+                at += len(piece)
+            elif len(piece) == 2:
+                at = self._nested(plan, at, *piece, align)
+            else:
+                at = self._tensor(plan, at, *piece, align)
+        return plan, at - offset
+
+    @staticmethod
+    def _tensor(plan: list, at: int, number: int, key, dtype: np.dtype,
+                shape: tuple[int, ...], align: bool) -> int:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header = _tensor_header(dtype, shape, nbytes)
+        field = _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
+        pad = -(at + len(field)) % _ALIGN if align else 0
+        if pad == 1:
+            pad += _ALIGN
+        if pad:
+            plan.append(_varint(_PAD_FIELD << 3 | _LEN) + _varint(pad - 2) + bytes(pad - 2))
+        plan.append(field)
+        at += pad + len(field)
+        plan.append((key, at, nbytes, dtype, shape))
+        return at + nbytes
+
+    @staticmethod
+    def _nested(plan: list, at: int, number: int, inner: "_Writer", align: bool) -> int:
+        """The length prefix depends on the content's length, which depends (through the
+        padding) on where the content starts: settle it in a few passes, else lay the
+        content out unaligned (same bytes, slower copies)."""
+        tag = _varint(number << 3 | _LEN)
+        width = 1
+        for _ in range(4):
+            inner_plan, length = inner._layout(at + len(tag) + width, align)
+            if len(_varint(length)) == width:
+                break
+            width = len(_varint(length))
+        else:
+            inner_plan, length = inner._layout(at + len(tag) + width, False)
+            width = len(_varint(length))
+            inner_plan, length = inner._layout(at + len(tag) + width, False)
+        plan.append(tag + _varint(length))
+        plan.extend(inner_plan)
+        return at + len(tag) + width + length
+
+    def build(self) -> tuple[bytes, dict]:
+        plan, size = self._layout(0)
+        data, raw = _new_bytes(size)
         views, at = {}, 0
         for item in plan:
             if isinstance(item, bytes):
                 raw[at:at + len(item)] = np.frombuffer(item, dtype=np.uint8)
                 at += len(item)
             else:
-                name, at, nbytes, dtype, shape = item
-                views[name] = raw[at:at + nbytes].view(dtype).reshape(shape)
+                key, at, nbytes, dtype, shape = item
+                views[key] = raw[at:at + nbytes].view(dtype).reshape(shape)
                 at += nbytes
         return data, views
 
@@ -177,18 +217,18 @@ def _finish(data) -> bytes:
 
 def _decode_tensor(buffer: bytes, data: memoryview, start: int, end: int, field: str) -> np.ndarray:
     dtype_code, shape, content = 0, [], None
-    for number, kind, value, s, e in _fields(data[start:end]):
+    for number, kind, value, s, e in _fields(data, start, end):
         if number == 1 and kind == _VARINT:
             dtype_code = value
         elif number == 2 and kind == _LEN:
-            packed, p = data[start + s:start + e], 0
+            packed, p = data[s:e], 0
             while p < len(packed):
                 dim, p = _read_varint(packed, p)
                 shape.append(_signed(dim))
         elif number == 2 and kind == _VARINT:
             shape.append(_signed(value))
         elif number == 3 and kind == _LEN:
-            content = (start + s, start + e)
+            content = (s, e)
     if not dtype_code:
         raise DecodeError(f"{field}: dtype is unset")
     dtype = wire.numpy_dtype(dtype_code)
@@ -203,15 +243,17 @@ def _decode_tensor(buffer: bytes, data: memoryview, start: int, end: int, field:
 
 
 # ---- PullResponse { Tensor values = 1; int64 step = 2; } -------------------------------------
+def _pull_response(key, rows: int, dim: int, dtype: object, step: int) -> _Writer:
+    writer = _Writer().tensor(1, key, np.dtype(dtype), (rows, dim))
+    return writer.raw(b"\x10" + _varint(step)) if step else writer
+
+
 class PullResponseWriter:
     """A PullResponse written in place: fill `values` (e.g. `np.take(..., out=values)`),
     then send `data()`; the rows are copied exactly once, into the message itself."""
 
     def __init__(self, rows: int, dim: int, dtype: object, step: int) -> None:
-        writer = _Writer().tensor(1, "values", np.dtype(dtype), (rows, dim))
-        if step:
-            writer.raw(b"\x10" + _varint(step))
-        self._data, views = writer.build()
+        self._data, views = _pull_response("values", rows, dim, dtype, step).build()
         self.values = views["values"]
 
     def data(self) -> bytes:
@@ -225,10 +267,10 @@ def encode_pull_response(values: np.ndarray, step: int) -> bytes:
     return writer.data()
 
 
-def decode_pull_response(buffer: bytes) -> tuple[np.ndarray, int]:
-    data = memoryview(buffer)
+def _decode_pull(buffer: bytes, data: memoryview, lo: int, hi: int | None
+                 ) -> tuple[np.ndarray, int]:
     values, step = None, 0
-    for number, kind, value, start, end in _fields(data):
+    for number, kind, value, start, end in _fields(data, lo, hi):
         if number == 1 and kind == _LEN:
             values = _decode_tensor(buffer, data, start, end, "values")
         elif number == 2 and kind == _VARINT:
@@ -236,6 +278,36 @@ def decode_pull_response(buffer: bytes) -> tuple[np.ndarray, int]:
     if values is None:
         raise DecodeError("PullResponse carries no values")
     return values, step
+
+
+def decode_pull_response(buffer: bytes) -> tuple[np.ndarray, int]:
+    return _decode_pull(buffer, memoryview(buffer), 0, None)
+
+
+# ---- PullManyResponse { repeated PullResponse parts = 1; } -----------------------------------
+class PullManyResponseWriter:
+    """A PullManyResponse written in place: `values[i]` is part i's [rows, dim] storage."""
+
+    def __init__(self, parts: list[tuple[int, int, object, int]]) -> None:
+        """parts: (rows, dim, dtype, step) of each part, in request order."""
+        writer = _Writer()
+        for i, (rows, dim, dtype, step) in enumerate(parts):
+            writer.message(1, _pull_response(i, rows, dim, dtype, step))
+        self._data, views = writer.build()
+        self.values = [views[i] for i in range(len(parts))]
+
+    def data(self) -> bytes:
+        return _finish(self._data)
+
+
+def decode_pull_many_response(buffer: bytes) -> list[tuple[np.ndarray, int]]:
+    """(values, step) of every part: views into `buffer`, no copy."""
+    data = memoryview(buffer)
+    parts = []
+    for number, kind, _, start, end in _fields(data):
+        if number == 1 and kind == _LEN:
+            parts.append(_decode_pull(buffer, data, start, end))
+    return parts
 
 
 # ---- PushRequest ----------------------------------------------------------------------------
@@ -256,24 +328,46 @@ class BulkPush:
     error: str | None = None  # set instead of raising, so the handler can answer precisely
 
 
+@dataclass(frozen=True)
+class PushHeader:
+    """Everything of a PushRequest but its rows."""
+
+    table: str
+    shard_index: int
+    step: int
+    worker: int
+    learning_rate: float = 0.0
+    chunk_index: int = 0
+    chunk_count: int = 0
+    session: int = 0
+
+
+def _push_request(header: PushHeader, rows: int, dim: int, dtype: object,
+                  keys=("ids", "grads")) -> _Writer:
+    name = header.table.encode()
+    writer = _Writer().raw(b"\x0a" + _varint(len(name)) + name)
+    for number, value in ((2, header.shard_index), (3, header.step), (4, header.worker)):
+        if value:
+            writer.raw(_varint(number << 3) + _varint(value))
+    writer.tensor(5, keys[0], np.int64, (rows,)).tensor(6, keys[1], np.dtype(dtype), (rows, dim))
+    if header.learning_rate:
+        writer.raw(b"\x39" + struct.pack("<d", header.learning_rate))
+    for number, value in ((8, header.chunk_index), (9, header.chunk_count),
+                          (10, header.session)):
+        if value:
+            writer.raw(_varint(number << 3) + _varint(value))
+    return writer
+
+
 class PushRequestWriter:
     """A PushRequest written in place: fill `ids` and `grads`, then send `data()`."""
 
     def __init__(self, table: str, shard_index: int, step: int, worker: int, rows: int,
                  dim: int, dtype: object, learning_rate: float = 0.0, chunk_index: int = 0,
                  chunk_count: int = 0, session: int = 0) -> None:
-        name = table.encode()
-        writer = _Writer().raw(b"\x0a" + _varint(len(name)) + name)
-        for number, value in ((2, shard_index), (3, step), (4, worker)):
-            if value:
-                writer.raw(_varint(number << 3) + _varint(value))
-        writer.tensor(5, "ids", np.int64, (rows,)).tensor(6, "grads", np.dtype(dtype), (rows, dim))
-        if learning_rate:
-            writer.raw(b"\x39" + struct.pack("<d", learning_rate))
-        for number, value in ((8, chunk_index), (9, chunk_count), (10, session)):
-            if value:
-                writer.raw(_varint(number << 3) + _varint(value))
-        self._data, views = writer.build()
+        header = PushHeader(table, shard_index, step, worker, learning_rate, chunk_index,
+                            chunk_count, session)
+        self._data, views = _push_request(header, rows, dim, dtype).build()
         self.ids, self.grads = views["ids"], views["grads"]
 
     def data(self) -> bytes:
@@ -291,36 +385,79 @@ def encode_push_request(table: str, shard_index: int, step: int, worker: int, id
     return writer.data()
 
 
+class PushManyRequestWriter:
+    """A PushManyRequest written in place: fill `ids[i]` and `grads[i]` of every part."""
+
+    def __init__(self, parts: list[tuple[PushHeader, int, int, object]]) -> None:
+        """parts: (header, rows, dim, dtype) of each part, in order."""
+        writer = _Writer()
+        for i, (header, rows, dim, dtype) in enumerate(parts):
+            writer.message(1, _push_request(header, rows, dim, dtype, (("ids", i), ("g", i))))
+        self._data, views = writer.build()
+        self.ids = [views["ids", i] for i in range(len(parts))]
+        self.grads = [views["g", i] for i in range(len(parts))]
+
+    def data(self) -> bytes:
+        return _finish(self._data)
+
+
 _PUSH_INTS = {2: "shard_index", 3: "step", 4: "worker", 8: "chunk_index", 9: "chunk_count",
               10: "session"}
 _PUSH_INT32 = {"shard_index", "worker", "chunk_index", "chunk_count"}
 
 
-def decode_push_request(buffer: bytes) -> BulkPush:
+def _decode_push(buffer: bytes, data: memoryview, lo: int, hi: int | None) -> BulkPush:
     push = BulkPush()
-    data = memoryview(buffer)
-    try:
-        for number, kind, value, start, end in _fields(data):
-            if number == 1 and kind == _LEN:
-                push.table = bytes(data[start:end]).decode()
-            elif number in _PUSH_INTS and kind == _VARINT:
-                name = _PUSH_INTS[number]
-                setattr(push, name, _int32(value) if name in _PUSH_INT32 else
-                        value if name == "session" else _signed(value))
-            elif number in (5, 6) and kind == _LEN:
-                name = "ids" if number == 5 else "grads"
-                setattr(push, name, _decode_tensor(buffer, data, start, end, name))
-            elif number == 7 and kind == _FIXED64:
-                push.learning_rate = struct.unpack_from("<d", buffer, start)[0]
-        if push.ids is None:  # proto3 omits nothing for tensors, but be lenient: empty
-            push.ids = np.empty(0, np.int64)
-        if push.grads is None:
-            push.grads = np.empty((0, 0), np.float32)
-    except (DecodeError, wire.WireError, UnicodeDecodeError) as exc:
-        push.error = f"malformed PushRequest: {exc}"
+    for number, kind, value, start, end in _fields(data, lo, hi):
+        if number == 1 and kind == _LEN:
+            push.table = bytes(data[start:end]).decode()
+        elif number in _PUSH_INTS and kind == _VARINT:
+            name = _PUSH_INTS[number]
+            setattr(push, name, _int32(value) if name in _PUSH_INT32 else
+                    value if name == "session" else _signed(value))
+        elif number in (5, 6) and kind == _LEN:
+            name = "ids" if number == 5 else "grads"
+            setattr(push, name, _decode_tensor(buffer, data, start, end, name))
+        elif number == 7 and kind == _FIXED64:
+            push.learning_rate = struct.unpack_from("<d", buffer, start)[0]
+    if push.ids is None:  # proto3 omits nothing for tensors, but be lenient: empty
+        push.ids = np.empty(0, np.int64)
+    if push.grads is None:
+        push.grads = np.empty((0, 0), np.float32)
     return push
 
 
+_DECODE_ERRORS = (DecodeError, wire.WireError, UnicodeDecodeError)
+
+
+def decode_push_request(buffer: bytes) -> BulkPush:
+    try:
+        return _decode_push(buffer, memoryview(buffer), 0, None)
+    except _DECODE_ERRORS as exc:
+        return BulkPush(error=f"malformed PushRequest: {exc}")
+
+
+@dataclass
+class BulkPushMany:
+    """A decoded PushManyRequest: its parts, or why it could not be read."""
+
+    parts: list[BulkPush]
+    error: str | None = None
+
+
+def decode_push_many_request(buffer: bytes) -> BulkPushMany:
+    data = memoryview(buffer)
+    parts: list[BulkPush] = []
+    try:
+        for number, kind, _, start, end in _fields(data):
+            if number == 1 and kind == _LEN:
+                parts.append(_decode_push(buffer, data, start, end))
+    except _DECODE_ERRORS as exc:
+        return BulkPushMany(parts, f"malformed PushManyRequest part {len(parts)}: {exc}")
+    return BulkPushMany(parts)
+
+
 def serialize_push(request) -> bytes:
-    """Request serializer for Push: pre-encoded bytes pass through, messages serialise."""
+    """Request serializer for Push and PushMany: pre-encoded bytes pass through, messages
+    serialise."""
     return request if isinstance(request, bytes) else request.SerializeToString()

@@ -70,7 +70,8 @@ def describe(method: str, address: str, table: str | None, err: grpc.RpcError,
 
 
 def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
-    """The generated stub, with Pull answers and Push requests through the bulk codec."""
+    """The generated stub, with Pull(Many) answers and Push(Many) requests through the bulk
+    codec."""
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     prefix = "/parallax.ps.v1.ParameterServer/"
     stub.Pull = channel.unary_unary(prefix + "Pull",
@@ -79,6 +80,12 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     stub.Push = channel.unary_unary(prefix + "Push",
                                     request_serializer=bulk_codec.serialize_push,
                                     response_deserializer=ps_pb2.PushResponse.FromString)
+    stub.PullMany = channel.unary_unary(
+        prefix + "PullMany", request_serializer=ps_pb2.PullManyRequest.SerializeToString,
+        response_deserializer=bulk_codec.decode_pull_many_response)
+    stub.PushMany = channel.unary_unary(
+        prefix + "PushMany", request_serializer=bulk_codec.serialize_push,
+        response_deserializer=ps_pb2.PushManyResponse.FromString)
     return stub
 
 
@@ -166,6 +173,8 @@ class ServerConnection:
                           for i in range(max(1, options.channels_per_server))]
         self._stubs = [_stub(c) for c in self._channels]
         self._next = itertools.cycle(range(len(self._stubs)))
+        self.multi_table = True  # False once the server answered PullMany/PushMany
+                                 # UNIMPLEMENTED (an older server): then table by table
 
     def stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return self._stubs[next(self._next)]

@@ -39,7 +39,7 @@ class ShardedTable:
     def name(self) -> str:
         return self.spec.name
 
-    def _check_ids(self, ids) -> np.ndarray:
+    def checked_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ConfigError(f"table {self.name!r}: ids must be integers, got {ids.dtype}")
@@ -51,7 +51,7 @@ class ShardedTable:
                                   f"vocabulary [0, {self.spec.vocabulary_size})")
         return ids
 
-    def _slices(self, offsets: np.ndarray) -> Iterator[tuple[int, int, int, int, int]]:
+    def slices(self, offsets: np.ndarray) -> Iterator[tuple[int, int, int, int, int]]:
         """(shard, lo, hi, chunk index, chunk count) covering each shard's slice; a shard with
         nothing still gets one empty chunk."""
         for shard in range(self.spec.shard_count):
@@ -63,7 +63,7 @@ class ShardedTable:
     def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int,
                       order: np.ndarray | None = None) -> np.ndarray:
         """Rows of shard-grouped `ids`; with `order`, row k lands at position order[k]."""
-        every = list(self._slices(offsets))  # a shard with no ids has one empty slice
+        every = list(self.slices(offsets))  # a shard with no ids has one empty slice
         one_chunk_per_shard = len(every) == self.spec.shard_count
         if min_step > 0 and not one_chunk_per_shard:
             # Wait with one RPC per shard, then pull every chunk without waiting: a waiting
@@ -82,7 +82,7 @@ class ShardedTable:
                                          min_step=wait_in_pull)
             wire.encode(ids[lo:hi], request.ids)
             conn = self.shards[shard]
-            calls.append((conn, _start(conn, "Pull", request, len(slices)), request, lo, hi))
+            calls.append((conn, start_call(conn, "Pull", request, len(slices)), request, lo, hi))
         for conn, future, request, lo, hi in calls:
             values, _ = conn.result(future, "Pull", request, self.name)
             if order is None:
@@ -96,12 +96,12 @@ class ShardedTable:
 
         `min_step=k` waits until every shard has applied steps [0, k)."""
         shape = np.shape(ids)
-        unique, inverse = dedup(self._check_ids(ids))
+        unique, inverse = dedup(self.checked_ids(ids))
         return self._pull_in_order(unique, min_step)[inverse].reshape(*shape, self.spec.dim)
 
     def pull_unique(self, unique, min_step: int = 0) -> np.ndarray:
         """Rows for ids that are already unique, in their order (skips the dedup)."""
-        return self._pull_in_order(self._check_ids(unique), min_step)
+        return self._pull_in_order(self.checked_ids(unique), min_step)
 
     def _pull_in_order(self, unique: np.ndarray, min_step: int) -> np.ndarray:
         order, offsets = self.partitioner.shard_order(unique)
@@ -111,11 +111,11 @@ class ShardedTable:
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
         """Send gradients for `ids` (duplicates summed here), chunked to the message limit;
         True if this push closed the step on every shard."""
-        ids = self._check_ids(ids)
+        ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         plan = self.partitioner.plan_push(ids)
         calls = []
-        slices = list(self._slices(plan.offsets))
+        slices = list(self.slices(plan.offsets))
         for shard, lo, hi, index, count in slices:
             writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
                                                   self.spec.dim, self.dtype, learning_rate,
@@ -124,7 +124,7 @@ class ShardedTable:
             plan.fill(grads, lo, hi, writer.grads)
             request = writer.data()
             conn = self.shards[shard]
-            calls.append((shard, conn, _start(conn, "Push", request, len(slices)), request))
+            calls.append((shard, conn, start_call(conn, "Push", request, len(slices)), request))
         closed = set()  # shards on which one of this push's chunks completed the step
         for shard, conn, future, request in calls:
             reply = conn.result(future, "Push", request, self.name,
@@ -139,13 +139,13 @@ class ShardedTable:
         calls = []
         for shard, conn in enumerate(self.shards):
             request = ps_pb2.StepRequest(table=self.name, shard_index=shard, min_step=min_step)
-            calls.append((conn, _start(conn, "WaitStep", request, len(self.shards)), request))
+            calls.append((conn, start_call(conn, "WaitStep", request, len(self.shards)), request))
         return min(conn.result(future, "WaitStep", request, self.name).step
                    for conn, future, request in calls)
 
     def assign(self, ids, values) -> int:
         """Set rows to explicit values, streamed to each shard in message-sized chunks."""
-        ids = self._check_ids(ids)
+        ids = self.checked_ids(ids)
         values = np.asarray(values, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         order, offsets = self.partitioner.shard_order(ids)
         if order is not None:
@@ -174,7 +174,7 @@ class ShardedTable:
         return self.pull_unique(np.arange(self.spec.vocabulary_size, dtype=np.int64))
 
 
-def _start(conn, method: str, request, calls: int):
+def start_call(conn, method: str, request, calls: int):
     """A call started now when others will overlap it; a lone call is made when its result
     is asked for (no hand-off to another thread)."""
     return conn.future(method, request) if calls > 1 else None

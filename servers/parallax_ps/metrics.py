@@ -22,7 +22,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1.0, 2.5, 5.0, 10.0)
 # Which way the row payload (values, gradients) of a method travels.
-DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in"}
+DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in", "PullMany": "out",
+             "PushMany": "in"}
 
 
 def _escape(value: str) -> str:
@@ -81,6 +82,12 @@ class RequestMetrics:
                 key = (method, table)
                 self._rows[key] = self._rows.get(key, 0) + rows
 
+    def add_rows(self, method: str, table: str, rows: int) -> None:
+        """Rows of one table moved by a successful multi-table request."""
+        if rows:
+            with self._lock:
+                self._rows[(method, table)] = self._rows.get((method, table), 0) + rows
+
     def lines(self) -> list[str]:
         with self._lock:
             requests, rows = sorted(self._requests.items()), sorted(self._rows.items())
@@ -102,8 +109,9 @@ class RequestMetrics:
             out.append(f"parallax_request_seconds_sum{_labels(method=method)} {total!r}")
             out.append(f"parallax_request_seconds_count{_labels(method=method)} {count}")
         out += _family("parallax_bytes_total", "counter",
-                       "Row payload bytes of successful Pull (values sent: out), Push "
-                       "(gradients received: in) and InitRows (values received: in).",
+                       "Row payload bytes of successful Pull and PullMany (values sent: out), "
+                       "Push and PushMany (gradients received: in) and InitRows (values "
+                       "received: in).",
                        ((_labels(method=m, direction=d), v) for (m, d), v in nbytes))
         out += _family("parallax_rows_total", "counter",
                        "Rows pulled, pushed, initialised, created, saved or restored by "

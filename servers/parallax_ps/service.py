@@ -21,7 +21,7 @@ from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.specs import TableSpec
 from parallax.version import PROTOCOL_VERSION, __version__
-from parallax_ps import checkpoint
+from parallax_ps import checkpoint, many
 from parallax_ps.barrier import Barriers
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.shard import TableShard
@@ -40,6 +40,16 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + remaining - min(0.25, 0.1 * remaining)
 
 
+def _status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a handler's exception answers with."""
+    if isinstance(exc, RequestError):
+        return exc.code, exc.message
+    if isinstance(exc, (ConfigError, wire.WireError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("%s failed", method, exc_info=exc)  # a bug: keep serving, tell the client
+    return grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}"
+
+
 def _rpc(method: str):
     """Wrap a handler returning (response, table, rows, bytes) with stats and error mapping."""
     def decorate(fn):
@@ -49,19 +59,34 @@ def _rpc(method: str):
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
                 response, table, rows, nbytes = fn(self, request, context)
-            except RequestError as exc:
-                error = (exc.code, exc.message)
-            except (ConfigError, wire.WireError) as exc:
-                error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except Exception as exc:  # a bug: keep serving, tell the client, log the trace
-                log.exception("%s failed", method)
-                error = (grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                error = _status_of(method, exc)
             else:
                 self.stats.record(table, method, time.perf_counter() - start, rows=rows,
                                   nbytes=nbytes)
                 return response
             self.stats.record(table, method, time.perf_counter() - start, error=True,
                               code=error[0].name)
+            context.abort(*error)
+        return handler
+    return decorate
+
+
+def _rpc_many(method: str):
+    """Wrap a multi-table handler returning (response, {table: PartCounts})."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def handler(self: "ParameterServerService", request, context):
+            start = time.perf_counter()
+            try:
+                response, per_table = fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                error = _status_of(method, exc)
+            else:
+                self.stats.record_many(method, time.perf_counter() - start, per_table)
+                return response
+            self.stats.record_many(method, time.perf_counter() - start, {}, error=True,
+                                   code=error[0].name)
             context.abort(*error)
         return handler
     return decorate
@@ -187,6 +212,29 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
 
+    @_rpc_many("PullMany")
+    def PullMany(self, request, context):
+        """Every part's rows, gathered straight into the answer's bytes (bulk_codec)."""
+        shards = self._shards_of_parts(request.parts, "PullMany")
+        return many.pull_many(shards, request, _deadline(context), self.max_message_bytes)
+
+    @_rpc_many("PushMany")
+    def PushMany(self, request: bulk_codec.BulkPushMany, context):
+        """`request` was decoded by bulk_codec: every part's rows are views of the bytes."""
+        if request.error:
+            raise invalid(request.error)
+        shards = self._shards_of_parts(request.parts, "PushMany")
+        results, per_table = many.push_many(shards, request.parts)
+        response = ps_pb2.PushManyResponse()
+        for step, applied in results:
+            response.parts.add(step=step, applied=applied)
+        return response, per_table
+
+    def _shards_of_parts(self, parts, method: str) -> list[TableShard]:
+        if not parts:
+            raise invalid(f"{method} carries no parts; send at least one")
+        return [self.shard(part.table, part.shard_index) for part in parts]
+
     @_rpc("WaitStep")
     def WaitStep(self, request, context):
         shard = self.shard(request.table, request.shard_index)
@@ -273,7 +321,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         response = ps_pb2.StatsResponse(server_version=__version__,
                                         protocol_version=PROTOCOL_VERSION, pid=os.getpid(),
                                         max_message_bytes=self.max_message_bytes,
-                                        memory_bytes=self.memory_bytes)
+                                        memory_bytes=self.memory_bytes,
+                                        methods=self.stats.server_methods())
         for shard in self.selected(request.tables):
             spec = shard.spec
             response.tables.add(
@@ -286,17 +335,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
 
 def add_to_server(service: ParameterServerService, server: grpc.Server) -> None:
-    """Register the service like the generated helper does, except that Pull answers and
-    Push requests use the bulk codec (same wire format, fewer copies)."""
+    """Register the service like the generated helper does, except that Pull and PullMany
+    answers and Push and PushMany requests use the bulk codec (same wire format, fewer
+    copies)."""
     handlers = {}
     for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
         deserialize, serialize = request_type.FromString, response_type.SerializeToString
-        if method.name == "Pull":
+        if method.name in ("Pull", "PullMany"):
             serialize = bytes
         if method.name == "Push":
             deserialize = bulk_codec.decode_push_request
+        if method.name == "PushMany":
+            deserialize = bulk_codec.decode_push_many_request
         factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
                    else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = factory(getattr(service, method.name),

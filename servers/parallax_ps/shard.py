@@ -91,7 +91,8 @@ class TableShard:
                           f"{values[bad[0], bad[1]]}; NaN/Inf are rejected (create the table "
                           f"with allow_non_finite=True to accept them)")
 
-    def _check_capacity(self, ids: np.ndarray) -> None:
+    def check_capacity(self, ids: np.ndarray) -> None:
+        """Refuse keys that would overflow a bounded hashed table (caller holds `cond`)."""
         limit = self.spec.max_rows_per_shard
         if not (self.spec.hashed_keys and limit):
             return
@@ -127,45 +128,67 @@ class TableShard:
         with self.cond:
             step = self.wait_for_step(min_step, deadline)
             if self.spec.hashed_keys:
-                self._check_capacity(ids)
+                self.check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
             out = allocate(len(rows), step) if allocate else None
             # ids are validated, so mode="clip" never clips; it spares take a buffered copy
             return np.take(self.storage.values, rows, axis=0, out=out, mode="clip"), step
 
-    def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
-             learning_rate: float, chunk: int = 0, chunks: int = 1,
-             session: int = 0) -> tuple[int, bool]:
+    def gather_held(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows of validated `ids` into `out`; the caller holds `cond` (and checked the
+        capacity of a hashed table for every part of its request)."""
+        rows = self.storage.locate(ids, create=True)
+        np.take(self.storage.values, rows, axis=0, out=out, mode="clip")
+
+    def check_push_input(self, ids: np.ndarray, grads: np.ndarray,
+                         learning_rate: float) -> tuple[np.ndarray, float]:
+        """Stateless checks of a push: (validated ids, the learning rate to apply)."""
         ids = self.check_ids(ids)
         self.check_rows(grads, len(ids), "grads")
         if learning_rate < 0 or not np.isfinite(learning_rate):
             raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
                           f"(0 uses the table's optimizer spec)")
-        lr = learning_rate or self.spec.optimizer.learning_rate
+        return ids, learning_rate or self.spec.optimizer.learning_rate
+
+    def check_push_state(self, step: int, worker: int, lr: float, chunk: int, chunks: int,
+                         session: int) -> None:
+        """Checks against the step state; the caller holds `cond`, changes nothing."""
+        if self.closed:
+            raise ShuttingDown(self.closed)
+        self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks,
+                              session)
+        self.steps.check_learning_rate(self.spec.name, lr)
+
+    def apply_push_held(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
+                        lr: float, chunk: int, chunks: int, session: int) -> tuple[int, bool]:
+        """Record (and apply, when the step completes) a checked push; the caller holds
+        `cond`. Returns (steps applied, whether this push completed a step)."""
+        batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks,
+                                            session)
+        for batch_ids, batch_grads in batches:
+            if len(batch_ids):
+                rows = self.storage.locate(batch_ids, create=True)
+                self.optimizer.apply(self.storage.values, self.storage.slots, rows,
+                                     batch_grads, self.steps.step, lr)
+                self.storage.mark_changed(rows)
+        if completed:
+            self.steps.step += 1
+            self.cond.notify_all()
+        return self.steps.step, completed
+
+    def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
+             learning_rate: float, chunk: int = 0, chunks: int = 1,
+             session: int = 0) -> tuple[int, bool]:
+        ids, lr = self.check_push_input(ids, grads, learning_rate)
         with self.cond:
-            if self.closed:
-                raise ShuttingDown(self.closed)
-            self.steps.check_push(self.spec.name, self.shard_index, step, worker, chunk, chunks,
-                                  session)
-            self.steps.check_learning_rate(self.spec.name, lr)
-            self._check_capacity(ids)
-            batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks,
-                                                session)
-            for batch_ids, batch_grads in batches:
-                if len(batch_ids):
-                    rows = self.storage.locate(batch_ids, create=True)
-                    self.optimizer.apply(self.storage.values, self.storage.slots, rows,
-                                         batch_grads, self.steps.step, lr)
-                    self.storage.mark_changed(rows)
-            if completed:
-                self.steps.step += 1
-                self.cond.notify_all()
-            return self.steps.step, completed
+            self.check_push_state(step, worker, lr, chunk, chunks, session)
+            self.check_capacity(ids)
+            return self.apply_push_held(step, worker, ids, grads, lr, chunk, chunks, session)
 
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Set rows to explicit values (validated by the caller); slots keep their state."""
         with self.cond:
-            self._check_capacity(ids)
+            self.check_capacity(ids)
             rows = self.storage.locate(ids, create=True)
             self.storage.values[rows] = values
             self.storage.mark_changed(rows)
@@ -243,7 +266,7 @@ class TableShard:
                 raise ShuttingDown(self.closed)
             self.check_between_steps()
             if self.spec.hashed_keys:
-                self._check_capacity(ids)
+                self.check_capacity(ids)
             self.storage.adopt(ids, values, slots)
             if restart_changes:
                 self.storage.restart_changes()

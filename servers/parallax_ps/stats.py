@@ -1,4 +1,6 @@
-"""Per-table, per-method request counters: requests, errors, rows, bytes, latency."""
+"""Request counters, per table and method and for the whole server: requests, errors, rows,
+bytes, latency. A multi-table request (PullMany, PushMany) counts once for the server and
+once per part for each table it concerned."""
 from __future__ import annotations
 
 import threading
@@ -18,11 +20,25 @@ class MethodCounter:
     total_seconds: float = 0.0
     max_seconds: float = 0.0
 
+    def add(self, seconds: float, requests: int, rows: int, nbytes: int, error: bool) -> None:
+        self.requests += requests
+        self.errors += int(error)
+        self.rows += rows
+        self.bytes += nbytes
+        self.total_seconds += seconds
+        self.max_seconds = max(self.max_seconds, seconds)
+
+    def proto(self, method: str) -> ps_pb2.MethodStats:
+        return ps_pb2.MethodStats(method=method, requests=self.requests, errors=self.errors,
+                                  rows=self.rows, bytes=self.bytes,
+                                  total_seconds=self.total_seconds, max_seconds=self.max_seconds)
+
 
 class ServerStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], MethodCounter] = defaultdict(MethodCounter)
+        self._server: dict[str, MethodCounter] = defaultdict(MethodCounter)
         self.metrics = RequestMetrics()  # the same requests, for the Prometheus endpoint
 
     def record(self, table: str, method: str, seconds: float, *, rows: int = 0,
@@ -30,17 +46,28 @@ class ServerStats:
         self.metrics.observe(method, code or ("UNKNOWN" if error else "OK"), seconds, table,
                              rows, nbytes)
         with self._lock:
-            c = self._counters[(table, method)]
-            c.requests += 1
-            c.errors += int(error)
-            c.rows += rows
-            c.bytes += nbytes
-            c.total_seconds += seconds
-            c.max_seconds = max(c.max_seconds, seconds)
+            self._counters[(table, method)].add(seconds, 1, rows, nbytes, error)
+            self._server[method].add(seconds, 1, rows, nbytes, error)
+
+    def record_many(self, method: str, seconds: float, per_table: dict, *,
+                    error: bool = False, code: str = "") -> None:
+        """One multi-table request; `per_table`: {table: PartCounts} of its parts."""
+        rows = sum(c.rows for c in per_table.values())
+        nbytes = sum(c.nbytes for c in per_table.values())
+        self.metrics.observe(method, code or ("UNKNOWN" if error else "OK"), seconds, "", 0,
+                             nbytes)
+        with self._lock:
+            for table, counts in per_table.items():
+                self.metrics.add_rows(method, table, counts.rows)
+                self._counters[(table, method)].add(seconds, counts.parts, counts.rows,
+                                                    counts.nbytes, False)
+            self._server[method].add(seconds, 1, rows, nbytes, error)
 
     def methods(self, table: str) -> list[ps_pb2.MethodStats]:
         with self._lock:
             items = [(m, c) for (t, m), c in self._counters.items() if t == table]
-            return [ps_pb2.MethodStats(method=m, requests=c.requests, errors=c.errors, rows=c.rows,
-                                       bytes=c.bytes, total_seconds=c.total_seconds,
-                                       max_seconds=c.max_seconds) for m, c in sorted(items)]
+            return [c.proto(m) for m, c in sorted(items)]
+
+    def server_methods(self) -> list[ps_pb2.MethodStats]:
+        with self._lock:
+            return [c.proto(m) for m, c in sorted(self._server.items())]

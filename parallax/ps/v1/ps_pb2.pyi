@@ -457,17 +457,43 @@ class StatsRequest(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("server_version", "protocol_version", "pid", "max_message_bytes", "tables", "memory_bytes")
+    __slots__ = ("server_version", "protocol_version", "pid", "max_message_bytes", "tables", "memory_bytes", "methods")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     protocol_version: int
     pid: int
     max_message_bytes: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     memory_bytes: int
-    def __init__(self, server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
+    def __init__(self, server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ...) -> None: ...
+
+class PullManyRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
+
+class PullManyResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
+
+class PushManyRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ...) -> None: ...
+
+class PushManyResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,16 @@ class ParameterServerStub(object):
                 request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.SerializeToString,
                 response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.FromString,
                 )
+        self.PullMany = channel.unary_unary(
+                '/parallax.ps.v1.ParameterServer/PullMany',
+                request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyRequest.SerializeToString,
+                response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyResponse.FromString,
+                )
+        self.PushMany = channel.unary_unary(
+                '/parallax.ps.v1.ParameterServer/PushMany',
+                request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.SerializeToString,
+                response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.FromString,
+                )
 
 
 class ParameterServerServicer(object):
@@ -151,6 +161,18 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +235,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ImportRows,
                     request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.FromString,
                     response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.SerializeToString,
+            ),
+            'PullMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullMany,
+                    request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyRequest.FromString,
+                    response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyResponse.SerializeToString,
+            ),
+            'PushMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushMany,
+                    request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.FromString,
+                    response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -425,5 +457,39 @@ class ParameterServer(object):
         return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/ImportRows',
             parallax_dot_ps_dot_v1_dot_ps__pb2.ShardRows.SerializeToString,
             parallax_dot_ps_dot_v1_dot_ps__pb2.ImportRowsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def PullMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/PullMany',
+            parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyRequest.SerializeToString,
+            parallax_dot_ps_dot_v1_dot_ps__pb2.PullManyResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def PushMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/PushMany',
+            parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.SerializeToString,
+            parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,248 @@
+"""Multi-table pulls and pushes: every table a step reads or writes, in one request per server.
+
+`pull_many` and `push_many` take several tables' ids (or gradients) at once, route each
+table's rows to its shards exactly as `ShardedTable` does, then pack every part bound for one
+server into PullMany / PushMany requests of about `ClientOptions.chunk_mb` (one request per
+server for a typical step) and send them all at once. A table's semantics are unchanged:
+sync pulls wait for `min_step` on every shard of the table (an empty part where no id falls),
+every shard gets a push part (empty ones close the step too), large parts are split into
+chunks. A server without these methods (UNIMPLEMENTED: an older server) gets the same parts
+as single-table Pull and Push requests from then on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from parallax import bulk_codec, wire
+from parallax.client.connection import ServerConnection
+from parallax.client.table import ShardedTable, start_call
+from parallax.errors import ServerError
+from parallax.ps.v1 import ps_pb2
+
+_DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+@dataclass(frozen=True)
+class PullPart:
+    """Rows `ids` (unique int64, grouped by shard) of one table shard go to
+    rows[order[lo:hi]] of table `index`'s answer."""
+
+    index: int
+    shard: int
+    lo: int
+    hi: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PushPart:
+    """Rows ids[lo:hi] of table `index`'s push plan, chunk `chunk` of `chunks` of a shard."""
+
+    index: int
+    shard: int
+    lo: int
+    hi: int
+    chunk: int
+    chunks: int
+    nbytes: int
+
+
+def _by_server(tables: Sequence[ShardedTable], parts) -> dict[int, tuple[ServerConnection, list]]:
+    """Parts grouped by the server connection they go to, in a stable order."""
+    out: dict[int, tuple[ServerConnection, list]] = {}
+    for part in parts:
+        conn = tables[part.index].shards[part.shard]
+        out.setdefault(id(conn), (conn, []))[1].append(part)
+    return out
+
+
+def _packed(parts: list, limit: int) -> list[list]:
+    """Consecutive parts in requests of at most `limit` row bytes (at least one part each)."""
+    requests, current, size = [], [], 0
+    for part in parts:
+        if current and size + part.nbytes > limit:
+            requests.append(current)
+            current, size = [], 0
+        current.append(part)
+        size += part.nbytes
+    return requests + [current] if current else requests
+
+
+def _start(conn: ServerConnection, method: str, request, calls: int):
+    return start_call(conn, method, request, calls) if conn.multi_table else None
+
+
+def _answer(conn: ServerConnection, method: str, request, future, names: str, **kwargs):
+    """The answer to a multi-table call (started or not); a server that does not know the
+    method is asked part by part, now and from then on."""
+    if conn.multi_table:
+        try:
+            return conn.result(future, method, request, names, **kwargs)
+        except ServerError as err:
+            if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            conn.multi_table = False
+    return _LEGACY[method](conn, request, names)
+
+
+def _legacy_pull(conn: ServerConnection, request: ps_pb2.PullManyRequest, names: str) -> list:
+    return [conn.call("Pull", ps_pb2.PullRequest(table=p.table, shard_index=p.shard_index,
+                                                 ids=p.ids, min_step=p.min_step), p.table)
+            for p in request.parts]
+
+
+def _legacy_push(conn: ServerConnection, request: bytes, names: str):
+    reply = ps_pb2.PushManyResponse()
+    for p in bulk_codec.decode_push_many_request(request).parts:
+        data = bulk_codec.encode_push_request(p.table, p.shard_index, p.step, p.worker, p.ids,
+                                              p.grads, p.learning_rate, p.chunk_index,
+                                              p.chunk_count, p.session)
+        answer = conn.call("Push", data, p.table, done_on_retry=_DONE_ON_RETRY)
+        reply.parts.add(step=answer.step if answer else 0, applied=bool(answer and
+                                                                        answer.applied))
+    return reply
+
+
+_LEGACY = {"PullMany": _legacy_pull, "PushMany": _legacy_push}
+
+
+# ---- pulls ---------------------------------------------------------------------------------
+def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
+              min_steps: Sequence[int]) -> list[np.ndarray]:
+    """Rows for each table's unique ids, in their order; `min_steps[k] > 0` waits until every
+    shard of table k applied that many steps."""
+    ids = [t.checked_ids(u) for t, u in zip(tables, unique_ids)]
+    if not tables:
+        return []
+    orders, grouped, parts = [], [], []
+    for k, (table, unique) in enumerate(zip(tables, ids)):
+        order, offsets = table.partitioner.shard_order(unique)
+        orders.append(order)
+        grouped.append(unique if order is None else unique[order])
+        row_bytes = table.spec.dim * table.dtype.itemsize
+        for shard, lo, hi, _, _ in table.slices(offsets):
+            if hi > lo or min_steps[k] > 0:
+                parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes))
+    return _pull_parts(tables, grouped, orders, parts, min_steps)
+
+
+def _pull_request(tables, grouped, parts, min_steps, wait: bool) -> ps_pb2.PullManyRequest:
+    request = ps_pb2.PullManyRequest()
+    for part in parts:
+        out = request.parts.add(table=tables[part.index].name, shard_index=part.shard,
+                                min_step=min_steps[part.index] if wait else 0)
+        wire.encode(grouped[part.index][part.lo:part.hi], out.ids)
+    return request
+
+
+def _wait_request(tables, parts, min_steps) -> ps_pb2.PullManyRequest | None:
+    """An empty pull waiting for the step of every table shard among `parts`, or None."""
+    request, seen = ps_pb2.PullManyRequest(), set()
+    for part in parts:
+        key = (part.index, part.shard)
+        if min_steps[part.index] > 0 and key not in seen:
+            seen.add(key)
+            out = request.parts.add(table=tables[part.index].name, shard_index=part.shard,
+                                    min_step=min_steps[part.index])
+            wire.encode(np.empty(0, np.int64), out.ids)
+    return request if request.parts else None
+
+
+def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
+    options = tables[0].shards[0].options
+    servers = _by_server(tables, parts)
+    requests = []
+    for conn, server_parts in servers.values():
+        packed = _packed(server_parts, options.chunk_bytes)
+        if len(packed) > 1:
+            # Several requests to one server: wait with one empty request first, then pull
+            # without waiting, so that a worker holds at most one waiting server thread.
+            wait = _wait_request(tables, server_parts, min_steps)
+            if wait is not None:
+                _answer(conn, "PullMany", wait, None, _names(tables, server_parts))
+        requests += [(conn, chunk, _pull_request(tables, grouped, chunk, min_steps,
+                                                 len(packed) == 1)) for chunk in packed]
+    calls = [(conn, chunk, request, _start(conn, "PullMany", request, len(requests)))
+             for conn, chunk, request in requests]
+    rows = [np.empty((len(g), t.spec.dim), dtype=t.dtype) for t, g in zip(tables, grouped)]
+    for conn, chunk, request, future in calls:
+        answer = _answer(conn, "PullMany", request, future, _names(tables, chunk))
+        if len(answer) != len(chunk):
+            raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} parts "
+                              f"for {len(chunk)} asked; is the server a compatible parallax "
+                              f"version?", address=conn.address, table=None,
+                              code=grpc.StatusCode.INTERNAL)
+        for part, (values, _) in zip(chunk, answer):
+            order = orders[part.index]
+            target = rows[part.index]
+            if order is None:
+                target[part.lo:part.hi] = values
+            else:
+                target[order[part.lo:part.hi]] = values
+    return rows
+
+
+def _names(tables: Sequence[ShardedTable], parts) -> str:
+    names = sorted({tables[p.index].name for p in parts})
+    return names[0] if len(names) == 1 else f"{len(names)} tables ({', '.join(names[:3])}" + \
+        (", ...)" if len(names) > 3 else ")")
+
+
+# ---- pushes --------------------------------------------------------------------------------
+def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
+              grads: Sequence[np.ndarray], steps: Sequence[int], worker: int,
+              learning_rates: Sequence[float]) -> list[bool]:
+    """Push every table's gradients (duplicates summed here); per table, True if this push
+    closed the step on every one of its shards."""
+    if not tables:
+        return []
+    checked = [t.checked_ids(i) for t, i in zip(tables, ids)]
+    grads = [np.asarray(g, dtype=t.dtype).reshape(len(i), t.spec.dim)
+             for t, i, g in zip(tables, checked, grads)]
+    plans = [t.partitioner.plan_push(i) for t, i in zip(tables, checked)]
+    parts = []
+    for k, (table, plan) in enumerate(zip(tables, plans)):
+        row_bytes = table.spec.dim * table.dtype.itemsize + 8
+        for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
+            parts.append(PushPart(k, shard, lo, hi, chunk, chunks, (hi - lo) * row_bytes))
+    return _push_parts(tables, plans, grads, parts, steps, worker, learning_rates)
+
+
+def _push_request(tables, plans, grads, parts, steps, worker, learning_rates) -> bytes:
+    headers = []
+    for p in parts:
+        table = tables[p.index]
+        header = bulk_codec.PushHeader(table.name, p.shard, steps[p.index], worker,
+                                       float(learning_rates[p.index]), p.chunk, p.chunks,
+                                       table.session)
+        headers.append((header, p.hi - p.lo, table.spec.dim, table.dtype))
+    writer = bulk_codec.PushManyRequestWriter(headers)
+    for i, p in enumerate(parts):
+        writer.ids[i][...] = plans[p.index].ids[p.lo:p.hi]
+        plans[p.index].fill(grads[p.index], p.lo, p.hi, writer.grads[i])
+    return writer.data()
+
+
+def _push_parts(tables, plans, grads, parts, steps, worker, learning_rates) -> list[bool]:
+    options = tables[0].shards[0].options
+    requests = []
+    for conn, server_parts in _by_server(tables, parts).values():
+        for chunk in _packed(server_parts, options.chunk_bytes):
+            request = _push_request(tables, plans, grads, chunk, steps, worker, learning_rates)
+            requests.append((conn, chunk, request))
+    calls = [(conn, chunk, request, _start(conn, "PushMany", request, len(requests)))
+             for conn, chunk, request in requests]
+    closed: list[set[int]] = [set() for _ in tables]
+    for conn, chunk, request, future in calls:
+        reply = _answer(conn, "PushMany", request, future, _names(tables, chunk),
+                        done_on_retry=_DONE_ON_RETRY)
+        if reply is None:  # a retry found the first attempt landed
+            continue
+        for part, answer in zip(chunk, reply.parts):
+            if answer.applied:
+                closed[part.index].add(part.shard)
+    return [len(c) == t.spec.shard_count for c, t in zip(closed, tables)]

@@ -1,0 +1,141 @@
+"""Multi-table requests: one PullMany or PushMany carries every table shard of this server
+that a worker's step reads or writes.
+
+Each part keeps its table's own semantics (sync waits and step closing, async on arrival,
+chunks, duplicate detection), and a request is all or nothing: every part is checked first,
+stateless checks without locks, then the step-state checks with the locks of every shard the
+request names held (always taken in (table, shard) order, the order Restore uses too, so two
+requests never wait on each other's locks); only then is anything read or changed.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from parallax import bulk_codec, wire
+from parallax_ps.errors import RequestError, invalid
+from parallax_ps.shard import TableShard
+
+RESPONSE_OVERHEAD_BYTES = 64 << 10  # headers and padding a response may need beyond its rows
+
+
+@dataclass(frozen=True)
+class PartCounts:
+    """What one request did to one table: parts, rows and row bytes (for the stats)."""
+
+    parts: int = 0
+    rows: int = 0
+    nbytes: int = 0
+
+    def __add__(self, other: "PartCounts") -> "PartCounts":
+        return PartCounts(self.parts + other.parts, self.rows + other.rows,
+                          self.nbytes + other.nbytes)
+
+
+@contextlib.contextmanager
+def held(shards: Sequence[TableShard]) -> Iterator[None]:
+    """Hold the lock of every distinct shard, taken in (table, shard) order."""
+    distinct = {id(s): s for s in shards}.values()
+    with contextlib.ExitStack() as stack:
+        for shard in sorted(distinct, key=lambda s: (s.spec.name, s.shard_index)):
+            stack.enter_context(shard.cond)
+        yield
+
+
+def _counts(shards: Sequence[TableShard], rows: Sequence[int], nbytes: Sequence[int]
+            ) -> dict[str, PartCounts]:
+    out: dict[str, PartCounts] = {}
+    for shard, n, size in zip(shards, rows, nbytes):
+        name = shard.spec.name
+        out[name] = out.get(name, PartCounts()) + PartCounts(1, n, size)
+    return out
+
+
+def _check_answer_size(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
+                       limit: int) -> None:
+    """Refuse before allocating an answer that could not be sent anyway."""
+    total = sum(len(i) * s.spec.dim * np.dtype(s.spec.dtype).itemsize
+                for s, i in zip(shards, ids))
+    if total + RESPONSE_OVERHEAD_BYTES > limit:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"PullMany would answer {total} bytes of rows, over the server's "
+                           f"message limit of {limit} bytes; split the request (the client "
+                           f"does, by ClientOptions.chunk_mb) or raise --max-message-mb")
+
+
+def _check_hashed_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray]) -> None:
+    """Every bounded hashed shard, with all of its parts' keys at once (locks held)."""
+    keys: dict[int, list[np.ndarray]] = {}
+    for shard, part in zip(shards, ids):
+        if shard.spec.hashed_keys:
+            keys.setdefault(id(shard), []).append(part)
+    by_id = {id(s): s for s in shards}
+    for key, parts in keys.items():
+        by_id[key].check_capacity(np.concatenate(parts))
+
+
+def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
+              max_message_bytes: int) -> tuple[bytes, dict[str, PartCounts]]:
+    """The PullManyResponse bytes (rows gathered straight into them) and what was read."""
+    parts = request.parts
+    ids = [shard.check_ids(wire.decode(part.ids, f"part {i} ids"), f"part {i} ids")
+           for i, (shard, part) in enumerate(zip(shards, parts))]
+    _check_answer_size(shards, ids, max_message_bytes)
+    for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
+        if part.min_step > 0:
+            shard.wait_step(part.min_step, deadline)
+    with held(shards):
+        steps = [shard.steps.step for shard in shards]
+        for shard, part, step in zip(shards, parts, steps):
+            if step < part.min_step:  # only a restore in between can move a step back
+                raise RequestError(grpc.StatusCode.ABORTED,
+                                   f"{shard.label} went back to step {step} (restored) "
+                                   f"while a pull waited for step {part.min_step}; retry")
+        _check_hashed_capacity(shards, ids)
+        writer = bulk_codec.PullManyResponseWriter(
+            [(len(i), s.spec.dim, s.spec.dtype, step) for s, i, step in zip(shards, ids, steps)])
+        for shard, part_ids, out in zip(shards, ids, writer.values):
+            shard.gather_held(part_ids, out)
+    counts = _counts(shards, [len(i) for i in ids], [v.nbytes for v in writer.values])
+    return writer.data(), counts
+
+
+def _check_distinct(parts: Sequence[bulk_codec.BulkPush]) -> None:
+    """Each chunk once, and chunks of one shard's push agree on what push they belong to."""
+    seen: set[tuple[str, int, int]] = set()
+    pushes: dict[tuple[str, int], tuple[int, int, int, int]] = {}
+    for i, part in enumerate(parts):
+        key = (part.table, part.shard_index, part.chunk_index)
+        where = f"PushMany part {i} (table {part.table!r} shard {part.shard_index})"
+        if key in seen:
+            raise invalid(f"{where} repeats chunk {part.chunk_index}; send each chunk once")
+        seen.add(key)
+        push = (part.step, part.worker, part.session, max(1, part.chunk_count))
+        first = pushes.setdefault(key[:2], push)
+        if push != first:
+            raise invalid(f"{where}: step, worker, session and chunk_count {push} differ from "
+                          f"{first} of an earlier chunk of the same push; one push per shard")
+
+
+def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
+              ) -> tuple[list[tuple[int, bool]], dict[str, PartCounts]]:
+    """Apply every part or none: [(steps applied, completed a step)] per part, and counts."""
+    _check_distinct(parts)
+    checked = [shard.check_push_input(part.ids, part.grads, part.learning_rate)
+               for shard, part in zip(shards, parts)]
+    chunks = [max(1, part.chunk_count) for part in parts]
+    with held(shards):
+        for shard, part, (_, lr), count in zip(shards, parts, checked, chunks):
+            shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
+                                   part.session)
+        _check_hashed_capacity(shards, [ids for ids, _ in checked])
+        results = [shard.apply_push_held(part.step, part.worker, ids, part.grads, lr,
+                                         part.chunk_index, count, part.session)
+                   for shard, part, (ids, lr), count in zip(shards, parts, checked, chunks)]
+    counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
+    return results, counts
+
