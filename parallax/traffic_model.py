@@ -9,10 +9,29 @@ Per worker, per step, for W workers:
 - sparse gradients all-gathered (Horovod on IndexedSlices): a worker receives the other
   W-1 workers' rows (values and int64 indices) and, in a ring, forwards as many;
 - sparse gradients densified (Horovod `sparse_as_dense=True`): the whole table all-reduced.
+
+The calibrated step-time model (`fit_step_model`, `project`): bytes alone do not give a
+step time, so measured points (one system and workload at 1, 2, 4 workers, each process in
+its own CPU share, links scaled by it) calibrate one. A step costs each resource
+  worker CPU   = (a + b W) / c             (CPU seconds per step of one worker; b >= 0: an
+                                            all-gather grows with W)
+  server CPU   = k_s W / S / c             (a server serves W/S workers' pulls and pushes)
+  chief CPU    = k_c W / c                 (TF's coordinator dispatches W workers' steps)
+  worker link  = rho x analytic bytes(W) / r   (rho = measured / analytic bytes)
+  server link  = k_b W / S / r
+with c the cores each process has and r the link rate; each coefficient is fitted to its
+own measurements (least squares for a, b; means for the others). The step time is then
+scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
+(nothing overlaps); `scale` is one least-squares factor on the relative error, and of the
+two forms the one with the smaller mean relative error on the measured points is kept.
+`StepFit` states that error (mean and max), the other form's, and, with 1, 2 and 4
+workers, the error at 4 of a fit to 1 and 2 alone (what extrapolation costs). Projected
+samples/s = W x batch per worker / step time, with any W, S, c and r.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from parallax.errors import ConfigError
 
@@ -103,3 +122,222 @@ def expected_traffic(system: str, workload: Workload) -> StepTraffic:
         return ring_allreduce(workload.dense_bytes + table_bytes(workload), w)
     raise ConfigError(f"system {system!r} is not one of hybrid, ps, allreduce, "
                       f"horovod_sparse_as_dense, mwms")
+
+
+# --- the calibrated step-time model -------------------------------------------------------
+#
+# Step time from measured points (see fit_step_model): what one step costs each process
+# (CPU) and each link (bytes), combined by the form that fits the measurements better.
+
+FORMS = ("max", "sum")
+TERMS = ("worker_cpu", "server_cpu", "chief_cpu", "worker_link", "server_link")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured configuration of one system and workload, per step.
+
+    step_seconds: global batch / samples per second. *_cpu: CPU seconds one process of the
+    role used per step (mean over the role's processes; 0 where the role is absent).
+    worker_bytes / server_bytes: bytes over one process's link per step, the busier
+    direction. analytic_bytes: the traffic model's worker bytes at this point (busier
+    direction). cores: the CPU each process had (its cgroup share). link_bytes_per_s: each
+    link's rate, None when links were not shaped (then transfers are not modelled)."""
+
+    workers: int
+    servers: int
+    step_seconds: float
+    worker_cpu: float
+    worker_bytes: float
+    analytic_bytes: float
+    cores: float
+    link_bytes_per_s: float | None
+    server_cpu: float = 0.0
+    chief_cpu: float = 0.0
+    server_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.servers < 0:
+            raise ConfigError(f"a step point needs workers >= 1 and servers >= 0, got "
+                              f"{self.workers} and {self.servers}")
+        if not (self.step_seconds > 0 and self.cores > 0):
+            raise ConfigError(f"step_seconds ({self.step_seconds}) and cores ({self.cores}) "
+                              f"must be > 0")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step time of one system on one workload, as a function of workers W, servers S, the
+    cores c each process has and the link rate r (bytes/s):
+
+      worker_cpu  = (worker_cpu_base + worker_cpu_slope * W) / c   one worker's CPU
+      server_cpu  = server_cpu_per_worker * W / S / c              a server serves W/S workers
+      chief_cpu   = chief_cpu_per_worker * W / c                   TF's coordinator: W workers
+      worker_link = bytes_ratio * analytic_bytes(W) / r            measured/analytic x model
+      server_link = server_bytes_per_worker * W / S / r
+
+      step time = scale * max(terms)   (form "max": the slowest resource bounds the step,
+                                        the others overlap with it)
+      step time = scale * sum(terms)   (form "sum": nothing overlaps)
+
+    scale (fitted) absorbs what the terms do not see: waiting for the slowest worker,
+    latency, scheduling."""
+
+    form: str
+    scale: float
+    worker_cpu_base: float
+    worker_cpu_slope: float
+    server_cpu_per_worker: float = 0.0
+    chief_cpu_per_worker: float = 0.0
+    bytes_ratio: float = 1.0
+    server_bytes_per_worker: float = 0.0
+
+    def terms(self, workers: int, servers: int, cores: float, link_bytes_per_s: float | None,
+              analytic_bytes: float) -> dict[str, float]:
+        """Seconds per step of each resource, before `scale`."""
+        w, s = workers, max(servers, 1)
+        per_server = workers / s if servers else 0.0
+        link = (lambda b: 0.0) if link_bytes_per_s is None else (lambda b: b / link_bytes_per_s)
+        return {"worker_cpu": (self.worker_cpu_base + self.worker_cpu_slope * w) / cores,
+                "server_cpu": self.server_cpu_per_worker * per_server / cores,
+                "chief_cpu": self.chief_cpu_per_worker * w / cores,
+                "worker_link": link(self.bytes_ratio * analytic_bytes),
+                "server_link": link(self.server_bytes_per_worker * per_server)}
+
+    def step_seconds(self, workers: int, servers: int, cores: float,
+                     link_bytes_per_s: float | None, analytic_bytes: float) -> float:
+        terms = self.terms(workers, servers, cores, link_bytes_per_s, analytic_bytes).values()
+        return self.scale * (max(terms) if self.form == "max" else sum(terms))
+
+    def bound(self, workers: int, servers: int, cores: float,
+              link_bytes_per_s: float | None, analytic_bytes: float) -> str:
+        """The largest term's name: what limits a step there."""
+        terms = self.terms(workers, servers, cores, link_bytes_per_s, analytic_bytes)
+        return max(terms, key=terms.get)
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A fitted model with its validation on the points it was fitted to (relative error
+    |predicted - measured| / measured: mean and max), the other form's mean error, and,
+    with 3 or more worker counts, the error at the largest count when fitted without it."""
+
+    model: StepModel
+    mean_error: float
+    max_error: float
+    other_form_error: float
+    holdout_error: float | None
+    workers: tuple[int, ...]
+
+
+def _linear(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), the slope kept >= 0 (CPU per step does not fall as
+    workers are added; a negative slope is noise, and would go below zero at 64)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope < 0:
+        return my, 0.0
+    return my - slope * mx, slope
+
+
+def _mean(values: list[float], default: float = 0.0) -> float:
+    return sum(values) / len(values) if values else default
+
+
+def _components(points: list[StepPoint]) -> StepModel:
+    """The per-resource parts of the model, each from its own measurements (scale 1)."""
+    base, slope = _linear([p.workers for p in points], [p.worker_cpu for p in points])
+    with_servers = [p for p in points if p.servers]
+    return StepModel(
+        form="max", scale=1.0, worker_cpu_base=base, worker_cpu_slope=slope,
+        server_cpu_per_worker=_mean([p.server_cpu * p.servers / p.workers
+                                     for p in with_servers]),
+        chief_cpu_per_worker=_mean([p.chief_cpu / p.workers for p in points]),
+        bytes_ratio=_mean([p.worker_bytes / p.analytic_bytes for p in points
+                           if p.analytic_bytes > 0], default=1.0),
+        server_bytes_per_worker=_mean([p.server_bytes * p.servers / p.workers
+                                       for p in with_servers]))
+
+
+def _raw(model: StepModel, p: StepPoint) -> float:
+    return model.step_seconds(p.workers, p.servers, p.cores, p.link_bytes_per_s,
+                              p.analytic_bytes)
+
+
+def _with_scale(parts: StepModel, form: str, points: list[StepPoint]) -> StepModel:
+    """The scale minimising the squared relative error: sum(x) / sum(x^2), x = raw / t."""
+    unscaled = replace(parts, form=form, scale=1.0)
+    ratios = [_raw(unscaled, p) / p.step_seconds for p in points]
+    squares = sum(x * x for x in ratios)
+    return replace(unscaled, scale=sum(ratios) / squares if squares else 1.0)
+
+
+def _errors(model: StepModel, points: list[StepPoint]) -> list[float]:
+    return [abs(_raw(model, p) - p.step_seconds) / p.step_seconds for p in points]
+
+
+def _fit_form(points: list[StepPoint], form: str) -> StepModel:
+    return _with_scale(_components(points), form, points)
+
+
+def fit_step_model(points: list[StepPoint], forms: tuple[str, ...] = FORMS) -> StepFit:
+    """Fit the components to the points, then each form's scale; keep the form with the
+    smaller mean relative error on the points (ties: max). Needs >= 2 worker counts."""
+    counts = sorted({p.workers for p in points})
+    if len(counts) < 2:
+        raise ConfigError(f"the step-time model needs points at >= 2 worker counts, got "
+                          f"{counts or 'none'}: measure more --workers, e.g. 1,2,4")
+    unknown = set(forms) - set(FORMS)
+    if unknown or not forms:
+        raise ConfigError(f"forms {forms} must be among {FORMS}")
+    fits = {form: _fit_form(points, form) for form in forms}
+    errors = {form: _mean(_errors(model, points)) for form, model in fits.items()}
+    best = min(forms, key=lambda f: (errors[f], FORMS.index(f)))
+    others = [errors[f] for f in forms if f != best]
+    holdout = None
+    if len(counts) >= 3:
+        held = [p for p in points if p.workers != counts[-1]]
+        model = _fit_form(held, best)
+        holdout = _mean(_errors(model, [p for p in points if p.workers == counts[-1]]))
+    return StepFit(fits[best], errors[best], max(_errors(fits[best], points)),
+                   others[0] if others else errors[best], holdout, tuple(counts))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The model's samples/s for W workers and S servers on links of link_gbit, each
+    process on `cores` cores, and the resource that bounds the step there."""
+
+    workers: int
+    servers: int
+    link_gbit: float
+    cores: float
+    step_seconds: float
+    samples_per_s: float
+    bound: str
+
+
+def scaled_servers(workers: int, workers_per_server: float | None) -> int:
+    """Servers for W workers: W / workers_per_server rounded, at least 1; 0 (no servers)
+    when workers_per_server is None."""
+    if workers_per_server is None:
+        return 0
+    if workers_per_server <= 0:
+        raise ConfigError(f"workers per server must be > 0, got {workers_per_server}")
+    return max(1, round(workers / workers_per_server))
+
+
+def project(model: StepModel, analytic_bytes: Callable[[int], float], batch_per_worker: int,
+            workers: Sequence[int], link_gbits: Sequence[float],
+            workers_per_server: float | None, cores: float = 1.0) -> list[Projection]:
+    """samples/s = W x batch per worker / step time, for every (link, W)."""
+    out = []
+    for gbit in link_gbits:
+        rate = gbit * 1e9 / 8
+        for w in workers:
+            s = scaled_servers(w, workers_per_server)
+            step = model.step_seconds(w, s, cores, rate, analytic_bytes(w))
+            out.append(Projection(w, s, gbit, cores, step, w * batch_per_worker / step,
+                                  model.bound(w, s, cores, rate, analytic_bytes(w))))
+    return out

@@ -200,7 +200,8 @@ def test_throughput_table_cells(results_file):
         "| mwms | 300 | 600 | failed | n/a |",
         "| horovod_dense | 800 | 1,600 | 1,650 (2/3 ok) | 2.42x |",
     ]) in text
-    assert "### lm on 1gbit (1000 Mbit/s, 0.1 ms latency, not emulated)" in text
+    assert ("### lm on 1gbit (1000 Mbit/s, 0.1 ms latency, not emulated; processes share "
+            "the machine's cores)") in text
     assert "### lm on loopback (unshaped)" in text
     assert "| ps | 2,250 | 9,000 | 0.89x |" in text
 

@@ -2,6 +2,7 @@
 
     parallax bench                      # the whole comparison (docs/benchmarks.md), ~1-2 h
     parallax bench --size short --workers 1,2 --networks unlimited --rounds 1   # minutes
+    parallax bench --cpu-share off,0.25 # shared cores, then 0.25 core per process (root)
     parallax bench --report-only DIR    # re-render DIR/results.json
     parallax bench partitions           # partition search vs a shard-count sweep (--help)
 
@@ -15,7 +16,7 @@ import shlex
 import signal
 import sys
 
-from parallax.bench import measure, workloads
+from parallax.bench import cgroups, measure, workloads
 from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
 from parallax.errors import ConfigError
 
@@ -37,6 +38,14 @@ def _ints(what: str):
 
 
 _counts = _ints("worker counts")
+
+
+def _shares(text: str) -> tuple[float | None, ...]:
+    """--cpu-share: comma-separated cores per process, or off (shared cores)."""
+    try:
+        return tuple(cgroups.parse_share(part) for part in _names(text))
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 _shard_counts = _ints("shard counts")
 
 
@@ -70,6 +79,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=defaults.out_dir, help="output directory")
     p.add_argument("--prefix", default=defaults.prefix,
                    help="network namespace name prefix (pick another to run two at once)")
+    p.add_argument("--cpu-share", type=_shares, default=defaults.cpu_shares,
+                   metavar="SHARES",
+                   help="CPU isolation, root only: each process of a run in its own cgroup "
+                        "v1 CPU group of this many cores, and every link's rate scaled by "
+                        "the same factor (1gbit at 0.25 -> 250 Mbit/s: each process stands "
+                        "for one core with a 1 Gbit/s NIC). Comma-separated settings run "
+                        "one after the other into the same results, e.g. off,0.25; "
+                        "default off (all processes share the machine's cores)")
+    p.add_argument("--cgroup-root", default=defaults.cgroup_root,
+                   help="where the cgroup v1 cpu controller is mounted")
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: render the report of OUT/results.json")
     return p
@@ -81,7 +100,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(workloads=args.workloads, systems=args.systems, workers=args.workers,
                        networks=args.networks, servers=args.servers, rounds=args.rounds,
                        size=args.size, window=window, run_timeout=args.run_timeout,
-                       out_dir=args.out, prefix=args.prefix)
+                       out_dir=args.out, prefix=args.prefix, cpu_shares=args.cpu_share,
+                       cgroup_root=args.cgroup_root)
 
 
 def main(argv: list[str] | None = None) -> int:

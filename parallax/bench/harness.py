@@ -9,6 +9,13 @@ bytes sent and received per worker per step (each namespace's interface counters
 from outside the processes by `sampler.ResourceSampler`. Results are appended to a JSON file
 after every run, so a crash keeps what was measured; `report` renders it.
 
+CPU isolation (`cpu_shares`, `--cpu-share 0.25`): every process of a run gets its own
+cgroup v1 CPU group holding it to that many cores (`cgroups`), and every link is scaled by
+the same factor, so each process is "one core with a 1 Gbit/s NIC, scaled by the share".
+Such a run's network is keyed "1gbit@0.25cpu" in the results, beside a shared-core "1gbit"
+run of the same file; CPU seconds and bytes per step are also kept per process role
+(`roles`), for the step-time model.
+
 Topologies (hosts are namespaces; "127.0.0.1" on loopback):
   hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
   allreduce        workers only (the plan puts nothing on servers)
@@ -26,12 +33,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from parallax import k8s
-from parallax.bench import measure, workloads
+from parallax.bench import cgroups, measure, roles, workloads
+from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.errors import ConfigError, ParallaxError
@@ -57,6 +65,8 @@ class BenchConfig:
     run_timeout: float = 900.0
     out_dir: str = "bench-results"
     prefix: str = "pxb"
+    cpu_shares: tuple[float | None, ...] = (None,)  # cores per process; None: shared cores
+    cgroup_root: str = str(cgroups.CPU_ROOT)
 
     def __post_init__(self) -> None:
         for system in self.systems:
@@ -70,6 +80,17 @@ class BenchConfig:
             raise ConfigError(f"servers must be >= 1, got {self.servers}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if not self.cpu_shares:
+            raise ConfigError("cpu_shares must name at least one setting, e.g. (None,)")
+        for share in self.cpu_shares:
+            if share is not None:
+                cgroups.check_total(share, processes_per_run(self))
+
+
+def processes_per_run(config: BenchConfig) -> int:
+    """The most processes one run of the matrix starts: workers, servers, a coordinator."""
+    servers = config.servers if {"hybrid", "ps", "tf_ps"} & set(config.systems) else 0
+    return max(config.workers) + servers + (1 if "tf_ps" in config.systems else 0)
 
 
 @dataclass
@@ -87,10 +108,13 @@ class Proc:
 
 
 class Placement:
-    """Where the processes of a run live: namespaces of an emulated cluster, or loopback."""
+    """Where the processes of a run live: namespaces of an emulated cluster, or loopback;
+    each in its own CPU group when `cpu` is given (groups made at spawn, removed by
+    release() after every run)."""
 
-    def __init__(self, cluster: EmulatedCluster | None) -> None:
+    def __init__(self, cluster: EmulatedCluster | None, cpu: CpuGroups | None = None) -> None:
         self.cluster = cluster
+        self.cpu = cpu
 
     def address(self, host: str) -> str:
         return self.cluster.address(host) if self.cluster else "127.0.0.1"
@@ -99,7 +123,13 @@ class Placement:
         return fixed if self.cluster else _free_port()
 
     def prefix(self, host: str) -> list[str]:
-        return self.cluster.exec_prefix(host) if self.cluster else []
+        """The CPU group's prefix goes first: `ip netns exec` hides /sys/fs/cgroup."""
+        return ((self.cpu.exec_prefix(host) if self.cpu else [])
+                + (self.cluster.exec_prefix(host) if self.cluster else []))
+
+    def release(self) -> None:
+        if self.cpu is not None:
+            self.cpu.remove_all()
 
     @property
     def gateway(self) -> str:
@@ -137,6 +167,9 @@ class Run:
 
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self.procs]
+
+    def pid_hosts(self) -> dict[int, str]:
+        return {p.popen.pid: p.host for p in self.procs}
 
     def _worker_argv(self, role: str = "worker") -> list[str]:
         return [sys.executable, "-u", "-m", "parallax.bench.worker", "--system", self.system,
@@ -289,6 +322,7 @@ def window_metrics(record: dict, sampler: ResourceSampler | None) -> list[dict]:
         if sampler is not None:
             usage = sampler.between(w["t0"], w["t1"])
             out["cpu_seconds"] = usage.cpu_seconds
+            out["cpu_seconds_by_host"] = usage.cpu_by_host
             if usage.bytes:
                 out["bytes_sent"] = {h: sent for h, (sent, _) in usage.bytes.items()}
                 out["bytes_received"] = {h: recv for h, (_, recv) in usage.bytes.items()}
@@ -314,13 +348,20 @@ def summarize_windows(windows: list[dict], worker_hosts: Sequence[str]) -> dict:
     return {"samples_per_s": median(w["samples_per_s"] for w in windows),
             "cpu_seconds_per_sample": median(cpu),
             "worker_bytes_per_step": (None if sent is None
-                                      else {"sent": sent, "received": received})}
+                                      else {"sent": sent, "received": received}),
+            "per_process": roles.per_process_per_step(windows)}
 
 
 def analytic(system: str, spec: workloads.WorkloadSpec, workers: int) -> dict | None:
     from parallax.bench.report import analytic_traffic
     traffic = analytic_traffic(system, workloads.traffic_workload(spec, workers))
     return None if traffic is None else {"sent": traffic.sent, "received": traffic.received}
+
+
+def traffic_record(spec: workloads.WorkloadSpec, workers: int) -> dict:
+    """The traffic model's view of the workload, so a report can model other worker counts
+    without building the model (parallax.traffic_model.Workload's fields)."""
+    return asdict(workloads.traffic_workload(spec, workers))
 
 
 def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
@@ -333,14 +374,17 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     counters = placement.cluster.counters if placement.cluster else None
     record, error = None, None
     try:
-        with ResourceSampler(counters, run.pids) as sampler:
+        with ResourceSampler(counters, run.pids, labels=run.pid_hosts) as sampler:
             try:
                 waited = run.start()
                 record, error = run.wait(waited, config.run_timeout)
             except ParallaxError as err:
                 error = str(err)
             finally:
-                run.stop()
+                try:
+                    run.stop()
+                finally:
+                    placement.release()
     except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
         error = f"{type(err).__name__}: {err}"
     result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
@@ -349,8 +393,9 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
               "global_batch": spec.batch_per_worker * workers,
               "status": "failed" if record is None else "ok", "error": error, "windows": [],
               "samples_per_s": None, "cpu_seconds_per_sample": None,
-              "worker_bytes_per_step": None, "loss": None,
-              "analytic": analytic(system, spec, workers)}
+              "worker_bytes_per_step": None, "per_process": None, "loss": None,
+              "analytic": analytic(system, spec, workers),
+              "traffic_workload": traffic_record(spec, workers)}
     if record is not None:
         try:
             result["windows"] = window_metrics(record, sampler)
@@ -362,14 +407,24 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     return result
 
 
-def _network_record(name: str, cluster: EmulatedCluster | None) -> dict:
-    if cluster is None:
-        return {"name": LOOPBACK, "rate_mbit": None, "latency_ms": 0.0,
-                "latency_emulated": False}
-    link = cluster.link
-    return {"name": link.name, "rate_mbit": link.rate_mbit, "latency_ms": link.latency_ms,
-            "latency_emulated": cluster.latency_emulated,
-            "latency_note": cluster.latency_note}
+def _network_record(name: str, cluster: EmulatedCluster | None,
+                    cpu: CpuGroups | None = None) -> dict:
+    """The results' network: its key (name, with "@<share>cpu" when isolated), the links'
+    effective rate and latency, and the CPU share with the link as asked for (nominal)."""
+    share = cpu.share if cpu else None
+    nominal = LinkSpec() if cluster is None else LinkSpec.parse(name)
+    record = {"name": cgroups.network_key(LOOPBACK if cluster is None else nominal.name, share),
+              "rate_mbit": None, "latency_ms": 0.0, "latency_emulated": False}
+    if cluster is not None:
+        link = cluster.link
+        record.update(rate_mbit=link.rate_mbit, latency_ms=link.latency_ms,
+                      latency_emulated=cluster.latency_emulated,
+                      latency_note=cluster.latency_note)
+    if cpu is not None:
+        record.update(cpu_share=share, cpu_period_us=cpu.period_us, cpu_quota_us=cpu.quota_us,
+                      nominal_rate_mbit=nominal.rate_mbit,
+                      nominal_latency_ms=nominal.latency_ms)
+    return record
 
 
 def _git_commit() -> str:
@@ -396,22 +451,60 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Pa
             "tf_ps trains asynchronously, as TensorFlow's ParameterServerStrategy does: each "
             "worker applies its own batch's gradient, so a global step is W updates and its "
             "loss is not comparable with the synchronous systems' (throughput and bytes are)")
+    _prepare_cpu_groups(config, results["meta"]["notes"], echo)
     for network in config.networks:
-        cluster = None
-        if network != LOOPBACK:
-            cluster = EmulatedCluster(cluster_hosts(config), LinkSpec.parse(network),
-                                      prefix=config.prefix).up()
-        try:
-            if cluster is not None and not cluster.latency_emulated and \
-                    cluster.link.latency_ms > 0:
-                note = f"{network}: latency not emulated ({cluster.latency_note})"
-                if note not in results["meta"]["notes"]:
-                    results["meta"]["notes"].append(note)
-            _run_network(config, network, Placement(cluster), results, results_path, out, echo)
-        finally:
-            if cluster is not None:
-                cluster.down()
+        for share in config.cpu_shares:
+            _run_setting(config, network, share, results, results_path, echo)
     return results_path
+
+
+ISOLATION_NOTE = ("{key}: each process in its own CPU group of {share:g} core (cgroup v1 "
+                  "quota {quota} us per {period} us), links scaled by the same factor "
+                  "(rate x {share:g}, latency / {share:g}): each process stands for one core "
+                  "with a {link} link, slowed {slow:g}x")
+
+
+def _prepare_cpu_groups(config: BenchConfig, notes: list[str], echo) -> None:
+    """Refuse CPU isolation where cgroup v1 cpu is missing; remove a killed run's groups."""
+    if all(share is None for share in config.cpu_shares):
+        return
+    reason = cgroups.available(config.cgroup_root)
+    if reason:
+        raise ConfigError(f"--cpu-share needs cgroup v1 CPU groups: {reason}")
+    removed = cgroups.sweep(config.prefix, config.cgroup_root)
+    if removed:
+        print(f"removed CPU groups left by an earlier run: {', '.join(removed)}", file=echo)
+
+
+def _run_setting(config: BenchConfig, network: str, share: float | None, results: dict,
+                 results_path: Path, echo) -> None:
+    """Every run of one network at one CPU share: the cluster (links scaled by the share)
+    up, the runs, the cluster and the CPU groups down, whatever happens."""
+    cluster, key = None, cgroups.network_key(network, share)
+    cpu = None if share is None else CpuGroups(share, config.prefix, config.cgroup_root)
+    notes = results["meta"]["notes"]
+    try:
+        if network != LOOPBACK:
+            link = cgroups.scaled_link(LinkSpec.parse(network), share)
+            cluster = EmulatedCluster(cluster_hosts(config), link, prefix=config.prefix).up()
+            if not cluster.latency_emulated and cluster.link.latency_ms > 0:
+                _note(notes, f"{key}: latency not emulated ({cluster.latency_note})")
+        if cpu is not None:
+            _note(notes, ISOLATION_NOTE.format(key=key, share=share, quota=cpu.quota_us,
+                                               period=cpu.period_us, link=network,
+                                               slow=1 / share))
+        _run_network(config, network, Placement(cluster, cpu), results, results_path,
+                     Path(config.out_dir), echo)
+    finally:
+        if cluster is not None:
+            cluster.down()
+        if cpu is not None:
+            cpu.remove_all()
+
+
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
 
 
 def _run_network(config, network, placement, results, results_path, out, echo) -> None:
@@ -420,10 +513,12 @@ def _run_network(config, network, placement, results, results_path, out, echo) -
         for workers in config.workers:
             for rnd in range(config.rounds):
                 for system in config.systems:
-                    log_dir = out / "logs" / f"{network}-{name}-w{workers}-r{rnd}-{system}"
+                    record = _network_record(network, placement.cluster, placement.cpu)
+                    log_dir = (out / "logs" /
+                               f"{record['name']}-{name}-w{workers}-r{rnd}-{system}")
                     started = time.monotonic()
                     result = run_one(system, spec, workers, config, placement, log_dir)
-                    result["network"] = _network_record(network, placement.cluster)
+                    result["network"] = record
                     result["round"] = rnd
                     results["runs"].append(result)
                     results_path.write_text(json.dumps(results, indent=1))

@@ -1,5 +1,6 @@
 """The report's PNG plots: throughput against workers per system, bytes per worker per
-step per system beside the analytic model, and (`parallax bench partitions`) throughput
+step per system beside the analytic model, the step-time model's projection past this
+machine (drawn by `projection.plot`), and (`parallax bench partitions`) throughput
 against shard count beside the partition search's choice and fitted curve. Drawn with
 matplotlib's Agg canvas directly, so nothing depends on pyplot's global state or on a
 display."""
@@ -27,6 +28,9 @@ def _figure() -> tuple[Figure, Any]:
     fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend, and without pyplot's state
     return fig, fig.add_subplot()
+
+
+figure = _figure  # a fresh Agg figure and its axes, for other modules' plots
 
 
 def _throughput_plot(s: _Slice, path: Path) -> None:
@@ -73,7 +77,9 @@ def _bytes_plot(s: _Slice, path: Path) -> bool:
 
 
 def plots(results: Results, out_dir: str | Path) -> list[Path]:
-    """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png."""
+    """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png;
+    projection_<workload>.png where the step-time model could be fitted."""
+    from parallax.bench import projection
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -83,6 +89,13 @@ def plots(results: Results, out_dir: str | Path) -> list[Path]:
         written.append(out / f"throughput_{stem}")
         if _bytes_plot(s, out / f"bytes_{stem}"):
             written.append(out / f"bytes_{stem}")
+    found = projection.projections(results)
+    networks = {r.network.name: r.network for r in results.runs}
+    for workload, network in dict.fromkeys((p.workload, p.network) for p in found):
+        part = [p for p in found if (p.workload, p.network) == (workload, network)]
+        nominal = networks[network].nominal_rate_mbit
+        path = out / projection.plot_name(workload, network, found)
+        written.append(projection.plot(part, path, None if nominal is None else nominal / 1e3))
     return written
 
 

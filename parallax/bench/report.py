@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from parallax import traffic_model
+from parallax.bench import projection
 from parallax.errors import ConfigError
 from parallax.bench.results import Meta, Network, Results, Run, load  # noqa: F401 (API)
 from parallax.traffic_model import StepTraffic, Workload
@@ -277,11 +278,16 @@ def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
         lines += [f"## Workload {workload}", ""]
         for s in (s for s in slices if s.workload == workload):
             lines += _slice_section(s, networks[s.network])
+    found = projection.projections(results)
+    inline = {key: name for key in dict.fromkeys((p.workload, p.network) for p in found)
+              if (name := projection.plot_name(*key, found)) in plot_files}
+    lines += projection.section(found, networks, inline)
     lines += ["## Targets", ""]
     lines += [f"- {t.workload} on {t.network}, {t.workers} workers: {t.goal}: **{t.verdict}** "
               f"({t.detail})" for t in targets(results)] or ["- not measured: no runs"]
-    if plot_files:
-        lines += ["", "## Plots", "", *(f"![{Path(f).stem}]({f})" for f in plot_files)]
+    others = [f for f in plot_files if f not in inline.values()]
+    if others:
+        lines += ["", "## Plots", "", *(f"![{Path(f).stem}]({f})" for f in others)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -297,7 +303,9 @@ def write_report(results_path: str | Path, out_dir: str | Path) -> dict[str, Pat
     written["summary.json"] = out / "summary.json"
     summary = {"source": str(results_path), "meta": asdict(results.meta),
                "rows": [asdict(r) for r in summarize(results)],
-               "targets": [asdict(t) for t in targets(results)]}
+               "targets": [asdict(t) for t in targets(results)],
+               "projections": [projection.summary(p)
+                               for p in projection.projections(results)]}
     written["summary.json"].write_text(json.dumps(summary, indent=2) + "\n")
     return written
 

@@ -1,29 +1,65 @@
 """The harness's results file, loaded into typed records: every field checked, and a
-malformed file refused with a ConfigError naming the file and the field."""
+malformed file refused with a ConfigError naming the file and the field. Fields added after
+the first results files (CPU isolation, per-process figures, the traffic workload) are
+optional, so older files still load."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parallax.errors import ConfigError
-from parallax.traffic_model import StepTraffic
+from parallax.traffic_model import StepTraffic, Workload
 
 
 @dataclass(frozen=True)
 class Network:
+    """A network setting of the results: its key (`name`, "1gbit@0.25cpu" when isolated),
+    the links' effective rate and latency, and, for a CPU-isolated setting, the cores per
+    process and the link as asked for (nominal: before scaling by the share)."""
+
     name: str
     rate_mbit: float | None
     latency_ms: float | None
     latency_emulated: bool
+    cpu_share: float | None = None
+    nominal_rate_mbit: float | None = None
+
+    @property
+    def isolated(self) -> bool:
+        return self.cpu_share is not None
 
     def describe(self) -> str:
         rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
-        if self.latency_ms is None:
-            return f"{self.name} ({rate})"
-        emulated = "emulated" if self.latency_emulated else "not emulated"
-        return f"{self.name} ({rate}, {self.latency_ms:g} ms latency, {emulated})"
+        if self.isolated and self.nominal_rate_mbit is not None:
+            rate += f" = {self.nominal_rate_mbit:g} Mbit/s x {self.cpu_share:g}"
+        if self.latency_ms is not None:
+            emulated = "emulated" if self.latency_emulated else "not emulated"
+            rate += f", {self.latency_ms:g} ms latency, {emulated}"
+        if self.isolated:
+            rate += f"; {self.cpu_share:g} core per process"
+        elif self.name != "loopback":
+            rate += "; processes share the machine's cores"
+        return f"{self.name} ({rate})"
+
+
+@dataclass(frozen=True)
+class RoleStep:
+    """One process of a role (worker, server, chief) in one step: CPU seconds and bytes
+    (None where not counted)."""
+
+    processes: int
+    cpu_seconds: float | None
+    bytes_sent: float | None
+    bytes_received: float | None
+
+    @property
+    def link_bytes(self) -> float | None:
+        """The busier direction of the process's link: what bounds its transfer time."""
+        if self.bytes_sent is None or self.bytes_received is None:
+            return None
+        return max(self.bytes_sent, self.bytes_received)
 
 
 @dataclass(frozen=True)
@@ -44,6 +80,8 @@ class Run:
     cpu_seconds_per_sample: float | None
     worker_bytes_per_step: StepTraffic | None
     analytic: StepTraffic | None
+    per_process: dict[str, RoleStep] = field(default_factory=dict)
+    traffic_workload: Workload | None = None
 
     @property
     def ok(self) -> bool:
@@ -89,10 +127,46 @@ def _traffic(obj: dict, key: str, where: str) -> StepTraffic | None:
                                                 _get(raw, "received", name, _NUM))
 
 
+def _optional(raw: dict, key: str, where: str, kinds: tuple[type, ...]) -> Any:
+    """A field newer harnesses write: absent (older files) or null reads as None."""
+    return _get(raw, key, where, kinds, True) if key in raw else None
+
+
 def _network(raw: dict, where: str) -> Network:
+    share = _optional(raw, "cpu_share", where, _NUM)
+    if share is not None and share <= 0:
+        raise ConfigError(f"{where}.cpu_share must be > 0 cores, got {share!r}")
     return Network(_get(raw, "name", where, (str,)), _get(raw, "rate_mbit", where, _NUM, True),
                    _get(raw, "latency_ms", where, _NUM, True),
-                   _get(raw, "latency_emulated", where, (bool,)))
+                   _get(raw, "latency_emulated", where, (bool,)), share,
+                   _optional(raw, "nominal_rate_mbit", where, _NUM))
+
+
+def _per_process(raw: dict, where: str) -> dict[str, RoleStep]:
+    roles = _optional(raw, "per_process", where, (dict,)) or {}
+    out = {}
+    for role, entry in roles.items():
+        name = f"{where}.per_process.{role}"
+        entry = _object_at(entry, name)
+        out[role] = RoleStep(_get(entry, "processes", name, (int,)),
+                             *(_get(entry, k, name, _NUM, True)
+                               for k in ("cpu_seconds", "bytes_sent", "bytes_received")))
+    return out
+
+
+def _traffic_workload(raw: dict, where: str) -> Workload | None:
+    entry = _optional(raw, "traffic_workload", where, (dict,))
+    if entry is None:
+        return None
+    name = f"{where}.traffic_workload"
+    ints = (int,)
+    lists = {k: tuple(_get(entry, k, name, (list,))) for k in
+             ("table_rows", "table_dims", "unique_rows")}
+    for key, values in lists.items():
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"{name}.{key} must be a list of integers, got {values!r}")
+    return Workload(_get(entry, "workers", name, ints), _get(entry, "dense_bytes", name, ints),
+                    **lists, itemsize=_get(entry, "itemsize", name, ints))
 
 
 def _object_at(raw: Any, where: str) -> dict:
@@ -116,7 +190,8 @@ def _run(raw: Any, where: str) -> Run:
               for i, w in enumerate(_get(raw, "windows", where, (list,)))),
         _get(raw, "samples_per_s", where, _NUM, True),
         _get(raw, "cpu_seconds_per_sample", where, _NUM, True),
-        _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where))
+        _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where),
+        _per_process(raw, where), _traffic_workload(raw, where))
     if run.ok and run.samples_per_s is None:
         raise ConfigError(f"{where}.samples_per_s is null but the run's status is 'ok'")
     return run
