@@ -199,3 +199,8 @@ def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> 
 def log_plan(plan: Plan, workers: Workers) -> None:
     if workers.info.is_chief:
         print(plan.format(), file=sys.stderr, flush=True)
+
+
+def log_lookups(plan: Plan, workers: Workers) -> None:
+    if workers.info.is_chief:
+        print(plan.format_lookups().lstrip("\n"), file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ class StrategyConfig:
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
     shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
     log_plan: bool = True
+    fuse: bool = True  # one pull and one push op per traced step (parallax.fusion)
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
@@ -96,6 +97,9 @@ class Plan:
     num_servers: int
     num_workers: int
     variables: tuple[VariablePlan, ...]
+    # How each lookup of a table travels (parallax.fusion.LookupReport), once a training
+    # step has been traced for real; not part of what workers must agree on.
+    lookups: tuple = ()
 
     @property
     def on_servers(self) -> tuple[VariablePlan, ...]:
@@ -138,7 +142,19 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
                  for r in rows]
-        return self.summary() + "\n" + "\n".join(lines)
+        return self.summary() + "\n" + "\n".join(lines) + self.format_lookups()
+
+    def format_lookups(self) -> str:
+        """The traced step's lookups: fused into one request per server, or why not."""
+        if not self.lookups:
+            return ""
+        fused = sum(1 for r in self.lookups if r.fused)
+        head = (f"\nlookups: {fused} of {len(self.lookups)} fused into one pull and one push "
+                f"per server per step")
+        width = max(len(r.variable) for r in self.lookups)
+        return head + "".join(f"\n  {r.variable.ljust(width)}  "
+                              f"{'fused' if r.fused else 'own request'}: {r.reason}"
+                              for r in self.lookups)
 
 
 def _shards_text(v: VariablePlan) -> str:

@@ -36,6 +36,22 @@ from parallax.client.connection import run_in_background
 from parallax.errors import ConfigError, ServerError
 
 
+class _StepFusionSlot(threading.local):
+    fusion = None  # the parallax.fusion.StepFusion of the step being traced on this thread
+
+
+_STEP_FUSION = _StepFusionSlot()
+
+
+def fusion_of_step():
+    """The StepFusion of the training step being traced on this thread, or None."""
+    return _STEP_FUSION.fusion
+
+
+def set_fusion_of_step(fusion) -> None:
+    _STEP_FUSION.fusion = fusion
+
+
 @dataclass
 class TableTraffic:
     """Bytes and calls of one table on this worker, for logs and benchmarks."""
@@ -102,49 +118,74 @@ class RemoteTable:
 
     def pull_rows(self, unique: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
+        self.before_pull(unique)
+        rows = self.table.pull_unique(unique, min_step=self._min_step())
+        self.after_pull(unique, time.perf_counter() - start)
+        return rows.astype(self._np_dtype, copy=False)
+
+    def before_pull(self, unique: np.ndarray) -> int:
+        """Checks before this table's rows are pulled: its pushes have landed, ids are in
+        range. Returns the step the pull must wait for."""
         self.wait_for_pushes()
         self._check_ids(unique)
-        rows = self.table.pull_unique(unique, min_step=self._min_step())
+        return self._min_step()
+
+    def after_pull(self, unique: np.ndarray, seconds: float) -> None:
         self._pulled_since_push = True
         if self.id_sample is not None:
             self.id_sample.append(unique.copy())
         with self.traffic.lock:
             self.traffic.pulls += 1
             self.traffic.pulled_rows += len(unique)
-            self.traffic.pull_seconds += time.perf_counter() - start
-        return rows.astype(self._np_dtype, copy=False)
+            self.traffic.pull_seconds += seconds
 
     def pull_all_rows(self) -> np.ndarray:
         return self.pull_rows(np.arange(self.rows, dtype=np.int64))
 
     def push_rows(self, ids: np.ndarray, grads: np.ndarray, learning_rate) -> np.int64:
         step = self.steps_pushed
-        if self.sends_pushes:
-            ids = ids.astype(np.int64, copy=False)
-            self._check_ids(ids)
-            grads = grads.reshape(len(ids), self.dim)
+        job = self.prepare_push(ids, grads)
+        if job is not None:
             if self.sync:
-                if not self._pulled_since_push:
-                    # No pull since this table's last push (a table pushed but not read this
-                    # step): that pull would have waited for the push and for the step to
-                    # close; a push for the next step before that is refused as "ahead".
-                    self.wait_for_pushes()
-                    self.table.wait_step(step)
-                self._pulled_since_push = False
-                _drain_at_exit()
                 # numpy_function's inputs may share TensorFlow's buffers, reused once the op
                 # returns: the background push gets its own copies.
-                future = run_in_background(self._timed_push, ids.copy(), grads.copy(),
+                future = run_in_background(self._timed_push, job[0].copy(), job[1].copy(),
                                            step, float(learning_rate))
-                with self._in_flight_lock:
-                    self._in_flight.append(future)
+                self.track_push(future)
             else:
-                self._timed_push(ids, grads, step, float(learning_rate))
-            with self.traffic.lock:
-                self.traffic.pushes += 1
-                self.traffic.pushed_rows += len(ids)
-        self.steps_pushed = step + 1
+                self._timed_push(*job, step, float(learning_rate))
         return np.int64(step)
+
+    def prepare_push(self, ids: np.ndarray, grads: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """This worker's push of the open step, checked and counted: (ids, grads) to send,
+        or None when this worker does not push (local aggregation)."""
+        step = self.steps_pushed
+        if not self.sends_pushes:
+            self.steps_pushed = step + 1
+            return None
+        ids = ids.astype(np.int64, copy=False)
+        self._check_ids(ids)
+        grads = grads.reshape(len(ids), self.dim)
+        if self.sync:
+            if not self._pulled_since_push:
+                # No pull since this table's last push (a table pushed but not read this
+                # step): that pull would have waited for the push and for the step to
+                # close; a push for the next step before that is refused as "ahead".
+                self.wait_for_pushes()
+                self.table.wait_step(step)
+            self._pulled_since_push = False
+            _drain_at_exit()
+        with self.traffic.lock:
+            self.traffic.pushes += 1
+            self.traffic.pushed_rows += len(ids)
+        self.steps_pushed = step + 1
+        return ids, grads
+
+    def track_push(self, future: Future) -> None:
+        """A push of this table in flight: the next pull, assign and exit wait for it."""
+        with self._in_flight_lock:
+            self._in_flight.append(future)
 
     def _timed_push(self, ids: np.ndarray, grads: np.ndarray, step: int,
                     learning_rate: float) -> bool:
@@ -153,8 +194,11 @@ class RemoteTable:
             return self.table.push(ids, grads, step=step, worker=self.worker,
                                    learning_rate=learning_rate)
         finally:
-            with self.traffic.lock:
-                self.traffic.push_seconds += time.perf_counter() - start
+            self.add_push_seconds(time.perf_counter() - start)
+
+    def add_push_seconds(self, seconds: float) -> None:
+        with self.traffic.lock:
+            self.traffic.push_seconds += seconds
 
     def assign_all(self, value) -> None:
         """Replace every row (eager), e.g. when weights are loaded into a trained model."""
@@ -176,8 +220,7 @@ class RemoteTable:
         if not ids.dtype.is_integer:
             raise ConfigError(f"lookup in {self.label!r}: ids must be integers, got {ids.dtype}")
         unique, inverse = tf.unique(tf.reshape(tf.cast(ids, tf.int64), [-1]), out_idx=tf.int32)
-        rows = tf.numpy_function(self.pull_rows, [unique], self.dtype, stateful=True,
-                                 name="parallax_pull")
+        rows = self._pull_op(unique, self.pull_rows, "parallax_pull")
         rows = tf.reshape(rows, [-1] + self.row_shape)
         self._record(var, rows, unique)
         out = tf.gather(rows, inverse)
@@ -190,10 +233,19 @@ class RemoteTable:
         """The whole variable pulled from the servers. Its gradient is still delivered as an
         `IndexedSlices` (over every row) so the strategy knows it belongs to the servers and
         does not all-reduce it as well."""
-        rows = tf.numpy_function(self.pull_all_rows, [], self.dtype, stateful=True,
-                                 name="parallax_pull_all")
-        self._record(var, rows, tf.range(self.rows, dtype=tf.int64))
+        every = tf.range(self.rows, dtype=tf.int64)
+        rows = self._pull_op(every, self.pull_rows, "parallax_pull_all")
+        self._record(var, rows, every)
         return tf.reshape(rows, self.shape)
+
+    def _pull_op(self, unique: tf.Tensor, pull, name: str) -> tf.Tensor:
+        """The rows of `unique`: from the step's fused pull when the step being traced can
+        group this lookup (parallax.fusion), else from an op of its own."""
+        step = fusion_of_step()
+        rows = step.lookup(self, unique) if step is not None else None
+        if rows is None:
+            rows = tf.numpy_function(pull, [unique], self.dtype, stateful=True, name=name)
+        return rows
 
     def _record(self, var: tf.Variable, rows: tf.Tensor, ids: tf.Tensor) -> None:
         """Put `rows` (pulled for `ids`) on the gradient tape as a read of `var`."""
@@ -210,8 +262,8 @@ class RemoteTable:
         variable_accessed(var)
         record.record_operation("ParallaxPull", [rows], [var.handle], backward_function=backward)
 
-    def push(self, grad, learning_rate=None) -> tf.Tensor:
-        """An op sending this step's gradient (IndexedSlices or dense) to the servers."""
+    def push_inputs(self, grad, learning_rate=None) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(ids, rows [n, dim], learning rate) of a gradient (IndexedSlices or dense)."""
         if isinstance(grad, tf.IndexedSlices):
             ids = tf.cast(grad.indices, tf.int64)
             values = tf.reshape(grad.values, [-1, self.dim])
@@ -220,13 +272,20 @@ class RemoteTable:
             values = tf.reshape(grad, [self.rows, self.dim])
         lr = tf.constant(0.0, tf.float64) if learning_rate is None else \
             tf.cast(learning_rate, tf.float64)
-        return tf.numpy_function(self.push_rows, [ids, tf.cast(values, self.dtype), lr],
+        return ids, tf.cast(values, self.dtype), lr
+
+    def push(self, grad, learning_rate=None) -> tf.Tensor:
+        """An op sending this step's gradient (IndexedSlices or dense) to the servers."""
+        return tf.numpy_function(self.push_rows, list(self.push_inputs(grad, learning_rate)),
                                  tf.int64, stateful=True, name="parallax_push")
 
+    def empty_gradient(self) -> tf.IndexedSlices:
+        """No rows: a sync step must hear from every worker, used or not."""
+        return tf.IndexedSlices(tf.zeros([0, self.dim], self.dtype), tf.zeros([0], tf.int64))
+
     def push_nothing(self) -> tf.Tensor:
-        """An empty push: a sync step must hear from every worker, used or not."""
-        return self.push(tf.IndexedSlices(tf.zeros([0, self.dim], self.dtype),
-                                          tf.zeros([0], tf.int64)))
+        """An empty push (see `empty_gradient`)."""
+        return self.push(self.empty_gradient())
 
 
 _GRADIENT_OWNERS: dict[int, tuple[tf.Tensor, RemoteTable]] = {}

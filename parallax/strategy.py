@@ -33,7 +33,9 @@ from parallax.datasets import shard_for_worker
 from parallax.errors import ConfigError, ParallaxError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
-from parallax.remote import RemoteTable, forget_gradient_owners, owner_of_gradient
+from parallax.fusion import StepFusion
+from parallax.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
+                             owner_of_gradient, set_fusion_of_step)
 from parallax.resharding import Layout, Resharder, ReshardReport, check_layouts
 from parallax.tuner import PartitionTuner
 from parallax.tuning import PartitionSearch
@@ -125,21 +127,38 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         forget_gradient_owners()
         self._pushed = set()
+        step = StepFusion(tf.compat.v1.get_default_graph()) \
+            if self.remotes and self.config.fuse and not tf.executing_eagerly() else None
+        set_fusion_of_step(step)
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
             if self.workers.info.size > 1 and keras_support.is_keras_logging_step(fn):
                 result = self._average_logs(result)
-            if self._pushed:  # a training step: every table must hear from this worker
+            set_fusion_of_step(None)  # what follows is the step's own tail, not its lookups
+            if step is not None:
+                self._finish_fused(step)
+            elif self._pushed:  # a training step: every table must hear from this worker
                 for index, remote in self.remotes.items():
                     if index not in self._pushed:
                         remote.push_nothing()
-                if self.tuner is not None and not self.tuner.done:
-                    # after the step's pushes (stateful ops run in program order)
-                    tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
-                                      name="parallax_partition_search")
+            if self._pushed and self.tuner is not None and not self.tuner.done:
+                # after the step's pushes (stateful ops run in program order)
+                tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
+                                  name="parallax_partition_search")
         finally:
+            set_fusion_of_step(None)
             self._pushed = None
         return result
+
+    def _finish_fused(self, step: StepFusion) -> None:
+        """One pull op for the step's grouped lookups, one push op for its tables (those
+        updated through the fused path, and empty pushes for those not updated at all)."""
+        silent = [r for i, r in self.remotes.items() if i not in self._pushed]
+        step.finish(silent, training=bool(self._pushed))
+        if step.reports and self.plan is not None and not self.plan.lookups:
+            self.plan = dataclasses.replace(self.plan, lookups=tuple(step.reports))
+            if self.config.log_plan:
+                binding.log_lookups(self.plan, self.workers)
 
     def _plan_from(self, fn, args, kwargs) -> None:
         observations = _Observations()
@@ -333,7 +352,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 f"the first training step used ({type(self._optimizer).__name__}); a "
                 f"different optimizer cannot update it. Keep one optimizer per strategy, or "
                 f"build the model again in a new strategy")
-        op = remote.push(args[0], learning_rate=args[1] if len(args) > 1 else None)
+        learning_rate = args[1] if len(args) > 1 else None
+        step = fusion_of_step()
+        if step is not None and step.can_push(args[0], learning_rate):
+            step.push(remote, args[0], learning_rate)  # sent by the step's fused push op
+            op = tf.no_op()
+        else:
+            op = remote.push(args[0], learning_rate=learning_rate)
         if self._pushed is not None:
             self._pushed.add(var._parallax_index)
         return op if group else (op,)
@@ -382,13 +407,15 @@ class ParallaxStrategy(distribute_lib.Strategy):
     neither, `embedded_servers` local servers are started. mode and sync left unset come from
     `parallax run --mode/--async` (PARALLAX_MODE, PARALLAX_SYNC), else hybrid and sync.
     placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
-    table, or per table name.
+    table, or per table name. fuse: one pull and one push request per server per traced
+    step for every table (parallax.fusion); False sends each table's own requests.
     """
 
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool = False, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
+                 fuse: bool = True,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch = "auto") -> None:
         if ps_addresses is not None:
@@ -400,7 +427,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 run_id=run_id, embedded_servers=embedded_servers,
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
-                                log_plan=log_plan)
+                                log_plan=log_plan, fuse=fuse)
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))

@@ -1,0 +1,126 @@
+"""The numpy side of a fused step: one pull for every grouped lookup of the step, one push
+for every table, each a single multi-table request per server (`parallax.client.many`).
+
+`FusedPull` runs inside the step's fused pull op: each table's pending pushes land first and
+its ids are checked (`RemoteTable.before_pull`), lookups of the same table are merged and
+deduplicated, then every table's rows come back from one `pull_many`. `FusedPush` runs inside
+the step's push op: every table's push is checked and counted (`RemoteTable.prepare_push`),
+then one `push_many` sends them all, in the background for sync tables (the next pull of any
+of them waits for it, as for single-table pushes). Wall time is shared out to the tables in
+proportion to their rows, for the partition search's per-table figures.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from parallax.client.connection import run_in_background
+from parallax.client.many import pull_many, push_many
+from parallax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from parallax.remote import RemoteTable
+
+
+def _shares(sizes: Sequence[int]) -> list[float]:
+    total = sum(sizes)
+    return [(s / total) if total else 1.0 / max(1, len(sizes)) for s in sizes]
+
+
+class FusedPull:
+    """Pulls the rows of several lookups (each a table and its unique ids) at once."""
+
+    def __init__(self, remotes: Sequence[RemoteTable]) -> None:
+        self.remotes = list(remotes)  # one per lookup; a table may appear more than once
+        self.runs = 0
+
+    def __call__(self, *uniques: np.ndarray) -> list[np.ndarray]:
+        start = time.perf_counter()
+        tables: dict[int, RemoteTable] = {}
+        for remote in self.remotes:
+            tables.setdefault(id(remote), remote)
+        merged = {key: [] for key in tables}
+        for remote, unique in zip(self.remotes, uniques):
+            merged[id(remote)].append(unique.astype(np.int64, copy=False))
+        order = list(tables)
+        ids, inverses = [], {}
+        for key in order:
+            parts = merged[key]
+            if len(parts) == 1:
+                ids.append(parts[0])
+            else:  # a table read by several lookups: its rows travel once
+                unique, inverse = np.unique(np.concatenate(parts), return_inverse=True)
+                ids.append(unique)
+                inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
+                                                                          parts])[:-1])
+        min_steps = [tables[key].before_pull(u) for key, u in zip(order, ids)]
+        rows = pull_many([tables[key].table for key in order], ids, min_steps)
+        seconds = time.perf_counter() - start
+        for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
+            tables[key].after_pull(u, seconds * share)
+        by_table = dict(zip(order, rows))
+        taken: dict[int, int] = {}
+        out = []
+        for remote in self.remotes:
+            key = id(remote)
+            table_rows = by_table[key].astype(remote._np_dtype, copy=False)
+            if key in inverses:
+                part = taken.get(key, 0)
+                taken[key] = part + 1
+                table_rows = table_rows[inverses[key][part]]
+            out.append(table_rows)
+        self.runs += 1
+        return out
+
+
+class FusedPush:
+    """Pushes every table's gradient of one step in one request per server."""
+
+    def __init__(self, remotes: Sequence[RemoteTable]) -> None:
+        self.remotes = list(remotes)
+        if len({id(r) for r in self.remotes}) != len(self.remotes):
+            raise ConfigError("internal: a fused push names a table twice")
+        sync = {r.sync for r in self.remotes}
+        if len(sync) > 1:
+            raise ConfigError("internal: a fused push mixes sync and async tables")
+        self.sync = sync.pop() if sync else True
+        self.runs = 0
+
+    def __call__(self, *flat) -> np.int64:
+        """flat: ids, grads, learning rate of every table, in `remotes` order."""
+        jobs, steps, rates, sending = [], [], [], []
+        for i, remote in enumerate(self.remotes):
+            ids, grads, lr = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
+            step = remote.steps_pushed
+            job = remote.prepare_push(ids, grads)
+            if job is None:
+                continue
+            # numpy_function's inputs may share TensorFlow's buffers, reused once the op
+            # returns: a background push gets its own copies.
+            jobs.append((job[0].copy(), job[1].copy()) if self.sync else job)
+            steps.append(step)
+            rates.append(float(lr))
+            sending.append(remote)
+        self.runs += 1
+        if not sending:
+            return np.int64(0)
+        if self.sync:
+            future = run_in_background(self._send, sending, jobs, steps, rates)
+            for remote in sending:
+                remote.track_push(future)
+        else:
+            self._send(sending, jobs, steps, rates)
+        return np.int64(len(sending))
+
+    @staticmethod
+    def _send(remotes: list[RemoteTable], jobs, steps, rates) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            return push_many([r.table for r in remotes], [j[0] for j in jobs],
+                             [j[1] for j in jobs], steps, remotes[0].worker, rates)
+        finally:
+            seconds = time.perf_counter() - start
+            for remote, share in zip(remotes, _shares([len(j[0]) for j in jobs])):
+                remote.add_push_seconds(seconds * share)
