@@ -30,6 +30,7 @@ samples/s = W x batch per worker / step time, with any W, S, c and r.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -318,25 +319,28 @@ class Projection:
     bound: str
 
 
-def scaled_servers(workers: int, workers_per_server: float | None) -> int:
-    """Servers for W workers: W / workers_per_server rounded, at least 1; 0 (no servers)
-    when workers_per_server is None."""
+def scaled_servers(workers: int, workers_per_server: float | None,
+                   min_servers: int = 1) -> int:
+    """Servers for W workers: W / workers_per_server rounded up, at least min_servers (the
+    count measured, so small W keep the measured setup); 0 (no servers) when
+    workers_per_server is None."""
     if workers_per_server is None:
         return 0
     if workers_per_server <= 0:
         raise ConfigError(f"workers per server must be > 0, got {workers_per_server}")
-    return max(1, round(workers / workers_per_server))
+    return max(min_servers, 1, math.ceil(workers / workers_per_server - 1e-9))
 
 
 def project(model: StepModel, analytic_bytes: Callable[[int], float], batch_per_worker: int,
             workers: Sequence[int], link_gbits: Sequence[float],
-            workers_per_server: float | None, cores: float = 1.0) -> list[Projection]:
+            workers_per_server: float | None, cores: float = 1.0,
+            min_servers: int = 1) -> list[Projection]:
     """samples/s = W x batch per worker / step time, for every (link, W)."""
     out = []
     for gbit in link_gbits:
         rate = gbit * 1e9 / 8
         for w in workers:
-            s = scaled_servers(w, workers_per_server)
+            s = scaled_servers(w, workers_per_server, min_servers)
             step = model.step_seconds(w, s, cores, rate, analytic_bytes(w))
             out.append(Projection(w, s, gbit, cores, step, w * batch_per_worker / step,
                                   model.bound(w, s, cores, rate, analytic_bytes(w))))

@@ -303,3 +303,149 @@ def test_main(results_file, tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"meta": {}, "runs": []}))
     assert report.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")]) == 2
     assert "meta.date is missing" in capsys.readouterr().err
+
+
+# --- CPU isolation and the projection past this machine ---------------------------------
+
+from parallax.bench import projection  # noqa: E402
+from parallax.traffic_model import StepModel, expected_traffic  # noqa: E402
+
+ISOLATED = {"name": "1gbit@0.25cpu", "rate_mbit": 250.0, "latency_ms": 0.0,
+            "latency_emulated": False, "cpu_share": 0.25, "cpu_period_us": 100000,
+            "cpu_quota_us": 25000, "nominal_rate_mbit": 1000.0, "nominal_latency_ms": 0.0}
+# One 1M x 64 table, 2000 unique rows per worker-step, 400 KB of dense variables.
+TRAFFIC = {"dense_bytes": 400_000, "table_rows": [1_000_000], "table_dims": [64],
+           "unique_rows": [2000], "itemsize": 4}
+TRUTH = {  # the model each system's synthetic measurements come from
+    "hybrid": StepModel("max", 1.0, 0.004, 0.001, server_cpu_per_worker=0.005,
+                        bytes_ratio=1.1, server_bytes_per_worker=3e5),
+    "tf_ps": StepModel("max", 1.2, 0.003, 0.0005, server_cpu_per_worker=0.002,
+                       chief_cpu_per_worker=0.004, bytes_ratio=1.0,
+                       server_bytes_per_worker=5e5),
+    "horovod": StepModel("sum", 1.0, 0.002, 0.003, bytes_ratio=1.05)}
+MODEL_OF = {"hybrid": "hybrid", "tf_ps": "ps", "horovod": "allreduce"}
+SERVERS = {"hybrid": 2, "tf_ps": 2, "horovod": 0}
+
+
+def _analytic_bytes(system, workers):
+    traffic = expected_traffic(MODEL_OF[system], Workload(workers=workers, **{
+        k: tuple(v) if isinstance(v, list) else v for k, v in TRAFFIC.items()}))
+    return max(traffic.sent, traffic.received)
+
+
+def _role(processes, cpu, link_bytes):
+    return {"processes": processes, "cpu_seconds": cpu, "bytes_sent": link_bytes,
+            "bytes_received": 0.9 * link_bytes}
+
+
+def _isolated_run(system, workers, rnd, factor=1.0):
+    """A run whose figures the system's true model makes (step time x factor)."""
+    m, servers = TRUTH[system], SERVERS[system]
+    analytic = _analytic_bytes(system, workers)
+    step = m.step_seconds(workers, servers, 0.25, 250e6 / 8, analytic) * factor
+    run = _run(system, "lm", workers, "1gbit", rnd, workers * 32 / step)
+    run.update(network=dict(ISOLATED), servers=servers,
+               traffic_workload={"workers": workers, **TRAFFIC})
+    roles = {"worker": _role(workers, m.worker_cpu_base + m.worker_cpu_slope * workers,
+                             m.bytes_ratio * analytic)}
+    if servers:
+        roles["server"] = _role(servers, m.server_cpu_per_worker * workers / servers,
+                                m.server_bytes_per_worker * workers / servers)
+    if m.chief_cpu_per_worker:
+        roles["chief"] = _role(1, m.chief_cpu_per_worker * workers, 1000.0)
+    run["per_process"] = roles
+    return run
+
+
+def _isolated_results(worker_counts=(1, 2, 4)) -> dict:
+    """The shared-core synthetic runs, plus the same workload isolated at 0.25 core: two
+    rounds per point, 10% apart around the truth, so the medians are the truth."""
+    raw = _results()
+    for w in worker_counts:
+        for rnd, factor in enumerate((0.95, 1.05, 1.0)):
+            raw["runs"] += [_isolated_run(s, w, rnd, factor) for s in TRUTH]
+    return raw
+
+
+def test_shared_and_isolated_runs_have_their_own_tables(tmp_path):
+    text = report.markdown(_write(tmp_path, _isolated_results()))
+    assert "### lm on 1gbit (1000 Mbit/s, 0.1 ms latency, not emulated; processes share " \
+           "the machine's cores)" in text
+    assert "### lm on 1gbit@0.25cpu (250 Mbit/s = 1000 Mbit/s x 0.25, 0 ms latency, not " \
+           "emulated; 0.25 core per process)" in text
+    rows = report.summarize(_write(tmp_path, _isolated_results()))
+    assert {r.network for r in rows if r.workload == "lm"} == {"1gbit", "loopback",
+                                                               "1gbit@0.25cpu"}
+
+
+def test_the_fit_recovers_each_systems_model_from_a_results_file(tmp_path):
+    found = projection.projections(_write(tmp_path, _isolated_results()))
+    assert [(p.system, p.network, p.workload) for p in found] == [
+        ("hybrid", "1gbit@0.25cpu", "lm"), ("horovod", "1gbit@0.25cpu", "lm"),
+        ("tf_ps", "1gbit@0.25cpu", "lm")]
+    for p in found:
+        true, fitted = TRUTH[p.system], p.fit.model
+        assert fitted.form == true.form, p.system
+        for name in ("scale", "worker_cpu_base", "worker_cpu_slope", "server_cpu_per_worker",
+                     "chief_cpu_per_worker", "bytes_ratio", "server_bytes_per_worker"):
+            assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-9,
+                                                          abs=1e-12), (p.system, name)
+        assert p.fit.mean_error < 1e-9 and p.fit.max_error < 1e-9
+        assert p.workers_per_server == (2.0 if SERVERS[p.system] else None)
+
+
+def test_the_projection_is_what_the_true_model_says(tmp_path):
+    found = projection.projections(_write(tmp_path, _isolated_results()))
+    for p in found:
+        assert [(q.workers, q.link_gbit) for q in p.projections] == [
+            (w, g) for g in (10.0, 25.0) for w in (8, 16, 32, 64)]
+        for q in p.projections:
+            servers = q.workers // 2 if SERVERS[p.system] else 0
+            step = TRUTH[p.system].step_seconds(q.workers, servers, 1.0, q.link_gbit * 1e9 / 8,
+                                                _analytic_bytes(p.system, q.workers))
+            assert q.servers == servers
+            assert q.samples_per_s == pytest.approx(q.workers * 32 / step, rel=1e-9)
+
+
+def test_the_report_shows_the_projection_and_its_plot(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_isolated_results()))
+    out = tmp_path / "out"
+    written = report.write_report(path, out)
+    assert "projection_lm.png" in written
+    assert _png_size(out / "projection_lm.png") == (640, 420)
+    assert imread(out / "projection_lm.png").std() > 0.01
+    text = (out / "report.md").read_text()
+    section = text[text.index("## Projection past this machine"):text.index("## Targets")]
+    assert "### lm, fitted on 1gbit@0.25cpu (250 Mbit/s = 1000 Mbit/s x 0.25" in section
+    assert "| hybrid | max | 1 | 1,2,4 | 0.0% | 0.0% |" in section
+    assert "| horovod | sum | 1 | 1,2,4 | 0.0% | 0.0% |" in section
+    assert "![projection_lm](projection_lm.png)" in section
+    assert "2 workers per server" in section
+    # hybrid at 64 workers on 10 Gbit/s: 32 servers; worker CPU 68 ms bounds the step.
+    hybrid_64 = 64 * 32 / TRUTH["hybrid"].step_seconds(64, 32, 1.0, 1.25e9,
+                                                       _analytic_bytes("hybrid", 64))
+    assert f"{hybrid_64:,.0f} (worker CPU, S=32) |" in section
+    assert "## Plots" in text and "projection_lm.png" not in text[text.index("## Plots"):]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [p["system"] for p in summary["projections"]] == ["hybrid", "horovod", "tf_ps"]
+
+
+def test_no_projection_without_two_worker_counts_says_why(tmp_path):
+    results = _write(tmp_path, _isolated_results(worker_counts=(4,)))
+    assert projection.projections(results) == []
+    text = report.markdown(results)
+    assert "Not available: the step-time model needs CPU-isolated runs" in text
+
+
+def test_per_process_fields_are_checked(tmp_path):
+    raw = _isolated_results()
+    raw["runs"][-1]["per_process"]["worker"]["cpu_seconds"] = "fast"
+    with pytest.raises(ConfigError, match=r"per_process.worker.cpu_seconds must be int or "
+                                          r"float or null, got 'fast'"):
+        _write(tmp_path, raw)
+    raw = _isolated_results()
+    raw["runs"][-1]["traffic_workload"]["table_rows"] = ["many"]
+    with pytest.raises(ConfigError, match=r"traffic_workload.table_rows must be a list of "
+                                          r"integers"):
+        _write(tmp_path, raw)

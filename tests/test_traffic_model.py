@@ -1,5 +1,8 @@
-"""The analytic data-transfer model the benchmarks compare measured traffic against."""
+"""The analytic data-transfer model the benchmarks compare measured traffic against, and
+the calibrated step-time model: fitted to points a known model made, it recovers that model."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -47,3 +50,117 @@ def test_bad_workloads_are_named(kwargs, words):
 def test_unknown_system_is_named():
     with pytest.raises(ConfigError, match="'gossip' is not one of"):
         expected_traffic("gossip", Workload(workers=2, **ONE_TABLE))
+
+
+# --- the calibrated step-time model ------------------------------------------------------
+
+from parallax.traffic_model import (StepModel, StepPoint, fit_step_model,  # noqa: E402
+                                    project, scaled_servers)
+
+SHARE, RATE = 0.25, 250e6 / 8          # measured: 0.25 core per process, 250 Mbit/s links
+TRUE = StepModel("max", 1.0, worker_cpu_base=0.004, worker_cpu_slope=0.001,
+                 server_cpu_per_worker=0.005, chief_cpu_per_worker=0.0005, bytes_ratio=1.1,
+                 server_bytes_per_worker=3e5)
+
+
+def _analytic(workers: int) -> float:
+    return 2e5 + 1e5 * (workers - 1)   # an all-gather's shape: grows with W
+
+
+def _points(model: StepModel, servers: int = 2, noise=(1.0, 1.0, 1.0)) -> list[StepPoint]:
+    """Points at 1, 2, 4 workers whose every figure the model makes (step time x noise)."""
+    out = []
+    for w, factor in zip((1, 2, 4), noise):
+        step = model.step_seconds(w, servers, SHARE, RATE, _analytic(w)) * factor
+        out.append(StepPoint(
+            workers=w, servers=servers, step_seconds=step,
+            worker_cpu=model.worker_cpu_base + model.worker_cpu_slope * w,
+            worker_bytes=model.bytes_ratio * _analytic(w), analytic_bytes=_analytic(w),
+            cores=SHARE, link_bytes_per_s=RATE,
+            server_cpu=model.server_cpu_per_worker * w / servers if servers else 0.0,
+            chief_cpu=model.chief_cpu_per_worker * w,
+            server_bytes=model.server_bytes_per_worker * w / servers if servers else 0.0))
+    return out
+
+
+def _close(a: StepModel, b: StepModel) -> None:
+    assert a.form == b.form
+    for name in ("scale", "worker_cpu_base", "worker_cpu_slope", "server_cpu_per_worker",
+                 "chief_cpu_per_worker", "bytes_ratio", "server_bytes_per_worker"):
+        assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-9, abs=1e-12), name
+
+
+@pytest.mark.parametrize("form", ["max", "sum"])
+def test_the_fit_recovers_the_model_that_made_the_points(form):
+    true = StepModel(form, 1.3, **{k: getattr(TRUE, k) for k in (
+        "worker_cpu_base", "worker_cpu_slope", "server_cpu_per_worker",
+        "chief_cpu_per_worker", "bytes_ratio", "server_bytes_per_worker")})
+    fit = fit_step_model(_points(true))
+    _close(fit.model, true)
+    assert fit.mean_error == pytest.approx(0, abs=1e-12)
+    assert fit.max_error == pytest.approx(0, abs=1e-12)
+    assert fit.holdout_error == pytest.approx(0, abs=1e-12)  # fitted on 1, 2; exact at 4
+    assert fit.other_form_error > 0.05                         # the wrong form fits worse
+    assert fit.workers == (1, 2, 4)
+
+
+def test_the_terms_of_a_point():
+    terms = TRUE.terms(4, 2, SHARE, RATE, _analytic(4))
+    assert terms == pytest.approx({
+        "worker_cpu": 0.008 / SHARE, "server_cpu": 0.005 * 2 / SHARE,
+        "chief_cpu": 0.002 / SHARE, "worker_link": 1.1 * 5e5 / RATE,
+        "server_link": 3e5 * 2 / RATE})
+    # The points' bounds differ: worker CPU at 1 and 2 workers, server CPU at 4.
+    assert [TRUE.bound(w, 2, SHARE, RATE, _analytic(w)) for w in (1, 2, 4)] == [
+        "worker_cpu", "worker_cpu", "server_cpu"]
+    assert TRUE.terms(4, 0, 1.0, None, 1.0)["server_cpu"] == 0.0   # no servers
+    assert TRUE.terms(4, 0, 1.0, None, 1.0)["worker_link"] == 0.0  # unshaped: not modelled
+
+
+def test_errors_are_stated_on_noisy_points():
+    noise = (1.10, 0.95, 1.00)
+    fit = fit_step_model(_points(TRUE, noise=noise))
+    measured = [p.step_seconds for p in _points(TRUE, noise=noise)]
+    predicted = [fit.model.step_seconds(w, 2, SHARE, RATE, _analytic(w)) for w in (1, 2, 4)]
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    assert fit.mean_error == pytest.approx(sum(errors) / 3)
+    assert fit.max_error == pytest.approx(max(errors))
+    assert 0.01 < fit.mean_error < 0.1 and fit.model.form == "max"
+    # scale: least squares on relative errors, between the noise factors' inverses
+    assert 1 / 1.10 < fit.model.scale < 1 / 0.95
+
+
+def test_a_negative_cpu_slope_is_noise_and_kept_flat():
+    points = _points(StepModel("max", 1.0, 0.01, 0.0), servers=0)
+    points[2] = replace(points[2], worker_cpu=0.008)
+    fit = fit_step_model(points)
+    assert fit.model.worker_cpu_slope == 0.0
+    assert fit.model.worker_cpu_base == pytest.approx((0.01 + 0.01 + 0.008) / 3)
+
+
+def test_projection_is_what_the_model_says():
+    found = project(TRUE, _analytic, 256, (8, 64), (10.0, 25.0), workers_per_server=2.0)
+    assert [(p.workers, p.servers, p.link_gbit) for p in found] == [
+        (8, 4, 10.0), (64, 32, 10.0), (8, 4, 25.0), (64, 32, 25.0)]
+    for p in found:
+        step = TRUE.step_seconds(p.workers, p.servers, 1.0, p.link_gbit * 1e9 / 8,
+                                 _analytic(p.workers))
+        assert p.step_seconds == step and p.samples_per_s == p.workers * 256 / step
+    # 64 workers on 10 Gbit/s: 1.1 x 6.5 MB in 5.7 ms against 68 ms of worker CPU.
+    assert found[1].bound == "worker_cpu" and found[1].step_seconds == pytest.approx(0.068)
+    assert [p.servers for p in project(TRUE, _analytic, 1, (8,), (10.0,), None)] == [0]
+
+
+def test_servers_scale_with_workers():
+    assert [scaled_servers(w, 2.0) for w in (1, 3, 8, 64)] == [1, 2, 4, 32]
+    assert [scaled_servers(w, 2.0, min_servers=2) for w in (1, 2, 4, 8)] == [2, 2, 2, 4]
+    assert scaled_servers(64, None) == 0
+    with pytest.raises(ConfigError, match="workers per server must be > 0"):
+        scaled_servers(8, 0.0)
+
+
+def test_too_few_worker_counts_are_refused():
+    with pytest.raises(ConfigError, match=r">= 2 worker counts, got \[1\]"):
+        fit_step_model([p for p in _points(TRUE) if p.workers == 1])
+    with pytest.raises(ConfigError, match="step_seconds"):
+        StepPoint(1, 0, 0.0, 0.01, 0.0, 0.0, 1.0, None)

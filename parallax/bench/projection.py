@@ -8,8 +8,8 @@ counts; a shared-core run cannot say whose CPU bounded a step. Rounds are aggreg
 median per worker count. Each measured process stood for one core with a `nominal` link,
 slowed 1/share; the projection gives every process one core (cores=1) and a 10 or 25 Gbit/s
 link. Servers (hybrid, tf_ps) grow with the workers at the measured ratio of the largest
-measured point (4 workers, 2 servers: one server per 2 workers), as the Parallax paper runs
-a server on every machine; Horovod has none.
+measured point (4 workers, 2 servers: one server per 2 workers), never below the count
+measured, as the Parallax paper runs a server on every machine; Horovod has none.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class SystemProjection:
     points: tuple[StepPoint, ...]
     batch_per_worker: int
     workers_per_server: float | None
+    min_servers: int
     projections: tuple[Projection, ...]
     analytic_bytes: Callable[[int], float]
 
@@ -102,9 +103,10 @@ def _fit_system(system: str, runs: list[Run]) -> SystemProjection | None:
     per_server = largest.workers / largest.servers if largest.servers else None
     batch = runs[0].batch_per_worker
     return SystemProjection(system, runs[0].workload, runs[0].network.name, fit,
-                            tuple(points), batch, per_server,
+                            tuple(points), batch, per_server, largest.servers,
                             tuple(project(fit.model, analytic, batch, WORKERS, LINKS_GBIT,
-                                          per_server)), analytic)
+                                          per_server, min_servers=largest.servers)),
+                            analytic)
 
 
 def projections(results: Results) -> list[SystemProjection]:
@@ -162,8 +164,8 @@ def _ratio_text(found: list[SystemProjection]) -> str:
     if not ratios:
         return "no servers"
     return ("servers grow with workers at the measured ratio of the largest measured point "
-            f"({', '.join(f'{r:g}' for r in ratios)} workers per server), as the Parallax "
-            "paper runs a server on every machine")
+            f"({', '.join(f'{r:g}' for r in ratios)} workers per server, never fewer than "
+            "measured), as the Parallax paper runs a server on every machine")
 
 
 def section(found: list[SystemProjection], networks: dict[str, Network],
@@ -244,7 +246,7 @@ def plot(part: list[SystemProjection], path: Path, nominal_gbit: float | None) -
 
 def _sps(p: SystemProjection, workers: int, gbit: float) -> float:
     [q] = project(p.fit.model, p.analytic_bytes, p.batch_per_worker, (workers,), (gbit,),
-                  p.workers_per_server)
+                  p.workers_per_server, min_servers=p.min_servers)
     return q.samples_per_s
 
 
@@ -254,6 +256,6 @@ def summary(p: SystemProjection) -> dict:
             "model": asdict(p.fit.model), "mean_error": p.fit.mean_error,
             "max_error": p.fit.max_error, "other_form_error": p.fit.other_form_error,
             "holdout_error": p.fit.holdout_error, "workers_fitted": list(p.fit.workers),
-            "workers_per_server": p.workers_per_server,
+            "workers_per_server": p.workers_per_server, "min_servers": p.min_servers,
             "points": [asdict(q) for q in p.points],
             "projections": [asdict(q) for q in p.projections]}
