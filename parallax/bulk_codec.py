@@ -35,6 +35,15 @@ class DecodeError(ValueError):
     """The bytes are not a well-formed message of the expected type."""
 
 
+class MessageTooLarge(ValueError):
+    """A message would be longer than allowed; raised before its buffer is allocated."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the message would be {size} bytes, over the limit of {limit}")
+        self.size = size
+        self.limit = limit
+
+
 def _varint(value: int) -> bytes:
     value &= (1 << 64) - 1  # negative int64 -> two's complement, as protobuf does
     out = bytearray()
@@ -196,8 +205,12 @@ class _Writer:
         plan.extend(inner_plan)
         return at + len(tag) + width + length
 
-    def build(self) -> tuple[bytes, dict]:
+    def build(self, max_bytes: int | None = None) -> tuple[bytes, dict]:
+        """(the message's bytes, tensor views by key); `max_bytes`: refuse a longer message
+        (MessageTooLarge) before allocating it."""
         plan, size = self._layout(0)
+        if max_bytes is not None and size > max_bytes:
+            raise MessageTooLarge(size, max_bytes)
         data, raw = _new_bytes(size)
         views, at = {}, 0
         for item in plan:
@@ -288,12 +301,14 @@ def decode_pull_response(buffer: bytes) -> tuple[np.ndarray, int]:
 class PullManyResponseWriter:
     """A PullManyResponse written in place: `values[i]` is part i's [rows, dim] storage."""
 
-    def __init__(self, parts: list[tuple[int, int, object, int]]) -> None:
-        """parts: (rows, dim, dtype, step) of each part, in request order."""
+    def __init__(self, parts: list[tuple[int, int, object, int]],
+                 max_bytes: int | None = None) -> None:
+        """parts: (rows, dim, dtype, step) of each part, in request order; `max_bytes`:
+        raise MessageTooLarge, before allocating anything, if the answer would be longer."""
         writer = _Writer()
         for i, (rows, dim, dtype, step) in enumerate(parts):
             writer.message(1, _pull_response(i, rows, dim, dtype, step))
-        self._data, views = writer.build()
+        self._data, views = writer.build(max_bytes)
         self.values = [views[i] for i in range(len(parts))]
 
     def data(self) -> bytes:

@@ -14,9 +14,13 @@ watches every lookup of a table on the servers and every update the optimizer ha
   adds one push op carrying every table's gradient (empty pushes for tables the step did not
   update: a sync step must hear from every worker).
 
-Ordering: the fused pull is stateless to TensorFlow (otherwise automatic control
-dependencies would order it after the step's own pushes, which depend on it), so it gets an
-explicit control input on the previous step's push op when several steps share one graph.
+Ordering: the fused pull is created last but must run first, so it is stateless to
+TensorFlow (automatic control dependencies would otherwise order it after the step's own
+pushes, which depend on it). It takes a *ticket*: the output of a stateful no-op made when
+the step starts, which automatic control dependencies order after everything stateful traced
+before the step (the previous step's push, where several steps share one graph). The ticket
+also keeps TensorFlow from treating a pull of constant ids (a whole-variable read) as a
+constant: shape inference and constant folding never run it at trace time.
 """
 from __future__ import annotations
 
@@ -30,8 +34,6 @@ from parallax.step_traffic import FusedPull, FusedPush
 
 if TYPE_CHECKING:
     from parallax.remote import RemoteTable
-
-_LAST_PUSH = "_parallax_last_push_op"  # graph attribute: the previous step's push op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,8 @@ class StepFusion:
 
     def __init__(self, graph) -> None:
         self.graph = graph
+        self.ticket = tf.numpy_function(_step_begins, [], tf.int64, stateful=True,
+                                        name="parallax_step_begins")
         self.reports: list[LookupReport] = []
         self._grouped: list[_Lookup] = []
         self._placeholder_ops: set = set()
@@ -71,8 +75,8 @@ class StepFusion:
                                          reason or "grouped with the step's other lookups"))
         if reason is not None:
             return None
-        rows = tf.numpy_function(_unfed(remote), [unique], remote.dtype, stateful=False,
-                                 name="parallax_pull_pending")
+        rows = tf.numpy_function(_unfed(remote), [unique, self.ticket], remote.dtype,
+                                 stateful=False, name="parallax_pull_pending")
         self._grouped.append(_Lookup(remote, unique, rows))
         self._placeholder_ops.add(rows.op)
         return rows
@@ -135,18 +139,15 @@ class StepFusion:
         push = FusedPush([e[0] for e in entries])
         flat = [t for e in entries for t in e[1:]]
         op = tf.numpy_function(push, flat, tf.int64, stateful=True, name="parallax_push_fused")
-        setattr(self.graph, _LAST_PUSH, op.op)
         return op.op
 
     def _fuse_pulls(self) -> None:
         if not self._grouped:
             return
         pull = FusedPull([g.remote for g in self._grouped])
-        previous = getattr(self.graph, _LAST_PUSH, None)
-        with tf.control_dependencies([previous] if previous is not None else []):
-            outputs = tf.numpy_function(pull, [g.unique for g in self._grouped],
-                                        [g.remote.dtype for g in self._grouped],
-                                        stateful=False, name="parallax_pull_fused")
+        outputs = tf.numpy_function(pull, [self.ticket] + [g.unique for g in self._grouped],
+                                    [g.remote.dtype for g in self._grouped], stateful=False,
+                                    name="parallax_pull_fused")
         for lookup, rows in zip(self._grouped, outputs):
             rows.set_shape([None, lookup.remote.dim])
             for consumer in list(lookup.placeholder.consumers()):
@@ -155,9 +156,13 @@ class StepFusion:
                         consumer._update_input(index, rows)  # noqa: SLF001 - the rewrite
 
 
+def _step_begins() -> np.int64:
+    return np.int64(0)
+
+
 def _unfed(remote: RemoteTable):
     """The placeholder's function: never run once rewired (pruned as a stateless op with no
     consumers); if it ever ran, it would hand back no rows rather than stale ones."""
-    def unfed(unique: np.ndarray) -> np.ndarray:
+    def unfed(unique: np.ndarray, ticket: np.int64) -> np.ndarray:
         return np.zeros((0, remote.dim), dtype=remote._np_dtype)  # noqa: SLF001
     return unfed

@@ -36,7 +36,8 @@ class FusedPull:
         self.remotes = list(remotes)  # one per lookup; a table may appear more than once
         self.runs = 0
 
-    def __call__(self, *uniques: np.ndarray) -> list[np.ndarray]:
+    def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
+        """ticket: the step's start (parallax.fusion); uniques: each lookup's ids."""
         start = time.perf_counter()
         tables: dict[int, RemoteTable] = {}
         for remote in self.remotes:

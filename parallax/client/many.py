@@ -24,12 +24,19 @@ from parallax.errors import ServerError
 from parallax.ps.v1 import ps_pb2
 
 _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+# A request (and a pull's answer) must fit the message limit with its headers: requests are
+# packed to chunk_bytes less this (as ShardedTable.chunk_rows leaves), each part counted
+# with its rows, its table's name and the fields around them (tags, lengths, shard, step,
+# worker, learning rate, chunk fields, session, tensor headers, alignment padding).
+_REQUEST_HEADROOM = 4096
+_PART_FIELDS_BYTES = 192
 
 
 @dataclass(frozen=True)
 class PullPart:
     """Rows `ids` (unique int64, grouped by shard) of one table shard go to
-    rows[order[lo:hi]] of table `index`'s answer."""
+    rows[order[lo:hi]] of table `index`'s answer; `nbytes`: what the part adds to the larger
+    of its request (8-byte ids) and its answer (rows)."""
 
     index: int
     shard: int
@@ -70,6 +77,10 @@ def _packed(parts: list, limit: int) -> list[list]:
         current.append(part)
         size += part.nbytes
     return requests + [current] if current else requests
+
+
+def _request_limit(options) -> int:
+    return max(1, options.chunk_bytes - _REQUEST_HEADROOM)
 
 
 def _start(conn: ServerConnection, method: str, request, calls: int):
@@ -123,10 +134,11 @@ def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
         order, offsets = table.partitioner.shard_order(unique)
         orders.append(order)
         grouped.append(unique if order is None else unique[order])
-        row_bytes = table.spec.dim * table.dtype.itemsize
+        row_bytes = max(table.spec.dim * table.dtype.itemsize, 8)  # answer row or request id
+        fields = _PART_FIELDS_BYTES + len(table.name.encode())
         for shard, lo, hi, _, _ in table.slices(offsets):
             if hi > lo or min_steps[k] > 0:
-                parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes))
+                parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes + fields))
     return _pull_parts(tables, grouped, orders, parts, min_steps)
 
 
@@ -157,7 +169,7 @@ def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
     servers = _by_server(tables, parts)
     requests = []
     for conn, server_parts in servers.values():
-        packed = _packed(server_parts, options.chunk_bytes)
+        packed = _packed(server_parts, _request_limit(options))
         if len(packed) > 1:
             # Several requests to one server: wait with one empty request first, then pull
             # without waiting, so that a worker holds at most one waiting server thread.
@@ -207,8 +219,10 @@ def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     parts = []
     for k, (table, plan) in enumerate(zip(tables, plans)):
         row_bytes = table.spec.dim * table.dtype.itemsize + 8
+        fields = _PART_FIELDS_BYTES + len(table.name.encode())
         for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
-            parts.append(PushPart(k, shard, lo, hi, chunk, chunks, (hi - lo) * row_bytes))
+            parts.append(PushPart(k, shard, lo, hi, chunk, chunks,
+                                  (hi - lo) * row_bytes + fields))
     return _push_parts(tables, plans, grads, parts, steps, worker, learning_rates)
 
 
@@ -231,7 +245,7 @@ def _push_parts(tables, plans, grads, parts, steps, worker, learning_rates) -> l
     options = tables[0].shards[0].options
     requests = []
     for conn, server_parts in _by_server(tables, parts).values():
-        for chunk in _packed(server_parts, options.chunk_bytes):
+        for chunk in _packed(server_parts, _request_limit(options)):
             request = _push_request(tables, plans, grads, chunk, steps, worker, learning_rates)
             requests.append((conn, chunk, request))
     calls = [(conn, chunk, request, _start(conn, "PushMany", request, len(requests)))
