@@ -1,0 +1,247 @@
+"""Step fusion (parallax.fusion) in one worker process, against the session's two real
+parameter servers: one PullMany and one PushMany per server per step, counted by the
+servers; the same training, bit for bit, as the per-table path (fuse=False); lookups that
+cannot be grouped keep their own pull and say why; several steps in one graph stay ordered."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax
+
+_ids = itertools.count()
+TABLES, VOCAB, DIM, BATCH = 5, 400, 4, 16
+
+
+@pytest.fixture
+def make_strategy(cluster):
+    def make(**kwargs):
+        kwargs.setdefault("ps_addresses", cluster.addresses)
+        kwargs.setdefault("log_plan", False)
+        kwargs.setdefault("search_partitions", False)
+        return parallax.ParallaxStrategy(run_id=f"fu{next(_ids)}-{int(time.time())}", **kwargs)
+    return make
+
+
+def data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.3, size=(n, TABLES, 2)) - 1, VOCAB - 1).astype("int64")
+    return ids, (ids.sum(axis=(1, 2))[:, None] % 5 / 5.0).astype("float32")
+
+
+class Tables(keras.Model):
+    """TABLES embedding tables, one lookup each, then a dense layer; `shared=True` looks the
+    first table up twice; `dependent=True` takes the last table's ids from the first table's rows."""
+
+    def __init__(self, shared=False, dependent=False):
+        super().__init__()
+        keras.utils.set_random_seed(3)
+        self.tables = [keras.layers.Embedding(VOCAB, DIM, name=f"table{i}")
+                       for i in range(TABLES)]
+        self.dense = keras.layers.Dense(1, name="dense")
+        self.shared, self.dependent = shared, dependent
+
+    def call(self, ids):
+        rows = [table(ids[:, i]) for i, table in enumerate(self.tables[:-1])]
+        last_ids = ids[:, -1]
+        if self.dependent:
+            last_ids = tf.cast(tf.argmax(rows[0], axis=-1), tf.int64)
+        last = self.tables[-1](last_ids)
+        rows.append(last)
+        if self.shared:
+            rows.append(self.tables[0](ids[:, -1]))
+        h = tf.concat([tf.reshape(r, [tf.shape(ids)[0], -1]) for r in rows], axis=1)
+        return self.dense(h)
+
+
+def train_fit(strategy, epochs=2, **model_kwargs):
+    x, y = data()
+    with strategy.scope():
+        model = Tables(**model_kwargs)
+        model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def weights_of(strategy, model):
+    variables = model.weights if isinstance(model, keras.Model) else model.variables
+    with strategy.local_tables():
+        return [w.numpy().copy() for w in variables]
+
+
+def report(strategy, suffix: str):
+    """The lookup report of the variable whose name ends with `suffix` (Keras prefixes the
+    model's name, which differs between models of one process)."""
+    found = [r for r in strategy.plan.lookups if r.variable.endswith(suffix)]
+    assert found, f"no lookup of *{suffix} in {strategy.plan.lookups}"
+    return found[0]
+
+
+def server_requests(strategy) -> dict[str, int]:
+    """Requests each method got, summed over the job's servers (server-wide counters)."""
+    totals: dict[str, int] = {}
+    for reply in strategy.extended._binder.client.stats().values():
+        for method in reply.methods:
+            totals[method.method] = totals.get(method.method, 0) + method.requests
+    return totals
+
+
+def test_one_pull_and_one_push_request_per_server_per_step(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_fit(strategy, epochs=1)
+    servers = {s for v in strategy.plan.on_servers for s in v.servers}
+    assert len(servers) == 2  # five one-shard tables spread over both servers
+    before = server_requests(strategy)
+    x, y = data(n=BATCH * 4, seed=1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    after = server_requests(strategy)
+    delta = {m: after.get(m, 0) - before.get(m, 0) for m in after}
+    steps = 4
+    assert delta.get("PullMany") == steps * len(servers)
+    assert delta.get("PushMany") == steps * len(servers)
+    assert delta.get("Pull", 0) == 0 and delta.get("Push", 0) == 0
+    lookups = strategy.plan.lookups
+    assert len(lookups) == TABLES and all(r.fused for r in lookups)
+    assert "fused into one pull and one push per server per step" in strategy.plan.format()
+
+
+@pytest.mark.parametrize("model_kwargs", [{}, {"shared": True}, {"dependent": True}],
+                         ids=["plain", "shared", "dependent"])
+def test_fused_training_equals_the_per_table_path(make_strategy, model_kwargs):
+    fused_strategy = make_strategy()
+    fused_model, fused_loss = train_fit(fused_strategy, **model_kwargs)
+    plain_strategy = make_strategy(fuse=False)
+    plain_model, plain_loss = train_fit(plain_strategy, **model_kwargs)
+    assert fused_loss == plain_loss
+    for a, b in zip(weights_of(fused_strategy, fused_model),
+                    weights_of(plain_strategy, plain_model)):
+        np.testing.assert_array_equal(a, b)
+    assert plain_strategy.plan.lookups == ()
+    last = report(fused_strategy, f"table{TABLES - 1}/embeddings")
+    if model_kwargs.get("dependent"):
+        assert not last.fused and "depend on the rows of" in last.reason
+        assert "table0/embeddings" in last.reason
+    else:
+        assert last.fused
+    assert report(fused_strategy, "table0/embeddings").fused
+
+
+class CondTables(tf.Module):
+    """Plain tf.Variable tables read by tf.nn.embedding_lookup, the second inside a tf.cond
+    branch (a nested graph: that lookup keeps its own pull; as before fusion, a table read
+    only inside a branch gets no gradient through the tape, so it is pulled, not trained)."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(4)
+        self.a = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype("float32"), name="a")
+        self.b = tf.Variable(rng.normal(size=(VOCAB, DIM)).astype("float32"), name="b")
+        self.kernel = tf.Variable(rng.normal(size=(2 * DIM, 1)).astype("float32"), name="k")
+
+    def __call__(self, ids):
+        a = tf.reduce_sum(tf.nn.embedding_lookup(self.a, ids[:, 0]), axis=1)
+        b = tf.cond(tf.reduce_sum(ids) >= 0,
+                    lambda: tf.nn.embedding_lookup(self.b, ids[:, 1]),
+                    lambda: tf.nn.embedding_lookup(self.b, ids[:, 1] + 1))
+        return tf.concat([a, tf.reduce_sum(b, axis=1)], axis=1) @ self.kernel
+
+
+def test_a_lookup_in_a_nested_graph_keeps_its_own_pull(make_strategy):
+    losses, weights = [], []
+    for fuse in (True, False):
+        strategy = make_strategy(fuse=fuse)
+        with strategy.scope():
+            model = CondTables()
+            optimizer = keras.optimizers.SGD(0.1)
+        losses.append(custom_loop(strategy, model, optimizer, steps_per_call=1))
+        weights.append(weights_of(strategy, model))
+        if fuse:
+            assert report(strategy, "a").fused
+            nested = report(strategy, "b")
+            assert not nested.fused and "nested graph" in nested.reason, nested
+    assert losses[0] == losses[1]
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def custom_loop(strategy, model, optimizer, steps_per_call: int) -> list[float]:
+    """Train on data() with a custom loop that traces `steps_per_call` steps into each call
+    of one tf.function."""
+    x, y = data(n=BATCH * 4)
+
+    def step(ids, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(ids) - target) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def run(ids, target):
+        losses = []
+        for k in range(steps_per_call):
+            part = slice(k * BATCH, (k + 1) * BATCH)
+            losses.append(strategy.run(step, (ids[part], target[part])))
+        return tf.stack(losses)
+
+    losses = []
+    for start in range(0, len(x), BATCH * steps_per_call):
+        chunk = slice(start, start + BATCH * steps_per_call)
+        losses += [float(v) for v in run(tf.constant(x[chunk]), tf.constant(y[chunk]))]
+    return losses
+
+
+def test_steps_sharing_one_graph_stay_in_order(make_strategy):
+    """Two training steps traced into one tf.function: the second step's (stateless) fused
+    pull must see the first step's push, as two separate calls do."""
+    results = []
+    for steps_per_call in (1, 2):
+        strategy = make_strategy()
+        with strategy.scope():
+            model = Tables()
+            optimizer = keras.optimizers.SGD(0.5)
+        losses = custom_loop(strategy, model, optimizer, steps_per_call)
+        results.append((losses, weights_of(strategy, model)))
+    (one_losses, one_weights), (two_losses, two_weights) = results
+    assert one_losses == two_losses
+    for a, b in zip(one_weights, two_weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ps_mode_whole_variable_reads_are_fused_not_folded(make_strategy):
+    """In ps mode dense variables are read whole (constant ids): the fused pull must run at
+    every step, never be folded into a constant at trace time."""
+    fused_strategy = make_strategy(mode="ps")
+    fused_model, fused_loss = train_fit(fused_strategy)
+    plain_strategy = make_strategy(mode="ps", fuse=False)
+    plain_model, plain_loss = train_fit(plain_strategy)
+    assert fused_loss == plain_loss and fused_loss[-1] < fused_loss[0]
+    assert report(fused_strategy, "dense/kernel").fused
+    for a, b in zip(weights_of(fused_strategy, fused_model),
+                    weights_of(plain_strategy, plain_model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_async_fused_training_equals_the_per_table_path(make_strategy):
+    fused_strategy = make_strategy(sync=False)
+    _, fused_loss = train_fit(fused_strategy)
+    plain_strategy = make_strategy(sync=False, fuse=False)
+    _, plain_loss = train_fit(plain_strategy)
+    assert fused_loss == plain_loss
+
+
+def test_evaluation_steps_pull_fused_and_push_nothing(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_fit(strategy, epochs=1)
+    before = server_requests(strategy)
+    x, y = data(n=BATCH * 3, seed=2)
+    model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    after = server_requests(strategy)
+    assert after.get("PushMany", 0) == before.get("PushMany", 0)
+    assert after["PullMany"] - before["PullMany"] == 3 * 2
+
