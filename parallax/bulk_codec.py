@@ -54,6 +54,16 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _varint_of_width(value: int, width: int) -> bytes:
+    """`value` as a varint of exactly `width` bytes (>= its minimal width): the same number,
+    with redundant continuation bytes."""
+    out = bytearray(_varint(value))
+    if len(out) < width:
+        out[-1] |= 0x80
+        out += b"\x80" * (width - len(out) - 1) + b"\x00"
+    return bytes(out)
+
+
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
     """A varint as protobuf reads it: at most 10 bytes, bits beyond 64 dropped."""
     result = shift = 0
@@ -188,20 +198,20 @@ class _Writer:
     @staticmethod
     def _nested(plan: list, at: int, number: int, inner: "_Writer", align: bool) -> int:
         """The length prefix depends on the content's length, which depends (through the
-        padding) on where the content starts: settle it in a few passes, else lay the
-        content out unaligned (same bytes, slower copies)."""
+        padding) on where the content starts. Widen the prefix until the length fits it:
+        the width only grows, so this ends (at most 10 bytes), where a prefix of the
+        minimal width could flip between two widths forever (content just around 2**21
+        bytes, say). A prefix wider than its value needs is a varint with redundant
+        continuation bytes, which every protobuf parser reads."""
         tag = _varint(number << 3 | _LEN)
         width = 1
-        for _ in range(4):
+        while True:
             inner_plan, length = inner._layout(at + len(tag) + width, align)
-            if len(_varint(length)) == width:
+            need = len(_varint(length))
+            if need <= width:
                 break
-            width = len(_varint(length))
-        else:
-            inner_plan, length = inner._layout(at + len(tag) + width, False)
-            width = len(_varint(length))
-            inner_plan, length = inner._layout(at + len(tag) + width, False)
-        plan.append(tag + _varint(length))
+            width = need
+        plan.append(tag + _varint_of_width(length, width))
         plan.extend(inner_plan)
         return at + len(tag) + width + length
 

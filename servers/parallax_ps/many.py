@@ -20,8 +20,6 @@ from parallax import bulk_codec, wire
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.shard import TableShard
 
-RESPONSE_OVERHEAD_BYTES = 64 << 10  # headers and padding a response may need beyond its rows
-
 
 @dataclass(frozen=True)
 class PartCounts:
@@ -55,16 +53,22 @@ def _counts(shards: Sequence[TableShard], rows: Sequence[int], nbytes: Sequence[
     return out
 
 
+def _too_large(size: int, limit: int, exact: bool) -> RequestError:
+    what = "" if exact else "at least "
+    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"PullMany would answer {what}{size} bytes, over the server's message "
+                        f"limit of {limit} bytes; split the request (the client does, by "
+                        f"ClientOptions.chunk_mb) or raise --max-message-mb")
+
+
 def _check_answer_size(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
                        limit: int) -> None:
-    """Refuse before allocating an answer that could not be sent anyway."""
+    """Refuse at once (before any wait) an answer whose rows alone are over the limit; the
+    exact size, headers included, is checked before the answer is allocated."""
     total = sum(len(i) * s.spec.dim * np.dtype(s.spec.dtype).itemsize
                 for s, i in zip(shards, ids))
-    if total + RESPONSE_OVERHEAD_BYTES > limit:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"PullMany would answer {total} bytes of rows, over the server's "
-                           f"message limit of {limit} bytes; split the request (the client "
-                           f"does, by ClientOptions.chunk_mb) or raise --max-message-mb")
+    if total > limit:
+        raise _too_large(total, limit, exact=False)
 
 
 def _check_hashed_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray]) -> None:
@@ -96,8 +100,12 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                                    f"{shard.label} went back to step {step} (restored) "
                                    f"while a pull waited for step {part.min_step}; retry")
         _check_hashed_capacity(shards, ids)
-        writer = bulk_codec.PullManyResponseWriter(
-            [(len(i), s.spec.dim, s.spec.dtype, step) for s, i, step in zip(shards, ids, steps)])
+        try:
+            writer = bulk_codec.PullManyResponseWriter(
+                [(len(i), s.spec.dim, s.spec.dtype, step)
+                 for s, i, step in zip(shards, ids, steps)], max_bytes=max_message_bytes)
+        except bulk_codec.MessageTooLarge as exc:
+            raise _too_large(exc.size, exc.limit, exact=True) from None
         for shard, part_ids, out in zip(shards, ids, writer.values):
             shard.gather_held(part_ids, out)
     counts = _counts(shards, [len(i) for i in ids], [v.nbytes for v in writer.values])
@@ -121,12 +129,28 @@ def _check_distinct(parts: Sequence[bulk_codec.BulkPush]) -> None:
                           f"{first} of an earlier chunk of the same push; one push per shard")
 
 
+def _check_same_rate(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
+                     rates: Sequence[float]) -> None:
+    """Chunks of one sync push agree on the learning rate (as separate Push requests must:
+    the shard refuses a chunk whose rate differs from the one its push already gave)."""
+    first: dict[int, tuple[int, float]] = {}
+    for i, (shard, part, lr) in enumerate(zip(shards, parts, rates)):
+        if not shard.steps.sync:
+            continue
+        j, rate = first.setdefault(id(shard), (i, lr))
+        if rate != lr:
+            raise invalid(f"PushMany part {i} ({shard.label}): learning_rate {lr} differs "
+                          f"from the {rate} of part {j}, a chunk of the same push; workers "
+                          f"and chunks of one step must agree")
+
+
 def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
               ) -> tuple[list[tuple[int, bool]], dict[str, PartCounts]]:
     """Apply every part or none: [(steps applied, completed a step)] per part, and counts."""
     _check_distinct(parts)
     checked = [shard.check_push_input(part.ids, part.grads, part.learning_rate)
                for shard, part in zip(shards, parts)]
+    _check_same_rate(shards, parts, [lr for _, lr in checked])
     chunks = [max(1, part.chunk_count) for part in parts]
     with held(shards):
         for shard, part, (_, lr), count in zip(shards, parts, checked, chunks):
