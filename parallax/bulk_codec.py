@@ -115,10 +115,20 @@ def _fields(data: memoryview, lo: int = 0, hi: int | None = None):
             raise DecodeError(f"field {number} has unsupported wire type {kind}")
 
 
+_DTYPE_CODES: dict[np.dtype, int] = {}
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = wire.dtype_code(dtype)
+    return code
+
+
 def _tensor_header(dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
     """Tensor fields before the content: dtype, packed shape, content tag and length."""
     dims = b"".join(_varint(d) for d in shape)
-    head = b"\x08" + _varint(wire.dtype_code(dtype))
+    head = b"\x08" + _varint(_dtype_code(dtype))
     if shape:
         head += b"\x12" + _varint(len(dims)) + dims
     return head + (b"\x1a" + _varint(nbytes) if nbytes else b"")  # proto3: omit empty
@@ -126,6 +136,19 @@ def _tensor_header(dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> byte
 
 _PAD_FIELD = 15  # an unknown field every parser skips: used to align row data to 16 bytes
 _ALIGN = 16
+_PADS = {pad: _varint(_PAD_FIELD << 3 | _LEN) + _varint(pad - 2) + bytes(pad - 2)
+         for pad in range(2, _ALIGN + 2)}
+
+
+@dataclass(frozen=True)
+class _TensorPiece:
+    """A tensor field of a message being laid out: its header bytes, computed once."""
+
+    key: object
+    field: bytes  # tag, length and the Tensor's fields before the content
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
 
 
 def _new_bytes(size: int) -> tuple[bytes, np.ndarray]:
@@ -157,13 +180,31 @@ class _Writer:
         return self
 
     def tensor(self, number: int, key, dtype: np.dtype, shape: tuple[int, ...]) -> "_Writer":
-        self._pieces.append((number, key, np.dtype(dtype), tuple(int(d) for d in shape)))
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        header = _tensor_header(dtype, shape, nbytes)
+        field = _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
+        self._pieces.append(_TensorPiece(key, field, nbytes, dtype, shape))
         return self
 
     def message(self, number: int, inner: "_Writer") -> "_Writer":
         """A nested message field (its tensors stay aligned in the whole buffer)."""
         self._pieces.append((number, inner))
         return self
+
+    def _unpadded(self) -> int:
+        """Length without alignment padding (a lower bound, for a first guess)."""
+        total = 0
+        for piece in self._pieces:
+            if isinstance(piece, bytes):
+                total += len(piece)
+            elif isinstance(piece, _TensorPiece):
+                total += len(piece.field) + piece.nbytes
+            else:
+                inner = piece[1]._unpadded()
+                total += len(_varint(piece[0] << 3 | _LEN)) + len(_varint(inner)) + inner
+        return total
 
     def _layout(self, offset: int, align: bool = True) -> tuple[list, int]:
         """(plan, length) of this message placed at `offset` of the buffer: the plan holds
@@ -173,27 +214,24 @@ class _Writer:
             if isinstance(piece, bytes):
                 plan.append(piece)
                 at += len(piece)
-            elif len(piece) == 2:
-                at = self._nested(plan, at, *piece, align)
+            elif isinstance(piece, _TensorPiece):
+                at = self._tensor(plan, at, piece, align)
             else:
-                at = self._tensor(plan, at, *piece, align)
+                at = self._nested(plan, at, *piece, align)
         return plan, at - offset
 
     @staticmethod
-    def _tensor(plan: list, at: int, number: int, key, dtype: np.dtype,
-                shape: tuple[int, ...], align: bool) -> int:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        header = _tensor_header(dtype, shape, nbytes)
-        field = _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
+    def _tensor(plan: list, at: int, piece: "_TensorPiece", align: bool) -> int:
+        field = piece.field
         pad = -(at + len(field)) % _ALIGN if align else 0
         if pad == 1:
             pad += _ALIGN
         if pad:
-            plan.append(_varint(_PAD_FIELD << 3 | _LEN) + _varint(pad - 2) + bytes(pad - 2))
+            plan.append(_PADS[pad])
         plan.append(field)
         at += pad + len(field)
-        plan.append((key, at, nbytes, dtype, shape))
-        return at + nbytes
+        plan.append((piece.key, at, piece.nbytes, piece.dtype, piece.shape))
+        return at + piece.nbytes
 
     @staticmethod
     def _nested(plan: list, at: int, number: int, inner: "_Writer", align: bool) -> int:
@@ -204,7 +242,7 @@ class _Writer:
         bytes, say). A prefix wider than its value needs is a varint with redundant
         continuation bytes, which every protobuf parser reads."""
         tag = _varint(number << 3 | _LEN)
-        width = 1
+        width = len(_varint(inner._unpadded()))  # the length is at least this
         while True:
             inner_plan, length = inner._layout(at + len(tag) + width, align)
             need = len(_varint(length))
@@ -222,12 +260,17 @@ class _Writer:
         if max_bytes is not None and size > max_bytes:
             raise MessageTooLarge(size, max_bytes)
         data, raw = _new_bytes(size)
-        views, at = {}, 0
-        for item in plan:
+        views, at, pending = {}, 0, []
+        for item in plan + [None]:
             if isinstance(item, bytes):
-                raw[at:at + len(item)] = np.frombuffer(item, dtype=np.uint8)
-                at += len(item)
-            else:
+                pending.append(item)
+                continue
+            if pending:  # consecutive constant pieces: one copy
+                joined = b"".join(pending)
+                raw[at:at + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
+                at += len(joined)
+                pending = []
+            if item is not None:
                 key, at, nbytes, dtype, shape = item
                 views[key] = raw[at:at + nbytes].view(dtype).reshape(shape)
                 at += nbytes
