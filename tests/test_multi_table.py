@@ -576,9 +576,6 @@ def test_undecodable_pull_many_bytes_leave_the_server_serving(cluster, pair, sna
                                   b.pull_unique([2, 1]))
 
 
-@pytest.mark.xfail(strict=True, reason="PullMany (like Pull) is decoded by protobuf's "
-                   "FromString, registered in parallax_ps.service.add_to_server: undecodable "
-                   "bytes are answered by grpc with INTERNAL 'Exception deserializing request!'")
 def test_undecodable_pull_many_bytes_are_invalid_argument(cluster, pair):
     request = ps_pb2.PullManyRequest()
     _pull_part(request, pair[1], 0, [1, 2])

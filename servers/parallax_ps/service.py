@@ -50,6 +50,28 @@ def _status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}"
 
 
+class Undecodable:
+    """A request whose bytes did not parse: answered INVALID_ARGUMENT by its handler (gRPC
+    itself would answer a deserializer's exception with INTERNAL)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserialize, name: str):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
+            return Undecodable(f"malformed {name}: {exc}")
+    return parse
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, Undecodable):
+        raise invalid(request.reason)
+
+
 def _rpc(method: str):
     """Wrap a handler returning (response, table, rows, bytes) with stats and error mapping."""
     def decorate(fn):
@@ -58,6 +80,7 @@ def _rpc(method: str):
             start = time.perf_counter()
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
+                _check_decoded(request)
                 response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -79,6 +102,7 @@ def _rpc_many(method: str):
         def handler(self: "ParameterServerService", request, context):
             start = time.perf_counter()
             try:
+                _check_decoded(request)
                 response, per_table = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -162,6 +186,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def InitRows(self, request_iterator, context):
         shard, ids_parts, value_parts = None, [], []
         for chunk in request_iterator:
+            _check_decoded(chunk)
             if shard is None:
                 shard = self.shard(chunk.table, chunk.shard_index)
             elif (chunk.table, chunk.shard_index) != (shard.spec.name, shard.shard_index):
@@ -352,7 +377,8 @@ def add_to_server(service: ParameterServerService, server: grpc.Server) -> None:
         factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
                    else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = factory(getattr(service, method.name),
-                                        request_deserializer=deserialize,
+                                        request_deserializer=_tolerant(deserialize,
+                                                                       method.input_type.name),
                                         response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
