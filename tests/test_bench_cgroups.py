@@ -56,20 +56,26 @@ def _cpu_rate(sampler: ResourceSampler, host: str, t0: float, t1: float) -> floa
 
 
 def test_a_quarter_core_group_holds_a_burner_to_a_quarter(prefix):
-    """Two burners spin for 2 s side by side, one in a 0.25-core group, one unconfined; the
-    sampler (/proc, per host) sees the first at <= 0.35 cores, the other at more."""
-    with CpuGroups(0.25, prefix) as groups:
+    """Two burners spin for 2 s side by side, one in a 0.25-core group, one unconfined (a
+    group whose quota is the whole machine); the sampler (/proc, per host) sees the first at
+    <= 0.35 cores, the other at more. Both groups weigh 100 times an ordinary process, so
+    other load on the machine (the CPU is shared with other work) cannot starve either."""
+    cores = float(os.cpu_count() or 1)
+    with CpuGroups(0.25, prefix, weight=102400) as groups, \
+            CpuGroups(cores, prefix, weight=102400) as unconfined:
         group = groups.create("a")
         assert (group / "cpu.cfs_quota_us").read_text().strip() == "25000"
         assert (group / "cpu.cfs_period_us").read_text().strip() == "100000"
+        assert (group / "cpu.shares").read_text().strip() == "102400"
         procs = {}
         with ResourceSampler(None, lambda: [p.pid for p in procs.values()], interval=0.1,
                              labels=lambda: {p.pid: h for h, p in procs.items()}) as sampler:
             t0 = time.time()
             procs["a"] = subprocess.Popen(groups.exec_prefix("a") + [PY, "-c", BURN, "2"],
                                           stdout=subprocess.PIPE, text=True)
-            procs["free"] = subprocess.Popen([PY, "-c", BURN, "2"], stdout=subprocess.PIPE,
-                                             text=True)
+            procs["free"] = subprocess.Popen(unconfined.exec_prefix("free")
+                                             + [PY, "-c", BURN, "2"],
+                                             stdout=subprocess.PIPE, text=True)
             time.sleep(0.5)
             assert groups.pids("a") == [procs["a"].pid]  # the shell became the command
             outputs = {h: p.communicate(timeout=30)[0] for h, p in procs.items()}
@@ -79,8 +85,8 @@ def test_a_quarter_core_group_holds_a_burner_to_a_quarter(prefix):
         assert outputs == {"a": "done\n", "free": "done\n"}
         confined, free = (_cpu_rate(sampler, h, t0, t1) for h in ("a", "free"))
         print(f"cores used: confined {confined:.3f}, unconfined {free:.3f}")
-        assert 0.1 <= confined <= 0.35, (confined, free)
-        assert free > confined + 0.2, (confined, free)
+        assert 0.15 <= confined <= 0.35, (confined, free)
+        assert free > confined + 0.3, (confined, free)
     assert _groups(prefix) == []
 
 

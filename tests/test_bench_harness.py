@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parallax.bench import harness, measure, netns, workloads
+from parallax.bench import cgroups, harness, measure, netns, roles, workloads
 from parallax.bench.command import config_from, parser
 from parallax.errors import ConfigError
 from test_launch import MARK, marked_processes
@@ -34,6 +34,10 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.Compl
                            "--warmup-steps", "2", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", MARK: tmp_path.name})
+
+
+def _groups(prefix: str) -> list[str]:
+    return sorted(str(p) for p in cgroups.CPU_ROOT.glob(f"{prefix}-*"))
 
 
 def _namespaces(prefix: str) -> list[str]:
@@ -101,7 +105,7 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
     bench = subprocess.Popen(
         [sys.executable, "-m", "parallax.cli", "bench", "--size", "short", "--out", str(out),
          "--workloads", "lm", "--workers", "2", "--networks", "unlimited", "--systems",
-         "hybrid", "--prefix", prefix, "--window-seconds", "30"],
+         "hybrid", "--prefix", prefix, "--window-seconds", "30", "--cpu-share", "0.5"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", MARK: tmp_path.name})
     try:
@@ -111,15 +115,58 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
             assert time.monotonic() < deadline and bench.poll() is None, "no worker started"
             time.sleep(0.5)
         assert _namespaces(prefix)
+        assert _groups(prefix) == [f"{cgroups.CPU_ROOT}/{prefix}-{h}"
+                                   for h in ("ps0", "ps1", "worker0", "worker1")]
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 128 + signal.SIGTERM
     finally:
         if bench.poll() is None:
             bench.kill()
         left_namespaces, left_processes = _namespaces(prefix), marked_processes(tmp_path.name)
+        left_groups = _groups(prefix)
         netns.sweep(prefix)  # whatever the outcome, leave nothing to the next test
+        cgroups.sweep(prefix)
     assert left_namespaces == []
+    assert left_groups == []
     assert left_processes == {}
+
+
+def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
+    """`--cpu-share off,0.25`: a shared-core and an isolated setting in one results file;
+    the isolated one's links at 100 Mbit/s x 0.25, no process above its quarter core, CPU
+    and bytes per step per role recorded, the step-time model fitted, nothing left."""
+    assert cgroups.available() is None, cgroups.available()
+    prefix = _prefix()
+    done = _bench(tmp_path, "--workloads", "lm", "--workers", "1,2", "--networks", "100mbit",
+                  "--systems", "hybrid", "--rounds", "1", "--prefix", prefix,
+                  "--cpu-share", "off,0.25")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = results["runs"]
+    assert [(r["network"]["name"], r["workers"], r["status"]) for r in runs] == [
+        ("100mbit", 1, "ok"), ("100mbit", 2, "ok"),
+        ("100mbit@0.25cpu", 1, "ok"), ("100mbit@0.25cpu", 2, "ok")]
+    isolated = runs[3]
+    assert {k: isolated["network"][k] for k in ("rate_mbit", "cpu_share", "cpu_quota_us",
+                                               "nominal_rate_mbit")} == {
+        "rate_mbit": 25.0, "cpu_share": 0.25, "cpu_quota_us": 25000, "nominal_rate_mbit": 100.0}
+    assert "cpu_share" not in runs[1]["network"] and runs[1]["network"]["rate_mbit"] == 100.0
+    for window in isolated["windows"]:
+        rates = {h: c / window["seconds"] for h, c in window["cpu_seconds_by_host"].items()}
+        assert set(rates) == {"worker0", "worker1", "ps0", "ps1"}
+        assert max(rates.values()) <= 0.3, rates
+    per_process = isolated["per_process"]
+    assert (per_process["worker"]["processes"], per_process["server"]["processes"]) == (2, 2)
+    assert per_process["worker"]["cpu_seconds"] > 0 and per_process["server"]["bytes_sent"] > 0
+    assert isolated["traffic_workload"]["workers"] == 2
+    assert any(n.startswith("100mbit@0.25cpu: each process in its own CPU group of 0.25 core")
+               for n in results["meta"]["notes"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### lm on 100mbit (" in report and "### lm on 100mbit@0.25cpu (25 Mbit/s" in report
+    assert "### lm, fitted on 100mbit@0.25cpu" in report and "| hybrid | " in report
+    assert (tmp_path / "out" / "projection_lm.png").stat().st_size > 1000
+    assert _groups(prefix) == [] and _namespaces(prefix) == []
+    assert marked_processes(tmp_path.name) == {}
 
 
 def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
@@ -148,6 +195,35 @@ def test_window_arithmetic():
     assert summary["samples_per_s"] == 50.0
     assert summary["cpu_seconds_per_sample"] == pytest.approx(0.04)   # median of .04 .01 .06
     assert summary["worker_bytes_per_step"] == {"sent": 200.0, "received": 20.0}
+    assert summary["per_process"] is None  # no per-host CPU: an older harness's windows
+
+
+def test_per_process_figures_per_role():
+    """Per role: the mean over the run's processes (hosts with CPU), per step, then the
+    median over windows; an idle host of the cluster (chief, worker2) is not averaged in."""
+    def window(steps, cpu, sent):
+        return {"steps": steps, "cpu_seconds_by_host": cpu,
+                "bytes_sent": {"worker0": sent, "worker1": 3 * sent, "ps0": 10 * sent,
+                               "chief": 0.0, "worker2": 0.0},
+                "bytes_received": {"worker0": sent, "worker1": sent, "ps0": sent,
+                                   "chief": 0.0, "worker2": 0.0}}
+    windows = [window(10, {"worker0": 1.0, "worker1": 3.0, "ps0": 5.0}, 100.0),
+               window(20, {"worker0": 2.0, "worker1": 2.0, "ps0": 4.0}, 100.0),
+               window(10, {"worker0": 4.0, "worker1": 4.0, "ps0": 9.0}, 1000.0)]
+    assert roles.per_process_per_step(windows) == {
+        "worker": {"processes": 2, "cpu_seconds": 0.2, "bytes_sent": 20.0,
+                   "bytes_received": 10.0},
+        "server": {"processes": 1, "cpu_seconds": 0.5, "bytes_sent": 100.0,
+                   "bytes_received": 10.0}}
+    loopback = [{"steps": 4, "cpu_seconds_by_host": {"worker0": 2.0, "chief": 1.0},
+                 "bytes_sent": None, "bytes_received": None}]
+    assert roles.per_process_per_step(loopback) == {
+        "worker": {"processes": 1, "cpu_seconds": 0.5, "bytes_sent": None,
+                   "bytes_received": None},
+        "chief": {"processes": 1, "cpu_seconds": 0.25, "bytes_sent": None,
+                  "bytes_received": None}}
+    assert [roles.role_of(h) for h in ("worker3", "ps0", "chief", "other")] == [
+        "worker", "server", "chief", None]
 
 
 def test_calibration_stops_when_the_slowest_worker_says_so():

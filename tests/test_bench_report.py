@@ -421,7 +421,7 @@ def test_the_report_shows_the_projection_and_its_plot(tmp_path):
     assert "| hybrid | max | 1 | 1,2,4 | 0.0% | 0.0% |" in section
     assert "| horovod | sum | 1 | 1,2,4 | 0.0% | 0.0% |" in section
     assert "![projection_lm](projection_lm.png)" in section
-    assert "2 workers per server" in section
+    assert "(workers per server: 2; never fewer servers than measured)" in section
     # hybrid at 64 workers on 10 Gbit/s: 32 servers; worker CPU 68 ms bounds the step.
     hybrid_64 = 64 * 32 / TRUTH["hybrid"].step_seconds(64, 32, 1.0, 1.25e9,
                                                        _analytic_bytes("hybrid", 64))

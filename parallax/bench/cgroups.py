@@ -182,18 +182,24 @@ def _remove_all_live() -> None:
 class CpuGroups:
     """The CPU groups of one benchmark: `{root}/{prefix}-{host}`, each held to `share` cores.
     A group is made by the first `exec_prefix(host)` or `create(host)`; `remove_all()`
-    (or leaving the `with` block) kills what is left in them and removes them."""
+    (or leaving the `with` block) kills what is left in them and removes them.
+
+    The quota is a ceiling, not a guarantee: other load on the machine still competes.
+    weight (cpu.shares; the kernel's default is 1024 per group and per ungrouped process)
+    lets a group win that competition; the benchmark leaves it at the default."""
 
     def __init__(self, share: float, prefix: str = "pxb", root: Path | str = CPU_ROOT,
-                 period_us: int = PERIOD_US) -> None:
+                 period_us: int = PERIOD_US, weight: int | None = None) -> None:
         if not share >= MIN_SHARE:
             raise ConfigError(f"CPU share {share!r} must be >= {MIN_SHARE} cores")
         if not 1000 <= period_us <= 1_000_000:
             raise ConfigError(f"CFS period {period_us} us must be in [1000, 1000000]")
         if not re.match(r"^[a-z][a-z0-9]*$", prefix):
             raise ConfigError(f"prefix {prefix!r} must be lowercase letters and digits")
+        if weight is not None and not 2 <= weight <= 262144:
+            raise ConfigError(f"cpu.shares weight {weight} must be in [2, 262144]")
         self.share, self.prefix, self.root = share, prefix, Path(root)
-        self.period_us = period_us
+        self.period_us, self.weight = period_us, weight
         self.quota_us = max(1000, round(share * period_us))
         self._made: list[str] = []
 
@@ -221,6 +227,8 @@ class CpuGroups:
             path.mkdir(exist_ok=True)
             (path / "cpu.cfs_period_us").write_text(str(self.period_us))
             (path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            if self.weight is not None:
+                (path / "cpu.shares").write_text(str(self.weight))
         except OSError as err:
             raise CgroupError(f"cannot set up CPU group {path}: {err.strerror}") from err
         finally:

@@ -29,16 +29,17 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from parallax import k8s
-from parallax.bench import cgroups, measure, roles, workloads
+from parallax.bench import cgroups, measure, workloads
+from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (API)
+                                    traffic_record, window_metrics)
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
@@ -311,59 +312,6 @@ def _wait_ready(proc: Proc, timeout: float) -> str:
                         f"{timeout:.0f} s (exit code {proc.popen.poll()}):\n{proc.tail()}")
 
 
-def window_metrics(record: dict, sampler: ResourceSampler | None) -> list[dict]:
-    """Each reported window with its CPU seconds and per-host bytes from the sampler."""
-    windows = []
-    for w in record["windows"]:
-        seconds = w["t1"] - w["t0"]
-        out = {"seconds": seconds, "steps": w["steps"], "samples": w["samples"],
-               "samples_per_s": w["samples"] / seconds if seconds > 0 else None,
-               "cpu_seconds": None, "bytes_sent": None, "bytes_received": None}
-        if sampler is not None:
-            usage = sampler.between(w["t0"], w["t1"])
-            out["cpu_seconds"] = usage.cpu_seconds
-            out["cpu_seconds_by_host"] = usage.cpu_by_host
-            if usage.bytes:
-                out["bytes_sent"] = {h: sent for h, (sent, _) in usage.bytes.items()}
-                out["bytes_received"] = {h: recv for h, (_, recv) in usage.bytes.items()}
-        windows.append(out)
-    return windows
-
-
-def summarize_windows(windows: list[dict], worker_hosts: Sequence[str]) -> dict:
-    """Medians over windows: samples/s, CPU s per sample, mean worker bytes per step."""
-    def median(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    def per_step(w: dict, key: str):
-        if not w[key] or any(h not in w[key] for h in worker_hosts):
-            return None  # not counted (loopback), never guessed as zero
-        return statistics.fmean(w[key][h] for h in worker_hosts) / w["steps"]
-
-    cpu = [w["cpu_seconds"] / w["samples"] if w["cpu_seconds"] is not None else None
-           for w in windows]
-    sent = median(per_step(w, "bytes_sent") for w in windows)
-    received = median(per_step(w, "bytes_received") for w in windows)
-    return {"samples_per_s": median(w["samples_per_s"] for w in windows),
-            "cpu_seconds_per_sample": median(cpu),
-            "worker_bytes_per_step": (None if sent is None
-                                      else {"sent": sent, "received": received}),
-            "per_process": roles.per_process_per_step(windows)}
-
-
-def analytic(system: str, spec: workloads.WorkloadSpec, workers: int) -> dict | None:
-    from parallax.bench.report import analytic_traffic
-    traffic = analytic_traffic(system, workloads.traffic_workload(spec, workers))
-    return None if traffic is None else {"sent": traffic.sent, "received": traffic.received}
-
-
-def traffic_record(spec: workloads.WorkloadSpec, workers: int) -> dict:
-    """The traffic model's view of the workload, so a report can model other worker counts
-    without building the model (parallax.traffic_model.Workload's fields)."""
-    return asdict(workloads.traffic_workload(spec, workers))
-
-
 def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
             placement: Placement, log_dir: Path, worker_args: Sequence[str] = ()) -> dict:
     """One run, as a results record (status "failed" with the reason instead of raising).
@@ -535,7 +483,7 @@ def echo_failure(head: str, result: dict, elapsed: float, echo) -> bool:
 
 
 def _echo_run(result: dict, elapsed: float, echo) -> None:
-    head = (f"{result['network']['name']:>9} {result['workload']:<5} W={result['workers']} "
+    head = (f"{result['network']['name']:>13} {result['workload']:<5} W={result['workers']} "
             f"r{result['round']} {result['system']:<13}")
     if echo_failure(head, result, elapsed, echo):
         return

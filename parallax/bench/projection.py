@@ -164,8 +164,8 @@ def _ratio_text(found: list[SystemProjection]) -> str:
     if not ratios:
         return "no servers"
     return ("servers grow with workers at the measured ratio of the largest measured point "
-            f"({', '.join(f'{r:g}' for r in ratios)} workers per server, never fewer than "
-            "measured), as the Parallax paper runs a server on every machine")
+            f"(workers per server: {', '.join(f'{r:g}' for r in ratios)}; never fewer "
+            "servers than measured), as the Parallax paper runs a server on every machine")
 
 
 def section(found: list[SystemProjection], networks: dict[str, Network],
