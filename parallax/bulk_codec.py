@@ -48,6 +48,12 @@ class MessageTooLarge(ValueError):
 
 
 def _varint(value: int) -> bytes:
+    if 0 <= value < _SMALL_VARINTS_BELOW:
+        return _SMALL_VARINTS[value]
+    return _encode_varint(value)
+
+
+def _encode_varint(value: int) -> bytes:
     value &= (1 << 64) - 1  # negative int64 -> two's complement, as protobuf does
     out = bytearray()
     while value >= 0x80:
@@ -55,6 +61,10 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_SMALL_VARINTS_BELOW = 1 << 14  # every length, tag, dim and dtype of a typical message
+_SMALL_VARINTS = [_encode_varint(v) for v in range(_SMALL_VARINTS_BELOW)]
 
 
 def _varint_of_width(value: int, width: int) -> bytes:

@@ -34,6 +34,7 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 from parallax.client import ShardedTable
 from parallax.client.connection import run_in_background
 from parallax.errors import ConfigError, ServerError
+from parallax.routing import out_of_range
 
 
 class _StepFusionSlot(threading.local):
@@ -93,13 +94,12 @@ class RemoteTable:
     # ---- numpy side: runs inside numpy_function ops ----
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        if len(ids):
-            bad = np.flatnonzero((ids < 0) | (ids >= self.rows))
-            if len(bad):
-                raise ConfigError(f"table {self.label!r} has {self.rows} rows: id "
-                                  f"{int(ids[bad[0]])} is out of range [0, {self.rows}) "
-                                  f"({len(bad)} bad ids in this batch); check the "
-                                  f"vocabulary size of the layer and the input ids")
+        bad = out_of_range(ids, self.rows)
+        if bad is not None:
+            raise ConfigError(f"table {self.label!r} has {self.rows} rows: id "
+                              f"{int(ids[bad[0]])} is out of range [0, {self.rows}) "
+                              f"({len(bad)} bad ids in this batch); check the "
+                              f"vocabulary size of the layer and the input ids")
 
     def _min_step(self) -> int:
         return self.steps_pushed if self.sync else 0

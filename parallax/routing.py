@@ -132,6 +132,14 @@ class PushPlan:
                             out=out)
 
 
+def out_of_range(ids: np.ndarray, size: int) -> np.ndarray | None:
+    """Positions of ids outside [0, size), or None when every id is inside (the common case:
+    two reductions, no temporary arrays)."""
+    if len(ids) == 0 or (ids.min() >= 0 and ids.max() < size):
+        return None
+    return np.flatnonzero((ids < 0) | (ids >= size))
+
+
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique ids, inverse) with ids == unique[inverse]; the wire carries each id once."""
     unique, inverse = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1), return_inverse=True)

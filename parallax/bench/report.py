@@ -266,6 +266,46 @@ def _slice_section(s: _Slice, network: Network) -> list[str]:
                           ([p, *(cpu(s.get(p, n)) for n in s.workers)] for p in s.systems))
 
 
+def _isolation_pairs(networks: dict[str, Network]) -> list[tuple[str, str]]:
+    """(shared key, isolated key) of the same link: "1gbit" and "1gbit@0.25cpu"."""
+    return [(n.name.rpartition("@")[0], n.name) for n in networks.values()
+            if n.isolated and n.name.rpartition("@")[0] in networks
+            and not networks[n.name.rpartition("@")[0]].isolated]
+
+
+def _isolation_section(rows: list[Row], networks: dict[str, Network]) -> list[str]:
+    """Shared-core and CPU-isolated runs of one link side by side, per workload, at the
+    largest worker count both have; isolated samples/s / share is what one core per
+    process would do at the link's nominal rate."""
+    lines = []
+    for shared, isolated in _isolation_pairs(networks):
+        share = networks[isolated].cpu_share
+        for workload in dict.fromkeys(r.workload for r in rows):
+            pick = {n: {(r.system, r.workers): r for r in rows
+                        if (r.workload, r.network) == (workload, n)} for n in (shared, isolated)}
+            common = set(pick[shared]) & set(pick[isolated])
+            if not common:
+                continue
+            w = max(k[1] for k in common)
+            systems = sorted({k[0] for k in common if k[1] == w}, key=lambda x: _rank(x, SYSTEMS))
+            lines += [f"### {workload}: {shared} against {isolated}, {w} workers", ""]
+            lines += _table(["system", "shared cores samples/s", f"{share:g} core each",
+                             "isolated / share (one core each)", "CPU s/sample shared",
+                             "CPU s/sample isolated"],
+                            (_isolation_cells(p, pick[shared][(p, w)], pick[isolated][(p, w)],
+                                              share) for p in systems))
+    return ["## Shared cores against CPU isolation", "", *lines] if lines else []
+
+
+def _isolation_cells(system: str, shared: Row, isolated: Row, share: float) -> list[str]:
+    def cpu(row: Row) -> str:
+        return "n/a" if row.cpu_seconds_per_sample is None else f"{row.cpu_seconds_per_sample:.3g}"
+    per_core = ("n/a" if isolated.samples_per_s is None
+                else f"{isolated.samples_per_s / share:,.0f}")
+    return [system, _throughput_cell(shared), _throughput_cell(isolated), per_core,
+            cpu(shared), cpu(isolated)]
+
+
 def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
     """The report body: per workload and network, throughput, traffic and CPU, then targets."""
     m = results.meta
@@ -278,6 +318,7 @@ def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
         lines += [f"## Workload {workload}", ""]
         for s in (s for s in slices if s.workload == workload):
             lines += _slice_section(s, networks[s.network])
+    lines += _isolation_section(summarize(results), networks)
     found = projection.projections(results)
     inline = {key: name for key in dict.fromkeys((p.workload, p.network) for p in found)
               if (name := projection.plot_name(*key, found)) in plot_files}

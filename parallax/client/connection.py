@@ -58,10 +58,13 @@ class ClientOptions:
         return min(self.chunk_mb * 1024 * 1024, self.max_message_bytes)
 
 
-def describe(method: str, address: str, table: str | None, err: grpc.RpcError,
+def describe(method: str, address: str, table, err: grpc.RpcError,
              attempts: int = 1) -> ServerError:
+    """`table`: a name, None, or (multi-table requests) an object whose str() is the names
+    and whose repr() is how a message names them."""
     code = err.code()
     where = f"{method} of table {table!r}" if table else method
+    table = None if table is None else str(table)
     tries = f" after {attempts} attempts" if attempts > 1 else ""
     hint = _HINTS.get(code)
     message = f"{where} on server {address} failed{tries}: {code.name}: {err.details()}"

@@ -198,10 +198,26 @@ def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
     return rows
 
 
-def _names(tables: Sequence[ShardedTable], parts) -> str:
-    names = sorted({tables[p.index].name for p in parts})
-    return names[0] if len(names) == 1 else f"{len(names)} tables ({', '.join(names[:3])}" + \
-        (", ...)" if len(names) > 3 else ")")
+class _Names:
+    """The tables a request concerns, for error messages only (formatted when needed)."""
+
+    def __init__(self, tables: Sequence[ShardedTable], parts) -> None:
+        self.tables, self.parts = tables, parts
+
+    def _sorted(self) -> list[str]:
+        return sorted({self.tables[p.index].name for p in self.parts})
+
+    def __str__(self) -> str:
+        return ",".join(self._sorted())
+
+    def __repr__(self) -> str:
+        names = self._sorted()
+        shown = ", ".join(map(repr, names[:3]))
+        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _names(tables: Sequence[ShardedTable], parts) -> _Names:
+    return _Names(tables, parts)
 
 
 # ---- pushes --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from parallax import bulk_codec, wire
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
-from parallax.routing import Partitioner, dedup
+from parallax.routing import Partitioner, dedup, out_of_range
 from parallax.specs import TableSpec
 
 
@@ -44,9 +44,9 @@ class ShardedTable:
         if ids.dtype.kind not in "iu":
             raise ConfigError(f"table {self.name!r}: ids must be integers, got {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
-        if not self.spec.hashed_keys and len(ids):
-            bad = np.flatnonzero((ids < 0) | (ids >= self.spec.vocabulary_size))
-            if len(bad):
+        if not self.spec.hashed_keys:
+            bad = out_of_range(ids, self.spec.vocabulary_size)
+            if bad is not None:
                 raise ConfigError(f"table {self.name!r}: id {ids[bad[0]]} is outside the "
                                   f"vocabulary [0, {self.spec.vocabulary_size})")
         return ids

@@ -14,7 +14,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from parallax.routing import Partitioner
+from parallax.routing import Partitioner, out_of_range
 from parallax.specs import TableSpec
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import ServerOptimizer, Slots
@@ -22,7 +22,15 @@ from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
 
 
+_SMALL_ELEMENTS = 1 << 16  # below this, an element-wise check beats errstate's set-up
+
+
 def _sum_is_finite(values: np.ndarray) -> bool:
+    """Whether the values are all finite, or (large arrays) their sum is: a NaN/Inf
+    anywhere makes it non-finite, and an overflowed sum only sends the caller to the exact
+    check."""
+    if values.size < _SMALL_ELEMENTS:
+        return bool(np.isfinite(values).all())
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.sum(values)))
 
@@ -59,10 +67,12 @@ class TableShard:
             return ids
         if not self.spec.hashed_keys:
             vocab = self.spec.vocabulary_size
-            bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-            if len(bad):
+            bad = out_of_range(ids, vocab)
+            if bad is not None:
                 raise invalid(f"{self.label}: id {ids[bad[0]]} (position {bad[0]}) is outside "
                               f"the vocabulary [0, {vocab}); {len(bad)} ids are out of range")
+            if self.spec.shard_count == 1:
+                return ids  # every id in the vocabulary is this shard's
         owner = self.partitioner.shard_of(ids)
         wrong = np.flatnonzero(owner != self.shard_index)
         if len(wrong):
