@@ -291,6 +291,16 @@ def test_interpolation_with_synthetic_samples():
     assert window_usage(SYNTHETIC, 0.3, 0.3).bytes == {"a": (0.0, 0.0)}
 
 
+def test_cpu_per_host_is_interpolated_like_the_total():
+    """A host first seen at a later sample had used nothing before it."""
+    samples = [Sample(0.0, 0.0, {}, {"w0": 0.0}), Sample(1.0, 2.0, {}, {"w0": 1.0, "ps0": 1.0}),
+               Sample(2.0, 4.0, {}, {"w0": 3.0, "ps0": 1.0})]
+    assert interpolate(samples, 0.5).cpu_by_host == {"w0": 0.5, "ps0": 0.5}
+    usage = window_usage(samples, 0.5, 2.0)
+    assert usage.cpu_seconds == 3.0 and usage.cpu_by_host == {"ps0": 0.5, "w0": 2.5}
+    assert window_usage(SYNTHETIC, 0.0, 1.0).cpu_by_host == {}  # unlabelled processes
+
+
 @pytest.mark.parametrize("t0,t1,message", [(-0.1, 1.0, "outside the sampled range"),
                                            (1.0, 2.5, "outside the sampled range"),
                                            (1.5, 1.0, "before its start")])

@@ -449,3 +449,16 @@ def test_per_process_fields_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"traffic_workload.table_rows must be a list of "
                                           r"integers"):
         _write(tmp_path, raw)
+
+
+def test_shared_and_isolated_side_by_side(tmp_path):
+    text = report.markdown(_write(tmp_path, _isolated_results()))
+    section = text[text.index("## Shared cores against CPU isolation"):
+                   text.index("## Projection past this machine")]
+    hybrid = 4 * 32 / TRUTH["hybrid"].step_seconds(4, 2, 0.25, 250e6 / 8,
+                                                   _analytic_bytes("hybrid", 4))
+    assert "### lm: 1gbit against 1gbit@0.25cpu, 4 workers" in section
+    assert "| hybrid | 4,000 | " + f"{hybrid:,.0f} | {hybrid * 4:,.0f} | 0.002 | 0.002 |" \
+        in section
+    assert "## Shared cores against CPU isolation" not in report.markdown(
+        _write(tmp_path, _results()))
