@@ -66,8 +66,8 @@ class ProgressReporter:
                 name = table.table[len(self.prefix):]
                 steps[name] = min(steps.get(name, table.step), table.step)
                 for method in table.methods:
-                    pulled += method.rows if method.method == "Pull" else 0
-                    pushed += method.rows if method.method == "Push" else 0
+                    pulled += method.rows if method.method in ("Pull", "PullMany") else 0
+                    pushed += method.rows if method.method in ("Push", "PushMany") else 0
         now = time.monotonic()
         elapsed = f"{int(now - self._start) // 60}m{int(now - self._start) % 60:02d}s"
         if not steps:

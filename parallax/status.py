@@ -50,15 +50,18 @@ def _health(client: PSClient, timeout: float) -> tuple[str, str | None]:
 
 
 def _method_totals(methods) -> dict:
-    by_name = {m.method: m for m in methods}
-    pull, push = by_name.get("Pull"), by_name.get("Push")
+    """A table shard's pulls and pushes, single-table and multi-table (parts) together."""
+    def total(names: tuple[str, ...], field: str) -> int:
+        return sum(getattr(m, field) for m in methods if m.method in names)
+
+    pulls, pushes = ("Pull", "PullMany"), ("Push", "PushMany")
     return {
-        "pulls": pull.requests if pull else 0,
-        "pushes": push.requests if push else 0,
-        "rows_pulled": pull.rows if pull else 0,
-        "rows_pushed": push.rows if push else 0,
-        "bytes_pulled": pull.bytes if pull else 0,
-        "bytes_pushed": push.bytes if push else 0,
+        "pulls": total(pulls, "requests"),
+        "pushes": total(pushes, "requests"),
+        "rows_pulled": total(pulls, "rows"),
+        "rows_pushed": total(pushes, "rows"),
+        "bytes_pulled": total(pulls, "bytes"),
+        "bytes_pushed": total(pushes, "bytes"),
         "errors": sum(m.errors for m in methods),
         "seconds": round(sum(m.total_seconds for m in methods), 6),
     }
