@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from parallax.bench.netns import EmulatedCluster, LinkSpec, NetnsError, available, sweep
+from parallax.bench.netns import (EmulatedCluster, LinkSpec, NetnsError, available,
+                                  subnet_for, sweep)
 from parallax.bench.sampler import ResourceSampler, Sample, interpolate, window_usage
 from parallax.errors import ConfigError, ParallaxError
 
@@ -239,6 +240,22 @@ def test_failed_up_cleans_what_it_made_and_names_the_command(prefix):
         assert _leftovers(prefix) == [blocker]
     finally:
         subprocess.run(["ip", "link", "del", blocker], check=True)
+
+
+def test_two_clusters_at_once_need_two_subnets(prefix):
+    """Different prefixes get different subnets by default, so two benchmarks can run at
+    once; a second cluster on a subnet in use is refused, naming the holder and the fix."""
+    other = prefix + "y"
+    assert subnet_for("pxb") == "10.78.0" and subnet_for(prefix) != subnet_for(other)
+    with EmulatedCluster(["a"], LinkSpec(), prefix=prefix) as first:
+        with EmulatedCluster(["a"], LinkSpec(), prefix=other) as second:
+            assert first.gateway != second.gateway
+        clash = EmulatedCluster(["a"], LinkSpec(), prefix=other, subnet=first.subnet)
+        with pytest.raises(NetnsError) as err:
+            clash.up()
+        assert f"{first.gateway} is already on {prefix}br" in str(err.value)
+        assert "--prefix" in str(err.value)
+    assert _leftovers(other) == []
 
 
 def test_sweep_removes_a_crashed_runs_leftovers_only(prefix):

@@ -200,7 +200,8 @@ class Run:
                         "PARALLAX_RUN_ID": f"bench-{self.system}-{int(time.time())}"})
         if self.workers > 1:
             port = self.place.port(RENDEZVOUS_PORT)
-            self.rendezvous = k8s.start_rendezvous(port, self.workers)
+            # On the bridge's address only, so benchmarks of other prefixes can run at once.
+            self.rendezvous = k8s.start_rendezvous(port, self.workers, self.place.gateway)
         workers = []
         for rank in range(self.workers):
             rank_env = dict(env)

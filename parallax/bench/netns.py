@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,22 @@ def available() -> str | None:
     return None
 
 
+def subnet_for(prefix: str) -> str:
+    """A /24 of 10.78.0.0/16 chosen by the prefix, so two benchmarks with different prefixes
+    (run at once) get different addresses: "pxb" keeps 10.78.0, others hash to 10.78.1-250."""
+    return "10.78.0" if prefix == "pxb" else f"10.78.{1 + zlib.crc32(prefix.encode()) % 250}"
+
+
+def _address_in_use(address: str) -> str | None:
+    """The interface that already has `address` (another cluster's bridge), if any."""
+    out = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    return None
+
+
 _LIVE: set[EmulatedCluster] = set()
 
 
@@ -221,13 +238,16 @@ def _down_all() -> None:
 class EmulatedCluster:
     """Namespaces `{prefix}-{host}` at {subnet}.1, .2, ... on bridge `{prefix}br`
     ({subnet}.254, the root namespace's address: `gateway`). Use as a context manager, or
-    up()/down(). Run a process on a host with `exec_prefix(host) + argv`."""
+    up()/down(). Run a process on a host with `exec_prefix(host) + argv`. The subnet
+    defaults to one chosen by the prefix (`subnet_for`), so clusters of different prefixes
+    can be up at once; up() refuses a subnet whose gateway address is already in use."""
 
     def __init__(self, hosts: Sequence[str], link: LinkSpec, prefix: str = "pxb",
-                 subnet: str = "10.78.0") -> None:
+                 subnet: str | None = None) -> None:
         self.hosts = list(hosts)
         self.link = link
         self.prefix = prefix
+        subnet = subnet_for(prefix) if subnet is None else subnet
         self.subnet = subnet
         self.gateway = f"{subnet}.254"
         self.latency_emulated = False
@@ -273,6 +293,11 @@ class EmulatedCluster:
         if reason:
             raise NetnsError(f"cannot build an emulated cluster: {reason}")
         sweep(self.prefix)
+        holder = _address_in_use(self.gateway)
+        if holder:
+            raise NetnsError(f"the bridge address {self.gateway} is already on {holder}: "
+                             f"another emulated cluster uses subnet {self.subnet}; give this "
+                             f"one another prefix (--prefix) or subnet")
         self.latency_emulated = False
         self.latency_note = ("no latency requested" if self.link.latency_ms <= 0
                              else "latency not set up yet")
