@@ -175,8 +175,12 @@ def test_bench_refuses_isolation_without_cgroups_from_the_command_line(tmp_path,
 def test_the_option_reaches_the_harness():
     from parallax.bench.command import config_from, parser
     config = config_from(parser().parse_args(["--cpu-share", "off,0.25", "--cgroup-root",
-                                              "/x", "--workers", "1,2"]))
-    assert (config.cpu_shares, config.cgroup_root) == ((None, 0.25), "/x")
+                                              "/x", "--workers", "1,2",
+                                              "--cpu-period-us", "20000"]))
+    assert (config.cpu_shares, config.cgroup_root, config.cpu_period_us) == (
+        (None, 0.25), "/x", 20000)
+    with pytest.raises(ConfigError, match="--cpu-period-us 50 must be in"):
+        config_from(parser().parse_args(["--cpu-period-us", "50"]))
     assert config_from(parser().parse_args([])).cpu_shares == (None,)
     for bad in ("0", "-1", "lots", "0.001"):
         with pytest.raises(SystemExit):

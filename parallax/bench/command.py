@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
                         "default off (all processes share the machine's cores)")
     p.add_argument("--cgroup-root", default=defaults.cgroup_root,
                    help="where the cgroup v1 cpu controller is mounted")
+    p.add_argument("--cpu-period-us", type=int, default=defaults.cpu_period_us,
+                   help="CFS period of the CPU groups (quota = share x period); a process "
+                        "that has used its quota waits up to period x (1 - share), so a "
+                        "shorter period smooths synchronous steps (default 100000)")
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: render the report of OUT/results.json")
     return p
@@ -101,7 +105,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        networks=args.networks, servers=args.servers, rounds=args.rounds,
                        size=args.size, window=window, run_timeout=args.run_timeout,
                        out_dir=args.out, prefix=args.prefix, cpu_shares=args.cpu_share,
-                       cgroup_root=args.cgroup_root)
+                       cgroup_root=args.cgroup_root, cpu_period_us=args.cpu_period_us)
 
 
 def main(argv: list[str] | None = None) -> int:

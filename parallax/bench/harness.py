@@ -68,6 +68,7 @@ class BenchConfig:
     prefix: str = "pxb"
     cpu_shares: tuple[float | None, ...] = (None,)  # cores per process; None: shared cores
     cgroup_root: str = str(cgroups.CPU_ROOT)
+    cpu_period_us: int = cgroups.PERIOD_US
 
     def __post_init__(self) -> None:
         for system in self.systems:
@@ -83,6 +84,8 @@ class BenchConfig:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
         if not self.cpu_shares:
             raise ConfigError("cpu_shares must name at least one setting, e.g. (None,)")
+        if not 1000 <= self.cpu_period_us <= 1_000_000:
+            raise ConfigError(f"--cpu-period-us {self.cpu_period_us} must be in [1000, 1000000]")
         for share in self.cpu_shares:
             if share is not None:
                 cgroups.check_total(share, processes_per_run(self))
@@ -430,7 +433,8 @@ def _run_setting(config: BenchConfig, network: str, share: float | None, results
     """Every run of one network at one CPU share: the cluster (links scaled by the share)
     up, the runs, the cluster and the CPU groups down, whatever happens."""
     cluster, key = None, cgroups.network_key(network, share)
-    cpu = None if share is None else CpuGroups(share, config.prefix, config.cgroup_root)
+    cpu = None if share is None else CpuGroups(share, config.prefix, config.cgroup_root,
+                                               config.cpu_period_us)
     notes = results["meta"]["notes"]
     try:
         if network != LOOPBACK:
