@@ -89,6 +89,36 @@ class StepFusion:
         if blocker is not None:
             return f"its ids depend on the rows of {blocker!r}, pulled in the " \
                    f"same fused request"
+        return self._ordered_after_rows(unique.op)
+
+    def _ordered_after_rows(self, op) -> str | None:
+        """Why the ids of `op` may come after grouped rows once TensorFlow orders the step's
+        stateful ops (automatic control dependencies, added when the function is built): a
+        stateful op traced in the step that the ids depend on is run after the stateful ops
+        traced before it; if one of those used grouped rows, grouping these ids would make
+        the fused pull wait for itself (a cycle)."""
+        begins = self.ticket.op._id  # noqa: SLF001 - creation order is program order
+        stack, seen, latest = [op], set(), None
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current._is_stateful and current._id > begins:  # noqa: SLF001
+                if latest is None or current._id > latest._id:  # noqa: SLF001
+                    latest = current
+            stack.extend(t.op for t in current.inputs if t.graph is self.graph)
+            stack.extend(c for c in current.control_inputs if c.graph is self.graph)
+        if latest is None:
+            return None
+        for earlier in self.graph.get_operations():
+            if not begins < earlier._id < latest._id or not earlier._is_stateful:  # noqa: SLF001
+                continue
+            table = self._grouped_ancestor(earlier)
+            if table is not None:
+                return f"its ids come from a stateful op ({latest.name}) traced after one " \
+                       f"that uses the rows of {table!r} ({earlier.name}); TensorFlow runs " \
+                       f"them in that order, so these ids cannot be pulled with those rows"
         return None
 
     def _grouped_ancestor(self, op) -> str | None:

@@ -245,3 +245,50 @@ def test_evaluation_steps_pull_fused_and_push_nothing(make_strategy):
     assert after.get("PushMany", 0) == before.get("PushMany", 0)
     assert after["PullMany"] - before["PullMany"] == 3 * 2
 
+
+
+class HashedIds(keras.Model):
+    """Three tables; the third's ids pass through a stateful op (a numpy_function, as numpy
+    hashing of raw features would). `dependent=True` first looks the second table up with ids
+    taken from the first table's rows (its own pull, a stateful op using grouped rows):
+    TensorFlow then runs the third table's id op after that pull, so the third lookup cannot
+    join the fused pull (a cycle: TensorFlow refused the graph)."""
+
+    def __init__(self, dependent):
+        super().__init__()
+        keras.utils.set_random_seed(3)
+        self.tables = [keras.layers.Embedding(VOCAB, DIM, name=f"table{i}") for i in range(3)]
+        self.dense = keras.layers.Dense(1, name="dense")
+        self.dependent = dependent
+
+    def call(self, ids):
+        first = self.tables[0](ids[:, 0])
+        if self.dependent:
+            first = first + self.tables[1](tf.cast(tf.argmax(first, axis=-1), tf.int64))
+        hashed = tf.numpy_function(lambda x: x, [ids[:, 2]], tf.int64, stateful=True)
+        hashed.set_shape(ids[:, 2].shape)
+        third = self.tables[2](hashed)
+        rows = [tf.reshape(r, [tf.shape(ids)[0], 2 * DIM]) for r in (first, third)]
+        return self.dense(tf.concat(rows, axis=1))
+
+
+@pytest.mark.parametrize("dependent", [True, False], ids=["after-rows", "alone"])
+def test_ids_from_a_stateful_op_after_a_use_of_grouped_rows_keep_their_own_pull(
+        make_strategy, dependent):
+    x, y = data(n=BATCH * 3)
+    losses = []
+    for fuse in (True, False):
+        strategy = make_strategy(fuse=fuse)
+        with strategy.scope():
+            model = HashedIds(dependent)
+            model.compile(keras.optimizers.SGD(0.2), loss="mse")
+        losses.append(model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                                verbose=0).history["loss"])
+        if fuse:
+            third = report(strategy, "table2/embeddings")
+            if dependent:
+                assert not third.fused and "stateful op" in third.reason, third
+                assert "table0/embeddings" in third.reason
+            else:
+                assert third.fused, third
+    assert losses[0] == losses[1]
