@@ -139,10 +139,14 @@ class StepFusion:
     def push(self, remote: RemoteTable, grad, learning_rate) -> None:
         """Record this step's gradient of `remote` (sent by the step's push op)."""
         ids, values, lr = remote.push_inputs(grad, learning_rate)
-        if id(remote) in self._pushes:  # a table updated twice in one step: one push
-            _, ids0, values0, lr0 = self._pushes[id(remote)]
-            ids, values = tf.concat([ids0, ids], 0), tf.concat([values0, values], 0)
-            lr = lr0
+        earlier = self._pushes.pop(id(remote), None)
+        if earlier is not None:
+            # A table updated twice in one step: each update is a step of its own on the
+            # servers, as on the per-table path (one summed push would apply the optimizer
+            # once, with the first learning rate). The earlier update goes now, in its own
+            # push op, which runs before the step's fused push (program order).
+            tf.numpy_function(remote.push_rows, list(earlier[1:]), tf.int64, stateful=True,
+                              name="parallax_push")
         self._pushes[id(remote)] = (remote, ids, values, lr)
 
     # ---- once the step is traced ----

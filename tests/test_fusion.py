@@ -292,3 +292,33 @@ def test_ids_from_a_stateful_op_after_a_use_of_grouped_rows_keep_their_own_pull(
             else:
                 assert third.fused, third
     assert losses[0] == losses[1]
+
+
+def test_a_table_updated_twice_in_one_step_gets_two_server_steps(make_strategy):
+    """Two apply_gradients in one step: the per-table path pushes each (two steps on the
+    servers, as Keras applies the dense variables twice); fusion must not sum them into one
+    push (one Adagrad step of the summed gradient, with the first learning rate)."""
+    x, y = data(n=BATCH * 3)
+    results = []
+    for fuse in (True, False):
+        strategy = make_strategy(fuse=fuse)
+        with strategy.scope():
+            model = Tables()
+            optimizer = keras.optimizers.Adagrad(0.5)
+
+        def step(ids, target):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(ids) - target) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        run = tf.function(lambda ids, target: strategy.run(step, (ids, target)))
+        losses = [float(run(tf.constant(x[s:s + BATCH]), tf.constant(y[s:s + BATCH])))
+                  for s in range(0, len(x), BATCH)]
+        results.append((losses, weights_of(strategy, model)))
+    (fused_losses, fused_weights), (plain_losses, plain_weights) = results
+    assert fused_losses == plain_losses
+    for a, b in zip(fused_weights, plain_weights):
+        np.testing.assert_array_equal(a, b)
