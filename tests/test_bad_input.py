@@ -237,3 +237,19 @@ def test_hashed_checkpoint_over_the_row_limit_is_refused(client, table_name, sna
     with pytest.raises(ServerError, match="puts 10 rows on shard 0, above max_rows_per_shard=4"):
         client.restore(f"limit-{table_name}", [table_name])
     snapshot(table_name).assert_equal(before)
+
+
+def test_unknown_table_on_a_server_with_many_tables_stays_not_found():
+    """NOT_FOUND names some of the tables a server holds, not all: gRPC turns status details
+    over 8 KB into RESOURCE_EXHAUSTED, which once hid the real error on a busy server."""
+    from parallax.client import PSClient
+    from parallax.local_cluster import LocalCluster
+    with LocalCluster(1) as cluster, PSClient(cluster.addresses) as client:
+        for i in range(200):
+            client.create_table(TableSpec(name=f"{'a-long-table-name-' * 3}{i:04d}",
+                                          vocabulary_size=4, dim=1))
+        missing = client.table(TableSpec(name="missing", vocabulary_size=4, dim=1))
+        with pytest.raises(ServerError) as info:
+            missing.pull([1])
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert "and 192 more" in str(info.value) and len(str(info.value)) < 2000

@@ -133,11 +133,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._lock:
             found = self._shards.get((table, shard_index))
             if found is None:
-                held = sorted(f"{t}[{i}]" for t, i in self._shards)
                 raise RequestError(grpc.StatusCode.NOT_FOUND,
                                    f"table {table!r} shard {shard_index} does not exist on this "
-                                   f"server (it holds {held or 'no tables'}); create it first")
+                                   f"server (it holds {self._held()}); create it first")
             return found
+
+    def _held(self, shown: int = 8) -> str:
+        """Some of the shards held, for a message (gRPC refuses status details over 8 KB:
+        a server with thousands of tables must not turn NOT_FOUND into RESOURCE_EXHAUSTED)."""
+        held = sorted(f"{t}[{i}]" for t, i in self._shards)
+        if not held:
+            return "no tables"
+        more = f" and {len(held) - shown} more" if len(held) > shown else ""
+        return ", ".join(held[:shown]) + more
 
     def selected(self, tables) -> list[TableShard]:
         """Shards of the named tables held here (all shards when no name is given); a server
