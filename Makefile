@@ -17,5 +17,5 @@ env:
 bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
 	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
 
-compare: env       ## parallax vs TF PS and Horovod, shared and isolated cores (root; ~1 h)
+compare: env       ## parallax vs TF PS and Horovod, shared and isolated cores (root; ~45 min)
 	bash scripts/compare.sh bench-results/compare

@@ -18,7 +18,7 @@ import numpy as np
 
 from parallax import bulk_codec, wire
 from parallax_ps.errors import RequestError, invalid
-from parallax_ps.shard import TableShard
+from parallax_ps.shard import ShuttingDown, TableShard
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,9 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
         if part.min_step > 0:
             shard.wait_step(part.min_step, deadline)
     with held(shards):
+        for shard in shards:  # deleted (or the server stopping) since it was looked up
+            if shard.closed:
+                raise ShuttingDown(shard.closed)
         steps = [shard.steps.step for shard in shards]
         for shard, part, step in zip(shards, parts, steps):
             if step < part.min_step:  # only a restore in between can move a step back
