@@ -180,6 +180,42 @@ def _new_bytes(size: int) -> tuple[bytes, np.ndarray]:
     return data, view
 
 
+def _tensor_field(number: int, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """A Tensor field up to its content: tag, length, dtype, shape, content tag and length."""
+    header = _tensor_header(dtype, shape, nbytes)
+    return _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
+
+
+def _pad(at: int, field: bytes, align: bool) -> int:
+    """Bytes of padding field before `field` (placed at `at`) so its content starts 16-byte
+    aligned; 0 when not aligning. A padding field takes at least 2 bytes."""
+    pad = -(at + len(field)) % _ALIGN if align else 0
+    return pad + _ALIGN if pad == 1 else pad
+
+
+def _materialize(plan: list, size: int) -> tuple[bytes, list[np.ndarray]]:
+    """Allocate `size` bytes once, copy the plan's constant pieces in (consecutive ones in
+    one copy) and return views of its tensor slots, in order. A slot is a tuple ending in
+    (offset, nbytes, dtype, shape)."""
+    data, raw = _new_bytes(size)
+    views: list[np.ndarray] = []
+    pending, at = [], 0
+    for item in plan + [None]:
+        if isinstance(item, bytes):
+            pending.append(item)
+            continue
+        if pending:
+            joined = b"".join(pending)
+            raw[at:at + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
+            at += len(joined)
+            pending = []
+        if item is not None:
+            *_, begin, nbytes, dtype, shape = item
+            views.append(raw[begin:begin + nbytes].view(dtype).reshape(shape))
+            at = begin + nbytes
+    return data, views
+
+
 class _Writer:
     """Lays out a message as constant bytes, tensor fields whose contents start 16-byte
     aligned (fast numpy copies) and nested messages, then allocates it once and exposes the
@@ -196,8 +232,7 @@ class _Writer:
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        header = _tensor_header(dtype, shape, nbytes)
-        field = _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
+        field = _tensor_field(number, dtype, shape, nbytes)
         self._pieces.append(_TensorPiece(key, field, nbytes, dtype, shape))
         return self
 
@@ -236,9 +271,7 @@ class _Writer:
     @staticmethod
     def _tensor(plan: list, at: int, piece: "_TensorPiece", align: bool) -> int:
         field = piece.field
-        pad = -(at + len(field)) % _ALIGN if align else 0
-        if pad == 1:
-            pad += _ALIGN
+        pad = _pad(at, field, align)
         if pad:
             plan.append(_PADS[pad])
         plan.append(field)
@@ -272,30 +305,12 @@ class _Writer:
         plan, size = self._layout(0)
         if max_bytes is not None and size > max_bytes:
             raise MessageTooLarge(size, max_bytes)
-        data, raw = _new_bytes(size)
-        views, at, pending = {}, 0, []
-        for item in plan + [None]:
-            if isinstance(item, bytes):
-                pending.append(item)
-                continue
-            if pending:  # consecutive constant pieces: one copy
-                joined = b"".join(pending)
-                raw[at:at + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
-                at += len(joined)
-                pending = []
-            if item is not None:
-                key, at, nbytes, dtype, shape = item
-                views[key] = raw[at:at + nbytes].view(dtype).reshape(shape)
-                at += nbytes
-        return data, views
+        data, views = _materialize(plan, size)
+        keys = [item[0] for item in plan if not isinstance(item, bytes)]
+        return data, dict(zip(keys, views))
 
 
 _ALIGN_MIN_BYTES = 1024  # tensors of many-part messages smaller than this are not padded
-
-
-def _tensor_field(number: int, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
-    header = _tensor_header(dtype, shape, nbytes)
-    return _varint(number << 3 | _LEN) + _varint(len(header) + nbytes) + header
 
 
 def _build_many(parts: list, max_bytes: int | None = None) -> tuple[bytes, list[np.ndarray]]:
@@ -321,9 +336,7 @@ def _build_many(parts: list, max_bytes: int | None = None) -> tuple[bytes, list[
         pieces.append(b"")  # the length prefix, once known
         pieces.append(head)
         for field, nbytes, dtype, shape in fields:
-            pad = -(pos + len(field)) % _ALIGN if nbytes >= _ALIGN_MIN_BYTES else 0
-            if pad == 1:
-                pad += _ALIGN
+            pad = _pad(pos, field, nbytes >= _ALIGN_MIN_BYTES)
             if pad:
                 pieces.append(_PADS[pad])
             pieces.append(field)
@@ -335,23 +348,7 @@ def _build_many(parts: list, max_bytes: int | None = None) -> tuple[bytes, list[
         pieces[length_at] = _varint_of_width(at - start, width)
     if max_bytes is not None and at > max_bytes:
         raise MessageTooLarge(at, max_bytes)
-    data, raw = _new_bytes(at)
-    views: list[np.ndarray] = []
-    pending, offset = [], 0
-    for piece in pieces + [None]:
-        if isinstance(piece, bytes):
-            pending.append(piece)
-            continue
-        if pending:
-            joined = b"".join(pending)
-            raw[offset:offset + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
-            offset += len(joined)
-            pending = []
-        if piece is not None:
-            begin, nbytes, dtype, shape = piece
-            views.append(raw[begin:begin + nbytes].view(dtype).reshape(shape))
-            offset = begin + nbytes
-    return data, views
+    return _materialize(pieces, at)
 
 
 def _finish(data) -> bytes:
@@ -500,21 +497,25 @@ class PushHeader:
     session: int = 0
 
 
-def _push_request(header: PushHeader, rows: int, dim: int, dtype: object,
-                  keys=("ids", "grads")) -> _Writer:
+def _push_head_tail(header: PushHeader) -> tuple[bytes, bytes]:
+    """A PushRequest's fields before its tensors (1-4) and after them (7-10)."""
     name = header.table.encode()
-    writer = _Writer().raw(b"\x0a" + _varint(len(name)) + name)
+    head = b"\x0a" + _varint(len(name)) + name
     for number, value in ((2, header.shard_index), (3, header.step), (4, header.worker)):
         if value:
-            writer.raw(_varint(number << 3) + _varint(value))
-    writer.tensor(5, keys[0], np.int64, (rows,)).tensor(6, keys[1], np.dtype(dtype), (rows, dim))
-    if header.learning_rate:
-        writer.raw(b"\x39" + struct.pack("<d", header.learning_rate))
+            head += _varint(number << 3) + _varint(value)
+    tail = b"\x39" + struct.pack("<d", header.learning_rate) if header.learning_rate else b""
     for number, value in ((8, header.chunk_index), (9, header.chunk_count),
                           (10, header.session)):
         if value:
-            writer.raw(_varint(number << 3) + _varint(value))
-    return writer
+            tail += _varint(number << 3) + _varint(value)
+    return head, tail
+
+
+def _push_request(header: PushHeader, rows: int, dim: int, dtype: object) -> _Writer:
+    head, tail = _push_head_tail(header)
+    return _Writer().raw(head).tensor(5, "ids", np.int64, (rows,)) \
+        .tensor(6, "grads", np.dtype(dtype), (rows, dim)).raw(tail)
 
 
 class PushRequestWriter:
@@ -541,21 +542,6 @@ def encode_push_request(table: str, shard_index: int, step: int, worker: int, id
     writer.ids[...] = ids
     writer.grads[...] = grads
     return writer.data()
-
-
-def _push_head_tail(header: PushHeader) -> tuple[bytes, bytes]:
-    """A PushRequest's fields before its tensors (1-4) and after them (7-10)."""
-    name = header.table.encode()
-    head = b"\x0a" + _varint(len(name)) + name
-    for number, value in ((2, header.shard_index), (3, header.step), (4, header.worker)):
-        if value:
-            head += _varint(number << 3) + _varint(value)
-    tail = b"\x39" + struct.pack("<d", header.learning_rate) if header.learning_rate else b""
-    for number, value in ((8, header.chunk_index), (9, header.chunk_count),
-                          (10, header.session)):
-        if value:
-            tail += _varint(number << 3) + _varint(value)
-    return head, tail
 
 
 class PushManyRequestWriter:

@@ -184,13 +184,13 @@ def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
             # without waiting, so that a worker holds at most one waiting server thread.
             wait = _wait_request(tables, server_parts, min_steps)
             if wait is not None:
-                _answer(conn, "PullMany", wait, None, _names(tables, server_parts))
+                _answer(conn, "PullMany", wait, None, _Names(tables, server_parts))
         requests += [(conn, chunk, _pull_request(tables, grouped, chunk, min_steps,
                                                  len(packed) == 1)) for chunk in packed]
     calls = _in_flight(requests, "PullMany")
     rows = [np.empty((len(g), t.spec.dim), dtype=t.dtype) for t, g in zip(tables, grouped)]
     for conn, chunk, request, future in calls:
-        answer = _answer(conn, "PullMany", request, future, _names(tables, chunk))
+        answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
         if len(answer) != len(chunk):
             raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} parts "
                               f"for {len(chunk)} asked; is the server a compatible parallax "
@@ -222,10 +222,6 @@ class _Names:
         names = self._sorted()
         shown = ", ".join(map(repr, names[:3]))
         return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _names(tables: Sequence[ShardedTable], parts) -> _Names:
-    return _Names(tables, parts)
 
 
 # ---- pushes --------------------------------------------------------------------------------
@@ -275,7 +271,7 @@ def _push_parts(tables, plans, grads, parts, steps, worker, learning_rates) -> l
     calls = _in_flight(requests, "PushMany")
     closed: list[set[int]] = [set() for _ in tables]
     for conn, chunk, request, future in calls:
-        reply = _answer(conn, "PushMany", request, future, _names(tables, chunk),
+        reply = _answer(conn, "PushMany", request, future, _Names(tables, chunk),
                         done_on_retry=_DONE_ON_RETRY)
         if reply is None:  # a retry found the first attempt landed
             continue
