@@ -29,11 +29,10 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
-from parallax.bench.netns import LinkSpec
+from parallax.bench.netns import LinkSpec, kill_all
 from parallax.errors import ConfigError, ParallaxError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
@@ -124,19 +123,7 @@ def _group_pids(path: Path) -> list[int]:
 
 def _kill_group(path: Path, grace: float = KILL_GRACE_S) -> None:
     """SIGTERM every process in the group, SIGKILL what is left after `grace` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _group_pids(path)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + grace
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.05)
-            pids = _group_pids(path)
-        if not pids:
-            return
+    kill_all(lambda: _group_pids(path), grace)
 
 
 def _remove_group(path: Path) -> bool:

@@ -34,7 +34,7 @@ import socket
 import subprocess
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,11 +137,11 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
 
 
-def _kill_namespace_processes(ns: str, grace: float = KILL_GRACE_S) -> None:
-    """SIGTERM every process in ns, SIGKILL what is left after `grace` seconds. Without this a
-    deleted namespace lives on (its processes keep it) and holds its addresses."""
+def kill_all(list_pids: Callable[[], list[int]], grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM every process `list_pids()` names, SIGKILL what is left after `grace`
+    seconds (a namespace's or a CPU group's processes)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _ns_pids(ns)
+        pids = list_pids()
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -150,9 +150,15 @@ def _kill_namespace_processes(ns: str, grace: float = KILL_GRACE_S) -> None:
         deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
             time.sleep(0.05)
-            pids = _ns_pids(ns)
+            pids = list_pids()
         if not pids:
             return
+
+
+def _kill_namespace_processes(ns: str, grace: float = KILL_GRACE_S) -> None:
+    """Without this a deleted namespace lives on (its processes keep it) and holds its
+    addresses."""
+    kill_all(lambda: _ns_pids(ns), grace)
 
 
 def _delete_namespace(ns: str) -> None:
