@@ -98,17 +98,11 @@ class StepFusion:
         traced before it; if one of those used grouped rows, grouping these ids would make
         the fused pull wait for itself (a cycle)."""
         begins = self.ticket.op._id  # noqa: SLF001 - creation order is program order
-        stack, seen, latest = [op], set(), None
-        while stack:
-            current = stack.pop()
-            if current in seen:
-                continue
-            seen.add(current)
+        latest = None
+        for current in self._upstream(op):
             if current._is_stateful and current._id > begins:  # noqa: SLF001
                 if latest is None or current._id > latest._id:  # noqa: SLF001
                     latest = current
-            stack.extend(t.op for t in current.inputs if t.graph is self.graph)
-            stack.extend(c for c in current.control_inputs if c.graph is self.graph)
         if latest is None:
             return None
         for earlier in self.graph.get_operations():
@@ -123,18 +117,26 @@ class StepFusion:
 
     def _grouped_ancestor(self, op) -> str | None:
         """The table whose placeholder `op` depends on, if any (graph walk upwards)."""
+        seen = []
+        for current in self._upstream(op, skip=self._clean):
+            seen.append(current)
+            if current in self._placeholder_ops:
+                return next(g.remote.label for g in self._grouped if g.placeholder.op is current)
+        self._clean.update(seen)
+        return None
+
+    def _upstream(self, op, skip: set = frozenset()):
+        """`op` and every op of the step's graph it depends on (inputs and control inputs),
+        each once; the walk does not go past ops in `skip`."""
         stack, seen = [op], set()
         while stack:
             current = stack.pop()
-            if current in self._clean or current in seen:
+            if current in skip or current in seen:
                 continue
             seen.add(current)
-            if current in self._placeholder_ops:
-                return next(g.remote.label for g in self._grouped if g.placeholder.op is current)
+            yield current
             stack.extend(t.op for t in current.inputs if t.graph is self.graph)
             stack.extend(c for c in current.control_inputs if c.graph is self.graph)
-        self._clean.update(seen)
-        return None
 
     def push(self, remote: RemoteTable, grad, learning_rate) -> None:
         """Record this step's gradient of `remote` (sent by the step's push op)."""
@@ -145,8 +147,7 @@ class StepFusion:
             # servers, as on the per-table path (one summed push would apply the optimizer
             # once, with the first learning rate). The earlier update goes now, in its own
             # push op, which runs before the step's fused push (program order).
-            tf.numpy_function(remote.push_rows, list(earlier[1:]), tf.int64, stateful=True,
-                              name="parallax_push")
+            remote.push_op(*earlier[1:])
         self._pushes[id(remote)] = (remote, ids, values, lr)
 
     # ---- once the step is traced ----

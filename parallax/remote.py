@@ -276,8 +276,12 @@ class RemoteTable:
 
     def push(self, grad, learning_rate=None) -> tf.Tensor:
         """An op sending this step's gradient (IndexedSlices or dense) to the servers."""
-        return tf.numpy_function(self.push_rows, list(self.push_inputs(grad, learning_rate)),
-                                 tf.int64, stateful=True, name="parallax_push")
+        return self.push_op(*self.push_inputs(grad, learning_rate))
+
+    def push_op(self, ids: tf.Tensor, rows: tf.Tensor, learning_rate: tf.Tensor) -> tf.Tensor:
+        """The op sending converted push inputs (see `push_inputs`) on their own."""
+        return tf.numpy_function(self.push_rows, [ids, rows, learning_rate], tf.int64,
+                                 stateful=True, name="parallax_push")
 
     def empty_gradient(self) -> tf.IndexedSlices:
         """No rows: a sync step must hear from every worker, used or not."""
