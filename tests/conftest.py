@@ -62,7 +62,7 @@ class Snapshot:
         shards = client.save(path, [name])
         self.step = {(s.shard_index): s.step for s in shards}
         self.arrays: dict[str, np.ndarray] = {}
-        parts = sorted((data_dir / path / name).glob("*.npz"))
+        parts = sorted(Path(s.file) for s in shards)  # in the new checkpoint directory
         loaded = [dict(np.load(p)) for p in parts]
         order = np.argsort(np.concatenate([p["ids"] for p in loaded]), kind="stable")
         for key in loaded[0]:

@@ -2,15 +2,31 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import secrets
+from concurrent import futures
 from typing import Sequence
 
+from parallax import checkpoint_names
 from parallax.client.connection import ClientOptions, ServerConnection
 from parallax.client.reshard import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
 from parallax.specs import TableSpec
+
+log = logging.getLogger("parallax")
+DEFAULT_KEEP = 3  # checkpoints kept under a path
+
+
+def _mixed_steps(shards) -> dict[str, list[int]]:
+    """Sync tables whose shards are at different steps: {table: steps}."""
+    steps: dict[str, set[int]] = {}
+    for shard in shards:
+        if shard.sync:
+            steps.setdefault(shard.table, set()).add(shard.step)
+    return {t: sorted(s) for t, s in sorted(steps.items()) if len(s) > 1}
 
 
 class PSClient:
@@ -23,7 +39,6 @@ class PSClient:
         self.addresses = list(addresses)
         self.options = options = options or ClientOptions()
         self.servers = [ServerConnection(a, options) for a in self.addresses]
-        self._sync_tables: set[str] = set()  # sync tables this client has handles on
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
 
     def __enter__(self) -> "PSClient":
@@ -53,8 +68,6 @@ class PSClient:
 
     def table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
         """A handle on an existing table (no RPC)."""
-        if spec.sync_mode == "sync":
-            self._sync_tables.add(spec.name)
         return ShardedTable(spec, [self.servers[p] for p in self._placement(spec, placement)],
                             self.session)
 
@@ -92,7 +105,10 @@ class PSClient:
                                                                shard_index=shard), table.name)
 
     def _each(self, method: str, request) -> list:
+        """Call every server at once; once all have answered, the replies or the first
+        error (no call is still running when this raises)."""
         calls = [(s, s.future(method, request)) for s in self.servers]
+        futures.wait([f for _, f in calls])
         return [s.result(f, method, request) for s, f in calls]
 
     def _shards_of(self, replies, tables: Sequence[str], verb: str) -> list:
@@ -103,24 +119,62 @@ class PSClient:
                               f"{self.addresses} holds them; create them first")
         return shards
 
-    def save(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
-        """Every server writes its shards under its data directory at `path`."""
-        replies = self._each("Save", ps_pb2.SaveRequest(path=path, tables=list(tables)))
-        shards = self._shards_of(replies, tables, "save")
-        steps: dict[str, set[int]] = {}
-        for shard in shards:
-            steps.setdefault(shard.table, set()).add(shard.step)
-        mixed = {t: sorted(s) for t, s in steps.items() if len(s) > 1}
-        if mixed and self._sync_tables.intersection(mixed):
-            raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard steps "
-                              f"{mixed}); save between steps, after table.wait_step(k) and "
-                              f"before any push of step k")
+    def save(self, path: str, tables: Sequence[str] = (),
+             keep: int = DEFAULT_KEEP) -> list[ps_pb2.ShardCheckpoint]:
+        """Every server writes its shards into a new checkpoint under `path` (in its data
+        directory); it becomes the newest only once every shard is written, checked and
+        sealed, and the newest `keep` are kept. A failed or refused save leaves the earlier
+        checkpoints as they were. Call between steps (after table.wait_step(k), before any
+        push of step k): a sync table caught mid-step is refused."""
+        if keep < 1:
+            raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
+        request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
+                                    checkpoint=checkpoint_names.new_name())
+        try:
+            replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE))
+            shards = self._shards_of(replies, tables, "save")
+            mixed = _mixed_steps(shards)
+            if mixed:
+                raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
+                                  f"steps {mixed}); save between steps, after "
+                                  f"table.wait_step(k) and before any push of step k")
+            for server in self.servers:  # in turn: servers sharing a data directory
+                server.call("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=keep))
+        except BaseException:
+            self._abort(request(phase=ps_pb2.SAVE_ABORT))
+            raise
         return shards
 
-    def restore(self, path: str, tables: Sequence[str] = ()) -> list[ps_pb2.ShardCheckpoint]:
-        """Every server reloads its shards (any saved shard count) from `path`."""
-        replies = self._each("Restore", ps_pb2.RestoreRequest(path=path, tables=list(tables)))
-        return self._shards_of(replies, tables, "restore")
+    def _abort(self, request) -> None:
+        """Best effort: a server that cannot be reached now drops the staging later."""
+        for server in self.servers:
+            try:
+                server.call("Save", request)
+            except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
+                log.warning("could not abort checkpoint %s on %s: %s", request.checkpoint,
+                            server.address, exc)
+
+    def restore(self, path: str, tables: Sequence[str] = (),
+                checkpoint: str = "") -> list[ps_pb2.ShardCheckpoint]:
+        """Every server reloads its shards (any saved shard count) from the newest checkpoint
+        under `path` (or `checkpoint`, or `path` naming one). Every server first verifies it,
+        and all must hold the same one: a checkpoint any server cannot read changes none."""
+        request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables))
+        replies = self._each("Restore", request(checkpoint=checkpoint, verify_only=True))
+        self._shards_of(replies, tables, "restore")
+        name = self._one_checkpoint(path, replies)
+        return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
+                               "restore")
+
+    def _one_checkpoint(self, path: str, replies) -> str:
+        held = {address: sorted({s.checkpoint for s in reply.shards})
+                for address, reply in zip(self.addresses, replies) if reply.shards}
+        names = {n for found in held.values() for n in found}
+        if len(names) > 1:
+            raise ConfigError(f"the servers would restore different checkpoints under "
+                              f"{path!r} ({held}); pass checkpoint=NAME of one every server "
+                              f"holds")
+        return names.pop() if names else ""  # no shard anywhere: nothing to load
 
     def stats(self, tables: Sequence[str] = ()) -> dict[str, ps_pb2.StatsResponse]:
         replies = self._each("Stats", ps_pb2.StatsRequest(tables=list(tables)))

@@ -322,19 +322,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- checkpoints -------------------------------------------------------------------------
     @_rpc("Save")
     def Save(self, request, context):
-        directory = checkpoint.resolve(self.data_dir, request.path)
-        response = ps_pb2.SaveResponse()
-        for shard in self.selected(request.tables):
-            path, rows, step = checkpoint.save_shard(shard, directory)
-            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index, rows=rows,
-                                step=step, file=str(path))
+        root = checkpoint.resolve(self.data_dir, request.path)
+        shards = self.selected(request.tables) if request.phase == ps_pb2.SAVE_PREPARE else []
+        response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards))
         return response, "", sum(s.rows for s in response.shards), 0
 
     @_rpc("Restore")
     def Restore(self, request, context):
-        directory = checkpoint.resolve(self.data_dir, request.path)
         shards = self.selected(request.tables)
-        loaded = [checkpoint.load_for_shard(shard, directory) for shard in shards]
+        if not shards:  # nothing to restore here, whatever this data directory holds
+            return ps_pb2.RestoreResponse(), "", 0, 0
+        directory, manifest = checkpoint.open_checkpoint(self.data_dir, request)
+        loaded = [checkpoint.load_for_shard(shard, directory, manifest) for shard in shards]
         response = ps_pb2.RestoreResponse()
         with contextlib.ExitStack() as held:  # all shards of this server, or none
             for shard in shards:
@@ -342,10 +341,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             for shard in shards:
                 shard.check_between_steps()
             for shard, (ids, values, slots, step) in zip(shards, loaded):
-                shard.restore(ids, values, slots, step)
+                if not request.verify_only:
+                    shard.restore(ids, values, slots, step)
                 response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                    rows=len(ids), step=step,
-                                    file=str(directory / shard.spec.name))
+                                    rows=len(ids), step=step, checkpoint=directory.name,
+                                    file=str(directory / shard.spec.name),
+                                    sync=shard.spec.sync_mode == "sync")
         return response, "", sum(s.rows for s in response.shards), 0
 
     # ---- observability -----------------------------------------------------------------------

@@ -32,6 +32,13 @@ class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AGGREGATION_UNSPECIFIED: _ClassVar[Aggregation]
     SUM: _ClassVar[Aggregation]
     MEAN: _ClassVar[Aggregation]
+
+class SavePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_PHASE_UNSPECIFIED: _ClassVar[SavePhase]
+    SAVE_PREPARE: _ClassVar[SavePhase]
+    SAVE_COMMIT: _ClassVar[SavePhase]
+    SAVE_ABORT: _ClassVar[SavePhase]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -47,6 +54,10 @@ ASYNC: SyncMode
 AGGREGATION_UNSPECIFIED: Aggregation
 SUM: Aggregation
 MEAN: Aggregation
+SAVE_PHASE_UNSPECIFIED: SavePhase
+SAVE_PREPARE: SavePhase
+SAVE_COMMIT: SavePhase
+SAVE_ABORT: SavePhase
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "content")
@@ -321,26 +332,36 @@ class BarrierResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("path", "tables")
+    __slots__ = ("path", "tables", "checkpoint", "phase", "keep")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint: str
+    phase: SavePhase
+    keep: int
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class ShardCheckpoint(_message.Message):
-    __slots__ = ("table", "shard_index", "rows", "step", "file")
+    __slots__ = ("table", "shard_index", "rows", "step", "file", "checkpoint", "sync")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     rows: int
     step: int
     file: str
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., file: _Optional[str] = ...) -> None: ...
+    checkpoint: str
+    sync: bool
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., file: _Optional[str] = ..., checkpoint: _Optional[str] = ..., sync: bool = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("shards",)
@@ -349,12 +370,16 @@ class SaveResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "tables")
+    __slots__ = ("path", "tables", "checkpoint", "verify_only")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ONLY_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint: str
+    verify_only: bool
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("shards",)

@@ -1,0 +1,239 @@
+"""Checkpoint directories: each save a new one, switched to by one atomic rename.
+
+Under `<data dir>/<path>`:
+    .staging-<name>/        a save in progress: PREPARE writes each server's shards here
+    <name>/                 a committed checkpoint, never written again
+    <name>/MANIFEST.json    written last: every file's size and SHA-256, every shard's step,
+                            and the SHA-256 of the manifest itself
+COMMIT writes the manifest, fsyncs every file's directory, renames the staging directory to
+`<name>` and fsyncs `<path>`: after a crash `<path>` holds the old checkpoints or the new one
+too, never a torn one. It then keeps the newest `keep`. Servers may share a data directory:
+the first to commit renames, the others find the checkpoint committed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from parallax.checkpoint_names import is_name
+from parallax_ps.errors import RequestError, invalid, precondition
+
+FORMAT_VERSION = 2
+MANIFEST = "MANIFEST.json"
+STAGING = ".staging-"
+DELETING = ".deleting-"
+
+
+def data_loss(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.DATA_LOSS, message)
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write a file under a temporary name, fsync it, rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checked_name(name: str) -> str:
+    if not is_name(name):
+        raise invalid(f"checkpoint name {name!r} is not ckpt-<20 digits>-<8 hex digits>; "
+                      f"use PSClient.save, which names each checkpoint")
+    return name
+
+
+def staging(root: Path, name: str) -> Path:
+    return root / f"{STAGING}{checked_name(name)}"
+
+
+def committed(root: Path) -> list[str]:
+    """Names of the committed checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if is_name(p.name) and p.is_dir())
+
+
+def _seal(manifest: dict) -> dict:
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return {**body, "sha256": hashlib.sha256(text).hexdigest()}
+
+
+def _parts(stage: Path) -> list[tuple[str, dict]]:
+    """(relative path, content) of every shard manifest staged; every other file must be the
+    data file one of them names."""
+    parts = [(p.relative_to(stage).as_posix(), json.loads(p.read_text()))
+             for p in sorted(stage.glob("*/shard-*.json"))]
+    named = {rel.rsplit("/", 1)[0] + "/" + part["file"] for rel, part in parts}
+    known = named | {rel for rel, _ in parts} | {MANIFEST}
+    stray = [p for p in stage.rglob("*") if p.is_file()
+             and p.relative_to(stage).as_posix() not in known]
+    if stray:
+        raise precondition(f"staged checkpoint {stage} holds files no shard wrote "
+                           f"({[str(p) for p in stray[:3]]}); save again")
+    return parts
+
+
+def write_manifest(stage: Path, name: str) -> None:
+    """Seal a checkpoint's files: MANIFEST.json, with every file's size and SHA-256, every
+    shard's step, and its own SHA-256 (also to reseal one edited on purpose, in tests)."""
+    manifest = _manifest(stage, name)
+    atomic_write(stage / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def _manifest(stage: Path, name: str) -> dict:
+    files, shards = {}, []
+    for rel, part in _parts(stage):
+        data = rel.rsplit("/", 1)[0] + "/" + part["file"]
+        files[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": sha256_of(stage / rel)}
+        files[data] = {"bytes": part["bytes"], "sha256": part["sha256"]}
+        shards.append({k: part[k] for k in ("table", "shard_index", "shard_count", "step",
+                                             "rows", "sync_mode")})
+    return _seal({"format_version": FORMAT_VERSION, "checkpoint": name, "files": files,
+                  "shards": shards})
+
+
+def commit(root: Path, name: str, keep: int) -> Path:
+    """Seal the staged checkpoint `name` and switch to it; keep the newest `keep`."""
+    final, stage = root / name, staging(root, name)
+    if keep < 1:
+        raise invalid(f"keep={keep}: a commit must keep at least 1 checkpoint")
+    if not stage.is_dir():
+        if (final / MANIFEST).is_file():
+            return final  # a server sharing this data directory committed it
+        raise precondition(f"checkpoint {name} was not prepared under {root} (no {stage}); "
+                           f"save again")
+    newer = [n for n in committed(root) if n > name]
+    if newer:
+        raise precondition(f"checkpoint {name} would sort before the existing {newer[-1]} "
+                           f"under {root} (the client's clock went back); save again")
+    write_manifest(stage, name)
+    for directory in {stage, *(p for p in stage.iterdir() if p.is_dir())}:
+        _fsync_dir(directory)
+    os.rename(stage, final)
+    _fsync_dir(root)
+    _prune(root, name, keep)
+    return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory; renamed first, so a crash midway leaves no half checkpoint."""
+    doomed = path.with_name(f"{DELETING}{path.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return  # a server sharing the data directory removed it
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _prune(root: Path, name: str, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; drop stagings older than `name` (they could never
+    commit now) and deletions a crash interrupted."""
+    for old in committed(root)[:-keep]:
+        _remove(root / old)
+    for entry in root.iterdir():
+        if entry.name.startswith(STAGING) and entry.name[len(STAGING):] < name:
+            _remove(entry)
+        elif entry.name.startswith(DELETING):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def abort(root: Path, name: str) -> None:
+    """Forget a failed save: its staging directory, and the checkpoint if one server
+    committed it before another failed."""
+    for path in (staging(root, name), root / name):
+        if path.is_dir():
+            _remove(path)
+
+
+def locate(root: Path, name: str) -> Path:
+    """The checkpoint to restore: `root` itself if it is one, else `root/name`, else the
+    newest under `root`."""
+    if (root / MANIFEST).is_file() and is_name(root.name):
+        if name and name != root.name:
+            raise invalid(f"checkpoint {name!r} asked for, but path {root} is {root.name}")
+        return root
+    if name:
+        found = root / checked_name(name)
+        if not found.is_dir():
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"no checkpoint {name} under {root} (it holds "
+                               f"{committed(root)}); restore one of those")
+        return found
+    names = committed(root)
+    if not names:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"no checkpoint under {root}: no ckpt-* directory made by "
+                           f"PSClient.save; check the path and the server's --data-dir")
+    return root / names[-1]
+
+
+def _older(directory: Path) -> str:
+    others = [n for n in committed(directory.parent) if n < directory.name]
+    return (f"restore an older one by path, e.g. {directory.parent.name}/{others[-1]}"
+            if others else "no older checkpoint is there")
+
+
+def read_manifest(directory: Path) -> dict:
+    """The checkpoint's manifest, its own checksum verified."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise data_loss(f"checkpoint {directory} has no {MANIFEST}: it is incomplete; "
+                        f"{_older(directory)}") from None
+    except (OSError, ValueError) as exc:
+        raise data_loss(f"checkpoint manifest {path} is unreadable ({exc}); "
+                        f"{_older(directory)}") from None
+    if not isinstance(manifest, dict) or _seal(manifest)["sha256"] != manifest.get("sha256"):
+        raise data_loss(f"checkpoint manifest {path} fails its checksum: it was changed after "
+                        f"it was written; {_older(directory)}")
+    return manifest
+
+
+def verified(directory: Path, manifest: dict, rel: str) -> Path:
+    """A file of the checkpoint, checked against the manifest's size and SHA-256."""
+    path = directory / rel
+    entry = manifest["files"].get(rel)
+    if entry is None:
+        raise data_loss(f"checkpoint file {path} is not in {directory / MANIFEST}; "
+                        f"{_older(directory)}")
+    if not path.is_file():
+        raise data_loss(f"checkpoint file {path} is missing; {_older(directory)}")
+    size = path.stat().st_size
+    if size != entry["bytes"] or sha256_of(path) != entry["sha256"]:
+        raise data_loss(f"checkpoint file {path} is corrupt or truncated ({size} bytes, "
+                        f"manifest says {entry['bytes']}; checksum mismatch); "
+                        f"{_older(directory)}")
+    return path
