@@ -392,8 +392,10 @@ class PullResponseWriter:
     """A PullResponse written in place: fill `values` (e.g. `np.take(..., out=values)`),
     then send `data()`; the rows are copied exactly once, into the message itself."""
 
-    def __init__(self, rows: int, dim: int, dtype: object, step: int) -> None:
-        self._data, views = _pull_response("values", rows, dim, dtype, step).build()
+    def __init__(self, rows: int, dim: int, dtype: object, step: int,
+                 max_bytes: int | None = None) -> None:
+        """`max_bytes`: raise MessageTooLarge, before allocating, if the answer is longer."""
+        self._data, views = _pull_response("values", rows, dim, dtype, step).build(max_bytes)
         self.values = views["values"]
 
     def data(self) -> bytes:

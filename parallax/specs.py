@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
+import numpy as np
+
 from parallax import wire
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2
@@ -60,10 +62,24 @@ class Initializer:
 
     def __post_init__(self) -> None:
         _lookup(_INIT_KINDS, self.kind, "initializer kind")
+        for name in ("value", "minval", "maxval", "mean", "stddev"):
+            number = getattr(self, name)
+            _require(math.isfinite(number), f"initializer {name} must be a finite number, got "
+                     f"{number}; NaN/Inf initial values are refused")
         _require(self.kind != "uniform" or self.minval < self.maxval,
                  f"uniform initializer needs minval < maxval, got [{self.minval}, {self.maxval})")
         _require(self.stddev >= 0, f"initializer stddev must be >= 0, got {self.stddev}")
         _require(0 <= self.seed < 2**64, f"initializer seed must be in [0, 2**64), got {self.seed}")
+
+    def largest(self) -> float:
+        """The largest magnitude an initial value (or, for uniform, the width it is drawn
+        from, in float64) can take; normal draws stay within 8.6 standard deviations, as they
+        come from 53-bit uniforms."""
+        reach = {"zeros": 0.0, "constant": abs(self.value),
+                 "uniform": max(abs(self.minval), abs(self.maxval), self.maxval - self.minval),
+                 "normal": abs(self.mean) + 8.6 * self.stddev,
+                 "truncated_normal": abs(self.mean) + 2.0 * self.stddev}
+        return reach[self.kind]
 
     def to_proto(self) -> ps_pb2.InitializerSpec:
         return ps_pb2.InitializerSpec(
@@ -252,6 +268,11 @@ class TableSpec:
                      f"applies to hashed_keys tables only")
         _require(self.dtype in ("float32", "float64"), f"table {self.name!r}: dtype must be "
                  f"'float32' or 'float64', got {self.dtype!r}")
+        largest = float(np.finfo(self.dtype).max)
+        _require(self.initializer.largest() <= largest, f"table {self.name!r}: the "
+                 f"{self.initializer.kind} initializer can reach {self.initializer.largest():g}, "
+                 f"beyond the largest {self.dtype} ({largest:g}); initial values would be "
+                 f"infinite: use smaller initializer values or dtype 'float64'")
         _require(type(self.optimizer) in _OPTIMIZERS.values(), f"table {self.name!r}: optimizer "
                  f"{self.optimizer!r} is not one of parallax.specs SGD, Adagrad, Adam, Ftrl")
         _require(isinstance(self.shard_count, int) and self.shard_count >= 1,

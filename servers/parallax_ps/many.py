@@ -5,7 +5,12 @@ Each part keeps its table's own semantics (sync waits and step closing, async on
 chunks, duplicate detection), and a request is all or nothing: every part is checked first,
 stateless checks without locks, then the step-state checks with the locks of every shard the
 request names held (always taken in (table, shard) order, the order Restore uses too, so two
-requests never wait on each other's locks); only then is anything read or changed.
+requests never wait on each other's locks); only then is anything read or changed. A part
+refused while being applied (an update that would not be finite) takes back the parts applied
+before it.
+
+The answer-size rule of pulls lives here too, for Pull and PullMany alike: the rows alone are
+checked before any wait, the exact size before the answer is allocated.
 """
 from __future__ import annotations
 
@@ -53,33 +58,46 @@ def _counts(shards: Sequence[TableShard], rows: Sequence[int], nbytes: Sequence[
     return out
 
 
-def _too_large(size: int, limit: int, exact: bool) -> RequestError:
+def _too_large(method: str, size: int, limit: int, exact: bool) -> RequestError:
     what = "" if exact else "at least "
     return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"PullMany would answer {what}{size} bytes, over the server's message "
+                        f"{method} would answer {what}{size} bytes, over the server's message "
                         f"limit of {limit} bytes; split the request (the client does, by "
                         f"ClientOptions.chunk_mb) or raise --max-message-mb")
 
 
-def _check_answer_size(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
-                       limit: int) -> None:
+def check_answer_size(method: str, shards: Sequence[TableShard], ids: Sequence[np.ndarray],
+                      limit: int) -> None:
     """Refuse at once (before any wait) an answer whose rows alone are over the limit; the
     exact size, headers included, is checked before the answer is allocated."""
     total = sum(len(i) * s.spec.dim * np.dtype(s.spec.dtype).itemsize
                 for s, i in zip(shards, ids))
     if total > limit:
-        raise _too_large(total, limit, exact=False)
+        raise _too_large(method, total, limit, exact=False)
 
 
-def _check_hashed_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray]) -> None:
-    """Every bounded hashed shard, with all of its parts' keys at once (locks held)."""
+@contextlib.contextmanager
+def exact_answer_size(method: str) -> Iterator[None]:
+    """Answer a writer's MessageTooLarge (raised before it allocates) with RESOURCE_EXHAUSTED."""
+    try:
+        yield
+    except bulk_codec.MessageTooLarge as exc:
+        raise _too_large(method, exc.size, exc.limit, exact=True) from None
+
+
+def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
+                    buffered: Sequence[int]) -> None:
+    """Every hashed shard with all of its parts' keys at once, and every shard with all the
+    bytes its parts buffer (locks held)."""
     keys: dict[int, list[np.ndarray]] = {}
-    for shard, part in zip(shards, ids):
-        if shard.spec.hashed_keys:
+    nbytes: dict[int, int] = {}
+    for shard, part, size in zip(shards, ids, buffered):
+        if shard.spec.hashed_keys or size:
             keys.setdefault(id(shard), []).append(part)
+            nbytes[id(shard)] = nbytes.get(id(shard), 0) + size
     by_id = {id(s): s for s in shards}
     for key, parts in keys.items():
-        by_id[key].check_capacity(np.concatenate(parts))
+        by_id[key].check_capacity(np.concatenate(parts), nbytes[key])
 
 
 def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
@@ -88,7 +106,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     parts = request.parts
     ids = [shard.check_ids(wire.decode(part.ids, f"part {i} ids"), f"part {i} ids")
            for i, (shard, part) in enumerate(zip(shards, parts))]
-    _check_answer_size(shards, ids, max_message_bytes)
+    check_answer_size("PullMany", shards, ids, max_message_bytes)
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > 0:
             shard.wait_step(part.min_step, deadline)
@@ -102,13 +120,11 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                 raise RequestError(grpc.StatusCode.ABORTED,
                                    f"{shard.label} went back to step {step} (restored) "
                                    f"while a pull waited for step {part.min_step}; retry")
-        _check_hashed_capacity(shards, ids)
-        try:
+        _check_capacity(shards, ids, [0] * len(ids))
+        with exact_answer_size("PullMany"):
             writer = bulk_codec.PullManyResponseWriter(
                 [(len(i), s.spec.dim, s.spec.dtype, step)
                  for s, i, step in zip(shards, ids, steps)], max_bytes=max_message_bytes)
-        except bulk_codec.MessageTooLarge as exc:
-            raise _too_large(exc.size, exc.limit, exact=True) from None
         for shard, part_ids, out in zip(shards, ids, writer.values):
             shard.gather_held(part_ids, out)
     counts = _counts(shards, [len(i) for i in ids], [v.nbytes for v in writer.values])
@@ -159,10 +175,31 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
         for shard, part, (_, lr), count in zip(shards, parts, checked, chunks):
             shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
                                    part.session)
-        _check_hashed_capacity(shards, [ids for ids, _ in checked])
-        results = [shard.apply_push_held(part.step, part.worker, ids, part.grads, lr,
-                                         part.chunk_index, count, part.session)
-                   for shard, part, (ids, lr), count in zip(shards, parts, checked, chunks)]
+        _check_capacity(shards, [ids for ids, _ in checked],
+                        [s.buffered_by(ids, p.grads) for s, p, (ids, _) in
+                         zip(shards, parts, checked)])
+        results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
     return results, counts
 
+
+
+def _apply_all(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
+               checked: Sequence[tuple[np.ndarray, float]], chunks: Sequence[int]
+               ) -> list[tuple[int, bool]]:
+    """Apply every checked part in order (locks held); a part refused while being applied
+    takes back the parts before it, so the request changes nothing."""
+    journal: list = []
+    results = []
+    try:
+        for i, (shard, part, (ids, lr), count) in enumerate(zip(shards, parts, checked,
+                                                                chunks)):
+            last = i == len(parts) - 1  # nothing after it can be refused: no journal
+            results.append(shard.apply_push_held(part.step, part.worker, ids, part.grads, lr,
+                                                 part.chunk_index, count, part.session,
+                                                 None if last else journal))
+    except RequestError:
+        for shard, applied in reversed(journal):
+            shard.undo(applied)
+        raise
+    return results

@@ -43,17 +43,17 @@ class ServerOptimizer:
         return {name: np.full((rows, dim), self.slot_initial_value(name), dtype=dtype)
                 for name in self.slot_names}
 
-    def apply(self, values: np.ndarray, slots: Slots, rows: np.ndarray, grads: np.ndarray,
-              step: int, learning_rate: float) -> None:
-        """Update `values[rows]` (and slots) in place; `rows` must be unique."""
+    def updated(self, values: np.ndarray, slots: Slots, rows: np.ndarray, grads: np.ndarray,
+                step: int, learning_rate: float) -> tuple[np.ndarray, Slots]:
+        """New values and slots of `rows` (unique), computed on copies: the caller checks
+        them before writing them back."""
         dtype = values.dtype.type
         w = np.take(values, rows, axis=0)
         s = {name: np.take(slot, rows, axis=0) for name, slot in slots.items()}
         g = grads.astype(dtype, copy=False)
-        self._update(self.spec, w, s, g, dtype(learning_rate), step, dtype)
-        values[rows] = w
-        for name, slot in slots.items():
-            slot[rows] = s[name]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            self._update(self.spec, w, s, g, dtype(learning_rate), step, dtype)
+        return w, s
 
 
 def _sgd(spec: SGD, w, s, g, lr, step, dt) -> None:

@@ -146,8 +146,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="serve Prometheus metrics at http://HOST:PORT/metrics on the same "
                              "host as gRPC (0: any free port; default: no metrics endpoint)")
     parser.add_argument("--memory-mb", type=int, default=None,
-                        help="memory the tables may use, reported to clients, which refuse a "
-                             "plan that does not fit (default: the cgroup limit, else RAM)")
+                        help="memory the tables may use (rows, slots, buffered pushes and "
+                             "InitRows streams): enforced, and reported to clients, which "
+                             "refuse a plan that does not fit (default: the cgroup limit, "
+                             "else RAM)")
     args = parser.parse_args(argv)
     if args.memory_mb is not None and args.memory_mb < 1:
         parser.error(f"--memory-mb {args.memory_mb} must be >= 1")

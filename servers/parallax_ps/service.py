@@ -23,6 +23,7 @@ from parallax.specs import TableSpec
 from parallax.version import PROTOCOL_VERSION, __version__
 from parallax_ps import checkpoint, many
 from parallax_ps.barrier import Barriers
+from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
@@ -122,6 +123,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_dir = data_dir
         self.max_message_bytes = max_message_bytes
         self.memory_bytes = memory_bytes
+        self.budget = MemoryBudget(memory_bytes)
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -168,7 +170,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             with self._lock:
                 existing = self._shards.get(key)
             if existing is None:
-                shard = TableShard(spec, request.shard_index)
+                shard = TableShard(spec, request.shard_index, self.budget)
                 with self._lock:
                     self._shards[key] = shard
                 log.info("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
@@ -192,7 +194,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc("InitRows")
     def InitRows(self, request_iterator, context):
-        shard, ids_parts, value_parts = None, [], []
+        shard, ids_parts, value_parts, buffered = None, [], [], 0
         for chunk in request_iterator:
             _check_decoded(chunk)
             if shard is None:
@@ -205,6 +207,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             shard.check_rows(values, len(ids), "values")
             ids_parts.append(ids)
             value_parts.append(values)
+            buffered += ids.nbytes + values.nbytes
+            self.budget.check(None, buffered, shard.label,
+                              f"an InitRows stream buffering {buffered} bytes of rows")
         if shard is None:
             raise invalid("InitRows stream was empty; send at least one chunk")
         ids = np.concatenate(ids_parts)
@@ -219,17 +224,21 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- rows ------------------------------------------------------------------------------
     @_rpc("Pull")
     def Pull(self, request, context):
-        """Answers with bytes the rows were gathered straight into (bulk_codec): one copy."""
+        """Answers with bytes the rows were gathered straight into (bulk_codec): one copy.
+        The answer's size is checked before any wait and before it is allocated."""
         shard = self.shard(request.table, request.shard_index)
+        ids = shard.check_ids(wire.decode(request.ids, "ids"))
+        many.check_answer_size("Pull", [shard], [ids], self.max_message_bytes)
         writer = None
 
         def allocate(rows: int, step: int) -> np.ndarray:
             nonlocal writer
-            writer = bulk_codec.PullResponseWriter(rows, shard.spec.dim, shard.spec.dtype, step)
+            with many.exact_answer_size("Pull"):
+                writer = bulk_codec.PullResponseWriter(rows, shard.spec.dim, shard.spec.dtype,
+                                                       step, max_bytes=self.max_message_bytes)
             return writer.values
 
-        values, _ = shard.pull(wire.decode(request.ids, "ids"), request.min_step,
-                               _deadline(context), allocate)
+        values, _ = shard.pull(ids, request.min_step, _deadline(context), allocate)
         return writer.data(), request.table, len(values), values.nbytes
 
     @_rpc("Push")

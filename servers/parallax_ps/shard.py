@@ -4,11 +4,16 @@ Every check runs before any state changes, so a rejected request leaves the shar
 it was. The lock is per shard (tables never contend with each other) and numpy releases the
 GIL for the heavy array work. Sync-mode readers wait on the shard's condition until the step
 they need is applied, so no pull ever sees a half-applied step.
+
+An update is computed on copies of the rows it touches and written back only when every
+value and slot it produces is finite. What a shard holds (rows, slots, buffered sync
+gradients) is claimed from the server's `MemoryBudget` before it is allocated.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -16,6 +21,7 @@ import numpy as np
 
 from parallax.routing import Partitioner, out_of_range
 from parallax.specs import TableSpec
+from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import ServerOptimizer, Slots
 from parallax_ps.steps import StepState
@@ -35,13 +41,34 @@ def _sum_is_finite(values: np.ndarray) -> bool:
         return bool(np.isfinite(np.sum(values)))
 
 
+def _all_finite(values: np.ndarray) -> bool:
+    """Exact, with one summing pass first: the element-wise check runs only when the sum is
+    not finite (a NaN/Inf, or an overflowed sum)."""
+    return _sum_is_finite(values) or bool(np.isfinite(values).all())
+
+
 class ShuttingDown(RequestError):
     def __init__(self, reason: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, reason)
 
 
+@dataclass
+class _Applied:
+    """One applied push of a multi-part request, kept until the whole request is applied:
+    enough to put the rows and the step bookkeeping back if a later part is refused."""
+
+    worker: int
+    step: int
+    batch: tuple[np.ndarray, np.ndarray]
+    chunk: int
+    session: int
+    originals: list[tuple[np.ndarray, np.ndarray, Slots]]
+    closed: tuple | None
+
+
 class TableShard:
-    def __init__(self, spec: TableSpec, shard_index: int) -> None:
+    def __init__(self, spec: TableSpec, shard_index: int,
+                 budget: MemoryBudget | None = None) -> None:
         if not 0 <= shard_index < spec.shard_count:
             raise invalid(f"table {spec.name!r}: shard_index {shard_index} is out of range "
                           f"[0, {spec.shard_count})")
@@ -50,7 +77,18 @@ class TableShard:
         self.label = f"table {spec.name!r} shard {shard_index}"
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.optimizer = ServerOptimizer(spec.optimizer)
-        self.storage = new_storage(spec, shard_index, self.optimizer)
+        self.budget = budget or MemoryBudget(0)
+        self.row_bytes = spec.dim * np.dtype(spec.dtype).itemsize * \
+            (1 + len(self.optimizer.slot_names))
+        rows = 0 if spec.hashed_keys else self.partitioner.shard_size(shard_index)
+        self.budget.claim(self, rows * self.row_bytes, self.label,
+                          f"creating {rows} rows of dim {spec.dim} ({self.row_bytes} bytes a "
+                          f"row with its optimizer slots)")
+        try:
+            self.storage = new_storage(spec, shard_index, self.optimizer)
+        except BaseException:
+            self.budget.release(self)
+            raise
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
@@ -92,25 +130,37 @@ class TableShard:
         if values.dtype != dtype:
             raise invalid(f"{self.label}: {field} dtype {values.dtype.name} does not match the "
                           f"table dtype {dtype.name}")
-        # One summing pass first (a NaN/Inf anywhere makes the sum non-finite); the exact
-        # element-wise check runs only when that sum is not finite (or overflowed).
-        if not self.spec.allow_non_finite and n and not _sum_is_finite(values) and \
-                not np.isfinite(values).all():
+        if not self.spec.allow_non_finite and n and not _all_finite(values):
             bad = np.argwhere(~np.isfinite(values))[0]
             raise invalid(f"{self.label}: {field} row {bad[0]} column {bad[1]} is "
                           f"{values[bad[0], bad[1]]}; NaN/Inf are rejected (create the table "
                           f"with allow_non_finite=True to accept them)")
 
-    def check_capacity(self, ids: np.ndarray) -> None:
-        """Refuse keys that would overflow a bounded hashed table (caller holds `cond`)."""
+    def check_capacity(self, ids: np.ndarray, buffered: int = 0) -> None:
+        """Refuse keys that would overflow a bounded hashed table, or new rows and `buffered`
+        bytes of sync gradients that would overflow the server's memory budget (caller holds
+        `cond`; changes nothing)."""
+        new = 0
+        if self.spec.hashed_keys and len(ids):
+            new = self.storage.count_new(np.concatenate([ids, *self.steps.pending_keys()]))
         limit = self.spec.max_rows_per_shard
-        if not (self.spec.hashed_keys and limit):
-            return
-        new = self.storage.count_new(np.concatenate([ids, *self.steps.pending_keys()]))
-        if self.storage.num_rows + new > limit:
+        if limit and self.storage.num_rows + new > limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.label}: {new} new keys would exceed max_rows_per_shard="
                                f"{limit} (holding {self.storage.num_rows}); raise it or add shards")
+        if new or buffered:
+            rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
+            self.budget.check(self, rows * self.row_bytes + pending, self.label,
+                              f"holding {rows} rows ({self.row_bytes} bytes a row with its "
+                              f"slots) and buffering {pending} bytes of step "
+                              f"{self.steps.step}'s gradients")
+
+    def _account(self) -> None:
+        """Tell the budget what this shard holds now (after a checked change); a closed
+        (deleted) shard has released its claim."""
+        if not self.closed:
+            self.budget.update(self, self.storage.num_rows * self.row_bytes +
+                               self.steps.buffered_bytes)
 
     # ---- reads and writes ----------------------------------------------------------------
     def wait_for_step(self, min_step: int, deadline: float | None) -> int:
@@ -132,15 +182,17 @@ class TableShard:
 
     def pull(self, ids: np.ndarray, min_step: int, deadline: float | None,
              allocate: Callable[[int, int], np.ndarray] | None = None) -> tuple[np.ndarray, int]:
-        """(rows, step). `allocate(n, step)` may provide the array to gather into (e.g. the
-        response message's own storage), so the rows are copied once."""
-        ids = self.check_ids(ids)
+        """(rows, step) of ids validated by `check_ids`. `allocate(n, step)` may provide the
+        array to gather into (e.g. the response message's own storage), so the rows are copied
+        once; it may refuse (raise), and nothing has changed then."""
         with self.cond:
             step = self.wait_for_step(min_step, deadline)
             if self.spec.hashed_keys:
                 self.check_capacity(ids)
+            out = allocate(len(ids), step) if allocate else None  # may refuse: nothing changed
             rows = self.storage.locate(ids, create=True)
-            out = allocate(len(rows), step) if allocate else None
+            if self.spec.hashed_keys:
+                self._account()
             # ids are validated, so mode="clip" never clips; it spares take a buffered copy
             return np.take(self.storage.values, rows, axis=0, out=out, mode="clip"), step
 
@@ -148,6 +200,8 @@ class TableShard:
         """Rows of validated `ids` into `out`; the caller holds `cond` (and checked the
         capacity of a hashed table for every part of its request)."""
         rows = self.storage.locate(ids, create=True)
+        if self.spec.hashed_keys:
+            self._account()
         np.take(self.storage.values, rows, axis=0, out=out, mode="clip")
 
     def check_push_input(self, ids: np.ndarray, grads: np.ndarray,
@@ -155,9 +209,12 @@ class TableShard:
         """Stateless checks of a push: (validated ids, the learning rate to apply)."""
         ids = self.check_ids(ids)
         self.check_rows(grads, len(ids), "grads")
-        if learning_rate < 0 or not np.isfinite(learning_rate):
+        with np.errstate(over="ignore"):
+            in_dtype = np.dtype(self.spec.dtype).type(learning_rate)
+        if learning_rate < 0 or not np.isfinite(in_dtype):
             raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
-                          f"(0 uses the table's optimizer spec)")
+                          f"as a {self.spec.dtype}, the table's dtype (0 uses the table's "
+                          f"optimizer spec)")
         return ids, learning_rate or self.spec.optimizer.learning_rate
 
     def check_push_state(self, step: int, worker: int, lr: float, chunk: int, chunks: int,
@@ -169,22 +226,82 @@ class TableShard:
                               session)
         self.steps.check_learning_rate(self.spec.name, lr)
 
+    def buffered_by(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """Bytes a push adds to the open step's buffer (sync steps keep pushes until all
+        workers have pushed)."""
+        return ids.nbytes + grads.nbytes if self.steps.sync else 0
+
     def apply_push_held(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
-                        lr: float, chunk: int, chunks: int, session: int) -> tuple[int, bool]:
+                        lr: float, chunk: int, chunks: int, session: int,
+                        journal: list[tuple["TableShard", _Applied]] | None = None
+                        ) -> tuple[int, bool]:
         """Record (and apply, when the step completes) a checked push; the caller holds
-        `cond`. Returns (steps applied, whether this push completed a step)."""
-        batches, completed = self.steps.add(worker, step, (ids, grads), lr, chunk, chunks,
-                                            session)
-        for batch_ids, batch_grads in batches:
-            if len(batch_ids):
-                rows = self.storage.locate(batch_ids, create=True)
-                self.optimizer.apply(self.storage.values, self.storage.slots, rows,
-                                     batch_grads, self.steps.step, lr)
-                self.storage.mark_changed(rows)
+        `cond`. Returns (steps applied, whether this push completed a step). An update that
+        would write a non-finite value or slot is refused and changes nothing; `journal`
+        (multi-part requests) collects what `undo` needs to take this push back."""
+        batch = (ids, grads)
+        batches, completed = self.steps.add(worker, step, batch, lr, chunk, chunks, session)
+        try:
+            updates = [self._updated(b_ids, b_grads, lr) for b_ids, b_grads in batches
+                       if len(b_ids)]
+        except RequestError:
+            self.steps.withdraw(worker, step, batch, chunk, session)
+            raise
+        originals = [self._rows_of(rows) for rows, _, _ in updates] if journal is not None \
+            else []
+        for rows, values, slots in updates:
+            self._write(rows, values, slots)
+            self.storage.mark_changed(rows)
+        closed = self.steps.complete() if completed else None
+        self._account()
+        if journal is not None:
+            journal.append((self, _Applied(worker, step, batch, chunk, session, originals,
+                                           closed)))
         if completed:
-            self.steps.step += 1
             self.cond.notify_all()
         return self.steps.step, completed
+
+    def undo(self, applied: _Applied) -> None:
+        """Take back a push `apply_push_held` journalled (the caller holds `cond`)."""
+        for rows, values, slots in reversed(applied.originals):
+            self._write(rows, values, slots)
+        if applied.closed is not None:
+            self.steps.reopen(applied.closed)
+        self.steps.withdraw(applied.worker, applied.step, applied.batch, applied.chunk,
+                            applied.session)
+        self._account()
+
+    def _rows_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, Slots]:
+        return rows, np.take(self.storage.values, rows, axis=0), \
+            {n: np.take(s, rows, axis=0) for n, s in self.storage.slots.items()}
+
+    def _write(self, rows: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        self.storage.values[rows] = values
+        for name, slot in self.storage.slots.items():
+            slot[rows] = slots[name]
+
+    def _updated(self, ids: np.ndarray, grads: np.ndarray, lr: float
+                 ) -> tuple[np.ndarray, np.ndarray, Slots]:
+        """(rows, new values, new slots) of one batch, not written yet; refused when a value
+        or slot would not be finite."""
+        rows = self.storage.locate(ids, create=True)
+        values, slots = self.optimizer.updated(self.storage.values, self.storage.slots, rows,
+                                               grads, self.steps.step, lr)
+        if not self.spec.allow_non_finite:
+            self._check_finite(ids, lr, values, slots)
+        return rows, values, slots
+
+    def _check_finite(self, ids: np.ndarray, lr: float, values: np.ndarray,
+                      slots: Slots) -> None:
+        for name, array in (("value", values), *((f"slot {n!r}", s) for n, s in slots.items())):
+            if not _all_finite(array):
+                row = int(np.argwhere(~np.isfinite(array))[0][0])
+                what = "the step's summed gradient" if self.steps.sync else "the gradient"
+                raise invalid(f"{self.label}: this update would make the {name} of id "
+                              f"{ids[row]} {array[row][~np.isfinite(array[row])][0]} (an "
+                              f"overflow of {self.spec.dtype} from {what} and learning_rate "
+                              f"{lr}); nothing was changed: lower the learning rate or clip "
+                              f"the gradients")
 
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
              learning_rate: float, chunk: int = 0, chunks: int = 1,
@@ -192,7 +309,7 @@ class TableShard:
         ids, lr = self.check_push_input(ids, grads, learning_rate)
         with self.cond:
             self.check_push_state(step, worker, lr, chunk, chunks, session)
-            self.check_capacity(ids)
+            self.check_capacity(ids, self.buffered_by(ids, grads))
             return self.apply_push_held(step, worker, ids, grads, lr, chunk, chunks, session)
 
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
@@ -202,6 +319,7 @@ class TableShard:
             rows = self.storage.locate(ids, create=True)
             self.storage.values[rows] = values
             self.storage.mark_changed(rows)
+            self._account()
 
     def wait_step(self, min_step: int, deadline: float | None) -> tuple[int, list[int]]:
         with self.cond:
@@ -231,6 +349,7 @@ class TableShard:
             self.check_between_steps()
             self.storage.replace(ids, values, slots)
             self.steps.reset(step)
+            self._account()
             self.cond.notify_all()
 
     # ---- live resharding ---------------------------------------------------------------
@@ -278,6 +397,7 @@ class TableShard:
             if self.spec.hashed_keys:
                 self.check_capacity(ids)
             self.storage.adopt(ids, values, slots)
+            self._account()
             if restart_changes:
                 self.storage.restart_changes()
             if step != self.steps.step:
@@ -288,6 +408,7 @@ class TableShard:
     def close(self, reason: str) -> None:
         with self.cond:
             self.closed = f"{self.label}: {reason}"
+            self.budget.release(self)
             self.cond.notify_all()
 
     @property

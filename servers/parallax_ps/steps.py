@@ -5,7 +5,11 @@ the aggregate (sum, or mean over workers) is applied once. Async mode applies ea
 arrival and counts one step per complete push. A worker may split a large push into
 `chunk_count` chunks that arrive in any order; a chunk that arrives twice (a retry) is refused
 with ALREADY_EXISTS instead of being applied twice (async: for a worker's last
-`ASYNC_HISTORY` steps).
+`ASYNC_HISTORY` steps). A push declares at most `MAX_CHUNKS` chunks.
+
+A step's bookkeeping changes in two stages: `add` records a chunk and hands back what to
+apply; the shard then either applies it and calls `complete`, or refuses it and calls
+`withdraw`, which leaves the state as it was before `add`.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from parallax_ps.errors import RequestError, invalid, precondition
 
 Batch = tuple[np.ndarray, np.ndarray]  # (ids, grads)
 ASYNC_HISTORY = 64  # async steps per worker whose chunks are remembered to refuse repeats
+MAX_CHUNKS = 1 << 16  # chunks one push may declare (64 GiB in 1 MiB chunks)
 
 
 @dataclass
@@ -43,6 +48,7 @@ class StepState:
     learning_rates: dict[int, float] = field(default_factory=dict)
     # async: worker -> (session, step -> push); a new session of a worker forgets the old one
     history: dict[int, tuple[int, dict[int, _Push]]] = field(default_factory=dict)
+    buffered_bytes: int = 0  # sync: ids and gradients held for the open step
 
     def _known(self, worker: int, step: int, session: int) -> _Push | None:
         if self.sync:
@@ -57,6 +63,10 @@ class StepState:
         if not 0 <= worker < self.num_workers:
             raise invalid(f"{where}: worker {worker} is out of range; the table has "
                           f"num_workers={self.num_workers}")
+        if chunks > MAX_CHUNKS:
+            raise invalid(f"{where}: chunk_count {chunks} is over the server's bound of "
+                          f"{MAX_CHUNKS} chunks per push; send fewer, larger chunks "
+                          f"(ClientOptions.chunk_mb)")
         if not 0 <= chunk < chunks:
             raise invalid(f"{where}: chunk_index {chunk} is outside [0, chunk_count={chunks})")
         if self.sync and step < self.step:
@@ -86,7 +96,8 @@ class StepState:
 
     def add(self, worker: int, step: int, batch: Batch, learning_rate: float, chunk: int,
             chunks: int, session: int = 0) -> tuple[list[Batch], bool]:
-        """Record a validated chunk: (batches to apply now, whether a step is completed)."""
+        """Record a validated chunk: (batches to apply now, whether they complete a step);
+        then `complete` once they are applied, or `withdraw` if they are refused."""
         if not self.sync:
             known_session, steps = self.history.get(worker, (None, {}))
             if known_session != session:
@@ -100,19 +111,49 @@ class StepState:
         push = self.pushes.setdefault(worker, _Push(chunks))
         push.chunks[chunk] = batch
         self.learning_rates[worker] = learning_rate
+        self.buffered_bytes += batch[0].nbytes + batch[1].nbytes
         if len(self.pushes) < self.num_workers or not all(p.whole for p in self.pushes.values()):
             return [], False
         return self._aggregate(), True
 
+    def complete(self) -> tuple:
+        """Close the open step (its batches are applied); returns what `reopen` needs."""
+        closed = (self.pushes, self.learning_rates, self.buffered_bytes)
+        self.step += 1
+        if self.sync:
+            self.pushes, self.learning_rates, self.buffered_bytes = {}, {}, 0
+        return closed
+
+    def reopen(self, closed: tuple) -> None:
+        """Undo `complete` (a later part of the same request was refused)."""
+        self.step -= 1
+        if self.sync:
+            self.pushes, self.learning_rates, self.buffered_bytes = closed
+
+    def withdraw(self, worker: int, step: int, batch: Batch, chunk: int, session: int) -> None:
+        """Forget a chunk `add` recorded, whose update was refused: as before `add`."""
+        push = self._known(worker, step, session)
+        if push is None:
+            return
+        push.chunks.pop(chunk, None)
+        if self.sync:
+            self.buffered_bytes -= batch[0].nbytes + batch[1].nbytes
+        if push.chunks:
+            return
+        if self.sync:
+            del self.pushes[worker]
+            self.learning_rates.pop(worker, None)
+        else:
+            self.history[worker][1].pop(step, None)
+
     def _aggregate(self) -> list[Batch]:
-        """The step's gradient as batches with disjoint ids, then reset for the next step.
+        """The step's gradient as batches with disjoint ids (the pushes stay recorded until
+        `complete`).
 
         One worker's chunks whose ids are already increasing across chunks (what the client
         sends) are applied chunk by chunk, avoiding a copy the size of the whole push."""
         chunks = [push.chunks[c] for _, push in sorted(self.pushes.items())
                   for c in sorted(push.chunks)]
-        self.pushes.clear()
-        self.learning_rates.clear()
         ids = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
         if self.num_workers == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
             return chunks
@@ -127,6 +168,7 @@ class StepState:
         self.pushes.clear()
         self.learning_rates.clear()
         self.history.clear()
+        self.buffered_bytes = 0
 
     def pending_keys(self) -> list[np.ndarray]:
         return [b[0] for p in self.pushes.values() for b in p.chunks.values() if b is not None]

@@ -1,0 +1,63 @@
+"""The memory the tables of one server may hold (`--memory-mb`), enforced before allocation.
+
+Every shard holds a claim: its rows and optimizer slots (a fixed-vocabulary shard claims its
+whole size when it is created, a hashed shard the rows it holds) plus the gradients of the
+open sync step it buffers. A request that would take the total over the limit is refused with
+RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means no limit.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from parallax_ps.errors import RequestError
+
+_MIB = 1 << 20
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.1f} MiB"
+
+
+class MemoryBudget:
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._claims: dict[object, int] = {}
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def check(self, owner: object, nbytes: int, label: str, what: str) -> None:
+        """Raise RESOURCE_EXHAUSTED unless `owner` may hold `nbytes` in all (changes nothing);
+        owner None: a buffer held for one request, outside every claim."""
+        with self._lock:
+            self._refuse_over(owner, nbytes, label, what)
+
+    def claim(self, owner: object, nbytes: int, label: str, what: str) -> None:
+        """Check, then record that `owner` holds `nbytes` in all."""
+        with self._lock:
+            self._refuse_over(owner, nbytes, label, what)
+            self._set(owner, nbytes)
+
+    def update(self, owner: object, nbytes: int) -> None:
+        """Record what `owner` holds now (after a checked change)."""
+        with self._lock:
+            self._set(owner, nbytes)
+
+    def release(self, owner: object) -> None:
+        with self._lock:
+            self._total -= self._claims.pop(owner, 0)
+
+    def _set(self, owner: object, nbytes: int) -> None:
+        self._total += nbytes - self._claims.get(owner, 0)
+        self._claims[owner] = nbytes
+
+    def _refuse_over(self, owner: object, nbytes: int, label: str, what: str) -> None:
+        others = self._total - self._claims.get(owner, 0)
+        if self.limit and others + nbytes > self.limit:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{label}: {what} needs {_mib(nbytes)}, but this server's tables may use "
+                f"{_mib(self.limit)} (--memory-mb) and other tables hold {_mib(others)}; "
+                f"raise --memory-mb, spread the table over more servers or shards, or "
+                f"delete tables")

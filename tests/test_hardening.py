@@ -1,0 +1,248 @@
+"""Attacks on the server's state and resources: each is refused with a precise status and
+leaves every table as it was (issue 13: InitRows atomicity, non-finite updates, pull answer
+size, --memory-mb, chunk and step-buffer bounds, malformed values answered INTERNAL).
+
+Real server processes on loopback; requests go through the raw stub where the client would
+catch the mistake first.
+"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from parallax import wire
+from parallax.client import PSClient
+from parallax.client.many import push_many
+from parallax.errors import ConfigError, ServerError
+from parallax.local_cluster import LocalCluster
+from parallax.ps.v1 import ps_pb2
+from parallax.specs import SGD, Adagrad, Initializer, TableSpec
+
+MB = 1 << 20
+
+
+def _chunk(table: str, ids, values, shard: int = 0) -> ps_pb2.InitRowsChunk:
+    msg = ps_pb2.InitRowsChunk(table=table, shard_index=shard)
+    wire.encode(np.asarray(ids, np.int64), msg.ids)
+    wire.encode(np.asarray(values, np.float32), msg.values)
+    return msg
+
+
+def _push(table: str, ids, grads, step: int = 0, **kw) -> ps_pb2.PushRequest:
+    request = ps_pb2.PushRequest(table=table, shard_index=0, step=step, **kw)
+    wire.encode(np.asarray(ids, np.int64), request.ids)
+    wire.encode(np.asarray(grads, np.float32), request.grads)
+    return request
+
+
+def _refused(call, code: grpc.StatusCode, *patterns: str) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    details = info.value.details()
+    assert info.value.code() == code, details
+    for pattern in patterns:
+        assert pattern in details, details
+    return details
+
+
+def _raw_stream(address: str):
+    """InitRows taking raw bytes per chunk, so a chunk can be anything."""
+    channel = grpc.insecure_channel(address)
+    return channel.stream_unary("/parallax.ps.v1.ParameterServer/InitRows",
+                                request_serializer=lambda b: b,
+                                response_deserializer=ps_pb2.InitRowsResponse.FromString)
+
+
+# ---- defect 5: InitRows is all or nothing ----------------------------------------------------
+def test_init_rows_stream_with_a_malformed_chunk_changes_nothing(cluster, client, snapshot,
+                                                                 table_name):
+    table = client.create_table(TableSpec(name=table_name, vocabulary_size=10, dim=2))
+    table.pull([0])
+    before = snapshot(table_name)
+    good = _chunk(table_name, [0], [[7, 7]]).SerializeToString()
+    for bad in (b"\xff\xff\xff", _chunk(table_name, [1], [[1, 2, 3]]).SerializeToString()):
+        _refused(lambda: _raw_stream(cluster.addresses[0])(iter([good, bad]), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT)
+        snapshot(table_name).assert_equal(before)
+    assert _raw_stream(cluster.addresses[0])(iter([good]), timeout=10).rows == 1
+    np.testing.assert_array_equal(table.pull([0]), [[7, 7]])
+
+
+# ---- defect 6: updates that would not be finite ----------------------------------------------
+OVERFLOWS = [
+    ("same id twice", dict(ids=[0, 0], grads=[[3e38, 3e38]] * 2), "the step's summed gradient"),
+    ("huge learning rate", dict(ids=[0], grads=[[1, 1]], learning_rate=1e300),
+     "learning_rate 1e+300 must be finite and >= 0 as a float32"),
+    ("adagrad slot", dict(ids=[0], grads=[[3e38, 0]], learning_rate=1.0), "slot 'accumulator'"),
+]
+
+
+@pytest.mark.parametrize("case", OVERFLOWS, ids=[c[0] for c in OVERFLOWS])
+def test_update_that_would_overflow_is_refused_and_changes_nothing(client, snapshot,
+                                                                   table_name, case):
+    _, fields, pattern = case
+    table = client.create_table(TableSpec(name=table_name, vocabulary_size=10, dim=2,
+                                          optimizer=Adagrad(learning_rate=0.1)))
+    table.push([0], np.ones((1, 2)), step=0)
+    before = snapshot(table_name)
+    stub = table.shards[0].stub()
+    _refused(lambda: stub.Push(_push(table_name, step=1, **fields), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, pattern)
+    snapshot(table_name).assert_equal(before)
+    table.push([0], np.ones((1, 2)), step=1)  # the step is still open and takes a good push
+    assert np.isfinite(table.pull([0], min_step=2)).all()
+
+
+def test_sync_step_whose_sum_overflows_is_refused_and_can_still_close(client, snapshot,
+                                                                      table_name):
+    table = client.create_table(TableSpec(name=table_name, vocabulary_size=10, dim=2,
+                                          num_workers=2, optimizer=SGD(learning_rate=1.0)))
+    before = snapshot(table_name)
+    stub = table.shards[0].stub()
+    stub.Push(_push(table_name, [0], [[3e38, 0]], worker=0), timeout=10)
+    _refused(lambda: stub.Push(_push(table_name, [0], [[3e38, 0]], worker=1), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "would make the value of id 0 -inf",
+             "nothing was changed")
+    snapshot(table_name).assert_equal(before)
+    assert stub.Push(_push(table_name, [0], [[1, 0]], worker=1), timeout=10).applied
+    np.testing.assert_allclose(table.pull([0], min_step=1), [[-3e38, 0]], rtol=1e-6)
+
+
+def test_push_many_part_that_would_overflow_takes_back_the_parts_before(client, snapshot,
+                                                                        table_name):
+    specs = [TableSpec(name=f"{table_name}_{k}", vocabulary_size=10, dim=2, num_workers=1,
+                       optimizer=Adagrad(learning_rate=0.1)) for k in "ab"]
+    tables = [client.create_table(spec, [0]) for spec in specs]  # one server: one request
+    for order in ((0, 1), (1, 0)):
+        before = [snapshot(spec.name) for spec in specs]
+        picked = [tables[k] for k in order]
+        grads = [np.full((2, 2), 3e38 if k == 1 else 1.0, np.float32) for k in order]
+        with pytest.raises(ServerError, match="INVALID_ARGUMENT.*would make the value"):
+            push_many(picked, [np.array([0, 1])] * 2, grads, [0, 0], 0,
+                      [1e3 if k == 1 else 0.1 for k in order])
+        for spec, snap in zip(specs, before):
+            snapshot(spec.name).assert_equal(snap)
+    assert push_many(tables, [np.array([0, 1])] * 2, [np.ones((2, 2), np.float32)] * 2,
+                     [0, 0], 0, [0.1, 0.1]) == [True, True]
+
+
+# ---- defect 7: a pull's answer size is checked before it is allocated -----------------------
+def _peak_rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_pull_answer_size_is_checked_before_allocating():
+    with LocalCluster(1, extra_args=["--max-message-mb", "8"]) as cluster, \
+            PSClient(cluster.addresses) as client:
+        table = client.create_table(TableSpec(name="wide", vocabulary_size=4, dim=2048))
+        table.pull([0])
+        peak = _peak_rss_mb(cluster.servers[0].proc.pid)
+        request = ps_pb2.PullRequest(table="wide", shard_index=0)
+        wire.encode(np.zeros(32_768, np.int64), request.ids)  # 256 KiB asking for 256 MiB
+        _refused(lambda: table.shards[0].stub().Pull(request, timeout=20),
+                 grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "Pull would answer at least 268435456 bytes, over the server's message "
+                 "limit of 8388608 bytes")
+        assert _peak_rss_mb(cluster.servers[0].proc.pid) - peak < 64
+        request = ps_pb2.PullRequest(table="wide", shard_index=0)  # rows fit, headers do not
+        wire.encode(np.zeros(1024, np.int64), request.ids)
+        _refused(lambda: table.shards[0].stub().Pull(request, timeout=20),
+                 grpc.StatusCode.RESOURCE_EXHAUSTED, "Pull would answer 83886")
+
+
+# ---- defect 9: --memory-mb, chunk counts and buffered step bytes are enforced ---------------
+@pytest.fixture(scope="module")
+def small_server():
+    """One server whose tables may use 64 MiB."""
+    with LocalCluster(1, extra_args=["--memory-mb", "64"]) as cluster:
+        yield cluster
+    assert cluster.exit_codes == [0]
+
+
+def _tables_held(client) -> list[tuple[str, int]]:
+    return sorted((t.table, t.rows) for r in client.stats().values() for t in r.tables)
+
+
+def test_memory_limit_refuses_a_table_that_does_not_fit(small_server):
+    with PSClient(small_server.addresses) as client:
+        with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: table 'big' shard 0: "
+                                              r"creating 131072 rows of dim 1024 .* needs "
+                                              r"512.0 MiB, .* may use 64.0 MiB \(--memory-mb\)"):
+            client.create_table(TableSpec(name="big", vocabulary_size=131_072, dim=1024))
+        first = client.create_table(TableSpec(name="first", vocabulary_size=10_240, dim=1024))
+        second = TableSpec(name="second", vocabulary_size=10_240, dim=1024)
+        with pytest.raises(ServerError, match=r"other tables hold 40.0 MiB"):
+            client.create_table(second)
+        assert _tables_held(client) == [("first", 10_240)]
+        client.delete_table(first)
+        client.delete_table(client.create_table(second))
+
+
+def test_memory_limit_bounds_hashed_growth_and_init_rows(small_server):
+    with PSClient(small_server.addresses) as client:
+        table = client.create_table(TableSpec(name="keys", hashed_keys=True, dim=1024))
+        table.pull(np.arange(1000))
+        request = ps_pb2.PullRequest(table="keys", shard_index=0)
+        wire.encode(np.arange(21_000, dtype=np.int64), request.ids)  # one request: 82 MiB
+        _refused(lambda: table.shards[0].stub().Pull(request, timeout=20),
+                 grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "table 'keys' shard 0: holding 21000 rows", "--memory-mb")
+        assert _tables_held(client) == [("keys", 1000)]
+        chunks = [_chunk("keys", np.arange(k * 1000, (k + 1) * 1000) + 10**9,
+                         np.ones((1000, 1024))).SerializeToString() for k in range(20)]
+        _refused(lambda: _raw_stream(small_server.addresses[0])(iter(chunks), timeout=30),
+                 grpc.StatusCode.RESOURCE_EXHAUSTED, "an InitRows stream buffering",
+                 "--memory-mb")
+        assert _tables_held(client) == [("keys", 1000)]
+        client.delete_table(table)
+
+
+def test_chunk_count_and_buffered_step_bytes_are_bounded(small_server):
+    with PSClient(small_server.addresses) as client:
+        table = client.create_table(TableSpec(name="sync", vocabulary_size=1024, dim=1024,
+                                              num_workers=2))
+        stub = table.shards[0].stub()
+        _refused(lambda: stub.Push(_push("sync", [0], np.ones((1, 1024)), chunk_count=10**6),
+                                   timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT,
+                 "chunk_count 1000000 is over the server's bound of 65536 chunks per push")
+        grads = np.ones((1024, 1024), np.float32)  # 4 MiB a chunk
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in range(100):
+                stub.Push(_push("sync", np.arange(1024), grads, chunk_index=chunk,
+                                chunk_count=100), timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "buffering" in info.value.details() and "--memory-mb" in info.value.details()
+        assert 10 <= chunk < 16, chunk  # 64 MiB, less the table's 4 MiB
+        client.delete_table(table)
+
+
+# ---- item 10: NaN/Inf initializers; values that used to answer INTERNAL ---------------------
+def test_non_finite_initializers_are_refused(client, table_name):
+    with pytest.raises(ConfigError, match="initializer value must be a finite number, got nan"):
+        Initializer("constant", value=float("nan"))
+    with pytest.raises(ConfigError, match="can reach 1e\\+39, beyond the largest float32"):
+        TableSpec(name=table_name, vocabulary_size=4, dim=1,
+                  initializer=Initializer("constant", value=1e39))
+    spec = TableSpec(name=table_name, vocabulary_size=4, dim=1).to_proto()
+    for field, value in (("value", float("inf")), ("stddev", float("nan"))):
+        bad = ps_pb2.TableSpec()
+        bad.CopyFrom(spec)
+        bad.initializer.kind = ps_pb2.InitializerSpec.RANDOM_NORMAL
+        setattr(bad.initializer, field, value)
+        stub = client.table(TableSpec(name=table_name, vocabulary_size=4, dim=1)).shards[0].stub()
+        _refused(lambda: stub.CreateTable(ps_pb2.CreateTableRequest(spec=bad), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, f"initializer {field} must be a finite")
+
+
+def test_a_table_too_large_to_allocate_is_resource_exhausted_not_internal(client, table_name):
+    table = client.table(TableSpec(name=table_name, vocabulary_size=4, dim=1))
+    spec = TableSpec(name=table_name, vocabulary_size=2**62, dim=2).to_proto()
+    _refused(lambda: table.shards[0].stub().CreateTable(
+        ps_pb2.CreateTableRequest(spec=spec), timeout=10),
+        grpc.StatusCode.RESOURCE_EXHAUSTED, f"table {table_name!r} shard 0: creating",
+        "--memory-mb")
