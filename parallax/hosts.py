@@ -37,6 +37,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from parallax import lifeline
 from parallax.errors import ConfigError, ParallaxError
 from parallax.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
 
@@ -413,7 +414,8 @@ def _serve(argv: list[str]) -> int:
     """Run argv; stop it when stdin reaches EOF or on SIGTERM/SIGHUP; exit with its code."""
     import signal
 
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                            env=lifeline.child_env())  # the server ends with this wrapper
 
     def stop(*_):
         if proc.poll() is None:

@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from parallax import lifeline
 from parallax.errors import ConfigError, ParallaxError
 
 ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
@@ -213,13 +214,13 @@ class _Job:
     signals reach it once, from the launcher, and leftovers in the group can be killed."""
 
     def __init__(self, argv: list[str], env: dict[str, str], horovod: bool) -> None:
-        group = ({"process_group": 0} if sys.version_info >= (3, 11)
-                 else {"preexec_fn": os.setpgrp})
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        preexec = lifeline.dies_with(os.getpid(), new_group=not group)  # no orphans either
         self.horovod = horovod
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod
-                                     else None, **group)
+                                     else None, preexec_fn=preexec, **group)
         self._pump = None
         if horovod:
             self._pump = threading.Thread(target=self._forward, daemon=True)

@@ -2,7 +2,8 @@
 
 Each server is started with `--port 0`; its address is read from the READY line it prints,
 so there is no race for free ports. Output is forwarded with a `[ps i]` prefix. `stop()`
-sends SIGTERM, waits, kills stragglers, and reports every exit code.
+sends SIGTERM, waits, kills stragglers, and reports every exit code. A server whose parent
+dies without stopping it (SIGKILL, os._exit) stops by itself (`parallax.lifeline`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from parallax import lifeline
 from parallax.errors import ParallaxError
 
 READY_PREFIX = "PARALLAX_SERVER_READY"
@@ -40,7 +42,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             command, stdin=stdin, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env=lifeline.child_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
         self.address: str | None = None
         self._ready = threading.Event()
         self._echo = echo

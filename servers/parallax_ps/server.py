@@ -1,8 +1,10 @@
 """The parameter-server process: gRPC server, health service, graceful shutdown.
 
-On SIGTERM or SIGINT the server reports NOT_SERVING, stops taking new RPCs, wakes every
-request waiting on a step or barrier (they end with UNAVAILABLE), lets in-flight requests
-finish within the grace period, and exits 0.
+On SIGTERM or SIGINT, or once the process that started it is gone (`parallax.lifeline`: a
+launcher or a program with embedded servers killed by SIGKILL or the OOM killer), the server
+reports NOT_SERVING, stops taking new RPCs, wakes every request waiting on a step or barrier
+(they end with UNAVAILABLE), lets in-flight requests finish within the grace period, and
+exits 0.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from parallax import security
+from parallax import lifeline, security
 from parallax.errors import ConfigError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax_ps import metrics
@@ -175,6 +177,12 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         memory_mb=args.memory_mb)
 
 
+def _orphaned(parent: int, stop: threading.Event) -> None:
+    log.warning("parent process %d is gone (it started this server and did not stop it); "
+                "shutting down", parent)
+    stop.set()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s parallax-ps %(message)s")
     config = parse_args(argv)
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    lifeline.watch_parent(lambda parent: _orphaned(parent, stop))
     extra = f" metrics={server.metrics_address}" if server.metrics_address else ""
     print(f"{READY_PREFIX} address={server.address} pid={os.getpid()}{extra}", flush=True)
     while not stop.wait(0.5):
