@@ -240,7 +240,8 @@ def test_waiting_pull_many_times_out_naming_who_pushed(cluster, client, table_na
         with pytest.raises(ServerError, match="DEADLINE_EXCEEDED") as info:
             pull_many([impatient.table(s) for s in specs], [np.array([0]), np.array([1])],
                       [1, 1])
-    assert "workers [1] of 2 pushed step 0" in str(info.value)
+    assert "worker(s) [0] of 2 have not pushed step 0" in str(info.value)
+    assert "complete pushes: [1]" in str(info.value)
     assert "PullMany" in str(info.value) and table_name in str(info.value)
 
 

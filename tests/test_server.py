@@ -101,7 +101,8 @@ def test_waiting_pull_times_out_with_who_is_missing(cluster, client, table_name)
         with pytest.raises(ServerError, match=r"DEADLINE_EXCEEDED") as info:
             impatient.table(spec).pull([0], min_step=1)
         assert cluster.addresses[0] in str(info.value) and table_name in str(info.value)
-        assert "workers [1] of 2 pushed step 0" in str(info.value)
+        assert "worker(s) [0] of 2 have not pushed step 0" in str(info.value)
+        assert "complete pushes: [1]" in str(info.value)
 
 
 def test_async_mode_applies_each_push_on_arrival(client, table_name):

@@ -37,7 +37,8 @@ class ServerConfig:
     port: int = 0
     data_dir: Path | None = None
     max_message_mb: int = 256
-    threads: int = 64  # sync-mode waits hold a thread each: keep well above workers x shards
+    threads: int = 64  # for RPCs that may wait (pulls, barriers, InitRows streams)
+    reserved_threads: int = 8  # for the others (pushes, health, stats, control): never waits
     grace_seconds: float = 5.0
     tls_cert: Path | None = None       # with tls_key: serve TLS
     tls_key: Path | None = None
@@ -77,15 +78,18 @@ class RunningServer:
         token = security.read_token(config.token_file) if config.token_file else None
         credentials = security.server_credentials(
             config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+        self.wait_pool = futures.ThreadPoolExecutor(max_workers=config.threads,
+                                                    thread_name_prefix="ps-wait")
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="ps"),
+            futures.ThreadPoolExecutor(max_workers=config.reserved_threads,
+                                       thread_name_prefix="ps"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
             interceptors=[security.TokenInterceptor(token)] if token else None)
         self.service = ParameterServerService(config.data_dir, limit,
-                                              memory_budget(config.memory_mb))
-        add_to_server(self.service, self.server)
+                                              memory_budget(config.memory_mb), config.threads)
+        add_to_server(self.service, self.server, self.wait_pool)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
@@ -118,6 +122,7 @@ class RunningServer:
         done = self.server.stop(self.config.grace_seconds if grace is None else grace)
         self.service.close()
         done.wait()
+        self.wait_pool.shutdown(wait=False)
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
@@ -131,8 +136,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument("--max-message-mb", type=int, default=256,
                         help="largest request or response in MiB (default 256)")
     parser.add_argument("--threads", type=int, default=64,
-                        help="RPC worker threads (default 64); in sync mode every waiting "
-                             "worker holds one per shard, so keep it above workers x shards")
+                        help="threads for RPCs that may wait: pulls (a sync pull waits for "
+                             "its step), barriers and InitRows streams (default 64). A sync "
+                             "table is refused when its workers x the sync shards held here "
+                             "exceed it")
+    parser.add_argument("--reserved-threads", type=int, default=8,
+                        help="threads for RPCs that never wait (pushes, health checks, stats, "
+                             "table and checkpoint control): waiting pulls cannot take them "
+                             "(default 8)")
     parser.add_argument("--grace-seconds", type=float, default=5.0,
                         help="how long in-flight requests may finish on shutdown")
     parser.add_argument("--tls-cert", type=Path, default=None,
@@ -159,8 +170,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error(f"--port {args.port} is not a TCP port (0-65535)")
     if args.max_message_mb < 1:
         parser.error(f"--max-message-mb {args.max_message_mb} must be >= 1")
-    if args.threads < 1:
-        parser.error(f"--threads {args.threads} must be >= 1")
+    for flag, value in (("--threads", args.threads),
+                        ("--reserved-threads", args.reserved_threads)):
+        if value < 1:
+            parser.error(f"{flag} {value} must be >= 1")
     if (args.tls_cert is None) != (args.tls_key is None):
         given, missing = (("--tls-cert", "--tls-key") if args.tls_key is None
                           else ("--tls-key", "--tls-cert"))
@@ -173,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         tls_client_ca=args.tls_client_ca, token_file=args.token_file,
                         host=args.host, port=args.port, data_dir=args.data_dir,
                         max_message_mb=args.max_message_mb, threads=args.threads,
+                        reserved_threads=args.reserved_threads,
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
                         memory_mb=args.memory_mb)
 

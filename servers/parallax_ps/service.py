@@ -2,6 +2,13 @@
 
 Each handler turns every rejection into a precise gRPC status: `RequestError` carries its own
 code, spec and wire errors are INVALID_ARGUMENT, anything unexpected is INTERNAL and logged.
+
+RPCs that may wait (`WAITING_METHODS`: sync pulls until their step closes, barriers, and
+InitRows streams as long as the client streams) run on a pool of their own (`--threads`),
+so they can never take the threads that pushes, health checks, stats and control RPCs run
+on (`--reserved-threads`): a stuck step cannot starve the push that would close it. A sync
+table is refused at creation when its workers could hold more waiting pulls at once than
+that pool has threads (every worker may wait on every shard).
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -30,6 +38,7 @@ from parallax_ps.stats import ServerStats
 
 log = logging.getLogger("parallax_ps")
 SERVICE_NAME = "parallax.ps.v1.ParameterServer"
+WAITING_METHODS = frozenset({"Pull", "PullMany", "WaitStep", "Barrier", "InitRows"})
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -119,8 +128,9 @@ def _rpc_many(method: str):
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
-                 memory_bytes: int = 0) -> None:
+                 memory_bytes: int = 0, wait_threads: int | None = None) -> None:
         self.data_dir = data_dir
+        self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes)
@@ -170,6 +180,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             with self._lock:
                 existing = self._shards.get(key)
             if existing is None:
+                self._check_wait_threads(spec)
                 shard = TableShard(spec, request.shard_index, self.budget)
                 with self._lock:
                     self._shards[key] = shard
@@ -183,6 +194,30 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                f"or create it with the same spec")
         return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
                                            step=existing.steps.step), spec.name, 0, 0)
+
+    def _check_wait_threads(self, spec: TableSpec) -> None:
+        """Refuse a sync shard whose workers, with those of the sync shards held, could wait
+        in more pulls at once than there are threads for waiting RPCs."""
+        if self.wait_threads is None or spec.sync_mode != "sync":
+            return
+        with self._lock:
+            held = [(t, s.spec.num_workers) for (t, _), s in self._shards.items()
+                    if s.steps.sync]
+        waiting = sum(workers for _, workers in held)
+        if waiting + spec.num_workers <= self.wait_threads:
+            return
+        ours = sum(1 for t, _ in held if t == spec.name)
+        needed = waiting + spec.num_workers * (spec.shard_count - ours)  # all of it here
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"table {spec.name!r}: this server has --threads {self.wait_threads} for waiting "
+            f"requests, but its sync shards ({len(held) + 1} with this one) can have "
+            f"{waiting + spec.num_workers} pulls waiting at once (each of a table's "
+            f"{spec.num_workers} workers waits on each of its shards), and a pull with no "
+            f"thread left would stall the job; restart the server with --threads {needed} or "
+            f"more (parallax run --server-arg=--threads={needed}; that counts all "
+            f"{spec.shard_count} shards of the table as placed here), or place fewer shards "
+            f"on it")
 
     @_rpc("DeleteTable")
     def DeleteTable(self, request, context):
@@ -377,10 +412,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return response, "", 0, 0
 
 
-def add_to_server(service: ParameterServerService, server: grpc.Server) -> None:
+def _on_pool(behavior, pool: futures.ThreadPoolExecutor):
+    """`behavior`, run by gRPC on `pool` rather than the server's own executor (gRPC's
+    `experimental_thread_pool` attribute of a method handler's behavior)."""
+    def run(request, context):
+        return behavior(request, context)
+    run.experimental_thread_pool = pool
+    return run
+
+
+def add_to_server(service: ParameterServerService, server: grpc.Server,
+                  wait_pool: futures.ThreadPoolExecutor | None = None) -> None:
     """Register the service like the generated helper does, except that Pull and PullMany
     answers and Push and PushMany requests use the bulk codec (same wire format, fewer
-    copies)."""
+    copies), and that `WAITING_METHODS` run on `wait_pool` when one is given."""
     handlers = {}
     for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
         request_type = getattr(ps_pb2, method.input_type.name)
@@ -394,7 +439,10 @@ def add_to_server(service: ParameterServerService, server: grpc.Server) -> None:
             deserialize = bulk_codec.decode_push_many_request
         factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
                    else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = factory(getattr(service, method.name),
+        behavior = getattr(service, method.name)
+        if wait_pool is not None and method.name in WAITING_METHODS:
+            behavior = _on_pool(behavior, wait_pool)
+        handlers[method.name] = factory(behavior,
                                         request_deserializer=_tolerant(deserialize,
                                                                        method.input_type.name),
                                         response_serializer=serialize)

@@ -170,9 +170,8 @@ class TableShard:
                 raise ShuttingDown(self.closed)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                waiting = (f"workers {self.steps.pushed_workers()} of "
-                           f"{self.spec.num_workers} pushed step {self.steps.step}"
-                           if self.steps.sync else "async steps count complete pushes")
+                waiting = (self.steps.waiting_for() if self.steps.sync
+                           else "async steps count complete pushes")
                 raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.label}: still at step {self.steps.step}, waiting for {min_step}; "

@@ -180,3 +180,14 @@ class StepState:
     def pushed_workers(self) -> list[int]:
         """Sync: the workers whose push for the open step is complete."""
         return sorted(w for w, p in self.pushes.items() if p.whole)
+
+    def waiting_for(self) -> str:
+        """Sync: who the open step waits for, named for a timeout's message: the workers
+        that have not pushed it, and those whose push still lacks chunks."""
+        missing = [w for w in range(self.num_workers) if w not in self.pushes]
+        partial = sorted(w for w, p in self.pushes.items() if not p.whole)
+        text = (f"worker(s) {missing} of {self.num_workers} have not pushed step {self.step}"
+                if missing else f"every worker has started its push for step {self.step}")
+        if partial:
+            text += f"; worker(s) {partial} sent only part of their chunks"
+        return text + f" (complete pushes: {self.pushed_workers()})"
