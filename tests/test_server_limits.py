@@ -1,12 +1,19 @@
-"""A server under a stuck step (issue 13, defect 8): waiting pulls cannot take the threads of
-pushes and health checks, --threads is checked against workers x shards, and a timeout names
-the workers that have not pushed. Real server processes on loopback, free ports."""
+"""A server's limits, attacked through real server processes on loopback (free ports).
+
+Issue 13, defect 8: waiting pulls cannot take the threads of pushes and health checks,
+--threads is checked against workers x shards, and a timeout names the workers that have not
+pushed. Item 10c: /metrics listens on loopback unless asked, needs the gRPC API's token and
+TLS, and bounds its connections."""
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,6 +22,7 @@ from parallax.client import ClientOptions, PSClient
 from parallax.client.connection import ServerConnection
 from parallax.errors import ServerError
 from parallax.local_cluster import LocalCluster
+from parallax.security import generate_job_credentials, read_token
 from parallax.specs import TableSpec
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
@@ -84,3 +92,79 @@ def test_reserved_threads_must_be_positive():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--reserved-threads 0 must be >= 1" in result.stderr
+
+
+# ---- /metrics (issue 13, item 10c) ---------------------------------------------------------
+
+def metrics_address(cluster: LocalCluster) -> str:
+    ready = next(line for line in cluster.servers[0].lines
+                 if line.startswith("PARALLAX_SERVER_READY"))
+    return dict(f.split("=", 1) for f in ready.split()[1:])["metrics"]
+
+
+def get(url: str, context=None, headers=None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+def test_metrics_listen_on_loopback_even_when_grpc_serves_every_interface():
+    with LocalCluster(1, host="0.0.0.0", extra_args=["--metrics-port", "0"]) as cluster:
+        address = metrics_address(cluster)
+        assert address.startswith("127.0.0.1:"), address
+        assert get(f"http://{address}/metrics")[0] == 200
+    with LocalCluster(1, extra_args=["--metrics-port", "0", "--metrics-host", "0.0.0.0"]) \
+            as cluster:  # asked for: every interface
+        assert metrics_address(cluster).startswith("0.0.0.0:")
+
+
+def test_metrics_need_the_token_and_the_tls_of_the_grpc_api(tmp_path):
+    creds = generate_job_credentials(tmp_path)
+    token = read_token(creds.token_file)
+    with LocalCluster(1, extra_args=[*creds.server_args(), "--metrics-port", "0"]) as cluster:
+        address = metrics_address(cluster)
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://{address}/metrics", timeout=5)  # plain text
+        tls = ssl.create_default_context(cafile=str(creds.ca_cert))
+        tls.load_cert_chain(str(creds.client_cert), str(creds.client_key))
+        url = f"https://{address}/metrics"
+        assert get(url, tls)[0] == 401
+        assert get(url, tls, {"Authorization": "Bearer wrong"})[0] == 401
+        status, body = get(url, tls, {"Authorization": f"Bearer {token}"})
+        assert status == 200 and "parallax_up 1" in body
+        anonymous = ssl.create_default_context(cafile=str(creds.ca_cert))  # no client cert
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            urllib.request.urlopen(urllib.request.Request(
+                url, headers={"Authorization": f"Bearer {token}"}), timeout=5,
+                context=anonymous).read()
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_metrics_connections_are_bounded_and_idle_ones_closed(monkeypatch):
+    from parallax_ps.metrics import MAX_CONNECTIONS
+    monkeypatch.setenv("PARALLAX_METRICS_IDLE_S", "2")
+    with LocalCluster(1, extra_args=["--metrics-port", "0"]) as cluster:
+        host, port = metrics_address(cluster).rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
+        try:
+            time.sleep(0.3)  # every idle connection has its thread
+            extra = socket.create_connection((host, int(port)))
+            assert closed_by_peer(extra, 1.0), "a connection over the bound was served"
+            extra.close()
+            assert all(closed_by_peer(s, 5.0) for s in idle), "idle connections stay open"
+        finally:
+            for sock in idle:
+                sock.close()
+        assert get(f"http://{host}:{port}/metrics")[0] == 200

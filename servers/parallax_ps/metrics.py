@@ -4,16 +4,28 @@
 allocation beyond the first request of a label set); `render` adds gauges read from the
 shards at scrape time; `MetricsServer` answers `GET /metrics` from a daemon thread
 (stdlib `http.server`, no dependency).
+
+The endpoint is guarded like the gRPC API: with a token, a scrape must carry
+`Authorization: Bearer <token>` (else 401); with TLS, it is HTTPS with the server's
+certificate (and, for mutual TLS, requires a client certificate signed by the same CA). At
+most `MAX_CONNECTIONS` connections are served at once (more are closed on arrival), and one
+that sends nothing for `PARALLAX_METRICS_IDLE_S` seconds (default 10) is closed.
 """
 from __future__ import annotations
 
 import bisect
+import hmac
 import logging
+import os
 import socket
 import socketserver
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
+
+from parallax.errors import ConfigError
+from parallax.security import TOKEN_SCHEME
 
 log = logging.getLogger("parallax_ps")
 
@@ -21,6 +33,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds (seconds) of the latency histogram: 100 us .. 10 s.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1.0, 2.5, 5.0, 10.0)
+MAX_CONNECTIONS = 8  # served at once; more are closed on arrival
+IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a connection may stay silent (default 10)
 # Which way the row payload (values, gradients) of a method travels.
 DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in", "PullMany": "out",
              "PushMany": "in"}
@@ -160,45 +174,121 @@ def render(service) -> str:
     return "\n".join(lines) + "\n"
 
 
-class MetricsServer:
-    """`GET /metrics` on host:port (0: a free port) from a daemon thread."""
+def tls_context(cert, key, client_ca=None) -> ssl.SSLContext:
+    """The server side of HTTPS with the gRPC API's certificate and key; with `client_ca`,
+    client certificates signed by it are required (mutual TLS)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    if client_ca is not None:
+        context.load_verify_locations(str(client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
-    def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.split("?", 1)[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                try:
-                    body = render().encode()
-                except Exception:  # a bug: answer 500, keep the server up
-                    log.exception("rendering metrics failed")
-                    self.send_error(500, "rendering metrics failed; see the server log")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
+
+def _idle_seconds() -> float:
+    text = os.environ.get(IDLE_ENV, "10")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"{IDLE_ENV}={text!r} must be a number of seconds > 0")
+    return seconds
+
+
+def _handler(render: Callable[[], str], token: str | None, idle: float):
+    """The request handler class: checks the token, answers /metrics, 404 elsewhere."""
+    expected = (TOKEN_SCHEME + token).encode() if token else None
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = idle  # a silent connection is closed
+
+        def setup(self) -> None:
+            self.request.settimeout(idle)
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.do_handshake()  # here, not in the accepting thread
+            super().setup()
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            given = (self.headers.get("Authorization") or "").encode()
+            if expected is not None and not hmac.compare_digest(given, expected):
+                self.send_response(401, "this server's metrics need the cluster token")
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Length", "0")
                 self.end_headers()
-                self.wfile.write(body)
+                return
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            try:
+                body = render().encode()
+            except Exception:  # a bug: answer 500, keep the server up
+                log.exception("rendering metrics failed")
+                self.send_error(500, "rendering metrics failed; see the server log")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-            def log_message(self, *args) -> None:  # scrapes are not worth a log line
-                pass
+        def log_message(self, *args) -> None:  # scrapes are not worth a log line
+            pass
 
-        bind = host.strip("[]")
+    return Handler
 
-        class Server(ThreadingHTTPServer):
-            address_family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-            daemon_threads = True
 
-            def server_bind(self) -> None:  # HTTPServer's would resolve the host name (slow)
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = bind, self.server_address[1]
+class _Server(ThreadingHTTPServer):
+    """One daemon thread per connection, at most `MAX_CONNECTIONS` at once; TLS, when
+    given, is negotiated in the connection's thread."""
 
+    daemon_threads = True
+    tls: ssl.SSLContext | None = None
+
+    def __init__(self, address, handler, tls: ssl.SSLContext | None) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.tls = tls
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:  # HTTPServer's would resolve the host name (slow)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def get_request(self):
+        sock, address = self.socket.accept()
+        if self.tls is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the bound: closed at once
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
         try:
-            self.httpd = Server((bind, port), Handler)
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+
+class MetricsServer:
+    """`GET /metrics` on host:port (0: a free port) from a daemon thread; with `token`, a
+    scrape must carry it; with `tls`, the endpoint is HTTPS."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], str],
+                 token: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+        bind = host.strip("[]")
+        try:
+            self.httpd = _Server((bind, port), _handler(render, token, _idle_seconds()), tls)
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); "
-                          f"pick another --metrics-port") from None
+                          f"pick another --metrics-port or --metrics-host") from None
         shown = f"[{bind}]" if ":" in bind else bind
         self.address = f"{shown}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,

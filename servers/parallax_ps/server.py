@@ -45,6 +45,7 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # mutual TLS: client certificates signed by this CA
     token_file: Path | None = None     # every RPC must carry this cluster token
     metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens: loopback unless asked
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
 
     @property
@@ -109,7 +110,9 @@ class RunningServer:
         host = f"[{config.host}]" if ":" in config.host else config.host
         self.address = f"{host}:{port}"
         self.metrics = None if config.metrics_port is None else metrics.MetricsServer(
-            config.host, config.metrics_port, lambda: metrics.render(self.service))
+            config.metrics_host, config.metrics_port, lambda: metrics.render(self.service),
+            token, metrics.tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert else None)
         self.metrics_address = self.metrics.address if self.metrics is not None else None
         self.server.start()
         for name in ("", SERVICE_NAME):
@@ -156,8 +159,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="file holding the cluster token that every RPC must carry "
                              "(authorization: Bearer <token>)")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics on the same "
-                             "host as gRPC (0: any free port; default: no metrics endpoint)")
+                        help="serve Prometheus metrics at http(s)://METRICS_HOST:PORT/metrics "
+                             "(0: any free port; default: no metrics endpoint); with "
+                             "--token-file a scrape needs the token, with --tls-cert it is "
+                             "HTTPS")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint binds (default loopback, whatever "
+                             "--host is; 0.0.0.0 for every interface)")
     parser.add_argument("--memory-mb", type=int, default=None,
                         help="memory the tables may use (rows, slots, buffered pushes and "
                              "InitRows streams): enforced, and reported to clients, which "
@@ -188,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         max_message_mb=args.max_message_mb, threads=args.threads,
                         reserved_threads=args.reserved_threads,
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host,
                         memory_mb=args.memory_mb)
 
 
