@@ -2,7 +2,8 @@
 
 `run(LaunchConfig(...))` starts the servers (`LocalCluster`, unless external ones are given),
 then the workers: the command itself when there is one worker, `horovodrun -np N -H
-localhost:N --gloo COMMAND` otherwise. Workers learn where the servers are from the
+localhost:N --gloo COMMAND` otherwise, through `parallax/horovodrun_bound.py` so that its
+rendezvous server listens on the job's interface (loopback for one host), not on 0.0.0.0. Workers learn where the servers are from the
 environment (the contract the strategy reads):
 
   PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
@@ -178,6 +179,25 @@ def find_horovodrun() -> str:
                           f"is neither next to {sys.executable} nor on PATH: install Horovod "
                           f"with gloo (`make demo` does), or run with -np 1")
     return found
+
+
+BOUND_HOROVODRUN = Path(__file__).with_name("horovodrun_bound.py")
+
+
+def _interpreter_of(script: str) -> str:
+    """The Python a console script runs with (its #! line), else this one."""
+    with open(script, "rb") as file:
+        first = file.readline(512)
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if len(words) > 1 and Path(words[0]).name == "env":
+        words = [shutil.which(words[1]) or ""]
+    return words[0] if words and Path(words[0]).is_file() else sys.executable
+
+
+def bound_horovodrun(argv: list[str]) -> list[str]:
+    """horovodrun's argv (argv[0] is horovodrun) run through BOUND_HOROVODRUN, with
+    horovodrun's own interpreter."""
+    return [_interpreter_of(argv[0]), str(BOUND_HOROVODRUN), *argv[1:]]
 
 
 def worker_path() -> str:
@@ -478,6 +498,8 @@ def run(config: LaunchConfig) -> int:
     if config.hosts is not None:
         from parallax.hosts import horovodrun_argv
         argv = horovodrun_argv(config.hosts, config.num_workers, program, find_horovodrun)
+    if argv is not program:
+        argv = bound_horovodrun(argv)
     run_id = config.run_id or new_run_id()
     cluster = None
     with _credentials(config) as credentials, _Signals() as signals:

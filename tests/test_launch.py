@@ -27,6 +27,7 @@ from parallax.local_cluster import LocalCluster
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 PROBE = str(Path(__file__).parent / "launch_probe.py")
+RENDEZVOUS_PROBE = str(Path(__file__).parent / "rendezvous_probe.py")
 MARK = "LAUNCH_TEST_MARK"
 
 
@@ -169,6 +170,17 @@ def test_failing_worker_exit_code_comes_through_horovodrun(mark):
     report = "\n".join(launcher.err)
     assert "Its last output:\n  [1] {\"probe\": 1, \"rank\": 1" in report, report
     assert all(port_closed(a) for a in launcher.probes()[0]["addresses"])
+
+
+@pytest.mark.multiprocess
+def test_horovodrun_listens_on_loopback_for_one_host(mark):
+    """horovodrun's rendezvous server binds the address its workers are given (loopback
+    here), not every interface (issue 13, item 10d)."""
+    launcher = Launcher("-np", "2", "--servers", "1", RENDEZVOUS_PROBE, mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    lines = [line for line in launcher.out if "RENDEZVOUS" in line]
+    assert len(lines) == 2, launcher.output()
+    assert all("addr=127.0.0.1 listen=0100007F" in line for line in lines), lines
 
 
 @pytest.mark.multiprocess
