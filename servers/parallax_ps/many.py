@@ -23,6 +23,7 @@ import numpy as np
 
 from parallax import bulk_codec, wire
 from parallax_ps.errors import RequestError, invalid
+from parallax_ps.optimizers import quiet_float_errors
 from parallax_ps.shard import ShuttingDown, TableShard
 
 
@@ -178,7 +179,8 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
         _check_capacity(shards, [ids for ids, _ in checked],
                         [s.buffered_by(ids, p.grads) for s, p, (ids, _) in
                          zip(shards, parts, checked)])
-        results = _apply_all(shards, parts, checked, chunks)
+        with quiet_float_errors():
+            results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
     return results, counts
 
@@ -187,8 +189,8 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
 def _apply_all(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
                checked: Sequence[tuple[np.ndarray, float]], chunks: Sequence[int]
                ) -> list[tuple[int, bool]]:
-    """Apply every checked part in order (locks held); a part refused while being applied
-    takes back the parts before it, so the request changes nothing."""
+    """Apply every checked part in order (locks held, float errors quiet); a part refused
+    while being applied takes back the parts before it, so the request changes nothing."""
     journal: list = []
     results = []
     try:

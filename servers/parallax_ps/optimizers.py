@@ -46,14 +46,20 @@ class ServerOptimizer:
     def updated(self, values: np.ndarray, slots: Slots, rows: np.ndarray, grads: np.ndarray,
                 step: int, learning_rate: float) -> tuple[np.ndarray, Slots]:
         """New values and slots of `rows` (unique), computed on copies: the caller checks
-        them before writing them back."""
+        them before writing them back, and runs this under `quiet_float_errors()` (once per
+        request: numpy's errstate costs more than a small update)."""
         dtype = values.dtype.type
         w = np.take(values, rows, axis=0)
         s = {name: np.take(slot, rows, axis=0) for name, slot in slots.items()}
         g = grads.astype(dtype, copy=False)
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            self._update(self.spec, w, s, g, dtype(learning_rate), step, dtype)
+        self._update(self.spec, w, s, g, dtype(learning_rate), step, dtype)
         return w, s
+
+
+def quiet_float_errors() -> np.errstate:
+    """Overflow, invalid and divide-by-zero without warnings: updates are checked for
+    non-finite results explicitly, and refused."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
 
 def _sgd(spec: SGD, w, s, g, lr, step, dt) -> None:

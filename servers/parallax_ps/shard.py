@@ -23,7 +23,7 @@ from parallax.routing import Partitioner, out_of_range
 from parallax.specs import TableSpec
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
-from parallax_ps.optimizers import ServerOptimizer, Slots
+from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
 from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
 
@@ -78,6 +78,7 @@ class TableShard:
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.optimizer = ServerOptimizer(spec.optimizer)
         self.budget = budget or MemoryBudget(0)
+        self._max_value = float(np.finfo(spec.dtype).max)  # largest finite learning rate
         self.row_bytes = spec.dim * np.dtype(spec.dtype).itemsize * \
             (1 + len(self.optimizer.slot_names))
         rows = 0 if spec.hashed_keys else self.partitioner.shard_size(shard_index)
@@ -208,9 +209,7 @@ class TableShard:
         """Stateless checks of a push: (validated ids, the learning rate to apply)."""
         ids = self.check_ids(ids)
         self.check_rows(grads, len(ids), "grads")
-        with np.errstate(over="ignore"):
-            in_dtype = np.dtype(self.spec.dtype).type(learning_rate)
-        if learning_rate < 0 or not np.isfinite(in_dtype):
+        if not 0 <= learning_rate <= self._max_value:  # NaN fails too
             raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
                           f"as a {self.spec.dtype}, the table's dtype (0 uses the table's "
                           f"optimizer spec)")
@@ -235,8 +234,9 @@ class TableShard:
                         journal: list[tuple["TableShard", _Applied]] | None = None
                         ) -> tuple[int, bool]:
         """Record (and apply, when the step completes) a checked push; the caller holds
-        `cond`. Returns (steps applied, whether this push completed a step). An update that
-        would write a non-finite value or slot is refused and changes nothing; `journal`
+        `cond`, under `quiet_float_errors()`. Returns (steps applied, whether this push
+        completed a step). An update that would write a non-finite value or slot is refused
+        and changes nothing; `journal`
         (multi-part requests) collects what `undo` needs to take this push back."""
         batch = (ids, grads)
         batches, completed = self.steps.add(worker, step, batch, lr, chunk, chunks, session)
@@ -309,7 +309,9 @@ class TableShard:
         with self.cond:
             self.check_push_state(step, worker, lr, chunk, chunks, session)
             self.check_capacity(ids, self.buffered_by(ids, grads))
-            return self.apply_push_held(step, worker, ids, grads, lr, chunk, chunks, session)
+            with quiet_float_errors():
+                return self.apply_push_held(step, worker, ids, grads, lr, chunk, chunks,
+                                            session)
 
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Set rows to explicit values (validated by the caller); slots keep their state."""
