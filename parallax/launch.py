@@ -16,7 +16,9 @@ environment (the contract the strategy reads):
 and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
 worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
 dies while the job runs stops the job with exit code 1; SIGINT/SIGTERM to the launcher is
-forwarded to the workers and gives 128 + signal. Servers this launcher started are always
+forwarded to the workers and gives 128 + signal. A server that has not answered a health
+check for `health_timeout` seconds (hung, SIGSTOPped) stops the job the same way, and is
+named in one line. Servers this launcher started are always
 stopped. The launcher's own messages and the servers' output (`[ps i]` lines) go to stderr;
 the workers' output goes to stdout and stderr as they write it.
 """
@@ -72,6 +74,8 @@ class LaunchConfig:
     mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
     sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
     progress_seconds: float = 30.0        # a job progress line this often (0: never)
+    health_timeout: float = 30.0          # --health-timeout: a server silent this long
+                                          # stops the job (0: never)
     hosts: str | None = None              # --hosts FILE (parallax.hosts): where workers and
                                           # servers run; servers as the file says unless
                                           # num_servers is 0; num_workers <= its slots
@@ -128,6 +132,9 @@ def validate(config: LaunchConfig) -> list[str]:
     if config.run_id is not None and not _RUN_ID.match(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
+    if config.health_timeout < 0:
+        raise ConfigError(f"--health-timeout {config.health_timeout} must be >= 0 seconds "
+                          f"(0: no health checks)")
     if config.start_timeout <= 0:
         raise ConfigError(f"--start-timeout {config.start_timeout} must be > 0 seconds")
     if config.mode is not None and config.mode not in MODES:
@@ -389,7 +396,60 @@ def _report_dead_server(server) -> None:
          f"Its last output:\n{server.tail(10)}")
 
 
-def _supervise(job: _Job, cluster, signals: _Signals) -> int:
+class _HealthWatch:
+    """Health checks of every server from a daemon thread; `silent()` gives the server that
+    has not answered SERVING for longer than `timeout` seconds, if any (0: no checks)."""
+
+    def __init__(self, addresses: list[str], timeout: float, options) -> None:
+        from parallax.client.connection import ServerConnection
+        self.timeout = timeout
+        self._servers = [ServerConnection(a, options) for a in addresses] if timeout else []
+        self._answered = [time.monotonic()] * len(self._servers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="parallax-health", daemon=True)
+
+    def start(self) -> "_HealthWatch":
+        if self._servers:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        check = min(2.0, self.timeout / 3)  # one silent server delays the others this much
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            for index, server in enumerate(self._servers):
+                try:
+                    if server.healthy(timeout=check):
+                        self._answered[index] = time.monotonic()
+                except ParallaxError:
+                    pass  # refused credentials: not an answer
+
+    def silent(self) -> tuple[int, str, float] | None:
+        """(index, address, seconds) of the server silent the longest, past the timeout."""
+        if not self._servers:
+            return None
+        age, index = max((time.monotonic() - t, i) for i, t in enumerate(self._answered))
+        return (index, self._servers[index].address, age) if age > self.timeout else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for server in self._servers:
+            server.close()
+
+
+def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
+    """Say which server stopped answering; resume it if it is ours and SIGSTOPped, so that
+    the cleanup can stop it gracefully."""
+    index, address, age = silent
+    _say(f"parameter server {index} ({address}) has not answered a health check for "
+         f"{age:.0f}s (hung, stopped or overloaded; --health-timeout); stopping the workers")
+    for server in getattr(cluster, "servers", ()):
+        if server.address == address and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+
+
+def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> int:
     while True:
         try:
             job.proc.wait(0.2)
@@ -406,6 +466,11 @@ def _supervise(job: _Job, cluster, signals: _Signals) -> int:
         dead = _dead_server(cluster)
         if dead is not None:
             _report_dead_server(dead)
+            job.stop()
+            return SERVER_DIED_EXIT
+        silent = health.silent() if job.proc.returncode is None else None
+        if silent is not None:
+            _report_silent_server(silent, cluster)
             job.stop()
             return SERVER_DIED_EXIT
         if job.proc.returncode is not None:
@@ -481,12 +546,18 @@ def _check_external(addresses: list[str], timeout: float, options=None) -> None:
         client.wait_ready(timeout)
 
 
-def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict):
+def _monitor_options(env: dict):
+    """Client options for the launcher's own calls (progress, health): the job's
+    credentials, short timeouts, no retries."""
     from parallax.client import ClientOptions
-    from parallax.progress import ProgressReporter
     from parallax.security import client_options_from_env
-    options = client_options_from_env(ClientOptions(timeout=5, retries=0), environ=env)
-    return ProgressReporter(addresses, run_id, config.progress_seconds, _say, options).start()
+    return client_options_from_env(ClientOptions(timeout=5, retries=0), environ=env)
+
+
+def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict):
+    from parallax.progress import ProgressReporter
+    return ProgressReporter(addresses, run_id, config.progress_seconds, _say,
+                            _monitor_options(env)).start()
 
 
 def run(config: LaunchConfig) -> int:
@@ -519,9 +590,12 @@ def run(config: LaunchConfig) -> int:
                        horovod=argv is not program)
             signals.attach(job)
             progress = _progress(config, addresses, run_id, env)
+            health = _HealthWatch(addresses, config.health_timeout,
+                                  _monitor_options(env)).start()
             try:
-                return _supervise(job, cluster, signals)
+                return _supervise(job, cluster, signals, health)
             finally:
+                health.stop()
                 progress.stop()
         except _Interrupted as exc:
             _say(f"got {exc}: stopped before the job started")
@@ -541,7 +615,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
-              "[--secure] "
+              "[--health-timeout S] [--secure] "
               "[--mode hybrid|ps|allreduce] [--async] [--hosts FILE] [--] COMMAND [ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
@@ -562,6 +636,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--progress-seconds", type=float, default=30.0,
                         help="print the job's progress (tables, steps, rows moved, read from "
                              "the servers) this often; 0: never (default 30)")
+    parser.add_argument("--health-timeout", type=float, default=30.0,
+                        help="stop the job (exit 1), naming the server, when a parameter "
+                             "server has not answered a health check for this many seconds "
+                             "(hung, SIGSTOPped); 0: no checks (default 30)")
     parser.add_argument("--secure", action="store_true",
                         help="TLS with client certificates and a cluster token: credentials "
                              "made for this job (removed at the end), passed to the workers "
@@ -595,7 +673,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         command=tuple(command), run_id=args.run_id,
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
         data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,
-        progress_seconds=args.progress_seconds,
+        progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
         sync=args.sync)
 
 

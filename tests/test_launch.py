@@ -245,6 +245,30 @@ def test_a_dead_server_stops_the_job(mark):
 
 
 @pytest.mark.multiprocess
+def test_a_hung_server_is_named_in_one_line(mark):
+    """A SIGSTOPped server answers no health check: after --health-timeout the launcher names
+    it (index and address), stops the job with exit code 1 and leaves nothing behind (issue
+    13, item 10e)."""
+    import psutil
+    launcher = Launcher("-np", "1", "--servers", "2", "--health-timeout", "2", PROBE,
+                        "--sleep", "120", mark=mark)
+    [probe] = launcher.wait_for_probes(1)
+    servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
+    victim = servers[1]
+    port = next(c.laddr.port for c in psutil.Process(victim).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN)
+    index = next(i for i, a in enumerate(probe["addresses"]) if a.endswith(f":{port}"))
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    assert launcher.wait(30) == 1, launcher.output()
+    assert time.monotonic() - stopped < 12
+    expected = (f"parallax run: parameter server {index} ({probe['addresses'][index]}) has not "
+                f"answered a health check for ")
+    assert any(line.startswith(expected) for line in launcher.err), launcher.output()
+    assert not any("worker rank" in line for line in launcher.err), launcher.output()
+
+
+@pytest.mark.multiprocess
 def test_hosts_file_on_this_machine_places_workers_and_servers(mark, tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("server_port: 7391\nhosts:\n  - {host: 127.0.0.1, slots: 2, servers: 2}\n")
