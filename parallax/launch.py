@@ -246,18 +246,21 @@ class _Job:
         self.horovod = horovod
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod
-                                     else None, preexec_fn=preexec, **group)
-        self._pump = None
-        if horovod:
-            self._pump = threading.Thread(target=self._forward, daemon=True)
-            self._pump.start()
+        piped = subprocess.PIPE if horovod else None
+        self.proc = subprocess.Popen(argv, env=env, stdout=piped, stderr=piped,
+                                     preexec_fn=preexec, **group)
+        self._pumps = [threading.Thread(target=self._forward, args=(stream, out), daemon=True)
+                       for stream, out in ((self.proc.stdout, sys.stdout),
+                                           (self.proc.stderr, sys.stderr)) if horovod]
+        for pump in self._pumps:
+            pump.start()
 
-    def _forward(self) -> None:
-        """Copy horovodrun's stdout as it comes (partial lines too) and note the failures."""
-        fd, line = self.proc.stdout.fileno(), b""
+    def _forward(self, stream, out) -> None:
+        """Copy one of horovodrun's streams as it comes (partial lines too), keeping each
+        rank's last lines (a traceback goes to stderr) and noting the failures."""
+        fd, line = stream.fileno(), b""
         while chunk := os.read(fd, 65536):
-            _write_stdout(chunk)
+            _write(out, chunk)
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
@@ -288,8 +291,8 @@ class _Job:
                 self.signal(signal.SIGKILL)
                 self.proc.wait()
         self._reap_group(grace)
-        if self._pump is not None:
-            self._pump.join(2.0)
+        for pump in self._pumps:
+            pump.join(2.0)
 
     def _reap_group(self, grace: float) -> None:
         """Processes left in the job's group (e.g. the multiprocessing resource tracker of
@@ -334,10 +337,10 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _write_stdout(data: bytes) -> None:
-    sys.stdout.flush()
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
+def _write(out, data: bytes) -> None:
+    out.flush()
+    out.buffer.write(data)
+    out.buffer.flush()
 
 
 class _Interrupted(BaseException):

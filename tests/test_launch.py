@@ -168,7 +168,7 @@ def test_failing_worker_exit_code_comes_through_horovodrun(mark):
     assert launcher.wait() == 3, launcher.output()  # horovodrun itself exits 1
     assert any("worker rank 1 exited with code 3" in line for line in launcher.err)
     report = "\n".join(launcher.err)
-    assert "Its last output:\n  [1] {\"probe\": 1, \"rank\": 1" in report, report
+    assert "  [1] {\"probe\": 1, \"rank\": 1" in report.split("Its last output:\n")[1], report
     assert all(port_closed(a) for a in launcher.probes()[0]["addresses"])
 
 
@@ -181,6 +181,24 @@ def test_horovodrun_listens_on_loopback_for_one_host(mark):
     lines = [line for line in launcher.out if "RENDEZVOUS" in line]
     assert len(lines) == 2, launcher.output()
     assert all("addr=127.0.0.1 listen=0100007F" in line for line in lines), lines
+
+
+@pytest.mark.multiprocess
+def test_the_first_failing_rank_is_reported_with_its_traceback(mark):
+    """Rank 1 raises (its traceback goes to stderr, nothing to stdout): the report names it
+    and repeats the end of its traceback (issue 13, item 10f: it said "(none)")."""
+    code = ("import os, time\n"
+            "if os.environ['HOROVOD_RANK'] == '1':\n"
+            "    raise RuntimeError('the root cause, in rank 1')\n"
+            "time.sleep(60)\n")
+    launcher = Launcher("-np", "2", "--servers", "1", "--", "python", "-c", code, mark=mark)
+    assert launcher.wait() == 1, launcher.output()
+    report = "\n".join(launcher.err)
+    assert "worker rank 1 exited with code 1 first" in report, report
+    last = report.split("Its last output:\n", 1)[1]
+    assert "[1] RuntimeError: the root cause, in rank 1" in last, report
+    assert "[1] Traceback (most recent call last):" in last, report
+    assert "[1]<stderr>:Traceback" in report  # still forwarded as it came
 
 
 @pytest.mark.multiprocess
