@@ -20,6 +20,7 @@ ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
 RUN_ID_ENV = "PARALLAX_RUN_ID"
 MODE_ENV = "PARALLAX_MODE"   # hybrid | ps | allreduce, from `parallax run --mode`
 SYNC_ENV = "PARALLAX_SYNC"   # sync | async, from `parallax run --async`
+RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 

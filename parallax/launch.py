@@ -37,11 +37,15 @@ import sys
 import threading
 import time
 from collections import deque
+import dataclasses
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from parallax import lifeline
+from parallax.cluster import RESTART_COUNT_ENV
 from parallax.errors import ConfigError, ParallaxError
+from parallax.restarts import RESTART_DELAY_S, Outcome, RestartBudget
 
 ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
 RUN_ID_ENV = "PARALLAX_RUN_ID"
@@ -76,6 +80,8 @@ class LaunchConfig:
     progress_seconds: float = 30.0        # a job progress line this often (0: never)
     health_timeout: float = 30.0          # --health-timeout: a server silent this long
                                           # stops the job (0: never)
+    max_restarts: int = 0                 # --max-restarts: restarts after failures
+    restart_delay: float = RESTART_DELAY_S  # --restart-delay: seconds before each restart
     hosts: str | None = None              # --hosts FILE (parallax.hosts): where workers and
                                           # servers run; servers as the file says unless
                                           # num_servers is 0; num_workers <= its slots
@@ -452,38 +458,50 @@ def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
             server.proc.send_signal(signal.SIGCONT)
 
 
-def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> int:
+def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
         except subprocess.TimeoutExpired:
             pass
         if signals.signum is not None:  # already forwarded to the job: give it time
-            _say(f"got {signal.Signals(signals.signum).name}: stopping the workers and servers")
+            name = signal.Signals(signals.signum).name
+            _say(f"got {name}: stopping the workers and servers")
             try:
                 job.proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
             job.stop(grace=2.0)
-            return 128 + signals.signum
+            return Outcome(128 + signals.signum, f"got {name}")
         dead = _dead_server(cluster)
         if dead is not None:
             _report_dead_server(dead)
             job.stop()
-            return SERVER_DIED_EXIT
+            return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
+                                  f"({dead.address}) exited with code {dead.proc.returncode}")
         silent = health.silent() if job.proc.returncode is None else None
         if silent is not None:
             _report_silent_server(silent, cluster)
             job.stop()
-            return SERVER_DIED_EXIT
+            return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {silent[0]} "
+                                  f"({silent[1]}) answered no health check for "
+                                  f"{silent[2]:.0f}s")
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
-            code = job.exit_code()
-            if code and job.first_failure is not None:
-                rank, failed = job.first_failure
-                _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
-                     f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
-            return code
+            return _job_outcome(job)
+
+
+def _job_outcome(job: _Job) -> Outcome:
+    code = job.exit_code()
+    if not code:
+        return Outcome(0)
+    if job.first_failure is None:
+        who = "the workers (horovodrun)" if job.horovod else "worker rank 0"
+        return Outcome.failed(code, f"{who} exited with code {code}")
+    rank, failed = job.first_failure
+    _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
+         f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
+    return Outcome.failed(code, f"worker rank {rank} exited with code {failed}")
 
 
 def _start_servers(config: LaunchConfig, credentials=None):
@@ -564,7 +582,8 @@ def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict
 
 
 def run(config: LaunchConfig) -> int:
-    """Run the job; returns its exit code. Raises ConfigError before starting anything."""
+    """Run the job, restarting it after a failure up to `config.max_restarts` times; returns
+    its exit code. Raises ConfigError before starting anything."""
     program = validate(config)
     argv = program if config.num_workers == 1 else [
         find_horovodrun(), "-np", str(config.num_workers), "-H",
@@ -575,38 +594,67 @@ def run(config: LaunchConfig) -> int:
     if argv is not program:
         argv = bound_horovodrun(argv)
     run_id = config.run_id or new_run_id()
+    budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
+    with _credentials(config) as credentials, _Signals() as signals, \
+            _restart_data_dir(config, run_id) as config:
+        attempt = 0
+        while True:
+            outcome = _attempt(config, argv, program is not argv, run_id, attempt,
+                               credentials, signals)
+            if signals.signum is not None or not budget.should_restart(outcome):
+                return outcome.code
+            attempt += 1
+            signals.job, signals.abortable = None, True
+
+
+@contextlib.contextmanager
+def _restart_data_dir(config: LaunchConfig, run_id: str):
+    """The config, with a data directory for the servers' checkpoints that outlives every
+    attempt when restarts are on and none was given (removed at the end)."""
+    if not config.max_restarts or config.data_dir is not None or config.num_servers == 0:
+        yield config
+        return
+    with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:
+        _say(f"--max-restarts without --data-dir: the servers keep their checkpoints in "
+             f"{data_dir} for the restarts (removed at the end)")
+        yield dataclasses.replace(config, data_dir=data_dir)
+
+
+def _attempt(config: LaunchConfig, argv: list[str], horovod: bool, run_id: str,
+             attempt: int, credentials, signals: _Signals) -> Outcome:
+    """One run of every server and worker; how it ended."""
     cluster = None
-    with _credentials(config) as credentials, _Signals() as signals:
+    try:
+        if config.num_servers > 0:
+            cluster = _start_servers(config, credentials)
+            addresses, where = cluster.addresses, "started here"
+        else:
+            addresses, where = [a.strip() for a in config.ps_addresses], "external"
+            from parallax.security import client_options_from_env
+            _check_external(addresses, config.start_timeout, client_options_from_env())
+        _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
+             f"({where}): {','.join(addresses)}; run id {run_id}"
+             + (f"; restart {attempt}" if attempt else ""))
+        signals.abortable = False
+        env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
+        env[RESTART_COUNT_ENV] = str(attempt)
+        job = _Job(argv, env, horovod=horovod)
+        signals.attach(job)
+        progress = _progress(config, addresses, run_id, env)
+        health = _HealthWatch(addresses, config.health_timeout,
+                              _monitor_options(env)).start()
         try:
-            if config.num_servers > 0:
-                cluster = _start_servers(config, credentials)
-                addresses, where = cluster.addresses, "started here"
-            else:
-                addresses, where = [a.strip() for a in config.ps_addresses], "external"
-                from parallax.security import client_options_from_env
-                _check_external(addresses, config.start_timeout, client_options_from_env())
-            _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
-                 f"({where}): {','.join(addresses)}; run id {run_id}")
-            signals.abortable = False
-            env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
-            job = _Job(argv, env,
-                       horovod=argv is not program)
-            signals.attach(job)
-            progress = _progress(config, addresses, run_id, env)
-            health = _HealthWatch(addresses, config.health_timeout,
-                                  _monitor_options(env)).start()
-            try:
-                return _supervise(job, cluster, signals, health)
-            finally:
-                health.stop()
-                progress.stop()
-        except _Interrupted as exc:
-            _say(f"got {exc}: stopped before the job started")
-            return 128 + exc.signum
+            return _supervise(job, cluster, signals, health)
         finally:
-            signals.abortable = False  # a signal now must not interrupt the cleanup
-            if cluster is not None:
-                cluster.stop()
+            health.stop()
+            progress.stop()
+    except _Interrupted as exc:
+        _say(f"got {exc}: stopped before the job started")
+        return Outcome(128 + exc.signum, f"got {exc}")
+    finally:
+        signals.abortable = False  # a signal now must not interrupt the cleanup
+        if cluster is not None:
+            cluster.stop()
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:
@@ -618,7 +666,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
-              "[--health-timeout S] [--secure] "
+              "[--health-timeout S] [--max-restarts N] [--restart-delay S] [--secure] "
               "[--mode hybrid|ps|allreduce] [--async] [--hosts FILE] [--] COMMAND [ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
@@ -643,6 +691,14 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                         help="stop the job (exit 1), naming the server, when a parameter "
                              "server has not answered a health check for this many seconds "
                              "(hung, SIGSTOPped); 0: no checks (default 30)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="after a failure (a worker exits non-zero or is killed, a server "
+                             "dies or misses health checks) stop everything and start every "
+                             "server and worker again, at most N times; workers get "
+                             f"{RESTART_COUNT_ENV} and resume from their last checkpoint "
+                             "(default 0: the job ends)")
+    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY_S, metavar="S",
+                        help=f"seconds before each restart (default {RESTART_DELAY_S:g})")
     parser.add_argument("--secure", action="store_true",
                         help="TLS with client certificates and a cluster token: credentials "
                              "made for this job (removed at the end), passed to the workers "
@@ -677,6 +733,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
         data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,
         progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
+        max_restarts=args.max_restarts, restart_delay=args.restart_delay,
         sync=args.sync)
 
 

@@ -1,0 +1,69 @@
+"""Automatic restarts of a failed job: `parallax run --max-restarts N`.
+
+One attempt of a job ends in an `Outcome`: its exit code and why it ended. A failure (a
+worker exited non-zero or was killed, a parameter server died or stopped answering health
+checks) is followed by a restart of every server and every worker, at most N times in all. A
+clean exit, a signal the user sent to the launcher, and a configuration error are never
+restarted.
+
+Restarted workers find their attempt in PARALLAX_RESTART_COUNT (0 for the first run, as
+torchrun's TORCHELASTIC_RESTART_COUNT) and resume from the last checkpoint their script
+restores (`tf.train.CheckpointManager`, Keras `BackupAndRestore`): that brings back the dense
+variables and, through the strategy, the servers' tables with their optimizer slots and step.
+Work since that checkpoint is done again, so a failure costs at most one checkpoint interval
+plus the restart itself.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from parallax.errors import ConfigError
+
+RESTART_DELAY_S = 1.0  # default pause before a restart: let ports and sockets close
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended: `code` (the job's exit code), `cause` (a sentence, "" for a
+    clean exit) and whether a restart can help (`restartable`)."""
+
+    code: int
+    cause: str = ""
+    restartable: bool = False
+
+    @classmethod
+    def failed(cls, code: int, cause: str) -> "Outcome":
+        return cls(code, cause, restartable=code != 0)
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts, `delay_s` apart; `should_restart` says whether the
+    attempt that just ended gets another, and logs why through `say`."""
+
+    def __init__(self, max_restarts: int, delay_s: float = RESTART_DELAY_S,
+                 say: Callable[[str], None] = print) -> None:
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts {max_restarts} must be >= 0 (0: no restarts)")
+        if delay_s < 0:
+            raise ConfigError(f"--restart-delay {delay_s} must be >= 0 seconds")
+        self.max_restarts, self.delay_s, self._say = max_restarts, delay_s, say
+        self.restarts = 0
+        self.causes: list[str] = []
+
+    def should_restart(self, outcome: Outcome) -> bool:
+        if not outcome.restartable:
+            return False
+        if self.restarts >= self.max_restarts:
+            if self.max_restarts:
+                self._say(f"not restarting: all {self.max_restarts} restart(s) of "
+                          f"--max-restarts are used; the job exits with {outcome.code}")
+            return False
+        self.restarts += 1
+        self.causes.append(outcome.cause)
+        self._say(f"restart {self.restarts} of {self.max_restarts} in {self.delay_s:g}s, "
+                  f"after: {outcome.cause}; every server and worker starts again and the "
+                  f"workers resume from their last checkpoint")
+        time.sleep(self.delay_s)
+        return True
