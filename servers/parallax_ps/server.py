@@ -37,7 +37,8 @@ class ServerConfig:
     port: int = 0
     data_dir: Path | None = None
     max_message_mb: int = 256
-    threads: int = 64  # for RPCs that may wait (pulls, barriers, InitRows streams)
+    threads: int = 1024  # for RPCs that may wait (pulls, barriers, InitRows streams): a
+    #                      bound, not a pool kept alive (threads are made as waits need them)
     reserved_threads: int = 8  # for the others (pushes, health, stats, control): never waits
     grace_seconds: float = 5.0
     tls_cert: Path | None = None       # with tls_key: serve TLS
@@ -138,9 +139,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="directory for checkpoints (save/restore are refused without it)")
     parser.add_argument("--max-message-mb", type=int, default=256,
                         help="largest request or response in MiB (default 256)")
-    parser.add_argument("--threads", type=int, default=64,
-                        help="threads for RPCs that may wait: pulls (a sync pull waits for "
-                             "its step), barriers and InitRows streams (default 64). A sync "
+    parser.add_argument("--threads", type=int, default=ServerConfig.threads,
+                        help="most threads for RPCs that may wait: pulls (a sync pull waits "
+                             "for its step), barriers and InitRows streams (default "
+                             f"{ServerConfig.threads}; made only as waits need them). A sync "
                              "table is refused when its workers x the sync shards held here "
                              "exceed it")
     parser.add_argument("--reserved-threads", type=int, default=8,
