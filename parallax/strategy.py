@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
+from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax import binding, keras_support, tuning
 from parallax.analysis import inspect_reads
@@ -68,6 +69,26 @@ def _spec_of(value):
     return value
 
 
+class WorkerClusterResolver(SimpleClusterResolver):
+    """`strategy.cluster_resolver`: task type "worker", task id = rank (worker 0 is the
+    chief, as the MWMS tutorials' `_is_chief` expects); the cluster spec lists the host of
+    each worker (Horovod ranks run no TF server, so there is no port) and, as "ps", the
+    parameter servers' addresses once known."""
+
+    def __init__(self, extended: "ParallaxExtended") -> None:
+        info = extended.workers.info
+        self._hosts = list(extended.workers.allgather_object(info.host))
+        self._extended = weakref.ref(extended)
+        super().__init__(tf.train.ClusterSpec({"worker": self._hosts}), task_type="worker",
+                         task_id=info.rank)
+
+    def cluster_spec(self) -> tf.train.ClusterSpec:
+        extended = self._extended()
+        servers = list(extended.ps_addresses()) if extended is not None else []
+        return tf.train.ClusterSpec({"worker": self._hosts, **({"ps": servers} if servers
+                                                               else {})})
+
+
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
                  connect_timeout: float, search_partitions="auto") -> None:
@@ -90,6 +111,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._binder = None
         self._resharder: Resharder | None = None
         self._optimizer = None  # the Keras optimizer the servers replicate
+        self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
                 and not os.environ.get(ADDRESSES_ENV):
             raise ConfigError(
@@ -246,6 +268,15 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.plan = plan
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
+
+    def ps_addresses(self) -> tuple[str, ...]:
+        """The servers' addresses, as far as known (embedded ones start with the plan)."""
+        if self.cluster is not None:
+            return self.cluster.ps_addresses
+        if self.config.ps_addresses:
+            return self.config.ps_addresses
+        text = os.environ.get(ADDRESSES_ENV)
+        return parse_addresses(text, ADDRESSES_ENV) if text else ()
 
     def reshard(self, layouts: Mapping[str, Layout], log: bool = True,
                 keep_previous: bool = False) -> ReshardReport:
@@ -409,6 +440,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
     placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
     table, or per table name. fuse: one pull and one push request per server per traced
     step for every table (parallax.fusion); False sends each table's own requests.
+    `cluster_resolver`: task type "worker", task id = this worker's rank, as MWMS gives it.
     """
 
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
