@@ -51,7 +51,7 @@ def check_agreement(plan: Plan, workers: Workers) -> None:
                     f"worker must build the same model")
 
 
-def _on_every_worker(workers: Workers, work: Callable[[], None], failed: str) -> None:
+def on_every_worker(workers: Workers, work: Callable[[], None], failed: str) -> None:
     """Run `work` here; if it fails on any worker, every worker raises (none is left
     waiting in the next collective for a peer that gave up). `failed` completes
     "worker R ...: <error>" in the message the others raise."""
@@ -70,7 +70,7 @@ def _on_every_worker(workers: Workers, work: Callable[[], None], failed: str) ->
 
 def on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
     """`work` on rank 0 only; the others wait for it, and raise its error if it fails."""
-    _on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
+    on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
 
 
 _SERVER_INITIALIZERS = {  # Keras initializer -> the servers' (config keys kept)
@@ -133,7 +133,10 @@ class TableBinder:
         self.pusher_index = info.rank // info.local_size if local_aggregation else info.rank
         self.remotes: dict[int, RemoteTable] = {}
 
-    def bind(self, variables: dict[int, ParallaxVariable], optimizer) -> dict[int, RemoteTable]:
+    def bind(self, variables: dict[int, ParallaxVariable], optimizer,
+             restore: Callable[[PSClient], None] | None = None) -> dict[int, RemoteTable]:
+        """Create and bind the plan's tables. `restore` (a resumed job): the chief calls it
+        on the created tables instead of filling them with initial values."""
         on_servers = self.plan.on_servers
         if optimizer is None:
             raise ConfigError(
@@ -149,8 +152,8 @@ class TableBinder:
         specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
                              pushers=self.pushers, initializer=on_server_init[vp.index])
                  for vp in on_servers]
-        _on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout),
-                         "could not reach the parameter servers")
+        on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout),
+                        "could not reach the parameter servers")
 
         def create_and_fill() -> None:
             memory = [reply.memory_bytes for reply in self.client.stats().values()]
@@ -158,18 +161,24 @@ class TableBinder:
                        memory)
             for vp, spec in zip(on_servers, specs):
                 table = self.client.create_table(spec, vp.servers or None)
-                applied = table.wait_step(0)
-                if applied:
-                    raise ConfigError(
-                        f"table {spec.name!r} already exists on the servers and has applied "
-                        f"{applied} steps: another job, or an earlier run, used run id "
-                        f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
-                        f" or restart the servers. Nothing was changed")
-                if on_server_init[vp.index] is not None:
-                    continue  # drawn by the servers
-                for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
-                    ids = np.arange(first, first + len(rows), dtype=np.int64)
-                    table.assign(ids, rows.reshape(len(rows), spec.dim))
+                if restore is None:
+                    fill(vp, spec, table)
+            if restore is not None:  # replaces whatever the tables held
+                restore(self.client)
+
+        def fill(vp: VariablePlan, spec: TableSpec, table) -> None:
+            applied = table.wait_step(0)
+            if applied:
+                raise ConfigError(
+                    f"table {spec.name!r} already exists on the servers and has applied "
+                    f"{applied} steps: another job, or an earlier run, used run id "
+                    f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
+                    f" or restart the servers. Nothing was changed")
+            if on_server_init[vp.index] is not None:
+                return  # drawn by the servers
+            for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
+                ids = np.arange(first, first + len(rows), dtype=np.int64)
+                table.assign(ids, rows.reshape(len(rows), spec.dim))
 
         on_chief(self.workers, create_and_fill,
                   "failed to set up the parameter-server tables")

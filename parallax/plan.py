@@ -37,6 +37,7 @@ class StrategyConfig:
     shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
     log_plan: bool = True
     fuse: bool = True  # one pull and one push op per traced step (parallax.fusion)
+    checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.resume)
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
@@ -47,6 +48,9 @@ class StrategyConfig:
                                   f"parameter servers) or 'allreduce' (replicated)")
         if self.embedded_servers < 1:
             raise ConfigError(f"embedded_servers must be >= 1, got {self.embedded_servers}")
+        if not isinstance(self.checkpoints_kept, int) or self.checkpoints_kept < 1:
+            raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
+                              f"checkpoints kept), got {self.checkpoints_kept!r}")
         shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
         for count in shards:
             if count is not None and (not isinstance(count, int) or count < 1):

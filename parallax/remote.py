@@ -116,6 +116,13 @@ class RemoteTable:
         for future in in_flight:
             future.result()
 
+    def land_pushes(self) -> None:
+        """Between steps: this worker's pushes have landed and, in sync mode, the servers
+        applied every step it pushed (before a checkpoint, a reshard or an assign)."""
+        self.wait_for_pushes()
+        if self.sync:
+            self.table.wait_step(self.steps_pushed)
+
     def pull_rows(self, unique: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         self.before_pull(unique)
@@ -206,9 +213,7 @@ class RemoteTable:
         if values.shape != tuple(self.shape.as_list()):
             raise ConfigError(f"cannot assign a value of shape {values.shape} to "
                               f"{self.label!r} of shape {tuple(self.shape.as_list())}")
-        self.wait_for_pushes()
-        if self.sync:
-            self.table.wait_step(self.steps_pushed)
+        self.land_pushes()
         self.table.assign(np.arange(self.rows, dtype=np.int64),
                           values.reshape(self.rows, self.dim))
 

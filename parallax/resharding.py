@@ -93,10 +93,7 @@ class Resharder:
             return plan, ReshardReport((), 0, 0, 0.0)
         self.generation += 1
         for vp in changed:
-            remote = self.remotes[vp.index]
-            remote.wait_for_pushes()
-            if remote.sync:
-                remote.table.wait_step(remote.steps_pushed)
+            self.remotes[vp.index].land_pushes()
         self.workers.allgather_object(None)  # every worker's last pushes are in
         reverts = {vp.index for vp in changed if vp.index in self.previous
                    and self.previous[vp.index][1] == layouts[vp.name]}

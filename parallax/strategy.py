@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
-from parallax import binding, keras_support, tuning
+from parallax import binding, keras_support, resume, tuning
 from parallax.analysis import inspect_reads
 from parallax.client import ClientOptions
 from parallax.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
@@ -111,6 +111,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._binder = None
         self._resharder: Resharder | None = None
         self._optimizer = None  # the Keras optimizer the servers replicate
+        self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
+        resume.attach_to_keras_optimizers()
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
                 and not os.environ.get(ADDRESSES_ENV):
@@ -252,13 +254,21 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 tuning.load_decision(search, plan) if info.is_chief else None)
             if cached is not None:
                 plan = tuning.with_layouts(plan, cached["layouts"])
+        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
+        if pending is not None:
+            plan = resume.with_saved_tables(plan, pending)
         binding.check_agreement(plan, self.workers)
         by_index = {v._parallax_index: v for v in self.variables()}
         if plan.on_servers:
             self._binder = binding.TableBinder(plan, self.cluster, self.workers,
                                                self._client_options, self._connect_timeout,
                                                self.config.local_aggregation)
-            self.remotes = self._binder.bind(by_index, observations.optimizer)
+            self.remotes = self._binder.bind(
+                by_index, observations.optimizer,
+                None if pending is None else
+                lambda client: resume.restore_into_servers(client, pending))
+            if pending is not None:
+                resume.set_steps(resume.tables_by_variable(plan, self.remotes), pending)
             self._optimizer = observations.optimizer
             self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
             if search is not None:
@@ -268,6 +278,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.plan = plan
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
+
+    @property
+    def client(self):
+        """The client of the job's parameter servers (None before tables are placed)."""
+        return self._binder.client if self._binder is not None else None
 
     def ps_addresses(self) -> tuple[str, ...]:
         """The servers' addresses, as far as known (embedded ones start with the plan)."""
@@ -440,6 +455,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
     placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
     table, or per table name. fuse: one pull and one push request per server per traced
     step for every table (parallax.fusion); False sends each table's own requests.
+    checkpoints_kept: how many checkpoints of the tables the servers keep, written whenever
+    a TF checkpoint or Keras file with the optimizer is saved (parallax.resume); a file
+    whose tables checkpoint was dropped since cannot be restored.
     `cluster_resolver`: task type "worker", task id = this worker's rank, as MWMS gives it.
     """
 
@@ -447,7 +465,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool = False, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
-                 fuse: bool = True,
+                 fuse: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch = "auto") -> None:
         if ps_addresses is not None:
@@ -459,7 +477,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 run_id=run_id, embedded_servers=embedded_servers,
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
-                                log_plan=log_plan, fuse=fuse)
+                                log_plan=log_plan, fuse=fuse,
+                                checkpoints_kept=checkpoints_kept)
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))
