@@ -8,12 +8,14 @@ RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means n
 from __future__ import annotations
 
 import threading
+from typing import Callable, Union
 
 import grpc
 
 from parallax_ps.errors import RequestError
 
 _MIB = 1 << 20
+What = Union[str, Callable[[], str]]  # what is being held; a callable is formatted on refusal
 
 
 def _mib(nbytes: int) -> str:
@@ -27,13 +29,13 @@ class MemoryBudget:
         self._total = 0
         self._lock = threading.Lock()
 
-    def check(self, owner: object, nbytes: int, label: str, what: str) -> None:
+    def check(self, owner: object, nbytes: int, label: str, what: What) -> None:
         """Raise RESOURCE_EXHAUSTED unless `owner` may hold `nbytes` in all (changes nothing);
         owner None: a buffer held for one request, outside every claim."""
         with self._lock:
             self._refuse_over(owner, nbytes, label, what)
 
-    def claim(self, owner: object, nbytes: int, label: str, what: str) -> None:
+    def claim(self, owner: object, nbytes: int, label: str, what: What) -> None:
         """Check, then record that `owner` holds `nbytes` in all."""
         with self._lock:
             self._refuse_over(owner, nbytes, label, what)
@@ -52,9 +54,10 @@ class MemoryBudget:
         self._total += nbytes - self._claims.get(owner, 0)
         self._claims[owner] = nbytes
 
-    def _refuse_over(self, owner: object, nbytes: int, label: str, what: str) -> None:
+    def _refuse_over(self, owner: object, nbytes: int, label: str, what: What) -> None:
         others = self._total - self._claims.get(owner, 0)
         if self.limit and others + nbytes > self.limit:
+            what = what() if callable(what) else what
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{label}: {what} needs {_mib(nbytes)}, but this server's tables may use "

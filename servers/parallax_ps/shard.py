@@ -152,9 +152,9 @@ class TableShard:
         if new or buffered:
             rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
             self.budget.check(self, rows * self.row_bytes + pending, self.label,
-                              f"holding {rows} rows ({self.row_bytes} bytes a row with its "
-                              f"slots) and buffering {pending} bytes of step "
-                              f"{self.steps.step}'s gradients")
+                              lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with "
+                                      f"its slots) and buffering {pending} bytes of step "
+                                      f"{self.steps.step}'s gradients")
 
     def _account(self) -> None:
         """Tell the budget what this shard holds now (after a checked change); a closed
