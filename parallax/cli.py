@@ -1,9 +1,11 @@
 """The `parallax` command: `parallax run ...`, `parallax server ...`, `parallax demo ...`,
-`parallax version`."""
+`parallax version` (or `--version`). A ParallaxError from a command is one line on stderr
+(exit 2 for a configuration mistake, 1 otherwise), not a traceback."""
 from __future__ import annotations
 
 import sys
 
+from parallax.errors import ConfigError, ParallaxError
 from parallax.version import PROTOCOL_VERSION, __version__
 
 
@@ -63,6 +65,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        return _version(argv[1:])
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = "\n".join(f"  {name:<10}{help_}" for name, (_, help_) in COMMANDS.items())
         stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
@@ -71,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: parallax COMMAND [ARGS]\n\ncommands:\n{lines}", file=stream)
         return 0 if stream is sys.stdout else 2
     handler, _ = COMMANDS[argv[0]]
-    return handler(argv[1:])
+    try:
+        return handler(argv[1:])
+    except ParallaxError as exc:  # a user's mistake or a job's failure: one line, no traceback
+        print(f"parallax {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

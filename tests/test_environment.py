@@ -28,6 +28,7 @@ def test_installed_versions_are_the_pinned_ones():
     assert tf.__version__ == _pinned("tensorflow") == "2.17.1"
     assert grpc.__version__ == _pinned("grpcio")
     assert version("grpcio-tools") == _pinned("grpcio-tools")
+    assert version("keras") == _pinned("keras")  # parallax relies on Keras 3 internals
     assert google.protobuf.__version__.startswith("4.25.")
     assert grpc_tools is not None
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from parallax import wire
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ParallaxError
 from parallax.initial_values import initial_rows
 from parallax.ps.v1 import ps_pb2
 from parallax.routing import Partitioner, dedup, sum_duplicates
@@ -163,3 +163,25 @@ def test_initial_values_depend_only_on_seed_id_and_column():
 def test_initializer_kinds(kind, check):
     init = Initializer(kind=kind, value=0.5, minval=-0.2, maxval=0.2, stddev=0.1, seed=3)
     assert check(initial_rows(init, np.arange(2000), 16, "float64"))
+
+
+# ---- the `parallax` command line --------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--version", "-V", "version"])
+def test_cli_prints_its_version(flag, capsys):
+    from parallax import cli
+    from parallax.version import __version__
+    assert cli.main([flag]) == 0
+    assert capsys.readouterr().out.startswith(f"parallax {__version__} ")
+
+
+@pytest.mark.parametrize("error, code", [(ConfigError("--servers -1 must be >= 0"), 2),
+                                         (ParallaxError("server 10.0.0.1:7000 is gone"), 1)])
+def test_cli_reports_a_parallax_error_in_one_line(error, code, capsys, monkeypatch):
+    from parallax import cli
+
+    def fails(argv):
+        raise error
+    monkeypatch.setitem(cli.COMMANDS, "status", (fails, "fails"))
+    assert cli.main(["status"]) == code
+    err = capsys.readouterr().err
+    assert err == f"parallax status: error: {error}\n"
