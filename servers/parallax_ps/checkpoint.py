@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -33,11 +34,34 @@ def resolve(data_dir: Path | None, path: str) -> Path:
     if not path or Path(path).is_absolute():
         raise invalid(f"checkpoint path {path!r} must be a non-empty path relative to the "
                       f"server's data directory")
+    _check_path_name(data_dir, path)
     root = data_dir.resolve()
     target = (root / path).resolve()
     if root != target and root not in target.parents:
         raise invalid(f"checkpoint path {path!r} leaves the server's data directory")
     return target
+
+
+_FILE_PATH_BYTES = 256  # /<checkpoint>/<table (<= 128)>/shard-<i>-of-<S>.json below a path
+
+
+def _check_path_name(data_dir: Path, path: str) -> None:
+    """Refuse a path no file system call could take (a NUL byte, a name or a path over the
+    system's limits) before one raises on it."""
+    shown = f"{path[:80]!r}{'...' if len(path) > 80 else ''}"
+    if "\x00" in path:
+        raise invalid(f"checkpoint path {shown} contains a NUL byte")
+    longest = max((len(os.fsencode(part)) for part in Path(path).parts), default=0)
+    name_max = os.pathconf(data_dir, "PC_NAME_MAX")
+    if longest > name_max:
+        raise invalid(f"checkpoint path {shown} has a component of {longest} bytes, over the "
+                      f"file system's limit of {name_max}")
+    total = len(os.fsencode(str(data_dir.resolve() / path)))
+    limit = os.pathconf(data_dir, "PC_PATH_MAX") - _FILE_PATH_BYTES
+    if total > limit:
+        raise invalid(f"checkpoint path {shown} makes a path of {total} bytes under the data "
+                      f"directory; it must stay under {limit} (the checkpoint's files go "
+                      f"below it)")
 
 
 @contextlib.contextmanager
