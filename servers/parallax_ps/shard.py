@@ -28,6 +28,9 @@ from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
 
 
+# Steps a shard may be set to: beyond any training, and far enough below int64's end that
+# counting on from it never overflows the step fields of the answers.
+MAX_STEP = 1 << 62
 _SMALL_ELEMENTS = 1 << 16  # below this, an element-wise check beats errstate's set-up
 
 
@@ -389,8 +392,8 @@ class TableShard:
         self.check_slots(slots, len(ids))
         if len(np.unique(ids)) != len(ids):
             raise invalid(f"{self.label}: imported rows repeat an id; send each id once")
-        if step < 0:
-            raise invalid(f"{self.label}: imported step {step} must be >= 0")
+        if not 0 <= step <= MAX_STEP:
+            raise invalid(f"{self.label}: imported step {step} must be in [0, {MAX_STEP}]")
         with self.cond:
             if self.closed:
                 raise ShuttingDown(self.closed)
