@@ -32,7 +32,7 @@ from parallax.version import PROTOCOL_VERSION, __version__
 from parallax_ps import checkpoint, many
 from parallax_ps.barrier import Barriers
 from parallax_ps.budget import MemoryBudget
-from parallax_ps.errors import RequestError, invalid
+from parallax_ps.errors import RequestError, bounded, invalid
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
 
@@ -51,13 +51,13 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 
 
 def _status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a handler's exception answers with."""
+    """The gRPC status a handler's exception answers with (details short enough to arrive)."""
     if isinstance(exc, RequestError):
-        return exc.code, exc.message
+        return exc.code, bounded(exc.message)
     if isinstance(exc, (ConfigError, wire.WireError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc))
     log.error("%s failed", method, exc_info=exc)  # a bug: keep serving, tell the client
-    return grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, bounded(f"{method}: {type(exc).__name__}: {exc}")
 
 
 class Undecodable:
