@@ -126,6 +126,14 @@ def _rpc_many(method: str):
     return decorate
 
 
+def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
+    if existing is not None and existing.spec != spec:
+        raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                           f"{existing.label} exists with a different spec "
+                           f"({existing.spec.describe_difference(spec)}); delete it first "
+                           f"or create it with the same spec")
+
+
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None) -> None:
@@ -179,7 +187,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._create_lock:
             with self._lock:
                 existing = self._shards.get(key)
+                sibling = next((s for (t, _), s in self._shards.items() if t == spec.name), None)
             if existing is None:
+                _check_same_spec(sibling, spec)  # one table, one spec on every shard
                 self._check_wait_threads(spec)
                 shard = TableShard(spec, request.shard_index, self.budget)
                 with self._lock:
@@ -187,11 +197,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 log.info("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
                 return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows),
                         spec.name, shard.storage.num_rows, 0)
-        if existing.spec != spec:
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"{existing.label} exists with a different spec "
-                               f"({existing.spec.describe_difference(spec)}); delete it first "
-                               f"or create it with the same spec")
+        _check_same_spec(existing, spec)
         return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
                                            step=existing.steps.step), spec.name, 0, 0)
 
