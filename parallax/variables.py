@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
-from parallax.errors import ParallaxError
+from parallax.errors import ConfigError, ParallaxError
 
 _INIT_PARAMETERS = frozenset(inspect.signature(
     resource_variable_ops.ResourceVariable.__init__).parameters) - {"self"}
@@ -210,6 +210,16 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     def gather_nd(self, indices, name=None):
         with self._local_update("gather_nd"):
             return super().gather_nd(indices, name=name)
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        if self._parallax_remote is not None:
+            raise ConfigError(
+                f"variable {self.name!r} lives on the parameter servers: a SavedModel exported "
+                f"now would read it through a call back into this process and fail when served "
+                f"anywhere else. Export inside `with strategy.local_tables():` (it pulls every "
+                f"table into this worker for the duration), e.g. `with "
+                f"strategy.local_tables(): model.export(path)`")
+        return super()._export_to_saved_model_graph(object_map, tensor_map, options, **kwargs)
 
     def _restore_from_tensors(self, restored_tensors):
         self._parallax_init = None  # a checkpoint's value replaces the deferred one

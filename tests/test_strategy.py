@@ -355,3 +355,24 @@ def test_big_tables_with_known_initializers_are_drawn_by_the_servers(make_strate
     drawn = server_initializer(uniform.embeddings.value, "0:words", 1000)
     assert (drawn.kind, drawn.minval, drawn.maxval) == ("uniform", -0.05, 0.05)
     assert drawn == server_initializer(uniform.embeddings.value, "0:words", 1000)  # same seed
+
+
+def test_export_outside_local_tables_is_refused_and_inside_serves(make_strategy, tmp_path):
+    """A SavedModel traced while the table is on the servers would call back into this
+    process (a py_func) and fail when served elsewhere; export is refused with the fix."""
+    strategy = make_strategy()
+    ids, labels = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    assert strategy.plan.on_servers
+    with pytest.raises(ConfigError, match=r"local_tables\(\)"):
+        model.export(str(tmp_path / "refused"))
+    assert not (tmp_path / "refused" / "saved_model.pb").exists()
+    with strategy.local_tables():
+        model.export(str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(served.serve(tf.constant(ids[:8])), model.predict(ids[:8],
+                                                                               verbose=0),
+                               rtol=1e-5, atol=1e-6)
