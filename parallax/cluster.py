@@ -4,10 +4,17 @@ or (nothing configured) servers this process starts on loopback: the embedded de
 The launcher (`parallax run`) and workers agree on two variables:
   PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
   PARALLAX_RUN_ID        the job's id; table names on the servers are prefixed with it
+
+A TensorFlow cluster description works too: without PARALLAX_PS_ADDRESSES, the "ps" tasks of
+TF_CONFIG's cluster are the parameter servers (each must run `parallax server` at that
+address), and the run id, unless given, is derived from the cluster, so every worker of one
+cluster agrees on it. Worker ranks still come from Horovod.
 """
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import re
 import time
@@ -20,6 +27,7 @@ ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
 RUN_ID_ENV = "PARALLAX_RUN_ID"
 MODE_ENV = "PARALLAX_MODE"   # hybrid | ps | allreduce, from `parallax run --mode`
 SYNC_ENV = "PARALLAX_SYNC"   # sync | async, from `parallax run --async`
+TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
@@ -82,12 +90,34 @@ def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = Non
         addresses = parse_addresses(text, "ps_addresses")
     elif environ.get(ADDRESSES_ENV):
         addresses = parse_addresses(environ[ADDRESSES_ENV], ADDRESSES_ENV)
+    elif environ.get(TF_CONFIG_ENV) and (tf := tf_config_servers(environ[TF_CONFIG_ENV])):
+        addresses, run_id = tf[0], run_id or tf[1]
     elif start:
         return _embedded(embedded_servers, run_id or new_run_id())
     else:
         return ClusterSpec(("",) * embedded_servers, check_run_id(run_id or new_run_id(),
                                                                   "run id"), embedded=True)
     return ClusterSpec(addresses, check_run_id(run_id or new_run_id(), "run id"))
+
+
+def tf_config_servers(text: str) -> tuple[tuple[str, ...], str] | None:
+    """(the "ps" addresses of a TF_CONFIG cluster, a run id every task derives alike), or
+    None for a cluster without "ps" tasks (MultiWorkerMirroredStrategy's)."""
+    try:
+        cluster = json.loads(text)["cluster"]
+        ps = cluster.get("ps")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"{TF_CONFIG_ENV} is not a TensorFlow cluster description "
+                          f"({exc!r}); give {{\"cluster\": {{\"worker\": [...], \"ps\": "
+                          f"[\"host:port\", ...]}}, \"task\": {{...}}}}") from None
+    if ps is None:
+        return None
+    if not isinstance(ps, list) or not all(isinstance(a, str) for a in ps):
+        raise ConfigError(f"{TF_CONFIG_ENV}: cluster.ps must be a list of \"host:port\" "
+                          f"strings, got {ps!r}")
+    addresses = parse_addresses(",".join(ps), f"{TF_CONFIG_ENV} cluster.ps")
+    digest = hashlib.sha256(json.dumps(cluster, sort_keys=True).encode()).hexdigest()
+    return addresses, f"tf-{digest[:12]}"
 
 
 def _embedded(num_servers: int, run_id: str) -> ClusterSpec:

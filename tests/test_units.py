@@ -185,3 +185,43 @@ def test_cli_reports_a_parallax_error_in_one_line(error, code, capsys, monkeypat
     assert cli.main(["status"]) == code
     err = capsys.readouterr().err
     assert err == f"parallax status: error: {error}\n"
+
+
+# ---- TF_CONFIG as a cluster description ------------------------------------------------
+def _tf_config(task: dict, ps=("10.0.0.5:7000", "10.0.0.6:7000")) -> str:
+    import json
+    return json.dumps({"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": list(ps)},
+                       "task": task})
+
+
+def test_tf_config_ps_tasks_are_the_servers_and_every_worker_derives_one_run_id():
+    from parallax.cluster import resolve_cluster
+    specs = [resolve_cluster(environ={"TF_CONFIG": _tf_config({"type": "worker", "index": i})})
+             for i in range(2)]
+    assert specs[0].ps_addresses == ("10.0.0.5:7000", "10.0.0.6:7000")
+    assert specs[0].run_id == specs[1].run_id and specs[0].run_id.startswith("tf-")
+    other = resolve_cluster(environ={"TF_CONFIG": _tf_config({}, ps=["10.0.0.7:7000"])})
+    assert other.run_id != specs[0].run_id
+    explicit = resolve_cluster(environ={"TF_CONFIG": _tf_config({}),
+                                        "PARALLAX_PS_ADDRESSES": "127.0.0.1:7000",
+                                        "PARALLAX_RUN_ID": "mine"})
+    assert explicit.ps_addresses == ("127.0.0.1:7000",) and explicit.run_id == "mine"
+
+
+def test_tf_config_without_ps_tasks_is_left_to_the_other_sources():
+    from parallax.cluster import resolve_cluster
+    spec = resolve_cluster(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}}'},
+                           start=False)
+    assert spec.embedded
+
+
+@pytest.mark.parametrize("text, words", [
+    ("not json", "is not a TensorFlow cluster description"),
+    ('{"task": {}}', "is not a TensorFlow cluster description"),
+    ('{"cluster": {"ps": "a:1"}}', "cluster.ps must be a list"),
+    ('{"cluster": {"ps": ["nohost"]}}', "is not host:port"),
+])
+def test_bad_tf_config_is_named(text, words):
+    from parallax.cluster import resolve_cluster
+    with pytest.raises(ConfigError, match=words):
+        resolve_cluster(environ={"TF_CONFIG": text})
