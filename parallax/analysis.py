@@ -33,7 +33,7 @@ _CALLS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
 _IFS = frozenset({"If", "StatelessIf"})
 _CASES = frozenset({"Case", "StatelessCase"})
 _WHILES = frozenset({"While", "StatelessWhile"})
-_NOT_READ = "not read in the traced step"
+NOT_READ = "not read in the traced step"
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class _Findings:
         if self.dense:
             return ReadReport(False, self._dense_reason(count), count, tuple(self.dense))
         if not count:
-            return ReadReport(False, _NOT_READ, 0, ())
+            return ReadReport(False, NOT_READ, 0, ())
         chains = ", ".join(f"{chain} x{n}" for chain, n in sorted(self.gathers.items()))
         return ReadReport(True, f"every read is a row gather on axis 0 ({chains})", count, ())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import weakref
 from typing import Mapping, Sequence
@@ -25,7 +26,7 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax import binding, keras_support, resume, tuning
-from parallax.analysis import inspect_reads
+from parallax.analysis import NOT_READ, inspect_reads
 from parallax.client import ClientOptions
 from parallax.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
                               resolve_cluster)
@@ -44,6 +45,8 @@ from parallax.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                 restore_storage)
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
+
+log = logging.getLogger("parallax")
 
 
 class _Observations:
@@ -87,6 +90,19 @@ class WorkerClusterResolver(SimpleClusterResolver):
         servers = list(extended.ps_addresses()) if extended is not None else []
         return tf.train.ClusterSpec({"worker": self._hosts, **({"ps": servers} if servers
                                                                else {})})
+
+
+def _warn_unread_tables(infos, chief: bool) -> None:
+    """Trainable matrices the planned step never read (a second model built in the same
+    scope, most often): they stay local and all-reduced, which for an embedding table is
+    the costly placement this strategy exists to avoid. Said once, by the chief."""
+    unread = [i.name for i in infos if i.read_reason == NOT_READ and len(i.shape) == 2]
+    if unread and chief:
+        log.warning("trainable matrices %s were not read by the step the plan was made from "
+                    "(the first fit or strategy.run), so they stay on the workers and are "
+                    "all-reduced as dense: if they belong to another model built in the same "
+                    "strategy.scope(), its embedding tables never reach the servers; build "
+                    "each model in its own ParallaxStrategy", unread)
 
 
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
@@ -278,6 +294,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.plan = plan
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
+        _warn_unread_tables(infos.values(), self.workers.info.is_chief)
 
     @property
     def client(self):

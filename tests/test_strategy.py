@@ -376,3 +376,22 @@ def test_export_outside_local_tables_is_refused_and_inside_serves(make_strategy,
     np.testing.assert_allclose(served.serve(tf.constant(ids[:8])), model.predict(ids[:8],
                                                                                verbose=0),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_model_in_the_same_scope_is_warned_about(make_strategy, caplog):
+    """The plan is made at the first model's first step: a second model's table is not read
+    there, stays a local all-reduced variable, and the log says so, naming it."""
+    strategy = make_strategy()
+    ids, labels = data()
+    with strategy.scope():
+        first = embedding_model()
+        keras.utils.set_random_seed(6)
+        second = keras.Sequential([keras.Input((3,), dtype="int64"),
+                                   keras.layers.Embedding(VOCAB, DIM, name="second_table"),
+                                   keras.layers.Flatten(), keras.layers.Dense(1)])
+        first.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with caplog.at_level("WARNING", logger="parallax"):
+        first.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("second_table" in w and "own ParallaxStrategy" in w for w in warnings), warnings
+    assert second.built
