@@ -29,6 +29,12 @@ Workers also get PARALLAX_PS_ADDRESSES (the servers' DNS names), PARALLAX_RUN_ID
 PARALLAX_MODE, PARALLAX_SYNC (read by `ParallaxStrategy`) and PARALLAX_JOB_CONFIG (the
 mounted job.json; `strategy_options()` returns its plan overrides as ParallaxStrategy
 keyword arguments).
+
+With --max-restarts N the pods restart together, in place (parallax.gang: one failed rank
+cannot rejoin a Horovod job, so every rank's command restarts with a fresh rendezvous); the
+Job's backoffLimit (N x workers) and podFailurePolicy only recreate pods that were disrupted
+or lost worker 0. The servers keep checkpoints in --data-dir on a PersistentVolumeClaim per
+server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across attempts.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +54,11 @@ from typing import Any, Mapping
 
 import yaml
 
+from parallax import gang
+from parallax import logs
+from parallax.cluster import RESTART_COUNT_ENV, RUN_ID_ENV
 from parallax.errors import ConfigError
+from parallax.restarts import RestartBudget
 
 MODES = ("hybrid", "ps", "allreduce")
 CONFIG_DIR = "/etc/parallax"
@@ -62,6 +73,9 @@ PLAN_KEYS = ("placement", "shards", "local_aggregation", "search_partitions")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
+IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,10 @@ class K8sConfig:
     server_args: tuple[str, ...] = ()     # extra `parallax server` arguments
     gloo_iface: str = "eth0"              # the pod network interface gloo binds to
     image_pull_policy: str = "IfNotPresent"
+    max_restarts: int = 0                 # gang restarts of all workers after a failure
+    data_dir: str | None = None           # the servers' --data-dir (checkpoints)
+    data_volume_size: str | None = None   # a PersistentVolumeClaim per server, e.g. "10Gi"
+    storage_class: str | None = None      # its storageClassName (None: the cluster default)
 
 
 def _label(value: str, what: str, fix: str) -> None:
@@ -140,7 +158,33 @@ def validate(config: K8sConfig) -> None:
         if arg.split("=", 1)[0] in ("--port", "--host"):
             raise ConfigError(f"--server-arg {arg!r}: host and port are set by the manifests "
                               f"(--server-port); drop it")
+        if arg.split("=", 1)[0] == "--data-dir":
+            raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
+                              f"--data-dir (mounted on its volume); give that instead")
+    _validate_restarts(config)
     _validate_plan(config.plan)
+
+
+def _validate_restarts(config: K8sConfig) -> None:
+    if isinstance(config.max_restarts, bool) or not isinstance(config.max_restarts, int) \
+            or config.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {config.max_restarts!r} must be an integer >= 0 "
+                          f"(0: a failure ends the job)")
+    if config.data_volume_size is not None and not _QUANTITY.match(str(config.data_volume_size)):
+        raise ConfigError(f"--data-volume-size {config.data_volume_size!r} is not a Kubernetes "
+                          f"quantity; e.g. --data-volume-size 10Gi")
+    if config.storage_class is not None and (config.data_volume_size is None or not
+                                             _SUBDOMAIN.match(config.storage_class)):
+        raise ConfigError(f"--storage-class {config.storage_class!r} needs --data-volume-size "
+                          f"and a lower-case DNS name, e.g. --data-volume-size 10Gi "
+                          f"--storage-class standard-rwo")
+    if config.data_dir is not None and (not config.data_dir.startswith("/")
+                                        or any(c.isspace() for c in config.data_dir)):
+        raise ConfigError(f"--data-dir {config.data_dir!r} must be an absolute path without "
+                          f"spaces, e.g. --data-dir {DEFAULT_DATA_DIR}")
+    if config.servers == 0 and (config.data_dir or config.data_volume_size):
+        raise ConfigError("--data-dir and --data-volume-size are for the parameter servers, "
+                          "and --servers is 0: drop them or give --servers 1 or more")
 
 
 def _validate_plan(plan: Mapping[str, Any]) -> None:
@@ -167,6 +211,16 @@ def _validate_plan(plan: Mapping[str, Any]) -> None:
     if plan.get("search_partitions", "auto") not in ("auto", True, False):
         raise ConfigError(f"--plan search_partitions {plan['search_partitions']!r} must be "
                           f'true, false or "auto" (measured tuning of shard counts)')
+
+
+def server_data_dir(config: K8sConfig) -> str | None:
+    """Where the servers keep checkpoints: --data-dir, else DEFAULT_DATA_DIR when a volume
+    or restarts need one, else None (no checkpoints on the servers)."""
+    if not config.servers:
+        return None
+    if config.data_dir or config.data_volume_size or config.max_restarts:
+        return config.data_dir or DEFAULT_DATA_DIR
+    return None
 
 
 def ps_service_host(config: K8sConfig, index: int) -> str:
@@ -224,8 +278,11 @@ def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
 
 
 def worker_env(config: K8sConfig) -> dict[str, str]:
+    """The worker container's environment. The run id is pinned to the job's name, so every
+    attempt and every recreated pod finds the servers' checkpoints under resume/<run id>;
+    PARALLAX_RESTART_COUNT is not here: the gang supervisor gives each attempt its own."""
     env = {
-        "PARALLAX_RUN_ID": config.name,
+        RUN_ID_ENV: config.name,
         "PARALLAX_MODE": config.mode,
         "PARALLAX_SYNC": "sync" if config.sync else "async",
         JOB_CONFIG_ENV: f"{CONFIG_DIR}/{CONFIG_FILE}",
@@ -242,77 +299,126 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_IFACE": config.gloo_iface,
         })
+    if config.max_restarts:
+        env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
+        env[gang.MAX_RESTARTS_ENV] = str(config.max_restarts)
     return env
 
 
 def render(config: K8sConfig) -> list[dict[str, Any]]:
     """The job's Kubernetes objects, in the order to apply them."""
     validate(config)
-    name, ns = config.name, config.namespace
     objects: list[dict[str, Any]] = [{
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _meta(config, f"{name}-config", "config"),
+        "metadata": _meta(config, f"{config.name}-config", "config"),
         "data": {CONFIG_FILE: json.dumps(job_config(config), indent=2, sort_keys=True)},
     }]
-    resources = _resources(config)
     if config.servers:
-        ps_labels = _labels(config, "ps")
-        probe = {"grpc": {"port": config.server_port}, "periodSeconds": 5,
-                 "failureThreshold": 3}
-        server = {
-            "name": "server", "image": config.image,
-            "imagePullPolicy": config.image_pull_policy,
-            "command": ["parallax", "server", "--host", "0.0.0.0",
-                        "--port", str(config.server_port), *config.server_args],
-            "ports": [{"name": "grpc", "containerPort": config.server_port}],
-            "readinessProbe": dict(probe, initialDelaySeconds=2),
-            "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
-        }
-        if resources:
-            server["resources"] = resources
-        objects += [_headless_service(config, f"{name}-ps", "ps", "grpc", config.server_port), {
-            "apiVersion": "apps/v1", "kind": "StatefulSet",
-            "metadata": _meta(config, f"{name}-ps", "ps"),
-            "spec": {
-                "serviceName": f"{name}-ps", "replicas": config.servers,
-                "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": ps_labels},
-                "template": {"metadata": {"labels": ps_labels},
-                             "spec": {"terminationGracePeriodSeconds": 30,
-                                      "containers": [server]}},
-            },
-        }]
-    worker_labels = _labels(config, "worker")
+        objects += [_headless_service(config, f"{config.name}-ps", "ps", "grpc",
+                                      config.server_port), _server_set(config)]
+    objects += [_headless_service(config, f"{config.name}-workers", "worker", "rendezvous",
+                                  config.rendezvous_port), _worker_job(config)]
+    for obj in objects:
+        obj["metadata"]["namespace"] = config.namespace
+    return json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+
+
+def _server_container(config: K8sConfig) -> dict[str, Any]:
+    probe = {"grpc": {"port": config.server_port}, "periodSeconds": 5, "failureThreshold": 3}
+    data_dir = server_data_dir(config)
+    server = {
+        "name": "server", "image": config.image, "imagePullPolicy": config.image_pull_policy,
+        "command": ["parallax", "server", "--host", "0.0.0.0", "--port",
+                    str(config.server_port), *config.server_args,
+                    *(["--data-dir", data_dir] if data_dir else [])],
+        "ports": [{"name": "grpc", "containerPort": config.server_port}],
+        "readinessProbe": dict(probe, initialDelaySeconds=2),
+        "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
+    }
+    if data_dir:
+        server["volumeMounts"] = [{"name": "data", "mountPath": data_dir}]
+    if _resources(config):
+        server["resources"] = _resources(config)
+    return server
+
+
+def _data_claim(config: K8sConfig) -> dict[str, Any]:
+    """volumeClaimTemplates entry: one PersistentVolumeClaim per server pod, data-JOB-ps-<i>,
+    kept when pods restart or move (and when the StatefulSet is deleted: Retain)."""
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
+                            "resources": {"requests": {"storage": str(config.data_volume_size)}}}
+    if config.storage_class:
+        spec["storageClassName"] = config.storage_class
+    return {"metadata": {"name": "data", "labels": _labels(config, "ps")}, "spec": spec}
+
+
+def _server_set(config: K8sConfig) -> dict[str, Any]:
+    """The servers: a StatefulSet (stable names; pods restart by themselves, restartPolicy
+    Always) whose data dir is a PersistentVolumeClaim per pod (--data-volume-size), or an
+    emptyDir (survives container restarts, not a pod's move to another node)."""
+    ps_labels = _labels(config, "ps")
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": "Always",
+                           "containers": [_server_container(config)]}
+    spec: dict[str, Any] = {
+        "serviceName": f"{config.name}-ps", "replicas": config.servers,
+        "podManagementPolicy": "Parallel", "selector": {"matchLabels": ps_labels},
+        "template": {"metadata": {"labels": ps_labels}, "spec": pod},
+    }
+    if server_data_dir(config):
+        pod["securityContext"] = {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}
+        if config.data_volume_size:
+            spec["volumeClaimTemplates"] = [_data_claim(config)]
+        else:
+            pod["volumes"] = [{"name": "data", "emptyDir": {}}]
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": _meta(config, f"{config.name}-ps", "ps"), "spec": spec}
+
+
+def _worker_job(config: K8sConfig) -> dict[str, Any]:
+    """The workers: an indexed Job, one pod per rank, each running `parallax k8s worker`.
+    Without restarts one failed rank fails the Job (backoffLimit 0: Horovod cannot re-admit
+    a rank). With --max-restarts N the pods restart their commands together, in place
+    (parallax.gang); the Job's backoff only recreates the pods when that gang lost worker 0
+    or a pod was disrupted (see _failure_policy)."""
     worker = {
         "name": "worker", "image": config.image, "imagePullPolicy": config.image_pull_policy,
         "command": ["parallax", "k8s", "worker", "--", *config.command],
         "env": _env(worker_env(config)),
         "volumeMounts": [{"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
-    if config.workers > 1:
+    if config.workers > 1 or config.max_restarts:
         worker["ports"] = [{"name": "rendezvous", "containerPort": config.rendezvous_port}]
-    if resources:
-        worker["resources"] = resources
-    objects += [_headless_service(config, f"{name}-workers", "worker", "rendezvous",
-                                  config.rendezvous_port), {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": _meta(config, f"{name}-worker", "worker"),
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": config.workers, "parallelism": config.workers,
-            "backoffLimit": 0,  # one failed rank fails the job (Horovod cannot re-admit it)
-            "template": {
-                "metadata": {"labels": worker_labels},
-                "spec": {"subdomain": f"{name}-workers", "restartPolicy": "Never",
-                         "containers": [worker],
-                         "volumes": [{"name": "job-config",
-                                      "configMap": {"name": f"{name}-config"}}]},
-            },
+    if _resources(config):
+        worker["resources"] = _resources(config)
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": config.workers, "parallelism": config.workers,
+        "backoffLimit": config.max_restarts * config.workers,
+        "template": {
+            "metadata": {"labels": _labels(config, "worker")},
+            "spec": {"subdomain": f"{config.name}-workers", "restartPolicy": "Never",
+                     "containers": [worker],
+                     "volumes": [{"name": "job-config",
+                                  "configMap": {"name": f"{config.name}-config"}}]},
         },
-    }]
-    for obj in objects:
-        obj["metadata"]["namespace"] = ns
-    return json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+    }
+    if config.max_restarts:
+        spec["podFailurePolicy"] = _failure_policy()
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(config, f"{config.name}-worker", "worker"), "spec": spec}
+
+
+def _failure_policy() -> dict[str, Any]:
+    """Which failed worker pods the Job recreates (counted against backoffLimit = N x
+    workers: N whole gangs): disrupted ones (eviction, preemption, node loss) and those that
+    lost worker 0 (exit LOST_GANG_EXIT). Any other exit means the gang already restarted in
+    place N times, or cannot start: the Job fails at once instead of starting over."""
+    return {"rules": [
+        {"action": "Count",
+         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "worker", "operator": "NotIn",
+                                              "values": [gang.LOST_GANG_EXIT]}},
+    ]}
 
 
 def dump(objects: list[dict[str, Any]]) -> str:
@@ -347,17 +453,25 @@ def horovod_env(rank: int, size: int, rendezvous_host: str, rendezvous_port: int
     }
 
 
-def start_rendezvous(port: int, size: int, host: str = "0.0.0.0"):
+def _host_plan(size: int):
+    """horovodrun's host plan for `size` hosts named worker-<rank> with one slot each."""
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    return get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(size)], size)
+
+
+def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=None):
     """Horovod's rendezvous server on a fixed port, initialised with one slot per host
-    named worker-<rank> (as horovodrun does with its host plan). Returns the server;
-    call .shutdown() and .server_close() to stop it."""
+    named worker-<rank> (as horovodrun does with its host plan); with a `gang.Gang` it also
+    answers the gang's requests. Returns the server; call .shutdown() and .server_close()
+    to stop it."""
     import threading
 
-    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
-    httpd = RendezvousHTTPServer((host, port), RendezvousHandler, 0)
-    httpd.init(get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(size)], size))
+    handler = RendezvousHandler if coordinator is None else \
+        gang.handler_class(RendezvousHandler, coordinator)
+    httpd = RendezvousHTTPServer((host, port), handler, 0)
+    httpd.init(_host_plan(size))
     threading.Thread(target=httpd.serve_forever, name="rendezvous", daemon=True).start()
     return httpd
 
@@ -379,6 +493,32 @@ def _wait_for(host: str, port: int, timeout: float) -> str:
                       f"{RENDEZVOUS_TIMEOUT_ENV} if pods start slowly")
 
 
+def _rank(environ: Mapping[str, str], size: int) -> int | None:
+    rank = int(environ.get("JOB_COMPLETION_INDEX", environ.get("HOROVOD_RANK", "-1")))
+    if not 0 <= rank < size:
+        print(f"parallax k8s worker: rank {rank} (JOB_COMPLETION_INDEX) is not in 0..{size - 1}",
+              file=sys.stderr)
+        return None
+    return rank
+
+
+def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None):
+    """Rank 0 serves the rendezvous, the others wait for it: (server or None, the address
+    to reach it at, its port). Raises OSError or ConfigError."""
+    host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
+    port = int(port_text)
+    if rank == 0:
+        return start_rendezvous(port, size, coordinator=coordinator), "127.0.0.1", port
+    timeout = float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300"))
+    return None, _wait_for(host, port, timeout), port
+
+
+def _stop(server) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
 def worker_main(command: list[str], environ: Mapping[str, str] | None = None) -> int:
     environ = dict(os.environ if environ is None else environ)
     if not command:
@@ -386,22 +526,16 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
               file=sys.stderr)
         return 2
     size = int(environ.get("HOROVOD_SIZE", "1"))
-    if size <= 1:
+    max_restarts = int(environ.get(gang.MAX_RESTARTS_ENV, "0"))
+    if size <= 1 and not max_restarts:
         os.execvpe(command[0], command, environ)
-    rank = int(environ.get("JOB_COMPLETION_INDEX", environ.get("HOROVOD_RANK", "-1")))
-    if not 0 <= rank < size:
-        print(f"parallax k8s worker: rank {rank} (JOB_COMPLETION_INDEX) is not in 0..{size - 1}",
-              file=sys.stderr)
+    rank = _rank(environ, size)
+    if rank is None:
         return 2
-    host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
-    port = int(port_text)
-    server = None
+    if max_restarts:
+        return _gang_main(command, environ, rank, size, max_restarts)
     try:
-        if rank == 0:
-            server = start_rendezvous(port, size)
-            address = "127.0.0.1"
-        else:
-            address = _wait_for(host, port, float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300")))
+        server, address, port = _join(environ, rank, size)
     except (OSError, ConfigError) as err:
         print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
         return 1
@@ -414,10 +548,69 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     code = child.wait()
-    if server is not None:
-        server.shutdown()
-        server.server_close()
+    _stop(server)
     return code if code >= 0 else 128 - code
+
+
+def _say(text: str) -> None:
+    print(f"parallax k8s worker 0: {text}", flush=True)
+
+
+def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
+    """Worker 0, before each attempt: a new rendezvous (a fresh gloo context), and none of
+    this run's tables left on the servers, as if they had restarted (the checkpoints on
+    their data volume stay; the workers' scripts restore from them)."""
+    def start(attempt: int) -> None:
+        if size > 1:
+            server.init(_host_plan(size))
+        addresses = environ.get("PARALLAX_PS_ADDRESSES")
+        if not addresses:
+            return
+        from parallax.client.ps_client import PSClient
+        with PSClient(addresses.split(",")) as client:
+            client.wait_ready(timeout)
+            dropped = client.delete_tables(f"{environ[RUN_ID_ENV]}.")
+        if dropped:
+            _say(f"attempt {attempt}: dropped {len(dropped)} table(s) of run "
+                 f"{environ[RUN_ID_ENV]} from the servers; the workers restore them from "
+                 f"their last checkpoint")
+    return start
+
+
+def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int,
+               max_restarts: int) -> int:
+    """Run `command` under the gang's supervision (parallax.gang): every rank's command
+    restarts together after any failure, at most `max_restarts` times."""
+    timeout = float(environ.get(gang.TIMEOUT_ENV, gang.GANG_TIMEOUT_S))
+    coordinator = None
+    if rank == 0:
+        coordinator = gang.Gang(size, RestartBudget(max_restarts, say=_say), lambda _: None,
+                                timeout, say=_say)
+    try:
+        server, address, port = _join(environ, rank, size, coordinator)
+    except (OSError, ConfigError) as err:  # worker 0 not there: the Job may recreate pods
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 1 if rank == 0 else gang.LOST_GANG_EXIT
+    stop = threading.Event()
+    if coordinator is not None:
+        coordinator.on_start = _fresh_start(environ, server, size, timeout)
+        gang.run_steps(coordinator, stop)
+
+    def child_env(attempt: int) -> dict[str, str]:
+        env = dict(environ, **{RESTART_COUNT_ENV: str(attempt)})
+        if size > 1:
+            env.update(horovod_env(rank, size, address, port,
+                                   environ.get("HOROVOD_GLOO_IFACE", "eth0")))
+        return env
+    code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
+                           timeout).run()
+    if coordinator is not None:  # let the others read the final state before leaving
+        deadline = time.monotonic() + timeout
+        while not coordinator.everyone_told() and time.monotonic() < deadline:
+            time.sleep(gang.POLL_S)
+    stop.set()
+    _stop(server)
+    return code
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,7 +621,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="parallax k8s",
         usage="parallax k8s --name JOB --image IMAGE [--workers N] [--servers S] "
               "[--namespace NS] [--mode hybrid|ps|allreduce] [--async] [--server-port P] "
-              "[--cpu Q] [--memory Q] [--plan JSON] [-o DIR] -- COMMAND [ARGS ...]\n"
+              "[--cpu Q] [--memory Q] [--plan JSON] [--max-restarts N] [--data-dir DIR] "
+              "[--data-volume-size Q [--storage-class NAME]] [-o DIR] -- COMMAND [ARGS ...]\n"
               "       parallax k8s worker -- COMMAND [ARGS ...]   (inside a worker pod)",
         description="Render the Kubernetes manifests of a parallax job (parameter servers "
                     "as a StatefulSet with a headless Service, workers as an indexed Job, a "
@@ -451,13 +645,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="extra `parallax server` argument, e.g. --server-arg=--threads=32")
     p.add_argument("--gloo-iface", default="eth0", help="pod network interface (eth0)")
     p.add_argument("--image-pull-policy", default="IfNotPresent")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a worker's command fails, restart every worker's command "
+                        "together, in its pod, at most N times (default 0: the job fails); "
+                        f"they get {RESTART_COUNT_ENV} and resume from their last "
+                        "checkpoint. The Job recreates lost pods within backoffLimit = N x "
+                        "workers")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="the servers' --data-dir, where they write checkpoints (resume/<run "
+                        f"id>); default {DEFAULT_DATA_DIR} with --max-restarts or "
+                        "--data-volume-size, else none")
+    p.add_argument("--data-volume-size", metavar="Q",
+                   help="a PersistentVolumeClaim of this size per server mounted at "
+                        "--data-dir, so a restarted or moved server pod keeps its "
+                        "checkpoints, e.g. 10Gi (default: an emptyDir, lost with the pod)")
+    p.add_argument("--storage-class", metavar="NAME",
+                   help="storageClassName of those claims (default: the cluster's default)")
     p.add_argument("-o", "--output-dir", help="write one YAML file per object here")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training program")
     return p
 
 
 def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
-    args = _parser().parse_args(argv)
+    args = logs.parse(_parser(), argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         plan = json.loads(args.plan)
@@ -469,7 +679,9 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, cpu=args.cpu,
         memory=args.memory, plan=plan, server_args=tuple(args.server_arg),
-        gloo_iface=args.gloo_iface, image_pull_policy=args.image_pull_policy)
+        gloo_iface=args.gloo_iface, image_pull_policy=args.image_pull_policy,
+        max_restarts=args.max_restarts, data_dir=args.data_dir,
+        data_volume_size=args.data_volume_size, storage_class=args.storage_class)
     return config, args.output_dir
 
 

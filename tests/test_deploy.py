@@ -154,7 +154,14 @@ CONFIGS = {
                               server_args=("--threads=32",)),
     "allreduce-no-servers": K8sConfig(name="mlp", image="parallax", workers=2, servers=0,
                                       mode="allreduce", command=("python", "dense.py")),
+    "restarts-4x2-pvc": K8sConfig(name="ctr", image="parallax", command=("python", "t.py"),
+                                  workers=4, servers=2, max_restarts=3, data_dir="/ckpt",
+                                  data_volume_size="10Gi", storage_class="fast-ssd",
+                                  server_args=("--threads=32",)),
+    "restarts-1x1-emptydir": K8sConfig(name="one", image="parallax", workers=1, servers=1,
+                                       command=("python", "t.py"), max_restarts=2),
 }
+RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
 
 def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -210,7 +217,7 @@ def test_manifests_are_structurally_valid(key):
         assert args[args.index("--host") + 1] == "0.0.0.0"
         assert [p["containerPort"] for p in server["ports"]] == [config.server_port]
         assert server["readinessProbe"]["grpc"]["port"] == config.server_port
-        assert tuple(args[6:]) == config.server_args
+        assert tuple(args[6:6 + len(config.server_args)]) == config.server_args
     else:
         assert not any(kind == "StatefulSet" for kind, _ in objs)
     # workers
@@ -285,6 +292,13 @@ def test_manifests_pass_the_kubernetes_schemas(key):
     ({"plan": {"search_partitions": "yes"}}, ["search_partitions 'yes'", "true, false"]),
     ({"server_args": ("--port=1",)}, ["--server-arg '--port=1'"]),
     ({"gloo_iface": "eth 0"}, ["--gloo-iface"]),
+    ({"max_restarts": -1}, ["--max-restarts -1", ">= 0"]),
+    ({"data_volume_size": "ten"}, ["--data-volume-size 'ten'", "10Gi"]),
+    ({"storage_class": "fast"}, ["--storage-class 'fast'", "--data-volume-size"]),
+    ({"data_volume_size": "1Gi", "storage_class": "Fast_SSD"}, ["'Fast_SSD'"]),
+    ({"data_dir": "ckpt"}, ["--data-dir 'ckpt'", "absolute"]),
+    ({"servers": 0, "mode": "allreduce", "data_dir": "/d"}, ["--servers is 0"]),
+    ({"server_args": ("--data-dir=/x",)}, ["--server-arg '--data-dir=/x'", "--data-dir"]),
 ])
 def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
@@ -412,3 +426,271 @@ def test_worker_bootstrap_reports_a_missing_rendezvous():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "rendezvous" in out.stderr and "worker 0" in out.stderr, out.stderr
+
+
+# --------------------------------------------------------------------------- restarts (--max-restarts)
+
+def _objects(config: K8sConfig):
+    objs = _by_kind(render(config))
+    job = objs["Job", f"{config.name}-worker"]
+    sts = objs.get(("StatefulSet", f"{config.name}-ps"))
+    (worker,) = job["spec"]["template"]["spec"]["containers"]
+    return objs, job, sts, worker
+
+
+@pytest.mark.parametrize("key", RESTART_CONFIGS)
+def test_restarts_restart_the_gang_in_place_and_recreate_only_lost_pods(key):
+    config = CONFIGS[key]
+    objs, job, _, worker = _objects(config)
+    spec, env = job["spec"], _env(worker)
+    # the gang supervisor in every pod: worker 0 coordinates, even with one worker
+    assert worker["command"] == ["parallax", "k8s", "worker", "--", *config.command]
+    assert env[k8s.gang.MAX_RESTARTS_ENV] == str(config.max_restarts)
+    assert env[k8s.RENDEZVOUS_ENV].startswith(f"{config.name}-worker-0.{config.name}-workers.")
+    assert [p["containerPort"] for p in worker["ports"]] == [config.rendezvous_port]
+    assert "PARALLAX_RESTART_COUNT" not in env  # each attempt gets its own from the gang
+    # the run id is pinned: every attempt and every recreated pod resumes the same run
+    run_id = json.loads(objs["ConfigMap", f"{config.name}-config"]["data"]["job.json"])
+    assert env["PARALLAX_RUN_ID"] == run_id["run_id"] == config.name
+    # pod-level: Never (podFailurePolicy needs it), N whole gangs of recreated pods, and
+    # only disrupted pods or pods that lost worker 0 are recreated; others fail the Job
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["backoffLimit"] == config.max_restarts * config.workers
+    disrupted, others = spec["podFailurePolicy"]["rules"]
+    assert disrupted == {"action": "Count",
+                         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert others["action"] == "FailJob"
+    assert others["onExitCodes"] == {"containerName": "worker", "operator": "NotIn",
+                                     "values": [k8s.gang.LOST_GANG_EXIT]}
+
+
+@pytest.mark.parametrize("key", RESTART_CONFIGS)
+def test_restarts_keep_the_servers_data_dir_on_a_volume(key):
+    config = CONFIGS[key]
+    _, _, sts, _ = _objects(config)
+    pod = sts["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    assert pod["restartPolicy"] == "Always"
+    args = server["command"]
+    data_dir = args[args.index("--data-dir") + 1]
+    assert data_dir == (config.data_dir or k8s.DEFAULT_DATA_DIR) == k8s.server_data_dir(config)
+    (mount,) = server["volumeMounts"]
+    assert mount["mountPath"] == data_dir
+    assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can write it
+    if config.data_volume_size:
+        (claim,) = sts["spec"]["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == mount["name"] and "volumes" not in pod
+        assert claim["spec"]["resources"]["requests"]["storage"] == config.data_volume_size
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert claim["spec"]["storageClassName"] == config.storage_class
+        assert claim["metadata"]["labels"][k8s.LABEL_JOB] == config.name
+    else:
+        (volume,) = pod["volumes"]
+        assert volume == {"name": mount["name"], "emptyDir": {}}
+        assert "volumeClaimTemplates" not in sts["spec"]
+
+
+@pytest.mark.parametrize("key", sorted(set(CONFIGS) - set(RESTART_CONFIGS)))
+def test_without_restart_flags_the_manifests_are_as_before(key):
+    config = CONFIGS[key]
+    _, job, sts, worker = _objects(config)
+    assert job["spec"]["backoffLimit"] == 0 and "podFailurePolicy" not in job["spec"]
+    assert k8s.gang.MAX_RESTARTS_ENV not in _env(worker)
+    assert (k8s.RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1)
+    if sts:
+        pod = sts["spec"]["template"]["spec"]
+        assert "--data-dir" not in pod["containers"][0]["command"]
+        assert "volumes" not in pod and "volumeClaimTemplates" not in sts["spec"]
+
+
+def test_data_dir_alone_gets_a_pod_volume_at_that_path():
+    config = K8sConfig(name="d", image="x", command=("t",), data_dir="/srv/ps")
+    _, job, sts, _ = _objects(config)
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "data", "mountPath": "/srv/ps"}]
+    assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert job["spec"]["backoffLimit"] == 0
+
+
+def test_cli_restart_flags_reach_the_manifests_and_have_help(capsys):
+    config, _ = k8s.config_from_args([
+        "--name", "r", "--image", "x", "--workers", "2", "--max-restarts", "4", "--data-dir",
+        "/ckpt", "--data-volume-size", "5Gi", "--storage-class", "gp3", "--", "python", "t.py"])
+    assert (config.max_restarts, config.data_dir, config.data_volume_size,
+            config.storage_class) == (4, "/ckpt", "5Gi", "gp3")
+    with pytest.raises(SystemExit):
+        k8s.config_from_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-restarts N", "--data-dir DIR", "--data-volume-size Q",
+                 "--storage-class NAME"):
+        assert flag in text
+    assert "PARALLAX_RESTART_COUNT" in text and "PersistentVolumeClaim" in text
+
+
+# The gang's state machine, with a fake clock.
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _gang(size: int, max_restarts: int, started: list, clock=None):
+    from parallax.restarts import RestartBudget
+    said = []
+    g = k8s.gang.Gang(size, RestartBudget(max_restarts, 0, said.append), started.append,
+                      timeout=5, clock=clock or _Clock(), say=said.append)
+    return g, said
+
+
+def test_gang_restarts_every_rank_together_after_one_fails():
+    started = []
+    g, said = _gang(2, 1, started)
+    g.poll(0)
+    g.step()
+    assert g.state == "starting" and started == []  # rank 1 has not checked in
+    g.poll(1)
+    g.step()
+    assert (g.state, g.attempt, started) == ("running", 0, [0])
+    g.report(1, 0, 3)
+    g.step()
+    assert g.poll(0) == {"attempt": 0, "state": "aborting", "code": 3}
+    g.step()
+    assert g.state == "aborting"  # rank 0's command still runs: wait for it to stop
+    g.report(0, 0, -15)
+    g.step()
+    assert (g.state, g.attempt) == ("starting", 1)
+    assert "worker 1's command exited with 3" in said[0] and "restart 1 of 1" in said[0]
+    assert g.code == 0
+    g.report(0, 0, 0)  # a late report of the old attempt changes nothing
+    g.step()
+    assert (g.state, g.attempt, started) == ("running", 1, [0, 1])
+    g.report(0, 1, 0)
+    g.step()
+    assert g.state == "running"
+    g.report(1, 1, 0)
+    g.step()
+    assert g.poll(0)["state"] == "done" and not g.everyone_told()
+    g.poll(1)
+    assert g.everyone_told()
+
+
+def test_gang_fails_with_the_code_once_the_restarts_are_used():
+    started = []
+    g, said = _gang(1, 0, started)
+    g.poll(0)
+    g.step()
+    g.report(0, 0, 7)
+    g.step()
+    g.step()
+    assert g.poll(0) == {"attempt": 0, "state": "failed", "code": 7}
+
+
+def test_gang_aborts_when_a_rank_stops_answering():
+    clock, started = _Clock(), []
+    g, said = _gang(2, 2, started, clock)
+    g.poll(0), g.poll(1)
+    g.step()
+    clock.now = 4
+    g.poll(0)
+    clock.now = 6  # rank 1 silent for 6 s > timeout 5
+    g.step()
+    assert g.state == "aborting" and "worker 1 stopped answering" in g.cause
+    g.report(0, 0, -15)
+    g.step()
+    assert (g.state, g.attempt) == ("starting", 1)
+    g.poll(0)
+    g.step()
+    assert g.state == "starting"  # waits for the recreated pod of rank 1
+    g.poll(1)
+    g.step()
+    assert (g.state, started) == ("running", [0, 1])
+
+
+def test_gang_fails_when_the_servers_cannot_be_prepared():
+    def broken(attempt):
+        raise RuntimeError("servers unreachable")
+    g, said = _gang(1, 3, [])
+    g.on_start = broken
+    g.poll(0)
+    g.step()
+    assert (g.state, g.code) == ("failed", 1) and "servers unreachable" in said[0]
+
+
+# The bootstrap for real: two 'pods' on loopback.
+
+RESTART_PROBE = """
+import os, sys, time
+rank, attempt = os.environ["HOROVOD_RANK"], os.environ["PARALLAX_RESTART_COUNT"]
+print(f"rank={rank} attempt={attempt} run={os.environ['PARALLAX_RUN_ID']}", flush=True)
+if attempt == "0":
+    if rank == "1":
+        sys.exit(3)
+    time.sleep(120)  # must be stopped by the gang, not waited for
+sys.exit(int(os.environ.get("FINAL_CODE", "0")) if attempt == os.environ["LAST"] else 0)
+"""
+
+
+def _gang_pods(tmp_path, max_restarts: int, extra_env: dict) -> dict:
+    script = tmp_path / "probe.py"
+    script.write_text(RESTART_PROBE)
+    config = K8sConfig(name="g", image="x", workers=2, servers=0, mode="allreduce",
+                       max_restarts=max_restarts, command=(sys.executable, str(script)))
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {**_env(container), k8s.RENDEZVOUS_ENV: f"localhost:{_free_port()}",
+           "PATH": f"{BIN}:/usr/bin:/bin", k8s.gang.TIMEOUT_ENV: "20", **extra_env}
+    argv = [str(BIN / "parallax"), *container["command"][1:]]
+    procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (1, 0)}
+    try:
+        outs = {i: p.communicate(timeout=90)[0] for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return {i: (procs[i].returncode, outs[i]) for i in procs}
+
+
+@pytest.mark.multiprocess
+def test_gang_bootstrap_restarts_both_ranks_when_one_fails(tmp_path):
+    results = _gang_pods(tmp_path, 1, {"LAST": "1"})
+    for rank, (code, out) in results.items():
+        assert code == 0, out[-3000:]
+        assert f"rank={rank} attempt=0 run=g" in out and f"rank={rank} attempt=1 run=g" in out
+    assert "restart 1 of 1" in results[0][1] and "worker 1's command exited with 3" in \
+        results[0][1]
+
+
+@pytest.mark.multiprocess
+def test_gang_bootstrap_exits_with_the_failure_once_restarts_are_used(tmp_path):
+    results = _gang_pods(tmp_path, 1, {"LAST": "1", "FINAL_CODE": "5"})
+    assert {rank: code for rank, (code, _) in results.items()} == {0: 5, 1: 5}
+    assert "not restarting" in results[0][1]
+
+
+def test_gang_worker_without_worker_0_exits_so_the_job_recreates_the_pods():
+    env = {"HOROVOD_SIZE": "2", "JOB_COMPLETION_INDEX": "1", k8s.gang.MAX_RESTARTS_ENV: "2",
+           k8s.RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", k8s.RENDEZVOUS_TIMEOUT_ENV: "1",
+           "PATH": f"{BIN}:/usr/bin:/bin"}
+    out = subprocess.run([str(BIN / "parallax"), "k8s", "worker", "--", "true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == k8s.gang.LOST_GANG_EXIT, out.stderr
+    assert "worker 0" in out.stderr
+
+
+def test_fresh_start_drops_only_this_runs_tables(tmp_path):
+    from parallax.client import PSClient
+    from parallax.local_cluster import LocalCluster
+    from parallax.specs import TableSpec
+    with LocalCluster(2) as cluster, PSClient(cluster.addresses) as client:
+        for name in ("run1.v0.emb", "run1.v1.w", "run10.v0.emb"):
+            client.create_table(TableSpec(name=name, vocabulary_size=4, dim=1, shard_count=2))
+        environ = {"PARALLAX_PS_ADDRESSES": ",".join(cluster.addresses),
+                   "PARALLAX_RUN_ID": "run1"}
+        k8s._fresh_start(environ, None, 1, 30)(1)
+        left = {s.table for reply in client.stats().values() for s in reply.tables}
+    assert left == {"run10.v0.emb"}

@@ -104,6 +104,18 @@ class PSClient:
             conn.call("DeleteTable", ps_pb2.DeleteTableRequest(table=table.name,
                                                                shard_index=shard), table.name)
 
+    def delete_tables(self, prefix: str) -> list[str]:
+        """Delete every shard of every table whose name starts with `prefix`, on every
+        server (a restarted job's fresh start); the names deleted."""
+        names = set()
+        for server, reply in zip(self.servers, self._each("Stats", ps_pb2.StatsRequest())):
+            for shard in reply.tables:
+                if shard.table.startswith(prefix):
+                    server.call("DeleteTable", ps_pb2.DeleteTableRequest(
+                        table=shard.table, shard_index=shard.shard_index), shard.table)
+                    names.add(shard.table)
+        return sorted(names)
+
     def _each(self, method: str, request) -> list:
         """Call every server at once; once all have answered, the replies or the first
         error (no call is still running when this raises)."""
