@@ -1,12 +1,13 @@
 """parallax: sparsity-aware data-parallel training for TensorFlow 2."""
 from parallax.client import ClientOptions, PSClient, ShardedTable
 from parallax.errors import ConfigError, ParallaxError, ServerError
-from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
+from parallax.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam, RMSprop,
+                            TableSpec)
 from parallax.version import __version__
 
-__all__ = ["Adagrad", "Adam", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
-           "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch", "SGD", "ServerError",
-           "ShardedTable", "TableSpec", "__version__"]
+__all__ = ["Adagrad", "Adam", "Adamax", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
+           "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch",
+           "RMSprop", "SGD", "ServerError", "ShardedTable", "TableSpec", "__version__"]
 
 
 def __getattr__(name: str):

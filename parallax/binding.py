@@ -144,7 +144,7 @@ class TableBinder:
                 f"optimizer themselves, but no Keras optimizer updated them in the traced "
                 f"step; update variables with a keras.optimizers optimizer "
                 f"(apply_gradients / fit), or use mode='allreduce'")
-        optimizer_spec = optimizer_from_keras(optimizer)
+        optimizer_spec = optimizer_from_keras(optimizer, [vp.name for vp in on_servers])
         on_server_init = {vp.index: server_initializer(variables[vp.index],
                                                        f"{vp.index}:{vp.name}",
                                                        self.init_chunk_bytes)

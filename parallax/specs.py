@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar, Sequence, Union, get_args
 
 import numpy as np
 
@@ -106,6 +106,9 @@ class SGD:
         _check_learning_rate(self.learning_rate)
         _require(0 <= self.momentum <= 1, f"SGD momentum must be in [0, 1], got {self.momentum}")
 
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum != 0 else ()
+
 
 @dataclass(frozen=True)
 class Adagrad:
@@ -123,24 +126,38 @@ class Adagrad:
                  f"got {self.initial_accumulator_value}")
         _require(self.epsilon >= 0, f"Adagrad epsilon must be >= 0, got {self.epsilon}")
 
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator",)
+
 
 @dataclass(frozen=True)
-class Adam:
-    """Keras 3 `Adam` (optionally AMSGrad), applied lazily to the rows a step touches."""
+class _Moments:
+    """The hyper-parameters Adam, Adamax and Nadam share (Keras 3's names and defaults)."""
 
     learning_rate: float = 0.001
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
-    amsgrad: bool = False
-    kind: ClassVar[str] = "adam"
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
+        owner = type(self).__name__
         for name in ("beta_1", "beta_2"):
             beta = getattr(self, name)
-            _require(0 <= beta < 1, f"Adam {name} must be in [0, 1), got {beta}")
-        _require(self.epsilon >= 0, f"Adam epsilon must be >= 0, got {self.epsilon}")
+            _require(0 <= beta < 1, f"{owner} {name} must be in [0, 1), got {beta}")
+        _require(self.epsilon >= 0, f"{owner} epsilon must be >= 0, got {self.epsilon}")
+
+
+@dataclass(frozen=True)
+class Adam(_Moments):
+    """Keras 3 `Adam` (optionally AMSGrad), applied lazily to the rows a step touches."""
+
+    amsgrad: bool = False
+    kind: ClassVar[str] = "adam"
+
+    def slot_names(self) -> tuple[str, ...]:
+        moments = ("momentum", "velocity")
+        return moments + ("velocity_hat",) if self.amsgrad else moments
 
 
 @dataclass(frozen=True)
@@ -168,11 +185,77 @@ class Ftrl:
             value = getattr(self, name)
             _require(value >= 0, f"Ftrl {name} must be >= 0, got {value}")
 
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator", "linear")
 
-OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl]
-_OPTIMIZERS: dict[str, type] = {cls.kind: cls for cls in (SGD, Adagrad, Adam, Ftrl)}
-_PROTO_OPTIMIZERS = {"sgd": ps_pb2.SGD, "adagrad": ps_pb2.Adagrad, "adam": ps_pb2.Adam,
-                     "ftrl": ps_pb2.Ftrl}
+
+@dataclass(frozen=True)
+class RMSprop:
+    """Keras 3 `RMSprop`, plain, with momentum and/or centered, applied lazily."""
+
+    learning_rate: float = 0.001
+    rho: float = 0.9
+    momentum: float = 0.0
+    epsilon: float = 1e-7
+    centered: bool = False
+    kind: ClassVar[str] = "rmsprop"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(0 <= self.rho <= 1, f"RMSprop rho must be in [0, 1], got {self.rho}")
+        _require(0 <= self.momentum <= 1,
+                 f"RMSprop momentum must be in [0, 1], got {self.momentum}")
+        _require(self.epsilon >= 0, f"RMSprop epsilon must be >= 0, got {self.epsilon}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + \
+            (("average_gradient",) if self.centered else ())
+
+
+@dataclass(frozen=True)
+class Adamax(_Moments):
+    """Keras 3 `Adamax`, applied lazily to the rows a step touches."""
+
+    kind: ClassVar[str] = "adamax"
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "norm")
+
+
+@dataclass(frozen=True)
+class Nadam(_Moments):
+    """Keras 3 `Nadam`, applied lazily; its `u_product` is a function of the table's step."""
+
+    kind: ClassVar[str] = "nadam"
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "velocity")
+
+
+@dataclass(frozen=True)
+class Lion:
+    """Keras 3 `Lion` (sign update), applied lazily to the rows a step touches."""
+
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    kind: ClassVar[str] = "lion"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(0 < self.beta_1 <= 1, f"Lion beta_1 must be in (0, 1], got {self.beta_1}")
+        _require(0 <= self.beta_2 <= 1, f"Lion beta_2 must be in [0, 1], got {self.beta_2}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",)
+
+
+# The one list of server-side optimizers: a new one is a dataclass above (fields named as in
+# Keras and in its proto message), its entry here, its message in the OptimizerSpec oneof of
+# ps.proto (field name = `kind`) and its update in servers/parallax_ps/optimizers.py.
+OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl, RMSprop, Adamax, Nadam, Lion]
+_OPTIMIZERS: dict[str, type] = {cls.kind: cls for cls in get_args(OptimizerSpec)}
+SERVER_OPTIMIZERS = ", ".join(cls.__name__ for cls in _OPTIMIZERS.values())
 
 
 def _check_learning_rate(lr: float) -> None:
@@ -182,9 +265,8 @@ def _check_learning_rate(lr: float) -> None:
 def optimizer_to_proto(opt: OptimizerSpec) -> ps_pb2.OptimizerSpec:
     if type(opt) not in _OPTIMIZERS.values():
         raise ConfigError(f"optimizer {opt!r} is not a server-side optimizer; use one of "
-                          f"{sorted(_OPTIMIZERS)} from parallax.specs")
-    payload = _PROTO_OPTIMIZERS[opt.kind](**dataclasses.asdict(opt))
-    return ps_pb2.OptimizerSpec(**{opt.kind: payload})
+                          f"{SERVER_OPTIMIZERS} from parallax.specs")
+    return ps_pb2.OptimizerSpec(**{opt.kind: dataclasses.asdict(opt)})
 
 
 def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
@@ -196,12 +278,20 @@ def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     return cls(**{f.name: getattr(payload, f.name) for f in dataclasses.fields(cls)})
 
 
-def optimizer_from_keras(optimizer: object) -> OptimizerSpec:
-    """The server-side twin of a Keras 3 optimizer: same class, same hyper-parameters."""
+def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> OptimizerSpec:
+    """The server-side twin of a Keras 3 optimizer: same class, same hyper-parameters.
+    `tables`: the variables bound for the servers, named in the refusal of an optimizer the
+    servers do not have."""
     name = type(optimizer).__name__.lower()
     if name not in _OPTIMIZERS:
-        raise ConfigError(f"Keras optimizer {type(optimizer).__name__} has no server-side "
-                          f"version; use one of SGD, Adagrad, Adam, Ftrl")
+        keras_name = type(optimizer).__name__
+        placement = {table: "allreduce" for table in (list(tables) or ["<variable name>"])}
+        raise ConfigError(
+            f"Keras optimizer {keras_name} has no server-side version (the parameter servers "
+            f"apply {SERVER_OPTIMIZERS}); compile with one of those, or keep the tables on the "
+            f"workers, all-reduced and updated by {keras_name} there: "
+            f"ParallaxStrategy(placement={placement!r}) for these tables, or "
+            f"ParallaxStrategy(mode='allreduce') for every variable")
     config = optimizer.get_config()
     for unsupported in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
         if config.get(unsupported):
@@ -217,15 +307,15 @@ def optimizer_from_keras(optimizer: object) -> OptimizerSpec:
 
 
 def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
-    """The per-row state a server keeps for this optimizer, besides the values."""
-    if isinstance(spec, SGD):
-        return ("momentum",) if spec.momentum != 0 else ()
-    if isinstance(spec, Adagrad):
-        return ("accumulator",)
-    if isinstance(spec, Adam):
-        moments = ("momentum", "velocity")
-        return moments + ("velocity_hat",) if spec.amsgrad else moments
-    return ("accumulator", "linear")
+    """The per-row state a server keeps for this optimizer, besides the values (Keras' names
+    of its optimizer variables)."""
+    return spec.slot_names()
+
+
+def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
+    """A slot's value before a row's first update: `initial_<name>_value` where the spec has
+    one (Adagrad's and Ftrl's accumulator), else 0, as in Keras."""
+    return float(getattr(spec, f"initial_{name}_value", 0.0))
 
 
 @dataclass(frozen=True)
@@ -274,7 +364,7 @@ class TableSpec:
                  f"beyond the largest {self.dtype} ({largest:g}); initial values would be "
                  f"infinite: use smaller initializer values or dtype 'float64'")
         _require(type(self.optimizer) in _OPTIMIZERS.values(), f"table {self.name!r}: optimizer "
-                 f"{self.optimizer!r} is not one of parallax.specs SGD, Adagrad, Adam, Ftrl")
+                 f"{self.optimizer!r} is not one of parallax.specs {SERVER_OPTIMIZERS}")
         _require(isinstance(self.shard_count, int) and self.shard_count >= 1,
                  f"table {self.name!r}: shard_count must be >= 1, got {self.shard_count!r}")
         _require(self.hashed_keys or self.shard_count <= self.vocabulary_size,

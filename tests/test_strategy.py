@@ -395,3 +395,40 @@ def test_a_second_model_in_the_same_scope_is_warned_about(make_strategy, caplog)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("second_table" in w and "own ParallaxStrategy" in w for w in warnings), warnings
     assert second.built
+
+
+def test_compile_with_rmsprop_by_name_trains_on_the_servers(make_strategy):
+    """`compile(optimizer="rmsprop")`, as many Keras examples write it: the servers apply
+    RMSprop with Keras' defaults to the table, and the model learns."""
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer="rmsprop", loss="mse")
+    losses = model.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
+    assert losses[-1] < losses[0]
+    assert strategy.plan.get("embedding/embeddings").placement == "ps"
+    optimizer = strategy.tables["embedding/embeddings"].table.spec.optimizer
+    assert optimizer == parallax.RMSprop(learning_rate=optimizer.learning_rate)
+    assert optimizer.learning_rate == pytest.approx(0.001)
+
+
+def test_an_optimizer_the_servers_lack_names_the_ways_out(make_strategy):
+    """Adadelta is refused at the first step, naming the table; the placement the message
+    suggests then trains the same model with Adadelta on the workers."""
+    x, y = data()
+    strategy = make_strategy()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer="adadelta", loss="mse")
+    with pytest.raises(ConfigError, match=r"Adadelta has no server-side version .*RMSprop, "
+                       r"Adamax, Nadam, Lion\).*placement=\{'embedding/embeddings': "
+                       r"'allreduce'\}\).*mode='allreduce'"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    strategy = make_strategy(placement={"embedding/embeddings": "allreduce"})
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer=keras.optimizers.Adadelta(1.0), loss="mse")
+    losses = model.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
+    assert losses[-1] < losses[0]
+    assert strategy.plan.get("embedding/embeddings").placement == "allreduce"

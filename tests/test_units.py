@@ -1,6 +1,9 @@
 """Fast unit tests: wire codec, specs, routing, deterministic initial values."""
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import get_args
+
 import numpy as np
 import pytest
 
@@ -9,7 +12,8 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.initial_values import initial_rows
 from parallax.ps.v1 import ps_pb2
 from parallax.routing import Partitioner, dedup, sum_duplicates
-from parallax.specs import SGD, Adagrad, Adam, Ftrl, Initializer, TableSpec
+from parallax.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam,
+                            OptimizerSpec, RMSprop, TableSpec)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64"])
@@ -39,9 +43,22 @@ def test_table_spec_round_trips_through_proto():
                      sync_mode="async", aggregation="mean",
                      initializer=Initializer(kind="truncated_normal", stddev=0.1, seed=7))
     assert TableSpec.from_proto(spec.to_proto()) == spec
-    for opt in (SGD(momentum=0.9, nesterov=True), Adagrad(), Adam(amsgrad=True)):
+    for opt in (SGD(momentum=0.9, nesterov=True), Adagrad(), Adam(amsgrad=True),
+                RMSprop(rho=0.8, momentum=0.5, centered=True), Adamax(beta_2=0.9),
+                Nadam(epsilon=1e-5), Lion(beta_1=0.5)):
         other = TableSpec(name="x", vocabulary_size=10, dim=2, optimizer=opt)
         assert TableSpec.from_proto(other.to_proto()) == other
+
+
+@pytest.mark.parametrize("cls", get_args(OptimizerSpec), ids=lambda cls: cls.kind)
+def test_each_optimizer_spec_is_its_wire_message(cls):
+    """One registry (the OptimizerSpec union): each dataclass is a field of the proto oneof
+    named as its `kind`, whose message has the dataclass's fields, and its Keras class is
+    named as it is."""
+    field = ps_pb2.OptimizerSpec.DESCRIPTOR.fields_by_name[cls.kind]
+    assert field.containing_oneof.name == "kind"
+    assert [f.name for f in field.message_type.fields] == [f.name for f in fields(cls)]
+    assert cls.__name__.lower() == cls.kind
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -67,6 +84,12 @@ def test_bad_optimizer_hyper_parameters():
         Adam(beta_1=1.0)
     with pytest.raises(ConfigError, match="learning_rate_power must be <= 0"):
         Ftrl(learning_rate_power=0.5)
+    with pytest.raises(ConfigError, match=r"Nadam beta_2 must be in \[0, 1\), got 1.0"):
+        Nadam(beta_2=1.0)
+    with pytest.raises(ConfigError, match=r"RMSprop rho must be in \[0, 1\], got 1.5"):
+        RMSprop(rho=1.5)
+    with pytest.raises(ConfigError, match=r"Lion beta_1 must be in \(0, 1\], got 0"):
+        Lion(beta_1=0)
 
 
 def test_unspecified_enums_from_the_wire_are_rejected():

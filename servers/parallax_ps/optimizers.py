@@ -4,15 +4,32 @@ Every update is vectorised over the touched rows (gather, compute, scatter). The
 follows the Keras 3 `update_step` of each optimizer operation by operation, in the table's
 dtype, so the touched rows match Keras to float rounding.
 
+Gradients: a row's gradient is the sum of its occurrences' gradients (summed on the worker,
+and across workers in sync mode), and the update is Keras' update of that sum -- what Keras
+computes from a dense gradient. Keras 3's own sparse path (an `IndexedSlices` that repeats an
+id) instead applies some terms once per occurrence: Adagrad adds each occurrence's square to
+the accumulator, and RMSprop, Adam, Adamax, Nadam and Ftrl differ too; SGD and Lion do not
+(README, "Server-side optimizers").
+
 Lazy (sparse) semantics, where they necessarily differ from Keras' dense update:
 - SGD with momentum: Keras decays every row's momentum each step and keeps moving rows the
   step did not touch; here only touched rows update their momentum and value.
-- Adam: Keras updates the moments of every row each step (untouched rows decay and keep
-  moving); here untouched rows and their moments stay as they are. Bias correction uses the
-  table's global step count (steps applied so far), as Keras uses `iterations`.
+- Adam, Adamax, Nadam: Keras updates the moments (Adamax: momentum and norm) of every row each
+  step (untouched rows decay and keep moving); here untouched rows and their slots stay as
+  they are. Bias correction uses the table's global step count (steps applied so far), as
+  Keras uses `iterations`. Nadam's `u_product` (one scalar per optimizer in Keras, the running
+  product of its momentum schedule) is likewise a function of the table's step, multiplied
+  up in the table's dtype step by step as Keras does, and kept per shard.
+- RMSprop: Keras decays every row's velocity (and, centered, its average gradient) each step;
+  with momentum it also keeps moving untouched rows by their momentum. Here untouched rows
+  and their slots stay as they are. Without momentum an untouched row's value stays in Keras
+  too; only its velocity differs afterwards.
+- Lion: Keras moves every row each step by lr * sign(momentum * beta_1) and decays its
+  momentum, so a row keeps moving by the full learning rate after its last gradient; here
+  untouched rows and their momentum stay as they are.
 - Ftrl: Keras recomputes every row from its linear/accumulator slots each step, which resets a
   never-touched row to 0 on the first step; here untouched rows keep their values.
-Plain SGD and Adagrad are identical to Keras for every row.
+Plain SGD and Adagrad are identical to Keras' dense update for every row.
 """
 from __future__ import annotations
 
@@ -20,7 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-from parallax.specs import SGD, Adagrad, Adam, Ftrl, OptimizerSpec, slot_names
+from parallax.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Lion, Nadam, OptimizerSpec,
+                            RMSprop, slot_initial_value, slot_names)
 
 Slots = dict[str, np.ndarray]
 
@@ -30,14 +48,12 @@ class ServerOptimizer:
 
     def __init__(self, spec: OptimizerSpec) -> None:
         self.spec = spec
-        self._update: Callable = _UPDATES[type(spec)]
+        update = _UPDATES[type(spec)]
+        self._update: Callable = update() if isinstance(update, type) else update  # own state
         self.slot_names: tuple[str, ...] = slot_names(spec)
 
     def slot_initial_value(self, name: str) -> float:
-        spec = self.spec
-        if name == "accumulator":
-            return float(spec.initial_accumulator_value)
-        return 0.0
+        return slot_initial_value(self.spec, name)
 
     def new_slots(self, rows: int, dim: int, dtype: np.dtype) -> Slots:
         return {name: np.full((rows, dim), self.slot_initial_value(name), dtype=dtype)
@@ -109,4 +125,76 @@ def _ftrl(spec: Ftrl, w, s, g, lr, step, dt) -> None:
     accum[...] = new_accum
 
 
-_UPDATES: dict[type, Callable] = {SGD: _sgd, Adagrad: _adagrad, Adam: _adam, Ftrl: _ftrl}
+def _rmsprop(spec: RMSprop, w, s, g, lr, step, dt) -> None:
+    rho = dt(spec.rho)
+    velocity = s["velocity"]
+    velocity[...] = rho * velocity + dt(1 - spec.rho) * np.square(g)
+    if spec.centered:
+        average_grad = s["average_gradient"]
+        average_grad[...] = rho * average_grad + dt(1 - spec.rho) * g
+        denominator = velocity - np.square(average_grad) + dt(spec.epsilon)
+    else:
+        denominator = velocity + dt(spec.epsilon)
+    increment = (lr * g) / np.sqrt(denominator)
+    if spec.momentum > 0:
+        m = s["momentum"]
+        m[...] = dt(spec.momentum) * m + increment
+        w -= m
+    else:
+        w -= increment
+
+
+def _adamax(spec: Adamax, w, s, g, lr, step, dt) -> None:
+    beta_1_power = np.power(dt(spec.beta_1), dt(step + 1))
+    m, u = s["momentum"], s["norm"]
+    m += (g - m) * dt(1 - spec.beta_1)
+    np.maximum(dt(spec.beta_2) * u, np.abs(g), out=u)
+    w -= (lr * m) / ((dt(1) - beta_1_power) * (u + dt(spec.epsilon)))
+
+
+class _Nadam:
+    """Nadam's update, with Keras' `u_product` (the product over steps t = 1, 2, ... of
+    beta_1 * (1 - 0.5 * 0.96**t), one multiplication a step in the table's dtype) carried
+    from one step to the next; a step behind the last one (a restore) multiplies up from 1."""
+
+    def __init__(self) -> None:
+        self._steps, self._u_product = 0, None
+
+    def u_product(self, spec: Nadam, steps: int, dt):
+        """Keras' `u_product` once `steps` steps have multiplied into it."""
+        if self._u_product is None or self._steps > steps or self._u_product.dtype != dt:
+            self._steps, self._u_product = 0, dt(1)
+        while self._steps < steps:
+            self._steps += 1
+            self._u_product = self._u_product * dt(spec.beta_1) * \
+                (dt(1) - dt(0.5) * np.power(dt(0.96), dt(self._steps)))
+        return self._u_product
+
+    def __call__(self, spec: Nadam, w, s, g, lr, step, dt) -> None:
+        local_step, decay, beta_1, beta_2 = dt(step + 1), dt(0.96), dt(spec.beta_1), \
+            dt(spec.beta_2)
+        u_t = beta_1 * (dt(1) - dt(0.5) * np.power(decay, local_step))
+        u_t_1 = beta_1 * (dt(1) - dt(0.5) * np.power(decay, dt(step + 2)))
+        u_product_t = self.u_product(spec, step + 1, dt)
+        u_product_t_1 = u_product_t * u_t_1
+        beta_2_power = np.power(beta_2, local_step)
+        m, v = s["momentum"], s["velocity"]
+        m += (g - m) * (dt(1) - beta_1)
+        v += (np.square(g) - v) * (dt(1) - beta_2)
+        m_hat = (u_t_1 * m) / (dt(1) - u_product_t_1) + \
+            ((dt(1) - u_t) * g) / (dt(1) - u_product_t)
+        v_hat = v / (dt(1) - beta_2_power)
+        w -= (m_hat * lr) / (np.sqrt(v_hat) + dt(spec.epsilon))
+
+
+def _lion(spec: Lion, w, s, g, lr, step, dt) -> None:
+    beta_1, beta_2 = dt(spec.beta_1), dt(spec.beta_2)
+    m = s["momentum"]
+    w -= lr * np.sign(m * beta_1 + g * (dt(1) - beta_1))
+    m[...] = m * beta_2 + g * (dt(1) - beta_2)
+
+
+# Each spec's update: a function, or a class (one instance per shard) where it keeps state.
+_UPDATES: dict[type, Callable] = {SGD: _sgd, Adagrad: _adagrad, Adam: _adam, Ftrl: _ftrl,
+                                  RMSprop: _rmsprop, Adamax: _adamax, Nadam: _Nadam,
+                                  Lion: _lion}

@@ -153,17 +153,73 @@ class Ftrl(_message.Message):
     beta: float
     def __init__(self, learning_rate: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
+class RMSprop(_message.Message):
+    __slots__ = ("learning_rate", "rho", "momentum", "epsilon", "centered")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    RHO_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    CENTERED_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    rho: float
+    momentum: float
+    epsilon: float
+    centered: bool
+    def __init__(self, learning_rate: _Optional[float] = ..., rho: _Optional[float] = ..., momentum: _Optional[float] = ..., epsilon: _Optional[float] = ..., centered: bool = ...) -> None: ...
+
+class Adamax(_message.Message):
+    __slots__ = ("learning_rate", "beta_1", "beta_2", "epsilon")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class Nadam(_message.Message):
+    __slots__ = ("learning_rate", "beta_1", "beta_2", "epsilon")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class Lion(_message.Message):
+    __slots__ = ("learning_rate", "beta_1", "beta_2")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta_1: float
+    beta_2: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ...) -> None: ...
+
 class OptimizerSpec(_message.Message):
-    __slots__ = ("sgd", "adagrad", "adam", "ftrl")
+    __slots__ = ("sgd", "adagrad", "adam", "ftrl", "rmsprop", "adamax", "nadam", "lion")
     SGD_FIELD_NUMBER: _ClassVar[int]
     ADAGRAD_FIELD_NUMBER: _ClassVar[int]
     ADAM_FIELD_NUMBER: _ClassVar[int]
     FTRL_FIELD_NUMBER: _ClassVar[int]
+    RMSPROP_FIELD_NUMBER: _ClassVar[int]
+    ADAMAX_FIELD_NUMBER: _ClassVar[int]
+    NADAM_FIELD_NUMBER: _ClassVar[int]
+    LION_FIELD_NUMBER: _ClassVar[int]
     sgd: SGD
     adagrad: Adagrad
     adam: Adam
     ftrl: Ftrl
-    def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ...) -> None: ...
+    rmsprop: RMSprop
+    adamax: Adamax
+    nadam: Nadam
+    lion: Lion
+    def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ..., rmsprop: _Optional[_Union[RMSprop, _Mapping]] = ..., adamax: _Optional[_Union[Adamax, _Mapping]] = ..., nadam: _Optional[_Union[Nadam, _Mapping]] = ..., lion: _Optional[_Union[Lion, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
     __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite")
