@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -16,8 +19,9 @@ import pytest
 from parallax import bulk_codec
 from parallax.client import ClientOptions, PSClient
 from parallax.errors import ConfigError, ServerError
-from parallax.local_cluster import SERVER_COMMAND, LocalCluster
-from parallax.specs import Adagrad, Initializer, TableSpec
+from parallax.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
+from parallax.ps.v1 import ps_pb2
+from parallax.specs import SGD, Adagrad, Initializer, TableSpec
 
 
 def _sync_spec(name: str) -> TableSpec:
@@ -163,3 +167,249 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_one(small_disk, table
     assert cluster.exit_codes == [0], cluster.exit_codes
     left = sorted(p.name for p in (data / "ckpt").iterdir())
     assert len(left) == 1 and left[0].startswith("ckpt-"), left  # no staging left behind
+
+
+# ---- a server or client dying mid-commit, concurrent saves --------------------------------
+
+
+def _tiny(name: str) -> TableSpec:
+    return TableSpec(name=name, vocabulary_size=10, dim=2, shard_count=1, num_workers=1,
+                     optimizer=SGD(0.1), initializer=Initializer("zeros"))
+
+
+class _Servers:
+    """Two real servers, with one data directory each or a shared one; table A on server 0,
+    table B on server 1; `restart(i)` starts server i again on its directory."""
+
+    def __init__(self, tmp_path, shared: bool) -> None:
+        self.dirs = [tmp_path / "ps0"] * 2 if shared else [tmp_path / "ps0", tmp_path / "ps1"]
+        for d in self.dirs:
+            d.mkdir(exist_ok=True)
+        self.procs = [self._start(i) for i in range(2)]
+
+    def _start(self, index: int) -> ServerProcess:
+        proc = ServerProcess(index, [*SERVER_COMMAND, "--port", "0", "--data-dir",
+                                     str(self.dirs[index])], None)
+        proc.wait_ready(30)
+        return proc
+
+    def restart(self, index: int) -> None:
+        self.procs[index] = self._start(index)
+
+    def client(self) -> PSClient:
+        client = PSClient([p.address for p in self.procs], ClientOptions(timeout=20, retries=1))
+        client.create_table(_tiny("A"), placement=[0])
+        client.create_table(_tiny("B"), placement=[1])
+        return client
+
+    def kill(self, index: int) -> None:
+        self.procs[index].proc.send_signal(signal.SIGKILL)
+        self.procs[index].proc.wait()
+
+    def close(self) -> None:
+        for index in range(2):
+            self.kill(index)
+
+
+@pytest.fixture(params=["shared", "separate"])
+def two_servers(request, tmp_path):
+    servers = _Servers(tmp_path, shared=request.param == "shared")
+    yield servers
+    servers.close()
+
+
+def _train_and_save(client, path: str, steps: range, keep: int) -> list[str]:
+    """Push one step to A and B and save, for each step; the checkpoint names."""
+    names = []
+    for step in steps:
+        for name in ("A", "B"):
+            client.table(_tiny(name), [0 if name == "A" else 1]).push(
+                [1], np.ones((1, 2)), step=step)
+        names.append(client.save(path, keep=keep)[0].checkpoint)
+    return names
+
+
+def _restored(client, path: str, checkpoint: str = "") -> dict[str, tuple[int, str]]:
+    return {s.table: (s.step, s.checkpoint) for s in client.restore(path, checkpoint=checkpoint)}
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_server_killed_during_commit_loses_no_complete_checkpoint(two_servers, keep):
+    """Server 1 is killed -9 as the client commits on it, after server 0 committed: every
+    checkpoint complete before stays restorable, on every server, even with keep=1."""
+    client = two_servers.client()
+    good = _train_and_save(client, "p", range(2), keep)
+    call = client.servers[1].call
+
+    def dying(method, request, *args, **kwargs):
+        if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
+            two_servers.kill(1)
+        return call(method, request, *args, **kwargs)
+
+    client.servers[1].call = dying
+    with pytest.raises(ServerError, match="UNAVAILABLE"):
+        client.save("p", keep=keep)
+    client.close()
+    two_servers.restart(1)
+    with two_servers.client() as client:
+        assert _restored(client, "p") == {"A": (2, good[-1]), "B": (2, good[-1])}
+        if keep == 2:
+            assert _restored(client, "p", good[0]) == {"A": (1, good[0]), "B": (1, good[0])}
+
+
+_DIES_MID_COMMIT = """
+import os, signal, sys
+from parallax.client import PSClient
+from parallax.ps.v1 import ps_pb2
+client = PSClient(sys.argv[1:])
+call = client.servers[1].call
+def dying(method, request, *args, **kwargs):
+    if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return call(method, request, *args, **kwargs)
+client.servers[1].call = dying
+client.save("p", keep=2)
+"""
+
+
+def test_a_client_killed_between_commits_leaves_the_complete_checkpoints(tmp_path):
+    """The saving process is killed -9 after server 0 committed and before server 1 did (no
+    ABORT reaches anyone): restore takes the newest checkpoint every server completed, and
+    the half-committed one does not push a complete one out at the next save."""
+    servers = _Servers(tmp_path, shared=False)
+    try:
+        with servers.client() as client:
+            good = _train_and_save(client, "p", range(2), keep=2)
+            dying = subprocess.run([sys.executable, "-c", _DIES_MID_COMMIT,
+                                    *client.addresses], capture_output=True, text=True)
+            assert dying.returncode == -signal.SIGKILL, dying.stderr
+            assert _restored(client, "p") == {"A": (2, good[-1]), "B": (2, good[-1])}
+            newest = _train_and_save(client, "p", range(2, 3), keep=2)
+            assert _restored(client, "p", good[-1]) == {"A": (2, good[-1]), "B": (2, good[-1])}
+            assert _restored(client, "p") == {"A": (3, newest[0]), "B": (3, newest[0])}
+    finally:
+        servers.close()
+
+
+def test_a_full_disk_at_commit_is_resource_exhausted(small_disk, table_name):
+    """The disk fills between PREPARE and COMMIT: the manifest's write is refused with
+    RESOURCE_EXHAUSTED naming it, the server logs no traceback, the earlier checkpoint stays."""
+    data, command = small_disk
+    if command is not SERVER_COMMAND:
+        pytest.skip("needs a tmpfs (mount not allowed here)")
+    with LocalCluster(1, data_dir=data, command=command) as cluster:
+        with PSClient(cluster.addresses, ClientOptions(timeout=30)) as client:
+            table = client.create_table(_tiny(table_name))
+            table.push([1], np.ones((1, 2)), step=0)
+            first = client.save("ckpt")[0].checkpoint
+            call = client.servers[0].call
+
+            def filling(method, request, *args, **kwargs):
+                if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
+                    _fill(data / "filler")
+                return call(method, request, *args, **kwargs)
+
+            client.servers[0].call = filling
+            with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: .*MANIFEST\.json.*"
+                                                  r"free space"):
+                client.save("ckpt")
+            (data / "filler").unlink()
+            client.servers[0].call = call
+            assert {s.checkpoint for s in client.restore("ckpt")} == {first}
+            log = "\n".join(cluster.servers[0].lines)
+    assert "Traceback" not in log, log
+    assert sorted(os.listdir(data / "ckpt")) == [first]
+
+
+def _fill(path) -> None:
+    """Write zeros to `path` until the disk is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_read_only_data_dir_is_internal_not_precondition(small_disk, table_name):
+    """EROFS (a disk remounted read-only after I/O errors) is an I/O failure with its reason,
+    not the FAILED_PRECONDITION a server without --data-dir answers."""
+    data, command = small_disk
+    if command is not SERVER_COMMAND:
+        pytest.skip("needs a tmpfs (mount not allowed here)")
+    with LocalCluster(1, data_dir=data, command=command) as cluster:
+        with PSClient(cluster.addresses, ClientOptions(timeout=30)) as client:
+            client.create_table(_tiny(table_name))
+            first = client.save("ckpt")[0].checkpoint
+            subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+            try:
+                with pytest.raises(ServerError, match=r"INTERNAL: cannot write checkpoint .*"
+                                                      r"Read-only file system \(EROFS\)") as info:
+                    client.save("ckpt")
+                assert "no data directory" not in str(info.value)
+                assert {s.checkpoint for s in client.restore("ckpt")} == {first}
+            finally:
+                subprocess.run(["mount", "-o", "remount,rw", str(data)], check=True)
+
+
+def test_a_server_without_data_dir_says_so_with_a_stable_prefix(table_name):
+    with LocalCluster(1) as cluster:
+        with PSClient(cluster.addresses, ClientOptions(timeout=30)) as client:
+            client.create_table(_tiny(table_name))
+            for call in (client.save, client.restore):
+                with pytest.raises(ServerError, match="FAILED_PRECONDITION: this server has "
+                                                      "no data directory"):
+                    call("ckpt")
+
+
+def test_concurrent_saves_to_one_path_fail_cleanly_or_succeed(client, data_dir, table_name):
+    """Three clients save to one path at once, keep=1: each save succeeds or is refused as
+    having lost the race to a newer one (never INTERNAL, never 'not prepared'), and the path
+    ends with one restorable checkpoint."""
+    client.create_table(_sync_spec(table_name))
+    path = f"race-{table_name}"
+    errors: list[str] = []
+
+    def saves(peer: PSClient) -> None:
+        for _ in range(8):
+            try:
+                peer.save(path, [table_name], keep=1)
+            except ServerError as err:
+                errors.append(str(err))
+
+    peers = [PSClient(client.addresses, ClientOptions(timeout=20)) for _ in range(3)]
+    threads = [threading.Thread(target=saves, args=(p,)) for p in peers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for peer in peers:
+        peer.close()
+    assert all("FAILED_PRECONDITION" in e and "another save" in e for e in errors), errors
+    assert len(client.restore(path, [table_name])) == 2
+    left = [p.name for p in (data_dir / path).iterdir()]
+    assert len([n for n in left if n.startswith("ckpt-")]) == 1, left
+
+
+def test_a_checkpoint_pruned_during_a_restore_is_retried_with_the_newest(client, table_name):
+    """A save with keep=1 removes the checkpoint a restore has just verified: the restore
+    starts again with the new newest (and says so) instead of failing NOT_FOUND."""
+    table = client.create_table(_sync_spec(table_name))
+    path = f"pruned-{table_name}"
+    _full_step(table, 0)
+    client.save(path, [table_name], keep=1)
+    _full_step(table, 1)
+    each = client._each
+    with PSClient(client.addresses, ClientOptions(timeout=20)) as other:
+        raced = []
+
+        def racing(method, request):
+            replies = each(method, request)
+            if method == "Restore" and request.verify_only and not raced:
+                raced.append(other.save(path, [table_name], keep=1))
+            return replies
+
+        client._each = racing
+        restored = client.restore(path, [table_name])
+    assert _steps(restored) == {table_name: [2, 2]}

@@ -8,16 +8,20 @@ import secrets
 from concurrent import futures
 from typing import Sequence
 
+import grpc
+
 from parallax import checkpoint_names
 from parallax.client.connection import ClientOptions, ServerConnection
 from parallax.client.reshard import MoveReport, move_rows
 from parallax.client.table import ShardedTable
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ServerError
 from parallax.ps.v1 import ps_pb2
 from parallax.specs import TableSpec
 
 log = logging.getLogger("parallax")
 DEFAULT_KEEP = 3  # checkpoints kept under a path
+# What a restore answers when the checkpoint it verified was removed before it was loaded.
+_VANISHED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)
 
 
 def _mixed_steps(shards) -> dict[str, list[int]]:
@@ -134,10 +138,11 @@ class PSClient:
     def save(self, path: str, tables: Sequence[str] = (),
              keep: int = DEFAULT_KEEP) -> list[ps_pb2.ShardCheckpoint]:
         """Every server writes its shards into a new checkpoint under `path` (in its data
-        directory); it becomes the newest only once every shard is written, checked and
-        sealed, and the newest `keep` are kept. A failed or refused save leaves the earlier
-        checkpoints as they were. Call between steps (after table.wait_step(k), before any
-        push of step k): a sync table caught mid-step is refused."""
+        directory); it becomes the newest only once every server has written, checked,
+        sealed and committed it, and only then are checkpoints beyond the newest `keep`
+        removed. A failed or refused save leaves the earlier checkpoints as they were. Call
+        between steps (after table.wait_step(k), before any push of step k): a sync table
+        caught mid-step is refused."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
@@ -150,15 +155,21 @@ class PSClient:
                 raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
                                   f"steps {mixed}); save between steps, after "
                                   f"table.wait_step(k) and before any push of step k")
-            for server in self.servers:  # in turn: servers sharing a data directory
-                server.call("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=keep))
+            self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
         except BaseException:
             self._abort(request(phase=ps_pb2.SAVE_ABORT))
             raise
+        self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=keep))  # complete, prune
         return shards
 
+    def _in_turn(self, method: str, request) -> None:
+        """Call every server, one after another (servers may share a data directory)."""
+        for server in self.servers:
+            server.call(method, request)
+
     def _abort(self, request) -> None:
-        """Best effort: a server that cannot be reached now drops the staging later."""
+        """Best effort: a server that cannot be reached now drops the staging at a later
+        save; servers that committed keep the checkpoint, never marked complete."""
         for server in self.servers:
             try:
                 server.call("Save", request)
@@ -170,23 +181,41 @@ class PSClient:
                 checkpoint: str = "") -> list[ps_pb2.ShardCheckpoint]:
         """Every server reloads its shards (any saved shard count) from the newest checkpoint
         under `path` (or `checkpoint`, or `path` naming one). Every server first verifies it,
-        and all must hold the same one: a checkpoint any server cannot read changes none."""
+        and all must hold the same one: a checkpoint any server cannot read changes none.
+        The newest is the newest every server completed; one removed by a concurrent save
+        between the verification and the load is restored again from the then newest."""
+        try:
+            return self._restore(path, tables, checkpoint)
+        except ServerError as err:
+            if checkpoint or err.code not in _VANISHED:
+                raise
+            log.warning("restoring %r again from its newest checkpoint: %s (a concurrent "
+                        "save with keep= may have removed the one verified)", path, err)
+            return self._restore(path, tables, checkpoint)
+
+    def _restore(self, path: str, tables: Sequence[str], checkpoint: str) -> list:
         request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables))
         replies = self._each("Restore", request(checkpoint=checkpoint, verify_only=True))
         self._shards_of(replies, tables, "restore")
-        name = self._one_checkpoint(path, replies)
+        name = self._one_checkpoint(replies)
+        if name and any(s.checkpoint != name for r in replies for s in r.shards):
+            log.warning("the servers' newest checkpoints under %r differ (%s: a save failed "
+                        "midway); restoring %s, the oldest of them", path,
+                        self._held(replies), name)
+            self._each("Restore", request(checkpoint=name, verify_only=True))
         return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
                                "restore")
 
-    def _one_checkpoint(self, path: str, replies) -> str:
-        held = {address: sorted({s.checkpoint for s in reply.shards})
+    def _held(self, replies) -> dict[str, list[str]]:
+        """{server address: checkpoint names its reply names}."""
+        return {address: sorted({s.checkpoint for s in reply.shards})
                 for address, reply in zip(self.addresses, replies) if reply.shards}
-        names = {n for found in held.values() for n in found}
-        if len(names) > 1:
-            raise ConfigError(f"the servers would restore different checkpoints under "
-                              f"{path!r} ({held}); pass checkpoint=NAME of one every server "
-                              f"holds")
-        return names.pop() if names else ""  # no shard anywhere: nothing to load
+
+    def _one_checkpoint(self, replies) -> str:
+        """The checkpoint every server can load: where their newest differ (the newer ones
+        only some servers completed), the oldest of them; "" when no server has a shard."""
+        names = {n for found in self._held(replies).values() for n in found}
+        return min(names) if names else ""
 
     def stats(self, tables: Sequence[str] = ()) -> dict[str, ps_pb2.StatsResponse]:
         replies = self._each("Stats", ps_pb2.StatsRequest(tables=list(tables)))

@@ -10,8 +10,6 @@ nothing.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 from pathlib import Path
@@ -64,23 +62,8 @@ def _check_path_name(data_dir: Path, path: str) -> None:
                       f"below it)")
 
 
-@contextlib.contextmanager
-def _writing(path: Path):
-    """A failed write of `path` answered with what to do about it."""
-    try:
-        yield
-    except OSError as exc:
-        space = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-        raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED if space else grpc.StatusCode.FAILED_PRECONDITION,
-            f"cannot write checkpoint file {path}: {exc.strerror or exc}; "
-            + ("free space there or save to a path on a larger disk" if space else
-               "check that the server may write its --data-dir")
-            + "; the earlier checkpoints are unchanged") from None
-
-
 def _write(path: Path, write) -> None:
-    with _writing(path):
+    with versions.writing(path):
         versions.atomic_write(path, write)
 
 
@@ -111,7 +94,7 @@ def save_shard(shard: TableShard, directory: Path) -> tuple[Path, int, int]:
 
 def _prepare(root: Path, name: str, shards: list[TableShard]) -> list:
     stage = versions.staging(root, name)
-    with _writing(stage):
+    with versions.writing(stage):
         stage.mkdir(parents=True, exist_ok=True)  # even with no shard here: COMMIT needs it
     out = []
     for shard in shards:
@@ -124,12 +107,24 @@ def _prepare(root: Path, name: str, shards: list[TableShard]) -> list:
 
 
 def save(root: Path, request, shards: list[TableShard]) -> list:
-    """One phase of a save (see `versions`); PREPARE answers each shard it wrote."""
+    """One phase of a save (see `versions`), one at a time per path; PREPARE answers each
+    shard it wrote."""
     name = versions.checked_name(request.checkpoint)
+    with versions.locked(root):
+        return _phase(root, name, request, shards)
+
+
+def _phase(root: Path, name: str, request, shards: list[TableShard]) -> list:
+    """PREPARE; COMMIT with keep=0 (seal, rename) or keep >= 1 (mark complete, prune); ABORT."""
     if request.phase == ps_pb2.SAVE_PREPARE:
         return _prepare(root, name, shards)
+    if request.phase == ps_pb2.SAVE_COMMIT and request.keep < 0:
+        raise invalid(f"Save COMMIT with keep={request.keep}: send keep=0 to commit, then "
+                      f"keep >= 1 once every server has; use PSClient.save")
     if request.phase == ps_pb2.SAVE_COMMIT:
-        versions.commit(root, name, request.keep)
+        versions.commit(root, name)
+        if request.keep:
+            versions.complete(root, name, request.keep)
     elif request.phase == ps_pb2.SAVE_ABORT:
         versions.abort(root, name)
     else:

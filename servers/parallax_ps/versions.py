@@ -2,22 +2,33 @@
 
 Under `<data dir>/<path>`:
     .staging-<name>/        a save in progress: PREPARE writes each server's shards here
-    <name>/                 a committed checkpoint, never written again
+    <name>/                 a committed checkpoint, never written again but for COMPLETE
     <name>/MANIFEST.json    written last: every file's size and SHA-256, every shard's step,
                             and the SHA-256 of the manifest itself
-COMMIT writes the manifest, fsyncs every file's directory, renames the staging directory to
-`<name>` and fsyncs `<path>`: after a crash `<path>` holds the old checkpoints or the new one
-too, never a torn one. It then keeps the newest `keep`. Servers may share a data directory:
-the first to commit renames, the others find the checkpoint committed.
+    <name>/COMPLETE         every server committed the save (its second COMMIT round)
+COMMIT (keep=0) writes the manifest, fsyncs every file's directory, renames the staging
+directory to `<name>` and fsyncs `<path>`: after a crash `<path>` holds the old checkpoints or
+the new one too, never a torn one. Once every server has committed, the client sends COMMIT
+again with `keep` >= 1 (`complete`): the checkpoint is marked COMPLETE and only then are the
+older ones beyond the newest `keep` complete ones removed. A checkpoint some servers committed
+and others did not (a server or the client died between them) is never marked, never
+restored by default, and pushes no complete one out. ABORT removes a staging directory, never
+a committed one. Servers may share a data directory: the first to commit renames, the others
+find the checkpoint committed. Within one server, the operations on one path run one at a
+time (`locked`), so concurrent saves to it cannot remove each other's files midway.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import grpc
@@ -25,10 +36,16 @@ import grpc
 from parallax.checkpoint_names import is_name
 from parallax_ps.errors import RequestError, invalid, precondition
 
+log = logging.getLogger("parallax_ps")
+
 FORMAT_VERSION = 2
 MANIFEST = "MANIFEST.json"
 STAGING = ".staging-"
 DELETING = ".deleting-"
+COMPLETE = "COMPLETE"
+_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_locks: dict[Path, threading.Lock] = {}
+_locks_guard = threading.Lock()
 
 
 def data_loss(message: str) -> RequestError:
@@ -48,6 +65,45 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """A failed write of `path` answered with its cause and what to do about it: a full disk
+    is RESOURCE_EXHAUSTED, a file removed underneath FAILED_PRECONDITION, any other I/O error
+    (read-only, failing disk, permissions) INTERNAL naming the errno."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise precondition(f"cannot write checkpoint file {path}: {exc.strerror}: another save "
+                           f"to this path removed it (a newer checkpoint was completed "
+                           f"meanwhile); save again") from None
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+
+
+def _write_error(path: Path, exc: OSError) -> RequestError:
+    reason = f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})"
+    end = "; the earlier checkpoints are unchanged"
+    if exc.errno in _SPACE:
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"cannot write checkpoint file {path}: {reason}; free space there "
+                            f"or save to a path on a larger disk{end}")
+    log.warning("cannot write checkpoint file %s: %s", path, reason)
+    return RequestError(grpc.StatusCode.INTERNAL,
+                        f"cannot write checkpoint file {path}: {reason}; the server's "
+                        f"--data-dir is not writable (read-only, failing disk or "
+                        f"permissions): fix it, or restart the server with another "
+                        f"--data-dir{end}")
+
+
+@contextlib.contextmanager
+def locked(root: Path):
+    """Run one save phase or prune of checkpoint path `root` at a time in this server."""
+    with _locks_guard:
+        lock = _locks.setdefault(root, threading.Lock())
+    with lock:
+        yield
 
 
 def sha256_of(path: Path) -> str:
@@ -96,7 +152,7 @@ def _parts(stage: Path) -> list[tuple[str, dict]]:
     parts = [(p.relative_to(stage).as_posix(), json.loads(p.read_text()))
              for p in sorted(stage.glob("*/shard-*.json"))]
     named = {rel.rsplit("/", 1)[0] + "/" + part["file"] for rel, part in parts}
-    known = named | {rel for rel, _ in parts} | {MANIFEST}
+    known = named | {rel for rel, _ in parts} | {MANIFEST, COMPLETE}
     stray = [p for p in stage.rglob("*") if p.is_file()
              and p.relative_to(stage).as_posix() not in known]
     if stray:
@@ -124,27 +180,58 @@ def _manifest(stage: Path, name: str) -> dict:
                   "shards": shards})
 
 
-def commit(root: Path, name: str, keep: int) -> Path:
-    """Seal the staged checkpoint `name` and switch to it; keep the newest `keep`."""
+def commit(root: Path, name: str) -> Path:
+    """Seal the staged checkpoint `name` and rename it into place; removes nothing."""
     final, stage = root / name, staging(root, name)
-    if keep < 1:
-        raise invalid(f"keep={keep}: a commit must keep at least 1 checkpoint")
+    if is_committed(final):
+        return final  # a server sharing this data directory committed it
+    _check_newest(root, name)
     if not stage.is_dir():
-        if (final / MANIFEST).is_file():
-            return final  # a server sharing this data directory committed it
-        raise precondition(f"checkpoint {name} was not prepared under {root} (no {stage}); "
-                           f"save again")
+        raise precondition(f"checkpoint {name} was not prepared under {root} (no {stage}: it "
+                           f"was aborted); save again")
+    with writing(stage / MANIFEST):
+        write_manifest(stage, name)
+        for directory in {stage, *(p for p in stage.iterdir() if p.is_dir())}:
+            _fsync_dir(directory)
+        os.rename(stage, final)
+        _fsync_dir(root)
+    return final
+
+
+def is_committed(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / COMPLETE).is_file()
+
+
+def _check_newest(root: Path, name: str) -> None:
+    """Refuse to commit a checkpoint that would not be the newest."""
     newer = [n for n in committed(root) if n > name]
     if newer:
         raise precondition(f"checkpoint {name} would sort before the existing {newer[-1]} "
-                           f"under {root} (the client's clock went back); save again")
-    write_manifest(stage, name)
-    for directory in {stage, *(p for p in stage.iterdir() if p.is_dir())}:
-        _fsync_dir(directory)
-    os.rename(stage, final)
-    _fsync_dir(root)
-    _prune(root, name, keep)
-    return final
+                           f"under {root}: another save to this path committed a newer one "
+                           f"first (or this client's clock went back); save again")
+
+
+def complete(root: Path, name: str, keep: int) -> None:
+    """Mark `name` complete (every server committed it); keep the newest `keep` complete."""
+    final = root / name
+    if not is_committed(final):
+        raise precondition(f"checkpoint {name} is not committed under {root}, so it cannot "
+                           f"be marked complete (another save to this path completed a newer "
+                           f"one and removed it); save again")
+    with writing(final / COMPLETE):
+        if not is_complete(final):
+            atomic_write(final / COMPLETE, lambda f: f.write(b"every server committed\n"))
+            _fsync_dir(final)
+    _prune(root, keep)
+
+
+def complete_names(root: Path) -> list[str]:
+    """Names of the checkpoints under `root` every server committed, oldest first."""
+    return [n for n in committed(root) if is_complete(root / n)]
 
 
 def _remove(path: Path) -> None:
@@ -157,24 +244,30 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _prune(root: Path, name: str, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; drop stagings older than `name` (they could never
-    commit now) and deletions a crash interrupted."""
-    for old in committed(root)[:-keep]:
-        _remove(root / old)
+def _prune(root: Path, keep: int) -> None:
+    """Once `keep` checkpoints are complete, remove everything older than the oldest of the
+    newest `keep`: complete checkpoints, ones only some servers committed, and stagings
+    (which could never commit now), plus deletions a crash interrupted. Nothing newer is
+    touched: it may be another save in progress."""
+    done = complete_names(root)
+    if len(done) >= keep:
+        oldest = done[-keep]
+        for entry in root.iterdir():
+            label = entry.name[len(STAGING):] if entry.name.startswith(STAGING) else entry.name
+            if is_name(label) and label < oldest:
+                _remove(entry)
     for entry in root.iterdir():
-        if entry.name.startswith(STAGING) and entry.name[len(STAGING):] < name:
-            _remove(entry)
-        elif entry.name.startswith(DELETING):
+        if entry.name.startswith(DELETING):
             shutil.rmtree(entry, ignore_errors=True)
 
 
 def abort(root: Path, name: str) -> None:
-    """Forget a failed save: its staging directory, and the checkpoint if one server
-    committed it before another failed."""
-    for path in (staging(root, name), root / name):
-        if path.is_dir():
-            _remove(path)
+    """Forget a failed save's staging directory. A checkpoint already renamed into place
+    stays: where servers share a data directory it holds every shard, and where they do not
+    it is never marked complete, so it is neither restored by default nor counted by `keep`."""
+    stage = staging(root, name)
+    if stage.is_dir():
+        _remove(stage)
 
 
 def locate(root: Path, name: str) -> Path:
@@ -191,16 +284,20 @@ def locate(root: Path, name: str) -> Path:
                                f"no checkpoint {name} under {root} (it holds "
                                f"{committed(root)}); restore one of those")
         return found
-    names = committed(root)
+    names = complete_names(root)
     if not names:
-        raise RequestError(grpc.StatusCode.NOT_FOUND,
-                           f"no checkpoint under {root}: no ckpt-* directory made by "
-                           f"PSClient.save; check the path and the server's --data-dir")
+        partial = committed(root)
+        raise RequestError(grpc.StatusCode.NOT_FOUND, (
+            f"no complete checkpoint under {root}: {partial} were committed by some servers "
+            f"only (a save failed midway); restore one by checkpoint=NAME if every server "
+            f"holds it" if partial else
+            f"no checkpoint under {root}: no ckpt-* directory made by PSClient.save; "
+            f"check the path and the server's --data-dir"))
     return root / names[-1]
 
 
 def _older(directory: Path) -> str:
-    others = [n for n in committed(directory.parent) if n < directory.name]
+    others = [n for n in complete_names(directory.parent) if n < directory.name]
     return (f"restore an older one by path, e.g. {directory.parent.name}/{others[-1]}"
             if others else "no older checkpoint is there")
 
@@ -229,10 +326,11 @@ def verified(directory: Path, manifest: dict, rel: str) -> Path:
     if entry is None:
         raise data_loss(f"checkpoint file {path} is not in {directory / MANIFEST}; "
                         f"{_older(directory)}")
-    if not path.is_file():
-        raise data_loss(f"checkpoint file {path} is missing; {_older(directory)}")
-    size = path.stat().st_size
-    if size != entry["bytes"] or sha256_of(path) != entry["sha256"]:
+    try:
+        size, digest = path.stat().st_size, sha256_of(path)
+    except FileNotFoundError:
+        raise data_loss(f"checkpoint file {path} is missing; {_older(directory)}") from None
+    if size != entry["bytes"] or digest != entry["sha256"]:
         raise data_loss(f"checkpoint file {path} is corrupt or truncated ({size} bytes, "
                         f"manifest says {entry['bytes']}; checksum mismatch); "
                         f"{_older(directory)}")
