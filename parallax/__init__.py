@@ -1,6 +1,7 @@
 """parallax: sparsity-aware data-parallel training for TensorFlow 2."""
 from parallax.client import ClientOptions, PSClient, ShardedTable
 from parallax.errors import ConfigError, ParallaxError, ServerError
+from parallax.logs import install as _install_logging
 from parallax.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam, RMSprop,
                             TableSpec)
 from parallax.version import __version__
@@ -8,6 +9,8 @@ from parallax.version import __version__
 __all__ = ["Adagrad", "Adam", "Adamax", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
            "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch",
            "RMSprop", "SGD", "ServerError", "ShardedTable", "TableSpec", "__version__"]
+
+_install_logging()  # the "parallax" logger writes to stderr (parallax.logs)
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ left waiting in a collective for a peer that gave up.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import zlib
 from typing import Callable, Sequence
 
@@ -26,6 +26,8 @@ from parallax.remote import RemoteTable
 from parallax.security import client_options_from_env
 from parallax.specs import Initializer, TableSpec, optimizer_from_keras
 from parallax.variables import ParallaxVariable
+
+log = logging.getLogger("parallax")
 
 Workers = SingleWorker | HorovodWorkers
 
@@ -207,9 +209,9 @@ def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> 
 
 def log_plan(plan: Plan, workers: Workers) -> None:
     if workers.info.is_chief:
-        print(plan.format(), file=sys.stderr, flush=True)
+        log.info("%s", plan.format())
 
 
 def log_lookups(plan: Plan, workers: Workers) -> None:
     if workers.info.is_chief:
-        print(plan.format_lookups().lstrip("\n"), file=sys.stderr, flush=True)
+        log.info("%s", plan.format_lookups().lstrip("\n"))

@@ -29,6 +29,7 @@ MODE_ENV = "PARALLAX_MODE"   # hybrid | ps | allreduce, from `parallax run --mod
 SYNC_ENV = "PARALLAX_SYNC"   # sync | async, from `parallax run --async`
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
+LOG_LEVEL_ENV = "PARALLAX_LOG_LEVEL"  # debug|info|warning|error|critical (--log-level)
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from parallax import logs
 from parallax.errors import ConfigError
 from parallax.launch import LaunchConfig, run
 
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = logs.parse(parser, argv)
     if not EXAMPLE.exists():
         raise ConfigError(f"{EXAMPLE} is missing: `parallax demo` runs from a source checkout "
                           f"(pip install -e .); run the example script there directly")
@@ -30,4 +31,4 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.servers} parameter servers", flush=True)
     command = (sys.executable, str(EXAMPLE), "--epochs", str(args.epochs), *extra)
     return run(LaunchConfig(num_workers=args.workers, num_servers=args.servers,
-                            command=command))
+                            command=command, log_level=args.log_level))

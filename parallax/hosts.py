@@ -1,13 +1,23 @@
 """Host files for `parallax run --hosts FILE`: where the workers and parameter servers run.
 
-Two formats, told apart by their content:
+Three formats, told apart by their content:
 
 Parallax's own, one host per line, the numbers being the host's GPU (slot) ids; their count is
-the number of workers on that host; one parameter server per host; `#` comments and blank
-lines are ignored, `user@host` sets the ssh user:
+the number of workers on that host, and each worker there gets one of them as its
+CUDA_VISIBLE_DEVICES (the worker of local rank i the i-th id); one parameter server per host;
+`#` comments and blank lines are ignored, `user@host` sets the ssh user:
 
     10.0.0.1: 0,1,2,3
-    worker-b: 0,1
+    worker-b: 2,3
+
+horovodrun's (`--hostfile`), `host slots=N` lines (N workers, default 1; one server per
+host; CUDA_VISIBLE_DEVICES is left as it is):
+
+    10.0.0.1 slots=4
+    worker-b slots=2
+
+A host string instead of a file (`-H`, or `--hosts` when no such file exists) is horovodrun's
+`host:N,host2:M`: N and M workers, one server per host, its port any free one (announced).
 
 YAML, a mapping with a `hosts` list (`slots` workers and `servers` parameter servers per host,
 default 1 each) and optional `server_port` (the first server port on each host, default 7000;
@@ -55,6 +65,7 @@ class HostSpec:
     servers: int = 1               # parameter servers on this host
     ssh_user: str | None = None    # None: ssh's default (the current user or ~/.ssh/config)
     ssh_port: int | None = None    # None: ssh's default (22 or ~/.ssh/config)
+    gpus: tuple[int, ...] = ()     # the slot ids of parallax's format: CUDA_VISIBLE_DEVICES
 
     @property
     def ssh_target(self) -> str:
@@ -64,7 +75,7 @@ class HostSpec:
 @dataclass(frozen=True)
 class ClusterLayout:
     hosts: tuple[HostSpec, ...]
-    server_port: int = DEFAULT_SERVER_PORT
+    server_port: int = DEFAULT_SERVER_PORT  # 0: any free port (a host string's servers)
     network_interface: str | None = None  # horovodrun --network-interfaces (e.g. eth0)
 
     @property
@@ -92,19 +103,58 @@ class ClusterLayout:
 
 
 def load_hosts(path: str | Path) -> ClusterLayout:
-    """Read a host file in either format; ConfigError names the file, the line and the fix."""
+    """Read a host file in any format, or (a string naming no file) parse a horovodrun host
+    string like `localhost:2,worker-b:2`; ConfigError names the file, the line and the fix."""
+    if isinstance(path, str) and _HOST_STRING.match(path) and not Path(path).exists():
+        return parse_host_string(path)
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"--hosts {path}: cannot read it ({exc.strerror or exc}); give the "
-                          f"path of a host file") from None
+                          f"path of a host file, or hosts as horovodrun's host:slots,... "
+                          f"(e.g. localhost:2)") from None
     return parse_hosts(text, str(path))
 
 
 def parse_hosts(text: str, source: str = "<hosts>") -> ClusterLayout:
     if re.search(r"^hosts\s*:", text, re.MULTILINE) or re.match(r"\s*\{", text):
         return _parse_yaml(text, source)
+    if re.search(r"^[^#:]*\sslots\s*=", text, re.MULTILINE):
+        return _parse_hostfile(text, source)
     return _parse_lines(text, source)
+
+
+_HOST_STRING = re.compile(r"^[^,:\s/]+:\d+(,[^,:\s/]+:\d+)*$")
+
+
+def parse_host_string(text: str, source: str = "-H") -> ClusterLayout:
+    """horovodrun's `-H host:N,host2:M`: N workers on host, M on host2, one server on each,
+    at any free port."""
+    hosts = []
+    for part in text.split(","):
+        name, _, slots = part.strip().rpartition(":")
+        where = f"{source} {text}"
+        if not slots.isdigit() or int(slots) < 1:
+            raise ConfigError(f"{where}: {part!r} should be host:N with N >= 1 workers "
+                              f"(e.g. localhost:2)")
+        hosts.append((_host(name, int(slots), where), where))
+    return _layout(hosts, 0, f"{source} {text}")
+
+
+_HOSTFILE_LINE = re.compile(r"^(?P<host>\S+)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
+
+
+def _parse_hostfile(text: str, source: str) -> ClusterLayout:
+    """horovodrun's (and mpirun's) host file: `host slots=N` lines (default 1 slot)."""
+    hosts = []
+    for line, raw, where in _lines(text, source):
+        match = _HOSTFILE_LINE.match(line)
+        slots = match["slots"] if match and match["slots"] is not None else "1"
+        if match is None or not slots.isdigit() or int(slots) < 1:
+            raise ConfigError(f"{where}: {raw.strip()!r} should be `host slots=N` (N >= 1 "
+                              f"workers on that host)")
+        hosts.append((_host(match["host"], int(slots), where), where))
+    return _layout(hosts, DEFAULT_SERVER_PORT, source)
 
 
 def _port(value, where: str, what: str) -> int:
@@ -126,6 +176,13 @@ def _check_user(user, where: str) -> str | None:
     return user
 
 
+def _host(name: str, slots: int, where: str, gpus: tuple[int, ...] = ()) -> HostSpec:
+    """A host of the line formats: `[user@]host`, checked, with one parameter server."""
+    user, _, name = name.strip().rpartition("@")
+    return HostSpec(_check_host(name, where), slots, 1, _check_user(user or None, where),
+                    gpus=gpus)
+
+
 def _layout(hosts: list[tuple[HostSpec, str]], server_port: int, source: str,
             network_interface: str | None = None) -> ClusterLayout:
     if not hosts:
@@ -138,27 +195,26 @@ def _layout(hosts: list[tuple[HostSpec, str]], server_port: int, source: str,
                               f"{seen[spec.host]}); give each host once, with all its slots")
         seen[spec.host] = where
     top = server_port + max(h.servers for h, _ in hosts) - 1
-    if top > 65535:
+    if server_port and top > 65535:
         raise ConfigError(f"{source}: server_port {server_port} leaves no room for "
                           f"{top - server_port + 1} servers on one host (ports up to {top}); "
                           f"choose a lower server_port")
     return ClusterLayout(tuple(spec for spec, _ in hosts), server_port, network_interface)
 
 
-def _parse_lines(text: str, source: str) -> ClusterLayout:
-    hosts = []
+def _lines(text: str, source: str):
+    """(the line without its comment, the line as written, "SOURCE, line N") of each line
+    that says something."""
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{source}, line {number}"
+        if line:
+            yield line, raw, f"{source}, line {number}"
+
+
+def _parse_lines(text: str, source: str) -> ClusterLayout:
+    hosts = []
+    for line, raw, where in _lines(text, source):
         name, sep, ids = line.partition(":")
-        name = name.strip()
-        user = None
-        if "@" in name:
-            user, name = name.split("@", 1)
-            _check_user(user, where)
-        _check_host(name, where)
         slots = 1
         if sep:
             items = [i.strip() for i in ids.split(",")]
@@ -169,7 +225,8 @@ def _parse_lines(text: str, source: str) -> ClusterLayout:
                 raise ConfigError(f"{where}: slot ids {ids.strip()!r} repeat one; list each "
                                   f"id once")
             slots = len(items)
-        hosts.append((HostSpec(name, slots, 1, user), where))
+        gpus = tuple(int(i) for i in items) if sep else ()
+        hosts.append((_host(name, slots, where, gpus), where))
     return _layout(hosts, DEFAULT_SERVER_PORT, source)
 
 
@@ -298,8 +355,9 @@ class HostCluster:
         try:
             for host in self.layout.hosts:
                 for i in range(host.servers):
-                    args = ["--host", host.host.strip("[]"), "--port",
-                            str(self.layout.server_port + i), *self.extra_args]
+                    port = self.layout.server_port + i if self.layout.server_port else 0
+                    args = ["--host", host.host.strip("[]"), "--port", str(port),
+                            *self.extra_args]
                     if data_dir is not None:
                         args += ["--data-dir", data_dir]
                     index = len(self.servers)
@@ -320,33 +378,50 @@ class HostCluster:
         return self.exit_codes
 
 
-def horovodrun_argv(hosts_file: str, num_workers: int, program: list[str],
-                    find_horovodrun) -> list[str]:
-    """The workers' command for a host file: the program itself when its one worker runs on
-    this machine, else `horovodrun -np N -H host:slots,... --gloo [-p PORT] PROGRAM` (Horovod
-    runs the remote ones over ssh, with the launcher's environment and working directory)."""
-    layout = load_hosts(hosts_file)
-    first = layout.hosts[0]
-    if num_workers == 1 and is_local(first.host):
-        return program
-    left, parts, ports = num_workers, [], set()
+def _worker_hosts(layout: ClusterLayout, num_workers: int) -> list[tuple[HostSpec, str, int]]:
+    """(host, its name for horovodrun -H and HOROVOD_HOSTNAME, its workers) of the first
+    num_workers slots."""
+    left, hosts = num_workers, []
     for h in layout.hosts:
         take = min(h.slots, left)
         left -= take
         if take:
-            local = is_local(h.host)
-            parts.append(f"{h.host if local else h.ssh_target}:{take}")
-            if not local:
-                ports.add(h.ssh_port)
+            hosts.append((h, h.host if is_local(h.host) else h.ssh_target, take))
+    return hosts
+
+
+def with_devices(layout: ClusterLayout, num_workers: int, program: list[str]) -> list[str]:
+    """The program, run through `python -m parallax.hosts gpus` when the layout names slot
+    ids: each worker gets its id as CUDA_VISIBLE_DEVICES (see `_gpus`)."""
+    pairs = [f"{name}={','.join(map(str, h.gpus[:take]))}"
+             for h, name, take in _worker_hosts(layout, num_workers) if h.gpus]
+    if not pairs:
+        return program
+    return [sys.executable, "-m", "parallax.hosts", "gpus", *pairs, "--", *program]
+
+
+def one_local_worker(layout: ClusterLayout, num_workers: int) -> bool:
+    """Whether the job is one worker on this machine: the program runs without horovodrun."""
+    return num_workers == 1 and is_local(layout.hosts[0].host)
+
+
+def horovodrun_argv(layout: ClusterLayout, num_workers: int, program: list[str],
+                    horovodrun: str, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """`horovodrun -np N -H host:slots,... --gloo [-p PORT] [EXTRA_ARGS] PROGRAM` for a
+    layout (Horovod runs the remote workers over ssh, with the launcher's environment and
+    working directory)."""
+    hosts = _worker_hosts(layout, num_workers)
+    parts = [f"{name}:{take}" for _, name, take in hosts]
+    ports = {h.ssh_port for h, _, _ in hosts if not is_local(h.host)}
     if len(ports) > 1:
-        raise ConfigError(f"{hosts_file}: the worker hosts use different ssh ports "
+        raise ConfigError(f"the worker hosts use different ssh ports "
                           f"{sorted(p or 22 for p in ports)}; horovodrun takes one (-p): use "
                           f"one port, or set them per host in ~/.ssh/config")
     port = ports.pop() if ports else None
     nic = layout.network_interface
-    return [find_horovodrun(), "-np", str(num_workers), "-H", ",".join(parts), "--gloo",
+    return [horovodrun, "-np", str(num_workers), "-H", ",".join(parts), "--gloo",
             *(["-p", str(port)] if port is not None else []),
-            *(["--network-interfaces", nic] if nic else []), *program]
+            *(["--network-interfaces", nic] if nic else []), *extra_args, *program]
 
 
 def ssh_command(host: HostSpec, remote_argv: list[str]) -> list[str]:
@@ -440,7 +515,25 @@ def _serve(argv: list[str]) -> int:
     return 128 - code if code < 0 else code
 
 
+def _gpus(argv: list[str], environ=None) -> list[str]:
+    """`HOST=ID,... [HOST=ID,...] -- COMMAND`: set CUDA_VISIBLE_DEVICES to the id of this
+    worker (HOROVOD_HOSTNAME's list, HOROVOD_LOCAL_RANK-th; the first list without
+    Horovod); returns COMMAND. A host not listed keeps CUDA_VISIBLE_DEVICES as it is."""
+    environ = os.environ if environ is None else environ
+    split = argv.index("--") if "--" in argv else len(argv)
+    ids = dict(pair.split("=", 1) for pair in argv[:split])
+    name = environ.get("HOROVOD_HOSTNAME", next(iter(ids), ""))
+    rank = int(environ.get("HOROVOD_LOCAL_RANK", "0"))
+    mine = ids.get(name, "").split(",") if ids.get(name) else []
+    if rank < len(mine):
+        environ["CUDA_VISIBLE_DEVICES"] = mine[rank]
+    return argv[split + 1:]
+
+
 if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "gpus":
+        command = _gpus(sys.argv[2:])
+        os.execvp(command[0], command)
     if len(sys.argv) < 3 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m parallax.hosts serve COMMAND [ARGS ...]")
+        sys.exit("usage: python -m parallax.hosts serve|gpus ... COMMAND [ARGS ...]")
     sys.exit(_serve(sys.argv[2:]))

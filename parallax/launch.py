@@ -20,7 +20,13 @@ forwarded to the workers and gives 128 + signal. A server that has not answered 
 check for `health_timeout` seconds (hung, SIGSTOPped) stops the job the same way, and is
 named in one line. Servers this launcher started are always
 stopped. The launcher's own messages and the servers' output (`[ps i]` lines) go to stderr;
-the workers' output goes to stdout and stderr as they write it.
+the workers' output goes to stdout and stderr as they write it, less TensorFlow's known
+start-up lines (`parallax.logs.worker_noise`).
+
+horovodrun's habits work: `-H host:N,...` (or `--hosts host:N,...`), `--hostfile FILE`
+(`host slots=N` lines) and `--horovodrun-arg=ARG` for any other horovodrun flag. The
+servers' start timeout is `--server-start-timeout`; `--start-timeout`, which is the workers'
+in horovodrun, still means the servers' here, with a warning (deprecated).
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax import lifeline
+from parallax import lifeline, logs
 from parallax.cluster import RESTART_COUNT_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.restarts import RESTART_DELAY_S, Outcome, RestartBudget
@@ -55,6 +61,11 @@ MODES = ("hybrid", "ps", "allreduce")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")  # what workers accept as a run id
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
+# horovodrun flags that parallax sets itself, and what to do instead
+_NP, _HOSTS = "give parallax run -np N", "give parallax run -H host:N,... or --hostfile FILE"
+_OWN_HOROVODRUN_FLAGS = {"-np": _NP, "--num-proc": _NP, "-H": _HOSTS, "--hosts": _HOSTS,
+                         "--hostfile": _HOSTS, "--gloo": "drop it (gloo is always used)",
+                         "--mpi": "drop it (parallax runs horovodrun with gloo)"}
 # horovodrun prints this for each worker that exits non-zero, the first failure first
 _HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
 _RANK_LINE = re.compile(rb"^\[(\d+)\]<std(?:out|err)>:(.*)")  # horovodrun's prefixes
@@ -82,9 +93,12 @@ class LaunchConfig:
                                           # stops the job (0: never)
     max_restarts: int = 0                 # --max-restarts: restarts after failures
     restart_delay: float = RESTART_DELAY_S  # --restart-delay: seconds before each restart
-    hosts: str | None = None              # --hosts FILE (parallax.hosts): where workers and
-                                          # servers run; servers as the file says unless
-                                          # num_servers is 0; num_workers <= its slots
+    hosts: str | None = None              # --hosts FILE, -H host:N,..., --hostfile FILE
+                                          # (parallax.hosts): where workers and servers
+                                          # run; servers as it says unless num_servers is
+                                          # 0; num_workers <= its slots
+    horovodrun_args: tuple[str, ...] = ()  # --horovodrun-arg: more flags for horovodrun
+    log_level: str | None = None          # --log-level (parallax.logs); None: as it is
 
 
 def new_run_id() -> str:
@@ -142,7 +156,8 @@ def validate(config: LaunchConfig) -> list[str]:
         raise ConfigError(f"--health-timeout {config.health_timeout} must be >= 0 seconds "
                           f"(0: no health checks)")
     if config.start_timeout <= 0:
-        raise ConfigError(f"--start-timeout {config.start_timeout} must be > 0 seconds")
+        raise ConfigError(f"--server-start-timeout {config.start_timeout} must be > 0 seconds")
+    _check_horovodrun_args(config.horovodrun_args)
     if config.mode is not None and config.mode not in MODES:
         raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
@@ -157,6 +172,16 @@ def validate(config: LaunchConfig) -> list[str]:
             raise ConfigError(f"{config.hosts} places no servers (servers: 0 on every host); "
                               f"give a host servers >= 1, or use --ps-addresses")
     return program_argv(config.command)
+
+
+def _check_horovodrun_args(args: tuple[str, ...]) -> None:
+    if isinstance(args, str):
+        raise ConfigError(f"horovodrun_args must be a tuple of strings, not the string {args!r}")
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWN_HOROVODRUN_FLAGS:
+            raise ConfigError(f"--horovodrun-arg {arg!r}: parallax run sets {flag} itself; "
+                              f"{_OWN_HOROVODRUN_FLAGS[flag]}")
 
 
 def program_argv(command: tuple[str, ...] | list[str]) -> list[str]:
@@ -252,20 +277,23 @@ class _Job:
         self.horovod = horovod
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
-        piped = subprocess.PIPE if horovod else None
-        self.proc = subprocess.Popen(argv, env=env, stdout=piped, stderr=piped,
-                                     preexec_fn=preexec, **group)
+        # stderr always goes through the launcher (TensorFlow's start-up noise is dropped);
+        # stdout only under horovodrun (a single worker keeps its terminal)
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod else None,
+                                     stderr=subprocess.PIPE, preexec_fn=preexec, **group)
         self._pumps = [threading.Thread(target=self._forward, args=(stream, out), daemon=True)
                        for stream, out in ((self.proc.stdout, sys.stdout),
-                                           (self.proc.stderr, sys.stderr)) if horovod]
+                                           (self.proc.stderr, sys.stderr)) if stream]
         for pump in self._pumps:
             pump.start()
 
     def _forward(self, stream, out) -> None:
-        """Copy one of horovodrun's streams as it comes (partial lines too), keeping each
-        rank's last lines (a traceback goes to stderr) and noting the failures."""
-        fd, line = stream.fileno(), b""
-        while chunk := os.read(fd, 65536):
+        """Copy one of the workers' streams as it comes (partial lines too) less TensorFlow's
+        known start-up lines, keeping each rank's last lines (a traceback goes to stderr)
+        and noting horovodrun's report of failures."""
+        fd, line, noise = stream.fileno(), b"", logs.NoiseFilter()
+        while raw := os.read(fd, 65536):
+            chunk = noise.feed(raw)
             _write(out, chunk)
             line += chunk
             *complete, line = line.split(b"\n")
@@ -277,6 +305,7 @@ class _Job:
                 if ranked and ranked[2].strip():
                     lines = self.last_lines.setdefault(int(ranked[1]), deque(maxlen=LAST_LINES))
                     lines.append(ranked[2].decode(errors="replace"))
+        _write(out, noise.flush())
 
     def tail(self, rank: int) -> str:
         return "\n".join(f"  [{rank}] {line}" for line in self.last_lines.get(rank, ()))
@@ -584,27 +613,36 @@ def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict
 def run(config: LaunchConfig) -> int:
     """Run the job, restarting it after a failure up to `config.max_restarts` times; returns
     its exit code. Raises ConfigError before starting anything."""
-    program = validate(config)
-    argv = program if config.num_workers == 1 else [
-        find_horovodrun(), "-np", str(config.num_workers), "-H",
-        f"localhost:{config.num_workers}", "--gloo", *program]
-    if config.hosts is not None:
-        from parallax.hosts import horovodrun_argv
-        argv = horovodrun_argv(config.hosts, config.num_workers, program, find_horovodrun)
-    if argv is not program:
-        argv = bound_horovodrun(argv)
+    if config.log_level is not None:
+        logs.configure(config.log_level)
+    argv, horovod = workers_argv(config, validate(config))
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
     with _credentials(config) as credentials, _Signals() as signals, \
             _restart_data_dir(config, run_id) as config:
         attempt = 0
         while True:
-            outcome = _attempt(config, argv, program is not argv, run_id, attempt,
+            outcome = _attempt(config, argv, horovod, run_id, attempt,
                                credentials, signals)
             if signals.signum is not None or not budget.should_restart(outcome):
                 return outcome.code
             attempt += 1
             signals.job, signals.abortable = None, True
+
+
+def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], bool]:
+    """The workers' command: the program when there is one worker here, else horovodrun
+    (through BOUND_HOROVODRUN); and whether it is horovodrun."""
+    from parallax.hosts import (horovodrun_argv, load_hosts, one_local_worker,
+                                parse_host_string, with_devices)
+    layout = (load_hosts(config.hosts) if config.hosts is not None
+              else parse_host_string(f"localhost:{config.num_workers}"))
+    program = with_devices(layout, config.num_workers, program)
+    if one_local_worker(layout, config.num_workers):
+        return program, False
+    return bound_horovodrun(horovodrun_argv(layout, config.num_workers, program,
+                                            find_horovodrun(), config.horovodrun_args)), True
+
 
 
 @contextlib.contextmanager
@@ -665,15 +703,25 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                     "workers find the servers in PARALLAX_PS_ADDRESSES and the job id in "
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
-              "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] [--start-timeout S] "
-              "[--health-timeout S] [--max-restarts N] [--restart-delay S] [--secure] "
-              "[--mode hybrid|ps|allreduce] [--async] [--hosts FILE] [--] COMMAND [ARGS ...]")
+              "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] "
+              "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
+              "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
+              "[-H HOST:N,... | --hosts FILE | --hostfile FILE] [--horovodrun-arg=ARG ...] "
+              "[--log-level LEVEL] [--] COMMAND [ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
                              "than 1 uses horovodrun)")
-    parser.add_argument("--hosts", default=None, metavar="FILE",
-                        help="host file (`host: 0,1` lines, or YAML with hosts/slots/servers): "
-                             "servers and workers there, over ssh for other hosts")
+    parser.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
+                        help="horovodrun's host:N,host2:M (N workers and one server on each "
+                             "host), or a host file (`host: 0,1` lines, the GPU ids, or YAML "
+                             "with hosts/slots/servers): servers and workers there, over ssh "
+                             "for other hosts")
+    parser.add_argument("--hostfile", default=None, metavar="FILE",
+                        help="horovodrun's host file (`host slots=N` lines; parallax's formats "
+                             "work too); like --hosts FILE")
+    parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument(s) for horovodrun, e.g. "
+                             "--horovodrun-arg=--start-timeout=120 (repeatable)")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")
     parser.add_argument("--ps-addresses", default=None,
@@ -682,8 +730,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for each server, e.g. --server-arg=--threads=128")
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
-    parser.add_argument("--start-timeout", type=float, default=60.0,
-                        help="seconds to wait for the servers (default 60)")
+    parser.add_argument("--server-start-timeout", type=float, default=None, metavar="S",
+                        help="seconds to wait for the servers to start (default 60)")
+    parser.add_argument("--start-timeout", type=float, default=None, metavar="S",
+                        help="deprecated: --server-start-timeout (in horovodrun it is the "
+                             "workers' timeout: --horovodrun-arg=--start-timeout=S)")
     parser.add_argument("--progress-seconds", type=float, default=30.0,
                         help="print the job's progress (tables, steps, rows moved, read from "
                              "the servers) this often; 0: never (default 30)")
@@ -708,9 +759,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "the strategy's own default)")
     parser.add_argument("--async", dest="sync", action="store_false", default=None,
                         help="asynchronous parameter-server updates (PARALLAX_SYNC=async)")
+    logs.add_argument(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program: a .py file (run with this Python) or a command")
     args = parser.parse_args(argv)
+    hosts = _hosts_arg(args.hosts, args.hostfile)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     addresses = tuple(a.strip() for a in (args.ps_addresses or "").split(",") if a.strip())
     if args.ps_addresses is not None and not addresses:
@@ -718,28 +771,57 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                           "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
     servers = args.servers if args.servers is not None else (0 if addresses else 2)
     workers = args.num_workers if args.num_workers is not None else 1
-    if args.hosts is not None:
+    if hosts is not None:
         from parallax.hosts import load_hosts
-        layout = load_hosts(args.hosts)
+        layout = load_hosts(hosts)
         if args.servers not in (None, 0):
-            raise ConfigError(f"--servers {args.servers} with --hosts: set `servers` per host "
-                              f"in {args.hosts} (default 1 per host)")
+            raise ConfigError(f"--servers {args.servers} with --hosts/-H/--hostfile {hosts}: "
+                              f"one server runs on each host; for more, give `servers` per "
+                              f"host in a YAML host file")
         servers = 0 if addresses else layout.num_servers
         workers = args.num_workers if args.num_workers is not None else layout.num_slots
     return LaunchConfig(
         secure=args.secure,
-        num_workers=workers, num_servers=servers, ps_addresses=addresses, hosts=args.hosts,
+        num_workers=workers, num_servers=servers, ps_addresses=addresses, hosts=hosts,
         command=tuple(command), run_id=args.run_id,
-        server_args=tuple(a for value in args.server_arg for a in shlex.split(value)),
-        data_dir=args.data_dir, start_timeout=args.start_timeout, mode=args.mode,
+        server_args=_split_each(args.server_arg),
+        data_dir=args.data_dir, mode=args.mode,
+        start_timeout=_server_start_timeout(args.server_start_timeout, args.start_timeout),
         progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
         max_restarts=args.max_restarts, restart_delay=args.restart_delay,
-        sync=args.sync)
+        sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
+        log_level=args.log_level)
+
+
+def _split_each(values: list[str]) -> tuple[str, ...]:
+    """Repeatable pass-through options: each value split like a shell would."""
+    return tuple(a for value in values for a in shlex.split(value))
+
+
+def _hosts_arg(hosts: str | None, hostfile: str | None) -> str | None:
+    if hosts is not None and hostfile is not None:
+        raise ConfigError(f"--hosts/-H {hosts} and --hostfile {hostfile} both given; give one")
+    return hosts if hosts is not None else hostfile
+
+
+def _server_start_timeout(timeout: float | None, deprecated: float | None) -> float:
+    """--server-start-timeout, or the deprecated --start-timeout (with a warning)."""
+    if deprecated is None:
+        return 60.0 if timeout is None else timeout
+    if timeout is not None:
+        raise ConfigError(f"--start-timeout {deprecated:g} and --server-start-timeout "
+                          f"{timeout:g} both given; drop --start-timeout (deprecated)")
+    _say(f"warning: --start-timeout {deprecated:g} is deprecated; it is the servers' start "
+         f"timeout here, --server-start-timeout {deprecated:g} (horovodrun's --start-timeout, "
+         f"for the workers, is --horovodrun-arg=--start-timeout=S)")
+    return deprecated
 
 
 def main(argv: list[str]) -> int:
     try:
-        return run(parse_args(argv))
+        config = parse_args(argv)
+        logs.configure(config.log_level)
+        return run(config)
     except ConfigError as exc:
         _say(f"error: {exc}")
         return 2

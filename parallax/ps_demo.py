@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from parallax import logs
 from parallax.client import PSClient
 from parallax.local_cluster import LocalCluster
 from parallax.specs import Adagrad, Initializer, TableSpec
@@ -26,7 +27,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
-    return parser.parse_args(argv)
+    return logs.parse(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,8 @@ still in flight.
 from __future__ import annotations
 
 import atexit
+import logging
 import math
-import sys
 import threading
 import time
 import weakref
@@ -35,6 +35,8 @@ from parallax.client import ShardedTable
 from parallax.client.connection import run_in_background
 from parallax.errors import ConfigError, ServerError
 from parallax.routing import out_of_range
+
+log = logging.getLogger("parallax")
 
 
 class _StepFusionSlot(threading.local):
@@ -321,8 +323,8 @@ def _land_pushes_in_flight() -> None:
         try:
             table.wait_for_pushes(timeout=EXIT_PUSH_TIMEOUT)
         except Exception as err:  # noqa: BLE001 - exiting: report, do not mask the exit
-            print(f"parallax: ERROR: the last push to {table.label!r} did not land, so the "
-                  f"servers miss this worker's last step: {err}", file=sys.stderr, flush=True)
+            log.error("the last push to %r did not land, so the servers miss this worker's "
+                      "last step: %s", table.label, err)
 
 
 def owner_of_gradient(grad) -> RemoteTable | None:

@@ -12,8 +12,8 @@ new ones are deleted, and every worker raises.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +25,8 @@ from parallax.client.reshard import move_rows
 from parallax.errors import ConfigError
 from parallax.plan import Plan, VariablePlan
 from parallax.remote import RemoteTable
+
+logger = logging.getLogger("parallax")  # `log` is apply()'s flag
 
 _GENERATION = re.compile(r"\.r\d+$")
 MOVE_TABLES = 4  # tables copied at once (each reads its source shards concurrently too)
@@ -130,7 +132,7 @@ class Resharder:
         report = ReshardReport(tuple(v.name for v in changed), moved[0], moved[1],
                                time.perf_counter() - start)
         if log and self.workers.info.is_chief:
-            print(describe(plan, new_plan, report), file=sys.stderr, flush=True)
+            logger.info("%s", describe(plan, new_plan, report))
         return new_plan, report
 
     def release_previous(self) -> None:

@@ -144,7 +144,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
-            log.warning("parallax: %s", message)
+            log.warning("%s", message)
             self._warned = True
 
 

@@ -16,6 +16,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from parallax import logs
 from parallax.client import ClientOptions, PSClient
 from parallax.cluster import ADDRESSES_ENV, parse_addresses
 from parallax.errors import ConfigError, ParallaxError
@@ -144,7 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for each server's answer (default 5)")
-    return parser.parse_args(argv)
+    return logs.parse(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ measurement decides and `broadcast_object` hands its decision to the others.
 """
 from __future__ import annotations
 
+import logging
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -20,6 +20,8 @@ from parallax.partitioner import (ClusterProfile, Measurement, Planner, ShardCou
                                   TableProfile, fit_report, place)
 from parallax.resharding import Layout
 from parallax.tuning import PartitionSearch, counts_text, next_uniform, save_decision
+
+log = logging.getLogger("parallax")
 
 HOT_IDS = 64  # the most-read ids of each table the placer balances by name
 
@@ -102,7 +104,7 @@ class PartitionTuner:
             self._report["overhead_seconds"] += self._report["final_reshard_seconds"]
             if self.ext.workers.info.is_chief:
                 path = save_decision(self.config, self.ext.plan, self._report)
-                print(describe(self._report, path), file=sys.stderr, flush=True)
+                log.info("%s", describe(self._report, path))
 
     # ---- measurements (every worker keeps its own; the chief's decide) ----
 

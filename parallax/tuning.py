@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Mapping, Sequence
 from parallax.errors import ConfigError
 from parallax.partitioner import Measurement
 from parallax.plan import Plan, StrategyConfig
+
+log = logging.getLogger("parallax")
 
 CACHE_ENV = "PARALLAX_PLAN_CACHE"
 
@@ -180,7 +183,8 @@ def load_decision(config: PartitionSearch, plan: Plan) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"parallax: ignoring the saved partition decision {path}: {err}", flush=True)
+        log.warning("ignoring the saved partition decision %s (%s); searching again (delete "
+                    "the file to stop this warning)", path, err)
         return None
     names = {v.name for v in plan.on_servers}
     if set(layouts) != names or any(not s or min(s) < 0 or max(s) >= plan.num_servers

@@ -2,7 +2,8 @@
 
 Initialises horovod.tensorflow when HOROVOD_SIZE is set (under horovodrun), waits until
 every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "size",
-"addresses", "run_id", "pid", "netns", "mode", "sync", "restart"}, optionally sleeps, and
+"addresses", "run_id", "pid", "netns", "mode", "sync", "restart", "cuda" (CUDA_VISIBLE_DEVICES),
+"log_level" (PARALLAX_LOG_LEVEL)}, optionally sleeps, and
 exits with --exit CODE (only on --exit-rank R when given; the other ranks exit 0). With
 --until-restart A, the sleep and the exit code apply only while PARALLAX_RESTART_COUNT < A
 (later attempts exit 0 at once).
@@ -41,6 +42,8 @@ print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses
                   "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid(),
                   "netns": os.readlink("/proc/self/ns/net"),
                   "mode": os.environ.get("PARALLAX_MODE"),
-                  "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart}), flush=True)
+                  "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart,
+                  "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "log_level": os.environ.get("PARALLAX_LOG_LEVEL")}), flush=True)
 time.sleep(args.sleep)
 sys.exit(args.exit if args.exit_rank in (None, rank) else 0)

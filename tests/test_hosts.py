@@ -1,20 +1,24 @@
-"""Host files (parallax/hosts.py): both formats, the layout they give, and their errors."""
+"""Host files (parallax/hosts.py): every format (parallax's lines, YAML, horovodrun's host
+file and host string), the layout they give, their errors, and the slot ids as GPUs."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.hosts import ClusterLayout, HostSpec, is_local, load_hosts, parse_hosts
+from parallax.hosts import (ClusterLayout, HostSpec, _gpus, horovodrun_argv, is_local, load_hosts,
+                            one_local_worker, parse_host_string, parse_hosts, with_devices)
 
 
-def test_parallax_format_counts_slot_ids_and_gives_one_server_per_host():
+def test_parallax_format_keeps_slot_ids_and_gives_one_server_per_host():
     layout = parse_hosts("# cluster\n10.0.0.1: 0,1,2\n\nroot@worker-b: 3  # one GPU\nhost-c\n")
-    assert layout == ClusterLayout((HostSpec("10.0.0.1", 3, 1), HostSpec("worker-b", 1, 1,
-                                                                        "root"),
+    assert layout == ClusterLayout((HostSpec("10.0.0.1", 3, 1, gpus=(0, 1, 2)),
+                                    HostSpec("worker-b", 1, 1, "root", gpus=(3,)),
                                     HostSpec("host-c", 1, 1)), 7000)
     assert layout.num_slots == 5 and layout.num_servers == 3
     assert layout.horovod_hosts() == "10.0.0.1:3,worker-b:1,host-c:1"
@@ -66,10 +70,18 @@ def test_yaml_flow_form_and_load_from_file(tmp_path):
     ("servers: 2\nhosts: [a]\n", "line 1: unknown key 'servers'"),
     ("server_port: 65535\nhosts: [{host: a, servers: 2}]\n", "choose a lower server_port"),
     ("hosts:\n  - {host: a, servers: -1}\n", "servers -1 must be a whole number >= 0"),
+    ("a slots=1\nb slots=x\n", "line 2: 'b slots=x' should be `host slots=N`"),
+    # horovodrun's host strings (-H)
+    ("-H localhost:0", "-H localhost:0: 'localhost:0' should be host:N with N >= 1"),
+    ("-H a:1,a:2", "host 'a' is listed again"),
+    ("-H bad!host:1", "'bad!host' is not a host name"),
 ])
 def test_malformed_files_name_the_line_and_the_fix(text, words):
     with pytest.raises(ConfigError) as info:
-        parse_hosts(text)
+        if text.startswith("-H "):
+            parse_host_string(text[3:])
+        else:
+            parse_hosts(text)
     assert words in str(info.value)
 
 
@@ -94,3 +106,61 @@ def test_serve_wrapper_stops_the_server_when_stdin_closes():
     wrapper.stdin.close()  # what the end of the ssh session does
     assert wrapper.wait(15) == 128 + 15  # the server was SIGTERMed
     assert time.monotonic() - started < 10
+
+
+def test_horovodrun_host_string_one_server_each_at_a_free_port():
+    layout = parse_host_string("localhost:2,alice@10.0.0.2:3")
+    assert [(h.host, h.slots, h.servers, h.ssh_user, h.gpus) for h in layout.hosts] == \
+        [("localhost", 2, 1, None, ()), ("10.0.0.2", 3, 1, "alice", ())]
+    assert layout.server_port == 0 and layout.num_slots == 5
+
+
+def test_a_host_string_is_read_as_a_file_only_when_that_file_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_hosts("localhost:2").hosts == (HostSpec("localhost", 2, 1),)
+    Path("localhost:2").write_text("worker-a: 0\n")
+    assert load_hosts("localhost:2").hosts[0].host == "worker-a"
+    with pytest.raises(ConfigError, match=r"--hosts a:2,b: cannot read it .*host:slots"):
+        load_hosts("a:2,b")
+
+
+def test_horovodrun_hostfile_format():
+    layout = parse_hosts("# horovodrun's\n10.0.0.1 slots=4\nbob@worker-b  slots = 2\n"
+                         "worker-c\n")
+    assert [(h.host, h.slots, h.servers, h.ssh_user) for h in layout.hosts] == \
+        [("10.0.0.1", 4, 1, None), ("worker-b", 2, 1, "bob"), ("worker-c", 1, 1, None)]
+    assert layout.server_port == 7000
+
+
+def test_slot_ids_become_each_workers_cuda_visible_devices():
+    layout = parse_hosts("localhost: 2,3\nworker-b: 0\n192.0.2.1: 5,6\n")
+    assert layout.hosts[0].gpus == (2, 3)
+    program = ["python", "train.py"]
+    argv = with_devices(layout, 3, program)
+    assert argv == [sys.executable, "-m", "parallax.hosts", "gpus", "localhost=2,3",
+                    "worker-b=0", "--", *program]
+    assert with_devices(parse_host_string("localhost:2"), 2, program) == program
+    env = {"HOROVOD_HOSTNAME": "localhost", "HOROVOD_LOCAL_RANK": "1"}
+    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "3"
+    env = {"HOROVOD_HOSTNAME": "worker-c", "CUDA_VISIBLE_DEVICES": "7"}  # not listed: as is
+    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "7"
+    env = {}  # one worker, no Horovod: the first host's first id
+    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "2"
+
+
+def test_the_gpus_wrapper_execs_the_program_with_its_device():
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax.hosts", "gpus", "h1=4,5", "--", sys.executable, "-c",
+         "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.getpid())"],
+        capture_output=True, text=True, timeout=30,
+        env={**os.environ, "HOROVOD_HOSTNAME": "h1", "HOROVOD_LOCAL_RANK": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "5"
+
+
+def test_horovodrun_argv_for_a_layout():
+    layout = parse_hosts("localhost: 0,1\ncarol@192.0.2.1: 0\n")
+    argv = horovodrun_argv(layout, 3, ["prog"], "/bin/horovodrun", ("--verbose",))
+    assert argv == ["/bin/horovodrun", "-np", "3", "-H", "localhost:2,carol@192.0.2.1:1",
+                    "--gloo", "--verbose", "prog"]
+    assert one_local_worker(layout, 1) and not one_local_worker(layout, 2)

@@ -22,7 +22,7 @@ import pytest
 
 import parallax
 from parallax.errors import ConfigError
-from parallax.launch import LaunchConfig, run, validate
+from parallax.launch import LaunchConfig, parse_args, run, validate, workers_argv
 from parallax.local_cluster import LocalCluster
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
@@ -298,6 +298,96 @@ def test_hosts_file_on_this_machine_places_workers_and_servers(mark, tmp_path):
     assert all(port_closed(a) for a in probes[0]["addresses"])
 
 
+@pytest.mark.multiprocess
+def test_horovodrun_host_string_places_workers_and_one_server(mark):
+    """`-H localhost:2`, horovodrun's syntax: 2 workers and one server (at a free port) on
+    this machine; --log-level reaches the workers; --horovodrun-arg reaches horovodrun."""
+    launcher = Launcher("-H", "localhost:2", "--log-level", "warning",
+                        "--horovodrun-arg=--start-timeout=90", PROBE, mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    probes = launcher.probes()
+    assert sorted(p["rank"] for p in probes) == [0, 1], launcher.output()
+    assert len(probes[0]["addresses"]) == 1 and probes[0]["addresses"][0].startswith("localhost:")
+    assert {p["log_level"] for p in probes} == {"warning"} and probes[0]["cuda"] is None
+    assert all(port_closed(a) for a in probes[0]["addresses"])
+
+
+@pytest.mark.multiprocess
+def test_slot_ids_of_a_host_file_are_each_workers_gpu(mark, tmp_path, cluster):
+    """`127.0.0.1: 2,3`: rank 0 (local rank 0) gets GPU 2, rank 1 GPU 3 (CUDA_VISIBLE_DEVICES);
+    the servers are the fixture's (a host file's own would take the fixed port 7000)."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("127.0.0.1: 2,3\n")
+    launcher = Launcher("--hosts", str(hosts), "--ps-addresses", ",".join(cluster.addresses),
+                        PROBE, mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    assert {p["rank"]: p["cuda"] for p in launcher.probes()} == {0: "2", 1: "3"}, \
+        launcher.output()
+
+
+NOISY_WORKER = """import sys
+sys.stderr.write(
+    "2026-12-01 06:40:08.830848: E external/local_xla/xla/stream_executor/cuda/cuda_fft.cc:485]"
+    " Unable to register cuFFT factory: Attempting to register factory for plugin cuFFT when"
+    " one has already been registered\\n"
+    "2026-12-01 06:43:59.060657: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:32] Could not"
+    " find cuda drivers on your machine, GPU will not be used.\\n"
+    "my own line: Unable to register cuDNN factory\\n")
+print("stdout line", flush=True)
+"""
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_tensorflows_start_up_noise_is_dropped_from_the_workers_output(mark, tmp_path,
+                                                                      workers):
+    script = tmp_path / "noisy.py"
+    script.write_text(NOISY_WORKER)
+    launcher = Launcher("-np", workers, "--servers", "1", str(script), mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    text = launcher.output()
+    assert "Unable to register cuFFT" not in text and "cuda drivers" not in text, text
+    assert text.count("my own line: Unable to register cuDNN factory") == int(workers), text
+    assert text.count("stdout line") == int(workers), text
+
+
+def test_parse_args_takes_horovodruns_flags(tmp_path):
+    config = parse_args(["-H", "localhost:2,127.0.0.1:1", "--horovodrun-arg=--verbose",
+                         "--horovodrun-arg", "--start-timeout 90", "train.py"])
+    assert (config.hosts, config.num_workers, config.num_servers) == \
+        ("localhost:2,127.0.0.1:1", 3, 2)
+    assert config.horovodrun_args == ("--verbose", "--start-timeout", "90")
+    assert parse_args(["--hosts", "localhost:2", "train.py"]).hosts == "localhost:2"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=3\n")
+    config = parse_args(["--hostfile", str(hostfile), "--log-level", "DEBUG", "train.py"])
+    assert (config.hosts, config.num_workers, config.num_servers, config.log_level) == \
+        (str(hostfile), 3, 1, "debug")
+
+
+def test_workers_argv_passes_horovodrun_args_before_the_program():
+    config = LaunchConfig(num_workers=2, hosts="localhost:2", command=(PROBE,),
+                          horovodrun_args=("--start-timeout", "90"))
+    argv, horovod = workers_argv(config, validate(config))
+    assert horovod
+    tail = argv[argv.index("-np"):]
+    assert tail == ["-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "90",
+                    sys.executable, PROBE]
+    single = LaunchConfig(command=(PROBE,), horovodrun_args=("--verbose",))
+    assert workers_argv(single, validate(single)) == ([sys.executable, PROBE], False)
+
+
+def test_start_timeout_is_the_servers_and_deprecated(capsys):
+    assert parse_args(["--server-start-timeout", "5", "t.py"]).start_timeout == 5
+    assert parse_args(["t.py"]).start_timeout == 60
+    assert capsys.readouterr().err == ""
+    assert parse_args(["--start-timeout", "7", "t.py"]).start_timeout == 7
+    err = capsys.readouterr().err
+    assert "--start-timeout 7 is deprecated" in err and "--server-start-timeout 7" in err
+    assert "--horovodrun-arg=--start-timeout=S" in err
+    with pytest.raises(ConfigError, match="drop --start-timeout"):
+        parse_args(["--start-timeout", "7", "--server-start-timeout", "5", "t.py"])
+
+
 @pytest.mark.parametrize("text, args, words", [
     ("127.0.0.1: 0\n", ["-np", "2"], "-np 2: "),
     ("127.0.0.1: 0\n", ["--servers", "2"], "--servers 2 with --hosts"),
@@ -323,7 +413,11 @@ def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
     ({"ps_addresses": ("h:7000",)}, "use --servers 0 with --ps-addresses"),
     ({"run_id": "a b"}, "--run-id 'a b'"),
     ({"server_args": ("--port=5000",)}, "drop it"),
-    ({"start_timeout": 0}, "--start-timeout 0"),
+    ({"start_timeout": 0}, "--server-start-timeout 0"),
+    ({"horovodrun_args": ("-np", "3")}, "--horovodrun-arg '-np': parallax run sets -np itself; "
+                                        "give parallax run -np N"),
+    ({"horovodrun_args": ("--hostfile=h",)}, "give parallax run -H host:N,... or --hostfile"),
+    ({"horovodrun_args": "--verbose"}, "horovodrun_args must be a tuple of strings"),
     ({"command": "train.py"}, "command must be a tuple of strings"),
     ({"mode": "mirrored"}, "--mode 'mirrored' must be one of hybrid, ps, allreduce"),
 ])
@@ -343,7 +437,11 @@ def test_bad_config_is_refused_before_anything_starts(fields, words):
     ([], 2, "no command to run"),
     (["-np", "x", PROBE], 2, "invalid int value: 'x'"),
     (["--mode", "sync", PROBE], 2, "invalid choice: 'sync'"),
-    (["--ps-addresses", "127.0.0.1:1", "--start-timeout", "0.5", PROBE], 1, "not serving"),
+    (["--ps-addresses", "127.0.0.1:1", "--server-start-timeout", "0.5", PROBE], 1,
+     "not serving"),
+    (["--log-level", "loud", PROBE], 2, "argument --log-level: invalid choice: 'loud'"),
+    (["-H", "localhost:2", "--hostfile", "h.txt", PROBE], 2, "both given; give one"),
+    (["--hosts", "nohost", PROBE], 2, "--hosts nohost: cannot read it"),
 ])
 def test_cli_reports_bad_input(mark, args, code, words):
     launcher = Launcher(*args, mark=mark)

@@ -92,7 +92,7 @@ def test_decisions_are_saved_per_job_and_bad_files_are_ignored(tmp_path, capsys)
     assert tuning.load_decision(config, plan) is None
     path.write_text("{not json")
     assert tuning.load_decision(config, plan) is None
-    assert "ignoring the saved partition decision" in capsys.readouterr().out
+    assert "parallax: WARNING: ignoring the saved partition decision" in capsys.readouterr().err
     assert PartitionSearch(cache_dir="").cache_root() is None
 
 

@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 
+from parallax import logs
 from parallax.bench import cgroups, measure, workloads
 from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
 from parallax.errors import ConfigError
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["partitions"]:
         return partitions_main(argv[1:])
-    args = parser().parse_args(argv)
+    args = logs.parse(parser(), argv)
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so every run's processes are
     # stopped and every namespace is deleted on the way out.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
@@ -229,7 +230,7 @@ def partitions_config(args: argparse.Namespace):
 
 def partitions_main(argv: list[str]) -> int:
     from parallax.bench import partitions
-    args = partitions_parser().parse_args(argv)
+    args = logs.parse(partitions_parser(), argv)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         if args.report_only:

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from parallax import lifeline, security
+from parallax import lifeline, logs, security
 from parallax.errors import ConfigError
 from parallax.malloc_tuning import reuse_freed_memory
 from parallax_ps import metrics
@@ -48,6 +48,7 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
     metrics_host: str = "127.0.0.1"  # where /metrics listens: loopback unless asked
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
+    log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.logs)
 
     @property
     def max_message_bytes(self) -> int:
@@ -135,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+    logs.add_argument(parser)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="directory for checkpoints (save/restore are refused without it)")
     parser.add_argument("--max-message-mb", type=int, default=256,
@@ -199,7 +201,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         reserved_threads=args.reserved_threads,
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host,
-                        memory_mb=args.memory_mb)
+                        memory_mb=args.memory_mb, log_level=args.log_level)
 
 
 def _orphaned(parent: int, stop: threading.Event) -> None:
@@ -209,8 +211,8 @@ def _orphaned(parent: int, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s parallax-ps %(message)s")
     config = parse_args(argv)
+    logs.configure(config.log_level, server=True)
     reuse_freed_memory()
     try:
         server = RunningServer(config)

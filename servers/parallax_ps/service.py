@@ -194,7 +194,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 shard = TableShard(spec, request.shard_index, self.budget)
                 with self._lock:
                     self._shards[key] = shard
-                log.info("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
+                log.debug("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
                 return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows),
                         spec.name, shard.storage.num_rows, 0)
         _check_same_spec(existing, spec)

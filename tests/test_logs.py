@@ -1,0 +1,196 @@
+"""Logging (parallax.logs): levels, PARALLAX_LOG_LEVEL, --log-level on every command, the
+server's format and its per-shard lines at DEBUG, and the filter of TensorFlow's start-up
+noise, which drops exactly the known lines."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallax import logs
+from parallax.cluster import LOG_LEVEL_ENV
+from parallax.errors import ConfigError
+from parallax.local_cluster import LocalCluster
+from parallax.specs import TableSpec
+
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+FFT = (b"2026-12-01 06:40:08.830848: E external/local_xla/xla/stream_executor/cuda/"
+       b"cuda_fft.cc:485] Unable to register cuFFT factory: Attempting to register factory "
+       b"for plugin cuFFT when one has already been registered")
+DNN = (b"E0000 00:00:1718000000.123456   12345 cuda_dnn.cc:8310] Unable to register cuDNN "
+       b"factory: Attempting to register factory for plugin cuDNN when one has already been "
+       b"registered")
+BLAS = (b"[1]<stderr>:2026-12-01 06:40:08.851910: E external/local_xla/xla/stream_executor/"
+        b"cuda/cuda_blas.cc:1452] Unable to register cuBLAS factory: Attempting to register "
+        b"factory for plugin cuBLAS when one has already been registered")
+DRIVERS = (b"2026-12-01 06:43:59.060657: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:32] "
+           b"Could not find cuda drivers on your machine, GPU will not be used.")
+NOISE = [FFT, DNN, BLAS, DRIVERS]
+KEPT = [
+    b"Epoch 1/3",
+    b"[0]<stdout>:loss 0.25",
+    # TensorFlow lines that are not the known ones stay
+    b"2026-12-01 06:43:59.148592: I tensorflow/core/platform/cpu_feature_guard.cc:210] This "
+    b"TensorFlow binary is optimized to use available CPU instructions",
+    b"2026-12-01 06:44:00.109770: W tensorflow/compiler/tf2tensorrt/utils/py_utils.cc:38] "
+    b"TF-TRT Warning: Could not find TensorRT",
+    FFT.replace(b"plugin cuFFT", b"plugin cuDNN"),  # mismatched plugin: not the known line
+    FFT + b" (and more)",
+    FFT.split(b"] ", 1)[1],  # the text without TensorFlow's header: a program's own line
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"E0000 is not a header",
+]
+
+
+@pytest.mark.parametrize("line", NOISE)
+def test_the_known_tensorflow_lines_are_noise(line):
+    assert logs.worker_noise(line)
+    assert logs.worker_noise(line + b"\r")
+
+
+@pytest.mark.parametrize("line", KEPT)
+def test_other_lines_are_not(line):
+    assert not logs.worker_noise(line)
+
+
+def _filtered(stream: bytes, size: int) -> bytes:
+    noise = logs.NoiseFilter()
+    out = b"".join(noise.feed(stream[i:i + size]) for i in range(0, len(stream), size))
+    return out + noise.flush()
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 100_000])
+def test_the_filter_drops_exactly_the_known_lines_however_the_stream_is_cut(size):
+    lines = [NOISE[0], KEPT[0], NOISE[1], NOISE[2], *KEPT[1:], NOISE[3], b"", b"last"]
+    stream = b"\n".join(lines) + b"\n\rpartial progress 3/10"
+    expected = b"\n".join(line for line in lines if line not in NOISE) + \
+        b"\n\rpartial progress 3/10"
+    assert _filtered(stream, size) == expected
+
+
+def test_a_partial_line_passes_at_once_unless_it_may_be_tensorflows():
+    noise = logs.NoiseFilter()
+    assert noise.feed(b"Epoch 1/3 [===") == b"Epoch 1/3 [==="  # a progress bar: no wait
+    assert noise.feed(b"===]\n2026-12-01 06:40") == b"===]\n"  # held: may be noise
+    assert noise.feed(b":08.8: I x.cc:1] fine\n") == b"2026-12-01 06:40:08.8: I x.cc:1] fine\n"
+
+
+@pytest.mark.parametrize("text, level", [("debug", logging.DEBUG), ("INFO", logging.INFO),
+                                         (" Warning ", logging.WARNING),
+                                         ("critical", logging.CRITICAL)])
+def test_levels_parse_in_any_case(text, level):
+    assert logs.parse_level(text) == level
+    assert logs.env_level({LOG_LEVEL_ENV: text}) == level
+
+
+def test_a_bad_level_names_the_value_and_the_choices():
+    with pytest.raises(ConfigError, match=r"PARALLAX_LOG_LEVEL='loud' is not a log level; use "
+                                          r"one of debug, info, warning, error, critical"):
+        logs.env_level({LOG_LEVEL_ENV: "loud"})
+    assert logs.env_level({}) == logging.INFO
+
+
+@pytest.fixture
+def restore_logging(monkeypatch):
+    """configure() changes both loggers and exports PARALLAX_LOG_LEVEL: undone after."""
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    loggers = [logging.getLogger(name) for name in (logs.LIBRARY, logs.SERVER)]
+    saved = [(logger.level, list(logger.handlers)) for logger in loggers]
+    yield
+    for logger, (level, handlers) in zip(loggers, saved):
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+    os.environ.pop(LOG_LEVEL_ENV, None)
+
+
+def test_configure_sets_both_loggers_and_exports_the_level(restore_logging, capsys):
+    library = logging.getLogger("parallax.test")
+    assert logs.configure("warning") == logging.WARNING
+    assert os.environ[LOG_LEVEL_ENV] == "warning"
+    assert logging.getLogger("parallax_ps").level == logging.WARNING
+    library.info("hidden")
+    library.warning("shown")
+    assert capsys.readouterr().err == "parallax: WARNING: shown\n"
+    os.environ[LOG_LEVEL_ENV] = "debug"
+    assert logs.configure() == logging.DEBUG  # no --log-level: the environment's
+    library.info("the plan")
+    assert capsys.readouterr().err == "the plan\n"  # INFO is the bare message, as before
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != LOG_LEVEL_ENV}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**environ, **env}, timeout=60)
+
+
+LIBRARY_USER = ("import logging, parallax; log = logging.getLogger('parallax'); "
+                "log.debug('d'); log.info('i'); log.warning('w')")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "i\nparallax: WARNING: w\n"),  # INFO on stderr without any setup
+    ({LOG_LEVEL_ENV: "warning"}, "parallax: WARNING: w\n"),
+    ({LOG_LEVEL_ENV: "debug"}, "parallax: DEBUG: d\ni\nparallax: WARNING: w\n"),
+    ({LOG_LEVEL_ENV: "loud"}, "parallax: WARNING: PARALLAX_LOG_LEVEL='loud' is not a log "
+                              "level; use one of debug, info, warning, error, critical; "
+                              "logging at info\ni\nparallax: WARNING: w\n"),
+])
+def test_importing_parallax_logs_at_the_environments_level(env, expected):
+    done = _python(LIBRARY_USER, **env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == expected and done.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["run", "server", "demo", "ps-demo", "status", "k8s",
+                                     "bench"])
+def test_every_command_takes_log_level(command):
+    done = subprocess.run([PARALLAX, command, "--log-level", "loud"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "argument --log-level: invalid choice: 'loud'" in done.stderr
+
+
+def test_a_bad_environment_level_is_one_warning_and_info_from_a_command():
+    server = subprocess.Popen([PARALLAX, "server"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, LOG_LEVEL_ENV: "loud"})
+    try:
+        first = server.stdout.readline()
+        ready = server.stdout.readline()
+    finally:
+        server.terminate()
+        rest = server.communicate(timeout=30)[0]
+    assert first == ("parallax: WARNING: PARALLAX_LOG_LEVEL='loud' is not a log level; use one "
+                     "of debug, info, warning, error, critical; logging at info\n")
+    assert ready.startswith("PARALLAX_SERVER_READY ")
+    assert "parallax-ps INFO shutting down" in rest and "WARNING" not in rest
+
+
+def _created_lines(cluster: LocalCluster) -> list[str]:
+    from parallax.client import PSClient
+    with PSClient(cluster.addresses) as client:
+        client.create_table(TableSpec("logs.v0.t", dim=4, vocabulary_size=10, shard_count=2))
+    cluster.stop()
+    return [line for server in cluster.servers for line in server.lines]
+
+
+@pytest.mark.parametrize("args, env, shown", [
+    ([], {}, False),                                     # INFO: no per-shard lines
+    (["--log-level", "debug"], {}, True),
+    ([], {LOG_LEVEL_ENV: "debug"}, True),
+    (["--log-level", "info"], {LOG_LEVEL_ENV: "debug"}, False),  # the flag wins
+])
+def test_per_shard_lines_are_debug_and_the_server_names_the_level(args, env, shown,
+                                                                  monkeypatch):
+    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    lines = _created_lines(LocalCluster(1, extra_args=args).start())
+    created = [line for line in lines if "created table 'logs.v0.t' shard" in line]
+    assert len(created) == (2 if shown else 0), lines
+    assert all(" parallax-ps DEBUG created table" in line for line in created)
+    assert any(" parallax-ps INFO shutting down" in line for line in lines), lines
