@@ -155,9 +155,10 @@ def validate(config: K8sConfig) -> None:
         raise ConfigError(f"--image-pull-policy {config.image_pull_policy!r} must be Always, "
                           f"IfNotPresent or Never")
     for arg in config.server_args:
-        if arg.split("=", 1)[0] in ("--port", "--host"):
-            raise ConfigError(f"--server-arg {arg!r}: host and port are set by the manifests "
-                              f"(--server-port); drop it")
+        if arg.split("=", 1)[0] in ("--port", "--host", "--data-port"):
+            raise ConfigError(f"--server-arg {arg!r}: host and ports are set by the manifests "
+                              f"(--server-port, and the data plane on the port after it); "
+                              f"drop it")
         if arg.split("=", 1)[0] == "--data-dir":
             raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
                               f"--data-dir (mounted on its volume); give that instead")
@@ -330,8 +331,10 @@ def _server_container(config: K8sConfig) -> dict[str, Any]:
         "name": "server", "image": config.image, "imagePullPolicy": config.image_pull_policy,
         "command": ["parallax", "server", "--host", "0.0.0.0", "--port",
                     str(config.server_port), *config.server_args,
+                    "--data-port", str(config.server_port + 1),  # the data plane
                     *(["--data-dir", data_dir] if data_dir else [])],
-        "ports": [{"name": "grpc", "containerPort": config.server_port}],
+        "ports": [{"name": "grpc", "containerPort": config.server_port},
+                  {"name": "data", "containerPort": config.server_port + 1}],
         "readinessProbe": dict(probe, initialDelaySeconds=2),
         "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
     }

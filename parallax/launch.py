@@ -624,10 +624,24 @@ def run(config: LaunchConfig) -> int:
         while True:
             outcome = _attempt(config, argv, horovod, run_id, attempt,
                                credentials, signals)
-            if signals.signum is not None or not budget.should_restart(outcome):
-                return outcome.code
+            if signals.signum is not None or not _restarting(budget, outcome, signals):
+                return outcome.code if signals.signum is None else 128 + signals.signum
             attempt += 1
-            signals.job, signals.abortable = None, True
+
+
+def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> bool:
+    """Whether to start another attempt. A signal during the restart delay interrupts it
+    and says no (there is no job to forward it to); during the next start it aborts that
+    start, as for the first."""
+    signals.job, signals.abortable = None, True
+    restart = False
+    try:
+        restart = budget.should_restart(outcome)
+    except _Interrupted as exc:
+        _say(f"got {exc} during the restart delay: not restarting")
+    finally:
+        signals.abortable = restart
+    return restart
 
 
 def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], bool]:

@@ -93,7 +93,7 @@ def test_dockerfile_runtime_settings():
     assert user not in ("root", "0")
     assert re.search(rf"useradd\b.*--uid {user}\b", runs)
     exposed = " ".join(_instructions("EXPOSE")).split()
-    assert "7000" in exposed and "7070" in exposed
+    assert "7000" in exposed and "7001" in exposed and "7070" in exposed  # gRPC, data plane
     # the default ports of the image are those `parallax k8s` and compose use
     assert K8sConfig.server_port == 7000 and K8sConfig.rendezvous_port == 7070
 
@@ -215,7 +215,10 @@ def test_manifests_are_structurally_valid(key):
         args = server["command"]
         assert args[args.index("--port") + 1] == str(config.server_port)
         assert args[args.index("--host") + 1] == "0.0.0.0"
-        assert [p["containerPort"] for p in server["ports"]] == [config.server_port]
+        # gRPC, and the data plane (PullMany/PushMany frames) on the port after it
+        assert [p["containerPort"] for p in server["ports"]] == [config.server_port,
+                                                                 config.server_port + 1]
+        assert args[args.index("--data-port") + 1] == str(config.server_port + 1)
         assert server["readinessProbe"]["grpc"]["port"] == config.server_port
         assert tuple(args[6:6 + len(config.server_args)]) == config.server_args
     else:

@@ -1,6 +1,11 @@
 """Wire fuzzer: every RPC of ParameterServer, hit with mutated, truncated, random and
 structurally valid but hostile requests (tests/wire_fuzz.py), against a real server process.
 
+PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
+server's data port, parallax.dataplane), and frames that are no requests at all (bad magic,
+unknown methods, lengths past the limit, truncated bodies, wrong tokens) must be refused or
+dropped without harm.
+
 A fixed seed and a bounded count keep it reproducible and quick enough for CI. Afterwards:
 no request got INTERNAL or UNKNOWN (every refusal names a specific code), no request aimed at
 a protected table was accepted, every protected table (fixed and hashed keys, sync and async,
@@ -11,6 +16,7 @@ traceback and exits 0. A failure names the case (its index and what was done) to
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +26,9 @@ import pytest
 
 import wire_fuzz
 from conftest import Snapshot
+from parallax import dataplane
 from parallax.client import ClientOptions, PSClient, ServerConnection
+from parallax.client.dataplane import DataPlaneClient
 from parallax.local_cluster import LocalCluster
 from parallax.ps.v1 import ps_pb2
 from parallax.specs import SGD, TableSpec
@@ -56,6 +64,10 @@ class Server:
     def pid(self) -> int:
         return self.cluster.servers[0].proc.pid
 
+    def data_port(self) -> int:
+        return ps_pb2.DataPlaneResponse.FromString(self.channel.unary_unary(
+            f"/{SERVICE_NAME}/DataPlane")(b"", timeout=10)).port
+
 
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
@@ -75,6 +87,16 @@ def send(channel: grpc.Channel, case: wire_fuzz.Case) -> Outcome:
     except grpc.RpcError as err:
         return Outcome(err.code(), err.details() or "")
     return Outcome(grpc.StatusCode.OK, response=response)
+
+
+def send_frame(plane: DataPlaneClient, case: wire_fuzz.Case) -> Outcome:
+    """The case's bytes as a data-plane frame (a fresh connection after any refusal)."""
+    timeout = 0.3 if case.method in WAITING_METHODS else 10.0
+    try:
+        return Outcome(grpc.StatusCode.OK, response=plane.call(case.method, case.payload,
+                                                               timeout))
+    except grpc.RpcError as err:
+        return Outcome(err.code(), err.details() or "")
 
 
 def problem(case: wire_fuzz.Case, outcome: Outcome) -> str | None:
@@ -141,19 +163,25 @@ def fuzz_run(server) -> FuzzRun:
     server.before = {n: Snapshot(server.client, server.data_dir, n) for n in wire_fuzz.VICTIMS}
     rss_before, start = rss_mb(server.pid), time.monotonic()
     problems, counts, seconds = [], {}, {}
+    plane = DataPlaneClient("127.0.0.1", server.data_port(), ClientOptions())
     for index, case in enumerate(wire_fuzz.cases(SEED, PER_METHOD)):
         sent = time.monotonic()
-        outcome = send(server.channel, case)
+        outcomes = [("", send(server.channel, case))]
+        if case.method in dataplane.CODES:
+            outcomes.append((" (data plane)", send_frame(plane, case)))
         seconds[case.method] = seconds.get(case.method, 0.0) + time.monotonic() - sent
-        counts[outcome.code.name] = counts.get(outcome.code.name, 0) + 1
-        found = problem(case, outcome)
-        if found:
-            problems.append(f"case {index} {case.method} [{case.label[:200]}]: {found}")
+        for where, outcome in outcomes:
+            counts[outcome.code.name] = counts.get(outcome.code.name, 0) + 1
+            found = problem(case, outcome)
+            if found:
+                problems.append(f"case {index} {case.method}{where} [{case.label[:200]}]: "
+                                f"{found}")
         if server.cluster.servers[0].proc.poll() is not None:
             problems.append(f"case {index} {case.method} [{case.label[:200]}]: the server died")
             break
     print(f"\nfuzz: {sum(counts.values())} cases in {time.monotonic() - start:.1f}s: {counts}; "
           f"seconds by method: { {m: round(s, 1) for m, s in seconds.items()} }")
+    plane.close()
     return FuzzRun(problems, counts, rss_before, rss_mb(server.pid), time.monotonic() - start)
 
 
@@ -294,3 +322,57 @@ def test_a_step_near_the_bound_still_counts_on(server, step_table):
     assert outcome.code == grpc.StatusCode.OK, outcome.details
     assert ps_pb2.PushResponse.FromString(outcome.response).step == 2**62 + 1
     assert _answer(server, "Stats", ps_pb2.StatsRequest()).code == grpc.StatusCode.OK
+
+
+# ---- frames that are no requests, on the data plane ------------------------------------------
+def _frame(method: int, length: int, deadline: float = 0.0) -> bytes:
+    return dataplane.REQUEST.pack(dataplane.MAGIC, method, deadline, length)
+
+
+_HELLO = _frame(dataplane.HELLO, 0)
+FRAME_ATTACKS = {
+    "bad magic": b"XXXX" + bytes(dataplane.REQUEST.size),
+    "a request before the hello": _frame(1, 0),
+    "a hello with a 1 MiB token": _frame(dataplane.HELLO, 1 << 20) + bytes(1 << 20),
+    "a wrong token": _frame(dataplane.HELLO, 5) + b"wrong",
+    "an unknown method": _HELLO + _frame(9, 0),
+    "a body past the message limit": _HELLO + _frame(2, 1 << 40),
+    "a truncated body": _HELLO + _frame(2, 1000) + b"x" * 10,
+    "an empty PullMany with a NaN deadline": _HELLO + _frame(1, 0, float("nan")),
+    "an empty PushMany with a negative deadline": _HELLO + _frame(2, 0, -5.0),
+    "random bytes after the hello": _HELLO + np.random.default_rng(SEED).bytes(300),
+}
+
+
+def _exchange(port: int, data: bytes) -> list[tuple[int, bytes]]:
+    """Send `data` on a new connection, close our side, and read every response frame."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        frames = []
+        while True:
+            try:
+                status, length = dataplane.read_header(sock, dataplane.RESPONSE)
+                frames.append((status, bytes(dataplane.recv_exact(sock, length))))
+            except (EOFError, ConnectionError):
+                return frames
+
+
+@pytest.mark.parametrize("label", sorted(FRAME_ATTACKS))
+def test_data_plane_frames_that_are_no_requests_are_refused(server, label):
+    allowed = {0, grpc.StatusCode.UNAUTHENTICATED.value[0]} | {c.value[0] for c in REFUSALS}
+    frames = _exchange(server.data_port(), FRAME_ATTACKS[label])
+    assert all(status in allowed for status, _ in frames), frames
+    assert server.cluster.servers[0].proc.poll() is None
+    assert ServerConnection(server.cluster.addresses[0]).healthy()
+
+
+def test_data_plane_serves_after_the_attacks(server):
+    table = server.client.create_table(TableSpec(name="after_frames", vocabulary_size=20, dim=2,
+                                                 optimizer=SGD(1.0)))
+    from parallax.client.many import pull_many, push_many
+    push_many([table], [np.arange(4)], [np.ones((4, 2), np.float32)], [0], 0, [1.0])
+    rows = pull_many([table], [np.arange(4)], [1])[0]
+    before = table.pull_unique(np.arange(4))
+    np.testing.assert_array_equal(rows, before)
+    assert table.shards[0].data_plane is not None  # these went through the data plane

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -101,3 +102,19 @@ def test_a_signal_to_the_launcher_is_not_restarted(mark):
     launcher.proc.send_signal(signal.SIGTERM)
     assert launcher.wait(60) == 128 + signal.SIGTERM, launcher.output()
     assert len(launcher.probes()) == 1 and not _restarts(launcher)
+
+
+@pytest.mark.multiprocess
+def test_a_signal_during_the_restart_delay_ends_the_job_without_restarting(mark):
+    launcher = Launcher("--max-restarts", "3", "--restart-delay", "60", "--servers", "1",
+                        "--", "python", PROBE, "--exit", "3", mark=mark)
+    deadline = time.monotonic() + 60
+    while not _restarts(launcher):
+        assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.output()
+        time.sleep(0.05)
+    started = time.monotonic()
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.wait(30) == 128 + signal.SIGINT, launcher.output()
+    assert time.monotonic() - started < 10
+    assert len(launcher.probes()) == 1, launcher.output()
+    assert any("during the restart delay: not restarting" in line for line in launcher.err)

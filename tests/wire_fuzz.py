@@ -444,6 +444,16 @@ def stats_valid(rng):
     return ps_pb2.StatsRequest(tables=list(VICTIMS)[:int(rng.integers(0, 4))])
 
 
+def data_plane_valid(rng):
+    return ps_pb2.DataPlaneRequest()
+
+
+def data_plane_attack(rng):
+    """DataPlaneRequest has no fields: another message's bytes (unknown fields) instead."""
+    request = ps_pb2.StatsRequest(tables=[pick(rng, STRINGS)])
+    return request, False, "a StatsRequest's bytes as a DataPlaneRequest"
+
+
 def stats_attack(rng):
     request = stats_valid(rng)
     return request, False, attacked(rng, request)
@@ -547,6 +557,7 @@ STRATEGIES: dict[str, Strategy] = {
     "ImportRows": Strategy(import_valid, import_attack),
     "PullMany": Strategy(pull_many_valid, pull_many_attack),
     "PushMany": Strategy(push_many_valid, push_many_attack),
+    "DataPlane": Strategy(data_plane_valid, data_plane_attack),
 }
 
 

@@ -7,6 +7,7 @@ anything else is an answer from the server and is raised at once.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 import queue
@@ -18,8 +19,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.errors import ParallaxError, ServerError
-from parallax import bulk_codec, security
+from parallax import bulk_codec, dataplane, security
+from parallax.client.dataplane import DataPlaneClient
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger("parallax")
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "check that the server is running and reachable "
@@ -48,6 +52,8 @@ class ClientOptions:
     tls_cert: str | None = None      # client certificate and key (PEM paths), for servers
     tls_key: str | None = None       # with --tls-client-ca (mutual TLS)
     token: str | None = field(default=None, repr=False)  # cluster token sent with every RPC
+    data_plane: bool = True          # PullMany/PushMany as frames on the server's data-plane
+                                     # port when it has one (parallax.dataplane), else gRPC
 
     @property
     def max_message_bytes(self) -> int:
@@ -178,6 +184,9 @@ class ServerConnection:
         self._next = itertools.cycle(range(len(self._stubs)))
         self.multi_table = True  # False once the server answered PullMany/PushMany
                                  # UNIMPLEMENTED (an older server): then table by table
+        self._plane: DataPlaneClient | None = None
+        self._plane_known = not options.data_plane  # asked the server where it listens
+        self._plane_lock = threading.Lock()
 
     def stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return self._stubs[next(self._next)]
@@ -199,8 +208,7 @@ class ServerConnection:
                 if pending is not None and attempts == 1:
                     return pending.result()
                 payload = request() if callable(request) else request
-                return getattr(self.stub(), method)(payload, timeout=timeout or
-                                                    self.options.timeout)
+                return self._method(method)(payload, timeout=timeout or self.options.timeout)
             except grpc.RpcError as err:
                 if attempts > 1 and err.code() in done_on_retry:
                     return None
@@ -210,8 +218,56 @@ class ServerConnection:
 
     def future(self, method: str, request, timeout: float | None = None) -> Future:
         """Start a unary call without waiting; resolve it with `result`."""
-        return _RPC_THREADS.submit(getattr(self.stub(), method), request,
+        return _RPC_THREADS.submit(self._method(method), request,
                                    timeout=timeout or self.options.timeout)
+
+    def _method(self, method: str):
+        """The callable for `method`: the data plane's for PullMany/PushMany when the server
+        has one, else the gRPC stub's."""
+        if method in dataplane.CODES:
+            plane = self._data_plane()
+            if plane is not None:
+                return plane.invoker(method)
+        return getattr(self.stub(), method)
+
+    @property
+    def data_plane(self) -> str | None:
+        """host:port of the data plane this connection uses, once known (None: gRPC)."""
+        return self._plane.where if self._plane is not None else None
+
+    def _data_plane(self) -> DataPlaneClient | None:
+        """Ask the server once where its data plane listens, and connect; None (use gRPC)
+        for a server without one, or one whose data port cannot be reached."""
+        if self._plane_known:
+            return self._plane
+        with self._plane_lock:
+            if not self._plane_known:
+                self._plane = self._find_data_plane()
+                self._plane_known = True
+        return self._plane
+
+    def _find_data_plane(self) -> DataPlaneClient | None:
+        try:
+            reply = self.stub().DataPlane(ps_pb2.DataPlaneRequest(),
+                                          timeout=min(10.0, self.options.timeout))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older server: quietly gRPC
+                log.warning("server %s did not say where its data plane is (%s: %s); using "
+                            "gRPC for PullMany/PushMany", self.address, err.code().name,
+                            err.details())
+            return None
+        if not reply.port or reply.version != dataplane.VERSION:
+            return None
+        plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
+                                self.options)
+        try:
+            plane.check()
+        except grpc.RpcError as err:
+            log.warning("server %s: its data plane at %s cannot be reached (%s); using gRPC "
+                        "for PullMany/PushMany (open that port, or run the server with "
+                        "--data-port -1)", self.address, plane.where, err.details())
+            return None
+        return plane
 
     def result(self, future, method: str, request, table: str | None = None,
                timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = ()):
@@ -242,5 +298,7 @@ class ServerConnection:
             time.sleep(0.1)
 
     def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
         for channel in self._channels:
             channel.close()

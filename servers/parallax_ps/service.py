@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, wire
+from parallax import bulk_codec, dataplane, wire
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.specs import TableSpec
@@ -68,7 +68,7 @@ class Undecodable:
         self.reason = reason
 
 
-def _tolerant(deserialize, name: str):
+def tolerant(deserialize, name: str):
     def parse(data: bytes):
         try:
             return deserialize(data)
@@ -140,6 +140,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_dir = data_dir
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
+        self.data_port = 0  # set by the server once its data plane listens
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes)
         self.stats = ServerStats()
@@ -301,6 +302,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shards = self._shards_of_parts(request.parts, "PullMany")
         return many.pull_many(shards, request, _deadline(context), self.max_message_bytes)
 
+    @_rpc("DataPlane")
+    def DataPlane(self, request, context):
+        """Where PullMany and PushMany are also served as frames (0: nowhere)."""
+        return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION), \
+            "", 0, 0
+
     @_rpc_many("PushMany")
     def PushMany(self, request: bulk_codec.BulkPushMany, context):
         """`request` was decoded by bulk_codec: every part's rows are views of the bytes."""
@@ -449,7 +456,7 @@ def add_to_server(service: ParameterServerService, server: grpc.Server,
         if wait_pool is not None and method.name in WAITING_METHODS:
             behavior = _on_pool(behavior, wait_pool)
         handlers[method.name] = factory(behavior,
-                                        request_deserializer=_tolerant(deserialize,
+                                        request_deserializer=tolerant(deserialize,
                                                                        method.input_type.name),
                                         response_serializer=serialize)
     server.add_generic_rpc_handlers(

@@ -578,3 +578,15 @@ class PushManyResponse(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     parts: _containers.RepeatedCompositeFieldContainer[PushResponse]
     def __init__(self, parts: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("port", "version")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    version: int
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...

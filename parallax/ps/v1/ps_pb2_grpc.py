@@ -84,6 +84,11 @@ class ParameterServerStub(object):
                 request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.SerializeToString,
                 response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.FromString,
                 )
+        self.DataPlane = channel.unary_unary(
+                '/parallax.ps.v1.ParameterServer/DataPlane',
+                request_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneResponse.FromString,
+                )
 
 
 class ParameterServerServicer(object):
@@ -173,6 +178,12 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +256,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushMany,
                     request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.FromString,
                     response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneRequest.FromString,
+                    response_serializer=parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -491,5 +507,22 @@ class ParameterServer(object):
         return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/PushMany',
             parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyRequest.SerializeToString,
             parallax_dot_ps_dot_v1_dot_ps__pb2.PushManyResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/parallax.ps.v1.ParameterServer/DataPlane',
+            parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneRequest.SerializeToString,
+            parallax_dot_ps_dot_v1_dot_ps__pb2.DataPlaneResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,146 @@
+"""The client's side of the data plane (framing in `parallax.dataplane`): PullMany and
+PushMany to one server as frames on connections kept open, one per request in flight.
+
+`DataPlaneClient.invoker(method)` is called like the gRPC stub's method (request, timeout)
+and returns the same decoded response; a failure is raised as a `grpc.RpcError` with the
+server's status code (a lost or refused connection is UNAVAILABLE), so
+`ServerConnection.call` retries and reports it exactly as it does gRPC's. A connection that
+saw an error is not reused.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+
+import grpc
+
+from parallax import bulk_codec, dataplane
+from parallax.dataplane import FrameError
+from parallax.ps.v1 import ps_pb2
+
+CONNECT_TIMEOUT_S = 5.0
+REPLY_MARGIN_S = 5.0  # past the request's own deadline, which the server answers itself
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_ENCODE = {"PullMany": lambda r: r.SerializeToString(), "PushMany": bulk_codec.serialize_push}
+_DECODE = {"PullMany": bulk_codec.decode_pull_many_response,
+           "PushMany": ps_pb2.PushManyResponse.FromString}
+
+
+class DataPlaneError(grpc.RpcError):
+    """A data-plane call's failure, shaped like gRPC's (code() and details())."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _tls_context(options, host: str) -> ssl.SSLContext | None:
+    if not options.tls_ca:
+        return None
+    context = ssl.create_default_context(cafile=options.tls_ca)
+    if options.tls_cert:
+        context.load_cert_chain(options.tls_cert, options.tls_key)
+    return context
+
+
+class DataPlaneClient:
+    def __init__(self, host: str, port: int, options) -> None:
+        self.host, self.port, self.options = host, port, options
+        self.where = f"{host}:{port}"
+        self._tls = _tls_context(options, host)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child opens its own connections
+
+    def invoker(self, method: str):
+        def call(request, timeout: float | None = None):
+            body = _ENCODE[method](request)
+            return _DECODE[method](self.call(method, body, timeout or self.options.timeout))
+        return call
+
+    def call(self, method: str, body: bytes, timeout: float) -> bytes:
+        """The response body of one request; raises DataPlaneError."""
+        sock = self._take()
+        try:
+            sock.settimeout(timeout + REPLY_MARGIN_S)
+            header = dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.CODES[method],
+                                            float(timeout), len(body))
+            dataplane.send_frame(sock, header, body)
+            status, length = dataplane.read_header(sock, dataplane.RESPONSE)
+            payload = dataplane.recv_exact(sock, length)
+        except socket.timeout:
+            _close(sock)
+            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no answer from the data plane at {self.where} within "
+                                 f"{timeout + REPLY_MARGIN_S:.0f}s") from None
+        except (OSError, EOFError, FrameError) as exc:
+            _close(sock)
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
+                                 f"data-plane connection to {self.where} failed: {exc}") from None
+        if status:
+            _close(sock)  # the server may close it after an error: never reuse it
+            raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
+                                 payload.decode("utf-8", "replace"))
+        with self._lock:
+            self._idle.append(sock)
+        return bytes(payload)
+
+    def check(self) -> None:
+        """Open (and keep) one connection now; raises DataPlaneError if it cannot."""
+        sock = self._take()
+        with self._lock:
+            self._idle.append(sock)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            _close(sock)
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._pid != os.getpid():  # the parent's connections are the parent's
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return self._connect()
+        except (OSError, EOFError, FrameError, ssl.SSLError) as exc:
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
+                                 f"cannot connect to the data plane at {self.where}: "
+                                 f"{exc}") from None
+
+    def _connect(self) -> socket.socket:
+        sock = dataplane.tune(socket.create_connection((self.host, self.port),
+                                                       timeout=CONNECT_TIMEOUT_S))
+        try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+            token = (self.options.token or "").encode()
+            sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0.0,
+                                                len(token)) + token)
+            status, length = dataplane.read_header(sock, dataplane.RESPONSE)
+            payload = dataplane.recv_exact(sock, length)
+        except BaseException:
+            _close(sock)
+            raise
+        if status:
+            _close(sock)
+            raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
+                                 payload.decode("utf-8", "replace"))
+        return sock
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass

@@ -1,0 +1,79 @@
+"""The data plane: PullMany and PushMany over plain TCP, beside gRPC.
+
+A training step's traffic is a few large multi-table requests per server, and Python gRPC
+costs about 0.4 ms of CPU per request on each side (measured against an echo of the same
+bytes: `examples/benchmarks/grpc_echo.py`), more than the server's work for a small table.
+Length-prefixed frames on a socket that stays open cost about 15 us a request. So the two
+methods of the step also travel here; everything else (tables, checkpoints, health, stats,
+and these two methods for a client or server without the data plane) stays on gRPC, which
+also tells the client where the data plane listens (the `DataPlane` RPC).
+
+The bodies are exactly the gRPC messages (`PullManyRequest`, `PushManyRequest` and their
+responses, encoded and decoded by the same code), so a request means the same on both
+paths and the server answers it with the same handler; only the framing differs.
+
+A connection (TCP, or TLS with the gRPC port's certificates) starts with a hello frame that
+carries the cluster token (empty without one); the server answers OK, or an error and closes.
+Then each request frame gets one response frame, in order:
+
+    request:  magic b"PXD1", method (u8: 1 PullMany, 2 PushMany), 3 zero bytes,
+              deadline in seconds from now (f64; 0: none), body length (u64), body
+    response: magic b"PXD1", status (u8: a gRPC status code, 0 OK), 3 zero bytes,
+              body length (u64), body (the response message, or a UTF-8 error message)
+
+Any frame the server cannot read (bad magic, unknown method, a body over the message limit)
+is answered with an error and the connection is closed: a stream out of step is not reused.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+MAGIC = b"PXD1"
+VERSION = 1
+HELLO = 0
+METHODS = {1: "PullMany", 2: "PushMany"}
+CODES = {name: code for code, name in METHODS.items()}
+REQUEST = struct.Struct("<4sB3xdQ")   # magic, method, deadline (s), body length
+RESPONSE = struct.Struct("<4sB3xQ")   # magic, status code, body length
+SMALL_BODY = 64 * 1024  # bodies below this are sent in one piece with their header
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytearray:
+    """Exactly `size` bytes; EOFError if the peer closed first."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        received = sock.recv_into(view[got:], size - got)
+        if not received:
+            raise EOFError(f"connection closed after {got} of {size} bytes")
+        got += received
+    return buffer
+
+
+def send_frame(sock: socket.socket, header: bytes, body) -> None:
+    """Header then body; small ones in one send (one segment, no Nagle wait)."""
+    if len(body) < SMALL_BODY:
+        sock.sendall(header + bytes(body))
+    else:
+        sock.sendall(header)
+        sock.sendall(body)
+
+
+def read_header(sock: socket.socket, layout: struct.Struct) -> tuple:
+    fields = layout.unpack(recv_exact(sock, layout.size))
+    if fields[0] != MAGIC:
+        raise FrameError(f"not a parallax data-plane frame (starts {fields[0]!r}, expected "
+                         f"{MAGIC!r})")
+    return fields[1:]
+
+
+def tune(sock: socket.socket) -> socket.socket:
+    """Small frames leave at once (no Nagle delay), and a dead peer is noticed."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return sock
