@@ -12,14 +12,53 @@
   ReduceLROnPlateau, ...) see the same, global numbers and take the same decisions.
 - Optimizer slots of a table that moved to the servers are never used on the worker; their
   storage is released (the servers keep their own slots).
+- Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
+  their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
+  restart can resume. `make_weight_saves_atomic()` has local files written under a temporary
+  name beside them and renamed over the old file only once complete.
 """
 from __future__ import annotations
 
 import inspect
+import os
 
 import tensorflow as tf
 
 _ROUTED_MARK = "_parallax_routed"
+_ATOMIC_MARK = "_parallax_atomic"
+_WEIGHTS_SUFFIX = ".weights.h5"  # what Keras 3 requires of save_weights paths
+
+
+def make_weight_saves_atomic() -> None:
+    """Wrap `keras.Model.save_weights` once: a local file is written under a temporary name
+    in the same directory, then renamed over `filepath` (os.replace, atomic on POSIX); on
+    failure the temporary file is removed and the old file is untouched. Remote paths
+    (`scheme://`) go to Keras unchanged."""
+    import keras
+    original = keras.Model.save_weights
+    if getattr(original, _ATOMIC_MARK, False):
+        return
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        path = os.fspath(filepath)
+        if "://" in path or not path.endswith(_WEIGHTS_SUFFIX):
+            return original(self, filepath, overwrite=overwrite, **kwargs)
+        if not overwrite and os.path.exists(path):
+            return original(self, filepath, overwrite=overwrite, **kwargs)  # Keras asks
+        directory, name = os.path.split(path)
+        temporary = os.path.join(directory, f".{name[:-len(_WEIGHTS_SUFFIX)]}.parallax-"
+                                            f"{os.getpid()}{_WEIGHTS_SUFFIX}")
+        try:
+            original(self, temporary, overwrite=True, **kwargs)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    setattr(save_weights, _ATOMIC_MARK, True)
+    save_weights.__wrapped__ = original
+    save_weights.__doc__ = original.__doc__
+    keras.Model.save_weights = save_weights
 
 
 def _remote_storage(x):

@@ -129,6 +129,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._optimizer = None  # the Keras optimizer the servers replicate
         self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
         resume.attach_to_keras_optimizers()
+        keras_support.make_weight_saves_atomic()
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
                 and not os.environ.get(ADDRESSES_ENV):

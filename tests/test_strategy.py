@@ -432,3 +432,36 @@ def test_an_optimizer_the_servers_lack_names_the_ways_out(make_strategy):
     losses = model.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
     assert losses[-1] < losses[0]
     assert strategy.plan.get("embedding/embeddings").placement == "allreduce"
+
+
+def test_a_failed_weights_save_leaves_the_previous_file_loadable(tmp_path):
+    """BackupAndRestore keeps one weights file: a save that fails half-way (here a layer
+    refusing, as the servers refuse a checkpoint on a full disk) must not truncate it."""
+    from parallax.keras_support import make_weight_saves_atomic
+    make_weight_saves_atomic()  # what every ParallaxStrategy does
+
+    class Flaky(keras.layers.Layer):
+        fail = False
+
+        def build(self, shape):
+            self.w = self.add_weight(shape=(2,), initializer="ones")
+
+        def call(self, x):
+            return x * self.w
+
+        def save_own_variables(self, store):
+            if Flaky.fail:
+                raise OSError("no space left on device")
+            super().save_own_variables(store)
+
+    model = keras.Sequential([keras.Input((2,)), Flaky()])
+    path = tmp_path / "latest.weights.h5"
+    model.save_weights(path)
+    model.layers[0].w.assign([5.0, 6.0])
+    Flaky.fail = True
+    with pytest.raises(OSError, match="no space left"):
+        model.save_weights(path)
+    Flaky.fail = False
+    model.load_weights(path)
+    np.testing.assert_array_equal(model.layers[0].w.numpy(), [1.0, 1.0])
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.weights.h5"]
