@@ -136,9 +136,10 @@ class TableBinder:
         self.remotes: dict[int, RemoteTable] = {}
 
     def bind(self, variables: dict[int, ParallaxVariable], optimizer,
-             restore: Callable[[PSClient], None] | None = None) -> dict[int, RemoteTable]:
+             restore: Callable[[PSClient], bool] | None = None) -> dict[int, RemoteTable]:
         """Create and bind the plan's tables. `restore` (a resumed job): the chief calls it
-        on the created tables instead of filling them with initial values."""
+        on the created tables instead of filling them with initial values; when it returns
+        False (no checkpoint to load), they are filled from the variables as usual."""
         on_servers = self.plan.on_servers
         if optimizer is None:
             raise ConfigError(
@@ -161,12 +162,12 @@ class TableBinder:
             memory = [reply.memory_bytes for reply in self.client.stats().values()]
             check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
                        memory)
-            for vp, spec in zip(on_servers, specs):
-                table = self.client.create_table(spec, vp.servers or None)
-                if restore is None:
-                    fill(vp, spec, table)
-            if restore is not None:  # replaces whatever the tables held
-                restore(self.client)
+            tables = [self.client.create_table(spec, vp.servers or None)
+                      for vp, spec in zip(on_servers, specs)]
+            if restore is not None and restore(self.client):
+                return  # the checkpoint replaced whatever the tables held
+            for vp, spec, table in zip(on_servers, specs, tables):
+                fill(vp, spec, table)
 
         def fill(vp: VariablePlan, spec: TableSpec, table) -> None:
             applied = table.wait_step(0)

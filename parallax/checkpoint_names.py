@@ -10,6 +10,9 @@ import secrets
 import time
 
 PATTERN = re.compile(r"^ckpt-\d{20}-[0-9a-f]{8}$")
+# How a server without --data-dir refuses a Save or Restore (FAILED_PRECONDITION): the start
+# of its message, stable, so a client can tell this refusal from a failing disk.
+NO_DATA_DIR = "this server has no data directory"
 
 
 def new_name() -> str:

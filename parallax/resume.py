@@ -18,14 +18,23 @@ saveable, so both formats find it next to the optimizer's own state.
   reference waits: the plan then names the tables as saved, and the chief fills them from
   the checkpoint instead of initial values. After it, every worker lands its pushes, the
   chief restores, and every worker continues from the saved step.
-Servers without `--data-dir` cannot write checkpoints: the file then holds the rows only (as
-the variables' values) and the slots restart from their initial values, with a warning.
+The file also holds the tables' rows (as the variables' values). When the servers do not have
+the referenced checkpoint (the file was moved to another job or data directory, the servers
+have no `--data-dir`, or it is older than the newest `checkpoints_kept` saves), restoring
+falls back to those rows, with a warning naming the file and the checkpoint: the optimizer
+slots and step of the tables are then not restored. Servers without `--data-dir` cannot
+write checkpoints: saving then writes the rows only, with a warning; any other failed save
+of the tables (a read-only or full disk, ...) fails the save.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
+import inspect
 import json
 import logging
+import os
 
 import grpc
 import numpy as np
@@ -33,6 +42,7 @@ import tensorflow as tf
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from parallax.binding import on_chief, on_every_worker
+from parallax.checkpoint_names import NO_DATA_DIR
 from parallax.errors import ConfigError, ServerError
 from parallax.plan import Plan
 
@@ -41,6 +51,8 @@ FORMAT = 1
 _KEY = "reference"
 _MARK = "_parallax_tables_attached"
 log = logging.getLogger("parallax")
+# The file being loaded ("Keras file PATH"), while Keras or TF loads one: warnings name it.
+_LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("parallax_loading", default="")
 
 
 class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
@@ -61,7 +73,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         return {_KEY: tf.constant(text)}
 
     def _restore_from_tensors(self, restored_tensors):
-        self.restore(restored_tensors[_KEY].numpy().decode())
+        self.restore(restored_tensors[_KEY].numpy().decode(),
+                     _LOADING.get() or "this TensorFlow checkpoint")
 
     # ---- Keras files ----
 
@@ -69,7 +82,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         store[_KEY] = np.frombuffer(self.save().encode(), dtype=np.uint8)
 
     def load_own_variables(self, store) -> None:
-        self.restore(bytes(np.asarray(store[_KEY], dtype=np.uint8)).decode())
+        self.restore(bytes(np.asarray(store[_KEY], dtype=np.uint8)).decode(),
+                     _LOADING.get() or "this Keras file")
 
     # ---- both ----
 
@@ -92,24 +106,23 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
             shards = extended.client.save(path, [r.table.name for r in tables.values()],
                                           keep=extended.config.checkpoints_kept)
         except ServerError as err:
-            if err.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
+            if not without_data_dir(err):
+                raise  # a failing disk, ...: the user's save must fail, not lose the slots
             self._warn_once(f"the parameter servers cannot write checkpoints ({err}); this "
                             f"checkpoint holds the tables' rows but not their optimizer "
                             f"slots or step, so a resume from it is not exact. Start the "
                             f"servers with a data directory (parallax run --data-dir DIR)")
             return {"format": FORMAT, "unsaved": str(err)}
-        steps = {s.table: s.step for s in shards}
-        return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
-                "tables": {str(i): {"variable": r.label, "table": r.table.name,
-                                    "step": steps[r.table.name]}
-                           for i, r in tables.items()}}
+        return reference_to(path, shards,
+                            {i: (r.label, r.table.name) for i, r in tables.items()})
 
-    def restore(self, text: str) -> None:
-        """Load the referenced checkpoint into the servers now, or at the first step."""
+    def restore(self, text: str, source: str = "this checkpoint") -> None:
+        """Load the referenced checkpoint into the servers now, or at the first step;
+        `source` names the file in a warning if the servers do not have it."""
         reference = _parse(text)
         if not reference:
             return
+        reference = {**reference, "source": source}  # (the chief's travels to every worker)
         extended = self._strategy_extended
         if extended.plan is None:
             self.pending = reference
@@ -146,6 +159,26 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         if not self._warned:
             log.warning("%s", message)
             self._warned = True
+
+
+def without_data_dir(err: ServerError) -> bool:
+    """Whether `err` is the servers' refusal to save or restore for having no --data-dir
+    (FAILED_PRECONDITION whose message starts with `NO_DATA_DIR`), not any other failure."""
+    return (err.code == grpc.StatusCode.FAILED_PRECONDITION
+            and f"{err.code.name}: {NO_DATA_DIR}" in str(err))
+
+
+def reference_to(path: str, shards, tables: dict) -> dict:
+    """The reference to the checkpoint under `path` that `shards` (ShardCheckpoint) were
+    saved in; `tables`: {variable index: (variable name, table name)}. A table's step is its
+    shards' highest, the one restoring gives every shard (async shards count their own
+    pushes, so one may be ahead of another; sync shards are at one step)."""
+    steps: dict[str, int] = {}
+    for shard in shards:
+        steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
+    return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
+            "tables": {str(i): {"variable": variable, "table": table, "step": steps[table]}
+                       for i, (variable, table) in tables.items()}}
 
 
 def _parse(text: str) -> dict:
@@ -185,15 +218,56 @@ def with_saved_tables(plan: Plan, reference: dict) -> Plan:
         if vp.placement == "ps" else vp for vp in plan.variables))
 
 
-def restore_into_servers(client, reference: dict) -> None:
-    """Chief: load the referenced checkpoint into its tables (created, same names)."""
+def restore_into_servers(client, reference: dict, before_plan: bool = True) -> bool:
+    """Chief: load the referenced checkpoint into its tables (created, same names). False,
+    with a warning, when the servers do not have it: the tables keep the file's rows."""
     tables = {t["table"]: t["step"] for t in reference["tables"].values()}
-    shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"])
+    try:
+        shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"])
+    except ServerError as err:
+        if err.code != grpc.StatusCode.NOT_FOUND and not without_data_dir(err):
+            raise
+        _warn_rows_only(reference, err, before_plan)
+        return False
     wrong = sorted({(s.table, s.step) for s in shards if s.step != tables[s.table]})
     if wrong:
         raise ConfigError(f"checkpoint {reference['checkpoint']} under {reference['path']!r} "
                           f"restored (table, step) {wrong}, not the steps it was saved at "
                           f"({tables}); it was changed since: restore another checkpoint")
+    return True
+
+
+def _warn_rows_only(reference: dict, err: ServerError, before_plan: bool) -> None:
+    slots = ("restart from their initial values" if before_plan else
+             "keep this job's current values")
+    log.warning("%s refers to checkpoint %s of the parameter-server tables under %r, which "
+                "the servers cannot load (%s). The tables' rows come from the file instead; "
+                "their optimizer slots and step %s, so this resume is not exact. To resume "
+                "exactly, restore with servers on the --data-dir that saved it, and keep "
+                "ParallaxStrategy(checkpoints_kept=N) at least the number of files you keep",
+                reference.get("source", "this checkpoint"), reference["checkpoint"],
+                reference["path"], err, slots)
+
+
+class Resumption:
+    """Loading a reference into the servers: the chief restores the checkpoint (or leaves
+    the file's rows, see `restore_into_servers`); every worker then continues from the saved
+    step if it was restored. Pass it to `TableBinder.bind` as `restore` before the plan."""
+
+    def __init__(self, reference: dict, before_plan: bool = True) -> None:
+        self.reference = reference
+        self.before_plan = before_plan
+        self.restored = False
+
+    def __call__(self, client) -> bool:
+        """Chief: load the checkpoint; whether the servers had it."""
+        self.restored = restore_into_servers(client, self.reference, self.before_plan)
+        return self.restored
+
+    def continue_steps(self, remotes: dict, workers) -> None:
+        """Every worker (collective): continue from the saved step if the chief restored."""
+        if workers.broadcast_object(self.restored if workers.info.is_chief else None):
+            set_steps(remotes, self.reference)
 
 
 def set_steps(remotes: dict, reference: dict) -> None:
@@ -218,9 +292,10 @@ def restore_now(extended, reference: dict) -> None:
     workers = extended.workers
     on_every_worker(workers, lambda: [r.land_pushes() for r in tables.values()],
                     "could not land its pushes before a restore")
-    on_chief(workers, lambda: restore_into_servers(extended.client, reference),
+    resumption = Resumption(reference, before_plan=False)
+    on_chief(workers, lambda: resumption(extended.client),
              "failed to restore the tables on the parameter servers")
-    set_steps(tables, reference)
+    resumption.continue_steps(tables, workers)
 
 
 def attach_to_keras_optimizers() -> None:
@@ -228,7 +303,11 @@ def attach_to_keras_optimizers() -> None:
     as the attribute `parallax_server_tables` (see the module docstring)."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.optimizers.optimizer import Optimizer
+    from keras.src.saving import saving_lib
 
+    _naming_the_file(saving_lib, "load_model", "filepath", "Keras file")
+    _naming_the_file(saving_lib, "load_weights_only", "filepath", "Keras file")
+    _naming_the_file(tf.train.Checkpoint, "restore", "save_path", "TensorFlow checkpoint")
     original = TFOptimizer.__init__
     if getattr(original, _MARK, False):
         return
@@ -243,3 +322,28 @@ def attach_to_keras_optimizers() -> None:
     setattr(__init__, _MARK, True)
     __init__.__wrapped__ = original
     TFOptimizer.__init__ = __init__
+
+
+def _naming_the_file(owner, name: str, argument: str, kind: str) -> None:
+    """Idempotent: while `owner.name` runs, `_LOADING` names the file its `argument` gives
+    (as "<kind> <path>"), so a warning about a file's tables can say which file."""
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        try:
+            path = signature.bind(*args, **kwargs).arguments.get(argument)
+        except TypeError:
+            path = None  # the call itself will say what is wrong
+        named = isinstance(path, (str, os.PathLike))
+        token = _LOADING.set(f"{kind} {os.fspath(path)}" if named else "")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _LOADING.reset(token)
+
+    setattr(load, _MARK, True)
+    setattr(owner, name, load)

@@ -280,12 +280,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self._binder = binding.TableBinder(plan, self.cluster, self.workers,
                                                self._client_options, self._connect_timeout,
                                                self.config.local_aggregation)
-            self.remotes = self._binder.bind(
-                by_index, observations.optimizer,
-                None if pending is None else
-                lambda client: resume.restore_into_servers(client, pending))
-            if pending is not None:
-                resume.set_steps(resume.tables_by_variable(plan, self.remotes), pending)
+            resumption = None if pending is None else resume.Resumption(pending)
+            self.remotes = self._binder.bind(by_index, observations.optimizer, resumption)
+            if resumption is not None:
+                resumption.continue_steps(resume.tables_by_variable(plan, self.remotes),
+                                          self.workers)
             self._optimizer = observations.optimizer
             self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
             if search is not None:
@@ -475,7 +474,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
     step for every table (parallax.fusion); False sends each table's own requests.
     checkpoints_kept: how many checkpoints of the tables the servers keep, written whenever
     a TF checkpoint or Keras file with the optimizer is saved (parallax.resume); a file
-    whose tables checkpoint was dropped since cannot be restored.
+    whose tables checkpoint was dropped since restores the rows it holds, without the
+    tables' optimizer slots and step (a warning says so): keep at least as many as the
+    files you keep (ModelCheckpoint, CheckpointManager's max_to_keep).
     `cluster_resolver`: task type "worker", task id = this worker's rank, as MWMS gives it.
     """
 

@@ -10,22 +10,37 @@ data directory for all):
 Resumed losses and predictions must equal the uninterrupted job's within 1e-6. Before the
 fix the optimizer slots of the tables restarted from their initial values (Adagrad diverged)
 and the custom loop could not even name its chief (`strategy.cluster_resolver` was None).
+
+The in-process tests below check the files themselves against real servers: files loaded where
+the servers lack their tables checkpoint (another data directory, none, or pruned) restore
+the rows they hold; a failing disk fails the save; async tables resume exactly.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+
+import parallax
+from parallax import bulk_codec
+from parallax.errors import ServerError
+from parallax.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "resume_worker.py"
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 CASES = ["custom-sgd", "custom-adagrad", "fit-sgd", "fit-adagrad"]
 STEPS, STOP = 12, 6
+_ids = itertools.count()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,3 +92,136 @@ def test_cluster_resolver_names_the_chief_and_the_cluster(runs):
     # one and removed it, as the tutorial does.
     assert sorted(p.name for p in (runs["full"] / "custom-sgd").iterdir()) == \
         ["ckpt", "full.json"]
+
+
+# ---- files against real servers, in this process ----
+
+def _model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,), dtype="int64")
+    rows = keras.layers.Embedding(300, 4, name="embedding")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(
+        keras.layers.Flatten()(rows)))
+    model.compile(keras.optimizers.Adagrad(0.3), loss="mse")
+    return model
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 300, size=(64, 3)), rng.normal(size=(64, 1)).astype("float32")
+
+
+@contextlib.contextmanager
+def _servers(count=1, data_dir=None, **options):
+    """A job's strategy on `count` fresh servers (on `data_dir`, or none)."""
+    with LocalCluster(count, data_dir=data_dir) as cluster:
+        yield parallax.ParallaxStrategy(ps_addresses=cluster.addresses, log_plan=False,
+                                        run_id=f"files{next(_ids)}-{int(time.time())}",
+                                        **options)
+
+
+def _first_loss(model) -> float:
+    """The loss of one training step on the whole batch: the loaded weights' loss."""
+    return model.fit(*_batch(), batch_size=64, epochs=1, verbose=0).history["loss"][0]
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    """One job's files (on data directory `data`): m.keras, w-1 after one step, w-2 after
+    another, then m.keras (checkpoints_kept=2: w-1's tables checkpoint is gone), each
+    file's loss."""
+    base = tmp_path_factory.mktemp("files")
+    losses = {}
+    with _servers(data_dir=base / "data", checkpoints_kept=2) as strategy:
+        with strategy.scope():
+            model = _model()
+        for name in ("w-1.weights.h5", "w-2.weights.h5"):
+            _first_loss(model)
+            model.save_weights(base / name)
+            losses[name] = model.evaluate(*_batch(), batch_size=64, verbose=0)
+        model.save(base / "m.keras")
+        losses["m.keras"] = losses["w-2.weights.h5"]
+    return {"base": base, "losses": losses}
+
+
+@pytest.mark.parametrize("where", ["other-data-dir", "no-data-dir"])
+def test_a_keras_model_file_loads_in_another_job_from_its_rows(saved, where, caplog):
+    """Before: ServerError NOT_FOUND / FAILED_PRECONDITION at the first step."""
+    data_dir = saved["base"] / "other" if where == "other-data-dir" else None
+    with _servers(data_dir=data_dir) as strategy, caplog.at_level("WARNING", "parallax"):
+        with strategy.scope():
+            model = keras.models.load_model(saved["base"] / "m.keras")
+        assert _first_loss(model) == pytest.approx(saved["losses"]["m.keras"], abs=1e-6)
+        model.save_weights(saved["base"] / f"{where}.weights.h5")  # rows only without a dir
+    warned = [w for w in _warnings(caplog) if "m.keras" in w]
+    assert len(warned) == 1, _warnings(caplog)
+    assert "restart from their initial values" in warned[0]
+    assert "ckpt-" in warned[0] and "resume/files" in warned[0]
+
+
+@pytest.mark.parametrize("name, exact", [("w-1.weights.h5", False), ("w-2.weights.h5", True)])
+def test_weights_files_older_than_checkpoints_kept_load_their_rows(saved, name, exact,
+                                                                   caplog):
+    """Before: w-1 (its tables checkpoint pruned by w-2's save) failed with NOT_FOUND."""
+    with _servers(data_dir=saved["base"] / "data") as strategy, \
+            caplog.at_level("WARNING", "parallax"):
+        with strategy.scope():
+            model = _model()
+        model.load_weights(saved["base"] / name)
+        assert _first_loss(model) == pytest.approx(saved["losses"][name], abs=1e-6)
+    warned = [w for w in _warnings(caplog) if "parameter-server tables" in w]
+    assert (warned == []) if exact else (len(warned) == 1 and name in warned[0]), warned
+
+
+@pytest.mark.parametrize("obstacle, error", [
+    ("file", "cannot write checkpoint file"),  # the data directory cannot be written
+    ("ckpt-99999999999999999999-ffffffff", "FAILED_PRECONDITION: .* would sort before")])
+def test_a_failing_save_of_the_tables_fails_the_save(tmp_path, caplog, obstacle, error):
+    """A save the servers refuse or fail (the checkpoint path is a file; a newer checkpoint is
+    in the way) fails `save_weights` and `Checkpoint.save`. Before, every FAILED_PRECONDITION
+    was taken for "no --data-dir": one warning, then files holding the rows only."""
+    with _servers(data_dir=tmp_path) as strategy, caplog.at_level("WARNING", "parallax"):
+        with strategy.scope():
+            model = _model()
+        _first_loss(model)
+        path = tmp_path / "resume" / strategy.extended.cluster.run_id
+        if obstacle == "file":
+            path.parent.mkdir()
+            path.write_text("in the way")
+        else:
+            (path / obstacle).mkdir(parents=True)
+        with pytest.raises(ServerError, match=error):
+            model.save_weights(tmp_path / "w.weights.h5")
+        with pytest.raises(ServerError, match=error):
+            tf.train.Checkpoint(optimizer=model.optimizer).save(tmp_path / "ckpt")
+    assert not [w for w in _warnings(caplog) if "cannot write checkpoints" in w]
+
+
+def test_async_shards_at_different_steps_resume_exactly(tmp_path):
+    """Async shards of one table saved at different steps (another worker's push has reached
+    one shard only): the reference kept the last shard's step, the restore gave every shard
+    the highest, and the resume was refused as "changed since"."""
+    options = {"sync": False, "shards": 2}
+    with _servers(2, tmp_path, **options) as strategy:
+        with strategy.scope():
+            model = _model()
+        _first_loss(model)
+        table = strategy.tables["embedding/embeddings"].table
+        row = int(np.flatnonzero(table.partitioner.shard_of(np.arange(300)) == 0)[0])
+        push = bulk_codec.encode_push_request(table.name, 0, 0, 0, np.array([row]),
+                                              np.ones((1, 4), np.float32))
+        table.shards[0].stub().Push(push, timeout=10)
+        path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
+            tmp_path / "ckpt")
+        steps = [s.step for s in strategy.extended.client.save("probe", [table.name])]
+        assert len(set(steps)) == 2, steps  # the shards are at different steps
+        loss = model.evaluate(*_batch(), batch_size=64, verbose=0)
+    with _servers(2, tmp_path, **options) as strategy:
+        with strategy.scope():
+            model = _model()
+        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+        assert _first_loss(model) == pytest.approx(loss, abs=1e-6)

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from parallax.checkpoint_names import NO_DATA_DIR
 from parallax.ps.v1 import ps_pb2
 from parallax.specs import TableSpec
 from parallax_ps import versions
@@ -27,8 +28,8 @@ from parallax_ps.versions import data_loss
 def resolve(data_dir: Path | None, path: str) -> Path:
     """The checkpoint directory for a client-given path, confined to the data directory."""
     if data_dir is None:
-        raise precondition("this server has no data directory; start it with "
-                           "`parallax server --data-dir DIR` to save or restore")
+        raise precondition(f"{NO_DATA_DIR}; start it with `parallax server --data-dir DIR` "
+                           f"to save or restore")
     if not path or Path(path).is_absolute():
         raise invalid(f"checkpoint path {path!r} must be a non-empty path relative to the "
                       f"server's data directory")
