@@ -188,3 +188,5 @@ def test_nadam_u_product_is_multiplied_up_again_after_a_step_back():
     assert [_UPDATES[Nadam]().u_product(spec, n, np.float32) for n in (1, 7, 39)] == \
         [forward[0], forward[6], forward[38]]
     assert forward[0] == np.float32(0.85) * (np.float32(1) - np.float32(0.5) * np.float32(0.96))
+    stuck = kept.u_product(spec, 10**4, np.float32)  # underflowed to a fixed point
+    assert stuck < 1e-40 and kept.u_product(spec, 10**9, np.float32) == stuck  # at once

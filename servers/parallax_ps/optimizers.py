@@ -155,7 +155,9 @@ def _adamax(spec: Adamax, w, s, g, lr, step, dt) -> None:
 class _Nadam:
     """Nadam's update, with Keras' `u_product` (the product over steps t = 1, 2, ... of
     beta_1 * (1 - 0.5 * 0.96**t), one multiplication a step in the table's dtype) carried
-    from one step to the next; a step behind the last one (a restore) multiplies up from 1."""
+    from one step to the next; a step behind the last one (a restore) multiplies up from 1,
+    which stops where the product stops changing: it underflows to a fixed point, 0 or a
+    subnormal (float32, beta_1 0.9: within about 1,000 steps; 0.999: about 100,000)."""
 
     def __init__(self) -> None:
         self._steps, self._u_product = 0, None
@@ -166,8 +168,10 @@ class _Nadam:
             self._steps, self._u_product = 0, dt(1)
         while self._steps < steps:
             self._steps += 1
-            self._u_product = self._u_product * dt(spec.beta_1) * \
+            last, self._u_product = self._u_product, self._u_product * dt(spec.beta_1) * \
                 (dt(1) - dt(0.5) * np.power(dt(0.96), dt(self._steps)))
+            if self._u_product == last:  # every later factor rounds it to itself too
+                self._steps = steps
         return self._u_product
 
     def __call__(self, spec: Nadam, w, s, g, lr, step, dt) -> None:
