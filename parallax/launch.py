@@ -31,6 +31,7 @@ in horovodrun, still means the servers' here, with a warning (deprecated).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import secrets
@@ -171,7 +172,24 @@ def validate(config: LaunchConfig) -> list[str]:
         if config.num_servers > 0 and layout.num_servers == 0:
             raise ConfigError(f"{config.hosts} places no servers (servers: 0 on every host); "
                               f"give a host servers >= 1, or use --ps-addresses")
+        _check_restart_storage(config, layout)
     return program_argv(config.command)
+
+
+def _check_restart_storage(config: LaunchConfig, layout) -> None:
+    """Refuse restarts that would keep the checkpoints of servers on other hosts in a
+    directory of the launcher's (what `_restart_data_dir` makes without --data-dir): each
+    host would get one of its own, never removed, and restoring a table spread over servers
+    needs every shard's file in one directory."""
+    if not _makes_data_dir(config):
+        return
+    from parallax.hosts import is_local
+    remote = [h.host for h in layout.hosts if h.servers and not is_local(h.host)]
+    if remote:
+        raise ConfigError(f"--max-restarts {config.max_restarts} without --data-dir, and servers "
+                          f"run on {', '.join(remote)}: give --data-dir on storage that every "
+                          f"server host shares (the same path on each), or run every server on "
+                          f"this machine")
 
 
 def _check_horovodrun_args(args: tuple[str, ...]) -> None:
@@ -223,13 +241,52 @@ BOUND_HOROVODRUN = Path(__file__).with_name("horovodrun_bound.py")
 
 
 def _interpreter_of(script: str) -> str:
-    """The Python a console script runs with (its #! line), else this one."""
+    """The Python to run horovodrun's code with: this one when it has Horovod, else the one
+    `script` (horovodrun) runs with, checked to be a Python that imports Horovod."""
+    if importlib.util.find_spec("horovod") is not None:
+        return sys.executable
+    python = _script_python(script)
+    if python is None or not _imports_horovod(python):
+        named = python or "an interpreter its first lines do not name"
+        raise ConfigError(f"horovodrun {script} runs with {named}, which cannot import "
+                          f"Horovod, and neither can {sys.executable}: install Horovod with "
+                          f"gloo into {sys.executable}'s environment (`make demo` does), or "
+                          f"put the horovodrun of a Python with Horovod first on PATH")
+    return python
+
+
+def _script_python(script: str) -> str | None:
+    """The interpreter a console script names: its #! line (`#!/usr/bin/env NAME` through
+    PATH) or, under `#!/bin/sh`, the one pip's wrapper execs (pip writes one when the
+    environment's path is long or has spaces: `'''exec' "/venv/bin/python" "$0" "$@"`)."""
     with open(script, "rb") as file:
-        first = file.readline(512)
-    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
-    if len(words) > 1 and Path(words[0]).name == "env":
-        words = [shutil.which(words[1]) or ""]
-    return words[0] if words and Path(words[0]).is_file() else sys.executable
+        lines = file.read(4096).decode(errors="replace").splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        return None
+    words = lines[0][2:].split()
+    if words and Path(words[0]).name == "env":
+        words = [shutil.which(words[1]) or ""] if len(words) > 1 else []
+    if words and Path(words[0]).name == "sh":
+        words = _pip_wrapped(lines[1] if len(lines) > 1 else "")
+    return words[0] if words and Path(words[0]).is_file() else None
+
+
+def _pip_wrapped(line: str) -> list[str]:
+    """[the Python] that pip's /bin/sh wrapper line execs, else []."""
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return []
+    return words[1:2] if words[:1] == ["exec"] else []
+
+
+def _imports_horovod(python: str) -> bool:
+    """Whether `python` runs and imports Horovod's launcher."""
+    try:
+        return subprocess.run([python, "-c", "import horovod.runner.launch"],
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def bound_horovodrun(argv: list[str]) -> list[str]:
@@ -273,14 +330,14 @@ class _Job:
 
     def __init__(self, argv: list[str], env: dict[str, str], horovod: bool) -> None:
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-        preexec = lifeline.dies_with(os.getpid(), new_group=not group)  # no orphans either
+        argv = lifeline.dying_with(argv, os.getpid(), new_group=not group)  # no orphans either
         self.horovod = horovod
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
         # stderr always goes through the launcher (TensorFlow's start-up noise is dropped);
         # stdout only under horovodrun (a single worker keeps its terminal)
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod else None,
-                                     stderr=subprocess.PIPE, preexec_fn=preexec, **group)
+                                     stderr=subprocess.PIPE, **group)
         self._pumps = [threading.Thread(target=self._forward, args=(stream, out), daemon=True)
                        for stream, out in ((self.proc.stdout, sys.stdout),
                                            (self.proc.stderr, sys.stderr)) if stream]
@@ -658,12 +715,17 @@ def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], b
                                             find_horovodrun(), config.horovodrun_args)), True
 
 
+def _makes_data_dir(config: LaunchConfig) -> bool:
+    """Whether the launcher makes the servers' data directory: restarts are on, it starts
+    the servers, and no --data-dir was given."""
+    return bool(config.max_restarts) and config.data_dir is None and config.num_servers > 0
+
 
 @contextlib.contextmanager
 def _restart_data_dir(config: LaunchConfig, run_id: str):
     """The config, with a data directory for the servers' checkpoints that outlives every
     attempt when restarts are on and none was given (removed at the end)."""
-    if not config.max_restarts or config.data_dir is not None or config.num_servers == 0:
+    if not _makes_data_dir(config):
         yield config
         return
     with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:

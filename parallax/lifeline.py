@@ -10,15 +10,15 @@ Two mechanisms, one per kind of child:
   embedded servers may be started from any thread of a user's program; a lifeline pipe's
   write end would be inherited by every fork() of the parent (multiprocessing workers, say)
   and keep the servers alive as long as those live.
-* A worker command (any program, not ours) gets PR_SET_PDEATHSIG(SIGTERM) between fork and
-  exec (`dies_with`, a preexec_fn): `parallax run` starts it from its main thread, which
-  lives as long as the launcher. Linux only; elsewhere the launcher's own cleanup remains.
+* A worker command (any program, not ours) gets PR_SET_PDEATHSIG(SIGTERM), which survives
+  exec: `dying_with` starts it through a tiny fresh Python that sets it and execs the
+  command (no preexec_fn, which would run Python in a fork of the threaded launcher).
+  `parallax run` starts it from its main thread, which lives as long as the launcher. Linux
+  only; elsewhere the launcher's own cleanup remains.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import threading
 import time
@@ -26,8 +26,6 @@ from typing import Callable
 
 PARENT_ENV = "PARALLAX_PARENT_PID"
 POLL_S = 0.2
-PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -65,15 +63,33 @@ def watch_parent(on_gone: Callable[[int], None], environ=None) -> bool:
     return True
 
 
-def dies_with(parent: int, new_group: bool = False) -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGTERM when `parent` (the caller's pid, whose forking
-    thread must outlive the child) ends; if it already has, the child ends at once. With
-    `new_group`, the child also leads a process group of its own."""
-    def preexec() -> None:
-        if new_group:
-            os.setpgrp()
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-    return preexec
+# What `dying_with` runs: the child itself asks for PR_SET_PDEATHSIG, then execs the command
+# (which keeps it). No preexec_fn: that runs Python in a forked copy of a threaded launcher
+# (its at-fork hooks too), which the subprocess docs call unsafe; this is a fresh interpreter.
+_EXEC_DYING = """
+import os, signal, sys
+parent, group, argv = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):  # Python ignores them; the command gets them
+    if hasattr(signal, name):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+if group:
+    os.setpgrp()
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    os.kill(os.getpid(), signal.SIGTERM)  # the parent died before the line above
+try:
+    os.execvp(argv[0], argv)
+except OSError as exc:
+    sys.stderr.write(f"cannot run {argv[0]!r}: {exc}; check the command\\n")
+    os._exit(127)
+"""
+
+
+def dying_with(argv: list[str], parent: int, new_group: bool = False) -> list[str]:
+    """`argv` run so that it gets SIGTERM when `parent` (the caller's pid, whose starting
+    thread must outlive it) ends; if it already has, it ends at once. With `new_group`, it
+    also leads a process group of its own. Its pid stays the one the caller started."""
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING, str(parent),
+            "1" if new_group else "0", *argv]

@@ -109,9 +109,31 @@ def test_sync_step_whose_sum_overflows_is_refused_and_can_still_close(client, sn
     np.testing.assert_allclose(table.pull([0], min_step=1), [[-3e38, 0]], rtol=1e-6)
 
 
+def test_refused_push_on_a_hashed_table_keeps_none_of_its_new_keys(client, snapshot,
+                                                                   table_name):
+    """The keys a refused update would have created are not kept: no rows, none counted
+    against max_rows_per_shard (4 here; the table holds 2)."""
+    table = client.create_table(TableSpec(name=table_name, hashed_keys=True, dim=2,
+                                          max_rows_per_shard=4,
+                                          optimizer=SGD(learning_rate=1.0)), [0])
+    table.push([10, 20], np.ones((2, 2)), step=0)
+    before = snapshot(table_name)
+    stub = table.shards[0].stub()
+    for _ in range(2):  # 30 and 40 fit the limit; 20's update overflows
+        _refused(lambda: stub.Push(_push(table_name, [30, 40, 20], [[1, 1], [1, 1], [3e38, 0]],
+                                         step=1, learning_rate=1e3), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, "nothing was changed")
+        snapshot(table_name).assert_equal(before)
+    table.push([50, 60], np.ones((2, 2)), step=1)  # 4 rows: at the limit, not over it
+    rows = {t.table: t.rows for t in client.stats()[table.shards[0].address].tables}
+    assert rows[table_name] == 4
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["fixed", "hashed"])
 def test_push_many_part_that_would_overflow_takes_back_the_parts_before(client, snapshot,
-                                                                        table_name):
-    specs = [TableSpec(name=f"{table_name}_{k}", vocabulary_size=10, dim=2, num_workers=1,
+                                                                        table_name, hashed):
+    rows = {"hashed_keys": True} if hashed else {"vocabulary_size": 10}
+    specs = [TableSpec(name=f"{table_name}_{k}", dim=2, num_workers=1, **rows,
                        optimizer=Adagrad(learning_rate=0.1)) for k in "ab"]
     tables = [client.create_table(spec, [0]) for spec in specs]  # one server: one request
     for order in ((0, 1), (1, 0)):

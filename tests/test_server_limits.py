@@ -6,6 +6,7 @@ pushed. Item 10c: /metrics listens on loopback unless asked, needs the gRPC API'
 TLS, and bounds its connections."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import subprocess
@@ -168,3 +169,25 @@ def test_metrics_connections_are_bounded_and_idle_ones_closed(monkeypatch):
             for sock in idle:
                 sock.close()
         assert get(f"http://{host}:{port}/metrics")[0] == 200
+
+
+def test_metrics_requests_trickling_in_lose_their_slot_at_the_deadline(monkeypatch):
+    """A connection has PARALLAX_METRICS_IDLE_S seconds from its arrival for its whole
+    request, however steadily it sends: slow clients without the token cannot hold every
+    slot and lock the scrapes out."""
+    from parallax_ps.metrics import MAX_CONNECTIONS
+    monkeypatch.setenv("PARALLAX_METRICS_IDLE_S", "2")
+    with LocalCluster(1, extra_args=["--metrics-port", "0"]) as cluster:
+        host, port = metrics_address(cluster).rsplit(":", 1)
+        slow = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
+        try:
+            for _ in range(8):  # a header byte every 0.4 s for 3.2 s: never 2 s silent
+                for sock in slow:
+                    with contextlib.suppress(OSError):  # closed at its deadline
+                        sock.sendall(b"G")
+                time.sleep(0.4)
+            assert all(closed_by_peer(s, 1.0) for s in slow), "trickling requests stay open"
+            assert get(f"http://{host}:{port}/metrics")[0] == 200
+        finally:
+            for sock in slow:
+                sock.close()

@@ -9,18 +9,22 @@ The endpoint is guarded like the gRPC API: with a token, a scrape must carry
 `Authorization: Bearer <token>` (else 401); with TLS, it is HTTPS with the server's
 certificate (and, for mutual TLS, requires a client certificate signed by the same CA). At
 most `MAX_CONNECTIONS` connections are served at once (more are closed on arrival), and one
-that sends nothing for `PARALLAX_METRICS_IDLE_S` seconds (default 10) is closed.
+that has not sent its whole request (TLS handshake and headers) within
+`PARALLAX_METRICS_IDLE_S` seconds of arriving (default 5) is closed, however steadily it
+trickles: slow clients cannot hold the slots, whether or not they know the token.
 """
 from __future__ import annotations
 
 import bisect
 import hmac
+import io
 import logging
 import os
 import socket
 import socketserver
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
 
@@ -34,7 +38,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1.0, 2.5, 5.0, 10.0)
 MAX_CONNECTIONS = 8  # served at once; more are closed on arrival
-IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a connection may stay silent (default 10)
+IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a connection has for its request (default 5)
 # Which way the row payload (values, gradients) of a method travels.
 DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in", "PullMany": "out",
              "PushMany": "in"}
@@ -186,7 +190,7 @@ def tls_context(cert, key, client_ca=None) -> ssl.SSLContext:
 
 
 def _idle_seconds() -> float:
-    text = os.environ.get(IDLE_ENV, "10")
+    text = os.environ.get(IDLE_ENV, "5")
     try:
         seconds = float(text)
     except ValueError:
@@ -196,18 +200,45 @@ def _idle_seconds() -> float:
     return seconds
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads that time out at `deadline` (time.monotonic()) in all, not per read:
+    a request trickling in a byte at a time still ends there."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request was not complete within {IDLE_ENV} seconds")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
 def _handler(render: Callable[[], str], token: str | None, idle: float):
     """The request handler class: checks the token, answers /metrics, 404 elsewhere."""
     expected = (TOKEN_SCHEME + token).encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = idle  # a silent connection is closed
+        timeout = idle  # writes: a scraper that stops reading is dropped
 
         def setup(self) -> None:
-            self.request.settimeout(idle)
+            deadline = time.monotonic() + idle  # for the whole request, from arrival
+            self.request.settimeout(idle)  # the TLS handshake counts it in all, too
             if isinstance(self.request, ssl.SSLSocket):
                 self.request.do_handshake()  # here, not in the accepting thread
             super().setup()
+            self.rfile.close()  # the socket's own file: it would keep the socket open
+            self.rfile = io.BufferedReader(_DeadlineReader(self.request, deadline))
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()  # the headers are read: writes get `idle`
+            self.request.settimeout(idle)
+            return parsed
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             given = (self.headers.get("Authorization") or "").encode()

@@ -67,6 +67,7 @@ class _Applied:
     session: int
     originals: list[tuple[np.ndarray, np.ndarray, Slots]]
     closed: tuple | None
+    held: int  # rows the shard held before: a hashed table's new keys go with the push
 
 
 class TableShard:
@@ -239,14 +240,15 @@ class TableShard:
         """Record (and apply, when the step completes) a checked push; the caller holds
         `cond`, under `quiet_float_errors()`. Returns (steps applied, whether this push
         completed a step). An update that would write a non-finite value or slot is refused
-        and changes nothing; `journal`
+        and changes nothing (the keys it created are forgotten); `journal`
         (multi-part requests) collects what `undo` needs to take this push back."""
-        batch = (ids, grads)
+        batch, held = (ids, grads), self.storage.num_rows
         batches, completed = self.steps.add(worker, step, batch, lr, chunk, chunks, session)
         try:
             updates = [self._updated(b_ids, b_grads, lr) for b_ids, b_grads in batches
                        if len(b_ids)]
         except RequestError:
+            self.storage.forget_since(held)  # the keys it created (hashed tables)
             self.steps.withdraw(worker, step, batch, chunk, session)
             raise
         originals = [self._rows_of(rows) for rows, _, _ in updates] if journal is not None \
@@ -258,7 +260,7 @@ class TableShard:
         self._account()
         if journal is not None:
             journal.append((self, _Applied(worker, step, batch, chunk, session, originals,
-                                           closed)))
+                                           closed, held)))
         if completed:
             self.cond.notify_all()
         return self.steps.step, completed
@@ -267,6 +269,7 @@ class TableShard:
         """Take back a push `apply_push_held` journalled (the caller holds `cond`)."""
         for rows, values, slots in reversed(applied.originals):
             self._write(rows, values, slots)
+        self.storage.forget_since(applied.held)
         if applied.closed is not None:
             self.steps.reopen(applied.closed)
         self.steps.withdraw(applied.worker, applied.step, applied.batch, applied.chunk,

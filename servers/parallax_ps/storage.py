@@ -73,6 +73,10 @@ class FixedRows:
     def count_new(self, ids: np.ndarray) -> int:
         return 0
 
+    def forget_since(self, held: int) -> None:
+        """Nothing to forget: every row exists (a refused update's rows keep their initial
+        values, which is all a fresh row could hold)."""
+
     def trimmed(self) -> tuple[np.ndarray, Slots]:
         return self.values, self.slots
 
@@ -148,6 +152,16 @@ class KeyedRows:
             return rows
         self._append(np.unique(keys[~found]))
         return self._find(keys)[0]
+
+    def forget_since(self, held: int) -> None:
+        """Drop the rows created since the shard held `held` rows (the new keys of an update
+        that was refused or taken back): rows are appended, so they are the last ones."""
+        if held >= self._count:
+            return
+        keep = self._rows_sorted < held
+        self._keys_sorted, self._rows_sorted = self._keys_sorted[keep], self._rows_sorted[keep]
+        self._changed[held:self._count] = False  # a later key reusing the row starts clean
+        self._count = held
 
     def _append(self, new_keys: np.ndarray, initialise: bool = True) -> None:
         """Create rows for keys that are unique and not held yet."""
