@@ -13,8 +13,9 @@ responses, encoded and decoded by the same code), so a request means the same on
 paths and the server answers it with the same handler; only the framing differs.
 
 A connection (TCP, or TLS with the gRPC port's certificates) starts with a hello frame that
-carries the cluster token (empty without one); the server answers OK, or an error and closes.
-Then each request frame gets one response frame, in order:
+carries the cluster token (empty without one); the server answers OK with its 8-byte id (the
+`server_id` of its DataPlane answer: a client checks it is talking to the server it asked),
+or an error and closes. Then each request frame gets one response frame, in order:
 
     request:  magic b"PXD1", method (u8: 1 PullMany, 2 PushMany), 3 zero bytes,
               deadline in seconds from now (f64; 0: none), body length (u64), body
@@ -43,15 +44,19 @@ class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol."""
 
 
+SERVER_ID = struct.Struct("<Q")
+PIECE = 1 << 20  # a body is read (and its buffer grown) this much at a time
+
+
 def recv_exact(sock: socket.socket, size: int) -> bytearray:
-    """Exactly `size` bytes; EOFError if the peer closed first."""
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
-    while got < size:
-        received = sock.recv_into(view[got:], size - got)
-        if not received:
-            raise EOFError(f"connection closed after {got} of {size} bytes")
-        got += received
+    """Exactly `size` bytes; EOFError if the peer closed first. Memory grows with what
+    arrives, not with what a header declares."""
+    buffer = bytearray()
+    while len(buffer) < size:
+        piece = sock.recv(min(PIECE, size - len(buffer)))
+        if not piece:
+            raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
+        buffer += piece
     return buffer
 
 

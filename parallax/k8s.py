@@ -141,9 +141,13 @@ def validate(config: K8sConfig) -> None:
                        ("--rendezvous-port", config.rendezvous_port)):
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(f"{flag} {port!r} must be a port in 1-65535")
-    if config.server_port == config.rendezvous_port:
-        raise ConfigError(f"--server-port and --rendezvous-port are both {config.server_port}; "
-                          f"give them different ports")
+    if config.server_port == 65535:
+        raise ConfigError("--server-port 65535 leaves no port after it for the servers' data "
+                          "plane (--server-port + 1); give 1-65534")
+    if config.rendezvous_port in (config.server_port, config.server_port + 1):
+        raise ConfigError(f"--rendezvous-port {config.rendezvous_port} is a server port "
+                          f"(--server-port {config.server_port} and the data plane on the "
+                          f"port after it); give another")
     for flag, value in (("--cpu", config.cpu), ("--memory", config.memory)):
         if value is not None and not _QUANTITY.match(str(value)):
             raise ConfigError(f"{flag} {value!r} is not a Kubernetes quantity; e.g. --cpu 2, "

@@ -7,12 +7,18 @@ are no requests.
 """
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
 
+from parallax import dataplane
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.many import pull_many, push_many
@@ -123,3 +129,144 @@ def test_mutual_tls_and_the_token_guard_the_data_plane(creds):
             with pytest.raises(grpc.RpcError) as info:
                 plane.check()
             assert info.value.code() == code, info.value.details()
+
+
+# ---- attacks and accidents (review of c8a5ca4) -----------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """One `python -m parallax_ps` on fixed ports, for tests that restart or replace it."""
+
+    def __init__(self, port: int, data_port: int, *extra: str, prefix: tuple = ()) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "parallax_ps", "--port", str(port), "--data-port",
+             str(data_port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        with PSClient([self.address]) as client:
+            client.wait_ready(30)
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(20)
+        finally:
+            self.proc.stdout.close()
+
+    def rss_mb(self) -> float:
+        text = open(f"/proc/{self.proc.pid}/status").read()
+        return int(text.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _table(client: PSClient, fill: float):
+    table = client.create_table(TableSpec(name="t", vocabulary_size=10, dim=2,
+                                          optimizer=SGD(1.0)))
+    push_many([table], [np.arange(10)], [np.full((10, 2), -fill, np.float32)], [0], 0, [1.0])
+    return table
+
+
+def test_a_client_never_reads_another_server_that_took_the_data_port():
+    """Server A dies; B starts on A's old data port and A comes back on its gRPC port: the
+    client's next pull must get A's rows (it asks A again), never B's."""
+    port, data_port = _free_port(), _free_port()
+    first = _Server(port, data_port)
+    client = PSClient([first.address])
+    try:
+        table = _table(client, 1.0)
+        np.testing.assert_array_equal(pull_many([table], [np.arange(3)], [1])[0], 1.0)
+        assert client.servers[0].data_plane == f"127.0.0.1:{data_port}"
+        assert first.stop() == 0
+        other = _Server(_free_port(), data_port)
+        again = _Server(port, 0)
+        try:
+            with PSClient([other.address]) as theirs:
+                _table(theirs, 7.0)
+            with PSClient([again.address]) as fresh:
+                _table(fresh, 3.0)
+            np.testing.assert_array_equal(pull_many([table], [np.arange(3)], [1])[0], 3.0)
+            assert client.servers[0].data_plane not in (None, f"127.0.0.1:{data_port}")
+        finally:
+            assert other.stop() == 0 and again.stop() == 0
+    finally:
+        client.close()
+
+
+def test_connections_that_never_say_hello_cost_a_bounded_number_of_threads():
+    server = _Server(_free_port(), _free_port())
+    idle = []
+    try:
+        with PSClient([server.address]) as client:
+            host, port = (client.servers[0]._data_plane().where.rsplit(":", 1))
+            idle = [socket.create_connection((host, int(port))) for _ in range(80)]
+            time.sleep(0.5)
+            threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
+            assert threads < 80, threads  # beyond 64 waiting for their hello: no thread
+            rows = _train(_tables(client, "flood_"), steps=1)  # still served
+            assert rows[0].shape == (VOCAB, DIM)
+            for sock in idle[:5]:
+                sock.settimeout(15)
+                assert sock.recv(1) == b""  # closed by the server within the hello timeout
+    finally:
+        for sock in idle:
+            sock.close()
+        assert server.stop() == 0
+
+
+def test_a_declared_length_costs_no_memory_until_the_bytes_arrive():
+    server = _Server(_free_port(), _free_port())
+    try:
+        with PSClient([server.address]) as client:
+            host, port = client.servers[0]._data_plane().where.rsplit(":", 1)
+        before = server.rss_mb()
+        socks = []
+        for _ in range(4):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0.0, 0))
+            dataplane.read_header(sock, dataplane.RESPONSE)
+            dataplane.recv_exact(sock, 8)
+            sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, 2, 0.0, 250 << 20))
+            socks.append(sock)
+        time.sleep(1.0)
+        assert server.rss_mb() - before < 64, (before, server.rss_mb())
+        for sock in socks:
+            sock.close()
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_request_over_the_servers_limit_is_resource_exhausted_as_over_grpc():
+    server = _Server(_free_port(), _free_port(), "--max-message-mb", "1")
+    try:
+        with PSClient([server.address]) as client:
+            plane = client.servers[0]._data_plane()
+            with pytest.raises(grpc.RpcError) as info:
+                plane.call("PushMany", bytes(16 << 20), 10.0)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert "--max-message-mb" in info.value.details()
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_data_plane_keeps_accepting_after_running_out_of_file_descriptors():
+    server = _Server(_free_port(), _free_port(), prefix=("prlimit", "--nofile=96:96"))
+    try:
+        with PSClient([server.address]) as client:
+            plane = client.servers[0]._data_plane()
+            host, port = plane.where.rsplit(":", 1)
+            crowd = []
+            for _ in range(150):  # past the server's descriptors: accept fails for a while
+                try:
+                    crowd.append(socket.create_connection((host, int(port)), timeout=2))
+                except OSError:
+                    break
+            for sock in crowd:
+                sock.close()
+            time.sleep(1.0)
+            fresh = DataPlaneClient(host, int(port), ClientOptions(), plane.server_id)
+            fresh.check()  # accepted and greeted again
+            fresh.close()
+    finally:
+        assert server.stop() == 0

@@ -227,8 +227,24 @@ class ServerConnection:
         if method in dataplane.CODES:
             plane = self._data_plane()
             if plane is not None:
-                return plane.invoker(method)
+                return self._through(plane, plane.invoker(method))
         return getattr(self.stub(), method)
+
+    def _through(self, plane: DataPlaneClient, invoke):
+        """`invoke`, forgetting the data plane when it cannot be reached: the retry of
+        the call asks the server again (a restarted server has a new data port) and falls
+        back to gRPC if there is none to be had."""
+        def call(request, timeout=None):
+            try:
+                return invoke(request, timeout=timeout)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    with self._plane_lock:
+                        if self._plane is plane:
+                            self._plane, self._plane_known = None, False
+                    plane.close()
+                raise
+        return call
 
     @property
     def data_plane(self) -> str | None:
@@ -242,32 +258,35 @@ class ServerConnection:
             return self._plane
         with self._plane_lock:
             if not self._plane_known:
-                self._plane = self._find_data_plane()
-                self._plane_known = True
+                self._plane, self._plane_known = self._find_data_plane()
         return self._plane
 
-    def _find_data_plane(self) -> DataPlaneClient | None:
+    def _find_data_plane(self) -> tuple[DataPlaneClient | None, bool]:
+        """(the data plane or None, whether that is settled: a server that cannot be asked
+        now, e.g. restarting, is asked again at the next call)."""
         try:
             reply = self.stub().DataPlane(ps_pb2.DataPlaneRequest(),
                                           timeout=min(10.0, self.options.timeout))
         except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None, False  # the call itself will say what is wrong
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older server: quietly gRPC
                 log.warning("server %s did not say where its data plane is (%s: %s); using "
                             "gRPC for PullMany/PushMany", self.address, err.code().name,
                             err.details())
-            return None
+            return None, True
         if not reply.port or reply.version != dataplane.VERSION:
-            return None
+            return None, True
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
-                                self.options)
+                                self.options, reply.server_id)
         try:
             plane.check()
         except grpc.RpcError as err:
             log.warning("server %s: its data plane at %s cannot be reached (%s); using gRPC "
                         "for PullMany/PushMany (open that port, or run the server with "
                         "--data-port -1)", self.address, plane.where, err.details())
-            return None
-        return plane
+            return None, True
+        return plane, True
 
     def result(self, future, method: str, request, table: str | None = None,
                timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = ()):

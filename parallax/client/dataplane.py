@@ -22,6 +22,8 @@ from parallax.ps.v1 import ps_pb2
 
 CONNECT_TIMEOUT_S = 5.0
 REPLY_MARGIN_S = 5.0  # past the request's own deadline, which the server answers itself
+MAX_IDLE = 16         # connections kept open per server between requests
+_LATE_ANSWER_S = 1.0  # after a failed send: how long to look for the server's refusal
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _ENCODE = {"PullMany": lambda r: r.SerializeToString(), "PushMany": bulk_codec.serialize_push}
 _DECODE = {"PullMany": bulk_codec.decode_pull_many_response,
@@ -52,8 +54,10 @@ def _tls_context(options, host: str) -> ssl.SSLContext | None:
 
 
 class DataPlaneClient:
-    def __init__(self, host: str, port: int, options) -> None:
-        self.host, self.port, self.options = host, port, options
+    """Connections to the data plane of the server run `server_id` at host:port."""
+
+    def __init__(self, host: str, port: int, options, server_id: int = 0) -> None:
+        self.host, self.port, self.options, self.server_id = host, port, options, server_id
         self.where = f"{host}:{port}"
         self._tls = _tls_context(options, host)
         self._idle: list[socket.socket] = []
@@ -68,14 +72,18 @@ class DataPlaneClient:
 
     def call(self, method: str, body: bytes, timeout: float) -> bytes:
         """The response body of one request; raises DataPlaneError."""
+        if len(body) > self.options.max_message_bytes:  # as gRPC's own send limit does
+            raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"{method} of {len(body)} bytes is over this client's "
+                                 f"message limit of {self.options.max_message_bytes} bytes")
         sock = self._take()
         try:
             sock.settimeout(timeout + REPLY_MARGIN_S)
             header = dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.CODES[method],
                                             float(timeout), len(body))
-            dataplane.send_frame(sock, header, body)
+            _send(sock, header, body)
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
-            payload = dataplane.recv_exact(sock, length)
+            payload = dataplane.recv_exact(sock, self._answer_size(length))
         except socket.timeout:
             _close(sock)
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -89,15 +97,26 @@ class DataPlaneClient:
             _close(sock)  # the server may close it after an error: never reuse it
             raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
                                  payload.decode("utf-8", "replace"))
-        with self._lock:
-            self._idle.append(sock)
+        self._give_back(sock)
         return bytes(payload)
+
+    def _answer_size(self, length: int) -> int:
+        limit = self.options.max_message_bytes + (1 << 20)
+        if length > limit:
+            raise FrameError(f"an answer of {length} bytes, over this client's limit of "
+                             f"{limit}: is {self.where} a parallax server?")
+        return length
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < MAX_IDLE:
+                self._idle.append(sock)
+                return
+        _close(sock)
 
     def check(self) -> None:
         """Open (and keep) one connection now; raises DataPlaneError if it cannot."""
-        sock = self._take()
-        with self._lock:
-            self._idle.append(sock)
+        self._give_back(self._take())
 
     def close(self) -> None:
         with self._lock:
@@ -128,15 +147,31 @@ class DataPlaneClient:
             sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0.0,
                                                 len(token)) + token)
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
-            payload = dataplane.recv_exact(sock, length)
+            payload = dataplane.recv_exact(sock, min(length, 1 << 16))
         except BaseException:
             _close(sock)
             raise
-        if status:
+        if status:  # refused: a wrong token is an answer; a full server sends us to gRPC
             _close(sock)
-            raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
+            code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE if
+                                 code == grpc.StatusCode.RESOURCE_EXHAUSTED else code,
                                  payload.decode("utf-8", "replace"))
+        if self.server_id and bytes(payload) != dataplane.SERVER_ID.pack(self.server_id):
+            _close(sock)
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
+                                 f"{self.where} is the data plane of another server (a "
+                                 f"restarted server, or another job's on the same port)")
         return sock
+
+
+def _send(sock: socket.socket, header: bytes, body: bytes) -> None:
+    """Send a frame; if the server stops reading half-way (it refused the frame), its
+    answer is what matters: leave it to be read, rather than report a broken pipe."""
+    try:
+        dataplane.send_frame(sock, header, body)
+    except (BrokenPipeError, ConnectionResetError):
+        sock.settimeout(_LATE_ANSWER_S)
 
 
 def _close(sock: socket.socket) -> None:

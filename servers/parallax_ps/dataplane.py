@@ -4,13 +4,22 @@ plain TCP or TLS port, answered by the same handlers as the gRPC methods.
 One thread per connection reads a frame, runs the handler and writes the answer: a worker
 keeps one connection per request it has in flight, so a pull waiting for its step holds only
 its own connection's thread, never one a push needs (the same guarantee as the gRPC side's
-separate pools). At most `max_connections` are open at once; more are refused at their hello.
-The token and TLS settings are the gRPC port's. Stopping the server closes every connection.
+separate pools). The token and TLS settings are the gRPC port's.
+
+What a peer without the token can cost is bounded: at most `MAX_GREETING` connections may be
+between accept and an accepted hello (more are closed at once, with no thread), and each has
+`HELLO_TIMEOUT_S` in all for its TLS handshake and hello. Only greeted connections count
+towards `max_connections`. A body is read as it arrives (memory grows with the bytes sent,
+not with the length a header declares), and a frame that stops half-way is dropped after
+`FRAME_TIMEOUT_S`; a connection idle for `IDLE_TIMEOUT_S` is closed (clients reconnect).
+Stopping closes the listener at once and the connections once gRPC's grace period is over.
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -25,8 +34,12 @@ from parallax_ps.service import ParameterServerService, tolerant
 
 log = logging.getLogger("parallax_ps")
 
-MAX_CONNECTIONS = 512  # open at once (each a thread, mostly blocked in recv)
-HELLO_TIMEOUT_S = 10.0  # a connection must say hello within this
+MAX_CONNECTIONS = 512   # greeted connections open at once (each a thread, mostly in recv)
+MAX_GREETING = 64       # connections accepted but not yet greeted
+HELLO_TIMEOUT_S = 10.0  # for the TLS handshake and the hello, in all
+FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came
+IDLE_TIMEOUT_S = 600.0  # a greeted connection with no request this long is closed
+_ACCEPT_RETRY_S = 0.1   # after a failed accept (out of file descriptors, memory)
 _DECODE = {"PullMany": tolerant(ps_pb2.PullManyRequest.FromString, "PullManyRequest"),
            "PushMany": tolerant(bulk_codec.decode_push_many_request, "PushManyRequest")}
 
@@ -56,122 +69,150 @@ def _response(code: int, body) -> bytes:
     return dataplane.RESPONSE.pack(dataplane.MAGIC, code, len(body))
 
 
+def _refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    body = message.encode()
+    sock.sendall(_response(code.value[0], body) + body)
+
+
 class DataPlaneServer:
     """Listens on `host:port` (0: any free port; `.port` is the real one) and serves
-    PullMany/PushMany frames with `service`'s handlers."""
+    PullMany/PushMany frames with `service`'s handlers; `.server_id` identifies this run."""
 
     def __init__(self, service: ParameterServerService, host: str, port: int,
                  max_message_bytes: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.service, self.max_message_bytes = service, max_message_bytes
+        self.server_id = secrets.randbits(64)
         self._expected = (token or "").encode()
         self._tls, self._max_connections = tls, max_connections
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as exc:
-            self._listener.close()
-            raise OSError(f"cannot listen for the data plane on {host}:{port} ({exc}); pick "
-                          f"another --data-port, or -1 for none") from None
-        self._listener.listen(128)
+        self._listener = _listen(host, port)
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
+        self._open: dict[int, socket.socket] = {}  # by connection number: the live socket
+        self._greeting = 0   # accepted, not yet greeted
+        self._greeted = 0
         self._stopped = False
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
-    def stop(self) -> None:
-        """Close the listener and every connection (a request in progress is answered by
-        its handler into a closed socket)."""
+    def stop_listening(self) -> None:
+        """No new connections (the ones open keep being served)."""
         with self._lock:
             self._stopped = True
-            open_now = list(self._open)
         _close(self._listener)
+
+    def stop(self) -> None:
+        """Close the listener and every connection."""
+        self.stop_listening()
+        with self._lock:
+            open_now = list(self._open.values())
         for sock in open_now:
             _close(sock)
 
+    # ---- connections --------------------------------------------------------------------
     def _accept(self) -> None:
+        number = 0
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed by stop()
-            with self._lock:
+            except OSError as exc:
                 if self._stopped:
-                    _close(sock)
                     return
-                self._open.add(sock)
-                crowded = len(self._open) > self._max_connections
-            threading.Thread(target=self._serve, args=(sock, crowded), name="ps-data",
-                             daemon=True).start()
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("data plane: accept failed (%s); still listening", exc)
+                time.sleep(_ACCEPT_RETRY_S)  # out of descriptors or memory: later
+                continue
+            number += 1
+            if not self._admit(number, sock):
+                _close(sock)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(number, sock), name="ps-data",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: drop this one, keep serving
+                self._forget(number, greeted=False)
+                _close(sock)
 
-    def _serve(self, raw: socket.socket, crowded: bool) -> None:
-        sock = raw
+    def _admit(self, number: int, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._stopped or self._greeting >= MAX_GREETING:
+                return False
+            self._greeting += 1
+            self._open[number] = sock
+            return True
+
+    def _forget(self, number: int, greeted: bool) -> None:
+        with self._lock:
+            self._open.pop(number, None)
+            if greeted:
+                self._greeted -= 1
+            else:
+                self._greeting -= 1
+
+    def _serve(self, number: int, raw: socket.socket) -> None:
+        sock, greeted = raw, False
         try:
-            sock = self._secure(dataplane.tune(raw))
-            if self._greet(sock, crowded):
+            sock = self._secure(number, dataplane.tune(raw))
+            greeted = self._greet(number, sock)
+            if greeted:
                 while self._answer(sock):
                     pass
-        except (OSError, EOFError, FrameError, ssl.SSLError):
-            pass  # the peer left, or sent what this protocol is not: nothing to answer
+        except (OSError, EOFError, FrameError, ssl.SSLError, ValueError):
+            pass  # the peer left, went quiet, or sent what this protocol is not
         finally:
-            with self._lock:
-                self._open.discard(raw)
-                self._open.discard(sock)
+            self._forget(number, greeted)
             _close(sock)
 
-    def _secure(self, raw: socket.socket) -> socket.socket:
-        """The connection, TLS-wrapped when the server has TLS (tracked for stop())."""
+    def _secure(self, number: int, raw: socket.socket) -> socket.socket:
+        """The connection, TLS-wrapped when the server has TLS (stop() closes whichever
+        socket is live)."""
         raw.settimeout(HELLO_TIMEOUT_S)
         if self._tls is None:
             return raw
         sock = self._tls.wrap_socket(raw, server_side=True)
         with self._lock:
-            self._open.add(sock)
+            self._open[number] = sock
         return sock
 
-    def _greet(self, sock: socket.socket, crowded: bool) -> bool:
-        """The hello: the token, checked in constant time; True when accepted."""
-        method, _, length = dataplane.read_header(sock, dataplane.REQUEST)
+    def _greet(self, number: int, sock: socket.socket) -> bool:
+        """The hello, within HELLO_TIMEOUT_S of the handshake: the token (compared in
+        constant time); True, counted as greeted, when accepted."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        method, _, length = _read_header_by(sock, dataplane.REQUEST, deadline)
         if method != dataplane.HELLO or length > 4096:
             raise FrameError(f"expected a hello frame, got method {method}, {length} bytes")
-        token = bytes(dataplane.recv_exact(sock, length))
+        token = bytes(_recv_by(sock, length, deadline))
         if not hmac.compare_digest(token, self._expected):
-            self._refuse(sock, grpc.StatusCode.UNAUTHENTICATED,
-                         "missing or wrong cluster token (ClientOptions.token / "
-                         "PARALLAX_TOKEN_FILE must match the server's --token-file)")
+            _refuse(sock, grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong cluster token (ClientOptions.token / PARALLAX_TOKEN_FILE "
+                    "must match the server's --token-file)")
             return False
+        with self._lock:
+            crowded = self._greeted >= self._max_connections
+            if not crowded:
+                self._greeting -= 1
+                self._greeted += 1
         if crowded:
-            self._refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"the data plane has {self._max_connections} connections open; "
-                         f"close idle clients")
+            _refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the data plane has its {self._max_connections} connections open; this "
+                    f"client uses gRPC instead")
             return False
-        sock.sendall(_response(0, b""))
-        sock.settimeout(None)
+        sock.sendall(_response(0, dataplane.SERVER_ID.pack(self.server_id)) +
+                     dataplane.SERVER_ID.pack(self.server_id))
         return True
 
-    @staticmethod
-    def _refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-        body = message.encode()
-        sock.sendall(_response(code.value[0], body) + body)
-
+    # ---- requests -----------------------------------------------------------------------
     def _answer(self, sock: socket.socket) -> bool:
         """Serve one request frame; False when the connection must close."""
+        sock.settimeout(IDLE_TIMEOUT_S)
         method, deadline_s, length = dataplane.read_header(sock, dataplane.REQUEST)
+        sock.settimeout(FRAME_TIMEOUT_S)
         name = dataplane.METHODS.get(method)
         if name is None or length > self.max_message_bytes:
-            why = (f"unknown data-plane method {method}" if name is None else
-                   f"{name} of {length} bytes is over the server's message limit of "
-                   f"{self.max_message_bytes} bytes; lower ClientOptions.chunk_mb or raise "
-                   f"--max-message-mb")
-            code = grpc.StatusCode.INVALID_ARGUMENT if name is None else \
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            self._refuse(sock, code, why)
+            self._refuse_frame(sock, name, method, length)
             return False
         request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
+        sock.settimeout(None)  # the handler may wait for a step; the client has its deadline
         try:
             answer = getattr(self.service, name)(request, _Context(deadline_s))
         except _Refused as refused:
@@ -181,6 +222,68 @@ class DataPlaneServer:
         body = answer if isinstance(answer, bytes) else answer.SerializeToString()
         dataplane.send_frame(sock, _response(0, body), body)
         return True
+
+    def _refuse_frame(self, sock: socket.socket, name: str | None, method: int,
+                      length: int) -> None:
+        """Answer a frame that cannot be served, then let the client finish sending before
+        closing (so it reads the answer rather than a broken pipe)."""
+        if name is None:
+            _refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
+                    f"unknown data-plane method {method}")
+        else:
+            _refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{name} of {length} bytes is over the server's message limit of "
+                    f"{self.max_message_bytes} bytes; lower ClientOptions.chunk_mb or raise "
+                    f"--max-message-mb")
+        _drain(sock, min(length, 2 * self.max_message_bytes))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise OSError(f"cannot listen for the data plane on {host}:{port} ({exc}); pick "
+                      f"another --data-port, or -1 for none") from None
+    listener.listen(128)
+    return listener
+
+
+def _recv_by(sock: socket.socket, size: int, deadline: float) -> bytearray:
+    """recv_exact, all of it before `deadline` (not just each read)."""
+    buffer = bytearray()
+    while len(buffer) < size:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        piece = sock.recv(min(dataplane.PIECE, size - len(buffer)))
+        if not piece:
+            raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
+        buffer += piece
+    return buffer
+
+
+def _read_header_by(sock: socket.socket, layout, deadline: float) -> tuple:
+    fields = layout.unpack(_recv_by(sock, layout.size, deadline))
+    if fields[0] != dataplane.MAGIC:
+        raise FrameError(f"not a parallax data-plane frame (starts {fields[0]!r})")
+    return fields[1:]
+
+
+def _drain(sock: socket.socket, limit: int) -> None:
+    """Read and drop up to `limit` bytes (2 s at most), then stop writing."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline, dropped = time.monotonic() + 2.0, 0
+        while dropped < limit and time.monotonic() < deadline:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            piece = sock.recv(dataplane.PIECE)
+            if not piece:
+                return
+            dropped += len(piece)
+    except OSError:
+        pass
 
 
 def _close(sock: socket.socket) -> None:

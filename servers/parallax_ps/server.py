@@ -122,7 +122,9 @@ class RunningServer:
             self.service, config.host, config.data_port, limit, token,
             metrics.tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
             if config.tls_cert else None)
-        self.service.data_port = self.data_plane.port if self.data_plane is not None else 0
+        if self.data_plane is not None:
+            self.service.data_port = self.data_plane.port
+            self.service.data_server_id = self.data_plane.server_id
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -132,10 +134,12 @@ class RunningServer:
             self.metrics.stop()
         self.health.enter_graceful_shutdown()
         if self.data_plane is not None:
-            self.data_plane.stop()
+            self.data_plane.stop_listening()  # requests in flight finish within the grace
         done = self.server.stop(self.config.grace_seconds if grace is None else grace)
         self.service.close()
         done.wait()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         self.wait_pool.shutdown(wait=False)
 
 

@@ -141,6 +141,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
+        self.data_server_id = 0
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes)
         self.stats = ServerStats()
@@ -305,8 +306,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     @_rpc("DataPlane")
     def DataPlane(self, request, context):
         """Where PullMany and PushMany are also served as frames (0: nowhere)."""
-        return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION), \
-            "", 0, 0
+        return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION,
+                                        server_id=self.data_server_id), "", 0, 0
 
     @_rpc_many("PushMany")
     def PushMany(self, request: bulk_codec.BulkPushMany, context):

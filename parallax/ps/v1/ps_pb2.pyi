@@ -584,9 +584,11 @@ class DataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("port", "version")
+    __slots__ = ("port", "version", "server_id")
     PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     port: int
     version: int
-    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    server_id: int
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., server_id: _Optional[int] = ...) -> None: ...
