@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,12 +19,13 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax import dataplane
+from parallax import dataplane, wire
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.many import pull_many, push_many
 from parallax.errors import ServerError
 from parallax.local_cluster import LocalCluster
+from parallax.ps.v1 import ps_pb2
 from parallax.security import generate_job_credentials, read_token
 from parallax.specs import Adagrad, SGD, TableSpec
 
@@ -270,3 +272,113 @@ def test_the_data_plane_keeps_accepting_after_running_out_of_file_descriptors():
             fresh.close()
     finally:
         assert server.stop() == 0
+
+
+# ---- second review (of 0822dce) -------------------------------------------------------------
+@pytest.fixture
+def in_process():
+    """A server in this process, so a test can reach into its data plane's settings."""
+    from parallax_ps.server import RunningServer, ServerConfig
+    server = RunningServer(ServerConfig())
+    yield server
+    server.stop(0)
+
+
+def _hello(where: str) -> socket.socket:
+    host, port = where.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0.0, 0))
+    return sock
+
+
+def test_clients_that_vanish_after_their_hello_leave_no_count_behind(in_process):
+    in_process.data_plane._max_connections = 4
+    where = f"127.0.0.1:{in_process.data_plane.port}"
+    for _ in range(20):
+        sock = _hello(where)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, perhaps before the OK is sent
+    time.sleep(1.0)
+    with PSClient([in_process.address]) as client:
+        _train(_tables(client, "vanish_"), steps=1)
+        assert client.servers[0].data_plane is not None  # not refused as full
+
+
+def test_stopping_gives_data_plane_requests_their_grace(in_process):
+    service = in_process.service
+    slow_push, done = service.PushMany, {}
+
+    def push_many(request, context):
+        time.sleep(1.5)
+        return slow_push(request, context)
+    service.PushMany = push_many
+    with PSClient([in_process.address], ClientOptions(retries=0)) as client:
+        tables = _tables(client, "grace_")
+        pushing = threading.Thread(target=lambda: done.update(
+            result=push_many_or_error(tables)))
+        pushing.start()
+        time.sleep(0.5)
+        in_process.stop(5.0)
+        pushing.join(10)
+    # answered by the server (the push, or its shard's "server is stopping", as over gRPC),
+    # not cut off with the connection
+    result = done["result"]
+    assert result is True or "the server is shutting down; retry" in result, result
+
+
+def push_many_or_error(tables):
+    try:
+        push_many(tables, [np.arange(3)] * 2, [np.ones((3, DIM), np.float32)] * 2, [0, 0], 0,
+                  [0.0, 0.0])
+        return True
+    except ServerError as err:
+        return str(err)
+
+
+def test_a_pooled_connection_the_server_closed_while_idle_is_not_used(in_process):
+    in_process.data_plane.idle_timeout_s = 1.0
+    in_process.service.data_idle_timeout_s = 1
+    with PSClient([in_process.address], ClientOptions(retries=0)) as client:
+        _train(_tables(client, "idle_"), steps=1)
+        time.sleep(2.0)
+        _train(_tables(client, "idle2_"), steps=1)  # retries=0: a stale connection would fail
+
+
+def test_a_moment_of_crowding_does_not_send_a_client_to_grpc_for_good(in_process, monkeypatch):
+    from parallax.client import connection
+    monkeypatch.setattr(connection, "PLANE_RETRY_S", 0.5)
+    host, port = "127.0.0.1", in_process.data_plane.port
+    crowd = [socket.create_connection((host, port)) for _ in range(64)]
+    time.sleep(0.3)
+    with PSClient([in_process.address]) as client:
+        _train(_tables(client, "crowd_"), steps=1)  # over gRPC while the crowd stays
+        assert client.servers[0].data_plane is None
+        for sock in crowd:
+            sock.close()
+        time.sleep(1.0)
+        _train(_tables(client, "later_"), steps=1)
+        assert client.servers[0].data_plane is not None
+
+
+def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
+    token = read_token(creds.token_file)
+    options = ClientOptions(tls_ca=str(creds.ca_cert), tls_cert=str(creds.client_cert),
+                            tls_key=str(creds.client_key), token=token, retries=0)
+    with LocalCluster(1, extra_args=[*creds.server_args(), "--max-message-mb", "1"]) as cluster:
+        with PSClient(cluster.addresses, options) as client:
+            plane = client.servers[0]._data_plane()
+            with pytest.raises(grpc.RpcError) as info:
+                plane.call("PushMany", bytes(8 << 20), 10.0)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert client.servers[0].data_plane is not None  # not forgotten
+    with LocalCluster(1) as cluster:
+        small = ClientOptions(max_message_mb=1, retries=0)
+        with PSClient(cluster.addresses, small) as client:
+            table = client.create_table(TableSpec(name="big", vocabulary_size=40_000, dim=16))
+            request = ps_pb2.PullManyRequest()
+            wire.encode(np.arange(40_000), request.parts.add(table="big").ids)
+            plane = client.servers[0]._data_plane()
+            with pytest.raises(grpc.RpcError) as info:
+                plane.call("PullMany", request.SerializeToString(), 10.0)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            assert not getattr(info.value, "transport", True)

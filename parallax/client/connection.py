@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 import queue
@@ -24,6 +25,7 @@ from parallax.client.dataplane import DataPlaneClient
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger("parallax")
+PLANE_RETRY_S = 30.0  # after a data port could not be reached: gRPC until then
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "check that the server is running and reachable "
@@ -185,7 +187,9 @@ class ServerConnection:
         self.multi_table = True  # False once the server answered PullMany/PushMany
                                  # UNIMPLEMENTED (an older server): then table by table
         self._plane: DataPlaneClient | None = None
-        self._plane_known = not options.data_plane  # asked the server where it listens
+        # when to ask the server (again) where its data plane listens: now, later (after a
+        # data port that could not be reached), or never (gRPC only, or settled)
+        self._plane_asked_at = 0.0 if options.data_plane else math.inf
         self._plane_lock = threading.Lock()
 
     def stub(self) -> ps_pb2_grpc.ParameterServerStub:
@@ -238,10 +242,10 @@ class ServerConnection:
             try:
                 return invoke(request, timeout=timeout)
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                if getattr(err, "transport", False):  # the connection, not an answer
                     with self._plane_lock:
                         if self._plane is plane:
-                            self._plane, self._plane_known = None, False
+                            self._plane, self._plane_asked_at = None, 0.0
                     plane.close()
                 raise
         return call
@@ -252,41 +256,49 @@ class ServerConnection:
         return self._plane.where if self._plane is not None else None
 
     def _data_plane(self) -> DataPlaneClient | None:
-        """Ask the server once where its data plane listens, and connect; None (use gRPC)
-        for a server without one, or one whose data port cannot be reached."""
-        if self._plane_known:
+        """Where the server's data plane listens, asked when due and connected; None (use
+        gRPC for this call) for a server without one, one whose data port cannot be reached
+        now (asked again after PLANE_RETRY_S), or while another thread is asking."""
+        if self._plane is not None or time.monotonic() < self._plane_asked_at:
             return self._plane
-        with self._plane_lock:
-            if not self._plane_known:
-                self._plane, self._plane_known = self._find_data_plane()
+        if not self._plane_lock.acquire(blocking=False):
+            return self._plane  # another call is asking: this one goes over gRPC
+        try:
+            if self._plane is None and time.monotonic() >= self._plane_asked_at:
+                self._plane, self._plane_asked_at = self._find_data_plane()
+        finally:
+            self._plane_lock.release()
         return self._plane
 
-    def _find_data_plane(self) -> tuple[DataPlaneClient | None, bool]:
-        """(the data plane or None, whether that is settled: a server that cannot be asked
-        now, e.g. restarting, is asked again at the next call)."""
+    def _find_data_plane(self) -> tuple[DataPlaneClient | None, float]:
+        """(the data plane or None, when to ask again if None: now for a server that could
+        not be asked, later for a data port that could not be reached, never for a server
+        without one)."""
         try:
             reply = self.stub().DataPlane(ps_pb2.DataPlaneRequest(),
                                           timeout=min(10.0, self.options.timeout))
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return None, False  # the call itself will say what is wrong
+                return None, 0.0  # the call itself will say what is wrong
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older server: quietly gRPC
                 log.warning("server %s did not say where its data plane is (%s: %s); using "
                             "gRPC for PullMany/PushMany", self.address, err.code().name,
                             err.details())
-            return None, True
+            return None, math.inf
         if not reply.port or reply.version != dataplane.VERSION:
-            return None, True
+            return None, math.inf
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
-                                self.options, reply.server_id)
+                                self.options, reply.server_id, reply.max_message_bytes,
+                                reply.idle_timeout_s)
         try:
             plane.check()
         except grpc.RpcError as err:
-            log.warning("server %s: its data plane at %s cannot be reached (%s); using gRPC "
-                        "for PullMany/PushMany (open that port, or run the server with "
-                        "--data-port -1)", self.address, plane.where, err.details())
-            return None, True
-        return plane, True
+            log.warning("server %s: its data plane at %s cannot be reached now (%s); using "
+                        "gRPC for PullMany/PushMany, trying again in %.0fs (if this lasts, "
+                        "open that port, or run the server with --data-port -1)",
+                        self.address, plane.where, err.details(), PLANE_RETRY_S)
+            return None, time.monotonic() + PLANE_RETRY_S
+        return plane, math.inf
 
     def result(self, future, method: str, request, table: str | None = None,
                timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = ()):

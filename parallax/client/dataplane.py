@@ -3,16 +3,20 @@ PushMany to one server as frames on connections kept open, one per request in fl
 
 `DataPlaneClient.invoker(method)` is called like the gRPC stub's method (request, timeout)
 and returns the same decoded response; a failure is raised as a `grpc.RpcError` with the
-server's status code (a lost or refused connection is UNAVAILABLE), so
-`ServerConnection.call` retries and reports it exactly as it does gRPC's. A connection that
-saw an error is not reused.
+server's status code, so `ServerConnection.call` retries and reports it exactly as it does
+gRPC's. A failure of the connection itself (refused, reset, another server on the port) is
+UNAVAILABLE with `transport=True`: the caller then asks the server where its data plane is
+again. A connection that saw an error is not reused, nor one idle long enough for the server
+to have closed it.
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import threading
+import time
 
 import grpc
 
@@ -31,11 +35,12 @@ _DECODE = {"PullMany": bulk_codec.decode_pull_many_response,
 
 
 class DataPlaneError(grpc.RpcError):
-    """A data-plane call's failure, shaped like gRPC's (code() and details())."""
+    """A data-plane call's failure, shaped like gRPC's (code() and details()); `transport`:
+    the connection failed (not an answer of the server)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, transport: bool = False) -> None:
         super().__init__(details)
-        self._code, self._details = code, details
+        self._code, self._details, self.transport = code, details, transport
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -44,7 +49,11 @@ class DataPlaneError(grpc.RpcError):
         return self._details
 
 
-def _tls_context(options, host: str) -> ssl.SSLContext | None:
+def _lost(details: str) -> DataPlaneError:
+    return DataPlaneError(grpc.StatusCode.UNAVAILABLE, details, transport=True)
+
+
+def _tls_context(options) -> ssl.SSLContext | None:
     if not options.tls_ca:
         return None
     context = ssl.create_default_context(cafile=options.tls_ca)
@@ -54,15 +63,21 @@ def _tls_context(options, host: str) -> ssl.SSLContext | None:
 
 
 class DataPlaneClient:
-    """Connections to the data plane of the server run `server_id` at host:port."""
+    """Connections to the data plane of the server run `server_id` at host:port, whose
+    message limit is `max_message_bytes` (0: unknown) and which closes connections idle for
+    `idle_timeout_s` (0: unknown)."""
 
-    def __init__(self, host: str, port: int, options, server_id: int = 0) -> None:
+    def __init__(self, host: str, port: int, options, server_id: int = 0,
+                 max_message_bytes: int = 0, idle_timeout_s: float = 0) -> None:
         self.host, self.port, self.options, self.server_id = host, port, options, server_id
         self.where = f"{host}:{port}"
-        self._tls = _tls_context(options, host)
-        self._idle: list[socket.socket] = []
+        self._limit = min(options.max_message_bytes, max_message_bytes or 1 << 62)
+        self._reuse_s = idle_timeout_s / 2 if idle_timeout_s else 60.0
+        self._tls = _tls_context(options)
+        self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it went idle)
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a forked child opens its own connections
+        self._closed = False
 
     def invoker(self, method: str):
         def call(request, timeout: float | None = None):
@@ -72,10 +87,11 @@ class DataPlaneClient:
 
     def call(self, method: str, body: bytes, timeout: float) -> bytes:
         """The response body of one request; raises DataPlaneError."""
-        if len(body) > self.options.max_message_bytes:  # as gRPC's own send limit does
+        if len(body) > self._limit:  # as gRPC's send limit, or the server, would say
             raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"{method} of {len(body)} bytes is over this client's "
-                                 f"message limit of {self.options.max_message_bytes} bytes")
+                                 f"{method} of {len(body)} bytes is over the message limit of "
+                                 f"{self._limit} bytes; lower ClientOptions.chunk_mb or raise "
+                                 f"the server's --max-message-mb")
         sock = self._take()
         try:
             sock.settimeout(timeout + REPLY_MARGIN_S)
@@ -83,7 +99,7 @@ class DataPlaneClient:
                                             float(timeout), len(body))
             _send(sock, header, body)
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
-            payload = dataplane.recv_exact(sock, self._answer_size(length))
+            payload = dataplane.recv_exact(sock, self._answer_size(sock, method, length))
         except socket.timeout:
             _close(sock)
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -91,8 +107,7 @@ class DataPlaneClient:
                                  f"{timeout + REPLY_MARGIN_S:.0f}s") from None
         except (OSError, EOFError, FrameError) as exc:
             _close(sock)
-            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
-                                 f"data-plane connection to {self.where} failed: {exc}") from None
+            raise _lost(f"data-plane connection to {self.where} failed: {exc}") from None
         if status:
             _close(sock)  # the server may close it after an error: never reuse it
             raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
@@ -100,19 +115,14 @@ class DataPlaneClient:
         self._give_back(sock)
         return bytes(payload)
 
-    def _answer_size(self, length: int) -> int:
-        limit = self.options.max_message_bytes + (1 << 20)
-        if length > limit:
-            raise FrameError(f"an answer of {length} bytes, over this client's limit of "
-                             f"{limit}: is {self.where} a parallax server?")
+    def _answer_size(self, sock: socket.socket, method: str, length: int) -> int:
+        if length > self.options.max_message_bytes + (1 << 20):
+            _close(sock)
+            raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"{method}'s answer of {length} bytes is over this client's "
+                                 f"limit of {self.options.max_message_bytes} bytes; raise "
+                                 f"ClientOptions.max_message_mb or lower chunk_mb")
         return length
-
-    def _give_back(self, sock: socket.socket) -> None:
-        with self._lock:
-            if len(self._idle) < MAX_IDLE:
-                self._idle.append(sock)
-                return
-        _close(sock)
 
     def check(self) -> None:
         """Open (and keep) one connection now; raises DataPlaneError if it cannot."""
@@ -120,22 +130,32 @@ class DataPlaneClient:
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
-        for sock in idle:
+            idle, self._idle, self._closed = self._idle, [], True
+        for sock, _ in idle:
             _close(sock)
 
-    def _take(self) -> socket.socket:
+    def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
-            if self._pid != os.getpid():  # the parent's connections are the parent's
-                self._idle, self._pid = [], os.getpid()
-            if self._idle:
-                return self._idle.pop()
+            if not self._closed and len(self._idle) < MAX_IDLE:
+                self._idle.append((sock, time.monotonic()))
+                return
+        _close(sock)
+
+    def _take(self) -> socket.socket:
+        while True:
+            with self._lock:
+                if self._pid != os.getpid():  # the parent's connections are the parent's
+                    self._idle, self._pid = [], os.getpid()
+                sock, since = self._idle.pop() if self._idle else (None, 0.0)
+            if sock is None:
+                break
+            if time.monotonic() - since < self._reuse_s and _still_open(sock):
+                return sock
+            _close(sock)  # idle long enough for the server to have closed it, or closed
         try:
             return self._connect()
         except (OSError, EOFError, FrameError, ssl.SSLError) as exc:
-            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
-                                 f"cannot connect to the data plane at {self.where}: "
-                                 f"{exc}") from None
+            raise _lost(f"cannot connect to the data plane at {self.where}: {exc}") from None
 
     def _connect(self) -> socket.socket:
         sock = dataplane.tune(socket.create_connection((self.host, self.port),
@@ -153,16 +173,24 @@ class DataPlaneClient:
             raise
         if status:  # refused: a wrong token is an answer; a full server sends us to gRPC
             _close(sock)
+            details = payload.decode("utf-8", "replace")
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
-            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE if
-                                 code == grpc.StatusCode.RESOURCE_EXHAUSTED else code,
-                                 payload.decode("utf-8", "replace"))
+            raise _lost(details) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else \
+                DataPlaneError(code, details)
         if self.server_id and bytes(payload) != dataplane.SERVER_ID.pack(self.server_id):
             _close(sock)
-            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE,
-                                 f"{self.where} is the data plane of another server (a "
-                                 f"restarted server, or another job's on the same port)")
+            raise _lost(f"{self.where} is the data plane of another server (a restarted "
+                        f"server, or another job's on the same port)")
         return sock
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle connection has nothing to read; readable means the server closed it."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
 
 
 def _send(sock: socket.socket, header: bytes, body: bytes) -> None:

@@ -10,9 +10,10 @@ What a peer without the token can cost is bounded: at most `MAX_GREETING` connec
 between accept and an accepted hello (more are closed at once, with no thread), and each has
 `HELLO_TIMEOUT_S` in all for its TLS handshake and hello. Only greeted connections count
 towards `max_connections`. A body is read as it arrives (memory grows with the bytes sent,
-not with the length a header declares), and a frame that stops half-way is dropped after
-`FRAME_TIMEOUT_S`; a connection idle for `IDLE_TIMEOUT_S` is closed (clients reconnect).
-Stopping closes the listener at once and the connections once gRPC's grace period is over.
+not with the length a header declares), and a frame or answer that stalls for
+`FRAME_TIMEOUT_S` drops its connection; a connection idle for `IDLE_TIMEOUT_S` is closed
+(clients drop their idle connections before that). Stopping closes the listener at once and
+the connections once the requests in flight are answered or the grace period is over.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ log = logging.getLogger("parallax_ps")
 MAX_CONNECTIONS = 512   # greeted connections open at once (each a thread, mostly in recv)
 MAX_GREETING = 64       # connections accepted but not yet greeted
 HELLO_TIMEOUT_S = 10.0  # for the TLS handshake and the hello, in all
-FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came
+FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came, and each
+#                         write of an answer
 IDLE_TIMEOUT_S = 600.0  # a greeted connection with no request this long is closed
 _ACCEPT_RETRY_S = 0.1   # after a failed accept (out of file descriptors, memory)
 _DECODE = {"PullMany": tolerant(ps_pb2.PullManyRequest.FromString, "PullManyRequest"),
@@ -92,7 +94,10 @@ class DataPlaneServer:
         self._open: dict[int, socket.socket] = {}  # by connection number: the live socket
         self._greeting = 0   # accepted, not yet greeted
         self._greeted = 0
+        self._in_flight = 0  # requests being answered
+        self._idle = threading.Condition(self._lock)
         self._stopped = False
+        self.idle_timeout_s = IDLE_TIMEOUT_S
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def stop_listening(self) -> None:
@@ -100,6 +105,13 @@ class DataPlaneServer:
         with self._lock:
             self._stopped = True
         _close(self._listener)
+
+    def wait_idle(self, seconds: float) -> None:
+        """Wait up to `seconds` for the requests being answered to be answered."""
+        deadline = time.monotonic() + seconds
+        with self._idle:
+            while self._in_flight and time.monotonic() < deadline:
+                self._idle.wait(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Close the listener and every connection."""
@@ -187,24 +199,32 @@ class DataPlaneServer:
                     "missing or wrong cluster token (ClientOptions.token / PARALLAX_TOKEN_FILE "
                     "must match the server's --token-file)")
             return False
-        with self._lock:
-            crowded = self._greeted >= self._max_connections
-            if not crowded:
-                self._greeting -= 1
-                self._greeted += 1
-        if crowded:
+        if not self._count_greeted(+1):
             _refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the data plane has its {self._max_connections} connections open; this "
                     f"client uses gRPC instead")
             return False
-        sock.sendall(_response(0, dataplane.SERVER_ID.pack(self.server_id)) +
-                     dataplane.SERVER_ID.pack(self.server_id))
+        try:
+            sock.sendall(_response(0, dataplane.SERVER_ID.pack(self.server_id)) +
+                         dataplane.SERVER_ID.pack(self.server_id))
+        except BaseException:
+            self._count_greeted(-1)  # the caller forgets it as not greeted
+            raise
         return True
+
+    def _count_greeted(self, change: int) -> bool:
+        """Move one connection from greeting to greeted (+1; False when full) or back (-1)."""
+        with self._lock:
+            if change > 0 and self._greeted >= self._max_connections:
+                return False
+            self._greeting -= change
+            self._greeted += change
+            return True
 
     # ---- requests -----------------------------------------------------------------------
     def _answer(self, sock: socket.socket) -> bool:
         """Serve one request frame; False when the connection must close."""
-        sock.settimeout(IDLE_TIMEOUT_S)
+        sock.settimeout(self.idle_timeout_s)
         method, deadline_s, length = dataplane.read_header(sock, dataplane.REQUEST)
         sock.settimeout(FRAME_TIMEOUT_S)
         name = dataplane.METHODS.get(method)
@@ -212,16 +232,26 @@ class DataPlaneServer:
             self._refuse_frame(sock, name, method, length)
             return False
         request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
-        sock.settimeout(None)  # the handler may wait for a step; the client has its deadline
+        with self._lock:
+            self._in_flight += 1
+        try:
+            code, body = self._handle(name, request, deadline_s)
+            sock.settimeout(FRAME_TIMEOUT_S)  # a client that stopped reading lets go of us
+            dataplane.send_frame(sock, _response(code, body), body)
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+        return True
+
+    def _handle(self, name: str, request, deadline_s: float) -> tuple[int, bytes]:
+        """(status code, body) of one request; the handler may wait for a step (the client
+        has its own deadline)."""
         try:
             answer = getattr(self.service, name)(request, _Context(deadline_s))
         except _Refused as refused:
-            body = refused.message.encode()
-            dataplane.send_frame(sock, _response(refused.code.value[0], body), body)
-            return True
-        body = answer if isinstance(answer, bytes) else answer.SerializeToString()
-        dataplane.send_frame(sock, _response(0, body), body)
-        return True
+            return refused.code.value[0], refused.message.encode()
+        return 0, answer if isinstance(answer, bytes) else answer.SerializeToString()
 
     def _refuse_frame(self, sock: socket.socket, name: str | None, method: int,
                       length: int) -> None:

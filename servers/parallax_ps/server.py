@@ -125,6 +125,7 @@ class RunningServer:
         if self.data_plane is not None:
             self.service.data_port = self.data_plane.port
             self.service.data_server_id = self.data_plane.server_id
+            self.service.data_idle_timeout_s = int(self.data_plane.idle_timeout_s)
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -138,7 +139,8 @@ class RunningServer:
         done = self.server.stop(self.config.grace_seconds if grace is None else grace)
         self.service.close()
         done.wait()
-        if self.data_plane is not None:
+        if self.data_plane is not None:  # its requests in flight get the same grace
+            self.data_plane.wait_idle(self.config.grace_seconds if grace is None else grace)
             self.data_plane.stop()
         self.wait_pool.shutdown(wait=False)
 

@@ -142,6 +142,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
         self.data_server_id = 0
+        self.data_idle_timeout_s = 0
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes)
         self.stats = ServerStats()
@@ -307,7 +308,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def DataPlane(self, request, context):
         """Where PullMany and PushMany are also served as frames (0: nowhere)."""
         return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION,
-                                        server_id=self.data_server_id), "", 0, 0
+                                        server_id=self.data_server_id,
+                                        max_message_bytes=self.max_message_bytes,
+                                        idle_timeout_s=self.data_idle_timeout_s), "", 0, 0
 
     @_rpc_many("PushMany")
     def PushMany(self, request: bulk_codec.BulkPushMany, context):
