@@ -640,3 +640,13 @@ def serialize_push(request) -> bytes:
     """Request serializer for Push and PushMany: pre-encoded bytes pass through, messages
     serialise."""
     return request if isinstance(request, bytes) else request.SerializeToString()
+
+
+# How a client (de)serialises the methods whose rows go through this codec: (request
+# serializer, response deserializer) by method, for gRPC stubs and the data plane alike.
+CLIENT_CODECS = {
+    "Pull": (ps_pb2.PullRequest.SerializeToString, decode_pull_response),
+    "Push": (serialize_push, ps_pb2.PushResponse.FromString),
+    "PullMany": (ps_pb2.PullManyRequest.SerializeToString, decode_pull_many_response),
+    "PushMany": (serialize_push, ps_pb2.PushManyResponse.FromString),
+}

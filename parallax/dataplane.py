@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 MAGIC = b"PXD1"
 VERSION = 1
@@ -38,21 +39,22 @@ CODES = {name: code for code, name in METHODS.items()}
 REQUEST = struct.Struct("<4sB3xdQ")   # magic, method, deadline (s), body length
 RESPONSE = struct.Struct("<4sB3xQ")   # magic, status code, body length
 SMALL_BODY = 64 * 1024  # bodies below this are sent in one piece with their header
+SERVER_ID = struct.Struct("<Q")
+PIECE = 1 << 20  # a body is read (and its buffer grown) this much at a time
 
 
 class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol."""
 
 
-SERVER_ID = struct.Struct("<Q")
-PIECE = 1 << 20  # a body is read (and its buffer grown) this much at a time
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytearray:
+def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
     """Exactly `size` bytes; EOFError if the peer closed first. Memory grows with what
-    arrives, not with what a header declares."""
+    arrives, not with what a header declares. With `deadline` (time.monotonic()), all of
+    it must come by then (not just each read: socket.timeout otherwise)."""
     buffer = bytearray()
     while len(buffer) < size:
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
         piece = sock.recv(min(PIECE, size - len(buffer)))
         if not piece:
             raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
@@ -69,8 +71,9 @@ def send_frame(sock: socket.socket, header: bytes, body) -> None:
         sock.sendall(body)
 
 
-def read_header(sock: socket.socket, layout: struct.Struct) -> tuple:
-    fields = layout.unpack(recv_exact(sock, layout.size))
+def read_header(sock: socket.socket, layout: struct.Struct,
+                deadline: float | None = None) -> tuple:
+    fields = layout.unpack(recv_exact(sock, layout.size, deadline))
     if fields[0] != MAGIC:
         raise FrameError(f"not a parallax data-plane frame (starts {fields[0]!r}, expected "
                          f"{MAGIC!r})")

@@ -85,18 +85,10 @@ def _stub(channel: grpc.Channel) -> ps_pb2_grpc.ParameterServerStub:
     codec."""
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     prefix = "/parallax.ps.v1.ParameterServer/"
-    stub.Pull = channel.unary_unary(prefix + "Pull",
-                                    request_serializer=ps_pb2.PullRequest.SerializeToString,
-                                    response_deserializer=bulk_codec.decode_pull_response)
-    stub.Push = channel.unary_unary(prefix + "Push",
-                                    request_serializer=bulk_codec.serialize_push,
-                                    response_deserializer=ps_pb2.PushResponse.FromString)
-    stub.PullMany = channel.unary_unary(
-        prefix + "PullMany", request_serializer=ps_pb2.PullManyRequest.SerializeToString,
-        response_deserializer=bulk_codec.decode_pull_many_response)
-    stub.PushMany = channel.unary_unary(
-        prefix + "PushMany", request_serializer=bulk_codec.serialize_push,
-        response_deserializer=ps_pb2.PushManyResponse.FromString)
+    for method, (serialize, deserialize) in bulk_codec.CLIENT_CODECS.items():
+        setattr(stub, method, channel.unary_unary(prefix + method,
+                                                  request_serializer=serialize,
+                                                  response_deserializer=deserialize))
     return stub
 
 

@@ -22,16 +22,12 @@ import grpc
 
 from parallax import bulk_codec, dataplane
 from parallax.dataplane import FrameError
-from parallax.ps.v1 import ps_pb2
 
 CONNECT_TIMEOUT_S = 5.0
 REPLY_MARGIN_S = 5.0  # past the request's own deadline, which the server answers itself
 MAX_IDLE = 16         # connections kept open per server between requests
 _LATE_ANSWER_S = 1.0  # after a failed send: how long to look for the server's refusal
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_ENCODE = {"PullMany": lambda r: r.SerializeToString(), "PushMany": bulk_codec.serialize_push}
-_DECODE = {"PullMany": bulk_codec.decode_pull_many_response,
-           "PushMany": ps_pb2.PushManyResponse.FromString}
 
 
 class DataPlaneError(grpc.RpcError):
@@ -80,9 +76,11 @@ class DataPlaneClient:
         self._closed = False
 
     def invoker(self, method: str):
+        serialize, deserialize = bulk_codec.CLIENT_CODECS[method]  # as over gRPC
+
         def call(request, timeout: float | None = None):
-            body = _ENCODE[method](request)
-            return _DECODE[method](self.call(method, body, timeout or self.options.timeout))
+            body = serialize(request)
+            return deserialize(self.call(method, body, timeout or self.options.timeout))
         return call
 
     def call(self, method: str, body: bytes, timeout: float) -> bytes:

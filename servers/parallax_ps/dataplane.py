@@ -28,10 +28,9 @@ import time
 
 import grpc
 
-from parallax import bulk_codec, dataplane
+from parallax import dataplane
 from parallax.dataplane import FrameError
-from parallax.ps.v1 import ps_pb2
-from parallax_ps.service import ParameterServerService, tolerant
+from parallax_ps.service import ParameterServerService, request_deserializer
 
 log = logging.getLogger("parallax_ps")
 
@@ -42,8 +41,7 @@ FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came, 
 #                         write of an answer
 IDLE_TIMEOUT_S = 600.0  # a greeted connection with no request this long is closed
 _ACCEPT_RETRY_S = 0.1   # after a failed accept (out of file descriptors, memory)
-_DECODE = {"PullMany": tolerant(ps_pb2.PullManyRequest.FromString, "PullManyRequest"),
-           "PushMany": tolerant(bulk_codec.decode_push_many_request, "PushManyRequest")}
+_DECODE = {name: request_deserializer(name) for name in dataplane.METHODS.values()}
 
 
 class _Refused(Exception):
@@ -190,10 +188,10 @@ class DataPlaneServer:
         """The hello, within HELLO_TIMEOUT_S of the handshake: the token (compared in
         constant time); True, counted as greeted, when accepted."""
         deadline = time.monotonic() + HELLO_TIMEOUT_S
-        method, _, length = _read_header_by(sock, dataplane.REQUEST, deadline)
+        method, _, length = dataplane.read_header(sock, dataplane.REQUEST, deadline)
         if method != dataplane.HELLO or length > 4096:
             raise FrameError(f"expected a hello frame, got method {method}, {length} bytes")
-        token = bytes(_recv_by(sock, length, deadline))
+        token = bytes(dataplane.recv_exact(sock, length, deadline))
         if not hmac.compare_digest(token, self._expected):
             _refuse(sock, grpc.StatusCode.UNAUTHENTICATED,
                     "missing or wrong cluster token (ClientOptions.token / PARALLAX_TOKEN_FILE "
@@ -280,25 +278,6 @@ def _listen(host: str, port: int) -> socket.socket:
                       f"another --data-port, or -1 for none") from None
     listener.listen(128)
     return listener
-
-
-def _recv_by(sock: socket.socket, size: int, deadline: float) -> bytearray:
-    """recv_exact, all of it before `deadline` (not just each read)."""
-    buffer = bytearray()
-    while len(buffer) < size:
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        piece = sock.recv(min(dataplane.PIECE, size - len(buffer)))
-        if not piece:
-            raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
-        buffer += piece
-    return buffer
-
-
-def _read_header_by(sock: socket.socket, layout, deadline: float) -> tuple:
-    fields = layout.unpack(_recv_by(sock, layout.size, deadline))
-    if fields[0] != dataplane.MAGIC:
-        raise FrameError(f"not a parallax data-plane frame (starts {fields[0]!r})")
-    return fields[1:]
 
 
 def _drain(sock: socket.socket, limit: int) -> None:

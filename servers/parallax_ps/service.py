@@ -68,7 +68,7 @@ class Undecodable:
         self.reason = reason
 
 
-def tolerant(deserialize, name: str):
+def _tolerant(deserialize, name: str):
     def parse(data: bytes):
         try:
             return deserialize(data)
@@ -438,30 +438,38 @@ def _on_pool(behavior, pool: futures.ThreadPoolExecutor):
     return run
 
 
+_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+_BULK_REQUESTS = {"Push": bulk_codec.decode_push_request,
+                  "PushMany": bulk_codec.decode_push_many_request}
+
+
+def request_deserializer(method: str):
+    """How the server reads `method`'s request bytes (gRPC and the data plane alike): the
+    bulk codec for Push and PushMany, protobuf otherwise; bytes that do not parse become an
+    `Undecodable`, which the handler answers INVALID_ARGUMENT."""
+    name = _SERVICE.methods_by_name[method].input_type.name
+    return _tolerant(_BULK_REQUESTS.get(method, getattr(ps_pb2, name).FromString), name)
+
+
 def add_to_server(service: ParameterServerService, server: grpc.Server,
                   wait_pool: futures.ThreadPoolExecutor | None = None) -> None:
     """Register the service like the generated helper does, except that Pull and PullMany
     answers and Push and PushMany requests use the bulk codec (same wire format, fewer
     copies), and that `WAITING_METHODS` run on `wait_pool` when one is given."""
     handlers = {}
-    for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
-        request_type = getattr(ps_pb2, method.input_type.name)
+    for method in _SERVICE.methods:
         response_type = getattr(ps_pb2, method.output_type.name)
-        deserialize, serialize = request_type.FromString, response_type.SerializeToString
+        serialize = response_type.SerializeToString
         if method.name in ("Pull", "PullMany"):
             serialize = bytes
-        if method.name == "Push":
-            deserialize = bulk_codec.decode_push_request
-        if method.name == "PushMany":
-            deserialize = bulk_codec.decode_push_many_request
         factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
                    else grpc.unary_unary_rpc_method_handler)
         behavior = getattr(service, method.name)
         if wait_pool is not None and method.name in WAITING_METHODS:
             behavior = _on_pool(behavior, wait_pool)
         handlers[method.name] = factory(behavior,
-                                        request_deserializer=tolerant(deserialize,
-                                                                       method.input_type.name),
+                                        request_deserializer=request_deserializer(
+                                            method.name),
                                         response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
