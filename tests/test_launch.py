@@ -273,9 +273,11 @@ def test_a_hung_server_is_named_in_one_line(mark):
     [probe] = launcher.wait_for_probes(1)
     servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
     victim = servers[1]
-    port = next(c.laddr.port for c in psutil.Process(victim).net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN)
-    index = next(i for i, a in enumerate(probe["addresses"]) if a.endswith(f":{port}"))
+    # The server listens on its gRPC port and on its data port: the address is the gRPC one.
+    ports = {c.laddr.port for c in psutil.Process(victim).net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN}
+    index = next(i for i, a in enumerate(probe["addresses"])
+                 if int(a.rsplit(":", 1)[1]) in ports)
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     assert launcher.wait(30) == 1, launcher.output()
