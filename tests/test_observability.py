@@ -124,6 +124,46 @@ def test_metrics_endpoint_answers_404_elsewhere_and_is_off_by_default(metered):
     assert proc.returncode == 2 and "--metrics-port 70000" in proc.stderr
 
 
+def test_metrics_add_the_process_and_speak_openmetrics_when_asked(metered):
+    _, address = metered
+    samples = scrape(address)  # no Accept header: text format 0.0.4 (checked by scrape)
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_resident_memory_bytes") > 0
+    assert any(name == "python_info" for name, _ in samples)
+    assert any(name == "python_gc_collections_total" for name, _ in samples)
+    request = urllib.request.Request(f"http://{address}/metrics", headers={
+        "Accept": "application/openmetrics-text; version=1.0.0,text/plain;q=0.5"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        kind, text = reply.headers["Content-Type"], reply.read().decode()
+    assert kind.startswith("application/openmetrics-text;"), kind
+    assert text.endswith("# EOF\n")
+    assert "# TYPE parallax_requests counter" in text and "parallax_up 1.0" in text
+    bad = urllib.request.Request(f"http://{address}/metrics", headers={
+        "Accept": "application/openmetrics-text; version=x"})  # the library may not parse it
+    with urllib.request.urlopen(bad, timeout=10) as reply:
+        assert reply.status == 200 and "parallax_up 1.0" in reply.read().decode()
+
+
+def test_metrics_servers_in_one_process_keep_their_own_registries():
+    """Each endpoint has a registry of its own: two in one process show their own families
+    (and both the process's), and nothing lands in prometheus_client's default registry."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    from parallax_ps.metrics import MetricsServer
+    servers = [MetricsServer("127.0.0.1", 0, lambda n=n: [GaugeMetricFamily(
+        f"parallax_test_{n}", "A test gauge.", value=1)]) for n in ("a", "b")]
+    try:
+        a, b = [scrape(server.address) for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+    assert value(a, "parallax_test_a") == 1 and ("parallax_test_b", frozenset()) not in a
+    assert value(b, "parallax_test_b") == 1 and ("parallax_test_a", frozenset()) not in b
+    assert value(a, "process_cpu_seconds_total") > 0 and value(b, "process_cpu_seconds_total")
+    assert not [m for m in REGISTRY.collect() if m.name.startswith("parallax_")]
+
+
 def test_status_reports_tables_and_exit_codes():
     with LocalCluster(2) as cluster, PSClient(cluster.addresses) as client:
         spec = TableSpec(name="stat", vocabulary_size=100, dim=DIM, shard_count=2,

@@ -1,17 +1,22 @@
-"""Prometheus metrics of one parameter server, served as text (exposition format 0.0.4).
+"""Prometheus metrics of one parameter server, exposed with `prometheus_client`.
 
 `RequestMetrics` is fed by `ServerStats.record` (one call per RPC, under one lock, no
-allocation beyond the first request of a label set); `render` adds gauges read from the
-shards at scrape time; `MetricsServer` answers `GET /metrics` from a daemon thread
-(stdlib `http.server`, no dependency).
+allocation beyond the first request of a label set: plain dicts, no client-library objects
+on that path); at scrape time it turns them into metric families, and `render` adds the
+gauges of the shards. `MetricsServer` answers `GET /metrics` from a daemon thread with a
+`CollectorRegistry` of its own (never the process-wide default: several servers can live in
+one process): those families plus the library's `process_*` and `python_*` ones (process,
+platform and garbage collector). The text is the library's: Prometheus text format 0.0.4, or
+OpenMetrics when the scraper's `Accept` header asks for it (`choose_encoder`).
 
-The endpoint is guarded like the gRPC API: with a token, a scrape must carry
-`Authorization: Bearer <token>` (else 401); with TLS, it is HTTPS with the server's
-certificate (and, for mutual TLS, requires a client certificate signed by the same CA). At
-most `MAX_CONNECTIONS` connections are served at once (more are closed on arrival), and one
-that has not sent its whole request (TLS handshake and headers) within
-`PARALLAX_METRICS_IDLE_S` seconds of arriving (default 5) is closed, however steadily it
-trickles: slow clients cannot hold the slots, whether or not they know the token.
+The HTTP layer is our own (`http.server`), because it is what enforces the endpoint's guard,
+like the gRPC API's: with a token, a scrape must carry `Authorization: Bearer <token>` (else
+401); with TLS, it is HTTPS with the server's certificate (and, for mutual TLS, requires a
+client certificate signed by the same CA). At most `MAX_CONNECTIONS` connections are served
+at once (more are closed on arrival), and one that has not sent its whole request (TLS
+handshake and headers) within `PARALLAX_METRICS_IDLE_S` seconds of arriving (default 5) is
+closed, however steadily it trickles: slow clients cannot hold the slots, whether or not
+they know the token.
 """
 from __future__ import annotations
 
@@ -28,15 +33,22 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
 
+from prometheus_client import (CollectorRegistry, GCCollector, PlatformCollector,
+                               ProcessCollector)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, Metric)
+from prometheus_client.utils import floatToGoString
+
 from parallax.errors import ConfigError
 from parallax.security import TOKEN_SCHEME
 
 log = logging.getLogger("parallax_ps")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds (seconds) of the latency histogram: 100 us .. 10 s.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1.0, 2.5, 5.0, 10.0)
+BUCKET_LABELS = tuple(floatToGoString(b) for b in BUCKETS + (float("inf"),))  # "le" values
 MAX_CONNECTIONS = 8  # served at once; more are closed on arrival
 IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a connection has for its request (default 5)
 # Which way the row payload (values, gradients) of a method travels.
@@ -44,33 +56,42 @@ DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in", "PullMany": "out",
              "PushMany": "in"}
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(**labels: object) -> str:
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}" if inner else ""
-
-
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
 class _Histogram:
-    __slots__ = ("counts", "sum", "count")
+    __slots__ = ("counts", "sum")  # the count is the +Inf bucket's, summed at scrape time
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)  # per bucket, not cumulative; last is +Inf
         self.sum = 0.0
-        self.count = 0
 
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
         self.sum += seconds
-        self.count += 1
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, int]]:
+    """(le, count) pairs of a histogram from its per-bucket counts."""
+    out, total = [], 0
+    for label, n in zip(BUCKET_LABELS, counts):
+        total += n
+        out.append((label, total))
+    return out
+
+
+def _counter(name: str, help_: str, labels: tuple[str, ...], items) -> CounterMetricFamily:
+    """A counter family (`name` ends in _total) of ((label values...), value) items."""
+    family = CounterMetricFamily(name, help_, labels=labels)
+    for key, value in items:
+        family.add_metric(key, value)
+    return family
+
+
+def _gauge(name: str, help_: str, items, labels: tuple[str, ...] = ("table", "shard")
+           ) -> GaugeMetricFamily:
+    """A gauge family of ((label values...), value) items, by table shard by default."""
+    family = GaugeMetricFamily(name, help_, labels=labels)
+    for key, value in items:
+        family.add_metric(key, value)
+    return family
 
 
 class RequestMetrics:
@@ -106,76 +127,81 @@ class RequestMetrics:
             with self._lock:
                 self._rows[(method, table)] = self._rows.get((method, table), 0) + rows
 
-    def lines(self) -> list[str]:
+    def families(self) -> list[Metric]:
+        """The counters and histograms as metric families (a copy taken under the lock)."""
         with self._lock:
             requests, rows = sorted(self._requests.items()), sorted(self._rows.items())
             nbytes = sorted(self._bytes.items())
-            latency = sorted((m, list(h.counts), h.sum, h.count)
-                             for m, h in self._latency.items())
-        out = _family("parallax_requests_total", "counter",
-                      "RPCs handled, by method and gRPC status code (OK or the error code).",
-                      ((_labels(method=m, code=c), v) for (m, c), v in requests))
-        out += _family("parallax_request_seconds", "histogram",
-                       "Time to handle an RPC (including waits for a sync step), by method.",
-                       ())
-        for method, counts, total, count in latency:
-            cumulative = 0
-            for bound, n in zip(BUCKETS + (float("inf"),), counts):
-                cumulative += n
-                out.append(f"parallax_request_seconds_bucket"
-                           f"{_labels(method=method, le=_number(bound))} {cumulative}")
-            out.append(f"parallax_request_seconds_sum{_labels(method=method)} {total!r}")
-            out.append(f"parallax_request_seconds_count{_labels(method=method)} {count}")
-        out += _family("parallax_bytes_total", "counter",
-                       "Row payload bytes of successful Pull and PullMany (values sent: out), "
-                       "Push and PushMany (gradients received: in) and InitRows (values "
-                       "received: in).",
-                       ((_labels(method=m, direction=d), v) for (m, d), v in nbytes))
-        out += _family("parallax_rows_total", "counter",
-                       "Rows pulled, pushed, initialised, created, saved or restored by "
-                       "successful RPCs, by method and table.",
-                       ((_labels(method=m, table=t), v) for (m, t), v in rows))
-        return out
+            latency = sorted((m, list(h.counts), h.sum) for m, h in self._latency.items())
+        seconds = HistogramMetricFamily(
+            "parallax_request_seconds",
+            "Time to handle an RPC (including waits for a sync step), by method.",
+            labels=("method",))
+        for method, counts, total in latency:
+            seconds.add_metric((method,), _cumulative(counts), total)
+        return [
+            _counter("parallax_requests_total",
+                     "RPCs handled, by method and gRPC status code (OK or the error code).",
+                     ("method", "code"), requests),
+            seconds,
+            _counter("parallax_bytes_total",
+                     "Row payload bytes of successful Pull and PullMany (values sent: out), "
+                     "Push and PushMany (gradients received: in) and InitRows (values "
+                     "received: in).", ("method", "direction"), nbytes),
+            _counter("parallax_rows_total",
+                     "Rows pulled, pushed, initialised, created, saved or restored by "
+                     "successful RPCs, by method and table.", ("method", "table"), rows)]
 
 
-def _family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, object]]
-            ) -> list[str]:
-    out = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-    out += [f"{name}{labels} {_number(value)}" for labels, value in samples]
-    return out
-
-
-def table_lines(shards: list) -> list[str]:
+def table_families(shards: list) -> list[Metric]:
     """Gauges of the table shards held by this server (read under each shard's lock)."""
     steps, lags, rows, sizes = [], [], [], []
     for shard in shards:
         with shard.cond:
-            labels = _labels(table=shard.spec.name, shard=shard.shard_index)
+            labels = (shard.spec.name, str(shard.shard_index))
             steps.append((labels, shard.steps.step))
             if shard.steps.sync:
                 lags.append((labels, shard.steps.num_workers - len(shard.steps.pushed_workers())))
             rows.append((labels, shard.storage.num_rows))
             sizes.append((labels, shard.nbytes))
-    out = _family("parallax_up", "gauge", "1 while the server is serving.", [("", 1)])
-    out += _family("parallax_tables", "gauge", "Table shards held by this server.",
-                   [("", len(shards))])
-    out += _family("parallax_table_step", "gauge",
-                   "Steps applied by a table shard (sync: closed steps; async: pushes "
-                   "applied).", steps)
-    out += _family("parallax_step_lag", "gauge",
-                   "Sync tables only: workers that have not yet completed their push for the "
-                   "open step (num_workers: none has pushed it yet; between 1 and "
-                   "num_workers-1 for long: the shard is waiting for stragglers).", lags)
-    out += _family("parallax_table_rows", "gauge", "Rows held by a table shard.", rows)
-    out += _family("parallax_table_bytes", "gauge",
-                   "Bytes of values and optimizer slots held by a table shard.", sizes)
-    return out
+    return [
+        GaugeMetricFamily("parallax_up", "1 while the server is serving.", value=1),
+        GaugeMetricFamily("parallax_tables", "Table shards held by this server.",
+                          value=len(shards)),
+        _gauge("parallax_table_step", "Steps applied by a table shard (sync: closed steps; "
+               "async: pushes applied).", steps),
+        _gauge("parallax_step_lag", "Sync tables only: workers that have not yet completed "
+               "their push for the open step (num_workers: none has pushed it yet; between 1 "
+               "and num_workers-1 for long: the shard is waiting for stragglers).", lags),
+        _gauge("parallax_table_rows", "Rows held by a table shard.", rows),
+        _gauge("parallax_table_bytes", "Bytes of values and optimizer slots held by a table "
+               "shard.", sizes)]
 
 
-def render(service) -> str:
-    """The whole exposition of a `ParameterServerService`: server gauges, then requests."""
-    lines = table_lines(service.selected(())) + service.stats.metrics.lines()
-    return "\n".join(lines) + "\n"
+def render(service) -> list[Metric]:
+    """The metric families of a `ParameterServerService`: server gauges, then requests."""
+    return table_families(service.selected(())) + service.stats.metrics.families()
+
+
+class _Families:
+    """A collector of the families `render()` returns at each scrape."""
+
+    def __init__(self, render: Callable[[], Iterable[Metric]]) -> None:
+        self._render = render
+
+    def collect(self) -> Iterable[Metric]:
+        return self._render()
+
+
+def registry(render: Callable[[], Iterable[Metric]]) -> CollectorRegistry:
+    """A registry of its own: the families of `render` and the process, platform and
+    garbage collector metrics of this process (`process_*`, `python_*`)."""
+    made = CollectorRegistry(auto_describe=False)  # describing would render at register
+    made.register(_Families(render))
+    ProcessCollector(registry=made)
+    PlatformCollector(registry=made)
+    GCCollector(registry=made)
+    return made
 
 
 def tls_context(cert, key, client_ca=None) -> ssl.SSLContext:
@@ -219,8 +245,18 @@ class _DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
-def _handler(render: Callable[[], str], token: str | None, idle: float):
-    """The request handler class: checks the token, answers /metrics, 404 elsewhere."""
+def _encoder(accept: str | None):
+    """(encode, content type) of the format `accept` (an Accept header) asks for; one the
+    library cannot parse (a version that is not a number) gets the default, like none."""
+    try:
+        return choose_encoder(accept or "")
+    except (TypeError, ValueError):
+        return choose_encoder("")
+
+
+def _handler(exposed: CollectorRegistry, token: str | None, idle: float):
+    """The request handler class: checks the token, answers /metrics with `exposed` in the
+    format the Accept header asks for (text 0.0.4 unless OpenMetrics is), 404 elsewhere."""
     expected = (TOKEN_SCHEME + token).encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
@@ -251,14 +287,15 @@ def _handler(render: Callable[[], str], token: str | None, idle: float):
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "only /metrics is served here")
                 return
+            encode, content_type = _encoder(self.headers.get("Accept"))
             try:
-                body = render().encode()
+                body = encode(exposed)
             except Exception:  # a bug: answer 500, keep the server up
                 log.exception("rendering metrics failed")
                 self.send_error(500, "rendering metrics failed; see the server log")
                 return
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -309,14 +346,17 @@ class _Server(ThreadingHTTPServer):
 
 
 class MetricsServer:
-    """`GET /metrics` on host:port (0: a free port) from a daemon thread; with `token`, a
-    scrape must carry it; with `tls`, the endpoint is HTTPS."""
+    """`GET /metrics` on host:port (0: a free port) from a daemon thread: the families
+    `render()` returns at each scrape, and this process's; with `token`, a scrape must carry
+    it; with `tls`, the endpoint is HTTPS."""
 
-    def __init__(self, host: str, port: int, render: Callable[[], str],
+    def __init__(self, host: str, port: int, render: Callable[[], Iterable[Metric]],
                  token: str | None = None, tls: ssl.SSLContext | None = None) -> None:
         bind = host.strip("[]")
+        self.registry = registry(render)
+        handler = _handler(self.registry, token, _idle_seconds())
         try:
-            self.httpd = _Server((bind, port), _handler(render, token, _idle_seconds()), tls)
+            self.httpd = _Server((bind, port), handler, tls)
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); "
                           f"pick another --metrics-port or --metrics-host") from None
