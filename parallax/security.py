@@ -7,6 +7,10 @@ certificates required and verified against that CA) and `--token-file FILE` (eve
 health checks included, must carry `authorization: Bearer <token>` metadata). The server
 reads the token from a file only, never from its environment (visible in /proc).
 
+`generate_job_credentials` (what `parallax run --secure` uses) makes a job's CA, server and
+client certificates and token in Python, with the `cryptography` package (no `openssl`
+command); the CA's key never touches the disk.
+
 Workers (the strategy, `tests/launch_probe.py`) build their client options from:
   PARALLAX_TLS_CA      CA certificate that signed the servers' certificates (TLS on)
   PARALLAX_TLS_CERT    client certificate, for servers with --tls-client-ca
@@ -18,12 +22,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import hmac
 import ipaddress
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,69 +230,129 @@ class JobCredentials:
         return client_options_from_env(base, self.worker_env())
 
 
-def _openssl(*args: str) -> None:
-    exe = shutil.which("openssl")
-    if exe is None:
-        raise ConfigError("generating job credentials needs the `openssl` command, which is "
-                          "not on PATH: install it (apt-get install openssl), or make the "
-                          "certificates yourself and pass the server --tls-* flags")
-    done = subprocess.run([exe, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ConfigError(f"openssl {args[0]} failed ({done.returncode}): "
-                          f"{done.stderr.strip()[-500:]}")
+# cryptography is imported by the functions that make credentials, not at module level: it
+# costs about 60 ms, which servers and workers (they only read credentials) need not pay.
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """`data` to `path` through a new file in the same directory (created with `mode`,
+    written, synced) renamed over it: readers see the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # exactly `mode`, whatever the umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def _subject_alt_names(hosts: Sequence[str]) -> str:
+def _subject_alt_names(hosts: Sequence[str]) -> list:
+    """IP or DNS names of `hosts` (brackets of IPv6 literals dropped, duplicates once)."""
+    from cryptography import x509
     names = []
     for host in dict.fromkeys(h.strip("[]") for h in hosts if h):
         try:
-            names.append(f"IP:{ipaddress.ip_address(host)}")
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
-            names.append(f"DNS:{host}")
-    return ",".join(names)
+            try:
+                names.append(x509.DNSName(host))
+            except ValueError:
+                raise ConfigError(f"host {host!r} cannot be a certificate's DNS name (not "
+                                  f"ASCII): give its IDNA form (xn--...) or its IP "
+                                  f"address") from None
+    return names
 
 
-def _issue(directory: Path, name: str, usage: str, sans: str | None) -> tuple[Path, Path]:
-    """A P-256 key and a certificate for it signed by the job's CA."""
-    key, csr, cert = (directory / f"{name}.key", directory / f"{name}.csr",
-                      directory / f"{name}.pem")
-    ext = directory / f"{name}.ext"
-    ext.write_text(f"basicConstraints=critical,CA:FALSE\nextendedKeyUsage={usage}\n" +
-                   (f"subjectAltName={sans}\n" if sans else ""))
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-             "-out", str(key))
-    _openssl("req", "-new", "-key", str(key), "-subj", f"/CN=parallax-{name}", "-out", str(csr))
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(directory / "ca.pem"),
-             "-CAkey", str(directory / "ca.key"), "-set_serial", str(secrets.randbits(63)),
-             "-days", str(CERT_DAYS), "-extfile", str(ext), "-out", str(cert))
-    csr.unlink()
-    ext.unlink()
+def _key_pem(key) -> bytes:
+    """An unencrypted PKCS#8 PEM private key (what `openssl genpkey` writes)."""
+    from cryptography.hazmat.primitives import serialization
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _sign(subject: str, key, issuer, issuer_key, extensions: list):
+    """A certificate for `key`'s public half, CN=`subject`, valid from now for CERT_DAYS days,
+    with `extensions` ((extension, critical) pairs) and the subject and authority key
+    identifiers, signed with ECDSA-SHA256 by `issuer_key` (`issuer`: its certificate, None
+    for a self-signed one)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    aki = (x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key())
+           if issuer is None else x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+               issuer.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value))
+    builder = (x509.CertificateBuilder()
+               .subject_name(name).issuer_name(name if issuer is None else issuer.subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=CERT_DAYS)))
+    for extension, critical in [*extensions, (ski, False), (aki, False)]:
+        builder = builder.add_extension(extension, critical)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _new_key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+    return ec.generate_private_key(ec.SECP256R1())  # P-256
+
+
+def _make_ca():
+    """The job's CA: a P-256 key (kept in memory only) and its self-signed certificate."""
+    from cryptography import x509
+    key = _new_key()
+    usage = x509.KeyUsage(digital_signature=False, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False, key_agreement=False,
+                          key_cert_sign=True, crl_sign=True, encipher_only=False,
+                          decipher_only=False)
+    cert = _sign("parallax-job-ca", key, None, key,
+                 [(x509.BasicConstraints(ca=True, path_length=None), True), (usage, True)])
     return cert, key
+
+
+def _issue(directory: Path, name: str, ca, ca_key, sans: list) -> tuple[Path, Path]:
+    """A P-256 key and a certificate for it (CN=parallax-<name>, serverAuth for "server",
+    clientAuth for "client", `sans` if any) signed by the job's CA, written as <name>.pem
+    and <name>.key (0600)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    usage = {"server": ExtendedKeyUsageOID.SERVER_AUTH,
+             "client": ExtendedKeyUsageOID.CLIENT_AUTH}[name]
+    extensions = [(x509.BasicConstraints(ca=False, path_length=None), True),
+                  (x509.ExtendedKeyUsage([usage]), False)]
+    if sans:
+        extensions.append((x509.SubjectAlternativeName(sans), False))
+    key = _new_key()
+    cert = _sign(f"parallax-{name}", key, ca, ca_key, extensions)
+    key_path, cert_path = directory / f"{name}.key", directory / f"{name}.pem"
+    _write_atomic(key_path, _key_pem(key), 0o600)
+    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return cert_path, key_path
 
 
 def generate_job_credentials(directory: str | os.PathLike,
                              hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> JobCredentials:
     """A fresh CA, a server certificate for `hosts` (IP or DNS names) and a client
     certificate, both signed by it, and a random token, written to `directory` (created
-    mode 0700; keys and token 0600). The CA's key is deleted once both are signed."""
+    mode 0700; keys and token 0600; each file written whole, then renamed into place). The
+    CA's key never leaves memory: once this returns, no more certificates can be signed.
+    Made with the `cryptography` package (no `openssl` command needed)."""
+    from cryptography.hazmat.primitives import serialization
     directory = Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-             "-out", str(ca_key))
-    _openssl("req", "-x509", "-new", "-key", str(ca_key), "-subj", "/CN=parallax-job-ca",
-             "-days", str(CERT_DAYS), "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", str(ca_cert))
-    server_cert, server_key = _issue(directory, "server", "serverAuth",
-                                     _subject_alt_names(hosts))
-    client_cert, client_key = _issue(directory, "client", "clientAuth", None)
-    ca_key.unlink()
+    sans = _subject_alt_names(hosts)
+    ca, ca_key = _make_ca()
+    ca_cert = directory / "ca.pem"
+    _write_atomic(ca_cert, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+    server_cert, server_key = _issue(directory, "server", ca, ca_key, sans)
+    client_cert, client_key = _issue(directory, "client", ca, ca_key, [])
     token_file = directory / "token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    for path in (server_key, client_key, token_file):
-        path.chmod(0o600)
+    _write_atomic(token_file, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
     return JobCredentials(ca_cert, server_cert, server_key, client_cert, client_key, token_file)
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from ipaddress import ip_address
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax import SGD, TableSpec
@@ -184,6 +187,37 @@ def test_credentials_files(creds):
     text = subprocess.run(["openssl", "x509", "-in", str(creds.server_cert), "-noout",
                            "-ext", "subjectAltName"], capture_output=True, text=True).stdout
     assert "IP Address:127.0.0.1" in text and "DNS:localhost" in text
+
+
+def test_credentials_need_no_openssl_and_carry_mutual_tls(tmp_path, monkeypatch):
+    """The certificates are made in Python (the cryptography package): with no `openssl` on
+    PATH they still carry a mutual-TLS round trip with a real server on loopback."""
+    (tmp_path / "empty").mkdir()
+    with monkeypatch.context() as patched:
+        patched.setenv("PATH", str(tmp_path / "empty"))
+        assert shutil.which("openssl") is None
+        made = generate_job_credentials(tmp_path / "creds", hosts=(
+            "127.0.0.1", "localhost", "::1", "[::1]", "ps-0.example"))
+    assert sorted(p.name for p in made.ca_cert.parent.iterdir()) == [
+        "ca.pem", "client.key", "client.pem", "server.key", "server.pem", "token"]
+    for path in (made.server_key, made.client_key, made.token_file):
+        assert path.stat().st_mode & 0o777 == 0o600
+    sans = x509.load_pem_x509_certificate(made.server_cert.read_bytes()).extensions \
+        .get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.IPAddress) == [ip_address("127.0.0.1"),
+                                                        ip_address("::1")]
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost", "ps-0.example"]
+    with LocalCluster(1, extra_args=made.server_args()) as cluster:
+        with PSClient(cluster.addresses, made.client_options(ClientOptions(**FAST))) as client:
+            _round_trip(client, "no-openssl")
+        no_cert = ClientOptions(tls_ca=str(made.ca_cert), token=read_token(made.token_file),
+                                **FAST)
+        assert _refused(no_cert, cluster.addresses[0]).code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_credentials_for_a_host_name_that_is_not_ascii_fail_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="host 'b\u00fccher.example' cannot be a .*IDNA"):
+        generate_job_credentials(tmp_path, hosts=("127.0.0.1", "b\u00fccher.example"))
 
 
 def test_parallax_run_secure(tmp_path):
