@@ -638,8 +638,18 @@ def _small_push_many(buffer: bytes) -> BulkPushMany:
 
 def serialize_push(request) -> bytes:
     """Request serializer for Push and PushMany: pre-encoded bytes pass through, messages
-    serialise."""
-    return request if isinstance(request, bytes) else request.SerializeToString()
+    serialise, and a request not yet encoded (packed_codec.PushManyParts) is encoded."""
+    if isinstance(request, bytes):
+        return request
+    return request.protobuf() if hasattr(request, "protobuf") else request.SerializeToString()
+
+
+def serialize_pull_many(request) -> bytes:
+    """Request serializer for PullMany: a message, or a request not yet encoded
+    (packed_codec.PullManyParts)."""
+    if hasattr(request, "protobuf"):
+        request = request.protobuf()
+    return request.SerializeToString()
 
 
 # How a client (de)serialises the methods whose rows go through this codec: (request
@@ -647,6 +657,6 @@ def serialize_push(request) -> bytes:
 CLIENT_CODECS = {
     "Pull": (ps_pb2.PullRequest.SerializeToString, decode_pull_response),
     "Push": (serialize_push, ps_pb2.PushResponse.FromString),
-    "PullMany": (ps_pb2.PullManyRequest.SerializeToString, decode_pull_many_response),
+    "PullMany": (serialize_pull_many, decode_pull_many_response),
     "PushMany": (serialize_push, ps_pb2.PushManyResponse.FromString),
 }

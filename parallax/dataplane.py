@@ -8,16 +8,20 @@ methods of the step also travel here; everything else (tables, checkpoints, heal
 and these two methods for a client or server without the data plane) stays on gRPC, which
 also tells the client where the data plane listens (the `DataPlane` RPC).
 
-The bodies are exactly the gRPC messages (`PullManyRequest`, `PushManyRequest` and their
-responses, encoded and decoded by the same code), so a request means the same on both
-paths and the server answers it with the same handler; only the framing differs.
+Methods 1 and 2 carry exactly the gRPC messages (`PullManyRequest`, `PushManyRequest` and
+their responses, encoded and decoded by the same code). Methods 3 and 4 (version 2) carry the
+same requests in `parallax.packed_codec`'s layout, which costs a few numpy calls a request
+instead of tens of microseconds a part; a client uses them with a server that announces
+version 2. Either way a request means the same and the server answers it with the same
+handler; only the encoding differs.
 
 A connection (TCP, or TLS with the gRPC port's certificates) starts with a hello frame that
 carries the cluster token (empty without one); the server answers OK with its 8-byte id (the
 `server_id` of its DataPlane answer: a client checks it is talking to the server it asked),
 or an error and closes. Then each request frame gets one response frame, in order:
 
-    request:  magic b"PXD1", method (u8: 1 PullMany, 2 PushMany), 3 zero bytes,
+    request:  magic b"PXD1", method (u8: 1 PullMany, 2 PushMany, 3 and 4 the same
+              packed), 3 zero bytes,
               deadline in seconds from now (f64; 0: none), body length (u64), body
     response: magic b"PXD1", status (u8: a gRPC status code, 0 OK), 3 zero bytes,
               body length (u64), body (the response message, or a UTF-8 error message)
@@ -32,10 +36,13 @@ import struct
 import time
 
 MAGIC = b"PXD1"
-VERSION = 1
+VERSION = 2  # what this side's server announces: methods 1-4
+VERSIONS = (1, 2)  # the servers' versions a client can use (1: methods 1 and 2 only)
 HELLO = 0
-METHODS = {1: "PullMany", 2: "PushMany"}
+METHODS = {1: "PullMany", 2: "PushMany", 3: "PullManyPacked", 4: "PushManyPacked"}
 CODES = {name: code for code, name in METHODS.items()}
+PACKED = {"PullMany": "PullManyPacked", "PushMany": "PushManyPacked"}  # from version 2
+SERVED = ("PullMany", "PushMany")  # the gRPC methods the data plane also carries
 REQUEST = struct.Struct("<4sB3xdQ")   # magic, method, deadline (s), body length
 RESPONSE = struct.Struct("<4sB3xQ")   # magic, status code, body length
 SMALL_BODY = 64 * 1024  # bodies below this are sent in one piece with their header

@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 
 from parallax import dataplane, wire
+from parallax.bulk_codec import PushHeader
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.many import pull_many, push_many
 from parallax.errors import ServerError
 from parallax.local_cluster import LocalCluster
+from parallax.packed_codec import PushManyParts
 from parallax.ps.v1 import ps_pb2
 from parallax.security import generate_job_credentials, read_token
 from parallax.specs import Adagrad, SGD, TableSpec
@@ -382,3 +384,49 @@ def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
                 plane.call("PullMany", request.SerializeToString(), 10.0)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             assert not getattr(info.value, "transport", True)
+
+
+@pytest.mark.parametrize("announced, packed", [(2, True), (1, False)])
+def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch, announced,
+                                                         packed):
+    """A server of data-plane version 2 gets packed_codec frames (methods 3 and 4), one of
+    version 1 (an older server) the protobuf ones (1 and 2); the training is the same as
+    over gRPC either way."""
+    monkeypatch.setattr(dataplane, "VERSION", announced)  # what the server announces
+    sent = []
+    original = DataPlaneClient.call
+
+    def call(self, method, body, timeout, packed=False):
+        sent.append(packed)
+        return original(self, method, body, timeout, packed)
+    monkeypatch.setattr(DataPlaneClient, "call", call)
+    with PSClient([in_process.address]) as fast, \
+            PSClient([in_process.address], ClientOptions(data_plane=False)) as slow:
+        over_plane = _train(_tables(fast, f"v{announced}_"))
+        over_grpc = _train(_tables(slow, f"v{announced}_grpc_"))
+        assert fast.servers[0].data_plane is not None
+    assert sent and set(sent) == {packed}
+    for a, b in zip(over_plane, over_grpc):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
+    with PSClient(servers.addresses) as client:
+        tables = _tables(client, "packed_bad_")
+        before = _train(tables, steps=1)
+        plane = DataPlaneClient(*servers.addresses[0].rsplit(":", 1)[:1],
+                                client.servers[0]._data_plane().port, ClientOptions())
+        try:
+            header = PushHeader(tables[0].name, 0, 1, 0, 0.5, 0, 1, tables[0].session)
+            body = PushManyParts([(header, 2, DIM, np.float32)],
+                                 lambda i, ids, g: (ids.__setitem__(..., [0, 2]),
+                                                    g.__setitem__(..., 1.0))).packed()
+            with pytest.raises(grpc.RpcError) as err:
+                plane.call("PushMany", body[:-4], 10.0, packed=True)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed data-plane request: packed PushManyRequest" in err.value.details()
+        finally:
+            plane.close()
+        after = pull_many(tables, [np.arange(VOCAB)] * 2, [1, 1])
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)

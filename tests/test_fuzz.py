@@ -2,7 +2,8 @@
 structurally valid but hostile requests (tests/wire_fuzz.py), against a real server process.
 
 PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
-server's data port, parallax.dataplane), and frames that are no requests at all (bad magic,
+server's data port, parallax.dataplane; and in parallax.packed_codec's layout, as is and
+with hostile headers, lengths and counts), and frames that are no requests at all (bad magic,
 unknown methods, lengths past the limit, truncated bodies, wrong tokens) must be refused or
 dropped without harm.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +28,7 @@ import pytest
 
 import wire_fuzz
 from conftest import Snapshot
-from parallax import dataplane
+from parallax import dataplane, packed_codec
 from parallax.client import ClientOptions, PSClient, ServerConnection
 from parallax.client.dataplane import DataPlaneClient
 from parallax.local_cluster import LocalCluster
@@ -99,14 +101,58 @@ def send_frame(plane: DataPlaneClient, case: wire_fuzz.Case) -> Outcome:
         return Outcome(err.code(), err.details() or "")
 
 
-def problem(case: wire_fuzz.Case, outcome: Outcome) -> str | None:
+def send_packed(plane: DataPlaneClient, method: str, body: bytes) -> Outcome:
+    """`body` as a packed (version 2) frame of `method`."""
+    timeout = 0.3 if method in WAITING_METHODS else 10.0
+    try:
+        return Outcome(grpc.StatusCode.OK, response=plane.call(method, body, timeout,
+                                                               packed=True))
+    except grpc.RpcError as err:
+        return Outcome(err.code(), err.details() or "")
+
+
+def packed_variants(case: wire_fuzz.Case, rng: np.random.Generator) -> list[tuple[str, bytes]]:
+    """The case in packed_codec's layout (when its bytes parse as the request), and, for
+    cases not aimed at a protected table, that body with hostile changes: bytes of the
+    headers and names overwritten, truncated, extended, counts set huge or negative."""
+    try:
+        body = packed_codec.CLIENT_CODECS[case.method][0](
+            ps_pb2.PullManyRequest.FromString(case.payload) if case.method == "PullMany"
+            else case.payload)
+    except Exception:  # noqa: BLE001 - a malformed case has no packed form
+        return []
+    variants = [("", body)]
+    if case.must_refuse or len(body) < 8:
+        return variants
+    parts, names = struct.unpack_from("<II", body)
+    record = (packed_codec.PULL_PART if case.method == "PullMany"
+              else packed_codec.PUSH_PART).itemsize
+    head = 8 + parts * record + names
+    spoiled = bytearray(body)
+    for _ in range(int(rng.integers(1, 4))):
+        at = int(rng.integers(0, max(1, head)))
+        spoiled[at:at + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+    huge = bytearray(body)
+    if parts:
+        at = 8 + int(rng.integers(0, parts)) * record + 8 * int(rng.integers(0, record // 8))
+        huge[at:at + 8] = struct.pack("<q", int(rng.choice([-1, 2**62, 2**31, -2**63])))
+    cut = int(rng.integers(0, len(body)))
+    return variants + [(" spoiled", bytes(spoiled)), (" huge field", bytes(huge)),
+                       (f" cut at {cut}", body[:cut]), (" extended", body + b"\0" * 24),
+                       (" parts+1", struct.pack("<I", parts + 1) + body[4:])]
+
+
+def problem(case: wire_fuzz.Case, outcome: Outcome, packed: bool = False) -> str | None:
     """What is wrong with a case's outcome, or None."""
     if outcome.code == grpc.StatusCode.OK:
         if case.must_refuse:
             return "accepted, though aimed at a protected table with a defect"
         output = wire_fuzz.SERVICE.methods_by_name[case.method].output_type.name
         try:
-            getattr(ps_pb2, output).FromString(outcome.response)
+            if packed and case.method == "PullMany":
+                packed_codec.decode_pull_many_answer(outcome.response)
+            else:
+                getattr(ps_pb2, output).FromString(outcome.response)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the finding
             return f"answered bytes that are no {output}: {exc}"
         return None
@@ -167,12 +213,15 @@ def fuzz_run(server) -> FuzzRun:
     for index, case in enumerate(wire_fuzz.cases(SEED, PER_METHOD)):
         sent = time.monotonic()
         outcomes = [("", send(server.channel, case))]
-        if case.method in dataplane.CODES:
+        if case.method in dataplane.SERVED:
             outcomes.append((" (data plane)", send_frame(plane, case)))
+            rng = np.random.default_rng(SEED + index)
+            outcomes += [(f" (packed{label})", send_packed(plane, case.method, body))
+                         for label, body in packed_variants(case, rng)]
         seconds[case.method] = seconds.get(case.method, 0.0) + time.monotonic() - sent
         for where, outcome in outcomes:
             counts[outcome.code.name] = counts.get(outcome.code.name, 0) + 1
-            found = problem(case, outcome)
+            found = problem(case, outcome, packed="packed" in where)
             if found:
                 problems.append(f"case {index} {case.method}{where} [{case.label[:200]}]: "
                                 f"{found}")

@@ -220,7 +220,7 @@ class ServerConnection:
     def _method(self, method: str):
         """The callable for `method`: the data plane's for PullMany/PushMany when the server
         has one, else the gRPC stub's."""
-        if method in dataplane.CODES:
+        if method in dataplane.SERVED:
             plane = self._data_plane()
             if plane is not None:
                 return self._through(plane, plane.invoker(method))
@@ -277,11 +277,11 @@ class ServerConnection:
                             "gRPC for PullMany/PushMany", self.address, err.code().name,
                             err.details())
             return None, math.inf
-        if not reply.port or reply.version != dataplane.VERSION:
+        if not reply.port or reply.version not in dataplane.VERSIONS:
             return None, math.inf
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
                                 self.options, reply.server_id, reply.max_message_bytes,
-                                reply.idle_timeout_s)
+                                reply.idle_timeout_s, reply.version)
         try:
             plane.check()
         except grpc.RpcError as err:

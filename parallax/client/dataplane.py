@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from parallax import bulk_codec, dataplane
+from parallax import bulk_codec, dataplane, packed_codec
 from parallax.dataplane import FrameError
 
 CONNECT_TIMEOUT_S = 5.0
@@ -64,8 +64,10 @@ class DataPlaneClient:
     `idle_timeout_s` (0: unknown)."""
 
     def __init__(self, host: str, port: int, options, server_id: int = 0,
-                 max_message_bytes: int = 0, idle_timeout_s: float = 0) -> None:
+                 max_message_bytes: int = 0, idle_timeout_s: float = 0,
+                 version: int = 1) -> None:
         self.host, self.port, self.options, self.server_id = host, port, options, server_id
+        self.version = version  # the server's data-plane version: 2 reads packed requests
         self.where = f"{host}:{port}"
         self._limit = min(options.max_message_bytes, max_message_bytes or 1 << 62)
         self._reuse_s = idle_timeout_s / 2 if idle_timeout_s else 60.0
@@ -76,15 +78,21 @@ class DataPlaneClient:
         self._closed = False
 
     def invoker(self, method: str):
-        serialize, deserialize = bulk_codec.CLIENT_CODECS[method]  # as over gRPC
+        """`method` called like the gRPC stub's: packed (parallax.packed_codec) for a server
+        that reads it, else the gRPC messages' bytes."""
+        packed = self.version >= 2 and method in dataplane.PACKED
+        codecs = packed_codec.CLIENT_CODECS if packed else bulk_codec.CLIENT_CODECS
+        serialize, deserialize = codecs[method]
 
         def call(request, timeout: float | None = None):
             body = serialize(request)
-            return deserialize(self.call(method, body, timeout or self.options.timeout))
+            return deserialize(self.call(method, body, timeout or self.options.timeout,
+                                         packed))
         return call
 
-    def call(self, method: str, body: bytes, timeout: float) -> bytes:
-        """The response body of one request; raises DataPlaneError."""
+    def call(self, method: str, body: bytes, timeout: float, packed: bool = False) -> bytes:
+        """The response body of one request (`packed`: the body is in packed_codec's
+        layout); raises DataPlaneError."""
         if len(body) > self._limit:  # as gRPC's send limit, or the server, would say
             raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"{method} of {len(body)} bytes is over the message limit of "
@@ -93,8 +101,8 @@ class DataPlaneClient:
         sock = self._take()
         try:
             sock.settimeout(timeout + REPLY_MARGIN_S)
-            header = dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.CODES[method],
-                                            float(timeout), len(body))
+            code = dataplane.CODES[dataplane.PACKED[method] if packed else method]
+            header = dataplane.REQUEST.pack(dataplane.MAGIC, code, float(timeout), len(body))
             _send(sock, header, body)
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
             payload = dataplane.recv_exact(sock, self._answer_size(sock, method, length))

@@ -17,10 +17,11 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, wire
+from parallax import bulk_codec
 from parallax.client.connection import ServerConnection
 from parallax.client.table import ShardedTable, start_call
 from parallax.errors import ServerError
+from parallax.packed_codec import PullManyParts, PushManyParts
 from parallax.ps.v1 import ps_pb2
 
 _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
@@ -109,15 +110,15 @@ def _answer(conn: ServerConnection, method: str, request, future, names: str, **
     return _LEGACY[method](conn, request, names)
 
 
-def _legacy_pull(conn: ServerConnection, request: ps_pb2.PullManyRequest, names: str) -> list:
+def _legacy_pull(conn: ServerConnection, request: PullManyParts, names: str) -> list:
     return [conn.call("Pull", ps_pb2.PullRequest(table=p.table, shard_index=p.shard_index,
                                                  ids=p.ids, min_step=p.min_step), p.table)
-            for p in request.parts]
+            for p in request.protobuf().parts]
 
 
-def _legacy_push(conn: ServerConnection, request: bytes, names: str):
+def _legacy_push(conn: ServerConnection, request: PushManyParts, names: str):
     reply = ps_pb2.PushManyResponse()
-    for p in bulk_codec.decode_push_many_request(request).parts:
+    for p in bulk_codec.decode_push_many_request(request.protobuf()).parts:
         data = bulk_codec.encode_push_request(p.table, p.shard_index, p.step, p.worker, p.ids,
                                               p.grads, p.learning_rate, p.chunk_index,
                                               p.chunk_count, p.session)
@@ -151,26 +152,20 @@ def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
     return _pull_parts(tables, grouped, orders, parts, min_steps)
 
 
-def _pull_request(tables, grouped, parts, min_steps, wait: bool) -> ps_pb2.PullManyRequest:
-    request = ps_pb2.PullManyRequest()
-    for part in parts:
-        out = request.parts.add(table=tables[part.index].name, shard_index=part.shard,
-                                min_step=min_steps[part.index] if wait else 0)
-        wire.encode(grouped[part.index][part.lo:part.hi], out.ids)
-    return request
+def _pull_request(tables, grouped, parts, min_steps, wait: bool) -> PullManyParts:
+    return PullManyParts([tables[p.index].name for p in parts], [p.shard for p in parts],
+                         [min_steps[p.index] if wait else 0 for p in parts],
+                         [grouped[p.index][p.lo:p.hi] for p in parts])
 
 
-def _wait_request(tables, parts, min_steps) -> ps_pb2.PullManyRequest | None:
+def _wait_request(tables, parts, min_steps) -> PullManyParts | None:
     """An empty pull waiting for the step of every table shard among `parts`, or None."""
-    request, seen = ps_pb2.PullManyRequest(), set()
-    for part in parts:
-        key = (part.index, part.shard)
-        if min_steps[part.index] > 0 and key not in seen:
-            seen.add(key)
-            out = request.parts.add(table=tables[part.index].name, shard_index=part.shard,
-                                    min_step=min_steps[part.index])
-            wire.encode(np.empty(0, np.int64), out.ids)
-    return request if request.parts else None
+    waits = {(p.index, p.shard): p for p in parts if min_steps[p.index] > 0}
+    if not waits:
+        return None
+    empty = np.empty(0, np.int64)
+    return PullManyParts([tables[k].name for k, _ in waits], [s for _, s in waits],
+                         [min_steps[k] for k, _ in waits], [empty] * len(waits))
 
 
 def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
@@ -246,7 +241,8 @@ def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     return _push_parts(tables, plans, grads, parts, steps, worker, learning_rates)
 
 
-def _push_request(tables, plans, grads, parts, steps, worker, learning_rates) -> bytes:
+def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
+                  ) -> PushManyParts:
     headers = []
     for p in parts:
         table = tables[p.index]
@@ -254,11 +250,12 @@ def _push_request(tables, plans, grads, parts, steps, worker, learning_rates) ->
                                        float(learning_rates[p.index]), p.chunk, p.chunks,
                                        table.session)
         headers.append((header, p.hi - p.lo, table.spec.dim, table.dtype))
-    writer = bulk_codec.PushManyRequestWriter(headers)
-    for i, p in enumerate(parts):
-        writer.ids[i][...] = plans[p.index].ids[p.lo:p.hi]
-        plans[p.index].fill(grads[p.index], p.lo, p.hi, writer.grads[i])
-    return writer.data()
+
+    def fill(i: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        p = parts[i]
+        ids[...] = plans[p.index].ids[p.lo:p.hi]
+        plans[p.index].fill(grads[p.index], p.lo, p.hi, rows)
+    return PushManyParts(headers, fill)
 
 
 def _push_parts(tables, plans, grads, parts, steps, worker, learning_rates) -> list[bool]:

@@ -101,11 +101,19 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
         by_id[key].check_capacity(np.concatenate(parts), nbytes[key])
 
 
+def _ids(part, i: int) -> np.ndarray:
+    """A part's ids: decoded already (packed_codec) or a wire Tensor (protobuf)."""
+    ids = part.ids
+    return ids if isinstance(ids, np.ndarray) else wire.decode(ids, f"part {i} ids")
+
+
 def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
-              max_message_bytes: int) -> tuple[bytes, dict[str, PartCounts]]:
-    """The PullManyResponse bytes (rows gathered straight into them) and what was read."""
+              max_message_bytes: int, writer=bulk_codec.PullManyResponseWriter
+              ) -> tuple[bytes, dict[str, PartCounts]]:
+    """The answer's bytes, made by `writer` (rows gathered straight into them), and what was
+    read."""
     parts = request.parts
-    ids = [shard.check_ids(wire.decode(part.ids, f"part {i} ids"), f"part {i} ids")
+    ids = [shard.check_ids(_ids(part, i), f"part {i} ids")
            for i, (shard, part) in enumerate(zip(shards, parts))]
     check_answer_size("PullMany", shards, ids, max_message_bytes)
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
@@ -123,13 +131,13 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                                    f"while a pull waited for step {part.min_step}; retry")
         _check_capacity(shards, ids, [0] * len(ids))
         with exact_answer_size("PullMany"):
-            writer = bulk_codec.PullManyResponseWriter(
-                [(len(i), s.spec.dim, s.spec.dtype, step)
-                 for s, i, step in zip(shards, ids, steps)], max_bytes=max_message_bytes)
-        for shard, part_ids, out in zip(shards, ids, writer.values):
+            answer = writer([(len(i), s.spec.dim, s.spec.dtype, step)
+                             for s, i, step in zip(shards, ids, steps)],
+                            max_bytes=max_message_bytes)
+        for shard, part_ids, out in zip(shards, ids, answer.values):
             shard.gather_held(part_ids, out)
-    counts = _counts(shards, [len(i) for i in ids], [v.nbytes for v in writer.values])
-    return writer.data(), counts
+    counts = _counts(shards, [len(i) for i in ids], [v.nbytes for v in answer.values])
+    return answer.data(), counts
 
 
 def _check_distinct(parts: Sequence[bulk_codec.BulkPush]) -> None:

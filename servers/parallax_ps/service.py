@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, dataplane, wire
+from parallax import bulk_codec, dataplane, packed_codec, wire
 from parallax.errors import ConfigError
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.specs import TableSpec
@@ -304,6 +304,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shards = self._shards_of_parts(request.parts, "PullMany")
         return many.pull_many(shards, request, _deadline(context), self.max_message_bytes)
 
+    @_rpc_many("PullMany")
+    def PullManyPacked(self, request, context):
+        """PullMany read and answered in packed_codec's layout (data plane only)."""
+        shards = self._shards_of_parts(request.parts, "PullMany")
+        return many.pull_many(shards, request, _deadline(context), self.max_message_bytes,
+                              packed_codec.PullManyAnswerWriter)
+
     @_rpc("DataPlane")
     def DataPlane(self, request, context):
         """Where PullMany and PushMany are also served as frames (0: nowhere)."""
@@ -323,6 +330,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         for step, applied in results:
             response.parts.add(step=step, applied=applied)
         return response, per_table
+
+    PushManyPacked = PushMany  # the request was read by packed_codec: the same parts
 
     def _shards_of_parts(self, parts, method: str) -> list[TableShard]:
         if not parts:
@@ -441,12 +450,17 @@ def _on_pool(behavior, pool: futures.ThreadPoolExecutor):
 _SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 _BULK_REQUESTS = {"Push": bulk_codec.decode_push_request,
                   "PushMany": bulk_codec.decode_push_many_request}
+_PACKED_REQUESTS = {"PullManyPacked": (packed_codec.decode_pull_many, "data-plane request"),
+                    "PushManyPacked": (packed_codec.decode_push_many, "data-plane request")}
 
 
 def request_deserializer(method: str):
     """How the server reads `method`'s request bytes (gRPC and the data plane alike): the
-    bulk codec for Push and PushMany, protobuf otherwise; bytes that do not parse become an
-    `Undecodable`, which the handler answers INVALID_ARGUMENT."""
+    bulk codec for Push and PushMany, packed_codec for the data plane's packed methods,
+    protobuf otherwise; bytes that do not parse become an `Undecodable`, which the handler
+    answers INVALID_ARGUMENT."""
+    if method in _PACKED_REQUESTS:
+        return _tolerant(*_PACKED_REQUESTS[method])
     name = _SERVICE.methods_by_name[method].input_type.name
     return _tolerant(_BULK_REQUESTS.get(method, getattr(ps_pb2, name).FromString), name)
 
