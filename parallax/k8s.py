@@ -26,9 +26,9 @@ wait until that port answers at JOB-worker-0.JOB-workers.<ns>.svc.cluster.local,
 to an address and start. With one worker nothing of this is set: the command runs alone.
 
 Workers also get PARALLAX_PS_ADDRESSES (the servers' DNS names), PARALLAX_RUN_ID (= JOB),
-PARALLAX_MODE, PARALLAX_SYNC (read by `ParallaxStrategy`) and PARALLAX_JOB_CONFIG (the
-mounted job.json; `strategy_options()` returns its plan overrides as ParallaxStrategy
-keyword arguments).
+PARALLAX_MODE, PARALLAX_SYNC and PARALLAX_JOB_CONFIG (the mounted job.json), all read by
+`ParallaxStrategy`: the plan overrides of job.json apply to the arguments it was not given
+(`plan_overrides`; `strategy_options()` returns them all).
 
 With --max-restarts N the pods restart together, in place (parallax.gang: one failed rank
 cannot rejoin a Horovod job, so every rank's command restarts with a fresh rendezvous); the
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
@@ -76,6 +77,7 @@ _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
 IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
+log = logging.getLogger("parallax")
 
 
 @dataclass(frozen=True)
@@ -433,13 +435,32 @@ def dump(objects: list[dict[str, Any]]) -> str:
 
 
 def strategy_options(path: str | None = None) -> dict[str, Any]:
-    """The plan overrides of the job's ConfigMap as ParallaxStrategy keyword arguments
-    (`ParallaxStrategy(**parallax.k8s.strategy_options())`); {} outside such a pod."""
+    """The plan overrides of the job's ConfigMap as ParallaxStrategy keyword arguments;
+    {} outside such a pod. ParallaxStrategy applies them by itself (`plan_overrides`)."""
     path = path or os.environ.get(JOB_CONFIG_ENV)
     if not path or not Path(path).is_file():
         return {}
-    plan = json.loads(Path(path).read_text()).get("plan", {})
+    try:
+        plan = json.loads(Path(path).read_text()).get("plan", {})
+    except (json.JSONDecodeError, AttributeError):
+        raise ConfigError(f"{JOB_CONFIG_ENV}={path} is not the JSON object `parallax k8s` "
+                          f"renders into its ConfigMap; fix the file or unset "
+                          f"{JOB_CONFIG_ENV}") from None
     return {k: plan[k] for k in PLAN_KEYS if k in plan}
+
+
+def plan_overrides(given: Mapping[str, Any]) -> dict[str, Any]:
+    """What ParallaxStrategy takes from the job's ConfigMap ($PARALLAX_JOB_CONFIG): its plan
+    overrides for the arguments `given` leaves None (an argument given wins); one INFO line
+    names what was applied, and what the arguments overrode."""
+    options = strategy_options()
+    applied = {k: v for k, v in options.items() if given.get(k) is None}
+    if options:
+        kept = sorted(set(options) - set(applied))
+        log.info("plan overrides from %s=%s: %s%s", JOB_CONFIG_ENV, os.environ[JOB_CONFIG_ENV],
+                 ", ".join(f"{k}={v!r}" for k, v in applied.items()) or "none applied",
+                 f" (ParallaxStrategy's own {', '.join(kept)} kept)" if kept else "")
+    return applied
 
 
 # ---------------------------------------------------------------------------------------

@@ -470,8 +470,11 @@ class ParallaxStrategy(distribute_lib.Strategy):
     neither, `embedded_servers` local servers are started. mode and sync left unset come from
     `parallax run --mode/--async` (PARALLAX_MODE, PARALLAX_SYNC), else hybrid and sync.
     placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
-    table, or per table name. fuse: one pull and one push request per server per traced
-    step for every table (parallax.fusion); False sends each table's own requests.
+    table, or per table name. In a `parallax k8s` worker pod, placement, shards,
+    local_aggregation and search_partitions left unset come from the job's --plan
+    (PARALLAX_JOB_CONFIG, `parallax.k8s.plan_overrides`), else their defaults. fuse: one
+    pull and one push request per server per traced step for every table
+    (parallax.fusion); False sends each table's own requests.
     checkpoints_kept: how many checkpoints of the tables the servers keep, written whenever
     a TF checkpoint or Keras file with the optimizer is saved (parallax.resume); a file
     whose tables checkpoint was dropped since restores the rows it holds, without the
@@ -482,11 +485,19 @@ class ParallaxStrategy(distribute_lib.Strategy):
 
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
-                 local_aggregation: bool = False, placement: dict | None = None,
+                 local_aggregation: bool | None = None, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
                  fuse: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
-                 search_partitions: bool | str | PartitionSearch = "auto") -> None:
+                 search_partitions: bool | str | PartitionSearch | None = None) -> None:
+        from parallax.k8s import plan_overrides
+        given = dict(placement=placement, shards=shards, local_aggregation=local_aggregation,
+                     search_partitions=search_partitions)
+        given.update(plan_overrides(given))  # arguments given win
+        placement, shards = given["placement"], given["shards"]
+        local_aggregation = given["local_aggregation"] or False
+        search_partitions = given["search_partitions"] if given["search_partitions"] \
+            is not None else "auto"
         if ps_addresses is not None:
             ps_addresses = parse_addresses(ps_addresses if isinstance(ps_addresses, str)
                                            else ",".join(ps_addresses), "ps_addresses")

@@ -348,8 +348,55 @@ def test_strategy_options_come_from_the_mounted_job_config(tmp_path, monkeypatch
     path.write_text(cm["data"]["job.json"])
     monkeypatch.setenv(k8s.JOB_CONFIG_ENV, str(path))
     assert k8s.strategy_options() == {"shards": 4, "placement": {"dense/kernel": "ps"}}
+    path.write_text("[1]")
+    with pytest.raises(ConfigError, match="PARALLAX_JOB_CONFIG=.* is not the JSON object"):
+        k8s.strategy_options()
     monkeypatch.delenv(k8s.JOB_CONFIG_ENV)
     assert k8s.strategy_options() == {}
+
+
+def test_strategy_applies_the_job_plan_by_itself_and_given_arguments_win(
+        tmp_path, monkeypatch, caplog):
+    """A real one-worker ParallaxStrategy with its embedded servers, in a worker pod's
+    environment: job.json's plan overrides apply without strategy_options(); an argument
+    given to the constructor wins over the job's."""
+    import keras
+    import numpy as np
+
+    import parallax
+    config = K8sConfig(name="auto", image="x", command=("t",), plan={
+        "shards": 2, "placement": {"dense/kernel": "ps"}, "search_partitions": True})
+    (cm,) = [o for o in render(config) if o["kind"] == "ConfigMap"]
+    path = tmp_path / "job.json"
+    path.write_text(cm["data"]["job.json"])
+    for name in ("PARALLAX_PS_ADDRESSES", "PARALLAX_RUN_ID", "PARALLAX_MODE", "PARALLAX_SYNC"):
+        monkeypatch.delenv(name, raising=False)  # embedded servers, not the job's
+    monkeypatch.setenv(k8s.JOB_CONFIG_ENV, str(path))
+    with caplog.at_level("INFO", logger="parallax"):
+        strategy = parallax.ParallaxStrategy(search_partitions=False, log_plan=False)
+    (line,) = [r.getMessage() for r in caplog.records if "plan overrides" in r.getMessage()]
+    assert line == (f"plan overrides from {k8s.JOB_CONFIG_ENV}={path}: "
+                    f"placement={{'dense/kernel': 'ps'}}, shards=2 (ParallaxStrategy's own "
+                    f"search_partitions kept)")
+    assert strategy.extended._search_setting is False
+    keras.utils.set_random_seed(1)
+    ids = np.arange(64).reshape(16, 4) % 50
+    with strategy.scope():
+        inputs = keras.Input((4,), dtype="int64")
+        hidden = keras.layers.Embedding(50, 4, name="embedding")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(
+            keras.layers.Flatten()(hidden)))
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(ids, np.ones((16, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+    assert strategy.plan.get("embedding/embeddings").shards == 2  # from the job
+    assert strategy.plan.get("dense/kernel").placement == "ps"     # from the job
+    caplog.clear()
+    with caplog.at_level("INFO", logger="parallax"):
+        given = parallax.ParallaxStrategy(shards=1, placement={}, local_aggregation=False,
+                                          search_partitions=False, log_plan=False)
+    assert (given.extended.config.shards, dict(given.extended.config.placement)) == (1, {})
+    assert "none applied (ParallaxStrategy's own placement, search_partitions, shards kept)" \
+        in caplog.text
 
 
 # --------------------------------------------------------------------------- worker bootstrap
