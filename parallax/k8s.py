@@ -430,8 +430,20 @@ def _failure_policy() -> dict[str, Any]:
     ]}
 
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump, with multi-line strings (job.json) as literal block scalars ("|")."""
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _text)
+
+
 def dump(objects: list[dict[str, Any]]) -> str:
-    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
 def strategy_options(path: str | None = None) -> dict[str, Any]:
@@ -647,51 +659,71 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="parallax k8s",
-        usage="parallax k8s --name JOB --image IMAGE [--workers N] [--servers S] "
-              "[--namespace NS] [--mode hybrid|ps|allreduce] [--async] [--server-port P] "
-              "[--cpu Q] [--memory Q] [--plan JSON] [--max-restarts N] [--data-dir DIR] "
-              "[--data-volume-size Q [--storage-class NAME]] [-o DIR] -- COMMAND [ARGS ...]\n"
+        usage="parallax k8s --name JOB --image IMAGE [OPTIONS] [-o DIR] -- COMMAND [ARGS ...]\n"
               "       parallax k8s worker -- COMMAND [ARGS ...]   (inside a worker pod)",
         description="Render the Kubernetes manifests of a parallax job (parameter servers "
                     "as a StatefulSet with a headless Service, workers as an indexed Job, a "
                     "ConfigMap with the job config) to stdout, or to files in -o DIR.")
-    p.add_argument("--name", required=True, help="job name (DNS-1123 label); also the run id")
-    p.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
-    p.add_argument("--workers", type=int, default=1, help="worker pods (default 1)")
-    p.add_argument("--servers", type=int, default=2, help="parameter servers (default 2)")
-    p.add_argument("--namespace", default="default")
-    p.add_argument("--mode", default="hybrid", help="hybrid (default), ps or allreduce")
-    p.add_argument("--async", dest="sync", action="store_false", help="asynchronous training")
-    p.add_argument("--server-port", type=int, default=7000)
-    p.add_argument("--rendezvous-port", type=int, default=7070,
+    _job_options(p.add_argument_group("job"))
+    _resource_options(p.add_argument_group("resources"))
+    _server_options(p.add_argument_group("servers"))
+    p.add_argument("-o", "--output-dir", metavar="DIR",
+                   help="write one YAML file per object here (default: all to stdout)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the training program, after '--', e.g. -- python train.py")
+    return p
+
+
+def _job_options(g) -> None:
+    g.add_argument("--name", required=True, help="job name (DNS-1123 label); also the run id")
+    g.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
+    g.add_argument("--namespace", default="default", metavar="NS",
+                   help="namespace of every object (default: default)")
+    g.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="worker pods (default 1)")
+    g.add_argument("--servers", type=int, default=2, metavar="S",
+                   help="parameter servers (default 2)")
+    g.add_argument("--mode", default="hybrid", metavar="MODE",
+                   help="hybrid (default), ps or allreduce")
+    g.add_argument("--async", dest="sync", action="store_false", help="asynchronous training")
+    g.add_argument("--plan", default="{}", metavar="JSON", help='plan overrides as JSON, e.g. '
+                   '\'{"shards": 4, "placement": {"dense/kernel": "ps"}}\'; ParallaxStrategy '
+                   'applies those its own arguments leave unset')
+    g.add_argument("--rendezvous-port", type=int, default=7070, metavar="P",
                    help="Horovod gloo rendezvous port on worker 0 (default 7070)")
-    p.add_argument("--cpu", help="CPU request of every pod, e.g. 2 or 500m")
-    p.add_argument("--memory", help="memory request of every pod, e.g. 4Gi")
-    p.add_argument("--plan", default="{}", help='plan overrides as JSON, e.g. '
-                   '\'{"shards": 4, "placement": {"dense/kernel": "ps"}}\'')
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra `parallax server` argument, e.g. --server-arg=--threads=32")
-    p.add_argument("--gloo-iface", default="eth0", help="pod network interface (eth0)")
-    p.add_argument("--image-pull-policy", default="IfNotPresent")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    g.add_argument("--gloo-iface", default="eth0", metavar="IFACE",
+                   help="pod network interface (default eth0)")
+    g.add_argument("--image-pull-policy", default="IfNotPresent", metavar="POLICY",
+                   help="Always, IfNotPresent (default) or Never")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="after a worker's command fails, restart every worker's command "
                         "together, in its pod, at most N times (default 0: the job fails); "
                         f"they get {RESTART_COUNT_ENV} and resume from their last "
                         "checkpoint. The Job recreates lost pods within backoffLimit = N x "
                         "workers")
-    p.add_argument("--data-dir", metavar="DIR",
+
+
+def _resource_options(g) -> None:
+    g.add_argument("--cpu", metavar="Q", help="CPU request of every pod, e.g. 2 or 500m")
+    g.add_argument("--memory", metavar="Q", help="memory request of every pod, e.g. 4Gi")
+
+
+def _server_options(g) -> None:
+    g.add_argument("--server-port", type=int, default=7000, metavar="P",
+                   help="the servers' gRPC port (default 7000); their data plane listens on "
+                        "the port after it")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra `parallax server` argument, e.g. --server-arg=--threads=32")
+    g.add_argument("--data-dir", metavar="DIR",
                    help="the servers' --data-dir, where they write checkpoints (resume/<run "
                         f"id>); default {DEFAULT_DATA_DIR} with --max-restarts or "
                         "--data-volume-size, else none")
-    p.add_argument("--data-volume-size", metavar="Q",
+    g.add_argument("--data-volume-size", metavar="Q",
                    help="a PersistentVolumeClaim of this size per server mounted at "
                         "--data-dir, so a restarted or moved server pod keeps its "
                         "checkpoints, e.g. 10Gi (default: an emptyDir, lost with the pod)")
-    p.add_argument("--storage-class", metavar="NAME",
+    g.add_argument("--storage-class", metavar="NAME",
                    help="storageClassName of those claims (default: the cluster's default)")
-    p.add_argument("-o", "--output-dir", help="write one YAML file per object here")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the training program")
-    return p
 
 
 def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
@@ -706,10 +738,11 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, cpu=args.cpu,
-        memory=args.memory, plan=plan, server_args=tuple(args.server_arg),
-        gloo_iface=args.gloo_iface, image_pull_policy=args.image_pull_policy,
-        max_restarts=args.max_restarts, data_dir=args.data_dir,
-        data_volume_size=args.data_volume_size, storage_class=args.storage_class)
+        memory=args.memory, plan=plan,
+        server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
+        image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
+        data_dir=args.data_dir, data_volume_size=args.data_volume_size,
+        storage_class=args.storage_class)
     return config, args.output_dir
 
 
@@ -719,7 +752,7 @@ def write(objects: list[dict[str, Any]], directory: str) -> list[Path]:
     paths = []
     for i, obj in enumerate(objects):
         path = out / f"{i:02d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
-        path.write_text(yaml.safe_dump(obj, sort_keys=False))
+        path.write_text(dump([obj]))
         paths.append(path)
     return paths
 

@@ -8,6 +8,7 @@ offline) and structurally; the worker bootstrap runs for real, as two processes 
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import re
@@ -264,6 +265,8 @@ def test_manifests_are_structurally_valid(key):
     assert env[k8s.JOB_CONFIG_ENV] == f"{mount['mountPath']}/job.json"
     if config.cpu:
         assert worker["resources"]["requests"] == {"cpu": config.cpu, "memory": config.memory}
+    # the ConfigMap's job.json reads as JSON in the YAML, not as one escaped string
+    assert "  job.json: |" in text and '    "run_id": ' in text
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
@@ -308,6 +311,9 @@ def test_manifests_pass_the_kubernetes_schemas(key):
 def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
     fields.update(changes)
+    if words is None:  # a boundary that is fine
+        render(K8sConfig(**fields))
+        return
     with pytest.raises(ConfigError) as err:
         render(K8sConfig(**fields))
     for word in words:
@@ -397,6 +403,33 @@ def test_strategy_applies_the_job_plan_by_itself_and_given_arguments_win(
     assert (given.extended.config.shards, dict(given.extended.config.placement)) == (1, {})
     assert "none applied (ParallaxStrategy's own placement, search_partitions, shards kept)" \
         in caplog.text
+
+
+def test_job_json_reads_as_a_yaml_block_of_pretty_json(tmp_path):
+    objects = render(CONFIGS["hybrid-4x2"])
+    text = k8s.dump(objects)
+    block = text[text.index("  job.json: |"):].split("\n---")[0].splitlines()
+    assert block[1] == "    {" and '      "mode": "hybrid",' in block  # indented JSON
+    assert "\\n" not in text and '\\"' not in text  # no escaped string anywhere
+    assert list(yaml.safe_load_all(text)) == objects
+    assert "image: registry.example.com/parallax:0.1" in text  # one-line strings stay plain
+    (config_file, *_) = sorted(p for p in k8s.write(objects, str(tmp_path)))
+    assert "  job.json: |" in config_file.read_text()
+    assert yaml.safe_load(config_file.read_text()) == objects[0]
+
+
+def _parsers():
+    from parallax import logs
+    parsers = [k8s._parser()]
+    for parser in parsers:
+        logs.add_argument(parser)  # as `parallax k8s` adds it
+    return parsers
+
+
+def test_every_k8s_option_has_help():
+    for parser in _parsers():
+        for action in parser._actions:
+            assert action.help and action.help != argparse.SUPPRESS, action.option_strings
 
 
 # --------------------------------------------------------------------------- worker bootstrap
