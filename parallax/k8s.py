@@ -2,14 +2,28 @@
 
 `render(K8sConfig(...))` returns the objects of one job, in the order to apply them:
 
-  ConfigMap    JOB-config   job.json: mode, sync, sizes, server addresses, plan overrides
-  Service      JOB-ps       headless (clusterIP: None): stable DNS names for the servers,
-                            JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>
-  StatefulSet  JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
-                            ready when grpc.health.v1 says SERVING (the kubelet's gRPC probe)
-  Service      JOB-workers  headless: DNS names for the worker pods (the Job's subdomain)
-  Job          JOB-worker   indexed (completionMode: Indexed, parallelism = completions = N),
-                            each pod runs `parallax k8s worker -- COMMAND`
+  ConfigMap       JOB-config   job.json: mode, sync, sizes, server addresses, plan overrides
+  ServiceAccount  JOB-ps       with a Role and a RoleBinding: the servers' job watcher may
+  Role            JOB-ps       get the Job JOB-worker and delete the StatefulSet JOB-ps,
+  RoleBinding     JOB-ps       nothing else (not with --keep-servers)
+  Service         JOB-ps       headless (clusterIP: None): stable DNS names for the servers,
+                               JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>
+  StatefulSet     JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
+                               ready when grpc.health.v1 says SERVING (the kubelet's gRPC
+                               probe), beside a `parallax k8s watch-job` container
+  Service         JOB-workers  headless: DNS names for the worker pods (the Job's subdomain)
+  Job             JOB-worker   indexed (completionMode: Indexed, parallelism = completions =
+                               N), each pod runs `parallax k8s worker -- COMMAND`
+
+The servers' lifetime is the Job's. A StatefulSet cannot be owned by the Job at render time
+(an ownerReference needs the Job's uid, known once it exists), its pods restart whatever
+their exit code (restartPolicy Always: a server cannot just exit), and a JobSet needs a
+controller a stock cluster lacks. So each server pod runs a small second container, `parallax
+k8s watch-job`: with its own service account token (the server container gets none) it polls
+the Job through the API server (HTTPS, no kubectl) and, once the Job has finished (Complete or
+Failed) or was deleted, deletes the StatefulSet; its pods stop gracefully, the claims of
+--data-volume-size stay (persistentVolumeClaimRetentionPolicy Retain). Nothing depends on a
+worker being alive at the end.
 
 How N worker pods become one Horovod (gloo) job without ssh. `horovodrun --gloo` does two
 things: it serves a rendezvous (Horovod's `RendezvousServer`, an HTTP key-value store the
@@ -45,10 +59,13 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -77,6 +94,10 @@ _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
 IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+WATCH_POLL_S = 15.0                     # how often the servers' watcher reads the Job
+WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch-job`:
+           "limits": {"cpu": "100m", "memory": "128Mi"}}  # ~55 MB resident, idle
 log = logging.getLogger("parallax")
 
 
@@ -102,6 +123,7 @@ class K8sConfig:
     data_dir: str | None = None           # the servers' --data-dir (checkpoints)
     data_volume_size: str | None = None   # a PersistentVolumeClaim per server, e.g. "10Gi"
     storage_class: str | None = None      # its storageClassName (None: the cluster default)
+    keep_servers: bool = False            # no watcher: the servers outlive the Job
 
 
 def _label(value: str, what: str, fix: str) -> None:
@@ -321,6 +343,7 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         "data": {CONFIG_FILE: json.dumps(job_config(config), indent=2, sort_keys=True)},
     }]
     if config.servers:
+        objects += [] if config.keep_servers else _watcher_access(config)
         objects += [_headless_service(config, f"{config.name}-ps", "ps", "grpc",
                                       config.server_port), _server_set(config)]
     objects += [_headless_service(config, f"{config.name}-workers", "worker", "rendezvous",
@@ -363,24 +386,75 @@ def _data_claim(config: K8sConfig) -> dict[str, Any]:
 
 def _server_set(config: K8sConfig) -> dict[str, Any]:
     """The servers: a StatefulSet (stable names; pods restart by themselves, restartPolicy
-    Always) whose data dir is a PersistentVolumeClaim per pod (--data-volume-size), or an
-    emptyDir (survives container restarts, not a pod's move to another node)."""
+    Always) whose data dir is a PersistentVolumeClaim per pod (--data-volume-size), kept when
+    the watcher deletes the StatefulSet, or an emptyDir (survives container restarts, not a
+    pod's move to another node)."""
     ps_labels = _labels(config, "ps")
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": "Always",
-                           "containers": [_server_container(config)]}
+                           "containers": [_server_container(config)], "volumes": []}
+    annotations = {"kubectl.kubernetes.io/default-container": "server"}
     spec: dict[str, Any] = {
         "serviceName": f"{config.name}-ps", "replicas": config.servers,
         "podManagementPolicy": "Parallel", "selector": {"matchLabels": ps_labels},
-        "template": {"metadata": {"labels": ps_labels}, "spec": pod},
+        "template": {"metadata": {"labels": ps_labels, "annotations": annotations},
+                     "spec": pod},
     }
     if server_data_dir(config):
         pod["securityContext"] = {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}
         if config.data_volume_size:
             spec["volumeClaimTemplates"] = [_data_claim(config)]
+            spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Retain",
+                                                            "whenScaled": "Retain"}
         else:
-            pod["volumes"] = [{"name": "data", "emptyDir": {}}]
+            pod["volumes"].append({"name": "data", "emptyDir": {}})
+    if not config.keep_servers:
+        _add_watcher(config, pod)
+    if not pod["volumes"]:
+        del pod["volumes"]
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": _meta(config, f"{config.name}-ps", "ps"), "spec": spec}
+
+
+def _add_watcher(config: K8sConfig, pod: dict[str, Any]) -> None:
+    """The server pod's `parallax k8s watch-job` container, and the API token only it
+    mounts (the pod's automatic token is off: the server container gets no credentials)."""
+    pod["serviceAccountName"] = f"{config.name}-ps"
+    pod["automountServiceAccountToken"] = False
+    pod["containers"].append({
+        "name": "job-watch", "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["parallax", "k8s", "watch-job", "--namespace", config.namespace,
+                    "--job", f"{config.name}-worker", "--servers", f"{config.name}-ps"],
+        "env": _env({"PYTHONUNBUFFERED": "1"}),
+        "resources": WATCHER,
+        "volumeMounts": [{"name": "api-token", "mountPath": SERVICE_ACCOUNT_DIR,
+                          "readOnly": True}],
+    })
+    pod["volumes"].append({"name": "api-token", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt",
+                                                              "path": "ca.crt"}]}},
+    ]}})
+
+
+def _watcher_access(config: K8sConfig) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding JOB-ps: the watcher may read the worker Job and
+    delete the servers' StatefulSet, by name, and nothing else."""
+    name, rbac = f"{config.name}-ps", "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(config, name, "ps"),
+         "automountServiceAccountToken": False},
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": _meta(config, name, "ps"),
+         "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"],
+                    "resourceNames": [f"{config.name}-worker"]},
+                   {"apiGroups": ["apps"], "resources": ["statefulsets"],
+                    "verbs": ["delete"], "resourceNames": [name]}]},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding",
+         "metadata": _meta(config, name, "ps"),
+         "subjects": [{"kind": "ServiceAccount", "name": name,
+                       "namespace": config.namespace}],
+         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name}},
+    ]
 
 
 def _worker_job(config: K8sConfig) -> dict[str, Any]:
@@ -473,6 +547,167 @@ def plan_overrides(given: Mapping[str, Any]) -> dict[str, Any]:
                  ", ".join(f"{k}={v!r}" for k, v in applied.items()) or "none applied",
                  f" (ParallaxStrategy's own {', '.join(kept)} kept)" if kept else "")
     return applied
+
+
+# ---------------------------------------------------------------------------------------
+# The servers' watcher (`parallax k8s watch-job`), beside each server: ends them with the Job.
+
+class KubeAPI:
+    """The API server as a pod's service account reaches it, without kubectl or a client
+    library: HTTPS to $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, verified with the
+    account's ca.crt, the account's token read at every request (the kubelet rotates it)."""
+
+    def __init__(self, url: str, token_file: str, ca_file: str, timeout: float = 10.0):
+        self.url, self.token_file, self.timeout = url.rstrip("/"), token_file, timeout
+        self.context = ssl.create_default_context(cafile=ca_file)
+
+    @classmethod
+    def in_cluster(cls, environ: Mapping[str, str] | None = None,
+                   directory: str = SERVICE_ACCOUNT_DIR) -> "KubeAPI":
+        environ = os.environ if environ is None else environ
+        host = environ.get("KUBERNETES_SERVICE_HOST")
+        if not host:
+            raise ConfigError("KUBERNETES_SERVICE_HOST is not set: `parallax k8s watch-job` "
+                              "runs in a server pod that `parallax k8s` rendered")
+        host = f"[{host}]" if ":" in host else host
+        return cls(f"https://{host}:{environ.get('KUBERNETES_SERVICE_PORT', '443')}",
+                   f"{directory}/token", f"{directory}/ca.crt")
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, dict]:
+        """(HTTP status, JSON answer or {}); OSError when the API server cannot be reached."""
+        token = Path(self.token_file).read_text().strip()
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json",
+                     "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout,
+                                        context=self.context) as answer:
+                return answer.status, _json(answer.read())
+        except urllib.error.HTTPError as err:
+            return err.code, _json(err.read())
+
+
+def _json(data: bytes) -> dict:
+    try:
+        value = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def job_finished(job: Mapping[str, Any]) -> str | None:
+    """"Complete" or "Failed" once the Job has that condition, else None."""
+    for condition in job.get("status", {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return condition["type"]
+    return None
+
+
+class JobWatch:
+    """Ends the servers with the Job: `check()` reads the Job once; once it has finished, or
+    is gone after it was seen, `end_servers()` deletes the StatefulSet. A Job not created yet
+    is waited for; a recreated one (another uid) is followed. Problems (unreachable API
+    server, missing RBAC) are logged once each, and the watch goes on."""
+
+    def __init__(self, api: KubeAPI, namespace: str, job: str, servers: str):
+        self.api, self.job, self.servers = api, job, servers
+        self.job_path = f"/apis/batch/v1/namespaces/{namespace}/jobs/{job}"
+        self.servers_path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{servers}"
+        self.uid: str | None = None
+        self._told: set[str] = set()
+
+    def _once(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.warning("%s", message)
+
+    def _refused(self, status: int, what: str) -> None:
+        fix = (f"apply the Role and RoleBinding {self.servers} rendered with the servers"
+               if status in (401, 403) else "the watch goes on")
+        self._once(f"{what}-{status}", f"cannot {what}: the API server answered HTTP "
+                                       f"{status}; {fix}")
+
+    def check(self) -> str | None:
+        """Why the servers should end now, or None."""
+        try:
+            status, job = self.api.request("GET", self.job_path)
+        except OSError as err:
+            self._once("unreachable", f"cannot reach the API server at {self.api.url} "
+                                      f"({err}); the watch goes on")
+            return None
+        if status == 404:
+            return f"Job {self.job} was deleted" if self.uid else None
+        if status != 200:
+            self._refused(status, f"read Job {self.job}")
+            return None
+        uid = job.get("metadata", {}).get("uid")
+        if self.uid is None or uid != self.uid:
+            log.info("watching Job %s (uid %s): the servers end with it", self.job, uid)
+            self.uid = uid
+        state = job_finished(job)
+        return f"Job {self.job} finished ({state})" if state else None
+
+    def end_servers(self) -> bool:
+        """Delete the StatefulSet (its pods stop gracefully, its claims stay); True once
+        it is deleted or gone."""
+        try:
+            status, _ = self.api.request("DELETE", self.servers_path, {
+                "apiVersion": "v1", "kind": "DeleteOptions",
+                "propagationPolicy": "Background"})
+        except OSError as err:
+            self._once("unreachable-delete", f"cannot reach the API server at "
+                                             f"{self.api.url} ({err}); trying again")
+            return False
+        if status in (200, 202, 404):
+            return True
+        self._refused(status, f"delete StatefulSet {self.servers}")
+        return False
+
+
+def watch_job(watch: JobWatch, stop: threading.Event, poll_s: float = WATCH_POLL_S) -> bool:
+    """Poll until the servers should end, then end them; False when `stop` came first."""
+    while not stop.is_set():
+        reason = watch.check()
+        if reason:
+            log.info("%s: deleting StatefulSet %s (its volume claims stay)", reason,
+                     watch.servers)
+            while not watch.end_servers():
+                if stop.wait(poll_s):
+                    return False
+            return True
+        stop.wait(poll_s)
+    return False
+
+
+def _watch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="parallax k8s watch-job",
+        description="Inside a server pod: delete the servers' StatefulSet once the worker "
+                    "Job has finished or was deleted (the manifests of `parallax k8s` run "
+                    "it beside each server).")
+    p.add_argument("--namespace", required=True, help="the job's namespace")
+    p.add_argument("--job", required=True, help="the worker Job's name (JOB-worker)")
+    p.add_argument("--servers", required=True, help="the servers' StatefulSet (JOB-ps)")
+    p.add_argument("--poll-seconds", type=float, default=WATCH_POLL_S,
+                   help=f"how often to read the Job (default {WATCH_POLL_S:g})")
+    return p
+
+
+def watch_main(argv: list[str]) -> int:
+    args = logs.parse(_watch_parser(), argv)
+    try:
+        watch = JobWatch(KubeAPI.in_cluster(), args.namespace, args.job, args.servers)
+    except (ConfigError, OSError) as err:
+        print(f"parallax k8s watch-job: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    watch_job(watch, stop, args.poll_seconds)
+    stop.wait()  # exiting would only restart this container (restartPolicy Always)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -660,10 +895,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="parallax k8s",
         usage="parallax k8s --name JOB --image IMAGE [OPTIONS] [-o DIR] -- COMMAND [ARGS ...]\n"
-              "       parallax k8s worker -- COMMAND [ARGS ...]   (inside a worker pod)",
+              "       parallax k8s worker -- COMMAND [ARGS ...]   (inside a worker pod)\n"
+              "       parallax k8s watch-job ...                 (inside a server pod)",
         description="Render the Kubernetes manifests of a parallax job (parameter servers "
-                    "as a StatefulSet with a headless Service, workers as an indexed Job, a "
-                    "ConfigMap with the job config) to stdout, or to files in -o DIR.")
+                    "as a StatefulSet with a headless Service, ending with the job; workers "
+                    "as an indexed Job; a ConfigMap with the job config) to stdout, or to "
+                    "files in -o DIR.")
     _job_options(p.add_argument_group("job"))
     _resource_options(p.add_argument_group("resources"))
     _server_options(p.add_argument_group("servers"))
@@ -714,6 +951,9 @@ def _server_options(g) -> None:
                         "the port after it")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra `parallax server` argument, e.g. --server-arg=--threads=32")
+    g.add_argument("--keep-servers", action="store_true",
+                   help="do not end the servers with the worker Job (no job-watch container, "
+                        "ServiceAccount, Role or RoleBinding): delete them yourself")
     g.add_argument("--data-dir", metavar="DIR",
                    help="the servers' --data-dir, where they write checkpoints (resume/<run "
                         f"id>); default {DEFAULT_DATA_DIR} with --max-restarts or "
@@ -742,7 +982,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
-        storage_class=args.storage_class)
+        storage_class=args.storage_class, keep_servers=args.keep_servers)
     return config, args.output_dir
 
 
@@ -761,6 +1001,8 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["worker"]:
         rest = argv[1:]
         return worker_main(rest[1:] if rest[:1] == ["--"] else rest)
+    if argv[:1] == ["watch-job"]:
+        return watch_main(argv[1:])
     try:
         config, output_dir = config_from_args(argv)
         objects = render(config)

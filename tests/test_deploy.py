@@ -1,10 +1,12 @@
 """Containers and clusters: the Dockerfile installs as the README does, deploy/docker-compose.yml
-is a consistent local cluster, `parallax k8s` renders valid manifests, and its worker bootstrap
-forms a real Horovod gloo job without horovodrun.
+is a consistent local cluster, `parallax k8s` renders valid manifests, its worker bootstrap
+forms a real Horovod gloo job without horovodrun, and its servers' job watcher ends them with
+the Job.
 
 No Docker engine or Kubernetes cluster runs here: the Dockerfile and compose file are checked
 by parsing them, the manifests against Kubernetes' JSON schemas (kubernetes-validate, bundled
-offline) and structurally; the worker bootstrap runs for real, as two processes on loopback.
+offline) and structurally; the worker bootstrap runs for real, as two processes on loopback;
+the job watcher talks to a fake API server over TLS on loopback.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +164,8 @@ CONFIGS = {
                                   server_args=("--threads=32",)),
     "restarts-1x1-emptydir": K8sConfig(name="one", image="parallax", workers=1, servers=1,
                                        command=("python", "t.py"), max_restarts=2),
+    "keep-servers": K8sConfig(name="kept", image="parallax", command=("t",),
+                              keep_servers=True, server_port=9000),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
@@ -171,6 +176,12 @@ def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
 
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _container(controller: dict, name: str) -> dict:
+    (container,) = [c for c in controller["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == name]
+    return container
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
@@ -211,7 +222,7 @@ def test_manifests_are_structurally_valid(key):
         assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
         assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
         assert sts["spec"]["replicas"] == s
-        (server,) = sts["spec"]["template"]["spec"]["containers"]
+        server = _container(sts, "server")
         assert server["command"][:2] == ["parallax", "server"]
         args = server["command"]
         assert args[args.index("--port") + 1] == str(config.server_port)
@@ -420,7 +431,7 @@ def test_job_json_reads_as_a_yaml_block_of_pretty_json(tmp_path):
 
 def _parsers():
     from parallax import logs
-    parsers = [k8s._parser()]
+    parsers = [k8s._parser(), k8s._watch_parser()]
     for parser in parsers:
         logs.add_argument(parser)  # as `parallax k8s` adds it
     return parsers
@@ -430,6 +441,244 @@ def test_every_k8s_option_has_help():
     for parser in _parsers():
         for action in parser._actions:
             assert action.help and action.help != argparse.SUPPRESS, action.option_strings
+
+
+# --------------------------------------------------------------------------- servers' lifetime
+
+def test_servers_end_with_the_job_through_a_watcher_with_minimal_rights():
+    config = CONFIGS["hybrid-4x2"]
+    objects = render(config)
+    objs = _by_kind(objects)
+    account, role, binding = (objs[kind, "wordlm-ps"]
+                              for kind in ("ServiceAccount", "Role", "RoleBinding"))
+    kinds = [o["kind"] for o in objects]
+    assert kinds.index("RoleBinding") < kinds.index("StatefulSet")  # rights before the pods
+    # get the worker Job, delete the servers' StatefulSet, by name; nothing else
+    assert role["rules"] == [
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"],
+         "resourceNames": ["wordlm-worker"]},
+        {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["delete"],
+         "resourceNames": ["wordlm-ps"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "wordlm-ps"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "wordlm-ps",
+                                    "namespace": "ml"}]
+    sts, job = objs["StatefulSet", "wordlm-ps"], objs["Job", "wordlm-worker"]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert account["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is False  # the server gets no credentials
+    assert sts["spec"]["template"]["metadata"]["annotations"][
+        "kubectl.kubernetes.io/default-container"] == "server"
+    watcher = _container(sts, "job-watch")
+    assert watcher["command"][:3] == ["parallax", "k8s", "watch-job"]
+    args = k8s._watch_parser().parse_args(watcher["command"][3:])
+    assert (args.namespace, args.job, args.servers) == (
+        "ml", job["metadata"]["name"], sts["metadata"]["name"])
+    assert watcher["volumeMounts"] == [{"name": "api-token", "readOnly": True,
+                                        "mountPath": k8s.SERVICE_ACCOUNT_DIR}]
+    assert "api-token" not in str(_container(sts, "server"))
+    (token,) = [v for v in pod["volumes"] if v["name"] == "api-token"]
+    sources = token["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert sources[1]["configMap"] == {"name": "kube-root-ca.crt",
+                                       "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert not any("job-watch" in str(o) for o in objects if o["kind"] == "Job")
+
+
+def test_keep_servers_renders_no_watcher_and_no_rights():
+    objs = _by_kind(render(CONFIGS["keep-servers"]))
+    assert not {kind for kind, _ in objs} & {"ServiceAccount", "Role", "RoleBinding"}
+    pod = objs["StatefulSet", "kept-ps"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["server"]
+    assert "serviceAccountName" not in pod and "volumes" not in pod
+
+
+def test_cli_server_flags_reach_the_config():
+    config, _ = k8s.config_from_args([
+        "--name", "r", "--image", "x", "--keep-servers", "--", "python", "t.py"])
+    assert config.keep_servers
+    default, _ = k8s.config_from_args(["--name", "r", "--image", "x", "--", "t"])
+    assert not default.keep_servers
+
+
+class FakeAPIServer:
+    """The two endpoints of a Kubernetes API server the watcher uses, over TLS, refusing
+    requests without the service account's token (401), as the real one does."""
+
+    JOB = "/apis/batch/v1/namespaces/ml/jobs/wordlm-worker"
+    SERVERS = "/apis/apps/v1/namespaces/ml/statefulsets/wordlm-ps"
+
+    def __init__(self, creds, token: str):
+        import http.server
+        import ssl
+        import threading
+        self.job: dict | None = None   # GET answers it, or 404 when None
+        self.status: int | None = None  # answer every request with this status instead
+        self.requests: list[tuple[str, str, dict | None]] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                fake.requests.append((self.command, self.path, body))
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    return self._answer(401, {"kind": "Status", "code": 401})
+                if fake.status is not None:
+                    return self._answer(fake.status, {"kind": "Status"})
+                if self.command == "GET" and self.path == fake.JOB and fake.job:
+                    return self._answer(200, fake.job)
+                if self.command == "DELETE" and self.path == fake.SERVERS:
+                    return self._answer(200, {"kind": "StatefulSet"})
+                return self._answer(404, {"kind": "Status", "code": 404})
+
+            do_GET = do_DELETE = _handle
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(creds.server_cert, creds.server_key)
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def set_job(self, uid: str, condition: str | None = None) -> None:
+        conditions = [{"type": "FailureTarget", "status": "True"}]  # not the end yet
+        if condition:
+            conditions.append({"type": condition, "status": "True"})
+        self.job = {"kind": "Job", "metadata": {"name": "wordlm-worker", "uid": uid},
+                    "status": {"conditions": conditions}}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def api_creds(tmp_path_factory):
+    from parallax.security import generate_job_credentials
+    return generate_job_credentials(tmp_path_factory.mktemp("api"))
+
+
+@pytest.fixture
+def api(api_creds):
+    from parallax.security import read_token
+    server = FakeAPIServer(api_creds, read_token(api_creds.token_file))
+    yield server
+    server.close()
+
+
+def _watch(api, creds) -> k8s.JobWatch:
+    client = k8s.KubeAPI(api.url, str(creds.token_file), str(creds.ca_cert))
+    return k8s.JobWatch(client, "ml", "wordlm-worker", "wordlm-ps")
+
+
+@pytest.mark.parametrize("condition", ["Complete", "Failed"])
+def test_job_watch_deletes_the_servers_once_the_job_has_finished(api, api_creds, condition):
+    watch = _watch(api, api_creds)
+    assert watch.check() is None  # the Job is not created yet: the servers wait for it
+    api.set_job("u1")
+    assert watch.check() is None and watch.uid == "u1"  # running
+    api.set_job("u1", condition)
+    assert watch.check() == f"Job wordlm-worker finished ({condition})"
+    assert watch.end_servers()
+    assert api.requests[-1] == ("DELETE", api.SERVERS, {
+        "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+    assert [r[:2] for r in api.requests[:-1]] == [("GET", api.JOB)] * 3
+
+
+def test_job_watch_ends_the_servers_when_the_job_is_deleted_and_follows_a_new_one(
+        api, api_creds, caplog):
+    watch = _watch(api, api_creds)
+    api.set_job("u1")
+    assert watch.check() is None
+    api.set_job("u2")  # deleted and created again between two reads: the servers serve it
+    with caplog.at_level("INFO", logger="parallax"):
+        assert watch.check() is None and watch.uid == "u2"
+    assert "watching Job wordlm-worker (uid u2)" in caplog.text
+    api.job = None
+    assert watch.check() == "Job wordlm-worker was deleted"
+    api.requests.clear()
+    api.status = 404  # the StatefulSet is gone already (deleted by hand, another watcher)
+    assert watch.end_servers()
+
+
+def test_job_watch_says_once_what_is_missing_and_keeps_watching(api, api_creds, caplog,
+                                                                  tmp_path):
+    watch = _watch(api, api_creds)
+    api.status = 403
+    with caplog.at_level("WARNING", logger="parallax"):
+        assert watch.check() is None and watch.check() is None
+        assert not watch.end_servers()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # one per problem, not one per poll
+    assert "cannot read Job wordlm-worker: the API server answered HTTP 403" in warnings[0]
+    assert "apply the Role and RoleBinding wordlm-ps" in warnings[0]
+    assert "cannot delete StatefulSet wordlm-ps" in warnings[1]
+    # no token: 401, with the same fix
+    other = tmp_path / "token"
+    other.write_text("not-the-token\n")
+    caplog.clear()
+    api.status = None
+    stranger = k8s.JobWatch(k8s.KubeAPI(api.url, str(other), str(api_creds.ca_cert)), "ml",
+                            "wordlm-worker", "wordlm-ps")
+    assert stranger.check() is None and "HTTP 401" in caplog.text
+    # an API server not reachable, or not the one the CA vouches for
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"https://127.0.0.1:{s.getsockname()[1]}"
+    from parallax.security import generate_job_credentials
+    strange_ca = generate_job_credentials(tmp_path / "other").ca_cert
+    for url, ca in ((closed, api_creds.ca_cert), (api.url, strange_ca)):
+        caplog.clear()
+        lost = k8s.JobWatch(k8s.KubeAPI(url, str(api_creds.token_file), str(ca)), "ml",
+                            "wordlm-worker", "wordlm-ps")
+        assert lost.check() is None and not lost.end_servers()
+        assert "cannot reach the API server at" in caplog.text
+    assert "CERTIFICATE_VERIFY_FAILED" in caplog.text
+
+
+def test_watch_job_polls_until_the_job_ends_then_deletes_the_servers(api, api_creds):
+    import threading
+    api.set_job("u1")
+    stop = threading.Event()
+    done: list[bool] = []
+    thread = threading.Thread(target=lambda: done.append(
+        k8s.watch_job(_watch(api, api_creds), stop, poll_s=0.05)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and not any(r[0] == "DELETE" for r in api.requests)
+    api.set_job("u1", "Complete")
+    thread.join(timeout=10)
+    assert done == [True]
+    assert [r[0] for r in api.requests].count("DELETE") == 1
+    stop.set()  # a pod being stopped before the Job ends: nothing is deleted
+    api.requests.clear()
+    api.set_job("u1")
+    assert k8s.watch_job(_watch(api, api_creds), stop, poll_s=0.05) is False
+    assert not any(r[0] == "DELETE" for r in api.requests)
+
+
+def test_watch_job_command_says_it_runs_in_a_cluster():
+    env = {"PATH": f"{BIN}:/usr/bin:/bin"}
+    out = subprocess.run([str(BIN / "parallax"), "k8s", "watch-job", "--namespace", "ml",
+                          "--job", "j-worker", "--servers", "j-ps"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "KUBERNETES_SERVICE_HOST is not set" in out.stderr
+    out = subprocess.run([str(BIN / "parallax"), "k8s", "watch-job", "--help"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--poll-seconds" in out.stdout
 
 
 # --------------------------------------------------------------------------- worker bootstrap
@@ -554,7 +803,7 @@ def test_restarts_keep_the_servers_data_dir_on_a_volume(key):
     config = CONFIGS[key]
     _, _, sts, _ = _objects(config)
     pod = sts["spec"]["template"]["spec"]
-    (server,) = pod["containers"]
+    server = _container(sts, "server")
     assert pod["restartPolicy"] == "Always"
     args = server["command"]
     data_dir = args[args.index("--data-dir") + 1]
@@ -562,16 +811,19 @@ def test_restarts_keep_the_servers_data_dir_on_a_volume(key):
     (mount,) = server["volumeMounts"]
     assert mount["mountPath"] == data_dir
     assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can write it
+    volumes = [v for v in pod.get("volumes", []) if v["name"] == mount["name"]]
     if config.data_volume_size:
         (claim,) = sts["spec"]["volumeClaimTemplates"]
-        assert claim["metadata"]["name"] == mount["name"] and "volumes" not in pod
+        assert claim["metadata"]["name"] == mount["name"] and not volumes
         assert claim["spec"]["resources"]["requests"]["storage"] == config.data_volume_size
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
         assert claim["spec"]["storageClassName"] == config.storage_class
         assert claim["metadata"]["labels"][k8s.LABEL_JOB] == config.name
+        # the claims outlive the StatefulSet, which the job's end deletes
+        assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+            "whenDeleted": "Retain", "whenScaled": "Retain"}
     else:
-        (volume,) = pod["volumes"]
-        assert volume == {"name": mount["name"], "emptyDir": {}}
+        assert volumes == [{"name": mount["name"], "emptyDir": {}}]
         assert "volumeClaimTemplates" not in sts["spec"]
 
 
@@ -582,18 +834,21 @@ def test_without_restart_flags_the_manifests_are_as_before(key):
     assert job["spec"]["backoffLimit"] == 0 and "podFailurePolicy" not in job["spec"]
     assert k8s.gang.MAX_RESTARTS_ENV not in _env(worker)
     assert (k8s.RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1)
-    if sts:
+    if sts and not config.data_volume_size:
         pod = sts["spec"]["template"]["spec"]
-        assert "--data-dir" not in pod["containers"][0]["command"]
-        assert "volumes" not in pod and "volumeClaimTemplates" not in sts["spec"]
+        assert "--data-dir" not in _container(sts, "server")["command"]
+        assert "volumeMounts" not in _container(sts, "server")
+        assert "volumeClaimTemplates" not in sts["spec"]
+        assert all(v["name"] != "data" for v in pod.get("volumes", []))
 
 
 def test_data_dir_alone_gets_a_pod_volume_at_that_path():
     config = K8sConfig(name="d", image="x", command=("t",), data_dir="/srv/ps")
     _, job, sts, _ = _objects(config)
     pod = sts["spec"]["template"]["spec"]
-    assert pod["containers"][0]["volumeMounts"] == [{"name": "data", "mountPath": "/srv/ps"}]
-    assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert _container(sts, "server")["volumeMounts"] == [{"name": "data",
+                                                          "mountPath": "/srv/ps"}]
+    assert pod["volumes"][0] == {"name": "data", "emptyDir": {}}
     assert job["spec"]["backoffLimit"] == 0
 
 
