@@ -7,10 +7,12 @@
   Role            JOB-ps       get the Job JOB-worker and delete the StatefulSet JOB-ps,
   RoleBinding     JOB-ps       nothing else (not with --keep-servers)
   Service         JOB-ps       headless (clusterIP: None): stable DNS names for the servers,
-                               JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>
+                               JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>, and their
+                               metrics port
   StatefulSet     JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
                                ready when grpc.health.v1 says SERVING (the kubelet's gRPC
                                probe), beside a `parallax k8s watch-job` container
+  ServiceMonitor  JOB-ps       with --service-monitor: the Prometheus Operator scrapes them
   Service         JOB-workers  headless: DNS names for the worker pods (the Job's subdomain)
   Job             JOB-worker   indexed (completionMode: Indexed, parallelism = completions =
                                N), each pod runs `parallax k8s worker -- COMMAND`
@@ -94,6 +96,8 @@ _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
 IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
+# label keys and values (ServiceMonitor labels): name parts
+_NAME_PART = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_POLL_S = 15.0                     # how often the servers' watcher reads the Job
 WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch-job`:
@@ -124,6 +128,9 @@ class K8sConfig:
     data_volume_size: str | None = None   # a PersistentVolumeClaim per server, e.g. "10Gi"
     storage_class: str | None = None      # its storageClassName (None: the cluster default)
     keep_servers: bool = False            # no watcher: the servers outlive the Job
+    metrics_port: int | None = None       # servers' /metrics (None: server_port + 2; 0: off)
+    service_monitor: bool = False         # a monitoring.coreos.com/v1 ServiceMonitor
+    service_monitor_labels: tuple[str, ...] = ()  # "KEY=VALUE": what Prometheus selects on
 
 
 def _label(value: str, what: str, fix: str) -> None:
@@ -144,7 +151,7 @@ def validate(config: K8sConfig) -> None:
                                                                   for c in config.image):
         raise ConfigError(f"--image {config.image!r} must be an image reference without "
                           f"spaces, e.g. registry.example.com/parallax:0.1")
-    for name in ("command", "server_args"):
+    for name in ("command", "server_args", "service_monitor_labels"):
         value = getattr(config, name)
         if isinstance(value, str) or not all(isinstance(a, str) for a in value):
             raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
@@ -187,11 +194,78 @@ def validate(config: K8sConfig) -> None:
             raise ConfigError(f"--server-arg {arg!r}: host and ports are set by the manifests "
                               f"(--server-port, and the data plane on the port after it); "
                               f"drop it")
+        if arg.split("=", 1)[0] in ("--metrics-port", "--metrics-host"):
+            raise ConfigError(f"--server-arg {arg!r}: the metrics endpoint is set by the "
+                              f"manifests; give --metrics-port instead")
         if arg.split("=", 1)[0] == "--data-dir":
             raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
                               f"--data-dir (mounted on its volume); give that instead")
+    _validate_metrics(config)
     _validate_restarts(config)
     _validate_plan(config.plan)
+
+
+# Labels: keys and values of ServiceMonitor labels.
+
+def _key_problem(key: str) -> str | None:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
+        return f"the key's prefix {prefix!r} is not a lower-case DNS name"
+    if len(name) > 63 or not _NAME_PART.match(name):
+        return (f"the key {key!r} is not a label key (an optional DNS prefix and '/', then at "
+                f"most 63 letters, digits, '-', '_' or '.', starting and ending with a letter "
+                f"or digit)")
+    return None
+
+
+def _value_problem(value: str) -> str | None:
+    if value and (len(value) > 63 or not _NAME_PART.match(value)):
+        return (f"the value {value!r} is not a label value (empty, or at most 63 letters, "
+                f"digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return None
+
+
+def parse_selector(text: str, flag: str) -> tuple[str, str]:
+    """"KEY=VALUE" as (key, value); ConfigError names the flag, the text and the form."""
+    key, equals, value = text.partition("=")
+    problem = "no '='" if not equals else _key_problem(key) or _value_problem(value)
+    if problem:
+        raise ConfigError(f"{flag} {text!r}: {problem}; the form is KEY=VALUE, e.g. {flag} "
+                          f"cloud.google.com/gke-nodepool=pool-1")
+    return key, value
+
+
+# Metrics: the servers' Prometheus endpoint, and the Prometheus Operator's ServiceMonitor.
+
+def server_metrics_port(config: K8sConfig) -> int | None:
+    """The port of the servers' /metrics: --metrics-port, by default the one after the data
+    plane (--server-port + 2); None with --metrics-port 0."""
+    port = config.server_port + 2 if config.metrics_port is None else config.metrics_port
+    return port or None
+
+
+def _validate_metrics(config: K8sConfig) -> None:
+    port = config.metrics_port
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 <= port < 65536):
+        raise ConfigError(f"--metrics-port {port!r} must be a port in 1-65535, or 0 for no "
+                          f"metrics endpoint")
+    if config.servers and port is None and config.server_port + 2 > 65535:
+        raise ConfigError(f"--server-port {config.server_port} leaves no port for the "
+                          f"servers' metrics (--server-port + 2); give --metrics-port P, or 0")
+    if port in (config.server_port, config.server_port + 1):
+        raise ConfigError(f"--metrics-port {port} is a server port (--server-port "
+                          f"{config.server_port} and the data plane on the port after it); "
+                          f"give another")
+    labels = [parse_selector(t, "--service-monitor-label")
+              for t in config.service_monitor_labels]
+    if labels and not config.service_monitor:
+        raise ConfigError("--service-monitor-label labels the ServiceMonitor: give "
+                          "--service-monitor too")
+    if config.service_monitor and not (config.servers and server_metrics_port(config)):
+        raise ConfigError("--service-monitor scrapes the parameter servers' metrics, and "
+                          + ("--servers is 0" if not config.servers else "--metrics-port is 0")
+                          + ": drop it, or give servers a metrics port")
 
 
 def _validate_restarts(config: K8sConfig) -> None:
@@ -285,14 +359,14 @@ def _meta(config: K8sConfig, name: str, role: str) -> dict[str, Any]:
     return {"name": name, "namespace": config.namespace, "labels": _labels(config, role)}
 
 
-def _headless_service(config: K8sConfig, name: str, role: str, port_name: str,
-                      port: int) -> dict[str, Any]:
+def _headless_service(config: K8sConfig, name: str, role: str,
+                      ports: list[tuple[str, int]]) -> dict[str, Any]:
     """Stable DNS names for the pods of `role` (clusterIP None), ready or not."""
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(config, name, role),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                  "selector": _labels(config, role),
-                 "ports": [{"name": port_name, "port": port, "targetPort": port}]},
+                 "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports]},
     }
 
 
@@ -343,11 +417,16 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         "data": {CONFIG_FILE: json.dumps(job_config(config), indent=2, sort_keys=True)},
     }]
     if config.servers:
+        ports = [("grpc", config.server_port)]
+        if server_metrics_port(config):
+            ports.append(("metrics", server_metrics_port(config)))
         objects += [] if config.keep_servers else _watcher_access(config)
-        objects += [_headless_service(config, f"{config.name}-ps", "ps", "grpc",
-                                      config.server_port), _server_set(config)]
-    objects += [_headless_service(config, f"{config.name}-workers", "worker", "rendezvous",
-                                  config.rendezvous_port), _worker_job(config)]
+        objects += [_headless_service(config, f"{config.name}-ps", "ps", ports),
+                    _server_set(config)]
+        objects += [_service_monitor(config)] if config.service_monitor else []
+    objects += [_headless_service(config, f"{config.name}-workers", "worker",
+                                  [("rendezvous", config.rendezvous_port)]),
+                _worker_job(config)]
     for obj in objects:
         obj["metadata"]["namespace"] = config.namespace
     return json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
@@ -356,14 +435,18 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
 def _server_container(config: K8sConfig) -> dict[str, Any]:
     probe = {"grpc": {"port": config.server_port}, "periodSeconds": 5, "failureThreshold": 3}
     data_dir = server_data_dir(config)
+    metrics = server_metrics_port(config)
     server = {
         "name": "server", "image": config.image, "imagePullPolicy": config.image_pull_policy,
         "command": ["parallax", "server", "--host", "0.0.0.0", "--port",
                     str(config.server_port), *config.server_args,
                     "--data-port", str(config.server_port + 1),  # the data plane
+                    *(["--metrics-host", "0.0.0.0", "--metrics-port", str(metrics)]
+                      if metrics else []),
                     *(["--data-dir", data_dir] if data_dir else [])],
         "ports": [{"name": "grpc", "containerPort": config.server_port},
-                  {"name": "data", "containerPort": config.server_port + 1}],
+                  {"name": "data", "containerPort": config.server_port + 1},
+                  *([{"name": "metrics", "containerPort": metrics}] if metrics else [])],
         "readinessProbe": dict(probe, initialDelaySeconds=2),
         "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
     }
@@ -393,6 +476,9 @@ def _server_set(config: K8sConfig) -> dict[str, Any]:
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": "Always",
                            "containers": [_server_container(config)], "volumes": []}
     annotations = {"kubectl.kubernetes.io/default-container": "server"}
+    if server_metrics_port(config):  # for a Prometheus that discovers pods by annotation
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
+                            "prometheus.io/port": str(server_metrics_port(config))})
     spec: dict[str, Any] = {
         "serviceName": f"{config.name}-ps", "replicas": config.servers,
         "podManagementPolicy": "Parallel", "selector": {"matchLabels": ps_labels},
@@ -455,6 +541,20 @@ def _watcher_access(config: K8sConfig) -> list[dict[str, Any]]:
                        "namespace": config.namespace}],
          "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name}},
     ]
+
+
+def _service_monitor(config: K8sConfig) -> dict[str, Any]:
+    """The Prometheus Operator's ServiceMonitor for the servers' Service, port "metrics";
+    --service-monitor-label adds the labels its Prometheus selects ServiceMonitors by."""
+    meta = _meta(config, f"{config.name}-ps", "ps")
+    meta["labels"] = {**dict(parse_selector(t, "--service-monitor-label")
+                             for t in config.service_monitor_labels), **meta["labels"]}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": meta,
+            "spec": {"selector": {"matchLabels": _labels(config, "ps")},
+                     "namespaceSelector": {"matchNames": [config.namespace]},
+                     "endpoints": [{"port": "metrics", "path": "/metrics",
+                                    "interval": "30s"}]}}
 
 
 def _worker_job(config: K8sConfig) -> dict[str, Any]:
@@ -964,6 +1064,16 @@ def _server_options(g) -> None:
                         "checkpoints, e.g. 10Gi (default: an emptyDir, lost with the pod)")
     g.add_argument("--storage-class", metavar="NAME",
                    help="storageClassName of those claims (default: the cluster's default)")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="the servers' Prometheus /metrics port, in their Service as "
+                        "\"metrics\" (default: --server-port + 2; 0: none)")
+    g.add_argument("--service-monitor", action="store_true",
+                   help="also render a Prometheus Operator ServiceMonitor "
+                        "(monitoring.coreos.com/v1) scraping the servers")
+    g.add_argument("--service-monitor-label", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="a label of the ServiceMonitor (repeatable): what your Prometheus "
+                        "selects ServiceMonitors by, e.g. release=prometheus")
 
 
 def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
@@ -982,7 +1092,9 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
-        storage_class=args.storage_class, keep_servers=args.keep_servers)
+        storage_class=args.storage_class, keep_servers=args.keep_servers,
+        metrics_port=args.metrics_port, service_monitor=args.service_monitor,
+        service_monitor_labels=tuple(args.service_monitor_label))
     return config, args.output_dir
 
 

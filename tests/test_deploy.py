@@ -165,7 +165,10 @@ CONFIGS = {
     "restarts-1x1-emptydir": K8sConfig(name="one", image="parallax", workers=1, servers=1,
                                        command=("python", "t.py"), max_restarts=2),
     "keep-servers": K8sConfig(name="kept", image="parallax", command=("t",),
-                              keep_servers=True, server_port=9000),
+                              keep_servers=True, server_port=9000, metrics_port=0),
+    "monitored-pvc": K8sConfig(name="mon", image="parallax", command=("python", "t.py"),
+                               workers=2, service_monitor=True, data_volume_size="1Gi",
+                               service_monitor_labels=("release=prometheus",)),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
@@ -217,7 +220,9 @@ def test_manifests_are_structurally_valid(key):
         svc = objs["Service", f"{config.name}-ps"]
         sts = objs["StatefulSet", f"{config.name}-ps"]
         assert svc["spec"]["clusterIP"] == "None"
-        assert [p["port"] for p in svc["spec"]["ports"]] == [config.server_port]
+        metrics = k8s.server_metrics_port(config)
+        assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == \
+            [("grpc", config.server_port)] + ([("metrics", metrics)] if metrics else [])
         pod_labels = sts["spec"]["template"]["metadata"]["labels"]
         assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
         assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
@@ -227,9 +232,9 @@ def test_manifests_are_structurally_valid(key):
         args = server["command"]
         assert args[args.index("--port") + 1] == str(config.server_port)
         assert args[args.index("--host") + 1] == "0.0.0.0"
-        # gRPC, and the data plane (PullMany/PushMany frames) on the port after it
-        assert [p["containerPort"] for p in server["ports"]] == [config.server_port,
-                                                                 config.server_port + 1]
+        # gRPC, the data plane (PullMany/PushMany frames) on the port after it, and metrics
+        assert [p["containerPort"] for p in server["ports"]] == [
+            config.server_port, config.server_port + 1] + ([metrics] if metrics else [])
         assert args[args.index("--data-port") + 1] == str(config.server_port + 1)
         assert server["readinessProbe"]["grpc"]["port"] == config.server_port
         assert tuple(args[6:6 + len(config.server_args)]) == config.server_args
@@ -284,6 +289,8 @@ def test_manifests_are_structurally_valid(key):
 def test_manifests_pass_the_kubernetes_schemas(key):
     validate = pytest.importorskip("kubernetes_validate").validate
     for obj in render(CONFIGS[key]):
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema offline (test_service_monitor checks it)
         validate(obj, K8S_VERSION, strict=True)  # strict: unknown fields are errors
 
 
@@ -318,6 +325,19 @@ def test_manifests_pass_the_kubernetes_schemas(key):
     ({"data_dir": "ckpt"}, ["--data-dir 'ckpt'", "absolute"]),
     ({"servers": 0, "mode": "allreduce", "data_dir": "/d"}, ["--servers is 0"]),
     ({"server_args": ("--data-dir=/x",)}, ["--server-arg '--data-dir=/x'", "--data-dir"]),
+    ({"metrics_port": 7001}, ["--metrics-port 7001 is a server port", "data plane"]),
+    ({"metrics_port": 70000}, ["--metrics-port 70000", "or 0"]),
+    ({"server_port": 65534}, ["--server-port 65534 leaves no port for the servers' metrics",
+                              "--metrics-port"]),
+    ({"server_port": 65534, "metrics_port": 9100}, None),
+    ({"service_monitor": True, "metrics_port": 0}, ["--service-monitor", "--metrics-port is 0"]),
+    ({"service_monitor": True, "servers": 0, "mode": "allreduce"}, ["--servers is 0"]),
+    ({"service_monitor_labels": ("release=p",)}, ["--service-monitor-label",
+                                                  "give --service-monitor"]),
+    ({"service_monitor": True, "service_monitor_labels": ("release",)},
+     ["--service-monitor-label 'release'", "KEY=VALUE"]),
+    ({"server_args": ("--metrics-port=9",)}, ["--server-arg '--metrics-port=9'",
+                                              "give --metrics-port"]),
 ])
 def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
@@ -443,6 +463,60 @@ def test_every_k8s_option_has_help():
             assert action.help and action.help != argparse.SUPPRESS, action.option_strings
 
 
+# --------------------------------------------------------------------------- metrics
+
+def test_servers_expose_their_metrics_port_to_the_service_and_prometheus():
+    from parallax_ps.server import parse_args as server_args
+    config = CONFIGS["hybrid-4x2"]
+    objs = _by_kind(render(config))
+    sts = objs["StatefulSet", "wordlm-ps"]
+    server = _container(sts, "server")
+    # the server's own parser takes the rendered command: metrics on every interface
+    parsed = server_args(server["command"][2:])
+    assert (parsed.metrics_port, parsed.metrics_host) == (7002, "0.0.0.0")
+    assert (parsed.port, parsed.data_port) == (7000, 7001)
+    assert {"name": "metrics", "containerPort": 7002} in server["ports"]
+    assert {"name": "metrics", "port": 7002, "targetPort": 7002} in \
+        objs["Service", "wordlm-ps"]["spec"]["ports"]
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "7002"
+    assert not any(kind == "ServiceMonitor" for kind, _ in objs)  # only when asked
+    moved = _container(_by_kind(render(K8sConfig(name="m", image="x", command=("t",),
+                                                 server_port=8000, metrics_port=9100)))[
+        "StatefulSet", "m-ps"], "server")
+    assert server_args(moved["command"][2:]).metrics_port == 9100
+    off = _by_kind(render(CONFIGS["keep-servers"]))
+    server = _container(off["StatefulSet", "kept-ps"], "server")
+    assert server_args(server["command"][2:]).metrics_port is None
+    assert [p["name"] for p in server["ports"]] == ["grpc", "data"]
+    assert [p["name"] for p in off["Service", "kept-ps"]["spec"]["ports"]] == ["grpc"]
+    assert "prometheus.io/port" not in off["StatefulSet", "kept-ps"]["spec"]["template"][
+        "metadata"]["annotations"]
+
+
+def test_service_monitor_scrapes_the_servers_metrics_port():
+    config = CONFIGS["monitored-pvc"]
+    objects = render(config)
+    objs = _by_kind(objects)
+    monitor = objs["ServiceMonitor", "mon-ps"]
+    kinds = [o["kind"] for o in objects]
+    assert kinds.index("ServiceMonitor") > kinds.index("StatefulSet")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"  # what Prometheus selects
+    assert monitor["metadata"]["labels"][k8s.LABEL_JOB] == "mon"
+    spec = monitor["spec"]
+    assert set(spec) == {"selector", "namespaceSelector", "endpoints"}
+    assert spec["namespaceSelector"] == {"matchNames": [config.namespace]}
+    services = [o for o in objects if o["kind"] == "Service"
+                and all(o["metadata"]["labels"].get(k) == v
+                        for k, v in spec["selector"]["matchLabels"].items())]
+    assert [s["metadata"]["name"] for s in services] == ["mon-ps"]  # not the workers'
+    (endpoint,) = spec["endpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s"}
+    assert endpoint["port"] in [p["name"] for p in services[0]["spec"]["ports"]]
+
+
 # --------------------------------------------------------------------------- servers' lifetime
 
 def test_servers_end_with_the_job_through_a_watcher_with_minimal_rights():
@@ -496,10 +570,13 @@ def test_keep_servers_renders_no_watcher_and_no_rights():
 
 def test_cli_server_flags_reach_the_config():
     config, _ = k8s.config_from_args([
-        "--name", "r", "--image", "x", "--keep-servers", "--", "python", "t.py"])
-    assert config.keep_servers
+        "--name", "r", "--image", "x", "--keep-servers", "--metrics-port", "9100",
+        "--service-monitor", "--service-monitor-label", "release=p", "--", "python", "t.py"])
+    assert (config.keep_servers, config.metrics_port, config.service_monitor,
+            config.service_monitor_labels) == (True, 9100, True, ("release=p",))
     default, _ = k8s.config_from_args(["--name", "r", "--image", "x", "--", "t"])
-    assert not default.keep_servers
+    assert (default.keep_servers, default.metrics_port, default.service_monitor) == (
+        False, None, False)
 
 
 class FakeAPIServer:
