@@ -69,6 +69,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -96,8 +97,13 @@ _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
 IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
-# label keys and values (ServiceMonitor labels): name parts
+GPU_RESOURCE = "nvidia.com/gpu"         # the NVIDIA device plugin's extended resource
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# label keys and values (nodeSelector, tolerations, ServiceMonitor labels): name parts
 _NAME_PART = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9,
+             "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18, "Ki": 2 ** 10, "Mi": 2 ** 20,
+             "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_POLL_S = 15.0                     # how often the servers' watcher reads the Job
 WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch-job`:
@@ -131,6 +137,17 @@ class K8sConfig:
     metrics_port: int | None = None       # servers' /metrics (None: server_port + 2; 0: off)
     service_monitor: bool = False         # a monitoring.coreos.com/v1 ServiceMonitor
     service_monitor_labels: tuple[str, ...] = ()  # "KEY=VALUE": what Prometheus selects on
+    cpu_limit: str | None = None          # resource limits of every pod
+    memory_limit: str | None = None
+    server_cpu: str | None = None         # the servers' own requests and limits (default:
+    server_memory: str | None = None      # cpu, memory and their limits above)
+    server_cpu_limit: str | None = None
+    server_memory_limit: str | None = None
+    gpus: int = 0                         # nvidia.com/gpu limit of each worker pod (0 or 1)
+    worker_node_selector: tuple[str, ...] = ()  # "KEY=VALUE" node labels the pods need
+    server_node_selector: tuple[str, ...] = ()
+    worker_tolerations: tuple[str, ...] = ()    # "KEY=VALUE[:EFFECT]" or "KEY[:EFFECT]"
+    server_tolerations: tuple[str, ...] = ()
 
 
 def _label(value: str, what: str, fix: str) -> None:
@@ -151,7 +168,8 @@ def validate(config: K8sConfig) -> None:
                                                                   for c in config.image):
         raise ConfigError(f"--image {config.image!r} must be an image reference without "
                           f"spaces, e.g. registry.example.com/parallax:0.1")
-    for name in ("command", "server_args", "service_monitor_labels"):
+    for name in ("command", "server_args", "worker_node_selector", "server_node_selector",
+                 "worker_tolerations", "server_tolerations", "service_monitor_labels"):
         value = getattr(config, name)
         if isinstance(value, str) or not all(isinstance(a, str) for a in value):
             raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
@@ -179,10 +197,6 @@ def validate(config: K8sConfig) -> None:
         raise ConfigError(f"--rendezvous-port {config.rendezvous_port} is a server port "
                           f"(--server-port {config.server_port} and the data plane on the "
                           f"port after it); give another")
-    for flag, value in (("--cpu", config.cpu), ("--memory", config.memory)):
-        if value is not None and not _QUANTITY.match(str(value)):
-            raise ConfigError(f"{flag} {value!r} is not a Kubernetes quantity; e.g. --cpu 2, "
-                              f"--cpu 500m, --memory 4Gi")
     if not _IFACE.match(config.gloo_iface):
         raise ConfigError(f"--gloo-iface {config.gloo_iface!r} is not a network interface "
                           f"name; the pod interface is usually eth0")
@@ -200,12 +214,58 @@ def validate(config: K8sConfig) -> None:
         if arg.split("=", 1)[0] == "--data-dir":
             raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
                               f"--data-dir (mounted on its volume); give that instead")
+    _validate_resources(config)
+    _validate_scheduling(config)
     _validate_metrics(config)
     _validate_restarts(config)
     _validate_plan(config.plan)
 
 
-# Labels: keys and values of ServiceMonitor labels.
+# Resources: "--cpu" and friends for every pod, "--server-cpu" and friends for the servers.
+RESOURCE_FIELDS = ("cpu", "memory", "cpu_limit", "memory_limit")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resource_setting(config: K8sConfig, role: str, name: str) -> tuple[str, str | None]:
+    """(flag, value) of resource field `name` (cpu, memory, cpu_limit, memory_limit) for the
+    pods of `role` ("worker" or "ps"): the servers' own --server-... when given."""
+    own = getattr(config, f"server_{name}") if role == "ps" else None
+    if own is not None:
+        return _flag(f"server_{name}"), own
+    return _flag(name), getattr(config, name)
+
+
+def _amount(quantity: str) -> Decimal:
+    """A Kubernetes quantity (already matched by _QUANTITY) as a number: 500m -> 0.5."""
+    suffix = _QUANTITY.match(quantity).group(2) or ""
+    return Decimal(quantity[:len(quantity) - len(suffix)]) * _SUFFIXES[suffix]
+
+
+def _validate_resources(config: K8sConfig) -> None:
+    for name in RESOURCE_FIELDS + tuple(f"server_{n}" for n in RESOURCE_FIELDS):
+        value = getattr(config, name)
+        if value is not None and not _QUANTITY.match(str(value)):
+            raise ConfigError(f"{_flag(name)} {value!r} is not a Kubernetes quantity; e.g. "
+                              f"--cpu 2, --cpu 500m, --memory 4Gi")
+    for role, pods in (("worker", "worker"), ("ps", "server")):
+        for what in ("cpu", "memory"):
+            request_flag, request = resource_setting(config, role, what)
+            limit_flag, limit = resource_setting(config, role, f"{what}_limit")
+            if request is not None and limit is not None \
+                    and _amount(str(request)) > _amount(str(limit)):
+                raise ConfigError(f"{request_flag} {request} is more than {limit_flag} {limit} "
+                                  f"(the {pods} pods' {what}): a request cannot exceed its "
+                                  f"limit; raise {limit_flag} or lower {request_flag}")
+    if isinstance(config.gpus, bool) or config.gpus not in (0, 1):
+        raise ConfigError(f"--gpus {config.gpus!r}: each worker pod is one Horovod rank (a "
+                          f"host with one slot), which trains on one GPU; give --gpus 1 and "
+                          f"one worker pod per GPU (--workers), or --gpus 0")
+
+
+# Labels: keys and values of nodeSelector, tolerations and ServiceMonitor labels.
 
 def _key_problem(key: str) -> str | None:
     prefix, slash, name = key.rpartition("/")
@@ -233,6 +293,46 @@ def parse_selector(text: str, flag: str) -> tuple[str, str]:
         raise ConfigError(f"{flag} {text!r}: {problem}; the form is KEY=VALUE, e.g. {flag} "
                           f"cloud.google.com/gke-nodepool=pool-1")
     return key, value
+
+
+# Scheduling: nodeSelector and tolerations, per role.
+
+def parse_toleration(text: str, flag: str) -> dict[str, str]:
+    """"KEY=VALUE[:EFFECT]" (operator Equal) or "KEY[:EFFECT]" (operator Exists: any value)
+    as a toleration; without an effect it tolerates every effect of the taint."""
+    rest, colon, effect = text.partition(":")
+    key, equals, value = rest.partition("=")
+    problem = _key_problem(key) or (_value_problem(value) if equals else None)
+    if colon and effect not in EFFECTS:
+        problem = f"the effect {effect!r} is not one of {', '.join(EFFECTS)}"
+    if problem:
+        raise ConfigError(f"{flag} {text!r}: {problem}; the form is KEY=VALUE[:EFFECT] or "
+                          f"KEY[:EFFECT] (any value), effect {', '.join(EFFECTS[:-1])} or "
+                          f"{EFFECTS[-1]}, e.g. {flag} {GPU_RESOURCE}=present:NoSchedule")
+    toleration = {"key": key, "operator": "Equal" if equals else "Exists"}
+    if equals:
+        toleration["value"] = value
+    if colon:
+        toleration["effect"] = effect
+    return toleration
+
+
+def node_selector(config: K8sConfig, role: str) -> dict[str, str]:
+    texts = config.server_node_selector if role == "ps" else config.worker_node_selector
+    return dict(parse_selector(t, f"--{'server' if role == 'ps' else 'worker'}-node-selector")
+                for t in texts)
+
+
+def tolerations(config: K8sConfig, role: str) -> list[dict[str, str]]:
+    texts = config.server_tolerations if role == "ps" else config.worker_tolerations
+    return [parse_toleration(t, f"--{'server' if role == 'ps' else 'worker'}-toleration")
+            for t in texts]
+
+
+def _validate_scheduling(config: K8sConfig) -> None:
+    for role in ("worker", "ps"):
+        node_selector(config, role)
+        tolerations(config, role)
 
 
 # Metrics: the servers' Prometheus endpoint, and the Prometheus Operator's ServiceMonitor.
@@ -370,10 +470,29 @@ def _headless_service(config: K8sConfig, name: str, role: str,
     }
 
 
-def _resources(config: K8sConfig) -> dict[str, Any]:
-    requests = {k: str(v) for k, v in (("cpu", config.cpu), ("memory", config.memory))
-                if v is not None}
-    return {"requests": requests} if requests else {}
+def _resources(config: K8sConfig, role: str) -> dict[str, Any]:
+    """Requests and limits of the pods of `role`; a worker's GPU is a limit (the device
+    plugin's resources take no separate request)."""
+    out: dict[str, Any] = {}
+    for kind, names in (("requests", ("cpu", "memory")), ("limits", ("cpu_limit",
+                                                                     "memory_limit"))):
+        values = {name.split("_")[0]: str(value) for name in names
+                  if (value := resource_setting(config, role, name)[1]) is not None}
+        if kind == "limits" and role == "worker" and config.gpus:
+            values[GPU_RESOURCE] = str(config.gpus)
+        if values:
+            out[kind] = values
+    return out
+
+
+def _placement(config: K8sConfig, role: str) -> dict[str, Any]:
+    """The pod spec's nodeSelector and tolerations for `role`, when given."""
+    out: dict[str, Any] = {}
+    if node_selector(config, role):
+        out["nodeSelector"] = node_selector(config, role)
+    if tolerations(config, role):
+        out["tolerations"] = tolerations(config, role)
+    return out
 
 
 def _env(pairs: Mapping[str, str]) -> list[dict[str, str]]:
@@ -452,8 +571,8 @@ def _server_container(config: K8sConfig) -> dict[str, Any]:
     }
     if data_dir:
         server["volumeMounts"] = [{"name": "data", "mountPath": data_dir}]
-    if _resources(config):
-        server["resources"] = _resources(config)
+    if _resources(config, "ps"):
+        server["resources"] = _resources(config, "ps")
     return server
 
 
@@ -474,7 +593,8 @@ def _server_set(config: K8sConfig) -> dict[str, Any]:
     pod's move to another node)."""
     ps_labels = _labels(config, "ps")
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": "Always",
-                           "containers": [_server_container(config)], "volumes": []}
+                           "containers": [_server_container(config)], "volumes": [],
+                           **_placement(config, "ps")}
     annotations = {"kubectl.kubernetes.io/default-container": "server"}
     if server_metrics_port(config):  # for a Prometheus that discovers pods by annotation
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
@@ -571,8 +691,8 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
     }
     if config.workers > 1 or config.max_restarts:
         worker["ports"] = [{"name": "rendezvous", "containerPort": config.rendezvous_port}]
-    if _resources(config):
-        worker["resources"] = _resources(config)
+    if _resources(config, "worker"):
+        worker["resources"] = _resources(config, "worker")
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": config.workers, "parallelism": config.workers,
@@ -582,7 +702,8 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
             "spec": {"subdomain": f"{config.name}-workers", "restartPolicy": "Never",
                      "containers": [worker],
                      "volumes": [{"name": "job-config",
-                                  "configMap": {"name": f"{config.name}-config"}}]},
+                                  "configMap": {"name": f"{config.name}-config"}}],
+                     **_placement(config, "worker")},
         },
     }
     if config.max_restarts:
@@ -1002,7 +1123,7 @@ def _parser() -> argparse.ArgumentParser:
                     "as an indexed Job; a ConfigMap with the job config) to stdout, or to "
                     "files in -o DIR.")
     _job_options(p.add_argument_group("job"))
-    _resource_options(p.add_argument_group("resources"))
+    _resource_options(p.add_argument_group("resources and scheduling"))
     _server_options(p.add_argument_group("servers"))
     p.add_argument("-o", "--output-dir", metavar="DIR",
                    help="write one YAML file per object here (default: all to stdout)")
@@ -1041,8 +1162,26 @@ def _job_options(g) -> None:
 
 
 def _resource_options(g) -> None:
-    g.add_argument("--cpu", metavar="Q", help="CPU request of every pod, e.g. 2 or 500m")
-    g.add_argument("--memory", metavar="Q", help="memory request of every pod, e.g. 4Gi")
+    for role, pods in (("", "every pod"), ("server-", "the server pods")):
+        for what, example in (("cpu", "2 or 500m"), ("memory", "4Gi")):
+            for kind, suffix in (("request", ""), ("limit", "-limit")):
+                default = f" (default: --{what}{suffix})" if role else ""
+                g.add_argument(f"--{role}{what}{suffix}", metavar="Q",
+                               help=f"{what} {kind} of {pods}, e.g. {example}{default}")
+    g.add_argument("--gpus", type=int, default=0, metavar="N",
+                   help=f"{GPU_RESOURCE} limit of each worker pod: 0 (default) or 1 (a pod "
+                        "is one Horovod rank)")
+    for role in ("worker", "server"):
+        g.add_argument(f"--{role}-node-selector", action="append", default=[],
+                       metavar="KEY=VALUE",
+                       help=f"a node label the {role} pods need (repeatable), e.g. "
+                            "cloud.google.com/gke-nodepool=pool-1")
+        g.add_argument(f"--{role}-toleration", action="append", default=[],
+                       metavar="KEY[=VALUE][:EFFECT]",
+                       help=f"a taint the {role} pods tolerate (repeatable): KEY=VALUE "
+                            f"matches that value, KEY alone any; EFFECT is one of "
+                            f"{', '.join(EFFECTS)} (default: all), e.g. "
+                            f"{GPU_RESOURCE}=present:NoSchedule")
 
 
 def _server_options(g) -> None:
@@ -1084,15 +1223,20 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
     except json.JSONDecodeError as err:
         raise ConfigError(f"--plan {args.plan!r} is not JSON ({err}); e.g. "
                           f"--plan '{{\"shards\": 4}}'") from None
+    resources = {name: getattr(args, name) for name in RESOURCE_FIELDS
+                 + tuple(f"server_{n}" for n in RESOURCE_FIELDS)}
     config = K8sConfig(
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
-        server_port=args.server_port, rendezvous_port=args.rendezvous_port, cpu=args.cpu,
-        memory=args.memory, plan=plan,
+        server_port=args.server_port, rendezvous_port=args.rendezvous_port, plan=plan,
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
-        storage_class=args.storage_class, keep_servers=args.keep_servers,
+        storage_class=args.storage_class, gpus=args.gpus, **resources,
+        worker_node_selector=tuple(args.worker_node_selector),
+        server_node_selector=tuple(args.server_node_selector),
+        worker_tolerations=tuple(args.worker_toleration),
+        server_tolerations=tuple(args.server_toleration), keep_servers=args.keep_servers,
         metrics_port=args.metrics_port, service_monitor=args.service_monitor,
         service_monitor_labels=tuple(args.service_monitor_label))
     return config, args.output_dir

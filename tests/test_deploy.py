@@ -169,6 +169,14 @@ CONFIGS = {
     "monitored-pvc": K8sConfig(name="mon", image="parallax", command=("python", "t.py"),
                                workers=2, service_monitor=True, data_volume_size="1Gi",
                                service_monitor_labels=("release=prometheus",)),
+    "gpu-scheduled": K8sConfig(
+        name="gpu", image="parallax", command=("python", "t.py"), workers=2, servers=2,
+        cpu="1", memory="2Gi", cpu_limit="2", memory_limit="4Gi", server_cpu="4",
+        server_cpu_limit="8", server_memory="16Gi", server_memory_limit="16Gi", gpus=1,
+        worker_node_selector=("cloud.google.com/gke-nodepool=gpu-pool",),
+        worker_tolerations=("nvidia.com/gpu=present:NoSchedule", "dedicated"),
+        server_node_selector=("pool=highmem", "zone="),
+        server_tolerations=("highmem:NoExecute",)),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
@@ -325,6 +333,25 @@ def test_manifests_pass_the_kubernetes_schemas(key):
     ({"data_dir": "ckpt"}, ["--data-dir 'ckpt'", "absolute"]),
     ({"servers": 0, "mode": "allreduce", "data_dir": "/d"}, ["--servers is 0"]),
     ({"server_args": ("--data-dir=/x",)}, ["--server-arg '--data-dir=/x'", "--data-dir"]),
+    ({"cpu_limit": "lots"}, ["--cpu-limit 'lots'", "500m"]),
+    ({"cpu": "2", "cpu_limit": "500m"}, ["--cpu 2 is more than --cpu-limit 500m",
+                                         "worker pods' cpu", "cannot exceed"]),
+    ({"server_memory": "8Gi", "server_memory_limit": "4Gi"},
+     ["--server-memory 8Gi is more than --server-memory-limit 4Gi", "server pods' memory"]),
+    ({"server_cpu": "4", "cpu_limit": "2"}, ["--server-cpu 4 is more than --cpu-limit 2"]),
+    ({"memory": "1G", "memory_limit": "1Gi"}, None),  # 10^9 < 2^30: fine
+    ({"gpus": 2}, ["--gpus 2", "one Horovod rank", "--gpus 1"]),
+    ({"gpus": True}, ["--gpus True"]),
+    ({"worker_node_selector": ("pool",)}, ["--worker-node-selector 'pool'", "no '='",
+                                           "the form is KEY=VALUE"]),
+    ({"server_node_selector": ("Pool_A/x=1",)}, ["--server-node-selector 'Pool_A/x=1'",
+                                                 "prefix 'Pool_A'"]),
+    ({"worker_node_selector": "pool=a"}, ["tuple of strings"]),
+    ({"worker_tolerations": ("gpu=yes:NoSchedul",)},
+     ["--worker-toleration 'gpu=yes:NoSchedul'", "effect 'NoSchedul'", "KEY=VALUE[:EFFECT]",
+      "NoSchedule, PreferNoSchedule or NoExecute"]),
+    ({"server_tolerations": ("=x",)}, ["--server-toleration '=x'", "not a label key"]),
+    ({"worker_tolerations": ("k=bad value",)}, ["'bad value' is not a label value"]),
     ({"metrics_port": 7001}, ["--metrics-port 7001 is a server port", "data plane"]),
     ({"metrics_port": 70000}, ["--metrics-port 70000", "or 0"]),
     ({"server_port": 65534}, ["--server-port 65534 leaves no port for the servers' metrics",
@@ -461,6 +488,78 @@ def test_every_k8s_option_has_help():
     for parser in _parsers():
         for action in parser._actions:
             assert action.help and action.help != argparse.SUPPRESS, action.option_strings
+
+
+# --------------------------------------------------------------------------- resources, scheduling
+
+def _server_pod(objs, config) -> dict:
+    return objs["StatefulSet", f"{config.name}-ps"]["spec"]["template"]["spec"]
+
+
+def _worker_pod(objs, config) -> dict:
+    return objs["Job", f"{config.name}-worker"]["spec"]["template"]["spec"]
+
+
+def test_requests_and_limits_per_role_and_one_gpu_per_worker():
+    config = CONFIGS["gpu-scheduled"]
+    objs = _by_kind(render(config))
+    sts, job = objs["StatefulSet", "gpu-ps"], objs["Job", "gpu-worker"]
+    assert _container(job, "worker")["resources"] == {
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"}}
+    assert _container(sts, "server")["resources"] == {  # --server-* win over every pod's
+        "requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "8", "memory": "16Gi"}}
+    assert _container(sts, "job-watch")["resources"] == k8s.WATCHER  # small, fixed
+    # only limits: Kubernetes makes the requests equal
+    limited = _by_kind(render(K8sConfig(name="l", image="x", command=("t",),
+                                        memory_limit="1Gi", server_cpu_limit="3")))
+    assert _container(limited["Job", "l-worker"], "worker")["resources"] == {
+        "limits": {"memory": "1Gi"}}
+    assert _container(limited["StatefulSet", "l-ps"], "server")["resources"] == {
+        "limits": {"cpu": "3", "memory": "1Gi"}}
+    plain = _by_kind(render(CONFIGS["ps-1x3-async"]))
+    assert "resources" not in _container(plain["Job", "ctr-7-worker"], "worker")
+    assert "resources" not in _container(plain["StatefulSet", "ctr-7-ps"], "server")
+
+
+def test_node_selectors_and_tolerations_per_role():
+    config = CONFIGS["gpu-scheduled"]
+    objs = _by_kind(render(config))
+    worker, server = _worker_pod(objs, config), _server_pod(objs, config)
+    assert worker["nodeSelector"] == {"cloud.google.com/gke-nodepool": "gpu-pool"}
+    assert worker["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present",
+         "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Exists"}]
+    assert server["nodeSelector"] == {"pool": "highmem", "zone": ""}
+    assert server["tolerations"] == [{"key": "highmem", "operator": "Exists",
+                                      "effect": "NoExecute"}]
+    plain = _by_kind(render(CONFIGS["hybrid-4x2"]))
+    for pod in (_worker_pod(plain, CONFIGS["hybrid-4x2"]),
+                _server_pod(plain, CONFIGS["hybrid-4x2"])):
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_cli_resource_and_scheduling_flags_reach_the_config(capsys):
+    config, _ = k8s.config_from_args([
+        "--name", "r", "--image", "x", "--cpu", "1", "--cpu-limit", "2", "--memory", "1Gi",
+        "--memory-limit", "2Gi", "--server-cpu", "3", "--server-cpu-limit", "4",
+        "--server-memory", "5Gi", "--server-memory-limit", "6Gi", "--gpus", "1",
+        "--worker-node-selector", "a=b", "--worker-node-selector", "c=d",
+        "--server-node-selector", "e=f", "--worker-toleration", "g=h:NoSchedule",
+        "--server-toleration", "i", "--", "python", "t.py"])
+    assert (config.cpu, config.cpu_limit, config.memory, config.memory_limit) == \
+        ("1", "2", "1Gi", "2Gi")
+    assert (config.server_cpu, config.server_cpu_limit, config.server_memory,
+            config.server_memory_limit, config.gpus) == ("3", "4", "5Gi", "6Gi", 1)
+    assert config.worker_node_selector == ("a=b", "c=d")
+    assert (config.server_node_selector, config.worker_tolerations,
+            config.server_tolerations) == (("e=f",), ("g=h:NoSchedule",), ("i",))
+    code = cli.main(["k8s", "--name", "r", "--image", "x", "--worker-toleration",
+                     "gpu=yes:Sometimes", "--", "t"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--worker-toleration 'gpu=yes:Sometimes'" in err
+    assert "the form is KEY=VALUE[:EFFECT]" in err
 
 
 # --------------------------------------------------------------------------- metrics
