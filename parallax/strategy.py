@@ -490,6 +490,128 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  fuse: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None) -> None:
+        """Configure the strategy. Nothing is placed and no server is contacted here: the
+        first training step (`fit`, or the first `strategy.run` whose step updates
+        variables) makes the plan and checks what needs the model or the servers. Every
+        worker must construct it (under Horovod the workers exchange their host names here).
+
+        In a `parallax k8s` worker pod (`PARALLAX_JOB_CONFIG` names the job's `job.json`),
+        `placement`, `shards`, `local_aggregation` and `search_partitions` left None take
+        the job's `--plan` values, and one INFO line names what was applied; an argument
+        given wins. Elsewhere they take the defaults below.
+
+        Args:
+            mode: str or None (default). "hybrid": the variables the plan finds sparse (every
+                read a row gather on axis 0, gradient `IndexedSlices`) live on the parameter
+                servers; every other trainable variable is kept on every worker and its
+                gradients are summed by one grouped Horovod all-reduce per step. "ps": every
+                trainable variable on the servers (dense ones pulled whole at every step).
+                "allreduce": every variable on every worker, sparse gradients all-gathered by
+                Horovod, no servers. None: `PARALLAX_MODE` (`parallax run --mode`) when set
+                and not empty, else "hybrid". The only argument that may be positional.
+            sync: bool or None (default). True: a table shard applies one update per step,
+                from the sum of every worker's push, and a worker's pull waits until the
+                servers applied every step it pushed, so all workers read the same rows.
+                False: each push is applied on arrival and pulls do not wait; the dense
+                all-reduce (hybrid mode) stays synchronous. None: `PARALLAX_SYNC`, "sync" or
+                "async" (`parallax run --async` sets "async"), else True. Only tables on the
+                servers are affected.
+            ps_addresses: str, sequence of str, or None (default): "host:port" of each
+                parameter server, as one comma-separated string or a sequence. The servers
+                are the first of: this argument; `PARALLAX_PS_ADDRESSES` (set by `parallax
+                run`); the "ps" tasks of `TF_CONFIG` when it has any (each running `parallax
+                server`); else `embedded_servers` servers that this process starts. They are
+                contacted at the first training step, and only if the plan puts a variable
+                on them.
+            run_id: str or None (default): the job's id, 1-48 letters, digits, '_' or '-',
+                which prefixes its tables' names on the servers (`<run_id>.v<index>.<name>`).
+                None: `PARALLAX_RUN_ID` (set by `parallax run`), else with servers from
+                `TF_CONFIG` "tf-" and 12 hex digits of a hash of its cluster (the same for
+                every worker and every run of that cluster), else one the chief makes up
+                (date, time, 6 random hex digits). A table of that name that already exists
+                and has applied steps stops the first training step with a ConfigError,
+                changing nothing: another job, or an earlier run, used this id.
+            embedded_servers: int >= 1, default 2: how many servers to start when nothing
+                names any (see `ps_addresses`): child processes of this one on loopback,
+                started at the first training step if the plan puts a variable on them,
+                stopped when this process exits or dies. They have no data directory, so
+                checkpoints then hold the tables' rows but not their optimizer slots and
+                step (with a warning). Only for one worker: several workers need servers
+                named (see Raises).
+            local_aggregation: bool or None (default: False). True: the workers of a host
+                all-gather their table gradients and its local rank 0 alone pushes them, so
+                a table gets one push per host per step instead of one per worker. One host
+                only: with workers on several hosts the first training step raises a
+                ConfigError. No effect with one worker.
+            placement: dict or None (default: no overrides): {variable name: "ps" |
+                "allreduce"}, names as `strategy.plan` lists them (e.g.
+                "embedding/embeddings"). Puts that variable on the servers ("ps") or on every
+                worker ("allreduce") whatever the mode and its kind.
+            shards: int, dict or None (default). An int >= 1: every table's shard count; a
+                dict {variable name: int >= 1}: those tables' counts, the others keep the
+                default; names that match no table are ignored. None: one shard per whole
+                64 MiB of the table, at most one per server, at least one. A count is capped
+                at the table's rows, and one above the number of servers puts several shards
+                on a server. Shards go to servers balancing bytes, biggest tables first. Any
+                value but None turns the "auto" partition search off.
+            log_plan: bool, default True: the chief logs the plan (`strategy.plan.format()`)
+                at INFO on the "parallax" logger when it is made, and how the step's lookups
+                travel once a fused step is traced. False: neither (`strategy.plan` still
+                has the plan; warnings are not affected).
+            connect_timeout: float, seconds, default 60.0: how long each server has, at the
+                first training step, to answer a health check with SERVING; the servers are
+                waited for one after another. A worker that cannot reach one raises
+                ServerError (UNAVAILABLE) naming it, the other workers a ParallaxError naming
+                that worker. Not the timeout of each request (`ClientOptions.timeout`).
+            fuse: bool, default True: in a traced step (`strategy.run` inside a
+                `tf.function`, as `fit` does) the lookups of tables whose ids do not depend
+                on another lookup's rows share one pull op, and the step's table gradients
+                one push op: one PullMany and one PushMany request per server per step
+                (`parallax.fusion`). False: each table its own pull and push requests. Both
+                train alike; eager steps are never fused.
+            checkpoints_kept: int >= 1, default 5: how many checkpoints of this job's tables
+                the servers keep. One is written (under `resume/<run id>` in the servers'
+                `--data-dir`) whenever a TF checkpoint or Keras file holding the optimizer
+                is saved, and older ones beyond this count are removed. A file whose tables'
+                checkpoint was removed restores the rows it holds, without the optimizer
+                slots and step, with a warning: keep at least as many as the files you keep
+                (`ModelCheckpoint`, `CheckpointManager(max_to_keep=...)`).
+            client_options: `parallax.ClientOptions` or None (default: `ClientOptions()`):
+                the client of the servers (request timeout, retries, message and chunk
+                sizes, TLS, token, data plane). With servers this process did not start,
+                the fields `tls_ca`, `tls_cert`, `tls_key` and `token` left None are filled
+                from `PARALLAX_TLS_CA`, `PARALLAX_TLS_CERT`, `PARALLAX_TLS_KEY` and
+                `PARALLAX_TOKEN_FILE` (set by `parallax run --secure`).
+            search_partitions: "auto", True, False, a `parallax.PartitionSearch`, or None
+                (default: "auto"). The search times the training steps under one shard
+                layout after another while the job trains, and every worker moves the tables
+                to the fastest layout measured, at the same step; the decision is saved
+                (`PartitionSearch.cache_dir`) and the next run of the same job starts from
+                it without searching. "auto": search when the plan puts tables on the
+                servers, with 2 or more workers and `shards` None. True: whenever the plan
+                puts tables on the servers, with `PartitionSearch()`'s settings; a
+                `PartitionSearch`: likewise, with its settings. False: never.
+
+        Raises:
+            ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
+                `PARALLAX_SYNC` is not "sync" or "async"; `ps_addresses` is empty or names
+                something that is not host:port with a port in 1-65535; a `placement` value
+                is not "ps" or "allreduce"; `embedded_servers` is below 1; `checkpoints_kept`
+                is not an int >= 1; a shard count is not an int >= 1; `search_partitions`
+                is none of the values above; `PARALLAX_JOB_CONFIG` names a file that is not
+                a JSON object; the process was started by horovodrun or mpirun
+                (`HOROVOD_RANK`, `OMPI_COMM_WORLD_RANK` or `PMI_RANK` set) and Horovod cannot
+                be imported; or there are several workers, `mode` is not "allreduce" and
+                neither `ps_addresses` nor `PARALLAX_PS_ADDRESSES` names the servers
+                (`TF_CONFIG` is not consulted for this check).
+
+            The first training step raises instead, before any table changes, for what needs
+            the model or the cluster: a `run_id` or `PARALLAX_RUN_ID` of other characters, a
+            malformed `PARALLAX_PS_ADDRESSES` or `TF_CONFIG`, a `placement` name that matches
+            no trainable variable, an optimizer the servers cannot apply, workers that built
+            different models (ConfigError); servers that do not answer within
+            `connect_timeout` (ServerError).
+        """
         from parallax.k8s import plan_overrides
         given = dict(placement=placement, shards=shards, local_aggregation=local_aggregation,
                      search_partitions=search_partitions)
