@@ -7,6 +7,7 @@ ceil(V / S) ids); hashed-key tables route by a 64-bit mix of the key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -156,3 +157,92 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     summed = np.empty((len(plan.ids),) + values.shape[1:], dtype=values.dtype)
     plan.fill(values, 0, len(plan.ids), summed)
     return plan.ids, summed
+
+
+# ---- many tables at once: one pass over every table's ids ------------------------------
+class Runs:
+    """Consecutive runs of ids, run k belonging to table k (`partitioners[k]` routes it):
+    what a multi-table request plans in one pass of numpy calls, instead of one pass per
+    table. `ids`: every run's int64 ids in turn; `starts[k]:starts[k + 1]` is run k."""
+
+    def __init__(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> None:
+        self.partitioners = list(partitioners)
+        lengths = [len(r) for r in runs]
+        self.starts = np.cumsum([0] + lengths).tolist()
+        self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) if runs \
+            else np.empty(0, np.int64)
+        self._width = max([p.shard_count for p in self.partitioners] + [1])
+        self._table = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+
+    def run(self, k: int) -> np.ndarray:
+        return self.ids[self.starts[k]:self.starts[k + 1]]
+
+    def first_outside(self, limits: Sequence[int]) -> int | None:
+        """The run holding the first id outside [0, its run's limit), or None."""
+        if not len(self.ids):
+            return None
+        bad = (self.ids < 0) | (self.ids >= self._per_id(limits))
+        if not bad.any():
+            return None
+        return int(np.searchsorted(self.starts, int(np.argmax(bad)), side="right")) - 1
+
+    def _per_id(self, values: Sequence[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)[self._table]
+
+    def shards(self) -> np.ndarray:
+        """Partitioner.shard_of of every id, by its run's partitioner."""
+        kinds = {("hashed" if p.hashed else p.partition) for p in self.partitioners}
+        out = None
+        for kind in sorted(kinds):
+            if kind == "hashed":
+                count = self._per_id([p.shard_count for p in self.partitioners])
+                shards = (mix64(self.ids.view(np.uint64)) % count.view(np.uint64)).view(np.int64)
+            elif kind == "range":
+                shards = self.ids // self._per_id([max(1, p.block) for p in self.partitioners])
+            else:
+                shards = self.ids % self._per_id([p.shard_count for p in self.partitioners])
+            if len(kinds) == 1:
+                return shards
+            mine = self._per_id([("hashed" if p.hashed else p.partition) == kind
+                                 for p in self.partitioners]).astype(bool)
+            out = np.where(mine, shards, 0 if out is None else out)
+        return out if out is not None else np.empty(0, np.int64)
+
+    def _keys(self) -> np.ndarray:
+        """(table, shard) of every id as one sortable int64."""
+        return self._table * self._width + self.shards()
+
+    def _bounds(self, sorted_keys: np.ndarray, k: int) -> np.ndarray:
+        """Where each shard of table k starts among `sorted_keys`, and where the last ends."""
+        base = k * self._width
+        return np.searchsorted(sorted_keys, np.arange(base, base + self.partitioners[k]
+                                                      .shard_count + 1))
+
+    def shard_orders(self) -> list[tuple[np.ndarray | None, np.ndarray]]:
+        """Partitioner.shard_order of every run (order relative to the run)."""
+        keys = self._keys()
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        out = []
+        for k, p in enumerate(self.partitioners):
+            lo, hi = self.starts[k], self.starts[k + 1]
+            offsets = self._bounds(sorted_keys, k) - lo
+            out.append((None if p.shard_count == 1 else order[lo:hi] - lo, offsets))
+        return out
+
+    def push_plans(self) -> list["PushPlan"]:
+        """Partitioner.plan_push of every run: the same rows land in the same places."""
+        keys = self._keys()
+        order = np.lexsort((self.ids, keys))
+        ids, keys = self.ids[order], keys[order]
+        first = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (keys[1:] != keys[:-1])])
+        unique_ids, unique_keys = ids[first], keys[first]
+        plans = []
+        for k in range(len(self.partitioners)):
+            lo, hi = self.starts[k], self.starts[k + 1]
+            bounds = self._bounds(unique_keys, k)
+            u_lo, u_hi = int(bounds[0]), int(bounds[-1])
+            starts = None if u_hi - u_lo == hi - lo else first[u_lo:u_hi] - lo
+            plans.append(PushPlan(unique_ids[u_lo:u_hi], bounds - u_lo, order[lo:hi] - lo,
+                                  starts))
+        return plans

@@ -22,6 +22,7 @@ from parallax.client.connection import ServerConnection
 from parallax.client.table import ShardedTable, start_call
 from parallax.errors import ServerError
 from parallax.packed_codec import PullManyParts, PushManyParts
+from parallax.routing import Runs
 from parallax.ps.v1 import ps_pb2
 
 _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
@@ -31,6 +32,7 @@ _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECOND
 # worker, learning rate, chunk fields, session, tensor headers, alignment padding).
 _REQUEST_HEADROOM = 4096
 _PART_FIELDS_BYTES = 192
+_NO_LIMIT = np.iinfo(np.int64).max  # hashed keys: any int64
 
 
 @dataclass(frozen=True)
@@ -131,17 +133,31 @@ def _legacy_push(conn: ServerConnection, request: PushManyParts, names: str):
 _LEGACY = {"PullMany": _legacy_pull, "PushMany": _legacy_push}
 
 
+def _checked_runs(tables: Sequence[ShardedTable], ids: Sequence) -> Runs:
+    """Every table's ids, checked as `ShardedTable.checked_ids` checks them, as one `Runs`."""
+    arrays = [np.asarray(i) for i in ids]
+    for table, array in zip(tables, arrays):
+        if array.dtype.kind not in "iu":
+            table.checked_ids(array)  # raises, naming the table
+    runs = Runs([t.partitioner for t in tables], [a.reshape(-1) for a in arrays])
+    bad = runs.first_outside([_NO_LIMIT if t.spec.hashed_keys else t.spec.vocabulary_size
+                              for t in tables])
+    if bad is not None:
+        tables[bad].checked_ids(runs.run(bad))  # raises, naming the table and the id
+    return runs
+
+
 # ---- pulls ---------------------------------------------------------------------------------
 def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
               min_steps: Sequence[int]) -> list[np.ndarray]:
     """Rows for each table's unique ids, in their order; `min_steps[k] > 0` waits until every
     shard of table k applied that many steps."""
-    ids = [t.checked_ids(u) for t, u in zip(tables, unique_ids)]
     if not tables:
         return []
+    runs = _checked_runs(tables, unique_ids)
     orders, grouped, parts = [], [], []
-    for k, (table, unique) in enumerate(zip(tables, ids)):
-        order, offsets = table.partitioner.shard_order(unique)
+    for k, (table, (order, offsets)) in enumerate(zip(tables, runs.shard_orders())):
+        unique = runs.run(k)
         orders.append(order)
         grouped.append(unique if order is None else unique[order])
         row_bytes = max(table.spec.dim * table.dtype.itemsize, 8)  # answer row or request id
@@ -227,10 +243,10 @@ def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     closed the step on every one of its shards."""
     if not tables:
         return []
-    checked = [t.checked_ids(i) for t, i in zip(tables, ids)]
-    grads = [np.asarray(g, dtype=t.dtype).reshape(len(i), t.spec.dim)
-             for t, i, g in zip(tables, checked, grads)]
-    plans = [t.partitioner.plan_push(i) for t, i in zip(tables, checked)]
+    runs = _checked_runs(tables, ids)
+    grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
+             for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
+    plans = runs.push_plans()
     parts = []
     for k, (table, plan) in enumerate(zip(tables, plans)):
         row_bytes = table.spec.dim * table.dtype.itemsize + 8

@@ -40,23 +40,34 @@ class PartCounts:
                           self.nbytes + other.nbytes)
 
 
+def _lock_order(shard: TableShard) -> tuple[str, int]:
+    return shard.spec.name, shard.shard_index
+
+
 @contextlib.contextmanager
 def held(shards: Sequence[TableShard]) -> Iterator[None]:
     """Hold the lock of every distinct shard, taken in (table, shard) order."""
-    distinct = {id(s): s for s in shards}.values()
-    with contextlib.ExitStack() as stack:
-        for shard in sorted(distinct, key=lambda s: (s.spec.name, s.shard_index)):
-            stack.enter_context(shard.cond)
+    ordered = sorted({id(s): s for s in shards}.values(), key=_lock_order)
+    taken = []
+    try:
+        for shard in ordered:
+            shard.cond.acquire()
+            taken.append(shard.cond)
         yield
+    finally:
+        for cond in reversed(taken):
+            cond.release()
 
 
 def _counts(shards: Sequence[TableShard], rows: Sequence[int], nbytes: Sequence[int]
             ) -> dict[str, PartCounts]:
-    out: dict[str, PartCounts] = {}
+    totals: dict[str, list[int]] = {}
     for shard, n, size in zip(shards, rows, nbytes):
-        name = shard.spec.name
-        out[name] = out.get(name, PartCounts()) + PartCounts(1, n, size)
-    return out
+        total = totals.setdefault(shard.spec.name, [0, 0, 0])
+        total[0] += 1
+        total[1] += n
+        total[2] += size
+    return {name: PartCounts(*total) for name, total in totals.items()}
 
 
 def _too_large(method: str, size: int, limit: int, exact: bool) -> RequestError:
@@ -117,7 +128,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
            for i, (shard, part) in enumerate(zip(shards, parts))]
     check_answer_size("PullMany", shards, ids, max_message_bytes)
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
-        if part.min_step > 0:
+        if part.min_step > shard.steps.step:  # checked again below, with the locks held
             shard.wait_step(part.min_step, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up

@@ -1,0 +1,61 @@
+"""routing.Runs: many tables' routing in one pass gives exactly what each table's own
+Partitioner gives (fast tier: no servers, no TensorFlow)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parallax.routing import Partitioner, Runs
+
+PARTITIONERS = [Partitioner(2, 1000), Partitioner(1, 50), Partitioner(3, 1000, "range"),
+                Partitioner(4), Partitioner(5, 17), Partitioner(2, 9, "range")]
+
+
+def _runs(rng, duplicates: bool):
+    out = []
+    for p in PARTITIONERS:
+        n = int(rng.integers(0, 40))
+        if p.hashed:
+            ids = rng.integers(-2**62, 2**62, n)
+        else:
+            ids = rng.integers(0, p.vocabulary_size, n) if duplicates else \
+                rng.permutation(p.vocabulary_size)[:n]
+        out.append(ids.astype(np.int64))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_shard_orders_and_push_plans_match_each_partitioner(seed, duplicates):
+    rng = np.random.default_rng(seed)
+    runs = _runs(rng, duplicates)
+    many = Runs(PARTITIONERS, runs)
+    for p, ids, (order, offsets), plan in zip(PARTITIONERS, runs, many.shard_orders(),
+                                                many.push_plans()):
+        want_order, want_offsets = p.shard_order(ids)
+        np.testing.assert_array_equal(offsets, want_offsets)
+        np.testing.assert_array_equal(ids if order is None else ids[order],
+                                      ids if want_order is None else ids[want_order])
+        want = p.plan_push(ids)
+        np.testing.assert_array_equal(plan.ids, want.ids)
+        np.testing.assert_array_equal(plan.offsets, want.offsets)
+        grads = rng.standard_normal((len(ids), 3))
+        for lo, hi in [(0, len(plan.ids)), (0, len(plan.ids) // 2),
+                       (len(plan.ids) // 3, len(plan.ids))]:
+            got, expected = np.zeros((hi - lo, 3)), np.zeros((hi - lo, 3))
+            plan.fill(grads, lo, hi, got)
+            want.fill(grads, lo, hi, expected)
+            np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_first_outside_names_the_run():
+    runs = Runs(PARTITIONERS[:3], [np.array([1, 999]), np.array([3, 50]), np.array([0])])
+    assert runs.first_outside([1000, 50, 1000]) == 1
+    assert runs.first_outside([1000, 51, 1000]) is None
+    assert Runs(PARTITIONERS[:1], [np.array([-1])]).first_outside([10]) == 0
+    assert Runs([], []).first_outside([]) is None
+
+
+def test_unsigned_ids_stay_integers():
+    runs = Runs(PARTITIONERS[:2], [np.array([3, 5], np.uint64), np.array([7], np.int32)])
+    assert runs.ids.dtype == np.int64 and runs.ids.tolist() == [3, 5, 7]
