@@ -175,9 +175,18 @@ def _new_bytes(size: int) -> tuple[bytes, np.ndarray]:
         holder = bytearray(size)
         return holder, np.frombuffer(holder, dtype=np.uint8)  # caller converts with bytes()
     data = _FROM_SIZE(None, size)
-    view = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(id(data) + _BYTES_OFFSET)) \
-        if size else np.empty(0, np.uint8)
-    return data, view
+    return data, np.asarray(_Storage(data)) if size else np.empty(0, np.uint8)
+
+
+class _Storage:
+    """A new bytes object's storage as numpy's array interface (the array keeps this, and so
+    the bytes, alive). A ctypes array type per size would cost ~12 us a message and one
+    cached type per distinct size, for ever."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.__array_interface__ = {"data": (id(data) + _BYTES_OFFSET, False),
+                                    "shape": (len(data),), "typestr": "|u1", "version": 3}
 
 
 def _tensor_field(number: int, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:

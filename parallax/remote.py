@@ -23,7 +23,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +34,7 @@ from parallax.client import ShardedTable
 from parallax.client.connection import run_in_background
 from parallax.errors import ConfigError, ServerError
 from parallax.routing import out_of_range
+from parallax.step_traffic import land_pushes_of
 
 log = logging.getLogger("parallax")
 
@@ -109,14 +109,13 @@ class RemoteTable:
     def wait_for_pushes(self, timeout: float | None = None) -> None:
         """Block until this worker's pushes to the table have landed (all of them, even
         after a failure); raise the first error."""
+        land_pushes_of([self], timeout)
+
+    def take_in_flight(self) -> list[Future]:
+        """This table's pushes in flight, forgotten here: the caller waits for them."""
         with self._in_flight_lock:
             in_flight, self._in_flight = self._in_flight, []
-        done, not_done = futures_wait(in_flight, timeout=timeout)
-        if not_done:
-            raise ServerError(f"{len(not_done)} push(es) to {self.label!r} did not land within "
-                              f"{timeout:.0f} s")
-        for future in in_flight:
-            future.result()
+        return in_flight
 
     def land_pushes(self) -> None:
         """Between steps: this worker's pushes have landed and, in sync mode, the servers
@@ -137,6 +136,10 @@ class RemoteTable:
         range. Returns the step the pull must wait for."""
         self.wait_for_pushes()
         self._check_ids(unique)
+        return self._min_step()
+
+    def min_step(self) -> int:
+        """The step a pull must wait for (once this worker's pushes have landed)."""
         return self._min_step()
 
     def after_pull(self, unique: np.ndarray, seconds: float) -> None:

@@ -12,16 +12,42 @@ proportion to their rows, for the partition search's per-table figures.
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from parallax.client.connection import run_in_background
 from parallax.client.many import pull_many, push_many
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ServerError
+from parallax.routing import Runs
 
 if TYPE_CHECKING:
     from parallax.remote import RemoteTable
+
+
+def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) -> None:
+    """Block until these tables' pushes in flight have landed (a fused push is in flight for
+    every table it carries: it is waited for once); raise the first error."""
+    in_flight = {id(f): (f, t) for t in tables for f in t.take_in_flight()}
+    if not in_flight:
+        return
+    futures = [f for f, _ in in_flight.values()]
+    _, not_done = futures_wait(futures, timeout=timeout)
+    if not_done:
+        labels = sorted({in_flight[id(f)][1].label for f in not_done})
+        raise ServerError(f"{len(not_done)} push(es) to {', '.join(map(repr, labels))} did "
+                          f"not land within {timeout:.0f} s")
+    for future in futures:
+        future.result()
+
+
+def _check_ids(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> None:
+    """Every table's ids in range (one pass); the first table with a bad id says which."""
+    runs = Runs([r.table.partitioner for r in remotes], ids)
+    bad = runs.first_outside([r.rows for r in remotes])
+    if bad is not None:
+        remotes[bad].before_pull(ids[bad])  # raises, naming the variable and the id
 
 
 def _shares(sizes: Sequence[int]) -> list[float]:
@@ -56,8 +82,10 @@ class FusedPull:
                 ids.append(unique)
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
-        min_steps = [tables[key].before_pull(u) for key, u in zip(order, ids)]
-        rows = pull_many([tables[key].table for key in order], ids, min_steps)
+        remotes = [tables[key] for key in order]
+        land_pushes_of(remotes)  # the step's push is in flight for every table: waited once
+        _check_ids(remotes, ids)
+        rows = pull_many([r.table for r in remotes], ids, [r.min_step() for r in remotes])
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
