@@ -196,8 +196,8 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
             shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
                                    part.session)
         _check_capacity(shards, [ids for ids, _ in checked],
-                        [s.buffered_by(ids, p.grads) for s, p, (ids, _) in
-                         zip(shards, parts, checked)])
+                        [s.buffered_by(ids, p.grads, count) for s, p, (ids, _), count in
+                         zip(shards, parts, checked, chunks)])
         with quiet_float_errors():
             results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])

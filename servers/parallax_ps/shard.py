@@ -228,10 +228,12 @@ class TableShard:
                               session)
         self.steps.check_learning_rate(self.spec.name, lr)
 
-    def buffered_by(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def buffered_by(self, ids: np.ndarray, grads: np.ndarray, chunks: int = 1) -> int:
         """Bytes a push adds to the open step's buffer (sync steps keep pushes until all
-        workers have pushed)."""
-        return ids.nbytes + grads.nbytes if self.steps.sync else 0
+        workers have pushed); none for a whole push of the only worker, applied at once."""
+        if not self.steps.sync or (self.steps.num_workers == 1 and chunks <= 1):
+            return 0
+        return ids.nbytes + grads.nbytes
 
     def apply_push_held(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
                         lr: float, chunk: int, chunks: int, session: int,
@@ -314,7 +316,7 @@ class TableShard:
         ids, lr = self.check_push_input(ids, grads, learning_rate)
         with self.cond:
             self.check_push_state(step, worker, lr, chunk, chunks, session)
-            self.check_capacity(ids, self.buffered_by(ids, grads))
+            self.check_capacity(ids, self.buffered_by(ids, grads, chunks))
             with quiet_float_errors():
                 return self.apply_push_held(step, worker, ids, grads, lr, chunk, chunks,
                                             session)
