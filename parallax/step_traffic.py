@@ -1,13 +1,14 @@
 """The numpy side of a fused step: one pull for every grouped lookup of the step, one push
 for every table, each a single multi-table request per server (`parallax.client.many`).
 
-`FusedPull` runs inside the step's fused pull op: each table's pending pushes land first and
-its ids are checked (`RemoteTable.before_pull`), lookups of the same table are merged and
-deduplicated, then every table's rows come back from one `pull_many`. `FusedPush` runs inside
-the step's push op: every table's push is checked and counted (`RemoteTable.prepare_push`),
-then one `push_many` sends them all, in the background for sync tables (the next pull of any
-of them waits for it, as for single-table pushes). Wall time is shared out to the tables in
-proportion to their rows, for the partition search's per-table figures.
+`FusedPull` runs inside the step's fused pull op: every table's ids are checked, lookups of
+the same table are merged and deduplicated, then every table's rows come back from one
+`pull_many`, which leaves beside the previous step's push (`_pull_after_pushes`).
+`FusedPush` runs inside the step's push op: every table's push is checked and counted
+(`RemoteTable.prepare_push`), then one `push_many` sends them all, in the background for
+sync tables (the next pull of any of them does not return before it lands, as for
+single-table pushes). Wall time is shared out to the tables in proportion to their rows, for
+the partition search's per-table figures.
 """
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) 
                           f"not land within {timeout:.0f} s")
     for future in futures:
         future.result()
+
+
+def _pull_after_pushes(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]
+                       ) -> list[np.ndarray]:
+    """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
+    once, beside the step's push, since the servers hold it until that step is applied
+    (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
+    waiting ends at the servers' deadline. Async tables: the pushes land first (a worker
+    reads its own updates)."""
+    tables = [r.table for r in remotes]
+    if not all(r.sync for r in remotes):
+        land_pushes_of(remotes)
+        return pull_many(tables, ids, [r.min_step() for r in remotes])
+    pulling = run_in_background(pull_many, tables, ids, [r.min_step() for r in remotes])
+    land_pushes_of(remotes)  # raises a failed push's error now
+    return pulling.result()
 
 
 def _check_ids(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> None:
@@ -83,9 +100,8 @@ class FusedPull:
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
         remotes = [tables[key] for key in order]
-        land_pushes_of(remotes)  # the step's push is in flight for every table: waited once
         _check_ids(remotes, ids)
-        rows = pull_many([r.table for r in remotes], ids, [r.min_step() for r in remotes])
+        rows = _pull_after_pushes(remotes, ids)
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)

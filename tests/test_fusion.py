@@ -322,3 +322,21 @@ def test_a_table_updated_twice_in_one_step_gets_two_server_steps(make_strategy):
     assert fused_losses == plain_losses
     for a, b in zip(fused_weights, plain_weights):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_refused_push_fails_the_next_step_at_once(make_strategy):
+    """The fused pull leaves beside the previous step's push (the servers hold it until that
+    step is applied): when the push is refused (here a NaN learning rate), the next step
+    raises the push's error at once, rather than its pull waiting out the deadline for a
+    step that cannot close."""
+    strategy = make_strategy(client_options=parallax.ClientOptions(timeout=60))
+    x, y = data()
+    with strategy.scope():
+        model = Tables()
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    model.optimizer.learning_rate.assign(float("nan"))
+    started = time.monotonic()
+    with pytest.raises(Exception, match="learning_rate nan must be finite"):
+        model.fit(x[:3 * BATCH], y[:3 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert time.monotonic() - started < 20
