@@ -105,6 +105,19 @@ def _warn_unread_tables(infos, chief: bool) -> None:
                     "each model in its own ParallaxStrategy", unread)
 
 
+def _wants_servers(config: StrategyConfig) -> bool:
+    """Whether the plan may put a variable on the servers (every worker must then reach the
+    same ones: embedded servers are per worker)."""
+    return config.mode != "allreduce" or "ps" in config.placement.values()
+
+
+def _why_servers(config: StrategyConfig) -> str:
+    if config.mode != "allreduce":
+        return ""
+    named = sorted(k for k, v in config.placement.items() if v == "ps")
+    return f" (placement puts {named} on them)"
+
+
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
                  connect_timeout: float, search_partitions="auto") -> None:
@@ -131,12 +144,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         resume.attach_to_keras_optimizers()
         keras_support.make_weight_saves_atomic()
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
-        if info.size > 1 and config.mode != "allreduce" and config.ps_addresses is None \
-                and not os.environ.get(ADDRESSES_ENV):
+        if info.size > 1 and _wants_servers(config) and resolve_cluster(
+                config.ps_addresses, config.run_id, start=False).embedded:
             raise ConfigError(
-                f"{info.size} workers were launched but no parameter servers were given: "
-                f"start the job with `parallax run` (it sets {ADDRESSES_ENV}), or pass "
-                f"ps_addresses=... to ParallaxStrategy")
+                f"{info.size} workers were launched but no parameter servers were given"
+                f"{_why_servers(config)}: start the job with `parallax run` (it sets "
+                f"{ADDRESSES_ENV}), pass ps_addresses=... to ParallaxStrategy, or describe "
+                f"them as TF_CONFIG's \"ps\" tasks")
         reuse_freed_memory()
 
     # ---- variables ----

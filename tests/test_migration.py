@@ -269,6 +269,31 @@ def test_tf_ps_after_uses_the_ps_tasks_of_tf_config(reference, tmp_path, mark):
 
 
 @pytest.mark.multiprocess
+def test_two_horovod_workers_use_the_ps_tasks_of_tf_config(reference, tmp_path, mark):
+    """`horovodrun -np 2` (no `parallax run`, so no PARALLAX_PS_ADDRESSES) with a TF_CONFIG
+    whose "ps" tasks are `parallax server`s: both workers use those servers (they were
+    refused as "no parameter servers were given" before) and train as the reference."""
+    with LocalCluster(2) as cluster:
+        tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in
+                                                       _free_ports(2)],
+                                            "ps": cluster.addresses},
+                                "task": {"type": "worker", "index": 0}})
+        horovodrun = str(Path(sys.executable).parent / "horovodrun")
+        proc = subprocess.run([horovodrun, "--gloo", "-np", "2", "-H", "localhost:2",
+                               sys.executable, str(SNIPPETS / "tf_ps_after.py")], cwd=tmp_path,
+                              env=_env(mark, TF_CONFIG=tf_config), capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, _explain(proc)
+        prefix = "[0]<stdout>:"
+        assert_same_training(losses_in([line[len(prefix):] for line in proc.stdout.splitlines()
+                                        if line.startswith(prefix)]), reference)
+        with PSClient(cluster.addresses) as client:
+            tables = {t.table for reply in client.stats().values() for t in reply.tables}
+        assert tables and all(t.startswith("tf-") for t in tables), tables
+    assert cluster.exit_codes == [0, 0]
+
+
+@pytest.mark.multiprocess
 def test_tf_ps_after_on_two_workers_trains_and_exports_a_model_that_serves_alone(
         reference, tmp_path, mark, monkeypatch):
     launcher = run_two_workers("tf_ps_after.py", tmp_path, mark, monkeypatch)
