@@ -274,3 +274,14 @@ def test_bad_configurations_are_refused_with_the_value():
 def test_result_lines_are_found_among_other_output():
     assert measure.parse_result("noise") is None
     assert measure.parse_result('[1] BENCH_RESULT {"windows": []}\n') == {"windows": []}
+
+
+def test_the_bench_command_line_does_not_import_tensorflow():
+    """`parallax bench --help` answers at once and without TensorFlow's start-up noise: the
+    command line and the harness read the workloads' sizes, not their models."""
+    code = ("import sys, parallax.bench.command, parallax.bench.harness; "
+            "print('tensorflow' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -196,10 +196,10 @@ def _reference(workload: str, ranks: int) -> tuple[dict, dict]:
     import keras
     import tensorflow as tf
 
-    from parallax.bench import workloads
+    from parallax.bench import models, workloads
 
     spec = workloads.get(workload, "short")
-    model = workloads.BenchModel(spec)
+    model = models.BenchModel(spec)
     optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
     start = _snapshot(model)
     for i in range(STEPS):

@@ -3,7 +3,7 @@
     parallax bench                      # the whole comparison (docs/benchmarks.md), ~1-2 h
     parallax bench --size short --workers 1,2 --networks unlimited --rounds 1   # minutes
     parallax bench --cpu-share off,0.25 # shared cores, then 0.25 core per process (root)
-    parallax bench --report-only DIR    # re-render DIR/results.json
+    parallax bench --report-only --out DIR   # re-render DIR/results.json
     parallax bench partitions           # partition search vs a shard-count sweep (--help)
 
 It writes DIR/results.json (after every run), DIR/logs/<run>/<host>-<role>.log, and the

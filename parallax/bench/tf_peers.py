@@ -7,7 +7,7 @@
   Variables live on the `ps` tasks; tables bigger than `MIN_SHARD_BYTES` are split across
   them as ShardedVariables. Workers run scheduled steps asynchronously (TF's design).
 
-Both train `workloads.BenchModel` with Keras' SGD at `spec.lr`, like every other system. The
+Both train `models.BenchModel` with Keras' SGD at `spec.lr`, like every other system. The
 cluster comes from the TF_CONFIG environment variable, set by the harness for each process.
 
 Why the model's lookups stay on the servers under tf_ps: `tf.nn.embedding_lookup` on a
@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from parallax.bench import measure, workloads
+from parallax.bench import measure, models, workloads
 from parallax.errors import ConfigError
 
 TF_CONFIG = "TF_CONFIG"
@@ -39,7 +39,7 @@ class Built:
     inspect the traced step (the benchmark itself uses only `trainer`)."""
 
     trainer: measure.Trainer
-    model: workloads.BenchModel
+    model: models.BenchModel
     strategy: object
     step_fn: Callable
 
@@ -119,11 +119,11 @@ def build_mwms(spec: workloads.WorkloadSpec) -> Built:
         raise ConfigError(f"mwms expected {workers} replicas from {TF_CONFIG} but the strategy "
                           f"has {strategy.num_replicas_in_sync} (one CPU replica per worker)")
     with strategy.scope():
-        model = workloads.BenchModel(spec)
+        model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
         optimizer.build(model.trainable_variables)  # slots made now, not inside a trace
     step_fn = _train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
-    batches = iter(workloads.dataset(spec, rank))
+    batches = iter(models.dataset(spec, rank))
     last = {"loss": float("nan")}
 
     @tf.function
@@ -235,7 +235,7 @@ def _ps_model(strategy, spec: workloads.WorkloadSpec):
     import keras
 
     with strategy.scope():
-        model = workloads.BenchModel(spec)
+        model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
         optimizer.build(model.trainable_variables)
     return model, optimizer
@@ -253,7 +253,7 @@ def _union_dataset_fn(spec: workloads.WorkloadSpec, workers: int):
     import tensorflow as tf
 
     def dataset_fn():
-        datasets = [workloads.dataset(spec, rank) for rank in range(workers)]
+        datasets = [models.dataset(spec, rank) for rank in range(workers)]
         choice = tf.data.Dataset.range(workers).repeat()
         return tf.data.Dataset.choose_from_datasets(datasets, choice).prefetch(2)
     return dataset_fn

@@ -5,7 +5,7 @@ and one coordinator) with its role in the environment:
 - parallax modes and Horovod: Horovod's gloo variables (rank, size, rendezvous), and for
   parallax PARALLAX_PS_ADDRESSES / PARALLAX_RUN_ID;
 - TensorFlow's strategies: TF_CONFIG.
-Every system trains the same `workloads.BenchModel` on the same batches with Keras' SGD,
+Every system trains the same `models.BenchModel` on the same batches with Keras' SGD,
 each worker on its own local batch; rank 0 prints one BENCH_RESULT line.
 
 Partition benchmark (`parallax bench partitions`), parallax systems only: `--shards N` gives
@@ -25,7 +25,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 
-from parallax.bench import measure, workloads  # noqa: E402
+from parallax.bench import measure, models, workloads  # noqa: E402
 
 PARALLAX_SYSTEMS = ("hybrid", "ps", "allreduce")
 HOROVOD_SYSTEMS = ("horovod", "horovod_dense")
@@ -37,7 +37,7 @@ SEARCH_CHECK_EVERY = 5  # steps between the workers' checks that the search is d
 
 
 def _iterator(spec: workloads.WorkloadSpec, rank: int):
-    return iter(workloads.dataset(spec, rank))
+    return iter(models.dataset(spec, rank))
 
 
 def _train_fn(model, optimizer, scale: float):
@@ -76,7 +76,7 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
         options["shards"] = shards
     strategy = parallax.ParallaxStrategy(mode=system, sync=True, log_plan=False, **options)
     with strategy.scope():
-        model = workloads.BenchModel(spec)
+        model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
     step_fn = _train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
     rank, workers = strategy.worker.rank, strategy.worker.size
@@ -163,7 +163,7 @@ def horovod_trainer(system: str, spec: workloads.WorkloadSpec) -> measure.Traine
     import tensorflow as tf
 
     hvd.init()
-    model = workloads.BenchModel(spec)
+    model = models.BenchModel(spec)
     optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
     variables = model.trainable_variables
     batches = _iterator(spec, hvd.rank())
