@@ -46,15 +46,21 @@ class StrategyConfig:
             if where not in PLACEMENTS:
                 raise ConfigError(f"placement of {name!r} is {where!r}; use 'ps' (rows on the "
                                   f"parameter servers) or 'allreduce' (replicated)")
-        if self.embedded_servers < 1:
-            raise ConfigError(f"embedded_servers must be >= 1, got {self.embedded_servers}")
-        if not isinstance(self.checkpoints_kept, int) or self.checkpoints_kept < 1:
+        if not _is_count(self.embedded_servers):
+            raise ConfigError(f"embedded_servers must be an int >= 1, got "
+                              f"{self.embedded_servers!r}")
+        if not _is_count(self.checkpoints_kept):
             raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
                               f"checkpoints kept), got {self.checkpoints_kept!r}")
         shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
         for count in shards:
-            if count is not None and (not isinstance(count, int) or count < 1):
+            if count is not None and not _is_count(count):
                 raise ConfigError(f"shards must be positive ints, got {count!r}")
+
+
+def _is_count(value) -> bool:
+    """An int >= 1 (a bool is no count, though Python makes it an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -233,10 +239,12 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
 
 def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
               num_servers: int, num_workers: int) -> Plan:
-    unknown = set(config.placement) - {i.name for i in infos}
-    if unknown:
-        raise ConfigError(f"placement names {sorted(unknown)} match no trainable variable; "
-                          f"known: {', '.join(i.name for i in infos)}")
+    names = {i.name for i in infos}
+    for option, given in (("placement", config.placement), ("shards", config.shards)):
+        unknown = set(given) - names if isinstance(given, Mapping) else set()
+        if unknown:
+            raise ConfigError(f"{option} names {sorted(unknown)} match no trainable variable; "
+                              f"known: {', '.join(i.name for i in infos)}")
     plans = []
     for info in sorted(infos, key=lambda i: i.index):
         kind, reason = _kind(info)

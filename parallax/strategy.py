@@ -478,23 +478,10 @@ class ParallaxStrategy(distribute_lib.Strategy):
     """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
     variables all-reduced with Horovod.
 
-    mode: "hybrid" (default), "ps" (every variable on the servers) or "allreduce" (every
-    variable replicated, sparse gradients all-gathered). sync: synchronous steps (default) or
-    asynchronous pushes. ps_addresses / run_id: override the launcher's environment; with
-    neither, `embedded_servers` local servers are started. mode and sync left unset come from
-    `parallax run --mode/--async` (PARALLAX_MODE, PARALLAX_SYNC), else hybrid and sync.
-    placement: {variable name: "ps" | "allreduce"} overrides. shards: shard count for every
-    table, or per table name. In a `parallax k8s` worker pod, placement, shards,
-    local_aggregation and search_partitions left unset come from the job's --plan
-    (PARALLAX_JOB_CONFIG, `parallax.k8s.plan_overrides`), else their defaults. fuse: one
-    pull and one push request per server per traced step for every table
-    (parallax.fusion); False sends each table's own requests.
-    checkpoints_kept: how many checkpoints of the tables the servers keep, written whenever
-    a TF checkpoint or Keras file with the optimizer is saved (parallax.resume); a file
-    whose tables checkpoint was dropped since restores the rows it holds, without the
-    tables' optimizer slots and step (a warning says so): keep at least as many as the
-    files you keep (ModelCheckpoint, CheckpointManager's max_to_keep).
-    `cluster_resolver`: task type "worker", task id = this worker's rank, as MWMS gives it.
+    Every argument is described in `__init__`'s docstring (where the servers, run id and mode
+    come from when not given: the arguments, then `parallax run`'s environment, then
+    TF_CONFIG's "ps" tasks, else embedded servers). `cluster_resolver`: task type "worker",
+    task id = this worker's rank, as MWMS gives it.
     """
 
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
@@ -610,19 +597,20 @@ class ParallaxStrategy(distribute_lib.Strategy):
             ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
                 `PARALLAX_SYNC` is not "sync" or "async"; `ps_addresses` is empty or names
                 something that is not host:port with a port in 1-65535; a `placement` value
-                is not "ps" or "allreduce"; `embedded_servers` is below 1; `checkpoints_kept`
-                is not an int >= 1; a shard count is not an int >= 1; `search_partitions`
+                is not "ps" or "allreduce"; `embedded_servers`, `checkpoints_kept` or a
+                shard count is not an int >= 1 (bools refused); `search_partitions`
                 is none of the values above; `PARALLAX_JOB_CONFIG` names a file that is not
                 a JSON object; the process was started by horovodrun or mpirun
                 (`HOROVOD_RANK`, `OMPI_COMM_WORLD_RANK` or `PMI_RANK` set) and Horovod cannot
-                be imported; or there are several workers, `mode` is not "allreduce" and
-                neither `ps_addresses` nor `PARALLAX_PS_ADDRESSES` names the servers
-                (`TF_CONFIG` is not consulted for this check).
+                be imported; or there are several workers, the plan may put variables on
+                the servers (`mode` is not "allreduce", or `placement` sends some to "ps")
+                and neither `ps_addresses`, `PARALLAX_PS_ADDRESSES` nor TF_CONFIG's "ps"
+                tasks name them.
 
             The first training step raises instead, before any table changes, for what needs
             the model or the cluster: a `run_id` or `PARALLAX_RUN_ID` of other characters, a
-            malformed `PARALLAX_PS_ADDRESSES` or `TF_CONFIG`, a `placement` name that matches
-            no trainable variable, an optimizer the servers cannot apply, workers that built
+            malformed `PARALLAX_PS_ADDRESSES` or `TF_CONFIG`, a `placement` or `shards` name
+            that matches no trainable variable, an optimizer the servers cannot apply, workers that built
             different models (ConfigError); servers that do not answer within
             `connect_timeout` (ServerError).
         """

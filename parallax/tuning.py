@@ -83,8 +83,9 @@ class PartitionSearch:
 
 def check_setting(value) -> None:
     if not (value in (None, True, False, "auto") or isinstance(value, PartitionSearch)):
-        raise ConfigError(f"search_partitions must be 'auto', True, False or a "
-                          f"parallax.PartitionSearch, got {value!r}")
+        raise ConfigError(f"search_partitions must be 'auto', True, False, a "
+                          f"parallax.PartitionSearch or None (the job's plan override, else "
+                          f"'auto'), got {value!r}")
 
 
 def resolve(value, plan: Plan, config: StrategyConfig) -> PartitionSearch | None:

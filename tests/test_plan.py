@@ -63,3 +63,21 @@ def test_every_shard_has_a_server_in_range(servers):
     plan = _plan([_table(i, 500 * (i + 1)) for i in range(7)], servers=servers, shards=3)
     for v in plan.on_servers:
         assert len(v.servers) == v.shards and all(0 <= s < servers for s in v.servers)
+
+
+def test_a_shard_count_for_a_name_no_variable_has_is_refused_like_placement():
+    from parallax.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"shards names \['tabel_1'\] match no trainable"):
+        _plan([_table(0, 1000), _table(1, 1000)], shards={"tabel_1": 2})
+    with pytest.raises(ConfigError, match=r"placement names \['x'\] match no trainable"):
+        _plan([_table(0, 1000)], placement={"x": "ps"})
+
+
+@pytest.mark.parametrize("option, value", [("checkpoints_kept", True), ("shards", True),
+                                           ("shards", {"table_0": True}),
+                                           ("embedded_servers", 1.5),
+                                           ("embedded_servers", True)])
+def test_counts_must_be_ints_not_bools_or_floats(option, value):
+    from parallax.errors import ConfigError
+    with pytest.raises(ConfigError, match=option.split("_")[0]):
+        StrategyConfig(**{option: value})
