@@ -174,6 +174,8 @@ class PSClient:
             try:
                 server.call("Save", request)
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
+                if checkpoint_names.NO_DATA_DIR in str(exc):
+                    continue  # it cannot save at all, so it staged nothing to abort
                 log.warning("could not abort checkpoint %s on %s: %s", request.checkpoint,
                             server.address, exc)
 
