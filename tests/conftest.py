@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,15 @@ class Snapshot:
 @pytest.fixture
 def snapshot(client, data_dir):
     return lambda name: Snapshot(client, data_dir, name)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS just handed out; held together so no two are the same."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from parallax.bench import measure
+from conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -25,20 +25,8 @@ WINDOW_ARGS = ["--warmup-steps", "2", "--calibration-steps", "2", "--windows", "
                "--window-seconds", "0.5"]
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports the OS just handed out; held together so no two are the same."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _cluster(jobs: dict[str, int]) -> dict[str, list[str]]:
-    ports = iter(_free_ports(sum(jobs.values())))
+    ports = iter(free_ports(sum(jobs.values())))
     return {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for job, n in jobs.items()}
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import uuid
@@ -46,6 +45,7 @@ import pytest
 
 from parallax.client import PSClient
 from parallax.local_cluster import LocalCluster
+from conftest import free_ports
 from test_launch import MARK, Launcher, mark, port_closed, wait_gone  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,18 +114,6 @@ def trained(name: str, cwd: Path, mark: str, **env: str) -> list[float]:
 
 def assert_same_training(losses: list[float], reference: list[float]) -> None:
     assert losses == pytest.approx(reference, **TOLERANCE), (losses, reference)
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports the OS just handed out; held together so no two are the same."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def run_two_workers(name: str, cwd: Path, mark: str,
@@ -228,7 +216,7 @@ def test_horovod_keras_after_on_one_worker_trains_as_mwms(reference, tmp_path, m
 def test_tf_ps_before_trains_as_mwms(reference, tmp_path, mark):
     """The coordinator (the snippet, task "chief") with one TF worker and one TF ps task,
     both `tf.distribute.Server`s of one helper process that serves until killed."""
-    chief, worker, ps = (f"127.0.0.1:{p}" for p in _free_ports(3))
+    chief, worker, ps = (f"127.0.0.1:{p}" for p in free_ports(3))
     cluster = {"chief": [chief], "worker": [worker], "ps": [ps]}
     serve = ("import json, sys, tensorflow as tf\n"
              "cluster = tf.train.ClusterSpec(json.loads(sys.argv[1]))\n"
@@ -253,7 +241,7 @@ def test_tf_ps_after_uses_the_ps_tasks_of_tf_config(reference, tmp_path, mark):
     there, under a run id derived from the cluster; a second run with the same TF_CONFIG
     derives the same run id and is refused, since that table has trained."""
     with LocalCluster(1) as cluster:
-        tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{_free_ports(1)[0]}"],
+        tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}"],
                                             "ps": cluster.addresses},
                                 "task": {"type": "worker", "index": 0}})
         assert_same_training(trained("tf_ps_after.py", tmp_path, mark, TF_CONFIG=tf_config),
@@ -275,7 +263,7 @@ def test_two_horovod_workers_use_the_ps_tasks_of_tf_config(reference, tmp_path, 
     refused as "no parameter servers were given" before) and train as the reference."""
     with LocalCluster(2) as cluster:
         tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in
-                                                       _free_ports(2)],
+                                                       free_ports(2)],
                                             "ps": cluster.addresses},
                                 "task": {"type": "worker", "index": 0}})
         horovodrun = str(Path(sys.executable).parent / "horovodrun")
