@@ -10,9 +10,14 @@ from pathlib import Path
 
 from parallax import logs
 from parallax.errors import ConfigError
-from parallax.launch import LaunchConfig, run
+from parallax.launch import LaunchConfig, find_horovodrun, run
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "language_model.py"
+# The wheel carries examples/*.py as parallax/examples (setup.cfg maps them there); a source
+# checkout (and an editable install) has them beside the package.
+_HERE = Path(__file__).resolve().parent
+PLACES = (_HERE / "examples", _HERE.parent / "examples")
+EXAMPLE = next((place / "language_model.py" for place in PLACES
+                if (place / "language_model.py").is_file()), PLACES[0] / "language_model.py")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     args = logs.parse(parser, argv)
     if not EXAMPLE.exists():
-        raise ConfigError(f"{EXAMPLE} is missing: `parallax demo` runs from a source checkout "
-                          f"(pip install -e .); run the example script there directly")
+        raise ConfigError(f"the demo's example language_model.py is in neither "
+                          f"{PLACES[0]} (where the wheel puts it) nor {PLACES[1]} (a source "
+                          f"checkout): reinstall parallax-tf (its wheel carries the examples), "
+                          f"or run from a clone with `make demo`")
+    if args.workers > 1:  # say it in the demo's terms (--workers), before servers start
+        try:
+            find_horovodrun()
+        except ConfigError:
+            raise ConfigError(f"{args.workers} workers need Horovod (horovodrun), which is not "
+                              f"installed: install it with gloo as the README's install section "
+                              f"says (`make demo` does), or train one worker: "
+                              f"parallax demo --workers 1") from None
     print(f"parallax demo: training {EXAMPLE.name} on {args.workers} workers and "
           f"{args.servers} parameter servers", flush=True)
     command = (sys.executable, str(EXAMPLE), "--epochs", str(args.epochs), *extra)
