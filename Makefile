@@ -3,7 +3,7 @@
 VENV ?= .venv
 export PARALLAX_VENV := $(abspath $(VENV))
 
-.PHONY: demo test env bench compare
+.PHONY: demo test env bench compare wheel-check
 
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
@@ -13,6 +13,9 @@ test: env          ## install everything, then run the whole test suite
 
 env:
 	bash scripts/setup_env.sh
+
+wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, train the quick start
+	bash scripts/check_wheel.sh
 
 bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
 	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
