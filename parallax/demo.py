@@ -24,10 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="parallax demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser = argparse.ArgumentParser(prog="parallax demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes, launched by horovodrun (default 2; 1 runs "
+                             "without Horovod)")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="parameter servers started on this machine (default 2)")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="passes over the data (default 3)")
     args = logs.parse(parser, argv)
     if not EXAMPLE.exists():
         raise ConfigError(f"the demo's example language_model.py is in neither "

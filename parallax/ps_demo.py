@@ -22,11 +22,14 @@ from parallax.specs import Adagrad, Initializer, TableSpec
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="parallax ps-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=200_000)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--servers", type=int, default=2,
+                        help="parameter servers started on this machine (default 2)")
+    parser.add_argument("--vocab", type=int, default=200_000,
+                        help="rows of the demo table (default 200000)")
+    parser.add_argument("--dim", type=int, default=32, help="columns of a row (default 32)")
+    parser.add_argument("--batch", type=int, default=4096,
+                        help="ids pulled and pushed per step (default 4096)")
+    parser.add_argument("--steps", type=int, default=20, help="steps to run (default 20)")
     return logs.parse(parser, argv)
 
 

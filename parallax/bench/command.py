@@ -71,10 +71,12 @@ def parser() -> argparse.ArgumentParser:
                    help="times each system runs per configuration, alternating systems")
     p.add_argument("--size", choices=workloads.SIZES, default=defaults.size,
                    help="full: the benchmark models; short: tiny ones (CI)")
-    p.add_argument("--warmup-steps", type=int, default=window.warmup_steps)
+    p.add_argument("--warmup-steps", type=int, default=window.warmup_steps,
+                   help="steps each run takes before it is measured")
     p.add_argument("--windows", type=int, default=window.windows,
                    help="measurement windows per run (figures are medians over them)")
-    p.add_argument("--window-seconds", type=float, default=window.window_seconds)
+    p.add_argument("--window-seconds", type=float, default=window.window_seconds,
+                   help="seconds of one measurement window (steps set by a calibration)")
     p.add_argument("--run-timeout", type=float, default=defaults.run_timeout,
                    help="seconds before a run is stopped and recorded as failed")
     p.add_argument("--out", default=defaults.out_dir, help="output directory")
@@ -178,12 +180,18 @@ def partitions_parser() -> argparse.ArgumentParser:
                    help="sweep only (no --search-partitions run)")
     p.add_argument("--network", default=d.network,
                    help=f"emulated link as in `parallax bench --networks`, or {LOOPBACK}")
-    p.add_argument("--size", choices=workloads.SIZES, default=d.size)
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--warmup-steps", type=int, default=w.warmup_steps)
-    p.add_argument("--windows", type=int, default=w.windows)
-    p.add_argument("--window-seconds", type=float, default=w.window_seconds)
-    p.add_argument("--min-window-steps", type=int, default=w.min_window_steps)
+    p.add_argument("--size", choices=workloads.SIZES, default=d.size,
+                   help="full: the benchmark models; short: tiny ones (CI)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="times each configuration runs, alternating")
+    p.add_argument("--warmup-steps", type=int, default=w.warmup_steps,
+                   help="steps each run takes before it is measured")
+    p.add_argument("--windows", type=int, default=w.windows,
+                   help="measurement windows per run (figures are medians over them)")
+    p.add_argument("--window-seconds", type=float, default=w.window_seconds,
+                   help="seconds of one measurement window (steps set by a calibration)")
+    p.add_argument("--min-window-steps", type=int, default=w.min_window_steps,
+                   help="fewest steps in a window, however short its seconds")
     p.add_argument("--run-timeout", type=float, default=d.run_timeout,
                    help="seconds before a sweep run is stopped and recorded as timed out")
     p.add_argument("--tuned-timeout", type=float, default=d.tuned_timeout,
