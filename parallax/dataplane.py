@@ -9,11 +9,11 @@ and these two methods for a client or server without the data plane) stays on gR
 also tells the client where the data plane listens (the `DataPlane` RPC).
 
 Methods 1 and 2 carry exactly the gRPC messages (`PullManyRequest`, `PushManyRequest` and
-their responses, encoded and decoded by the same code). Methods 3 and 4 (version 2) carry the
-same requests in `parallax.packed_codec`'s layout, which costs a few numpy calls a request
-instead of tens of microseconds a part; a client uses them with a server that announces
-version 2. Either way a request means the same and the server answers it with the same
-handler; only the encoding differs.
+their responses, encoded and decoded by the same code). Methods 3 and 4 carry the same
+requests in `parallax.packed_codec`'s layout, which costs a few numpy calls a request instead
+of tens of microseconds a part; a client uses them with a server whose DataPlane answer says
+`packed` (older servers leave it unset, and older clients ignore it). Either way a request
+means the same and the server answers it with the same handler; only the encoding differs.
 
 A connection (TCP, or TLS with the gRPC port's certificates) starts with a hello frame that
 carries the cluster token (empty without one); the server answers OK with its 8-byte id (the
@@ -36,12 +36,11 @@ import struct
 import time
 
 MAGIC = b"PXD1"
-VERSION = 2  # what this side's server announces: methods 1-4
-VERSIONS = (1, 2)  # the servers' versions a client can use (1: methods 1 and 2 only)
+VERSION = 1  # the framing; a server that also reads packed bodies says so (`packed`)
 HELLO = 0
 METHODS = {1: "PullMany", 2: "PushMany", 3: "PullManyPacked", 4: "PushManyPacked"}
 CODES = {name: code for code, name in METHODS.items()}
-PACKED = {"PullMany": "PullManyPacked", "PushMany": "PushManyPacked"}  # from version 2
+PACKED = {"PullMany": "PullManyPacked", "PushMany": "PushManyPacked"}  # announced: packed
 SERVED = ("PullMany", "PushMany")  # the gRPC methods the data plane also carries
 REQUEST = struct.Struct("<4sB3xdQ")   # magic, method, deadline (s), body length
 RESPONSE = struct.Struct("<4sB3xQ")   # magic, status code, body length

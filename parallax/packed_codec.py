@@ -6,7 +6,7 @@ On the data plane both sides are parallax, and a step's request carries one part
 shard (52 for a 26-table model on 2 servers): laying out or reading protobuf costs tens of
 microseconds a part in Python, where a record array costs a few numpy calls a request
 (`examples/benchmarks/request_cost.py` measures both). A server announces it in its
-`DataPlane` answer (`parallax.dataplane.VERSION` 2); older servers get protobuf frames.
+`DataPlane` answer (`packed`); older servers get protobuf frames.
 
 Layouts (little-endian; every row block starts 16-byte aligned within the body):
 
@@ -137,6 +137,13 @@ def _counts(values: list[int], what: str, field: str) -> None:
         raise DecodeError(f"{what} part {bad}: {field} {values[bad]} is negative")
 
 
+def _dims(values: list[int], what: str) -> None:
+    """Row widths: >= 0 and within int32 (an empty part's width is not bounded by the body,
+    and numpy refuses shapes past its own limits)."""
+    _counts(values, what, "dim")
+    _in_int32(values, what, "dim")
+
+
 def _in_int32(values: list[int], what: str, field: str) -> None:
     lo, hi = _INT32
     bad = next((i for i, v in enumerate(values) if not lo <= v <= hi), None)
@@ -220,10 +227,13 @@ class PullManyAnswerWriter:
 def decode_pull_many_answer(body: bytes) -> list[tuple[np.ndarray, int]]:
     """(values, step) of every part: read-only views of the body."""
     what = "packed PullManyResponse"
-    records, _, at = _header(body, PULL_ANSWER_PART, what)
+    records, names_len, at = _header(body, PULL_ANSWER_PART, what)
+    if names_len:
+        raise DecodeError(f"{what}: its prefix declares {names_len} bytes of names; an "
+                          f"answer has none")
     counts, dims = records["count"].tolist(), records["dim"].tolist()
     _counts(counts, what, "row count")
-    _counts(dims, what, "dim")
+    _dims(dims, what)
     try:
         dtypes = [wire.numpy_dtype(c) for c in records["dtype"].tolist()]
     except wire.WireError as exc:
@@ -281,7 +291,7 @@ def decode_push_many(body: bytes) -> BulkPushMany:
     records, names_len, at = _header(body, PUSH_PART, what)
     counts, dims = records["count"].tolist(), records["dim"].tolist()
     _counts(counts, what, "row count")
-    _counts(dims, what, "dim")
+    _dims(dims, what)
     columns = {f: records[f].tolist() for f in ("shard", "worker", "chunk", "chunks")}
     for field, values in columns.items():
         _in_int32(values, what, field)

@@ -177,11 +177,15 @@ class Runs:
     def run(self, k: int) -> np.ndarray:
         return self.ids[self.starts[k]:self.starts[k + 1]]
 
-    def first_outside(self, limits: Sequence[int]) -> int | None:
-        """The run holding the first id outside [0, its run's limit), or None."""
+    def first_outside(self, limits: Sequence[int | None]) -> int | None:
+        """The run holding the first id outside [0, its run's limit), or None; a run whose
+        limit is None (hashed keys: any int64) is not checked."""
         if not len(self.ids):
             return None
-        bad = (self.ids < 0) | (self.ids >= self._per_id(limits))
+        checked = [limit is not None for limit in limits]
+        bad = (self.ids < 0) | (self.ids >= self._per_id([lim or 0 for lim in limits]))
+        if not all(checked):
+            bad &= self._per_id(checked).astype(bool)
         if not bad.any():
             return None
         return int(np.searchsorted(self.starts, int(np.argmax(bad)), side="right")) - 1
@@ -235,7 +239,8 @@ class Runs:
         keys = self._keys()
         order = np.lexsort((self.ids, keys))
         ids, keys = self.ids[order], keys[order]
-        first = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (keys[1:] != keys[:-1])])
+        first = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (keys[1:] != keys[:-1])]) \
+            if len(ids) else np.empty(0, np.int64)
         unique_ids, unique_keys = ids[first], keys[first]
         plans = []
         for k in range(len(self.partitioners)):

@@ -64,7 +64,9 @@ def _check_ids(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Non
     runs = Runs([r.table.partitioner for r in remotes], ids)
     bad = runs.first_outside([r.rows for r in remotes])
     if bad is not None:
-        remotes[bad].before_pull(ids[bad])  # raises, naming the variable and the id
+        remotes[bad]._check_ids(ids[bad])  # raises, naming the variable and the id
+        raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
+                          f"own check let through")
 
 
 def _shares(sizes: Sequence[int]) -> list[float]:

@@ -386,13 +386,12 @@ def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
             assert not getattr(info.value, "transport", True)
 
 
-@pytest.mark.parametrize("announced, packed", [(2, True), (1, False)])
-def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch, announced,
-                                                         packed):
-    """A server of data-plane version 2 gets packed_codec frames (methods 3 and 4), one of
-    version 1 (an older server) the protobuf ones (1 and 2); the training is the same as
-    over gRPC either way."""
-    monkeypatch.setattr(dataplane, "VERSION", announced)  # what the server announces
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch, packed):
+    """A server whose DataPlane answer says `packed` gets packed_codec frames (methods 3 and
+    4), one that does not (an older server) the protobuf ones (1 and 2); the training is the
+    same as over gRPC either way."""
+    in_process.service.packed_data_plane = packed  # False: what an older server announces
     sent = []
     original = DataPlaneClient.call
 
@@ -402,8 +401,8 @@ def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch
     monkeypatch.setattr(DataPlaneClient, "call", call)
     with PSClient([in_process.address]) as fast, \
             PSClient([in_process.address], ClientOptions(data_plane=False)) as slow:
-        over_plane = _train(_tables(fast, f"v{announced}_"))
-        over_grpc = _train(_tables(slow, f"v{announced}_grpc_"))
+        over_plane = _train(_tables(fast, f"p{int(packed)}_"))
+        over_grpc = _train(_tables(slow, f"p{int(packed)}_grpc_"))
         assert fast.servers[0].data_plane is not None
     assert sent and set(sent) == {packed}
     for a, b in zip(over_plane, over_grpc):
@@ -430,3 +429,12 @@ def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
         after = pull_many(tables, [np.arange(VOCAB)] * 2, [1, 1])
         for a, b in zip(before, after):
             np.testing.assert_array_equal(a, b)
+
+
+def test_clients_from_before_packed_frames_still_use_the_data_plane(servers):
+    """Such clients take the data plane only from a server announcing framing version 1; the
+    packed layout is a separate flag (a server announcing version 2 sent them to gRPC for
+    good: a reviewer's finding)."""
+    with PSClient(servers.addresses) as client:
+        reply = client.servers[0].stub().DataPlane(ps_pb2.DataPlaneRequest(), timeout=10)
+    assert (reply.version, reply.packed) == (1, True) and reply.port

@@ -21,7 +21,7 @@ from conftest import Snapshot
 from parallax import bulk_codec, wire
 from parallax.client import ClientOptions, PSClient
 from parallax.client.many import pull_many, push_many
-from parallax.errors import ServerError
+from parallax.errors import ConfigError, ServerError
 from parallax.initial_values import initial_rows
 from parallax.local_cluster import LocalCluster
 from parallax.ps.v1 import ps_pb2
@@ -769,3 +769,32 @@ def test_metrics_and_stats_count_requests_once_and_rows_per_table(metered):
     assert per_table["many_x", "PullMany"].rows == 10
     assert per_table["many_y", "PushMany"].requests == 1
     assert per_table["many_y", "PushMany"].rows == 2
+
+
+def test_a_hashed_key_never_hides_another_tables_bad_id(client, table_name):
+    """A negative hashed key (any int64 is a key) is not out of range, and a range table's
+    id past its vocabulary beside it is refused on the client, naming that table, before
+    anything is pulled or pushed (a reviewer's finding: it went unchecked, read other rows
+    and pushed its gradient into row 1)."""
+    hashed = client.create_table(_spec(f"{table_name}_h", hashed_keys=True, vocabulary_size=0,
+                                       shard_count=2))
+    ranged = client.create_table(_spec(f"{table_name}_r", partition="range"))
+    before = pull_many([ranged], [np.arange(1000)], [0])[0]
+    for ids in ([1, 1002], [-3, 1]):
+        with pytest.raises(ConfigError, match=f"table '{table_name}_r': id"):
+            pull_many([hashed, ranged], [np.array([-5]), np.array(ids)], [0, 0])
+        with pytest.raises(ConfigError, match=f"table '{table_name}_r': id"):
+            push_many([hashed, ranged], [np.array([-5]), np.array(ids)],
+                      [np.ones((1, 4), np.float32), np.ones((2, 4), np.float32)], [0, 0], 0,
+                      [0.0, 0.0])
+    np.testing.assert_array_equal(pull_many([ranged], [np.arange(1000)], [0])[0], before)
+
+
+def test_a_push_of_no_rows_to_every_table_closes_the_step(client, table_name):
+    """A step that touched no table still pushes (empty parts close it) and the next pull
+    waits for it (a reviewer's finding: the one-pass plan raised IndexError)."""
+    tables = [client.create_table(_spec(f"{table_name}_{k}")) for k in range(2)]
+    empty, no_grads = np.empty(0, np.int64), np.empty((0, 4), np.float32)
+    assert push_many(tables, [empty, empty], [no_grads, no_grads], [0, 0], 0, [0.0, 0.0]) == \
+        [True, True]
+    assert [len(r) for r in pull_many(tables, [empty, empty], [1, 1])] == [0, 0]

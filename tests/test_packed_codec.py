@@ -192,4 +192,20 @@ def test_the_packed_layout_is_what_the_docstring_says():
     """Record sizes are part of the protocol: a change needs a new data-plane version."""
     assert (packed_codec.PULL_PART.itemsize, packed_codec.PULL_ANSWER_PART.itemsize,
             packed_codec.PUSH_PART.itemsize) == (32, 32, 88)
-    assert ps_pb2.DataPlaneResponse().version == 0  # the field the version travels in
+    assert ps_pb2.DataPlaneResponse().packed is False  # servers before it: protobuf frames
+
+
+def test_an_empty_part_with_a_huge_width_is_refused_not_a_numpy_error():
+    """Found by a reviewer's fuzzer: count 0 with dim 2**62 passed the size checks (nothing
+    to hold) and numpy's reshape raised ValueError."""
+    request, _, _ = _push_parts((0, 2))
+    with pytest.raises(DecodeError, match="outside int32"):
+        packed_codec.decode_push_many(_set(request.packed(), packed_codec.PUSH_PART, 0, "dim",
+                                           2**62))
+    writer = packed_codec.PullManyAnswerWriter([(0, DIM, np.float32, 1)])
+    with pytest.raises(DecodeError, match="outside int32"):
+        packed_codec.decode_pull_many_answer(_set(writer.data(), packed_codec.PULL_ANSWER_PART,
+                                                  0, "dim", 2**62))
+    with pytest.raises(DecodeError, match="an answer has none"):
+        packed_codec.decode_pull_many_answer(writer.data()[:4] + struct.pack("<I", 3) +
+                                             writer.data()[8:])

@@ -59,3 +59,20 @@ def test_first_outside_names_the_run():
 def test_unsigned_ids_stay_integers():
     runs = Runs(PARTITIONERS[:2], [np.array([3, 5], np.uint64), np.array([7], np.int32)])
     assert runs.ids.dtype == np.int64 and runs.ids.tolist() == [3, 5, 7]
+
+
+def test_hashed_keys_are_not_range_checked_and_do_not_hide_other_runs():
+    """A reviewer's finding: a negative hashed key was flagged as out of range, and only the
+    first flagged run was looked at, so a bad id of a later fixed table went unchecked."""
+    runs = Runs([Partitioner(4), Partitioner(2, 10, "range")],
+                [np.array([-5, 2**62]), np.array([1, 12])])
+    assert runs.first_outside([None, 10]) == 1
+    assert Runs([Partitioner(4)], [np.array([-5])]).first_outside([None]) is None
+
+
+def test_every_run_empty():
+    """A push of no rows to every table (a step that touched none) plans empty pushes."""
+    runs = Runs(PARTITIONERS[:3], [np.empty(0, np.int64)] * 3)
+    for p, plan, (order, offsets) in zip(PARTITIONERS, runs.push_plans(), runs.shard_orders()):
+        assert len(plan.ids) == 0 and list(plan.offsets) == [0] * (p.shard_count + 1)
+        assert list(offsets) == [0] * (p.shard_count + 1)

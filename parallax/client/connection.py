@@ -277,11 +277,11 @@ class ServerConnection:
                             "gRPC for PullMany/PushMany", self.address, err.code().name,
                             err.details())
             return None, math.inf
-        if not reply.port or reply.version not in dataplane.VERSIONS:
+        if not reply.port or reply.version != dataplane.VERSION:
             return None, math.inf
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
                                 self.options, reply.server_id, reply.max_message_bytes,
-                                reply.idle_timeout_s, reply.version)
+                                reply.idle_timeout_s, reply.packed)
         try:
             plane.check()
         except grpc.RpcError as err:

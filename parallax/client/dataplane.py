@@ -65,9 +65,9 @@ class DataPlaneClient:
 
     def __init__(self, host: str, port: int, options, server_id: int = 0,
                  max_message_bytes: int = 0, idle_timeout_s: float = 0,
-                 version: int = 1) -> None:
+                 packed: bool = False) -> None:
         self.host, self.port, self.options, self.server_id = host, port, options, server_id
-        self.version = version  # the server's data-plane version: 2 reads packed requests
+        self.packed = packed  # the server reads packed_codec's layout (methods 3 and 4)
         self.where = f"{host}:{port}"
         self._limit = min(options.max_message_bytes, max_message_bytes or 1 << 62)
         self._reuse_s = idle_timeout_s / 2 if idle_timeout_s else 60.0
@@ -80,7 +80,7 @@ class DataPlaneClient:
     def invoker(self, method: str):
         """`method` called like the gRPC stub's: packed (parallax.packed_codec) for a server
         that reads it, else the gRPC messages' bytes."""
-        packed = self.version >= 2 and method in dataplane.PACKED
+        packed = self.packed and method in dataplane.PACKED
         codecs = packed_codec.CLIENT_CODECS if packed else bulk_codec.CLIENT_CODECS
         serialize, deserialize = codecs[method]
 

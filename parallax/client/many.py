@@ -20,7 +20,7 @@ import numpy as np
 from parallax import bulk_codec
 from parallax.client.connection import ServerConnection
 from parallax.client.table import ShardedTable, start_call
-from parallax.errors import ServerError
+from parallax.errors import ConfigError, ServerError
 from parallax.packed_codec import PullManyParts, PushManyParts
 from parallax.routing import Runs
 from parallax.ps.v1 import ps_pb2
@@ -32,7 +32,6 @@ _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECOND
 # worker, learning rate, chunk fields, session, tensor headers, alignment padding).
 _REQUEST_HEADROOM = 4096
 _PART_FIELDS_BYTES = 192
-_NO_LIMIT = np.iinfo(np.int64).max  # hashed keys: any int64
 
 
 @dataclass(frozen=True)
@@ -140,10 +139,12 @@ def _checked_runs(tables: Sequence[ShardedTable], ids: Sequence) -> Runs:
         if array.dtype.kind not in "iu":
             table.checked_ids(array)  # raises, naming the table
     runs = Runs([t.partitioner for t in tables], [a.reshape(-1) for a in arrays])
-    bad = runs.first_outside([_NO_LIMIT if t.spec.hashed_keys else t.spec.vocabulary_size
+    bad = runs.first_outside([None if t.spec.hashed_keys else t.spec.vocabulary_size
                               for t in tables])
     if bad is not None:
         tables[bad].checked_ids(runs.run(bad))  # raises, naming the table and the id
+        raise ConfigError(f"internal: table {tables[bad].name!r} has an id out of range that "
+                          f"its own check let through")
     return runs
 
 

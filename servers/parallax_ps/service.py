@@ -143,6 +143,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_port = 0  # set by the server once its data plane listens
         self.data_server_id = 0
         self.data_idle_timeout_s = 0
+        self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes)
         self.stats = ServerStats()
@@ -317,7 +318,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION,
                                         server_id=self.data_server_id,
                                         max_message_bytes=self.max_message_bytes,
-                                        idle_timeout_s=self.data_idle_timeout_s), "", 0, 0
+                                        idle_timeout_s=self.data_idle_timeout_s,
+                                        packed=self.packed_data_plane), "", 0, 0
 
     @_rpc_many("PushMany")
     def PushMany(self, request: bulk_codec.BulkPushMany, context):

@@ -584,15 +584,17 @@ class DataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("port", "version", "server_id", "max_message_bytes", "idle_timeout_s")
+    __slots__ = ("port", "version", "server_id", "max_message_bytes", "idle_timeout_s", "packed")
     PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     port: int
     version: int
     server_id: int
     max_message_bytes: int
     idle_timeout_s: int
-    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., server_id: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, port: _Optional[int] = ..., version: _Optional[int] = ..., server_id: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., packed: bool = ...) -> None: ...
