@@ -245,7 +245,9 @@ def test_failed_up_cleans_what_it_made_and_names_the_command(prefix):
 def test_two_clusters_at_once_need_two_subnets(prefix):
     """Different prefixes get different subnets by default, so two benchmarks can run at
     once; a second cluster on a subnet in use is refused, naming the holder and the fix."""
-    other = prefix + "y"
+    # Prefixes hash onto 250 subnets: a random fixture prefix and prefix + "y" collided one
+    # run in 250 (a flaky failure); take the first suffix whose subnet differs.
+    other = next(prefix + s for s in "yzwv" if subnet_for(prefix + s) != subnet_for(prefix))
     assert subnet_for("pxb") == "10.78.0" and subnet_for(prefix) != subnet_for(other)
     with EmulatedCluster(["a"], LinkSpec(), prefix=prefix) as first:
         with EmulatedCluster(["a"], LinkSpec(), prefix=other) as second:
