@@ -3,7 +3,7 @@
 VENV ?= .venv
 export PARALLAX_VENV := $(abspath $(VENV))
 
-.PHONY: demo test env bench compare wheel-check
+.PHONY: demo test env bench compare wheel-check image
 
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
@@ -22,3 +22,6 @@ bench: env         ## parameter-server throughput benchmark (prints a table, wri
 
 compare: env       ## parallax vs TF PS and Horovod, shared and isolated cores (root; ~45 min)
 	bash scripts/compare.sh bench-results/compare
+
+image:             ## container image: podman build (local debootstrap base) + smoke test (root; 5-10 min cold)
+	bash scripts/build_image.sh
