@@ -69,14 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter servers for hybrid, ps and tf_ps")
     p.add_argument("--rounds", type=int, default=defaults.rounds,
                    help="times each system runs per configuration, alternating systems")
-    p.add_argument("--size", choices=workloads.SIZES, default=defaults.size,
-                   help="full: the benchmark models; short: tiny ones (CI)")
-    p.add_argument("--warmup-steps", type=int, default=window.warmup_steps,
-                   help="steps each run takes before it is measured")
-    p.add_argument("--windows", type=int, default=window.windows,
-                   help="measurement windows per run (figures are medians over them)")
-    p.add_argument("--window-seconds", type=float, default=window.window_seconds,
-                   help="seconds of one measurement window (steps set by a calibration)")
+    _measure_options(p, defaults.size, window)
     p.add_argument("--run-timeout", type=float, default=defaults.run_timeout,
                    help="seconds before a run is stopped and recorded as failed")
     p.add_argument("--out", default=defaults.out_dir, help="output directory")
@@ -99,6 +92,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: render the report of OUT/results.json")
     return p
+
+
+def _measure_options(p: argparse.ArgumentParser, size: str, window) -> None:
+    """The model size and measurement windows, as `parallax bench` and its partitions
+    subcommand both take them."""
+    p.add_argument("--size", choices=workloads.SIZES, default=size,
+                   help="full: the benchmark models; short: tiny ones (CI)")
+    p.add_argument("--warmup-steps", type=int, default=window.warmup_steps,
+                   help="steps each run takes before it is measured")
+    p.add_argument("--windows", type=int, default=window.windows,
+                   help="measurement windows per run (figures are medians over them)")
+    p.add_argument("--window-seconds", type=float, default=window.window_seconds,
+                   help="seconds of one measurement window (steps set by a calibration)")
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
@@ -180,16 +186,9 @@ def partitions_parser() -> argparse.ArgumentParser:
                    help="sweep only (no --search-partitions run)")
     p.add_argument("--network", default=d.network,
                    help=f"emulated link as in `parallax bench --networks`, or {LOOPBACK}")
-    p.add_argument("--size", choices=workloads.SIZES, default=d.size,
-                   help="full: the benchmark models; short: tiny ones (CI)")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="times each configuration runs, alternating")
-    p.add_argument("--warmup-steps", type=int, default=w.warmup_steps,
-                   help="steps each run takes before it is measured")
-    p.add_argument("--windows", type=int, default=w.windows,
-                   help="measurement windows per run (figures are medians over them)")
-    p.add_argument("--window-seconds", type=float, default=w.window_seconds,
-                   help="seconds of one measurement window (steps set by a calibration)")
+    _measure_options(p, d.size, w)
     p.add_argument("--min-window-steps", type=int, default=w.min_window_steps,
                    help="fewest steps in a window, however short its seconds")
     p.add_argument("--run-timeout", type=float, default=d.run_timeout,
