@@ -54,17 +54,22 @@ class FrameError(Exception):
 
 
 def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
-    """Exactly `size` bytes; EOFError if the peer closed first. Memory grows with what
-    arrives, not with what a header declares. With `deadline` (time.monotonic()), all of
-    it must come by then (not just each read: socket.timeout otherwise)."""
-    buffer = bytearray()
-    while len(buffer) < size:
+    """Exactly `size` bytes, received in place; EOFError if the peer closed first. Memory
+    grows with what arrives (the buffer doubles from PIECE as it fills), not with what a
+    header declares. With `deadline` (time.monotonic()), all of it must come by then (not
+    just each read: socket.timeout otherwise)."""
+    buffer = bytearray(min(size, PIECE))
+    got = 0
+    while got < size:
+        if got == len(buffer):
+            buffer.extend(bytes(min(len(buffer), size - got)))
         if deadline is not None:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-        piece = sock.recv(min(PIECE, size - len(buffer)))
-        if not piece:
-            raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
-        buffer += piece
+        with memoryview(buffer) as view:
+            received = sock.recv_into(view[got:])
+        if not received:
+            raise EOFError(f"connection closed after {got} of {size} bytes")
+        got += received
     return buffer
 
 

@@ -225,7 +225,7 @@ class PullManyAnswerWriter:
 
 
 def decode_pull_many_answer(body: bytes) -> list[tuple[np.ndarray, int]]:
-    """(values, step) of every part: read-only views of the body."""
+    """(values, step) of every part: views of the body."""
     what = "packed PullManyResponse"
     records, names_len, at = _header(body, PULL_ANSWER_PART, what)
     if names_len:
@@ -382,5 +382,5 @@ def _packed_push(request) -> bytes:
 # How a client (de)serialises PullMany and PushMany on a data plane of version 2.
 CLIENT_CODECS = {
     "PullMany": (_packed_pull, decode_pull_many_answer),
-    "PushMany": (_packed_push, ps_pb2.PushManyResponse.FromString),
+    "PushMany": (_packed_push, lambda body: ps_pb2.PushManyResponse.FromString(bytes(body))),
 }

@@ -168,16 +168,18 @@ class RemoteTable:
                 self._timed_push(*job, step, float(learning_rate))
         return np.int64(step)
 
-    def prepare_push(self, ids: np.ndarray, grads: np.ndarray
+    def prepare_push(self, ids: np.ndarray, grads: np.ndarray, checked: bool = False
                      ) -> tuple[np.ndarray, np.ndarray] | None:
-        """This worker's push of the open step, checked and counted: (ids, grads) to send,
-        or None when this worker does not push (local aggregation)."""
+        """This worker's push of the open step, checked (unless the caller `checked` the
+        ids) and counted: (ids, grads) to send, or None when this worker does not push
+        (local aggregation)."""
         step = self.steps_pushed
         if not self.sends_pushes:
             self.steps_pushed = step + 1
             return None
-        ids = ids.astype(np.int64, copy=False)
-        self._check_ids(ids)
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
+        if not checked:
+            self._check_ids(ids)
         grads = grads.reshape(len(ids), self.dim)
         if self.sync:
             if not self._pulled_since_push:

@@ -29,6 +29,29 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return z
 
 
+def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """np.argsort(keys, kind="stable") for keys in [0, bound): small keys are sorted as
+    uint8/uint16, which numpy radix-sorts (8x faster than int64's merge sort)."""
+    for small in (np.uint8, np.uint16):
+        if bound <= np.iinfo(small).max + 1:
+            return np.argsort(keys.astype(small), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
+def grouped_order(keys: np.ndarray, bound: int, ids: np.ndarray) -> np.ndarray:
+    """np.lexsort((ids, keys)) (by key in [0, bound), then id), 3-8x faster: keys and ids
+    are packed into one int64 when they fit, and sorted unstably unless two are equal (then
+    the order among equals must be lexsort's, which the summing order depends on)."""
+    if len(ids) and bound <= 1 << 30 and ids.min() >= 0 and ids.max() < 1 << 32:
+        packed = (keys.astype(np.int64) << 32) | ids
+        order = np.argsort(packed)
+        ordered = packed[order]
+        if not bool(np.any(ordered[1:] == ordered[:-1])):
+            return order
+        return np.argsort(packed, kind="stable")
+    return np.lexsort((ids, keys))
+
+
 @dataclass(frozen=True)
 class Partitioner:
     """Maps global ids to (shard, local row) for one table."""
@@ -87,7 +110,7 @@ class Partitioner:
         if self.shard_count == 1:
             return None, np.array([0, len(ids)])
         shards = self.shard_of(ids)
-        order = np.argsort(shards, kind="stable")
+        order = stable_order(shards, self.shard_count)
         return order, np.searchsorted(shards[order], np.arange(self.shard_count + 1))
 
     def plan_push(self, ids: np.ndarray) -> "PushPlan":
@@ -99,7 +122,7 @@ class Partitioner:
             offsets = np.array([0] * s + [n]) if n else np.zeros(s + 1, dtype=np.int64)
             return PushPlan(ids, offsets, None, None)
         shards = self.shard_of(ids) if s > 1 else np.zeros(n, dtype=np.int64)
-        order = np.lexsort((ids, shards))
+        order = grouped_order(shards, s, ids)
         sorted_ids = ids[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
         unique_shards = shards[order][starts]
@@ -225,7 +248,7 @@ class Runs:
     def shard_orders(self) -> list[tuple[np.ndarray | None, np.ndarray]]:
         """Partitioner.shard_order of every run (order relative to the run)."""
         keys = self._keys()
-        order = np.argsort(keys, kind="stable")
+        order = stable_order(keys, len(self.partitioners) * self._width)
         sorted_keys = keys[order]
         out = []
         for k, p in enumerate(self.partitioners):
@@ -237,7 +260,7 @@ class Runs:
     def push_plans(self) -> list["PushPlan"]:
         """Partitioner.plan_push of every run: the same rows land in the same places."""
         keys = self._keys()
-        order = np.lexsort((self.ids, keys))
+        order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
         first = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (keys[1:] != keys[:-1])]) \
             if len(ids) else np.empty(0, np.int64)

@@ -43,30 +43,32 @@ def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) 
         future.result()
 
 
-def _pull_after_pushes(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]
-                       ) -> list[np.ndarray]:
+def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.ndarray]:
     """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
     once, beside the step's push, since the servers hold it until that step is applied
     (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
     waiting ends at the servers' deadline. Async tables: the pushes land first (a worker
-    reads its own updates)."""
+    reads its own updates). `runs`: the tables' ids, checked (`checked_runs`)."""
     tables = [r.table for r in remotes]
     if not all(r.sync for r in remotes):
         land_pushes_of(remotes)
-        return pull_many(tables, ids, [r.min_step() for r in remotes])
-    pulling = run_in_background(pull_many, tables, ids, [r.min_step() for r in remotes])
+        return pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
+    pulling = run_in_background(pull_many, tables, (), [r.min_step() for r in remotes],
+                                checked=runs)
     land_pushes_of(remotes)  # raises a failed push's error now
     return pulling.result()
 
 
-def _check_ids(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> None:
-    """Every table's ids in range (one pass); the first table with a bad id says which."""
+def checked_runs(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+    """Every table's ids in range, checked in one pass (the first table with a bad id says
+    which), as the `Runs` that `pull_many` and `push_many` route them by."""
     runs = Runs([r.table.partitioner for r in remotes], ids)
     bad = runs.first_outside([r.rows for r in remotes])
     if bad is not None:
-        remotes[bad]._check_ids(ids[bad])  # raises, naming the variable and the id
+        remotes[bad]._check_ids(runs.run(bad))  # raises, naming the variable and the id
         raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
                           f"own check let through")
+    return runs
 
 
 def _shares(sizes: Sequence[int]) -> list[float]:
@@ -102,8 +104,7 @@ class FusedPull:
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
         remotes = [tables[key] for key in order]
-        _check_ids(remotes, ids)
-        rows = _pull_after_pushes(remotes, ids)
+        rows = _pull_after_pushes(remotes, checked_runs(remotes, ids))
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
@@ -137,37 +138,43 @@ class FusedPush:
 
     def __call__(self, *flat) -> np.int64:
         """flat: ids, grads, learning rate of every table, in `remotes` order."""
-        jobs, steps, rates, sending = [], [], [], []
+        pushing = [i for i, remote in enumerate(self.remotes) if remote.sends_pushes]
+        ids = [np.asarray(flat[3 * i]).astype(np.int64, copy=False).reshape(-1)
+               for i in pushing]
+        # every id checked before any table counts its push: a bad id changes nothing
+        runs = checked_runs([self.remotes[i] for i in pushing], ids) if pushing else None
+        grads, steps, rates, sending = [], [], [], []
         for i, remote in enumerate(self.remotes):
-            ids, grads, lr = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
             step = remote.steps_pushed
-            job = remote.prepare_push(ids, grads)
+            job = remote.prepare_push(flat[3 * i], flat[3 * i + 1], checked=True)
             if job is None:
                 continue
             # numpy_function's inputs may share TensorFlow's buffers, reused once the op
-            # returns: a background push gets its own copies.
-            jobs.append((job[0].copy(), job[1].copy()) if self.sync else job)
+            # returns: a background push gets its own copy of the gradients (`runs` holds
+            # its own copy of the ids).
+            grads.append(job[1].copy() if self.sync else job[1])
             steps.append(step)
-            rates.append(float(lr))
+            rates.append(float(flat[3 * i + 2]))
             sending.append(remote)
         self.runs += 1
         if not sending:
             return np.int64(0)
         if self.sync:
-            future = run_in_background(self._send, sending, jobs, steps, rates)
+            future = run_in_background(self._send, sending, runs, grads, steps, rates)
             for remote in sending:
                 remote.track_push(future)
         else:
-            self._send(sending, jobs, steps, rates)
+            self._send(sending, runs, grads, steps, rates)
         return np.int64(len(sending))
 
     @staticmethod
-    def _send(remotes: list[RemoteTable], jobs, steps, rates) -> list[bool]:
+    def _send(remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
         start = time.perf_counter()
         try:
-            return push_many([r.table for r in remotes], [j[0] for j in jobs],
-                             [j[1] for j in jobs], steps, remotes[0].worker, rates)
+            return push_many([r.table for r in remotes], (), grads, steps, remotes[0].worker,
+                             rates, checked=runs)
         finally:
             seconds = time.perf_counter() - start
-            for remote, share in zip(remotes, _shares([len(j[0]) for j in jobs])):
+            sizes = [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])]
+            for remote, share in zip(remotes, _shares(sizes)):
                 remote.add_push_seconds(seconds * share)

@@ -95,8 +95,8 @@ def send_frame(plane: DataPlaneClient, case: wire_fuzz.Case) -> Outcome:
     """The case's bytes as a data-plane frame (a fresh connection after any refusal)."""
     timeout = 0.3 if case.method in WAITING_METHODS else 10.0
     try:
-        return Outcome(grpc.StatusCode.OK, response=plane.call(case.method, case.payload,
-                                                               timeout))
+        return Outcome(grpc.StatusCode.OK, response=bytes(plane.call(case.method, case.payload,
+                                                                     timeout)))
     except grpc.RpcError as err:
         return Outcome(err.code(), err.details() or "")
 
@@ -105,8 +105,8 @@ def send_packed(plane: DataPlaneClient, method: str, body: bytes) -> Outcome:
     """`body` as a packed (version 2) frame of `method`."""
     timeout = 0.3 if method in WAITING_METHODS else 10.0
     try:
-        return Outcome(grpc.StatusCode.OK, response=plane.call(method, body, timeout,
-                                                               packed=True))
+        return Outcome(grpc.StatusCode.OK, response=bytes(plane.call(method, body, timeout,
+                                                                     packed=True)))
     except grpc.RpcError as err:
         return Outcome(err.code(), err.details() or "")
 

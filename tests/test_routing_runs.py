@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallax.routing import Partitioner, Runs
+from parallax.routing import Partitioner, Runs, grouped_order, stable_order
 
 PARTITIONERS = [Partitioner(2, 1000), Partitioner(1, 50), Partitioner(3, 1000, "range"),
                 Partitioner(4), Partitioner(5, 17), Partitioner(2, 9, "range")]
@@ -76,3 +76,19 @@ def test_every_run_empty():
     for p, plan, (order, offsets) in zip(PARTITIONERS, runs.push_plans(), runs.shard_orders()):
         assert len(plan.ids) == 0 and list(plan.offsets) == [0] * (p.shard_count + 1)
         assert list(offsets) == [0] * (p.shard_count + 1)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("bound", [1, 7, 256, 257, 70_000, 1 << 31])
+def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
+    """stable_order and grouped_order are the argsort/lexsort they replace, ties included
+    (the order of equal ids decides the order in which duplicate gradients are summed)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 300))
+    keys = rng.integers(0, bound, n)
+    for ids in (rng.integers(0, 50, n), rng.integers(0, 1 << 40, n),
+                rng.integers(-2**62, 2**62, n), rng.permutation(n)):
+        ids = ids.astype(np.int64)
+        np.testing.assert_array_equal(grouped_order(keys, bound, ids),
+                                      np.lexsort((ids, keys)))
+    np.testing.assert_array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))

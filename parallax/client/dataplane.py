@@ -81,8 +81,11 @@ class DataPlaneClient:
         """`method` called like the gRPC stub's: packed (parallax.packed_codec) for a server
         that reads it, else the gRPC messages' bytes."""
         packed = self.packed and method in dataplane.PACKED
-        codecs = packed_codec.CLIENT_CODECS if packed else bulk_codec.CLIENT_CODECS
-        serialize, deserialize = codecs[method]
+        if packed:
+            serialize, deserialize = packed_codec.CLIENT_CODECS[method]
+        else:  # gRPC's codecs, which read bytes
+            serialize, read = bulk_codec.CLIENT_CODECS[method]
+            deserialize = lambda body: read(bytes(body))  # noqa: E731
 
         def call(request, timeout: float | None = None):
             body = serialize(request)
@@ -90,7 +93,8 @@ class DataPlaneClient:
                                          packed))
         return call
 
-    def call(self, method: str, body: bytes, timeout: float, packed: bool = False) -> bytes:
+    def call(self, method: str, body: bytes, timeout: float, packed: bool = False
+             ) -> bytearray:
         """The response body of one request (`packed`: the body is in packed_codec's
         layout); raises DataPlaneError."""
         if len(body) > self._limit:  # as gRPC's send limit, or the server, would say
@@ -119,7 +123,7 @@ class DataPlaneClient:
             raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
                                  payload.decode("utf-8", "replace"))
         self._give_back(sock)
-        return bytes(payload)
+        return payload
 
     def _answer_size(self, sock: socket.socket, method: str, length: int) -> int:
         if length > self.options.max_message_bytes + (1 << 20):

@@ -150,12 +150,13 @@ def _checked_runs(tables: Sequence[ShardedTable], ids: Sequence) -> Runs:
 
 # ---- pulls ---------------------------------------------------------------------------------
 def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
-              min_steps: Sequence[int]) -> list[np.ndarray]:
+              min_steps: Sequence[int], checked: Runs | None = None) -> list[np.ndarray]:
     """Rows for each table's unique ids, in their order; `min_steps[k] > 0` waits until every
-    shard of table k applied that many steps."""
+    shard of table k applied that many steps. `checked`: the ids as `Runs` over the tables'
+    partitioners, already range-checked by the caller (then `unique_ids` is not read)."""
     if not tables:
         return []
-    runs = _checked_runs(tables, unique_ids)
+    runs = checked if checked is not None else _checked_runs(tables, unique_ids)
     orders, grouped, parts = [], [], []
     for k, (table, (order, offsets)) in enumerate(zip(tables, runs.shard_orders())):
         unique = runs.run(k)
@@ -239,12 +240,12 @@ class _Names:
 # ---- pushes --------------------------------------------------------------------------------
 def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
               grads: Sequence[np.ndarray], steps: Sequence[int], worker: int,
-              learning_rates: Sequence[float]) -> list[bool]:
+              learning_rates: Sequence[float], checked: Runs | None = None) -> list[bool]:
     """Push every table's gradients (duplicates summed here); per table, True if this push
-    closed the step on every one of its shards."""
+    closed the step on every one of its shards. `checked`: as for `pull_many`."""
     if not tables:
         return []
-    runs = _checked_runs(tables, ids)
+    runs = checked if checked is not None else _checked_runs(tables, ids)
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
     plans = runs.push_plans()
