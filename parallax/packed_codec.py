@@ -353,6 +353,32 @@ class PushManyParts:
     def packed(self) -> bytes:
         return self._written(PushManyWriter(self.parts))
 
+    def settled(self) -> "PushManyParts":
+        """The same request encoded now (packed, the layout a data plane reads), so that it
+        no longer reads the arrays `fill` reads: they may be reused at once. Another
+        encoding, for a server without the packed layout, is made from those bytes."""
+        return _SettledPush(self.parts, self.packed())
+
+
+class _SettledPush(PushManyParts):
+    """A PushManyParts whose rows live in its own packed encoding."""
+
+    def __init__(self, parts, body: bytes) -> None:
+        super().__init__(parts, self._fill_from_body)
+        self._body = body
+        self._decoded: list | None = None
+
+    def packed(self) -> bytes:
+        return self._body
+
+    def settled(self) -> "PushManyParts":
+        return self
+
+    def _fill_from_body(self, i: int, ids: np.ndarray, grads: np.ndarray) -> None:
+        if self._decoded is None:
+            self._decoded = decode_push_many(self._body).parts
+        ids[...], grads[...] = self._decoded[i].ids, self._decoded[i].grads
+
 
 def _packed_pull(request) -> bytes:
     if isinstance(request, PullManyParts):

@@ -1,25 +1,27 @@
 """The numpy side of a fused step: one pull for every grouped lookup of the step, one push
 for every table, each a single multi-table request per server (`parallax.client.many`).
 
-`FusedPull` runs inside the step's fused pull op: every table's ids are checked, lookups of
-the same table are merged and deduplicated, then every table's rows come back from one
-`pull_many`, which leaves beside the previous step's push (`_pull_after_pushes`).
-`FusedPush` runs inside the step's push op: every table's push is checked and counted
-(`RemoteTable.prepare_push`), then one `push_many` sends them all, in the background for
-sync tables (the next pull of any of them does not return before it lands, as for
-single-table pushes). Wall time is shared out to the tables in proportion to their rows, for
-the partition search's per-table figures.
+`FusedPull` runs inside the step's fused pull op: every table's ids are checked in one pass,
+lookups of the same table are merged and deduplicated, then every table's rows come back
+from one multi-table pull, which leaves beside the previous step's push
+(`_pull_after_pushes`). `FusedPush` runs inside the step's push op: every table's push is
+checked and counted (`RemoteTable.prepare_push`), then one multi-table push sends them all.
+For sync tables its requests leave from the op's own thread and their answers are read by
+the next pull of any of the tables (`Landing`): on the data plane a step hands nothing to
+another thread. Wall time is shared out to the tables in proportion to their rows, for the
+partition search's per-table figures.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from parallax.client.connection import run_in_background
-from parallax.client.many import pull_many, push_many
+from parallax.client.many import (PendingPush, pull_many, push_many, start_pull_many,
+                                  start_push_many)
 from parallax.errors import ConfigError, ServerError
 from parallax.routing import Runs
 
@@ -27,19 +29,45 @@ if TYPE_CHECKING:
     from parallax.remote import RemoteTable
 
 
+class Landing:
+    """A fused push in flight whose requests left from the step's own thread: its answers
+    are read, once, by the first thread that waits for it (`result`), so it needs no thread
+    of its own. It stands where a `concurrent.futures.Future` stands for other pushes."""
+
+    def __init__(self, pending: PendingPush, remotes: Sequence[RemoteTable], sizes) -> None:
+        self._pending, self._remotes, self._sizes = pending, remotes, sizes
+        self._start = time.perf_counter()
+        self._lock = threading.Lock()
+        self._done, self._value, self._error = False, None, None
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        with self._lock:
+            if not self._done:
+                try:
+                    self._value = self._pending.result()
+                except BaseException as err:  # noqa: BLE001 - raised to every waiter
+                    self._error = err
+                self._done = True
+                _account_push(self._remotes, self._sizes, time.perf_counter() - self._start)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) -> None:
     """Block until these tables' pushes in flight have landed (a fused push is in flight for
-    every table it carries: it is waited for once); raise the first error."""
+    every table it carries: it is waited for once); raise the first error. A `Landing` is
+    read here, within the deadline of its own calls."""
     in_flight = {id(f): (f, t) for t in tables for f in t.take_in_flight()}
     if not in_flight:
         return
-    futures = [f for f, _ in in_flight.values()]
+    futures = [f for f, _ in in_flight.values() if not isinstance(f, Landing)]
     _, not_done = futures_wait(futures, timeout=timeout)
     if not_done:
         labels = sorted({in_flight[id(f)][1].label for f in not_done})
         raise ServerError(f"{len(not_done)} push(es) to {', '.join(map(repr, labels))} did "
                           f"not land within {timeout:.0f} s")
-    for future in futures:
+    for future, _ in in_flight.values():
         future.result()
 
 
@@ -47,15 +75,18 @@ def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.nd
     """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
     once, beside the step's push, since the servers hold it until that step is applied
     (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
-    waiting ends at the servers' deadline. Async tables: the pushes land first (a worker
-    reads its own updates). `runs`: the tables' ids, checked (`checked_runs`)."""
+    waiting is let go. Async tables: the pushes land first (a worker reads its own
+    updates). `runs`: the tables' ids, checked (`checked_runs`)."""
     tables = [r.table for r in remotes]
     if not all(r.sync for r in remotes):
         land_pushes_of(remotes)
         return pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
-    pulling = run_in_background(pull_many, tables, (), [r.min_step() for r in remotes],
-                                checked=runs)
-    land_pushes_of(remotes)  # raises a failed push's error now
+    pulling = start_pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
+    try:
+        land_pushes_of(remotes)  # raises a failed push's error now
+    except BaseException:
+        pulling.abandon()
+        raise
     return pulling.result()
 
 
@@ -150,19 +181,22 @@ class FusedPush:
             if job is None:
                 continue
             # numpy_function's inputs may share TensorFlow's buffers, reused once the op
-            # returns: a background push gets its own copy of the gradients (`runs` holds
-            # its own copy of the ids).
-            grads.append(job[1].copy() if self.sync else job[1])
+            # returns: a push is encoded before it returns (`start_push_many`), and `runs`
+            # holds its own copy of the ids.
+            grads.append(job[1])
             steps.append(step)
             rates.append(float(flat[3 * i + 2]))
             sending.append(remote)
         self.runs += 1
         if not sending:
             return np.int64(0)
-        if self.sync:
-            future = run_in_background(self._send, sending, runs, grads, steps, rates)
+        if self.sync:  # sent now; the answers are read by the next pull (`Landing`)
+            sizes = [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])]
+            landing = Landing(start_push_many([r.table for r in sending], (), grads, steps,
+                                              sending[0].worker, rates, checked=runs),
+                              sending, sizes)
             for remote in sending:
-                remote.track_push(future)
+                remote.track_push(landing)
         else:
             self._send(sending, runs, grads, steps, rates)
         return np.int64(len(sending))
@@ -174,7 +208,11 @@ class FusedPush:
             return push_many([r.table for r in remotes], (), grads, steps, remotes[0].worker,
                              rates, checked=runs)
         finally:
-            seconds = time.perf_counter() - start
-            sizes = [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])]
-            for remote, share in zip(remotes, _shares(sizes)):
-                remote.add_push_seconds(seconds * share)
+            _account_push(remotes, [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])],
+                          time.perf_counter() - start)
+
+
+def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:
+    """A fused push's wall time, shared out to its tables in proportion to their rows."""
+    for remote, share in zip(remotes, _shares(sizes)):
+        remote.add_push_seconds(seconds * share)

@@ -163,6 +163,24 @@ def run_in_background(fn, *args, **kwargs) -> Future:
     return _RPC_THREADS.submit(fn, *args, **kwargs)
 
 
+class _PlaneCall:
+    """A data-plane call started by `ServerConnection.future` (`Started`), forgetting the
+    data plane if its connection fails, as `ServerConnection._through` does."""
+
+    def __init__(self, conn: "ServerConnection", plane: DataPlaneClient, started) -> None:
+        self._conn, self._plane, self._started = conn, plane, started
+
+    def result(self, timeout: float | None = None):
+        try:
+            return self._started.result()
+        except grpc.RpcError as err:
+            self._conn.forget_plane_after(self._plane, err)
+            raise
+
+    def abandon(self) -> None:
+        self._started.abandon()
+
+
 class ServerConnection:
     def __init__(self, address: str, options: ClientOptions | None = None) -> None:
         self.address = address
@@ -212,10 +230,17 @@ class ServerConnection:
                     raise describe(method, self.address, table, err, attempts) from None
                 time.sleep(self.options.backoff * 2 ** (attempts - 1))
 
-    def future(self, method: str, request, timeout: float | None = None) -> Future:
-        """Start a unary call without waiting; resolve it with `result`."""
-        return _RPC_THREADS.submit(self._method(method), request,
-                                   timeout=timeout or self.options.timeout)
+    def future(self, method: str, request, timeout: float | None = None):
+        """Start a unary call without waiting; resolve it with `result`. A data-plane call's
+        request leaves now, from this thread, and its answer is read by whoever asks for it
+        (`_PlaneCall`: no thread hand-off); any other call runs on an RPC thread."""
+        timeout = timeout or self.options.timeout
+        if method in dataplane.SERVED:
+            plane = self._data_plane()
+            if plane is not None:
+                return _PlaneCall(self, plane, plane.invoker(method, started=True)(
+                    request, timeout=timeout))
+        return _RPC_THREADS.submit(self._method(method), request, timeout=timeout)
 
     def _method(self, method: str):
         """The callable for `method`: the data plane's for PullMany/PushMany when the server
@@ -234,13 +259,18 @@ class ServerConnection:
             try:
                 return invoke(request, timeout=timeout)
             except grpc.RpcError as err:
-                if getattr(err, "transport", False):  # the connection, not an answer
-                    with self._plane_lock:
-                        if self._plane is plane:
-                            self._plane, self._plane_asked_at = None, 0.0
-                    plane.close()
+                self.forget_plane_after(plane, err)
                 raise
         return call
+
+    def forget_plane_after(self, plane: DataPlaneClient, err: grpc.RpcError) -> None:
+        """After a failure of the data-plane connection itself (not an answer): ask the
+        server where its data plane is again at the next call."""
+        if getattr(err, "transport", False):
+            with self._plane_lock:
+                if self._plane is plane:
+                    self._plane, self._plane_asked_at = None, 0.0
+            plane.close()
 
     @property
     def data_plane(self) -> str | None:

@@ -77,9 +77,10 @@ class DataPlaneClient:
         self._pid = os.getpid()  # a forked child opens its own connections
         self._closed = False
 
-    def invoker(self, method: str):
+    def invoker(self, method: str, started: bool = False):
         """`method` called like the gRPC stub's: packed (parallax.packed_codec) for a server
-        that reads it, else the gRPC messages' bytes."""
+        that reads it, else the gRPC messages' bytes. `started`: the callable sends the
+        request and returns a `Started` call, whose `result()` reads the answer."""
         packed = self.packed and method in dataplane.PACKED
         if packed:
             serialize, deserialize = packed_codec.CLIENT_CODECS[method]
@@ -87,16 +88,24 @@ class DataPlaneClient:
             serialize, read = bulk_codec.CLIENT_CODECS[method]
             deserialize = lambda body: read(bytes(body))  # noqa: E731
 
+        def start(request, timeout: float | None = None) -> Started:
+            return Started(self, method, serialize(request), timeout or self.options.timeout,
+                           packed, deserialize)
+
         def call(request, timeout: float | None = None):
-            body = serialize(request)
-            return deserialize(self.call(method, body, timeout or self.options.timeout,
-                                         packed))
-        return call
+            return start(request, timeout).result()
+        return start if started else call
 
     def call(self, method: str, body: bytes, timeout: float, packed: bool = False
              ) -> bytearray:
         """The response body of one request (`packed`: the body is in packed_codec's
         layout); raises DataPlaneError."""
+        return self.finish(self.send(method, body, timeout, packed), method, timeout)
+
+    def send(self, method: str, body: bytes, timeout: float, packed: bool = False
+             ) -> socket.socket:
+        """Send one request on a connection of its own, which `finish` reads the answer
+        from; raises DataPlaneError."""
         if len(body) > self._limit:  # as gRPC's send limit, or the server, would say
             raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"{method} of {len(body)} bytes is over the message limit of "
@@ -108,13 +117,23 @@ class DataPlaneClient:
             code = dataplane.CODES[dataplane.PACKED[method] if packed else method]
             header = dataplane.REQUEST.pack(dataplane.MAGIC, code, float(timeout), len(body))
             _send(sock, header, body)
+        except socket.timeout:
+            _close(sock)
+            raise self._late(timeout) from None
+        except OSError as exc:
+            _close(sock)
+            raise _lost(f"data-plane connection to {self.where} failed: {exc}") from None
+        return sock
+
+    def finish(self, sock: socket.socket, method: str, timeout: float) -> bytearray:
+        """The answer to the request `send` sent on `sock`; the connection is kept for
+        reuse, or closed after any failure."""
+        try:
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
             payload = dataplane.recv_exact(sock, self._answer_size(sock, method, length))
         except socket.timeout:
             _close(sock)
-            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"no answer from the data plane at {self.where} within "
-                                 f"{timeout + REPLY_MARGIN_S:.0f}s") from None
+            raise self._late(timeout) from None
         except (OSError, EOFError, FrameError) as exc:
             _close(sock)
             raise _lost(f"data-plane connection to {self.where} failed: {exc}") from None
@@ -124,6 +143,11 @@ class DataPlaneClient:
                                  payload.decode("utf-8", "replace"))
         self._give_back(sock)
         return payload
+
+    def _late(self, timeout: float) -> DataPlaneError:
+        return DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no answer from the data plane at {self.where} within "
+                              f"{timeout + REPLY_MARGIN_S:.0f}s")
 
     def _answer_size(self, sock: socket.socket, method: str, length: int) -> int:
         if length > self.options.max_message_bytes + (1 << 20):
@@ -192,6 +216,51 @@ class DataPlaneClient:
             raise _lost(f"{self.where} is the data plane of another server (a restarted "
                         f"server, or another job's on the same port)")
         return sock
+
+
+class Started:
+    """A data-plane call whose request left when it was made and whose answer is read by
+    the first thread that asks for it (no thread of its own): the shape of a
+    `concurrent.futures.Future` that `ServerConnection.result` needs. A failure to send is
+    raised by `result`, so a caller retries it as it retries any other failure."""
+
+    def __init__(self, plane: DataPlaneClient, method: str, body: bytes, timeout: float,
+                 packed: bool, deserialize) -> None:
+        self._plane, self._method, self._timeout = plane, method, timeout
+        self._deserialize = deserialize
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._error: BaseException | None = None
+        self._done, self._value = False, None
+        try:
+            self._sock = plane.send(method, body, timeout, packed)
+        except grpc.RpcError as err:
+            self._error, self._done = err, True
+
+    def result(self, timeout: float | None = None):
+        """The decoded answer (read now if no thread read it yet); raises DataPlaneError."""
+        with self._lock:
+            if not self._done:
+                sock, self._sock = self._sock, None
+                try:
+                    self._value = self._deserialize(self._plane.finish(sock, self._method,
+                                                                       self._timeout))
+                except BaseException as err:  # noqa: BLE001 - raised to every asker
+                    self._error = err
+                self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def abandon(self) -> None:
+        """Nobody will read the answer: close the connection now rather than hold it."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+            if not self._done:
+                self._error = _lost(f"the call to {self._plane.where} was abandoned")
+                self._done = True
+        if sock is not None:
+            _close(sock)
 
 
 def _still_open(sock: socket.socket) -> bool:

@@ -89,13 +89,25 @@ def _start(conn: ServerConnection, method: str, request, calls: int):
     return start_call(conn, method, request, calls) if conn.multi_table else None
 
 
-def _in_flight(requests: list, method: str) -> list:
-    """(conn, parts, request, future) of every request: all but the last start on RPC
-    threads; the last comes first in the list with no future, so that it is made on the
-    calling thread while the others are in flight (one thread hand-off less per call)."""
+def _in_flight(requests: list, method: str, now: bool = False) -> list:
+    """(conn, parts, request, future) of every request: all but the last start now (a
+    data-plane request is sent from this thread, any other call runs on an RPC thread); the
+    last comes first in the list with no future, so that it is made on the calling thread
+    while the others are in flight (one thread hand-off less per call). `now`: the last
+    starts now too (for calls whose answers are read later)."""
+    if now:
+        return [(conn, chunk, request, _start(conn, method, request, 2))
+                for conn, chunk, request in requests]
     started = [(conn, chunk, request, _start(conn, method, request, 2))
                for conn, chunk, request in requests[:-1]]
     return [(*requests[-1], None)] + started if requests else []
+
+
+def _abandon(calls: list) -> None:
+    """Close the connections of started data-plane calls nobody will read."""
+    for *_, future in calls:
+        if hasattr(future, "abandon"):
+            future.abandon()
 
 
 def _answer(conn: ServerConnection, method: str, request, future, names: str, **kwargs):
@@ -154,8 +166,16 @@ def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
     """Rows for each table's unique ids, in their order; `min_steps[k] > 0` waits until every
     shard of table k applied that many steps. `checked`: the ids as `Runs` over the tables'
     partitioners, already range-checked by the caller (then `unique_ids` is not read)."""
+    return start_pull_many(tables, unique_ids, min_steps, checked, now=False).result()
+
+
+def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
+                    min_steps: Sequence[int], checked: Runs | None = None,
+                    now: bool = True) -> "PendingPull":
+    """`pull_many` with its requests sent now and its answers read by `result()` (`now`:
+    every request leaves now; otherwise the last one is made when `result()` is called)."""
     if not tables:
-        return []
+        return PendingPull(tables, [], [], [])
     runs = checked if checked is not None else _checked_runs(tables, unique_ids)
     orders, grouped, parts = [], [], []
     for k, (table, (order, offsets)) in enumerate(zip(tables, runs.shard_orders())):
@@ -167,7 +187,7 @@ def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
         for shard, lo, hi, _, _ in table.slices(offsets):
             if hi > lo or min_steps[k] > 0:
                 parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes + fields))
-    return _pull_parts(tables, grouped, orders, parts, min_steps)
+    return _start_pull(tables, grouped, orders, parts, min_steps, now)
 
 
 def _pull_request(tables, grouped, parts, min_steps, wait: bool) -> PullManyParts:
@@ -186,7 +206,7 @@ def _wait_request(tables, parts, min_steps) -> PullManyParts | None:
                          [min_steps[k] for k, _ in waits], [empty] * len(waits))
 
 
-def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
+def _start_pull(tables, grouped, orders, parts, min_steps, now: bool) -> "PendingPull":
     options = tables[0].shards[0].options
     servers = _by_server(tables, parts)
     requests = []
@@ -200,23 +220,44 @@ def _pull_parts(tables, grouped, orders, parts, min_steps) -> list[np.ndarray]:
                 _answer(conn, "PullMany", wait, None, _Names(tables, server_parts))
         requests += [(conn, chunk, _pull_request(tables, grouped, chunk, min_steps,
                                                  len(packed) == 1)) for chunk in packed]
-    calls = _in_flight(requests, "PullMany")
-    rows = [np.empty((len(g), t.spec.dim), dtype=t.dtype) for t, g in zip(tables, grouped)]
-    for conn, chunk, request, future in calls:
-        answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
-        if len(answer) != len(chunk):
-            raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} parts "
-                              f"for {len(chunk)} asked; is the server a compatible parallax "
-                              f"version?", address=conn.address, table=None,
-                              code=grpc.StatusCode.INTERNAL)
-        for part, (values, _) in zip(chunk, answer):
-            order = orders[part.index]
-            target = rows[part.index]
-            if order is None:
-                target[part.lo:part.hi] = values
-            else:
-                target[order[part.lo:part.hi]] = values
-    return rows
+    return PendingPull(tables, grouped, orders, _in_flight(requests, "PullMany", now))
+
+
+class PendingPull:
+    """A multi-table pull whose requests are in flight; `result()` reads the answers."""
+
+    def __init__(self, tables, grouped, orders, calls: list) -> None:
+        self.tables, self.grouped, self.orders, self.calls = tables, grouped, orders, calls
+
+    def abandon(self) -> None:
+        """The rows will not be read (the step failed): let go of the connections."""
+        _abandon(self.calls)
+
+    def result(self) -> list[np.ndarray]:
+        """Rows for each table's ids, in their order."""
+        tables, orders = self.tables, self.orders
+        rows = [np.empty((len(g), t.spec.dim), dtype=t.dtype)
+                for t, g in zip(tables, self.grouped)]
+        for i, (conn, chunk, request, future) in enumerate(self.calls):
+            try:
+                answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
+            except BaseException:
+                _abandon(self.calls[i + 1:])
+                raise
+            if len(answer) != len(chunk):
+                _abandon(self.calls[i + 1:])
+                raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} "
+                                  f"parts for {len(chunk)} asked; is the server a compatible "
+                                  f"parallax version?", address=conn.address, table=None,
+                                  code=grpc.StatusCode.INTERNAL)
+            for part, (values, _) in zip(chunk, answer):
+                order = orders[part.index]
+                target = rows[part.index]
+                if order is None:
+                    target[part.lo:part.hi] = values
+                else:
+                    target[order[part.lo:part.hi]] = values
+        return rows
 
 
 class _Names:
@@ -243,8 +284,18 @@ def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
               learning_rates: Sequence[float], checked: Runs | None = None) -> list[bool]:
     """Push every table's gradients (duplicates summed here); per table, True if this push
     closed the step on every one of its shards. `checked`: as for `pull_many`."""
+    return start_push_many(tables, ids, grads, steps, worker, learning_rates, checked,
+                           now=False).result()
+
+
+def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
+                    grads: Sequence[np.ndarray], steps: Sequence[int], worker: int,
+                    learning_rates: Sequence[float], checked: Runs | None = None,
+                    now: bool = True) -> "PendingPush":
+    """`push_many` with its requests sent now (the gradients are read before it returns)
+    and its answers read by `result()`; `now` as for `start_pull_many`."""
     if not tables:
-        return []
+        return PendingPush(tables, [])
     runs = checked if checked is not None else _checked_runs(tables, ids)
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
@@ -256,7 +307,7 @@ def push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
         for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
             parts.append(PushPart(k, shard, lo, hi, chunk, chunks,
                                   (hi - lo) * row_bytes + fields))
-    return _push_parts(tables, plans, grads, parts, steps, worker, learning_rates)
+    return _start_push(tables, plans, grads, parts, steps, worker, learning_rates, now)
 
 
 def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
@@ -276,21 +327,38 @@ def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
     return PushManyParts(headers, fill)
 
 
-def _push_parts(tables, plans, grads, parts, steps, worker, learning_rates) -> list[bool]:
+def _start_push(tables, plans, grads, parts, steps, worker, learning_rates, now: bool
+                ) -> "PendingPush":
     options = tables[0].shards[0].options
     requests = []
     for conn, server_parts in _by_server(tables, parts).values():
         for chunk in _packed(server_parts, _request_limit(options)):
             request = _push_request(tables, plans, grads, chunk, steps, worker, learning_rates)
+            if now:  # encoded now: the gradients may be reused once this returns
+                request = request.settled()
             requests.append((conn, chunk, request))
-    calls = _in_flight(requests, "PushMany")
-    closed: list[set[int]] = [set() for _ in tables]
-    for conn, chunk, request, future in calls:
-        reply = _answer(conn, "PushMany", request, future, _Names(tables, chunk),
-                        done_on_retry=_DONE_ON_RETRY)
-        if reply is None:  # a retry found the first attempt landed
-            continue
-        for part, answer in zip(chunk, reply.parts):
-            if answer.applied:
-                closed[part.index].add(part.shard)
-    return [len(c) == t.spec.shard_count for c, t in zip(closed, tables)]
+    return PendingPush(tables, _in_flight(requests, "PushMany", now))
+
+
+class PendingPush:
+    """A multi-table push whose requests are in flight; `result()` reads the answers."""
+
+    def __init__(self, tables, calls: list) -> None:
+        self.tables, self.calls = tables, calls
+
+    def result(self) -> list[bool]:
+        """Per table, True if this push closed the step on every one of its shards."""
+        closed: list[set[int]] = [set() for _ in self.tables]
+        for i, (conn, chunk, request, future) in enumerate(self.calls):
+            try:
+                reply = _answer(conn, "PushMany", request, future, _Names(self.tables, chunk),
+                                done_on_retry=_DONE_ON_RETRY)
+            except BaseException:
+                _abandon(self.calls[i + 1:])
+                raise
+            if reply is None:  # a retry found the first attempt landed
+                continue
+            for part, answer in zip(chunk, reply.parts):
+                if answer.applied:
+                    closed[part.index].add(part.shard)
+        return [len(c) == t.spec.shard_count for c, t in zip(closed, self.tables)]
