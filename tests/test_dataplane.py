@@ -393,12 +393,12 @@ def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch
     same as over gRPC either way."""
     in_process.service.packed_data_plane = packed  # False: what an older server announces
     sent = []
-    original = DataPlaneClient.call
+    original = DataPlaneClient.send
 
-    def call(self, method, body, timeout, packed=False):
+    def send(self, method, body, timeout, packed=False):
         sent.append(packed)
         return original(self, method, body, timeout, packed)
-    monkeypatch.setattr(DataPlaneClient, "call", call)
+    monkeypatch.setattr(DataPlaneClient, "send", send)
     with PSClient([in_process.address]) as fast, \
             PSClient([in_process.address], ClientOptions(data_plane=False)) as slow:
         over_plane = _train(_tables(fast, f"p{int(packed)}_"))
