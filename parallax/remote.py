@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -309,6 +310,15 @@ _TABLES: weakref.WeakSet[RemoteTable] = weakref.WeakSet()
 _EXIT_DRAIN = threading.Lock()
 _EXIT_DRAIN_REGISTERED = False
 EXIT_PUSH_TIMEOUT = 60.0
+
+
+def _forget_in_flight() -> None:
+    """In a forked child: the parent's pushes in flight are the parent's to land."""
+    for table in list(_TABLES):  # a lock another thread held at the fork stays held here
+        table._in_flight, table._in_flight_lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_flight)
 
 
 def _drain_at_exit() -> None:

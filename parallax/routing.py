@@ -32,9 +32,10 @@ def mix64(x: np.ndarray) -> np.ndarray:
 def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
     """np.argsort(keys, kind="stable") for keys in [0, bound): small keys are sorted as
     uint8/uint16, which numpy radix-sorts (8x faster than int64's merge sort)."""
-    for small in (np.uint8, np.uint16):
-        if bound <= np.iinfo(small).max + 1:
-            return np.argsort(keys.astype(small), kind="stable")
+    if len(keys) and 0 <= keys.min() and keys.max() < bound:  # (unchecked ids may not be)
+        for small in (np.uint8, np.uint16):
+            if bound <= np.iinfo(small).max + 1:
+                return np.argsort(keys.astype(small), kind="stable")
     return np.argsort(keys, kind="stable")
 
 

@@ -18,8 +18,10 @@ import time
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Sequence
 
+import grpc
 import numpy as np
 
+from parallax.client.connection import run_in_background
 from parallax.client.many import (PendingPush, pull_many, push_many, start_pull_many,
                                   start_push_many)
 from parallax.errors import ConfigError, ServerError
@@ -34,21 +36,24 @@ class Landing:
     are read, once, by the first thread that waits for it (`result`), so it needs no thread
     of its own. It stands where a `concurrent.futures.Future` stands for other pushes."""
 
-    def __init__(self, pending: PendingPush, remotes: Sequence[RemoteTable], sizes) -> None:
+    def __init__(self, pending: PendingPush, remotes: Sequence[RemoteTable], sizes,
+                 send_seconds: float) -> None:
         self._pending, self._remotes, self._sizes = pending, remotes, sizes
-        self._start = time.perf_counter()
-        self._lock = threading.Lock()
+        self._send_seconds = send_seconds  # the push's time on the worker: sending it, plus
+        self._lock = threading.Lock()      # reading its answers (not the step in between)
         self._done, self._value, self._error = False, None, None
 
     def result(self, timeout: float | None = None) -> list[bool]:
         with self._lock:
             if not self._done:
+                start = time.perf_counter()
                 try:
                     self._value = self._pending.result()
                 except BaseException as err:  # noqa: BLE001 - raised to every waiter
                     self._error = err
                 self._done = True
-                _account_push(self._remotes, self._sizes, time.perf_counter() - self._start)
+                _account_push(self._remotes, self._sizes,
+                              self._send_seconds + time.perf_counter() - start)
         if self._error is not None:
             raise self._error
         return self._value
@@ -56,19 +61,30 @@ class Landing:
 
 def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) -> None:
     """Block until these tables' pushes in flight have landed (a fused push is in flight for
-    every table it carries: it is waited for once); raise the first error. A `Landing` is
-    read here, within the deadline of its own calls."""
+    every table it carries: it is waited for once); raise the first error, once every push
+    taken here was waited for. A `Landing` is read on this thread, or, given a `timeout`,
+    on an RPC thread so that the timeout bounds it too."""
     in_flight = {id(f): (f, t) for t in tables for f in t.take_in_flight()}
     if not in_flight:
         return
-    futures = [f for f, _ in in_flight.values() if not isinstance(f, Landing)]
+    waits = {key: run_in_background(f.result) if timeout is not None and
+             isinstance(f, Landing) else f for key, (f, _) in in_flight.items()}
+    futures = [f for f in waits.values() if not isinstance(f, Landing)]
     _, not_done = futures_wait(futures, timeout=timeout)
     if not_done:
-        labels = sorted({in_flight[id(f)][1].label for f in not_done})
+        labels = sorted({in_flight[key][1].label for key, f in waits.items()
+                         if f in not_done})
         raise ServerError(f"{len(not_done)} push(es) to {', '.join(map(repr, labels))} did "
-                          f"not land within {timeout:.0f} s")
-    for future, _ in in_flight.values():
-        future.result()
+                          f"not land within {timeout:.0f} s", address="", table=labels[0],
+                          code=grpc.StatusCode.DEADLINE_EXCEEDED)
+    first = None
+    for future in waits.values():
+        try:
+            future.result()
+        except Exception as err:  # noqa: BLE001 - the others are read before it is raised
+            first = first or err
+    if first is not None:
+        raise first
 
 
 def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.ndarray]:
@@ -191,10 +207,11 @@ class FusedPush:
         if not sending:
             return np.int64(0)
         if self.sync:  # sent now; the answers are read by the next pull (`Landing`)
+            start = time.perf_counter()
+            pending = start_push_many([r.table for r in sending], (), grads, steps,
+                                      sending[0].worker, rates, checked=runs)
             sizes = [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])]
-            landing = Landing(start_push_many([r.table for r in sending], (), grads, steps,
-                                              sending[0].worker, rates, checked=runs),
-                              sending, sizes)
+            landing = Landing(pending, sending, sizes, time.perf_counter() - start)
             for remote in sending:
                 remote.track_push(landing)
         else:

@@ -8,7 +8,10 @@ channel, and "nothing changed" is checked on rows, optimizer slots and step of e
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 from conftest import Snapshot
 from parallax import bulk_codec, wire
 from parallax.client import ClientOptions, PSClient
-from parallax.client.many import pull_many, push_many
+from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
 from parallax.errors import ConfigError, ServerError
 from parallax.initial_values import initial_rows
 from parallax.local_cluster import LocalCluster
@@ -798,3 +801,87 @@ def test_a_push_of_no_rows_to_every_table_closes_the_step(client, table_name):
     assert push_many(tables, [empty, empty], [no_grads, no_grads], [0, 0], 0, [0.0, 0.0]) == \
         [True, True]
     assert [len(r) for r in pull_many(tables, [empty, empty], [1, 1])] == [0, 0]
+
+
+# ---- calls started now, answers read later (the fused step's push) -------------------------
+def _step_of(client, name: str, shard: int = 0) -> int:
+    return client.servers[shard].call("WaitStep", ps_pb2.StepRequest(
+        table=name, shard_index=shard, min_step=0)).step
+
+
+def _wait_for_step(client, name: str, step: int, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while _step_of(client, name) < step:
+        assert time.monotonic() < deadline, f"{name} never reached step {step}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("multi_table", [True, False])
+def test_a_started_push_lands_before_anyone_reads_its_answer(client, table_name, multi_table):
+    """start_push_many sends now: the server applies the step although nobody asked for the
+    answer yet, over the data plane and for a server that only knows single-table pushes
+    (its parts go out on an RPC thread); the gradients may be overwritten at once."""
+    table = client.create_table(_spec(table_name, shard_count=1, num_workers=1),
+                                placement=[0])
+    if not multi_table:
+        client.servers[0].multi_table = False  # as after an older server's UNIMPLEMENTED
+    try:
+        ids, grads = np.array([1, 2, 3]), np.ones((3, table.spec.dim), np.float32)
+        start = table.pull_unique(ids)
+        pending = start_push_many([table], [ids], [grads], [0], 0, [0.0])
+        grads[...] = np.nan  # TensorFlow reuses a numpy_function's buffers once it returns
+        _wait_for_step(client, table_name, 1)
+        assert pending.result() == [True]
+        np.testing.assert_allclose(table.pull_unique(ids), start - 1.0, rtol=1e-6)  # SGD(1.0)
+    finally:
+        client.servers[0].multi_table = True
+
+
+def test_a_started_pull_abandoned_lets_go_of_its_connection(client, table_name):
+    """A pull left waiting (the step failed) closes its connection: nothing stale is ever
+    read from a pooled connection by the next call."""
+    table = client.create_table(_spec(table_name, shard_count=1, num_workers=2), placement=[0])
+    ids = np.arange(4)
+    pending = start_pull_many([table], [ids], [1])  # waits for a step nobody pushes
+    pending.abandon()
+    with pytest.raises(ServerError):
+        pending.result()
+    np.testing.assert_array_equal(pull_many([table], [ids], [0])[0], table.pull_unique(ids))
+
+
+class _Pushing:
+    """What `land_pushes_of` asks of a table: its label and pushes in flight."""
+
+    label = "hung"
+
+    def __init__(self) -> None:
+        self.in_flight: list = []
+
+    def take_in_flight(self) -> list:
+        taken, self.in_flight = self.in_flight, []
+        return taken
+
+    def add_push_seconds(self, seconds: float) -> None:
+        pass
+
+
+def test_landing_a_started_push_is_bounded_by_the_callers_timeout():
+    """A fused push whose server hangs does not hold `land_pushes_of(timeout=...)` (the exit
+    drain) past that timeout, although its own call's deadline is longer."""
+    from parallax.step_traffic import Landing, land_pushes_of
+    with LocalCluster(1) as hung, \
+            PSClient(hung.addresses, ClientOptions(timeout=20, retries=0)) as c:
+        table = c.create_table(_spec("hung", shard_count=1, num_workers=2))
+        ids, grads = np.arange(3), np.ones((3, 4), np.float32)
+        start_push_many([table], [ids], [grads], [0], 0, [0.0]).result()  # plane connected
+        os.kill(hung.servers[0].proc.pid, signal.SIGSTOP)
+        try:
+            pushing = _Pushing()
+            pushing.in_flight.append(Landing(start_push_many([table], [ids], [grads], [0], 1,
+                                                             [0.0]), [pushing], [3], 0.0))
+            began = time.monotonic()
+            with pytest.raises(ServerError, match="did not land within 1 s"):
+                land_pushes_of([pushing], timeout=1.0)
+            assert time.monotonic() - began < 5.0
+        finally:
+            os.kill(hung.servers[0].proc.pid, signal.SIGCONT)

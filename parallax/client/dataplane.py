@@ -169,8 +169,8 @@ class DataPlaneClient:
             _close(sock)
 
     def _give_back(self, sock: socket.socket) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < MAX_IDLE:
+        with self._lock:  # not into a forked child's pool: the socket is its parent's
+            if not self._closed and len(self._idle) < MAX_IDLE and self._pid == os.getpid():
                 self._idle.append((sock, time.monotonic()))
                 return
         _close(sock)
@@ -229,6 +229,7 @@ class Started:
         self._plane, self._method, self._timeout = plane, method, timeout
         self._deserialize = deserialize
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child must not read the parent's answer
         self._sock: socket.socket | None = None
         self._error: BaseException | None = None
         self._done, self._value = False, None
@@ -239,6 +240,8 @@ class Started:
 
     def result(self, timeout: float | None = None):
         """The decoded answer (read now if no thread read it yet); raises DataPlaneError."""
+        if os.getpid() != self._pid:
+            self.abandon()
         with self._lock:
             if not self._done:
                 sock, self._sock = self._sock, None
@@ -257,7 +260,8 @@ class Started:
         with self._lock:
             sock, self._sock = self._sock, None
             if not self._done:
-                self._error = _lost(f"the call to {self._plane.where} was abandoned")
+                forked = " by a forked process" if os.getpid() != self._pid else ""
+                self._error = _lost(f"the call to {self._plane.where} was abandoned{forked}")
                 self._done = True
         if sock is not None:
             _close(sock)

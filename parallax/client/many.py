@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from parallax import bulk_codec
-from parallax.client.connection import ServerConnection
+from parallax.client.connection import ServerConnection, run_in_background
 from parallax.client.table import ShardedTable, start_call
 from parallax.errors import ConfigError, ServerError
 from parallax.packed_codec import PullManyParts, PushManyParts
@@ -95,12 +95,23 @@ def _in_flight(requests: list, method: str, now: bool = False) -> list:
     last comes first in the list with no future, so that it is made on the calling thread
     while the others are in flight (one thread hand-off less per call). `now`: the last
     starts now too (for calls whose answers are read later)."""
-    if now:
-        return [(conn, chunk, request, _start(conn, method, request, 2))
+    if now:  # a server without multi-table methods gets its parts now, on an RPC thread
+        return [(conn, chunk, request, _start(conn, method, request, 2) if conn.multi_table
+                 else _Legacy(run_in_background(_LEGACY[method], conn, request)))
                 for conn, chunk, request in requests]
     started = [(conn, chunk, request, _start(conn, method, request, 2))
                for conn, chunk, request in requests[:-1]]
     return [(*requests[-1], None)] + started if requests else []
+
+
+class _Legacy:
+    """Parts of a multi-table request made one by one (an older server), already started."""
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def result(self):
+        return self.future.result()
 
 
 def _abandon(calls: list) -> None:
@@ -113,6 +124,8 @@ def _abandon(calls: list) -> None:
 def _answer(conn: ServerConnection, method: str, request, future, names: str, **kwargs):
     """The answer to a multi-table call (started or not); a server that does not know the
     method is asked part by part, now and from then on."""
+    if isinstance(future, _Legacy):
+        return future.result()
     if conn.multi_table:
         try:
             return conn.result(future, method, request, names, **kwargs)
@@ -123,13 +136,13 @@ def _answer(conn: ServerConnection, method: str, request, future, names: str, **
     return _LEGACY[method](conn, request, names)
 
 
-def _legacy_pull(conn: ServerConnection, request: PullManyParts, names: str) -> list:
+def _legacy_pull(conn: ServerConnection, request: PullManyParts, names=None) -> list:
     return [conn.call("Pull", ps_pb2.PullRequest(table=p.table, shard_index=p.shard_index,
                                                  ids=p.ids, min_step=p.min_step), p.table)
             for p in request.protobuf().parts]
 
 
-def _legacy_push(conn: ServerConnection, request: PushManyParts, names: str):
+def _legacy_push(conn: ServerConnection, request: PushManyParts, names=None):
     reply = ps_pb2.PushManyResponse()
     for p in bulk_codec.decode_push_many_request(request.protobuf()).parts:
         data = bulk_codec.encode_push_request(p.table, p.shard_index, p.step, p.worker, p.ids,
