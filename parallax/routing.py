@@ -191,12 +191,12 @@ class Runs:
 
     def __init__(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> None:
         self.partitioners = list(partitioners)
-        lengths = [len(r) for r in runs]
-        self.starts = np.cumsum([0] + lengths).tolist()
+        self.lengths = [len(r) for r in runs]
+        self.starts = np.cumsum([0] + self.lengths).tolist()
         self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) if runs \
             else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.partitioners] + [1])
-        self._table = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+        self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
 
     def run(self, k: int) -> np.ndarray:
         return self.ids[self.starts[k]:self.starts[k + 1]]

@@ -210,8 +210,7 @@ class FusedPush:
             start = time.perf_counter()
             pending = start_push_many([r.table for r in sending], (), grads, steps,
                                       sending[0].worker, rates, checked=runs)
-            sizes = [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])]
-            landing = Landing(pending, sending, sizes, time.perf_counter() - start)
+            landing = Landing(pending, sending, runs.lengths, time.perf_counter() - start)
             for remote in sending:
                 remote.track_push(landing)
         else:
@@ -225,8 +224,7 @@ class FusedPush:
             return push_many([r.table for r in remotes], (), grads, steps, remotes[0].worker,
                              rates, checked=runs)
         finally:
-            _account_push(remotes, [hi - lo for lo, hi in zip(runs.starts, runs.starts[1:])],
-                          time.perf_counter() - start)
+            _account_push(remotes, runs.lengths, time.perf_counter() - start)
 
 
 def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:

@@ -251,25 +251,25 @@ class PendingPull:
         tables, orders = self.tables, self.orders
         rows = [np.empty((len(g), t.spec.dim), dtype=t.dtype)
                 for t, g in zip(tables, self.grouped)]
-        for i, (conn, chunk, request, future) in enumerate(self.calls):
-            try:
+        try:
+            for conn, chunk, request, future in self.calls:
                 answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
-            except BaseException:
-                _abandon(self.calls[i + 1:])
-                raise
-            if len(answer) != len(chunk):
-                _abandon(self.calls[i + 1:])
-                raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} "
-                                  f"parts for {len(chunk)} asked; is the server a compatible "
-                                  f"parallax version?", address=conn.address, table=None,
-                                  code=grpc.StatusCode.INTERNAL)
-            for part, (values, _) in zip(chunk, answer):
-                order = orders[part.index]
-                target = rows[part.index]
-                if order is None:
-                    target[part.lo:part.hi] = values
-                else:
-                    target[order[part.lo:part.hi]] = values
+                if len(answer) != len(chunk):
+                    raise ServerError(f"PullMany on server {conn.address} answered "
+                                      f"{len(answer)} parts for {len(chunk)} asked; is the "
+                                      f"server a compatible parallax version?",
+                                      address=conn.address, table=None,
+                                      code=grpc.StatusCode.INTERNAL)
+                for part, (values, _) in zip(chunk, answer):
+                    order = orders[part.index]
+                    target = rows[part.index]
+                    if order is None:
+                        target[part.lo:part.hi] = values
+                    else:
+                        target[order[part.lo:part.hi]] = values
+        except BaseException:
+            self.abandon()  # the calls not read yet (the others have let go already)
+            raise
         return rows
 
 
@@ -362,16 +362,16 @@ class PendingPush:
     def result(self) -> list[bool]:
         """Per table, True if this push closed the step on every one of its shards."""
         closed: list[set[int]] = [set() for _ in self.tables]
-        for i, (conn, chunk, request, future) in enumerate(self.calls):
-            try:
+        try:
+            for conn, chunk, request, future in self.calls:
                 reply = _answer(conn, "PushMany", request, future, _Names(self.tables, chunk),
                                 done_on_retry=_DONE_ON_RETRY)
-            except BaseException:
-                _abandon(self.calls[i + 1:])
-                raise
-            if reply is None:  # a retry found the first attempt landed
-                continue
-            for part, answer in zip(chunk, reply.parts):
-                if answer.applied:
-                    closed[part.index].add(part.shard)
+                if reply is None:  # a retry found the first attempt landed
+                    continue
+                for part, answer in zip(chunk, reply.parts):
+                    if answer.applied:
+                        closed[part.index].add(part.shard)
+        except BaseException:
+            _abandon(self.calls)  # the calls not read yet (the others have let go already)
+            raise
         return [len(c) == t.spec.shard_count for c, t in zip(closed, self.tables)]
