@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import tensorflow as tf
 
-from parallax.step_traffic import FusedPull, FusedPush
+from parallax.step_traffic import FusedPull, FusedPush, StepRouting
 
 if TYPE_CHECKING:
     from parallax.remote import RemoteTable
@@ -64,6 +64,7 @@ class StepFusion:
         self._placeholder_ops: set = set()
         self._clean: set = set()  # ops known not to depend on any placeholder
         self._pushes: dict[int, tuple[RemoteTable, tf.Tensor, tf.Tensor, tf.Tensor]] = {}
+        self._routing = StepRouting()  # the pull's routing, for a push of the same ids
 
     # ---- while the step is traced ----
 
@@ -171,7 +172,7 @@ class StepFusion:
         if not self._pushes:
             return None
         entries = list(self._pushes.values())
-        push = FusedPush([e[0] for e in entries])
+        push = FusedPush([e[0] for e in entries], self._routing)
         flat = [t for e in entries for t in e[1:]]
         op = tf.numpy_function(push, flat, tf.int64, stateful=True, name="parallax_push_fused")
         return op.op
@@ -179,7 +180,7 @@ class StepFusion:
     def _fuse_pulls(self) -> None:
         if not self._grouped:
             return
-        pull = FusedPull([g.remote for g in self._grouped])
+        pull = FusedPull([g.remote for g in self._grouped], self._routing)
         outputs = tf.numpy_function(pull, [self.ticket] + [g.unique for g in self._grouped],
                                     [g.remote.dtype for g in self._grouped], stateful=False,
                                     name="parallax_pull_fused")

@@ -26,6 +26,8 @@ INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
+import itertools
+
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -167,7 +169,7 @@ def decode_pull_many(body: bytes) -> PackedPullMany:
     ids_at = _up(at + names_len, 8)
     _exact(body, ids_at + 8 * sum(counts), what)
     ids = np.frombuffer(body, np.int64, count=sum(counts), offset=ids_at)
-    bounds = np.cumsum([0] + counts).tolist()
+    bounds = list(itertools.accumulate(counts, initial=0))
     parts = [PullPart(name, shard, step, ids[lo:hi]) for name, shard, step, lo, hi in
              zip(names, shards, records["min_step"].tolist(), bounds, bounds[1:])]
     return PackedPullMany(parts)
@@ -275,7 +277,7 @@ class PushManyWriter:
         raw[_PREFIX.size:at] = records.view(np.uint8)
         raw[at:at + len(names)] = np.frombuffer(names, np.uint8)
         all_ids = raw[ids_at:ids_at + 8 * sum(counts)].view(np.int64)
-        bounds = np.cumsum([0] + counts).tolist()
+        bounds = list(itertools.accumulate(counts, initial=0))
         self.ids = [all_ids[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
         self.grads = [raw[o:o + n * d * t.itemsize].view(t).reshape(n, d)
                       for o, n, d, t in zip(offsets, counts, dims, dtypes)]
@@ -305,7 +307,7 @@ def decode_push_many(body: bytes) -> BulkPushMany:
                                 ids_at + 8 * sum(counts))
     _exact(body, size, what)
     ids = np.frombuffer(body, np.int64, count=sum(counts), offset=ids_at)
-    bounds = np.cumsum([0] + counts).tolist()
+    bounds = list(itertools.accumulate(counts, initial=0))
     parts = [BulkPush(name, shard, step, worker, ids[lo:hi],
                       np.frombuffer(body, t, count=n * d, offset=o).reshape(n, d),
                       lr, chunk, chunks, session)

@@ -7,7 +7,7 @@ ceil(V / S) ids); hashed-key tables route by a 64-bit mix of the key.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -132,13 +132,12 @@ class Partitioner:
                         None if len(starts) == n else starts)
 
 
-@dataclass(frozen=True)
-class PushPlan:
+class PushPlan(NamedTuple):
     """A push grouped by shard; `fill` writes the summed rows of a slice straight into the
     message being built, so gradient bytes are copied once on the client."""
 
     ids: np.ndarray                # unique ids, shard after shard
-    offsets: np.ndarray            # shard s owns ids[offsets[s]:offsets[s + 1]]
+    offsets: Sequence[int]         # shard s owns ids[offsets[s]:offsets[s + 1]]
     order: np.ndarray | None       # input rows in wire order (None: the identity)
     starts: np.ndarray | None      # where each unique id's run starts in `order` (None: no dups)
 
@@ -197,6 +196,15 @@ class Runs:
             else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.partitioners] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
+        self._plans: list[PushPlan] | None = None
+
+    def same_ids(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> bool:
+        """Whether these runs are exactly this object's (same partitioners, same ids in the
+        same order): a push of the ids a pull just routed can reuse its routing."""
+        return len(partitioners) == len(self.partitioners) and \
+            all(a is b or a == b for a, b in zip(partitioners, self.partitioners)) and \
+            [len(r) for r in runs] == self.lengths and \
+            (not runs or bool(np.array_equal(np.concatenate(runs), self.ids)))
 
     def run(self, k: int) -> np.ndarray:
         return self.ids[self.starts[k]:self.starts[k + 1]]
@@ -238,40 +246,46 @@ class Runs:
 
     def _keys(self) -> np.ndarray:
         """(table, shard) of every id as one sortable int64."""
+        if self._width == 1:  # every table in one shard
+            return self._table
         return self._table * self._width + self.shards()
 
-    def _bounds(self, sorted_keys: np.ndarray, k: int) -> np.ndarray:
-        """Where each shard of table k starts among `sorted_keys`, and where the last ends."""
-        base = k * self._width
-        return np.searchsorted(sorted_keys, np.arange(base, base + self.partitioners[k]
-                                                      .shard_count + 1))
-
-    def shard_orders(self) -> list[tuple[np.ndarray | None, np.ndarray]]:
-        """Partitioner.shard_order of every run (order relative to the run)."""
-        keys = self._keys()
-        order = stable_order(keys, len(self.partitioners) * self._width)
-        sorted_keys = keys[order]
-        out = []
-        for k, p in enumerate(self.partitioners):
-            lo, hi = self.starts[k], self.starts[k + 1]
-            offsets = self._bounds(sorted_keys, k) - lo
-            out.append((None if p.shard_count == 1 else order[lo:hi] - lo, offsets))
-        return out
+    def _all_bounds(self, sorted_keys: np.ndarray) -> list[list[int]]:
+        """Per run k: where each shard of table k starts among `sorted_keys` (sorted
+        `_keys`), and where its last ends; every run's, found in one search."""
+        counts = [p.shard_count + 1 for p in self.partitioners]
+        if not counts:
+            return []
+        at = np.cumsum([0] + counts[:-1])
+        shift = np.arange(len(counts), dtype=np.int64) * self._width - at
+        grid = np.arange(at[-1] + counts[-1], dtype=np.int64) + np.repeat(shift, counts)
+        found = np.searchsorted(sorted_keys, grid).tolist()
+        return [found[a:a + c] for a, c in zip(at.tolist(), counts)]
 
     def push_plans(self) -> list["PushPlan"]:
-        """Partitioner.plan_push of every run: the same rows land in the same places."""
+        """Partitioner.plan_push of every run: the same rows land in the same places.
+        Computed once (a `Runs` is not changed after it is made). A run of distinct ids (a
+        pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
+        sorted within each, from `order`."""
+        if self._plans is None:
+            self._plans = self._planned()
+        return self._plans
+
+    def _planned(self) -> list["PushPlan"]:
         keys = self._keys()
         order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
-        first = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (keys[1:] != keys[:-1])]) \
-            if len(ids) else np.empty(0, np.int64)
-        unique_ids, unique_keys = ids[first], keys[first]
+        new = np.ones(len(ids), dtype=bool)  # where a (table, shard, id) run starts
+        if len(ids) > 1:
+            np.not_equal(ids[1:], ids[:-1], out=new[1:])
+            new[1:] |= keys[1:] != keys[:-1]
+        first = np.flatnonzero(new)
+        unique_ids = ids[first]
         plans = []
-        for k in range(len(self.partitioners)):
+        for k, bounds in enumerate(self._all_bounds(keys[first])):
             lo, hi = self.starts[k], self.starts[k + 1]
-            bounds = self._bounds(unique_keys, k)
-            u_lo, u_hi = int(bounds[0]), int(bounds[-1])
+            u_lo, u_hi = bounds[0], bounds[-1]
             starts = None if u_hi - u_lo == hi - lo else first[u_lo:u_hi] - lo
-            plans.append(PushPlan(unique_ids[u_lo:u_hi], bounds - u_lo, order[lo:hi] - lo,
-                                  starts))
+            plans.append(PushPlan(unique_ids[u_lo:u_hi], [b - u_lo for b in bounds],
+                                  order[lo:hi] - lo, starts))
         return plans

@@ -118,6 +118,26 @@ def checked_runs(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> R
     return runs
 
 
+class StepRouting:
+    """The routing of the ids a step's fused pull read (`Runs`), which the step's fused
+    push reuses when it pushes exactly those ids to the same tables: a gradient's ids are
+    the pulled unique ids unless a table was read by two lookups or the gradient was
+    changed. One per traced step, shared by its pull and push ops."""
+
+    def __init__(self) -> None:
+        self.pulled: Runs | None = None
+        self.reused = 0  # pushes that reused a pull's routing
+
+    def runs_for(self, remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+        """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
+        pulled = self.pulled
+        if pulled is not None and pulled.same_ids([r.table.partitioner for r in remotes],
+                                                  ids):
+            self.reused += 1
+            return pulled
+        return checked_runs(remotes, ids)
+
+
 def _shares(sizes: Sequence[int]) -> list[float]:
     total = sum(sizes)
     return [(s / total) if total else 1.0 / max(1, len(sizes)) for s in sizes]
@@ -126,8 +146,10 @@ def _shares(sizes: Sequence[int]) -> list[float]:
 class FusedPull:
     """Pulls the rows of several lookups (each a table and its unique ids) at once."""
 
-    def __init__(self, remotes: Sequence[RemoteTable]) -> None:
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
+                 ) -> None:
         self.remotes = list(remotes)  # one per lookup; a table may appear more than once
+        self.routing = routing or StepRouting()
         self.runs = 0
 
     def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
@@ -151,7 +173,8 @@ class FusedPull:
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
         remotes = [tables[key] for key in order]
-        rows = _pull_after_pushes(remotes, checked_runs(remotes, ids))
+        runs = self.routing.pulled = checked_runs(remotes, ids)
+        rows = _pull_after_pushes(remotes, runs)
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
@@ -173,8 +196,10 @@ class FusedPull:
 class FusedPush:
     """Pushes every table's gradient of one step in one request per server."""
 
-    def __init__(self, remotes: Sequence[RemoteTable]) -> None:
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
+                 ) -> None:
         self.remotes = list(remotes)
+        self.routing = routing or StepRouting()
         if len({id(r) for r in self.remotes}) != len(self.remotes):
             raise ConfigError("internal: a fused push names a table twice")
         sync = {r.sync for r in self.remotes}
@@ -189,7 +214,8 @@ class FusedPush:
         ids = [np.asarray(flat[3 * i]).astype(np.int64, copy=False).reshape(-1)
                for i in pushing]
         # every id checked before any table counts its push: a bad id changes nothing
-        runs = checked_runs([self.remotes[i] for i in pushing], ids) if pushing else None
+        runs = self.routing.runs_for([self.remotes[i] for i in pushing], ids) if pushing \
+            else None
         grads, steps, rates, sending = [], [], [], []
         for i, remote in enumerate(self.remotes):
             step = remote.steps_pushed

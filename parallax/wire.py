@@ -30,6 +30,9 @@ class WireError(ParallaxError, ValueError):
 
 def dtype_code(dtype: object) -> int:
     """The wire code of a numpy dtype or dtype name ('float32', np.float32, ...)."""
+    code = _FROM_NUMPY.get(dtype) if isinstance(dtype, np.dtype) else None
+    if code is not None:  # a native-order dtype (every table's): no conversion needed
+        return code
     dt = np.dtype(dtype).newbyteorder("=")
     if dt not in _FROM_NUMPY:
         raise WireError(f"dtype {np.dtype(dtype).name} cannot travel; use one of {sorted(_NAMES)}")

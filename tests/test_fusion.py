@@ -131,6 +131,25 @@ def test_fused_training_equals_the_per_table_path(make_strategy, model_kwargs):
     assert report(fused_strategy, "table0/embeddings").fused
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+def test_a_push_of_the_pulled_ids_reuses_the_pulls_routing(make_strategy, monkeypatch,
+                                                           shared):
+    """The gradients' ids are the pulled ids: the push routes them with the pull's `Runs`
+    (one id check and one sort per step, not two). A table read by two lookups pushes
+    other ids than its merged pull and is routed afresh (the training is the per-table
+    path's either way: test_fused_training_equals_the_per_table_path)."""
+    from parallax import step_traffic
+    strategy = make_strategy()
+    model, _ = train_fit(strategy, epochs=1, shared=shared)
+    made = []
+    real = step_traffic.checked_runs
+    monkeypatch.setattr(step_traffic, "checked_runs",
+                        lambda *args: made.append(1) or real(*args))
+    x, y = data(n=BATCH * 3, seed=2)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert len(made) == 3 * (2 if shared else 1)
+
+
 class CondTables(tf.Module):
     """Plain tf.Variable tables read by tf.nn.embedding_lookup, the second inside a tf.cond
     branch (a nested graph: that lookup keeps its own pull; as before fusion, a table read

@@ -26,16 +26,12 @@ def _runs(rng, duplicates: bool):
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("duplicates", [False, True])
-def test_shard_orders_and_push_plans_match_each_partitioner(seed, duplicates):
+def test_push_plans_match_each_partitioner(seed, duplicates):
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates)
     many = Runs(PARTITIONERS, runs)
-    for p, ids, (order, offsets), plan in zip(PARTITIONERS, runs, many.shard_orders(),
-                                                many.push_plans()):
-        want_order, want_offsets = p.shard_order(ids)
-        np.testing.assert_array_equal(offsets, want_offsets)
-        np.testing.assert_array_equal(ids if order is None else ids[order],
-                                      ids if want_order is None else ids[want_order])
+    assert many.push_plans() is many.push_plans()  # planned once
+    for p, ids, plan in zip(PARTITIONERS, runs, many.push_plans()):
         want = p.plan_push(ids)
         np.testing.assert_array_equal(plan.ids, want.ids)
         np.testing.assert_array_equal(plan.offsets, want.offsets)
@@ -46,6 +42,33 @@ def test_shard_orders_and_push_plans_match_each_partitioner(seed, duplicates):
             plan.fill(grads, lo, hi, got)
             want.fill(grads, lo, hi, expected)
             np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_plan_of_distinct_ids_is_their_pull_layout(seed):
+    """A pull routes its (distinct) ids by the push plan: plan.order puts each id at its
+    shard's place, and shard s's ids are exactly those the partitioner gives it."""
+    rng = np.random.default_rng(seed)
+    runs = _runs(rng, duplicates=False)
+    for p, ids, plan in zip(PARTITIONERS, runs, Runs(PARTITIONERS, runs).push_plans()):
+        assert plan.starts is None
+        np.testing.assert_array_equal(ids[plan.order], plan.ids)
+        owner = p.shard_of(plan.ids)
+        for s in range(p.shard_count):
+            lo, hi = plan.offsets[s], plan.offsets[s + 1]
+            assert (owner[lo:hi] == s).all()
+            assert sorted(plan.ids[lo:hi].tolist()) == sorted(ids[p.shard_of(ids) == s]
+                                                               .tolist())
+
+
+def test_same_ids_recognises_only_the_very_same_runs():
+    ids = [np.array([5, 1, 7]), np.array([], np.int64), np.array([3])]
+    runs = Runs(PARTITIONERS[:3], ids)
+    assert runs.same_ids(PARTITIONERS[:3], [i.copy() for i in ids])
+    assert not runs.same_ids(PARTITIONERS[:3], [np.array([1, 5, 7]), ids[1], ids[2]])
+    assert not runs.same_ids(PARTITIONERS[:3], [np.array([5, 1]), np.array([7]), ids[2]])
+    assert not runs.same_ids([PARTITIONERS[1], PARTITIONERS[0], PARTITIONERS[2]], ids)
+    assert not runs.same_ids(PARTITIONERS[:2], ids[:2])
 
 
 def test_first_outside_names_the_run():
@@ -73,9 +96,8 @@ def test_hashed_keys_are_not_range_checked_and_do_not_hide_other_runs():
 def test_every_run_empty():
     """A push of no rows to every table (a step that touched none) plans empty pushes."""
     runs = Runs(PARTITIONERS[:3], [np.empty(0, np.int64)] * 3)
-    for p, plan, (order, offsets) in zip(PARTITIONERS, runs.push_plans(), runs.shard_orders()):
+    for p, plan in zip(PARTITIONERS, runs.push_plans()):
         assert len(plan.ids) == 0 and list(plan.offsets) == [0] * (p.shard_count + 1)
-        assert list(offsets) == [0] * (p.shard_count + 1)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -11,8 +11,7 @@ as single-table Pull and Push requests from then on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import grpc
 import numpy as np
@@ -34,8 +33,7 @@ _REQUEST_HEADROOM = 4096
 _PART_FIELDS_BYTES = 192
 
 
-@dataclass(frozen=True)
-class PullPart:
+class PullPart(NamedTuple):
     """Rows `ids` (unique int64, grouped by shard) of one table shard go to
     rows[order[lo:hi]] of table `index`'s answer; `nbytes`: what the part adds to the larger
     of its request (8-byte ids) and its answer (rows)."""
@@ -47,8 +45,7 @@ class PullPart:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class PushPart:
+class PushPart(NamedTuple):
     """Rows ids[lo:hi] of table `index`'s push plan, chunk `chunk` of `chunks` of a shard."""
 
     index: int
@@ -191,16 +188,30 @@ def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndar
         return PendingPull(tables, [], [], [])
     runs = checked if checked is not None else _checked_runs(tables, unique_ids)
     orders, grouped, parts = [], [], []
-    for k, (table, (order, offsets)) in enumerate(zip(tables, runs.shard_orders())):
-        unique = runs.run(k)
+    for k, table in enumerate(tables):
+        order, offsets, ids = _pull_layout(runs, k)
         orders.append(order)
-        grouped.append(unique if order is None else unique[order])
+        grouped.append(ids)
         row_bytes = max(table.spec.dim * table.dtype.itemsize, 8)  # answer row or request id
         fields = _PART_FIELDS_BYTES + len(table.name.encode())
         for shard, lo, hi, _, _ in table.slices(offsets):
             if hi > lo or min_steps[k] > 0:
                 parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes + fields))
     return _start_pull(tables, grouped, orders, parts, min_steps, now)
+
+
+def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.ndarray]:
+    """(order, offsets, ids[order]) of table k's pull: its ids as they are for a table in
+    one shard, else by shard; distinct ids (a pull's) are laid out by their push plan
+    (sorted within each shard), which a push of the same ids then finds made."""
+    ids = runs.run(k)
+    if runs.partitioners[k].shard_count == 1:
+        return None, [0, len(ids)], ids
+    plan = runs.push_plans()[k]
+    if plan.starts is None:
+        return plan.order, plan.offsets, plan.ids
+    order, offsets = runs.partitioners[k].shard_order(ids)  # ids repeated: as they come
+    return order, list(offsets), ids[order]
 
 
 def _pull_request(tables, grouped, parts, min_steps, wait: bool) -> PullManyParts:
