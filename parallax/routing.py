@@ -87,6 +87,8 @@ class Partitioner:
     def local_rows(self, ids: np.ndarray, shard: int) -> np.ndarray:
         """Local row index inside `shard` of ids the shard owns (fixed vocabulary)."""
         ids = np.asarray(ids, dtype=np.int64)
+        if self.shard_count == 1:  # the ids themselves (not a copy: read them only)
+            return ids
         if self.partition == "range":
             return ids - shard * self.block
         return ids // self.shard_count

@@ -128,7 +128,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
            for i, (shard, part) in enumerate(zip(shards, parts))]
     check_answer_size("PullMany", shards, ids, max_message_bytes)
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
-        if part.min_step > 0:
+        if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
             shard.wait_step(part.min_step, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up
