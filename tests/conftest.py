@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
 
 _names = itertools.count()
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from parallax.client import PSClient
-from parallax.specs import Adam, Initializer, TableSpec
+from parallax.protocol.specs import Adam, Initializer, TableSpec
 
 
 def table_spec(name: str, num_workers: int, shard_count: int) -> TableSpec:

@@ -11,7 +11,7 @@ from matplotlib.image import imread
 
 from parallax.bench import report
 from parallax.errors import ConfigError
-from parallax.traffic_model import StepTraffic, Workload
+from parallax.placement.traffic_model import StepTraffic, Workload
 
 NETWORKS = {"1gbit": {"name": "1gbit", "rate_mbit": 1000, "latency_ms": 0.1,
                       "latency_emulated": False},
@@ -308,7 +308,7 @@ def test_main(results_file, tmp_path, capsys):
 # --- CPU isolation and the projection past this machine ---------------------------------
 
 from parallax.bench import projection  # noqa: E402
-from parallax.traffic_model import StepModel, expected_traffic  # noqa: E402
+from parallax.placement.traffic_model import StepModel, expected_traffic  # noqa: E402
 
 ISOLATED = {"name": "1gbit@0.25cpu", "rate_mbit": 250.0, "latency_ms": 0.0,
             "latency_emulated": False, "cpu_share": 0.25, "cpu_period_us": 100000,

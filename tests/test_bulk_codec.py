@@ -5,7 +5,7 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax import bulk_codec, wire
+from parallax.protocol import bulk_codec, wire
 from parallax.ps.v1 import ps_pb2
 
 

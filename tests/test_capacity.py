@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import parallax
-from parallax.capacity import check_fits, server_bytes, table_bytes
 from parallax.client import PSClient
-from parallax.local_cluster import LocalCluster
-from parallax.partitioner import PlannerError
-from parallax.plan import StrategyConfig, VariableInfo, make_plan
-from parallax.specs import SGD, Adam, TableSpec
+from parallax.launch.local_cluster import LocalCluster
+from parallax.placement.capacity import check_fits, server_bytes, table_bytes
+from parallax.placement.partitioner import PlannerError
+from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
+from parallax.protocol.specs import SGD, Adam, TableSpec
 
 MB = 1 << 20
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallax.specs import Adam, Ftrl, Initializer, TableSpec
+from parallax.protocol.specs import Adam, Ftrl, Initializer, TableSpec
 
 
 def _train(table, steps=3, seed=0):
@@ -58,7 +58,7 @@ def test_saving_a_sync_table_mid_step_is_refused(client, table_name):
     spec = TableSpec(name=table_name, vocabulary_size=100, dim=2, shard_count=2, num_workers=2)
     table = client.create_table(spec)
     table.push([0, 1], np.ones((2, 2)), step=0, worker=0)
-    from parallax import bulk_codec
+    from parallax.protocol import bulk_codec
     data = bulk_codec.encode_push_request(table_name, 0, 0, 1, np.array([0]),
                                           np.ones((1, 2), np.float32))
     table.shards[0].stub().Push(data, timeout=10)  # worker 1 reached shard 0 only

@@ -16,12 +16,12 @@ import threading
 import numpy as np
 import pytest
 
-from parallax import bulk_codec
 from parallax.client import ClientOptions, PSClient
 from parallax.errors import ConfigError, ServerError
-from parallax.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
+from parallax.launch.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
+from parallax.protocol import bulk_codec
+from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import SGD, Adagrad, Initializer, TableSpec
 
 
 def _sync_spec(name: str) -> TableSpec:

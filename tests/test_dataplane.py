@@ -1,5 +1,5 @@
-"""The data plane (parallax.dataplane): PullMany and PushMany as frames on the server's data
-port, against real servers. The same requests give the same answers as over gRPC; TLS,
+"""The data plane (parallax.protocol.dataplane): PullMany and PushMany as frames on the server's
+data port, against real servers. The same requests give the same answers as over gRPC; TLS,
 mutual TLS and the token guard it as they guard gRPC; a server without it, or whose data
 port cannot be reached, is served over gRPC; a waiting pull holds only its own connection.
 The fuzzer (tests/test_fuzz.py) sends it every fuzz case of both methods, and frames that
@@ -19,17 +19,17 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax import dataplane, wire
-from parallax.bulk_codec import PushHeader
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.many import pull_many, push_many
 from parallax.errors import ServerError
-from parallax.local_cluster import LocalCluster
-from parallax.packed_codec import PushManyParts
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol import dataplane, wire
+from parallax.protocol.bulk_codec import PushHeader
+from parallax.protocol.packed_codec import PushManyParts
+from parallax.protocol.security import generate_job_credentials, read_token
+from parallax.protocol.specs import SGD, Adagrad, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.security import generate_job_credentials, read_token
-from parallax.specs import Adagrad, SGD, TableSpec
 
 VOCAB, DIM = 50, 3
 

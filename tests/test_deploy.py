@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from parallax import cli, k8s
 from parallax.errors import ConfigError
-from parallax.k8s import K8sConfig, render
-from parallax.launch import parse_args
+from parallax.launch import cli, k8s
+from parallax.launch.k8s import K8sConfig, render
+from parallax.launch.run import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -625,7 +625,7 @@ def test_job_json_reads_as_a_yaml_block_of_pretty_json(tmp_path):
 
 
 def _parsers():
-    from parallax import logs
+    from parallax.launch import logs
     parsers = [k8s._parser(), k8s._watch_parser()]
     for parser in parsers:
         logs.add_argument(parser)  # as `parallax k8s` adds it
@@ -891,13 +891,13 @@ class FakeAPIServer:
 
 @pytest.fixture(scope="module")
 def api_creds(tmp_path_factory):
-    from parallax.security import generate_job_credentials
+    from parallax.protocol.security import generate_job_credentials
     return generate_job_credentials(tmp_path_factory.mktemp("api"))
 
 
 @pytest.fixture
 def api(api_creds):
-    from parallax.security import read_token
+    from parallax.protocol.security import read_token
     server = FakeAPIServer(api_creds, read_token(api_creds.token_file))
     yield server
     server.close()
@@ -962,7 +962,7 @@ def test_job_watch_says_once_what_is_missing_and_keeps_watching(api, api_creds, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"https://127.0.0.1:{s.getsockname()[1]}"
-    from parallax.security import generate_job_credentials
+    from parallax.protocol.security import generate_job_credentials
     strange_ca = generate_job_credentials(tmp_path / "other").ca_cert
     for url, ca in ((closed, api_creds.ca_cert), (api.url, strange_ca)):
         caplog.clear()
@@ -1202,7 +1202,7 @@ class _Clock:
 
 
 def _gang(size: int, max_restarts: int, started: list, clock=None):
-    from parallax.restarts import RestartBudget
+    from parallax.launch.restarts import RestartBudget
     said = []
     g = k8s.gang.Gang(size, RestartBudget(max_restarts, 0, said.append), started.append,
                       timeout=5, clock=clock or _Clock(), say=said.append)
@@ -1348,8 +1348,8 @@ def test_gang_worker_without_worker_0_exits_so_the_job_recreates_the_pods():
 
 def test_fresh_start_drops_only_this_runs_tables(tmp_path):
     from parallax.client import PSClient
-    from parallax.local_cluster import LocalCluster
-    from parallax.specs import TableSpec
+    from parallax.launch.local_cluster import LocalCluster
+    from parallax.protocol.specs import TableSpec
     with LocalCluster(2) as cluster, PSClient(cluster.addresses) as client:
         for name in ("run1.v0.emb", "run1.v1.w", "run10.v0.emb"):
             client.create_table(TableSpec(name=name, vocabulary_size=4, dim=1, shard_count=2))

@@ -129,11 +129,11 @@ def _two_worker_command(script: Path, flags: list[str]) -> list[str]:
     """`parallax run -np 2 --servers 2 ...` when the launcher is there; otherwise what it does:
     two local servers, then horovodrun with their addresses in the environment."""
     try:
-        import parallax.launch  # noqa: F401
+        import parallax.launch.run  # noqa: F401
     except ImportError:
         code = (
             "import os, subprocess, sys\n"
-            "from parallax.local_cluster import LocalCluster\n"
+            "from parallax.launch.local_cluster import LocalCluster\n"
             "with LocalCluster(2) as cluster:\n"
             "    env = dict(os.environ, PARALLAX_PS_ADDRESSES=','.join(cluster.addresses),\n"
             "               PARALLAX_RUN_ID='test-examples')\n"
@@ -141,7 +141,7 @@ def _two_worker_command(script: Path, flags: list[str]) -> list[str]:
             "    sys.exit(subprocess.call([hvd, '-np', '2', '-H', 'localhost:2', '--gloo',\n"
             "                              sys.executable, *sys.argv[1:]], env=env))\n")
         return [sys.executable, "-c", code, str(script), *flags]
-    return [sys.executable, "-m", "parallax.cli", "run", "-np", "2", "--servers", "2",
+    return [sys.executable, "-m", "parallax.launch.cli", "run", "-np", "2", "--servers", "2",
             str(script), *flags]
 
 

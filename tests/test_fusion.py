@@ -1,4 +1,4 @@
-"""Step fusion (parallax.fusion) in one worker process, against the session's two real
+"""Step fusion (parallax.tf.fusion) in one worker process, against the session's two real
 parameter servers: one PullMany and one PushMany per server per step, counted by the
 servers; the same training, bit for bit, as the per-table path (fuse=False); lookups that
 cannot be grouped keep their own pull and say why; several steps in one graph stay ordered."""
@@ -138,7 +138,7 @@ def test_a_push_of_the_pulled_ids_reuses_the_pulls_routing(make_strategy, monkey
     (one id check and one sort per step, not two). A table read by two lookups pushes
     other ids than its merged pull and is routed afresh (the training is the per-table
     path's either way: test_fused_training_equals_the_per_table_path)."""
-    from parallax import step_traffic
+    from parallax.client import step_traffic
     strategy = make_strategy()
     model, _ = train_fit(strategy, epochs=1, shared=shared)
     made = []

@@ -2,9 +2,9 @@
 structurally valid but hostile requests (tests/wire_fuzz.py), against a real server process.
 
 PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
-server's data port, parallax.dataplane; and in parallax.packed_codec's layout, as is and
-with hostile headers, lengths and counts), and frames that are no requests at all (bad magic,
-unknown methods, lengths past the limit, truncated bodies, wrong tokens) must be refused or
+server's data port, parallax.protocol.dataplane; and in parallax.protocol.packed_codec's
+layout, as is and with hostile headers, lengths and counts), and frames that are no requests
+at all (bad magic, unknown methods, lengths past the limit, truncated bodies, wrong tokens) must be refused or
 dropped without harm.
 
 A fixed seed and a bounded count keep it reproducible and quick enough for CI. Afterwards:
@@ -28,12 +28,12 @@ import pytest
 
 import wire_fuzz
 from conftest import Snapshot
-from parallax import dataplane, packed_codec
 from parallax.client import ClientOptions, PSClient, ServerConnection
 from parallax.client.dataplane import DataPlaneClient
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol import dataplane, packed_codec
+from parallax.protocol.specs import SGD, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import SGD, TableSpec
 from parallax_ps.service import SERVICE_NAME, WAITING_METHODS
 
 SEED = 20240613

@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax import wire
 from parallax.client import PSClient
 from parallax.client.many import push_many
 from parallax.errors import ConfigError, ServerError
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol import wire
+from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import SGD, Adagrad, Initializer, TableSpec
 
 MB = 1 << 20
 

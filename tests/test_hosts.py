@@ -1,4 +1,4 @@
-"""Host files (parallax/hosts.py): every format (parallax's lines, YAML, horovodrun's host
+"""Host files (parallax/launch/hosts.py): every format (parallax's lines, YAML, horovodrun's host
 file and host string), the layout they give, their errors, and the slot ids as GPUs."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.hosts import (ClusterLayout, HostSpec, _gpus, horovodrun_argv, is_local, load_hosts,
-                            one_local_worker, parse_host_string, parse_hosts, with_devices)
+from parallax.launch.hosts import (ClusterLayout, HostSpec, _gpus, horovodrun_argv, is_local,
+                                   load_hosts, one_local_worker, parse_host_string, parse_hosts,
+                                   with_devices)
 
 
 def test_parallax_format_keeps_slot_ids_and_gives_one_server_per_host():
@@ -98,7 +99,7 @@ def test_is_local():
 
 def test_serve_wrapper_stops_the_server_when_stdin_closes():
     wrapper = subprocess.Popen(
-        [sys.executable, "-m", "parallax.hosts", "serve", sys.executable, "-c",
+        [sys.executable, "-m", "parallax.launch.hosts", "serve", sys.executable, "-c",
          "import time, sys; print('up', flush=True); time.sleep(60)"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert wrapper.stdout.readline().strip() == "up"
@@ -137,7 +138,7 @@ def test_slot_ids_become_each_workers_cuda_visible_devices():
     assert layout.hosts[0].gpus == (2, 3)
     program = ["python", "train.py"]
     argv = with_devices(layout, 3, program)
-    assert argv == [sys.executable, "-m", "parallax.hosts", "gpus", "localhost=2,3",
+    assert argv == [sys.executable, "-m", "parallax.launch.hosts", "gpus", "localhost=2,3",
                     "worker-b=0", "--", *program]
     assert with_devices(parse_host_string("localhost:2"), 2, program) == program
     env = {"HOROVOD_HOSTNAME": "localhost", "HOROVOD_LOCAL_RANK": "1"}
@@ -150,7 +151,8 @@ def test_slot_ids_become_each_workers_cuda_visible_devices():
 
 def test_the_gpus_wrapper_execs_the_program_with_its_device():
     done = subprocess.run(
-        [sys.executable, "-m", "parallax.hosts", "gpus", "h1=4,5", "--", sys.executable, "-c",
+        [sys.executable, "-m", "parallax.launch.hosts", "gpus", "h1=4,5", "--", sys.executable,
+         "-c",
          "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.getpid())"],
         capture_output=True, text=True, timeout=30,
         env={**os.environ, "HOROVOD_HOSTNAME": "h1", "HOROVOD_LOCAL_RANK": "1"})

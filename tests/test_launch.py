@@ -22,8 +22,8 @@ import pytest
 
 import parallax
 from parallax.errors import ConfigError
-from parallax.launch import LaunchConfig, parse_args, run, validate, workers_argv
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
+from parallax.launch.run import LaunchConfig, parse_args, run, validate, workers_argv
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 PROBE = str(Path(__file__).parent / "launch_probe.py")
@@ -456,8 +456,8 @@ def test_cli_reports_bad_input(mark, args, code, words):
 def test_job_progress_lines_come_from_the_servers(mark, cluster):
     """The launcher reads the job's tables from the servers; a table of another job (another
     run id prefix) is not reported."""
-    from parallax.progress import ProgressReporter
-    from parallax.specs import TableSpec
+    from parallax.launch.progress import ProgressReporter
+    from parallax.protocol.specs import TableSpec
 
     run_id = f"prog{uuid.uuid4().hex[:6]}"
     lines: list[str] = []

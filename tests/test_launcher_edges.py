@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.launch import LaunchConfig, bound_horovodrun, validate
+from parallax.launch.run import LaunchConfig, bound_horovodrun, validate
 
 HERE = Path(__file__).parent
 PROBE = str(HERE / "launch_probe.py")
@@ -92,7 +92,7 @@ def test_restarts_of_servers_on_other_hosts_need_a_data_dir(tmp_path):
 # ---- the worker command dies with the launcher, without a preexec_fn --------------------------
 AT_FORK = """
 import os, sys, threading, time
-from parallax import launch
+from parallax.launch import run as launch
 marker = sys.argv[1]
 os.register_at_fork(after_in_child=lambda: open(marker, "a").write("python ran in the fork\\n"))
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a threaded launcher

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from conftest import Snapshot
-from parallax import bulk_codec, wire
 from parallax.client import ClientOptions, PSClient
 from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
 from parallax.errors import ConfigError, ServerError
-from parallax.initial_values import initial_rows
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol import bulk_codec, wire
+from parallax.protocol.initial_values import initial_rows
+from parallax.protocol.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 from parallax_ps.service import SERVICE_NAME, ParameterServerService
 
 SMALL = ClientOptions(timeout=30, chunk_mb=1, max_message_mb=2)  # with --max-message-mb 2
@@ -868,7 +868,7 @@ class _Pushing:
 def test_landing_a_started_push_is_bounded_by_the_callers_timeout():
     """A fused push whose server hangs does not hold `land_pushes_of(timeout=...)` (the exit
     drain) past that timeout, although its own call's deadline is longer."""
-    from parallax.step_traffic import Landing, land_pushes_of
+    from parallax.client.step_traffic import Landing, land_pushes_of
     with LocalCluster(1) as hung, \
             PSClient(hung.addresses, ClientOptions(timeout=20, retries=0)) as c:
         table = c.create_table(_spec("hung", shard_count=1, num_workers=2))

@@ -70,7 +70,7 @@ def _servers() -> dict[int, str]:
         except OSError:
             continue
         if b"parallax_ps" in cmd and b"--host" in cmd and cmd[cmd.index(b"--host") + 1] \
-                .startswith(b"10.77.0.") and b"parallax.hosts" not in cmd:
+                .startswith(b"10.77.0.") and b"parallax.launch.hosts" not in cmd:
             ns = subprocess.run(["ip", "netns", "identify", entry.name], capture_output=True,
                                 text=True).stdout.strip()
             found[int(entry.name)] = (cmd[cmd.index(b"--host") + 1].decode(), ns)

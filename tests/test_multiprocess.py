@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from parallax.client import PSClient
-from parallax.local_cluster import LocalCluster
-from parallax.routing import sum_duplicates
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol.routing import sum_duplicates
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ps_worker  # noqa: E402

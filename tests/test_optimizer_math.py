@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 from typing import get_args  # noqa: E402
 
 from parallax.errors import ConfigError  # noqa: E402
-from parallax.specs import (Initializer, Nadam, OptimizerSpec, TableSpec,  # noqa: E402
+from parallax.protocol.specs import (Initializer, Nadam, OptimizerSpec, TableSpec,  # noqa: E402
                             optimizer_from_keras)
 from parallax_ps.optimizers import _UPDATES  # noqa: E402
 

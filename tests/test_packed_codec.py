@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from parallax import bulk_codec, packed_codec
-from parallax.bulk_codec import DecodeError, PushHeader
+from parallax.protocol import bulk_codec, packed_codec
+from parallax.protocol.bulk_codec import DecodeError, PushHeader
 from parallax.ps.v1 import ps_pb2
 
 DIM = 3

@@ -1,4 +1,5 @@
-"""The shard-count tuner (parallax.partitioner): pure Python, no servers, no TensorFlow."""
+"""The shard-count tuner (parallax.placement.partitioner): pure Python, no servers, no
+TensorFlow."""
 from __future__ import annotations
 
 import math
@@ -8,13 +9,14 @@ import numpy as np
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.partitioner import (ClusterProfile, CostPrior, GreedyProposer, GridProposer,
-                                  Measurement, ModelFitProposer, Planner, PlannerError,
-                                  ServerLoadEstimator, ShardCountEnumerator, ShardingPlan,
-                                  StepTimeEstimator, TableCost, TablePlacement, TableProfile,
-                                  bytes_per_shard, fit_report, place, prior_cost,
-                                  requests_per_step, shard_access_shares, shard_bytes)
-from parallax.partitioner.planner import grid
+from parallax.placement.partitioner import (ClusterProfile, CostPrior, GreedyProposer, GridProposer,
+                                            Measurement, ModelFitProposer, Planner, PlannerError,
+                                            ServerLoadEstimator, ShardCountEnumerator, ShardingPlan,
+                                            StepTimeEstimator, TableCost, TablePlacement,
+                                            TableProfile, bytes_per_shard, fit_report, place,
+                                            prior_cost, requests_per_step, shard_access_shares,
+                                            shard_bytes)
+from parallax.placement.partitioner.planner import grid
 
 GiB = 2**30
 # Known per-table costs: A is cheapest whole (1 shard), B at 8 shards (sqrt(b / a) = 8).
@@ -373,7 +375,7 @@ def test_a_zero_budget_still_plans_with_the_default_proposers():
 
 
 def test_kept_tables_stay_where_they_are_and_count_as_load():
-    from parallax.partitioner import ClusterProfile, TableProfile, place
+    from parallax.placement.partitioner import ClusterProfile, TableProfile, place
     tables = [TableProfile(f"t{i}", rows=1000, dim=4, bytes=(8 - i) * 1000) for i in range(6)]
     cluster = ClusterProfile(num_servers=2, num_workers=2)
     counts = {t.name: 1 for t in tables}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.plan import SHARD_MIN_BYTES, StrategyConfig, VariableInfo, make_plan
+from parallax.placement.plan import SHARD_MIN_BYTES, StrategyConfig, VariableInfo, make_plan
 
 
 def _table(index: int, rows: int, dim: int = 16) -> VariableInfo:

@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from parallax.remote import RemoteTable
-from parallax.specs import SGD, Initializer, TableSpec
+from parallax.protocol.specs import SGD, Initializer, TableSpec
+from parallax.tf.remote import RemoteTable
 
 
 def _tables(client, name):

@@ -8,11 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax import wire
 from parallax.client.reshard import move_rows
 from parallax.errors import ConfigError, ServerError
+from parallax.protocol import wire
+from parallax.protocol.specs import Adam, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import Adam, Initializer, TableSpec
 
 WORKERS = 2
 

@@ -2,7 +2,7 @@
 is restarted whole, at most N times, with PARALLAX_RESTART_COUNT telling the workers which
 attempt they are; a clean exit and the user's own signals are never restarted.
 
-The policy itself (`parallax.restarts`) is tested without processes; the rest through the CLI
+The policy itself (`parallax.launch.restarts`) is tested without processes; the rest through the CLI
 with real servers and workers (tests/launch_probe.py), with test_launch's orphan check.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.restarts import Outcome, RestartBudget
+from parallax.launch.restarts import Outcome, RestartBudget
 from test_launch import PROBE, Launcher, mark, marked_processes  # noqa: F401 (fixture)
 
 

@@ -31,9 +31,9 @@ import pytest
 import tensorflow as tf
 
 import parallax
-from parallax import bulk_codec
 from parallax.errors import ServerError
-from parallax.local_cluster import LocalCluster
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol import bulk_codec
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "resume_worker.py"

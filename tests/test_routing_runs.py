@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallax.routing import Partitioner, Runs, grouped_order, stable_order
+from parallax.protocol.routing import Partitioner, Runs, grouped_order, stable_order
 
 PARTITIONERS = [Partitioner(2, 1000), Partitioner(1, 50), Partitioner(3, 1000, "range"),
                 Partitioner(4), Partitioner(5, 17), Partitioner(2, 9, "range")]

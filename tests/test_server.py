@@ -9,8 +9,8 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.errors import ServerError
-from parallax.initial_values import initial_rows
-from parallax.specs import SGD, Initializer, TableSpec
+from parallax.protocol.initial_values import initial_rows
+from parallax.protocol.specs import SGD, Initializer, TableSpec
 
 
 def _spec(name, **kw) -> TableSpec:
@@ -220,7 +220,7 @@ def test_concurrent_async_pushes_from_many_clients_lose_nothing(cluster, table_n
 
 
 def _raw_push(table, ids, grads, step, worker=0, chunk=0, chunks=1, shard=0, session=7):
-    from parallax import bulk_codec
+    from parallax.protocol import bulk_codec
     data = bulk_codec.encode_push_request(table.name, shard, step, worker, np.asarray(ids),
                                           np.asarray(grads, np.float32), 0.0, chunk, chunks,
                                           session)

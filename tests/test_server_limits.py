@@ -22,9 +22,9 @@ import pytest
 from parallax.client import ClientOptions, PSClient
 from parallax.client.connection import ServerConnection
 from parallax.errors import ServerError
-from parallax.local_cluster import LocalCluster
-from parallax.security import generate_job_credentials, read_token
-from parallax.specs import TableSpec
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol.security import generate_job_credentials, read_token
+from parallax.protocol.specs import TableSpec
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 

@@ -13,8 +13,8 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.errors import ServerError
-from parallax.local_cluster import LocalCluster
-from parallax.specs import TableSpec
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol.specs import TableSpec
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 
@@ -109,8 +109,8 @@ def _rss_mb(pid: int) -> float:
 def test_large_tables_are_initialised_lazily():
     """A 20M x 16 table (1.3 GB of rows, 2.6 GB with Adagrad slots) is created at once and
     the server's memory grows with the rows used, while every row reads as if initialised."""
-    from parallax.initial_values import initial_rows
-    from parallax.specs import Adagrad, Initializer
+    from parallax.protocol.initial_values import initial_rows
+    from parallax.protocol.specs import Adagrad, Initializer
     with LocalCluster(1) as cluster, PSClient(cluster.addresses) as client:
         pid = cluster.servers[0].proc.pid
         before = _rss_mb(pid)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import parallax
 from parallax.errors import ConfigError, ParallaxError
-from parallax.variables import ParallaxVariable
+from parallax.tf.variables import ParallaxVariable
 
 _ids = itertools.count()
 VOCAB, DIM = 300, 4
@@ -248,7 +248,7 @@ def test_model_built_outside_the_scope_is_refused(make_strategy):
 def test_dataset_sharding_matches_multi_worker_mirrored():
     """Worker r of W gets the r-th slice of every global batch; a partial last global batch
     is dropped, so every worker runs the same steps."""
-    from parallax.datasets import shard_for_worker
+    from parallax.tf.datasets import shard_for_worker
 
     ds = tf.data.Dataset.from_tensor_slices((np.arange(36), np.arange(36) * 10)).batch(16)
     parts = [[b[0].numpy().tolist() for b in shard_for_worker(ds, r, 2)] for r in range(2)]
@@ -338,8 +338,8 @@ def test_mode_and_sync_come_from_the_launcher_environment(monkeypatch, cluster):
 
 
 def test_big_tables_with_known_initializers_are_drawn_by_the_servers(make_strategy):
-    from parallax.binding import server_initializer
-    from parallax.specs import Initializer
+    from parallax.protocol.specs import Initializer
+    from parallax.tf.binding import server_initializer
 
     with make_strategy().scope():
         normal = keras.layers.Embedding(
@@ -437,7 +437,7 @@ def test_an_optimizer_the_servers_lack_names_the_ways_out(make_strategy):
 def test_a_failed_weights_save_leaves_the_previous_file_loadable(tmp_path):
     """BackupAndRestore keeps one weights file: a save that fails half-way (here a layer
     refusing, as the servers refuse a checkpoint on a full disk) must not truncate it."""
-    from parallax.keras_support import make_weight_saves_atomic
+    from parallax.tf.keras_support import make_weight_saves_atomic
     make_weight_saves_atomic()  # what every ParallaxStrategy does
 
     class Flaky(keras.layers.Layer):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.traffic_model import StepTraffic, Workload, expected_traffic
+from parallax.placement.traffic_model import StepTraffic, Workload, expected_traffic
 
 # One table of 100 rows x dim 4 (16-byte rows + 8-byte ids), 10 unique rows per worker-step,
 # and 1000 bytes of dense variables.
@@ -54,7 +54,7 @@ def test_unknown_system_is_named():
 
 # --- the calibrated step-time model ------------------------------------------------------
 
-from parallax.traffic_model import (StepModel, StepPoint, fit_step_model,  # noqa: E402
+from parallax.placement.traffic_model import (StepModel, StepPoint, fit_step_model,  # noqa: E402
                                     project, scaled_servers)
 
 SHARE, RATE = 0.25, 250e6 / 8          # measured: 0.25 core per process, 250 Mbit/s links

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import parallax
-from parallax import tuning
 from parallax.errors import ConfigError
-from parallax.partitioner import Measurement
-from parallax.plan import StrategyConfig, VariableInfo, make_plan
-from parallax.tuning import PartitionSearch, next_uniform, sweep_counts
+from parallax.placement import tuning
+from parallax.placement.partitioner import Measurement
+from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
+from parallax.placement.tuning import PartitionSearch, next_uniform, sweep_counts
 
 ROWS = {"a": 1000, "b": 3}
 
@@ -167,7 +167,7 @@ def test_going_back_to_the_kept_table_copies_only_what_changed(cluster):
     its layout copies only the rows training wrote since, and every row, slot and the step
     are then exactly what training on the new table produced; the table left is kept in
     turn, so going forward again is as cheap."""
-    from parallax.resharding import Layout
+    from parallax.placement.resharding import Layout
     strategy, keras_model = _job(cluster, False, f"tune-r-{time.time_ns()}")
     extended, name = strategy.extended, "table/embeddings"
     table = strategy.tables[name]

@@ -17,11 +17,11 @@ from typing import Callable, Iterator
 import numpy as np
 from google.protobuf import descriptor as _descriptor
 
-from parallax import wire
-from parallax.checkpoint_names import new_name
+from parallax.protocol import wire
+from parallax.protocol.checkpoint_names import new_name
+from parallax.protocol.routing import Partitioner
+from parallax.protocol.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.routing import Partitioner
-from parallax.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 METHODS = sorted(m.name for m in SERVICE.methods)

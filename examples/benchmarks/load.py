@@ -38,8 +38,8 @@ import numpy as np
 
 from parallax.client import ClientOptions, PSClient
 from parallax.client.many import pull_many, push_many
-from parallax.local_cluster import LocalCluster
-from parallax.specs import SGD, TableSpec
+from parallax.launch.local_cluster import LocalCluster
+from parallax.protocol.specs import SGD, TableSpec
 
 METHODS = ("pull", "push", "pull_hashed", "push_hashed", "pull_many", "push_many",
            "sync_pull", "sync_push")

@@ -8,7 +8,8 @@ worker. Each mode runs STEPS steps of pull then push per round:
 - `per-table`: `ShardedTable.pull_unique` and `.push` for every table (2 x T gRPC requests);
 - `fused-grpc`: `pull_many` and `push_many` over gRPC (one PullMany and one PushMany per
   server; `ClientOptions(data_plane=False)`);
-- `fused`: the same requests on the servers' data plane (`parallax.dataplane`), the default;
+- `fused`: the same requests on the servers' data plane (`parallax.protocol.dataplane`),
+  the default;
 - `echo`: plain gRPC moving the same bytes in the same number of requests as `fused`
   (`grpc_echo.py`: no protobuf, no numpy: the floor for any Python gRPC data plane).
 Server CPU comes from /proc (utime + stime of the server processes), the client's from
@@ -32,8 +33,8 @@ from grpc_echo import EchoClient  # noqa: E402
 
 from parallax.client import ClientOptions, PSClient  # noqa: E402
 from parallax.client.many import pull_many, push_many  # noqa: E402
-from parallax.local_cluster import LocalCluster  # noqa: E402
-from parallax.specs import SGD, Initializer, TableSpec  # noqa: E402
+from parallax.launch.local_cluster import LocalCluster  # noqa: E402
+from parallax.protocol.specs import SGD, Initializer, TableSpec  # noqa: E402
 
 DIM, ROWS, DRAWS = 16, 400_000, 256
 

@@ -16,10 +16,10 @@ import shlex
 import signal
 import sys
 
-from parallax import logs
 from parallax.bench import cgroups, measure, workloads
 from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
 from parallax.errors import ConfigError
+from parallax.launch import logs
 
 
 def _names(text: str) -> tuple[str, ...]:

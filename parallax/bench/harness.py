@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from parallax import k8s
+from parallax.launch import k8s
 from parallax.bench import cgroups, measure, workloads
 from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (API)
                                     traffic_record, window_metrics)
@@ -44,7 +44,7 @@ from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.errors import ConfigError, ParallaxError
-from parallax.local_cluster import ready_address
+from parallax.launch.local_cluster import ready_address
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
 LOOPBACK = "loopback"

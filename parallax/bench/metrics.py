@@ -62,5 +62,5 @@ def analytic(system: str, spec: workloads.WorkloadSpec, workers: int) -> dict | 
 
 def traffic_record(spec: workloads.WorkloadSpec, workers: int) -> dict:
     """The traffic model's view of the workload, so a report can model other worker counts
-    without building the model (parallax.traffic_model.Workload's fields)."""
+    without building the model (parallax.placement.traffic_model.Workload's fields)."""
     return asdict(workloads.traffic_workload(spec, workers))

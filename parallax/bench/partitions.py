@@ -27,7 +27,7 @@ from typing import Sequence
 from parallax.bench import harness, measure, workloads
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.errors import ConfigError
-from parallax.tuning import counts_text
+from parallax.placement.tuning import counts_text
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
 TOPOLOGIES = ((2, 2), (4, 4))

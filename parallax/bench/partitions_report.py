@@ -11,7 +11,7 @@ from typing import Sequence
 
 from parallax.bench.partitions import OVERHEAD_TARGET, RATIO_TARGET, REFERENCE_STEPS
 from parallax.errors import ConfigError
-from parallax.tuning import counts_text
+from parallax.placement.tuning import counts_text
 
 @dataclass(frozen=True)
 class Point:

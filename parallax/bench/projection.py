@@ -1,5 +1,5 @@
 """The report's projection past this machine: the calibrated step-time model of
-parallax.traffic_model, fitted to the CPU-isolated runs of a results file, validated on
+parallax.placement.traffic_model, fitted to the CPU-isolated runs of a results file, validated on
 them, and projected to 8-64 workers on 10 and 25 Gbit/s links.
 
 Which runs: those of a CPU-isolated network ("1gbit@0.25cpu": `parallax bench --cpu-share`)
@@ -20,8 +20,8 @@ from typing import Callable
 
 from parallax.bench.results import Network, Results, Run
 from parallax.errors import ConfigError
-from parallax.traffic_model import (Projection, StepFit, StepPoint, expected_traffic,
-                                    fit_step_model, project)
+from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, expected_traffic,
+                                              fit_step_model, project)
 
 SYSTEMS = ("hybrid", "horovod", "tf_ps")
 WORKERS = (8, 16, 32, 64)
@@ -176,7 +176,8 @@ def section(found: list[SystemProjection], networks: dict[str, Network],
         return lines + ["Not available: the step-time model needs CPU-isolated runs "
                         "(`parallax bench --cpu-share 0.25`) with per-process CPU seconds "
                         "at 2 or more worker counts of hybrid, horovod or tf_ps.", ""]
-    lines += ["The calibrated step-time model of `parallax/traffic_model.py` (step time = "
+    lines += ["The calibrated step-time model of `parallax/placement/traffic_model.py` "
+              "(step time = "
               "scale x max or sum of worker CPU, server CPU, coordinator CPU, worker link "
               "and server link per step; the form with the smaller error is kept), fitted "
               "per system to the measured points, then evaluated with every process on one "

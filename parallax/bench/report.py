@@ -3,7 +3,7 @@
 The harness runs every system for several rounds, alternating systems (A B C A B C) so that drift
 in the machine hits all of them alike; this module only reads its JSON, aggregates the rounds by
 median (one noisy round cannot move it) and sets measured traffic beside the analytic model of
-parallax.traffic_model, so that the report says both how fast each system is and why.
+parallax.placement.traffic_model, so that the report says both how fast each system is and why.
 Usage: `python -m parallax.bench.report RESULTS.json --out DIR`.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from parallax import traffic_model
+from parallax.placement import traffic_model
 from parallax.bench import projection
 from parallax.errors import ConfigError
 from parallax.bench.results import Meta, Network, Results, Run, load  # noqa: F401 (API)
-from parallax.traffic_model import StepTraffic, Workload
+from parallax.placement.traffic_model import StepTraffic, Workload
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
 WORKLOADS = ("lm", "ctr", "dense")

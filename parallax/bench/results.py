@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.errors import ConfigError
-from parallax.traffic_model import StepTraffic, Workload
+from parallax.placement.traffic_model import StepTraffic, Workload
 
 
 @dataclass(frozen=True)

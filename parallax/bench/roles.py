@@ -2,7 +2,8 @@
 step of one process of a run, from its measurement windows.
 
 Why: a run's total CPU per sample says how much work a system does, not where; the
-step-time model (`parallax.traffic_model.fit_step_model`) needs a worker's CPU per step apart
+step-time model (`parallax.placement.traffic_model.fit_step_model`) needs a worker's CPU per
+step apart
 from a server's, and a server's link apart from a worker's, to tell which one bounds a step
 at 64 workers. Hosts are named by the harness: `worker<i>`, `ps<i>` (parallax or TF
 parameter servers) and `chief` (TF's coordinator). A run's processes are the hosts that have

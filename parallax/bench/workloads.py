@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parallax.errors import ConfigError
-from parallax.traffic_model import Workload
+from parallax.placement.traffic_model import Workload
 
 WORKLOADS = ("lm", "ctr", "dense")
 SIZES = ("full", "short")

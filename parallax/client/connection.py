@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from parallax.errors import ParallaxError, ServerError
-from parallax import bulk_codec, dataplane, security
 from parallax.client.dataplane import DataPlaneClient
+from parallax.errors import ParallaxError, ServerError
+from parallax.protocol import bulk_codec, dataplane, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger("parallax")
@@ -55,7 +55,7 @@ class ClientOptions:
     tls_key: str | None = None       # with --tls-client-ca (mutual TLS)
     token: str | None = field(default=None, repr=False)  # cluster token sent with every RPC
     data_plane: bool = True          # PullMany/PushMany as frames on the server's data-plane
-                                     # port when it has one (parallax.dataplane), else gRPC
+                                     # port when it has one (parallax.protocol.dataplane), else gRPC
 
     @property
     def max_message_bytes(self) -> int:

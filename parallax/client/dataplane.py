@@ -1,4 +1,4 @@
-"""The client's side of the data plane (framing in `parallax.dataplane`): PullMany and
+"""The client's side of the data plane (framing in `parallax.protocol.dataplane`): PullMany and
 PushMany to one server as frames on connections kept open, one per request in flight.
 
 `DataPlaneClient.invoker(method)` is called like the gRPC stub's method (request, timeout)
@@ -20,8 +20,8 @@ import time
 
 import grpc
 
-from parallax import bulk_codec, dataplane, packed_codec
-from parallax.dataplane import FrameError
+from parallax.protocol import bulk_codec, dataplane, packed_codec
+from parallax.protocol.dataplane import FrameError
 
 CONNECT_TIMEOUT_S = 5.0
 REPLY_MARGIN_S = 5.0  # past the request's own deadline, which the server answers itself
@@ -78,8 +78,8 @@ class DataPlaneClient:
         self._closed = False
 
     def invoker(self, method: str, started: bool = False):
-        """`method` called like the gRPC stub's: packed (parallax.packed_codec) for a server
-        that reads it, else the gRPC messages' bytes. `started`: the callable sends the
+        """`method` called like the gRPC stub's: packed (parallax.protocol.packed_codec) for a
+        server that reads it, else the gRPC messages' bytes. `started`: the callable sends the
         request and returns a `Started` call, whose `result()` reads the answer."""
         packed = self.packed and method in dataplane.PACKED
         if packed:

@@ -16,12 +16,12 @@ from typing import NamedTuple, Sequence
 import grpc
 import numpy as np
 
-from parallax import bulk_codec
 from parallax.client.connection import ServerConnection, run_in_background
 from parallax.client.table import ShardedTable, start_call
 from parallax.errors import ConfigError, ServerError
-from parallax.packed_codec import PullManyParts, PushManyParts
-from parallax.routing import Runs
+from parallax.protocol import bulk_codec
+from parallax.protocol.packed_codec import PullManyParts, PushManyParts
+from parallax.protocol.routing import Runs
 from parallax.ps.v1 import ps_pb2
 
 _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)

@@ -10,13 +10,13 @@ from typing import Sequence
 
 import grpc
 
-from parallax import checkpoint_names
 from parallax.client.connection import ClientOptions, ServerConnection
 from parallax.client.reshard import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError, ServerError
+from parallax.protocol import checkpoint_names
+from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import TableSpec
 
 log = logging.getLogger("parallax")
 DEFAULT_KEEP = 3  # checkpoints kept under a path

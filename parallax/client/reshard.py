@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax import wire
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
+from parallax.protocol import wire
 from parallax.ps.v1 import ps_pb2
 
 MOVE_THREADS = 8  # source shards read at once

@@ -13,12 +13,12 @@ from typing import Iterator, Sequence
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, wire
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
+from parallax.protocol import bulk_codec, wire
+from parallax.protocol.routing import Partitioner, dedup, out_of_range
+from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.routing import Partitioner, dedup, out_of_range
-from parallax.specs import TableSpec
 
 
 class ShardedTable:

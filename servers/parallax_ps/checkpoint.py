@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from parallax.checkpoint_names import NO_DATA_DIR
+from parallax.protocol.checkpoint_names import NO_DATA_DIR
+from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax.specs import TableSpec
 from parallax_ps import versions
 from parallax_ps.errors import RequestError, invalid, precondition
 from parallax_ps.shard import TableShard

@@ -1,4 +1,4 @@
-"""The server's data plane (framing in `parallax.dataplane`): PullMany and PushMany on a
+"""The server's data plane (framing in `parallax.protocol.dataplane`): PullMany and PushMany on a
 plain TCP or TLS port, answered by the same handlers as the gRPC methods.
 
 One thread per connection reads a frame, runs the handler and writes the answer: a worker
@@ -28,8 +28,8 @@ import time
 
 import grpc
 
-from parallax import dataplane
-from parallax.dataplane import FrameError
+from parallax.protocol import dataplane
+from parallax.protocol.dataplane import FrameError
 from parallax_ps.service import ParameterServerService, request_deserializer
 
 log = logging.getLogger("parallax_ps")

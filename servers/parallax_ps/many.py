@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, wire
+from parallax.protocol import bulk_codec, wire
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import quiet_float_errors
 from parallax_ps.shard import ShuttingDown, TableShard

@@ -41,7 +41,7 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
 from prometheus_client.utils import floatToGoString
 
 from parallax.errors import ConfigError
-from parallax.security import TOKEN_SCHEME
+from parallax.protocol.security import TOKEN_SCHEME
 
 log = logging.getLogger("parallax_ps")
 

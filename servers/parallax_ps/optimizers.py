@@ -37,8 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-from parallax.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Lion, Nadam, OptimizerSpec,
-                            RMSprop, slot_initial_value, slot_names)
+from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Lion, Nadam, OptimizerSpec,
+                                     RMSprop, slot_initial_value, slot_names)
 
 Slots = dict[str, np.ndarray]
 

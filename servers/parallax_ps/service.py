@@ -24,10 +24,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from parallax import bulk_codec, dataplane, packed_codec, wire
 from parallax.errors import ConfigError
+from parallax.protocol import bulk_codec, dataplane, packed_codec, wire
+from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
-from parallax.specs import TableSpec
 from parallax.version import PROTOCOL_VERSION, __version__
 from parallax_ps import checkpoint, many
 from parallax_ps.barrier import Barriers

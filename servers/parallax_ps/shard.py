@@ -19,8 +19,8 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from parallax.routing import Partitioner, out_of_range
-from parallax.specs import TableSpec
+from parallax.protocol.routing import Partitioner, out_of_range
+from parallax.protocol.specs import TableSpec
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
@@ -122,7 +122,7 @@ class TableShard:
         if len(wrong):
             raise invalid(f"{self.label}: id {ids[wrong[0]]} belongs to shard "
                           f"{owner[wrong[0]]} of {self.spec.shard_count}, not this one; "
-                          f"route ids with parallax.routing.Partitioner")
+                          f"route ids with parallax.protocol.routing.Partitioner")
         return ids
 
     def check_rows(self, values: np.ndarray, n: int, field: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from parallax.routing import sum_duplicates
+from parallax.protocol.routing import sum_duplicates
 from parallax_ps.errors import RequestError, invalid, precondition
 
 Batch = tuple[np.ndarray, np.ndarray]  # (ids, grads)

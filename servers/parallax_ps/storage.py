@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from parallax.initial_values import initial_rows
-from parallax.routing import Partitioner
-from parallax.specs import TableSpec
+from parallax.protocol.initial_values import initial_rows
+from parallax.protocol.routing import Partitioner
+from parallax.protocol.specs import TableSpec
 from parallax_ps.optimizers import ServerOptimizer, Slots
 
 

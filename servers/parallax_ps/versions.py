@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from parallax.checkpoint_names import is_name
+from parallax.protocol.checkpoint_names import is_name
 from parallax_ps.errors import RequestError, invalid, precondition
 
 log = logging.getLogger("parallax_ps")

@@ -1,0 +1,258 @@
+"""The numpy side of a fused step: one pull for every grouped lookup of the step, one push
+for every table, each a single multi-table request per server (`parallax.client.many`).
+
+`FusedPull` runs inside the step's fused pull op: every table's ids are checked in one pass,
+lookups of the same table are merged and deduplicated, then every table's rows come back
+from one multi-table pull, which leaves beside the previous step's push
+(`_pull_after_pushes`). `FusedPush` runs inside the step's push op: every table's push is
+checked and counted (`RemoteTable.prepare_push`), then one multi-table push sends them all.
+For sync tables its requests leave from the op's own thread and their answers are read by
+the next pull of any of the tables (`Landing`): on the data plane a step hands nothing to
+another thread. Wall time is shared out to the tables in proportion to their rows, for the
+partition search's per-table figures.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import wait as futures_wait
+from typing import TYPE_CHECKING, Sequence
+
+import grpc
+import numpy as np
+
+from parallax.client.connection import run_in_background
+from parallax.client.many import PendingPush, pull_many, push_many, start_pull_many, start_push_many
+from parallax.errors import ConfigError, ServerError
+from parallax.protocol.routing import Runs
+
+if TYPE_CHECKING:
+    from parallax.tf.remote import RemoteTable
+
+
+class Landing:
+    """A fused push in flight whose requests left from the step's own thread: its answers
+    are read, once, by the first thread that waits for it (`result`), so it needs no thread
+    of its own. It stands where a `concurrent.futures.Future` stands for other pushes."""
+
+    def __init__(self, pending: PendingPush, remotes: Sequence[RemoteTable], sizes,
+                 send_seconds: float) -> None:
+        self._pending, self._remotes, self._sizes = pending, remotes, sizes
+        self._send_seconds = send_seconds  # the push's time on the worker: sending it, plus
+        self._lock = threading.Lock()      # reading its answers (not the step in between)
+        self._done, self._value, self._error = False, None, None
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        with self._lock:
+            if not self._done:
+                start = time.perf_counter()
+                try:
+                    self._value = self._pending.result()
+                except BaseException as err:  # noqa: BLE001 - raised to every waiter
+                    self._error = err
+                self._done = True
+                _account_push(self._remotes, self._sizes,
+                              self._send_seconds + time.perf_counter() - start)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) -> None:
+    """Block until these tables' pushes in flight have landed (a fused push is in flight for
+    every table it carries: it is waited for once); raise the first error, once every push
+    taken here was waited for. A `Landing` is read on this thread, or, given a `timeout`,
+    on an RPC thread so that the timeout bounds it too."""
+    in_flight = {id(f): (f, t) for t in tables for f in t.take_in_flight()}
+    if not in_flight:
+        return
+    waits = {key: run_in_background(f.result) if timeout is not None and
+             isinstance(f, Landing) else f for key, (f, _) in in_flight.items()}
+    futures = [f for f in waits.values() if not isinstance(f, Landing)]
+    _, not_done = futures_wait(futures, timeout=timeout)
+    if not_done:
+        labels = sorted({in_flight[key][1].label for key, f in waits.items()
+                         if f in not_done})
+        raise ServerError(f"{len(not_done)} push(es) to {', '.join(map(repr, labels))} did "
+                          f"not land within {timeout:.0f} s", address="", table=labels[0],
+                          code=grpc.StatusCode.DEADLINE_EXCEEDED)
+    first = None
+    for future in waits.values():
+        try:
+            future.result()
+        except Exception as err:  # noqa: BLE001 - the others are read before it is raised
+            first = first or err
+    if first is not None:
+        raise first
+
+
+def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.ndarray]:
+    """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
+    once, beside the step's push, since the servers hold it until that step is applied
+    (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
+    waiting is let go. Async tables: the pushes land first (a worker reads its own
+    updates). `runs`: the tables' ids, checked (`checked_runs`)."""
+    tables = [r.table for r in remotes]
+    if not all(r.sync for r in remotes):
+        land_pushes_of(remotes)
+        return pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
+    pulling = start_pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
+    try:
+        land_pushes_of(remotes)  # raises a failed push's error now
+    except BaseException:
+        pulling.abandon()
+        raise
+    return pulling.result()
+
+
+def checked_runs(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+    """Every table's ids in range, checked in one pass (the first table with a bad id says
+    which), as the `Runs` that `pull_many` and `push_many` route them by."""
+    runs = Runs([r.table.partitioner for r in remotes], ids)
+    bad = runs.first_outside([r.rows for r in remotes])
+    if bad is not None:
+        remotes[bad]._check_ids(runs.run(bad))  # raises, naming the variable and the id
+        raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
+                          f"own check let through")
+    return runs
+
+
+class StepRouting:
+    """The routing of the ids a step's fused pull read (`Runs`), which the step's fused
+    push reuses when it pushes exactly those ids to the same tables: a gradient's ids are
+    the pulled unique ids unless a table was read by two lookups or the gradient was
+    changed. One per traced step, shared by its pull and push ops."""
+
+    def __init__(self) -> None:
+        self.pulled: Runs | None = None
+        self.reused = 0  # pushes that reused a pull's routing
+
+    def runs_for(self, remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+        """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
+        pulled = self.pulled
+        if pulled is not None and pulled.same_ids([r.table.partitioner for r in remotes],
+                                                  ids):
+            self.reused += 1
+            return pulled
+        return checked_runs(remotes, ids)
+
+
+def _shares(sizes: Sequence[int]) -> list[float]:
+    total = sum(sizes)
+    return [(s / total) if total else 1.0 / max(1, len(sizes)) for s in sizes]
+
+
+class FusedPull:
+    """Pulls the rows of several lookups (each a table and its unique ids) at once."""
+
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
+                 ) -> None:
+        self.remotes = list(remotes)  # one per lookup; a table may appear more than once
+        self.routing = routing or StepRouting()
+        self.runs = 0
+
+    def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
+        """ticket: the step's start (parallax.tf.fusion); uniques: each lookup's ids."""
+        start = time.perf_counter()
+        tables: dict[int, RemoteTable] = {}
+        for remote in self.remotes:
+            tables.setdefault(id(remote), remote)
+        merged = {key: [] for key in tables}
+        for remote, unique in zip(self.remotes, uniques):
+            merged[id(remote)].append(unique.astype(np.int64, copy=False))
+        order = list(tables)
+        ids, inverses = [], {}
+        for key in order:
+            parts = merged[key]
+            if len(parts) == 1:
+                ids.append(parts[0])
+            else:  # a table read by several lookups: its rows travel once
+                unique, inverse = np.unique(np.concatenate(parts), return_inverse=True)
+                ids.append(unique)
+                inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
+                                                                          parts])[:-1])
+        remotes = [tables[key] for key in order]
+        runs = self.routing.pulled = checked_runs(remotes, ids)
+        rows = _pull_after_pushes(remotes, runs)
+        seconds = time.perf_counter() - start
+        for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
+            tables[key].after_pull(u, seconds * share)
+        by_table = dict(zip(order, rows))
+        taken: dict[int, int] = {}
+        out = []
+        for remote in self.remotes:
+            key = id(remote)
+            table_rows = by_table[key].astype(remote._np_dtype, copy=False)
+            if key in inverses:
+                part = taken.get(key, 0)
+                taken[key] = part + 1
+                table_rows = table_rows[inverses[key][part]]
+            out.append(table_rows)
+        self.runs += 1
+        return out
+
+
+class FusedPush:
+    """Pushes every table's gradient of one step in one request per server."""
+
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
+                 ) -> None:
+        self.remotes = list(remotes)
+        self.routing = routing or StepRouting()
+        if len({id(r) for r in self.remotes}) != len(self.remotes):
+            raise ConfigError("internal: a fused push names a table twice")
+        sync = {r.sync for r in self.remotes}
+        if len(sync) > 1:
+            raise ConfigError("internal: a fused push mixes sync and async tables")
+        self.sync = sync.pop() if sync else True
+        self.runs = 0
+
+    def __call__(self, *flat) -> np.int64:
+        """flat: ids, grads, learning rate of every table, in `remotes` order."""
+        pushing = [i for i, remote in enumerate(self.remotes) if remote.sends_pushes]
+        ids = [np.asarray(flat[3 * i]).astype(np.int64, copy=False).reshape(-1)
+               for i in pushing]
+        # every id checked before any table counts its push: a bad id changes nothing
+        runs = self.routing.runs_for([self.remotes[i] for i in pushing], ids) if pushing \
+            else None
+        grads, steps, rates, sending = [], [], [], []
+        for i, remote in enumerate(self.remotes):
+            step = remote.steps_pushed
+            job = remote.prepare_push(flat[3 * i], flat[3 * i + 1], checked=True)
+            if job is None:
+                continue
+            # numpy_function's inputs may share TensorFlow's buffers, reused once the op
+            # returns: a push is encoded before it returns (`start_push_many`), and `runs`
+            # holds its own copy of the ids.
+            grads.append(job[1])
+            steps.append(step)
+            rates.append(float(flat[3 * i + 2]))
+            sending.append(remote)
+        self.runs += 1
+        if not sending:
+            return np.int64(0)
+        if self.sync:  # sent now; the answers are read by the next pull (`Landing`)
+            start = time.perf_counter()
+            pending = start_push_many([r.table for r in sending], (), grads, steps,
+                                      sending[0].worker, rates, checked=runs)
+            landing = Landing(pending, sending, runs.lengths, time.perf_counter() - start)
+            for remote in sending:
+                remote.track_push(landing)
+        else:
+            self._send(sending, runs, grads, steps, rates)
+        return np.int64(len(sending))
+
+    @staticmethod
+    def _send(remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            return push_many([r.table for r in remotes], (), grads, steps, remotes[0].worker,
+                             rates, checked=runs)
+        finally:
+            _account_push(remotes, runs.lengths, time.perf_counter() - start)
+
+
+def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:
+    """A fused push's wall time, shared out to its tables in proportion to their rows."""
+    for remote, share in zip(remotes, _shares(sizes)):
+        remote.add_push_seconds(seconds * share)

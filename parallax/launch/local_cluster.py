@@ -1,0 +1,147 @@
+"""Parameter servers as child processes on loopback: for the embedded default, tests, demos.
+
+Each server is started with `--port 0`; its address is read from the READY line it prints,
+so there is no race for free ports. Output is forwarded with a `[ps i]` prefix. `stop()`
+sends SIGTERM, waits, kills stragglers, and reports every exit code. A server whose parent
+dies without stopping it (SIGKILL, os._exit) stops by itself (`parallax.launch.lifeline`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from parallax.errors import ParallaxError
+from parallax.launch import lifeline
+
+READY_PREFIX = "PARALLAX_SERVER_READY"
+
+
+SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
+
+
+def ready_address(line: str) -> str | None:
+    """The address a server's READY line announces (`PARALLAX_SERVER_READY address=H:P
+    pid=N`); None for any other line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+    return fields.get("address")
+
+
+class ServerProcess:
+    def __init__(self, index: int, command: list[str], echo: IO[str] | None,
+                 stdin: int | None = None) -> None:
+        self.index = index
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            command, stdin=stdin, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env=lifeline.child_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
+        self.address: str | None = None
+        self._ready = threading.Event()
+        self._echo = echo
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if line.startswith(READY_PREFIX) and self.address is None:
+                self.address = ready_address(line)
+                self._ready.set()
+            elif self._echo is not None:
+                print(f"[ps {self.index}] {line}", file=self._echo, flush=True)
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> str:
+        if not self._ready.wait(timeout) or self.address is None:
+            tail = "\n".join(self.lines[-10:])
+            raise ParallaxError(f"parameter server {self.index} did not start within "
+                                f"{timeout:.0f}s (exit code {self.proc.poll()}); its "
+                                f"output:\n{tail}")
+        return self.address
+
+    def request_stop(self) -> None:
+        """Ask the server to shut down gracefully (SIGTERM); `stop_servers` waits."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def tail(self, n: int = 10) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+def stop_servers(servers: list[ServerProcess], timeout: float) -> list[int | None]:
+    """Ask every server to stop, wait up to `timeout` in all, kill stragglers; the exit
+    codes (None: did not stop in time)."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.request_stop()
+    deadline = time.monotonic() + timeout
+    codes = []
+    for server in servers:
+        try:
+            codes.append(server.proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+            codes.append(None)
+    return codes
+
+
+class LocalCluster:
+    """`with LocalCluster(2) as cluster: PSClient(cluster.addresses)`.
+
+    `command` starts one server (the `--host/--port/--data-dir` flags are appended); the
+    default runs the server module with this interpreter.
+    """
+
+    def __init__(self, num_servers: int = 2, *, data_dir: str | Path | None = None,
+                 host: str = "127.0.0.1", extra_args: list[str] | None = None,
+                 echo: IO[str] | None = None, start_timeout: float = 60.0,
+                 command: tuple[str, ...] = SERVER_COMMAND) -> None:
+        if num_servers < 1:
+            raise ParallaxError(f"LocalCluster needs at least 1 server, got {num_servers}")
+        self.num_servers = num_servers
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.host = host
+        self.extra_args = list(extra_args or [])
+        self.echo = echo
+        self.start_timeout = start_timeout
+        self.command = list(command)
+        self.servers: list[ServerProcess] = []
+        self.exit_codes: list[int | None] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers if s.address]
+
+    def start(self) -> "LocalCluster":
+        args = ["--host", self.host, "--port", "0", *self.extra_args]
+        if self.data_dir is not None:
+            args += ["--data-dir", str(self.data_dir)]
+        try:
+            self.servers = [ServerProcess(i, self.command + args, self.echo)
+                            for i in range(self.num_servers)]
+            for server in self.servers:
+                server.wait_ready(self.start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 15.0) -> list[int | None]:
+        self.exit_codes = stop_servers(self.servers, timeout)
+        return self.exit_codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,906 @@
+"""`parallax run`: parameter servers and N Horovod workers on this machine, in one command.
+
+`run(LaunchConfig(...))` starts the servers (`LocalCluster`, unless external ones are given),
+then the workers: the command itself when there is one worker, `horovodrun -np N -H
+localhost:N --gloo COMMAND` otherwise, through `parallax/launch/horovodrun_bound.py` so that
+its rendezvous server listens on the job's interface (loopback for one host), not on 0.0.0.0.
+Workers learn where the servers are from the environment (the contract the strategy reads):
+
+  PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
+  PARALLAX_RUN_ID        the job's id (table names on the servers are namespaced with it)
+  PARALLAX_TLS_CA, PARALLAX_TLS_CERT, PARALLAX_TLS_KEY, PARALLAX_TOKEN_FILE
+                         with --secure: the job's credentials (see parallax.protocol.security)
+  PARALLAX_MODE          hybrid, ps or allreduce (only when --mode is given)
+  PARALLAX_SYNC          sync or async (only when --async, or sync=... in the API, is given)
+
+and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
+worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
+dies while the job runs stops the job with exit code 1; SIGINT/SIGTERM to the launcher is
+forwarded to the workers and gives 128 + signal. A server that has not answered a health
+check for `health_timeout` seconds (hung, SIGSTOPped) stops the job the same way, and is
+named in one line. Servers this launcher started are always
+stopped. The launcher's own messages and the servers' output (`[ps i]` lines) go to stderr;
+the workers' output goes to stdout and stderr as they write it, less TensorFlow's known
+start-up lines (`parallax.launch.logs.worker_noise`).
+
+horovodrun's habits work: `-H host:N,...` (or `--hosts host:N,...`), `--hostfile FILE`
+(`host slots=N` lines) and `--horovodrun-arg=ARG` for any other horovodrun flag. The
+servers' start timeout is `--server-start-timeout`; `--start-timeout`, which is the workers'
+in horovodrun, still means the servers' here, with a warning (deprecated).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallax.errors import ConfigError, ParallaxError
+from parallax.launch import lifeline, logs
+from parallax.launch.cluster import RESTART_COUNT_ENV
+from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
+
+ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
+RUN_ID_ENV = "PARALLAX_RUN_ID"
+MODE_ENV = "PARALLAX_MODE"
+SYNC_ENV = "PARALLAX_SYNC"
+MODES = ("hybrid", "ps", "allreduce")
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")  # what workers accept as a run id
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+_PYTHON = re.compile(r"^python[0-9.]*$")
+# horovodrun flags that parallax sets itself, and what to do instead
+_NP, _HOSTS = "give parallax run -np N", "give parallax run -H host:N,... or --hostfile FILE"
+_OWN_HOROVODRUN_FLAGS = {"-np": _NP, "--num-proc": _NP, "-H": _HOSTS, "--hosts": _HOSTS,
+                         "--hostfile": _HOSTS, "--gloo": "drop it (gloo is always used)",
+                         "--mpi": "drop it (parallax runs horovodrun with gloo)"}
+# horovodrun prints this for each worker that exits non-zero, the first failure first
+_HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
+_RANK_LINE = re.compile(rb"^\[(\d+)\]<std(?:out|err)>:(.*)")  # horovodrun's prefixes
+LAST_LINES = 10  # of a failed worker's output, repeated when the job ends
+STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
+SERVER_DIED_EXIT = 1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_workers: int = 1                  # -np
+    num_servers: int = 2                  # --servers; 0: use ps_addresses (external servers)
+    ps_addresses: tuple[str, ...] = ()    # --ps-addresses host:port,... (servers not started)
+    command: tuple[str, ...] = ()         # e.g. ("python", "train.py"); a leading .py file
+                                          # is run with this interpreter
+    run_id: str | None = None             # --run-id; generated when None
+    server_args: tuple[str, ...] = ()     # extra args for each `parallax server`
+    data_dir: str | None = None           # --data-dir of the servers (checkpoints)
+    start_timeout: float = 60.0           # seconds for the servers to become ready
+    secure: bool = False                  # --secure: TLS, client certificates and a token
+    mode: str | None = None               # --mode hybrid|ps|allreduce -> PARALLAX_MODE
+    sync: bool | None = None              # --async: False -> PARALLAX_SYNC=async
+    progress_seconds: float = 30.0        # a job progress line this often (0: never)
+    health_timeout: float = 30.0          # --health-timeout: a server silent this long
+                                          # stops the job (0: never)
+    max_restarts: int = 0                 # --max-restarts: restarts after failures
+    restart_delay: float = RESTART_DELAY_S  # --restart-delay: seconds before each restart
+    hosts: str | None = None              # --hosts FILE, -H host:N,..., --hostfile FILE
+                                          # (parallax.launch.hosts): where workers and servers
+                                          # run; servers as it says unless num_servers is
+                                          # 0; num_workers <= its slots
+    horovodrun_args: tuple[str, ...] = ()  # --horovodrun-arg: more flags for horovodrun
+    log_level: str | None = None          # --log-level (parallax.launch.logs); None: as it is
+
+
+def new_run_id() -> str:
+    """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
+    return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def check_address(address: str, source: str = "--ps-addresses") -> str:
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: {address!r} is not host:port with a port in 1-65535; "
+                          f"give each server as e.g. 127.0.0.1:7000, comma-separated")
+    return address.strip()
+
+
+def validate(config: LaunchConfig) -> list[str]:
+    """Check every field; returns the program's argv as each worker will run it."""
+    for name in ("command", "ps_addresses", "server_args"):
+        if isinstance(getattr(config, name), str):
+            raise ConfigError(f"{name} must be a tuple of strings, not the string "
+                              f"{getattr(config, name)!r}")
+    if config.num_workers < 1:
+        raise ConfigError(f"-np {config.num_workers}: the number of workers must be at least 1")
+    if config.num_servers < 0:
+        raise ConfigError(f"--servers {config.num_servers} must be >= 0 (0: use "
+                          f"--ps-addresses of servers started elsewhere)")
+    if config.num_servers > 0 and config.ps_addresses:
+        raise ConfigError(f"--servers {config.num_servers} and --ps-addresses both given: "
+                          f"use --servers 0 with --ps-addresses, or drop --ps-addresses")
+    if config.num_servers == 0:
+        if not config.ps_addresses:
+            raise ConfigError("--servers 0 needs --ps-addresses host:port,... of running "
+                              "parameter servers (or give --servers N to start N here)")
+        for address in config.ps_addresses:
+            check_address(address)
+        if config.server_args or config.data_dir is not None:
+            raise ConfigError("--server-arg and --data-dir apply to servers this command "
+                              "starts; with --ps-addresses, give them to those servers")
+    if config.secure and config.num_servers == 0:
+        raise ConfigError("--secure makes credentials for the servers this command starts; "
+                          "for --ps-addresses servers, set PARALLAX_TLS_CA (and "
+                          "PARALLAX_TLS_CERT/KEY, PARALLAX_TOKEN_FILE) instead")
+    for arg in config.server_args:
+        if config.secure and arg.split("=", 1)[0] in ("--tls-cert", "--tls-key",
+                                                      "--tls-client-ca", "--token-file"):
+            raise ConfigError(f"--server-arg {arg!r}: --secure sets the servers' credentials; "
+                              f"drop one of them")
+        if arg.split("=", 1)[0] in ("--port", "--data-dir"):
+            raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
+                              f"the data directory is --data-dir; drop it")
+    if config.run_id is not None and not _RUN_ID.match(config.run_id):
+        raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
+                          f"'_' or '-'")
+    if config.health_timeout < 0:
+        raise ConfigError(f"--health-timeout {config.health_timeout} must be >= 0 seconds "
+                          f"(0: no health checks)")
+    if config.start_timeout <= 0:
+        raise ConfigError(f"--server-start-timeout {config.start_timeout} must be > 0 seconds")
+    _check_horovodrun_args(config.horovodrun_args)
+    if config.mode is not None and config.mode not in MODES:
+        raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(MODES)}")
+    if config.sync is not None and not isinstance(config.sync, bool):
+        raise ConfigError(f"sync must be True, False or None, not {config.sync!r}")
+    if config.hosts is not None:
+        from parallax.launch.hosts import load_hosts
+        layout = load_hosts(config.hosts)
+        if config.num_workers > layout.num_slots:
+            raise ConfigError(f"-np {config.num_workers}: {config.hosts} has only "
+                              f"{layout.num_slots} slot(s); lower -np or add slots")
+        if config.num_servers > 0 and layout.num_servers == 0:
+            raise ConfigError(f"{config.hosts} places no servers (servers: 0 on every host); "
+                              f"give a host servers >= 1, or use --ps-addresses")
+        _check_restart_storage(config, layout)
+    return program_argv(config.command)
+
+
+def _check_restart_storage(config: LaunchConfig, layout) -> None:
+    """Refuse restarts that would keep the checkpoints of servers on other hosts in a
+    directory of the launcher's (what `_restart_data_dir` makes without --data-dir): each
+    host would get one of its own, never removed, and restoring a table spread over servers
+    needs every shard's file in one directory."""
+    if not _makes_data_dir(config):
+        return
+    from parallax.launch.hosts import is_local
+    remote = [h.host for h in layout.hosts if h.servers and not is_local(h.host)]
+    if remote:
+        raise ConfigError(f"--max-restarts {config.max_restarts} without --data-dir, and servers "
+                          f"run on {', '.join(remote)}: give --data-dir on storage that every "
+                          f"server host shares (the same path on each), or run every server on "
+                          f"this machine")
+
+
+def _check_horovodrun_args(args: tuple[str, ...]) -> None:
+    if isinstance(args, str):
+        raise ConfigError(f"horovodrun_args must be a tuple of strings, not the string {args!r}")
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWN_HOROVODRUN_FLAGS:
+            raise ConfigError(f"--horovodrun-arg {arg!r}: parallax run sets {flag} itself; "
+                              f"{_OWN_HOROVODRUN_FLAGS[flag]}")
+
+
+def program_argv(command: tuple[str, ...] | list[str]) -> list[str]:
+    argv = list(command)
+    if not argv or not argv[0]:
+        raise ConfigError("no command to run: give the program after the options, e.g. "
+                          "`parallax run -np 2 -- python train.py`")
+    if argv[0].endswith(".py"):
+        _check_script(argv[0])
+        return [sys.executable, *argv]
+    if shutil.which(argv[0], path=worker_path()) is None:
+        raise ConfigError(f"command {argv[0]!r} is neither an executable file nor on PATH; "
+                          f"check its spelling, or give a .py file to run it with "
+                          f"{sys.executable}")
+    if _PYTHON.match(Path(argv[0]).name) and len(argv) > 1 and argv[1].endswith(".py"):
+        _check_script(argv[1])
+    return argv
+
+
+def _check_script(path: str) -> None:
+    if not Path(path).is_file():
+        raise ConfigError(f"script {path!r} not found (relative to {os.getcwd()}); check the "
+                          f"path")
+
+
+def find_horovodrun() -> str:
+    beside = Path(sys.executable).parent / "horovodrun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if found is None:
+        raise ConfigError(f"more than one worker needs horovodrun (Horovod's launcher), which "
+                          f"is neither next to {sys.executable} nor on PATH: install Horovod "
+                          f"with gloo (`make demo` does), or run with -np 1")
+    return found
+
+
+BOUND_HOROVODRUN = Path(__file__).with_name("horovodrun_bound.py")
+
+
+def _interpreter_of(script: str) -> str:
+    """The Python to run horovodrun's code with: this one when it has Horovod, else the one
+    `script` (horovodrun) runs with, checked to be a Python that imports Horovod."""
+    if importlib.util.find_spec("horovod") is not None:
+        return sys.executable
+    python = _script_python(script)
+    if python is None or not _imports_horovod(python):
+        named = python or "an interpreter its first lines do not name"
+        raise ConfigError(f"horovodrun {script} runs with {named}, which cannot import "
+                          f"Horovod, and neither can {sys.executable}: install Horovod with "
+                          f"gloo into {sys.executable}'s environment (`make demo` does), or "
+                          f"put the horovodrun of a Python with Horovod first on PATH")
+    return python
+
+
+def _script_python(script: str) -> str | None:
+    """The interpreter a console script names: its #! line (`#!/usr/bin/env NAME` through
+    PATH) or, under `#!/bin/sh`, the one pip's wrapper execs (pip writes one when the
+    environment's path is long or has spaces: `'''exec' "/venv/bin/python" "$0" "$@"`)."""
+    with open(script, "rb") as file:
+        lines = file.read(4096).decode(errors="replace").splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        return None
+    words = lines[0][2:].split()
+    if words and Path(words[0]).name == "env":
+        words = [shutil.which(words[1]) or ""] if len(words) > 1 else []
+    if words and Path(words[0]).name == "sh":
+        words = _pip_wrapped(lines[1] if len(lines) > 1 else "")
+    return words[0] if words and Path(words[0]).is_file() else None
+
+
+def _pip_wrapped(line: str) -> list[str]:
+    """[the Python] that pip's /bin/sh wrapper line execs, else []."""
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return []
+    return words[1:2] if words[:1] == ["exec"] else []
+
+
+def _imports_horovod(python: str) -> bool:
+    """Whether `python` runs and imports Horovod's launcher."""
+    try:
+        return subprocess.run([python, "-c", "import horovod.runner.launch"],
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def bound_horovodrun(argv: list[str]) -> list[str]:
+    """horovodrun's argv (argv[0] is horovodrun) run through BOUND_HOROVODRUN, with
+    horovodrun's own interpreter."""
+    return [_interpreter_of(argv[0]), str(BOUND_HOROVODRUN), *argv[1:]]
+
+
+def worker_path() -> str:
+    """PATH for the workers: in a virtual environment, its bin directory first (as if it were
+    activated), so that `python train.py` runs with the launcher's interpreter."""
+    path = os.environ.get("PATH", os.defpath)
+    if sys.prefix == sys.base_prefix:
+        return path
+    bin_dir = str(Path(sys.executable).parent)
+    return os.pathsep.join([bin_dir, *(p for p in path.split(os.pathsep) if p != bin_dir)])
+
+
+def worker_env(addresses: list[str], run_id: str, mode: str | None = None,
+               sync: bool | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = worker_path()
+    env[ADDRESSES_ENV] = ",".join(addresses)
+    env[RUN_ID_ENV] = run_id
+    if mode is not None:
+        env[MODE_ENV] = mode
+    if sync is not None:
+        env[SYNC_ENV] = "sync" if sync else "async"
+    env.setdefault("PYTHONUNBUFFERED", "1")  # live output through pipes (horovodrun's too)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up notices, per worker
+    return env
+
+
+def _say(message: str) -> None:
+    print(f"parallax run: {message}", file=sys.stderr, flush=True)
+
+
+class _Job:
+    """The workers' process (the command, or horovodrun) in its own process group, so that
+    signals reach it once, from the launcher, and leftovers in the group can be killed."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], horovod: bool) -> None:
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        argv = lifeline.dying_with(argv, os.getpid(), new_group=not group)  # no orphans either
+        self.horovod = horovod
+        self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
+        self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
+        # stderr always goes through the launcher (TensorFlow's start-up noise is dropped);
+        # stdout only under horovodrun (a single worker keeps its terminal)
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod else None,
+                                     stderr=subprocess.PIPE, **group)
+        self._pumps = [threading.Thread(target=self._forward, args=(stream, out), daemon=True)
+                       for stream, out in ((self.proc.stdout, sys.stdout),
+                                           (self.proc.stderr, sys.stderr)) if stream]
+        for pump in self._pumps:
+            pump.start()
+
+    def _forward(self, stream, out) -> None:
+        """Copy one of the workers' streams as it comes (partial lines too) less TensorFlow's
+        known start-up lines, keeping each rank's last lines (a traceback goes to stderr)
+        and noting horovodrun's report of failures."""
+        fd, line, noise = stream.fileno(), b"", logs.NoiseFilter()
+        while raw := os.read(fd, 65536):
+            chunk = noise.feed(raw)
+            _write(out, chunk)
+            line += chunk
+            *complete, line = line.split(b"\n")
+            for text in complete:
+                match = _HVD_EXIT.match(text)
+                if match and self.first_failure is None:
+                    self.first_failure = (int(match[1]), int(match[2]))
+                ranked = _RANK_LINE.match(text)
+                if ranked and ranked[2].strip():
+                    lines = self.last_lines.setdefault(int(ranked[1]), deque(maxlen=LAST_LINES))
+                    lines.append(ranked[2].decode(errors="replace"))
+        _write(out, noise.flush())
+
+    def tail(self, rank: int) -> str:
+        return "\n".join(f"  [{rank}] {line}" for line in self.last_lines.get(rank, ()))
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM the group, wait, SIGKILL what is left (also after the leader exited)."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait()
+        self._reap_group(grace)
+        for pump in self._pumps:
+            pump.join(2.0)
+
+    def _reap_group(self, grace: float) -> None:
+        """Processes left in the job's group (e.g. the multiprocessing resource tracker of
+        horovodrun, which ignores SIGTERM and leaves when its last user has gone)."""
+        self.signal(signal.SIGTERM)
+        deadline, killed = time.monotonic() + grace, False
+        while _group_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                if killed:
+                    _say(f"processes of group {self.proc.pid} survived SIGKILL; giving up")
+                    return
+                self.signal(signal.SIGKILL)
+                deadline, killed = time.monotonic() + 2.0, True
+            time.sleep(0.05)
+
+    def exit_code(self) -> int:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return 128 - code  # killed by a signal: the shell's convention
+        if code and self.first_failure is not None:  # horovodrun itself exits 1
+            return self.first_failure[1]
+        return code or 0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs; zombies (exited, waiting for whoever
+    adopted them to reap them) do not count."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _write(out, data: bytes) -> None:
+    out.flush()
+    out.buffer.write(data)
+    out.buffer.flush()
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT/SIGTERM while the launcher runs: before the job starts, abort the start; once
+    it runs, forward the signal to the job (a second one kills it)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.job: _Job | None = None
+        self.abortable = True  # False from just before the job's Popen
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if self.job is None:
+            if self.abortable:
+                raise _Interrupted(signum)
+            return  # attach() forwards it
+        self.job.signal(signum if first else signal.SIGKILL)
+
+    def attach(self, job: _Job) -> None:
+        self.job = job
+        if self.signum is not None:  # arrived while the job was being started
+            job.signal(self.signum)
+
+
+def _dead_server(cluster):
+    if cluster is None:
+        return None
+    return next((s for s in cluster.servers if s.proc.poll() is not None), None)
+
+
+def _report_dead_server(server) -> None:
+    reader = getattr(server, "_reader", None)
+    if reader is not None:
+        reader.join(1.0)  # the last lines it printed
+    _say(f"parameter server {server.index} ({server.address}) exited with code "
+         f"{server.proc.returncode} while the job was running; stopping the workers. "
+         f"Its last output:\n{server.tail(10)}")
+
+
+class _HealthWatch:
+    """Health checks of every server from a daemon thread; `silent()` gives the server that
+    has not answered SERVING for longer than `timeout` seconds, if any (0: no checks)."""
+
+    def __init__(self, addresses: list[str], timeout: float, options) -> None:
+        from parallax.client.connection import ServerConnection
+        self.timeout = timeout
+        self._servers = [ServerConnection(a, options) for a in addresses] if timeout else []
+        self._answered = [time.monotonic()] * len(self._servers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="parallax-health", daemon=True)
+
+    def start(self) -> "_HealthWatch":
+        if self._servers:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        check = min(2.0, self.timeout / 3)  # one silent server delays the others this much
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            for index, server in enumerate(self._servers):
+                try:
+                    if server.healthy(timeout=check):
+                        self._answered[index] = time.monotonic()
+                except ParallaxError:
+                    pass  # refused credentials: not an answer
+
+    def silent(self) -> tuple[int, str, float] | None:
+        """(index, address, seconds) of the server silent the longest, past the timeout."""
+        if not self._servers:
+            return None
+        age, index = max((time.monotonic() - t, i) for i, t in enumerate(self._answered))
+        return (index, self._servers[index].address, age) if age > self.timeout else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for server in self._servers:
+            server.close()
+
+
+def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
+    """Say which server stopped answering; resume it if it is ours and SIGSTOPped, so that
+    the cleanup can stop it gracefully."""
+    index, address, age = silent
+    _say(f"parameter server {index} ({address}) has not answered a health check for "
+         f"{age:.0f}s (hung, stopped or overloaded; --health-timeout); stopping the workers")
+    for server in getattr(cluster, "servers", ()):
+        if server.address == address and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+
+
+def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> Outcome:
+    while True:
+        try:
+            job.proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if signals.signum is not None:  # already forwarded to the job: give it time
+            name = signal.Signals(signals.signum).name
+            _say(f"got {name}: stopping the workers and servers")
+            try:
+                job.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            job.stop(grace=2.0)
+            return Outcome(128 + signals.signum, f"got {name}")
+        dead = _dead_server(cluster)
+        if dead is not None:
+            _report_dead_server(dead)
+            job.stop()
+            return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
+                                  f"({dead.address}) exited with code {dead.proc.returncode}")
+        silent = health.silent() if job.proc.returncode is None else None
+        if silent is not None:
+            _report_silent_server(silent, cluster)
+            job.stop()
+            return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {silent[0]} "
+                                  f"({silent[1]}) answered no health check for "
+                                  f"{silent[2]:.0f}s")
+        if job.proc.returncode is not None:
+            job.stop()  # leftovers in its process group
+            return _job_outcome(job)
+
+
+def _job_outcome(job: _Job) -> Outcome:
+    code = job.exit_code()
+    if not code:
+        return Outcome(0)
+    if job.first_failure is None:
+        who = "the workers (horovodrun)" if job.horovod else "worker rank 0"
+        return Outcome.failed(code, f"{who} exited with code {code}")
+    rank, failed = job.first_failure
+    _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
+         f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
+    return Outcome.failed(code, f"worker rank {rank} exited with code {failed}")
+
+
+def _start_servers(config: LaunchConfig, credentials=None):
+    if config.hosts is not None:
+        from parallax.launch.hosts import HostCluster, load_hosts
+        return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr,
+                           start_timeout=config.start_timeout).start()
+    from parallax.launch.local_cluster import LocalCluster
+    cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr,
+                           start_timeout=config.start_timeout)
+    cluster.start()
+    if credentials is not None:  # they serve what the workers will present
+        try:
+            _check_external(cluster.addresses, config.start_timeout,
+                            credentials.client_options())
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+@contextlib.contextmanager
+def _credentials(config: LaunchConfig):
+    """With --secure: the job's credentials in a private temporary directory, for this
+    machine's names and every host of --hosts, copied to the same path on the other hosts;
+    removed everywhere at the end. Without: None."""
+    if not config.secure:
+        yield None
+        return
+    from parallax.protocol.security import temporary_job_credentials
+    names = ["127.0.0.1", "localhost", socket.gethostname()]
+    layout = None
+    if config.hosts is not None:
+        from parallax.launch.hosts import load_hosts
+        layout = load_hosts(config.hosts)
+        names += [host.host.strip("[]") for host in layout.hosts]
+    with temporary_job_credentials(tuple(dict.fromkeys(names))) as credentials:
+        copied = []
+        try:
+            if layout is not None:
+                from parallax.launch.hosts import copy_directory_to_hosts
+                copied = copy_directory_to_hosts(layout, credentials.ca_cert.parent)
+            yield credentials
+        finally:
+            if copied:
+                from parallax.launch.hosts import remove_directory_from_hosts
+                remove_directory_from_hosts(copied, credentials.ca_cert.parent)
+
+
+def _secured(credentials, env: dict[str, str]) -> dict[str, str]:
+    return {**env, **credentials.worker_env()} if credentials is not None else env
+
+
+def _check_external(addresses: list[str], timeout: float, options=None) -> None:
+    from parallax.client import PSClient
+    with PSClient(addresses, options) as client:
+        client.wait_ready(timeout)
+
+
+def _monitor_options(env: dict):
+    """Client options for the launcher's own calls (progress, health): the job's
+    credentials, short timeouts, no retries."""
+    from parallax.client import ClientOptions
+    from parallax.protocol.security import client_options_from_env
+    return client_options_from_env(ClientOptions(timeout=5, retries=0), environ=env)
+
+
+def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict):
+    from parallax.launch.progress import ProgressReporter
+    return ProgressReporter(addresses, run_id, config.progress_seconds, _say,
+                            _monitor_options(env)).start()
+
+
+def run(config: LaunchConfig) -> int:
+    """Run the job, restarting it after a failure up to `config.max_restarts` times; returns
+    its exit code. Raises ConfigError before starting anything."""
+    if config.log_level is not None:
+        logs.configure(config.log_level)
+    argv, horovod = workers_argv(config, validate(config))
+    run_id = config.run_id or new_run_id()
+    budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
+    with _credentials(config) as credentials, _Signals() as signals, \
+            _restart_data_dir(config, run_id) as config:
+        attempt = 0
+        while True:
+            outcome = _attempt(config, argv, horovod, run_id, attempt,
+                               credentials, signals)
+            if signals.signum is not None or not _restarting(budget, outcome, signals):
+                return outcome.code if signals.signum is None else 128 + signals.signum
+            attempt += 1
+
+
+def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> bool:
+    """Whether to start another attempt. A signal during the restart delay interrupts it
+    and says no (there is no job to forward it to); during the next start it aborts that
+    start, as for the first."""
+    signals.job, signals.abortable = None, True
+    restart = False
+    try:
+        restart = budget.should_restart(outcome)
+    except _Interrupted as exc:
+        _say(f"got {exc} during the restart delay: not restarting")
+    finally:
+        signals.abortable = restart
+    return restart
+
+
+def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], bool]:
+    """The workers' command: the program when there is one worker here, else horovodrun
+    (through BOUND_HOROVODRUN); and whether it is horovodrun."""
+    from parallax.launch.hosts import (horovodrun_argv, load_hosts, one_local_worker,
+                                       parse_host_string, with_devices)
+    layout = (load_hosts(config.hosts) if config.hosts is not None
+              else parse_host_string(f"localhost:{config.num_workers}"))
+    program = with_devices(layout, config.num_workers, program)
+    if one_local_worker(layout, config.num_workers):
+        return program, False
+    return bound_horovodrun(horovodrun_argv(layout, config.num_workers, program,
+                                            find_horovodrun(), config.horovodrun_args)), True
+
+
+def _makes_data_dir(config: LaunchConfig) -> bool:
+    """Whether the launcher makes the servers' data directory: restarts are on, it starts
+    the servers, and no --data-dir was given."""
+    return bool(config.max_restarts) and config.data_dir is None and config.num_servers > 0
+
+
+@contextlib.contextmanager
+def _restart_data_dir(config: LaunchConfig, run_id: str):
+    """The config, with a data directory for the servers' checkpoints that outlives every
+    attempt when restarts are on and none was given (removed at the end)."""
+    if not _makes_data_dir(config):
+        yield config
+        return
+    with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:
+        _say(f"--max-restarts without --data-dir: the servers keep their checkpoints in "
+             f"{data_dir} for the restarts (removed at the end)")
+        yield dataclasses.replace(config, data_dir=data_dir)
+
+
+def _attempt(config: LaunchConfig, argv: list[str], horovod: bool, run_id: str,
+             attempt: int, credentials, signals: _Signals) -> Outcome:
+    """One run of every server and worker; how it ended."""
+    cluster = None
+    try:
+        if config.num_servers > 0:
+            cluster = _start_servers(config, credentials)
+            addresses, where = cluster.addresses, "started here"
+        else:
+            addresses, where = [a.strip() for a in config.ps_addresses], "external"
+            from parallax.protocol.security import client_options_from_env
+            _check_external(addresses, config.start_timeout, client_options_from_env())
+        _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
+             f"({where}): {','.join(addresses)}; run id {run_id}"
+             + (f"; restart {attempt}" if attempt else ""))
+        signals.abortable = False
+        env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
+        env[RESTART_COUNT_ENV] = str(attempt)
+        job = _Job(argv, env, horovod=horovod)
+        signals.attach(job)
+        progress = _progress(config, addresses, run_id, env)
+        health = _HealthWatch(addresses, config.health_timeout,
+                              _monitor_options(env)).start()
+        try:
+            return _supervise(job, cluster, signals, health)
+        finally:
+            health.stop()
+            progress.stop()
+    except _Interrupted as exc:
+        _say(f"got {exc}: stopped before the job started")
+        return Outcome(128 + exc.signum, f"got {exc}")
+    finally:
+        signals.abortable = False  # a signal now must not interrupt the cleanup
+        if cluster is not None:
+            cluster.stop()
+
+
+def parse_args(argv: list[str]) -> LaunchConfig:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="parallax run", allow_abbrev=False,
+        description="Start parameter servers and N Horovod workers on this machine; the "
+                    "workers find the servers in PARALLAX_PS_ADDRESSES and the job id in "
+                    "PARALLAX_RUN_ID.",
+        usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
+              "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] "
+              "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
+              "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
+              "[-H HOST:N,... | --hosts FILE | --hostfile FILE] [--horovodrun-arg=ARG ...] "
+              "[--log-level LEVEL] [--] COMMAND [ARGS ...]")
+    parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
+                        help="number of workers (default 1, or every slot of --hosts; more "
+                             "than 1 uses horovodrun)")
+    parser.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
+                        help="horovodrun's host:N,host2:M (N workers and one server on each "
+                             "host), or a host file (`host: 0,1` lines, the GPU ids, or YAML "
+                             "with hosts/slots/servers): servers and workers there, over ssh "
+                             "for other hosts")
+    parser.add_argument("--hostfile", default=None, metavar="FILE",
+                        help="horovodrun's host file (`host slots=N` lines; parallax's formats "
+                             "work too); like --hosts FILE")
+    parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument(s) for horovodrun, e.g. "
+                             "--horovodrun-arg=--start-timeout=120 (repeatable)")
+    parser.add_argument("--servers", type=int, default=None,
+                        help="parameter servers to start (default 2; 0 with --ps-addresses)")
+    parser.add_argument("--ps-addresses", default=None,
+                        help="comma-separated host:port of running servers (none started)")
+    parser.add_argument("--run-id", default=None, help="job id (default: generated)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument(s) for each server, e.g. --server-arg=--threads=128")
+    parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
+    parser.add_argument("--server-start-timeout", type=float, default=None, metavar="S",
+                        help="seconds to wait for the servers to start (default 60)")
+    parser.add_argument("--start-timeout", type=float, default=None, metavar="S",
+                        help="deprecated: --server-start-timeout (in horovodrun it is the "
+                             "workers' timeout: --horovodrun-arg=--start-timeout=S)")
+    parser.add_argument("--progress-seconds", type=float, default=30.0,
+                        help="print the job's progress (tables, steps, rows moved, read from "
+                             "the servers) this often; 0: never (default 30)")
+    parser.add_argument("--health-timeout", type=float, default=30.0,
+                        help="stop the job (exit 1), naming the server, when a parameter "
+                             "server has not answered a health check for this many seconds "
+                             "(hung, SIGSTOPped); 0: no checks (default 30)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="after a failure (a worker exits non-zero or is killed, a server "
+                             "dies or misses health checks) stop everything and start every "
+                             "server and worker again, at most N times; workers get "
+                             f"{RESTART_COUNT_ENV} and resume from their last checkpoint "
+                             "(default 0: the job ends)")
+    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY_S, metavar="S",
+                        help=f"seconds before each restart (default {RESTART_DELAY_S:g})")
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS with client certificates and a cluster token: credentials "
+                             "made for this job (removed at the end), passed to the workers "
+                             "in PARALLAX_TLS_CA/CERT/KEY and PARALLAX_TOKEN_FILE")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="the strategy's mode for the workers (PARALLAX_MODE; default: "
+                             "the strategy's own default)")
+    parser.add_argument("--async", dest="sync", action="store_false", default=None,
+                        help="asynchronous parameter-server updates (PARALLAX_SYNC=async)")
+    logs.add_argument(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program: a .py file (run with this Python) or a command")
+    args = parser.parse_args(argv)
+    hosts = _hosts_arg(args.hosts, args.hostfile)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    addresses = tuple(a.strip() for a in (args.ps_addresses or "").split(",") if a.strip())
+    if args.ps_addresses is not None and not addresses:
+        raise ConfigError("--ps-addresses is empty; give host:port of each parameter server, "
+                          "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
+    servers = args.servers if args.servers is not None else (0 if addresses else 2)
+    workers = args.num_workers if args.num_workers is not None else 1
+    if hosts is not None:
+        from parallax.launch.hosts import load_hosts
+        layout = load_hosts(hosts)
+        if args.servers not in (None, 0):
+            raise ConfigError(f"--servers {args.servers} with --hosts/-H/--hostfile {hosts}: "
+                              f"one server runs on each host; for more, give `servers` per "
+                              f"host in a YAML host file")
+        servers = 0 if addresses else layout.num_servers
+        workers = args.num_workers if args.num_workers is not None else layout.num_slots
+    return LaunchConfig(
+        secure=args.secure,
+        num_workers=workers, num_servers=servers, ps_addresses=addresses, hosts=hosts,
+        command=tuple(command), run_id=args.run_id,
+        server_args=_split_each(args.server_arg),
+        data_dir=args.data_dir, mode=args.mode,
+        start_timeout=_server_start_timeout(args.server_start_timeout, args.start_timeout),
+        progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
+        max_restarts=args.max_restarts, restart_delay=args.restart_delay,
+        sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
+        log_level=args.log_level)
+
+
+def _split_each(values: list[str]) -> tuple[str, ...]:
+    """Repeatable pass-through options: each value split like a shell would."""
+    return tuple(a for value in values for a in shlex.split(value))
+
+
+def _hosts_arg(hosts: str | None, hostfile: str | None) -> str | None:
+    if hosts is not None and hostfile is not None:
+        raise ConfigError(f"--hosts/-H {hosts} and --hostfile {hostfile} both given; give one")
+    return hosts if hosts is not None else hostfile
+
+
+def _server_start_timeout(timeout: float | None, deprecated: float | None) -> float:
+    """--server-start-timeout, or the deprecated --start-timeout (with a warning)."""
+    if deprecated is None:
+        return 60.0 if timeout is None else timeout
+    if timeout is not None:
+        raise ConfigError(f"--start-timeout {deprecated:g} and --server-start-timeout "
+                          f"{timeout:g} both given; drop --start-timeout (deprecated)")
+    _say(f"warning: --start-timeout {deprecated:g} is deprecated; it is the servers' start "
+         f"timeout here, --server-start-timeout {deprecated:g} (horovodrun's --start-timeout, "
+         f"for the workers, is --horovodrun-arg=--start-timeout=S)")
+    return deprecated
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = parse_args(argv)
+        logs.configure(config.log_level)
+        return run(config)
+    except ConfigError as exc:
+        _say(f"error: {exc}")
+        return 2
+    except ParallaxError as exc:
+        _say(f"error: {exc}")
+        return 1

@@ -1,0 +1,25 @@
+"""The shard-count tuner: per sparse table, how many shards and on which servers.
+
+Pure Python (numpy, no TensorFlow), torchrec-style, one role per module: `types` (value
+types and `PlannerError`), `enumerators` (allowed counts), `estimators` (every cost),
+`proposers` (what to try), `placer` (shards onto servers) and `planner` (all of it, cached).
+"""
+from parallax.placement.partitioner.enumerators import ShardCountEnumerator
+from parallax.placement.partitioner.estimators import (ServerLoadEstimator, StepTimeEstimator,
+                                                       bytes_per_shard, prior_cost,
+                                                       requests_per_step, shard_access_shares,
+                                                       shard_bytes)
+from parallax.placement.partitioner.placer import place
+from parallax.placement.partitioner.planner import DEFAULT_PROPOSERS, Planner, fit_report
+from parallax.placement.partitioner.proposers import (GreedyProposer, GridProposer,
+                                                      ModelFitProposer, Proposer)
+from parallax.placement.partitioner.types import (ClusterProfile, CostPrior, FitPoint, Measurement,
+                                                  PlannerError, ShardingPlan, TableCost,
+                                                  TablePlacement, TableProfile)
+
+__all__ = ["ClusterProfile", "CostPrior", "DEFAULT_PROPOSERS", "FitPoint", "GreedyProposer",
+           "GridProposer", "Measurement", "ModelFitProposer", "Planner", "PlannerError",
+           "Proposer", "ServerLoadEstimator", "ShardCountEnumerator", "ShardingPlan",
+           "StepTimeEstimator", "TableCost", "TablePlacement", "TableProfile",
+           "bytes_per_shard", "fit_report", "place", "prior_cost", "requests_per_step",
+           "shard_access_shares", "shard_bytes"]

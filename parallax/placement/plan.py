@@ -1,0 +1,260 @@
+"""The placement plan: for every trainable variable, sparse or dense (with the reason), where
+it lives (parameter servers or replicated and all-reduced), its size and shard count.
+
+Built once, at the first training step, from what graph inspection saw; the same on every
+worker (checked), logged once by the chief, and exposed as `strategy.plan`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from parallax.errors import ConfigError
+
+RUN_MODES = ("hybrid", "ps", "allreduce")
+# A table is split into shards of at least this size by default. Every shard costs each
+# worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
+# Python gRPC (measured: LM and CTR benchmarks, docs/benchmarks.md), while what sharding buys,
+# spreading one table's memory and rows over servers, matters only for big tables; small
+# tables are spread over the servers whole (see `place_shards`).
+SHARD_MIN_BYTES = 64 << 20
+PLACEMENTS = ("ps", "allreduce")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Everything the user can choose; the defaults train synchronously in hybrid mode."""
+
+    mode: str = "hybrid"
+    sync: bool = True
+    ps_addresses: tuple[str, ...] | None = None
+    run_id: str | None = None
+    embedded_servers: int = 2
+    local_aggregation: bool = False
+    placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
+    shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
+    log_plan: bool = True
+    fuse: bool = True  # one pull and one push op per traced step (parallax.tf.fusion)
+    checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
+
+    def __post_init__(self) -> None:
+        if self.mode not in RUN_MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
+        for name, where in self.placement.items():
+            if where not in PLACEMENTS:
+                raise ConfigError(f"placement of {name!r} is {where!r}; use 'ps' (rows on the "
+                                  f"parameter servers) or 'allreduce' (replicated)")
+        if not _is_count(self.embedded_servers):
+            raise ConfigError(f"embedded_servers must be an int >= 1, got "
+                              f"{self.embedded_servers!r}")
+        if not _is_count(self.checkpoints_kept):
+            raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
+                              f"checkpoints kept), got {self.checkpoints_kept!r}")
+        shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
+        for count in shards:
+            if count is not None and not _is_count(count):
+                raise ConfigError(f"shards must be positive ints, got {count!r}")
+
+
+def _is_count(value) -> bool:
+    """An int >= 1 (a bool is no count, though Python makes it an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a variable dtype name (bfloat16 included, which numpy lacks)."""
+    return 2 if dtype in ("float16", "bfloat16") else 8 if dtype in ("float64", "int64") else 4
+
+
+@dataclass(frozen=True)
+class VariableInfo:
+    """What the planner knows about one variable before deciding."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    gather_only: bool
+    read_reason: str
+    gradient: str  # "IndexedSlices", "Tensor" or "none"
+
+    @property
+    def bytes(self) -> int:
+        return int(math.prod(self.shape)) * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    index: int
+    name: str
+    kind: str        # "sparse" or "dense"
+    placement: str   # "ps" or "allreduce"
+    reason: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    shards: int      # 0 for replicated variables
+    table: str = ""  # the table's name on the servers
+    servers: tuple[int, ...] = ()  # server of each shard (see place_shards)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    sync: bool
+    num_servers: int
+    num_workers: int
+    variables: tuple[VariablePlan, ...]
+    # How each lookup of a table travels (parallax.tf.fusion.LookupReport), once a training
+    # step has been traced for real; not part of what workers must agree on.
+    lookups: tuple = ()
+
+    @property
+    def on_servers(self) -> tuple[VariablePlan, ...]:
+        return tuple(v for v in self.variables if v.placement == "ps")
+
+    @property
+    def replicated(self) -> tuple[VariablePlan, ...]:
+        return tuple(v for v in self.variables if v.placement == "allreduce")
+
+    def get(self, name: str) -> VariablePlan:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise KeyError(f"no variable {name!r} in the plan; known: "
+                       f"{', '.join(v.name for v in self.variables)}")
+
+    def signature(self) -> tuple:
+        """What every worker must agree on."""
+        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers)
+                     for v in self.variables)
+
+    def summary(self) -> str:
+        ps, rep = self.on_servers, self.replicated
+        mb = lambda vs: sum(v.bytes for v in vs) / 2**20  # noqa: E731
+        head = (f"parallax plan ({self.mode}, {'sync' if self.sync else 'async'}, "
+                f"{self.num_workers} worker(s), {self.num_servers} server(s)): "
+                f"{len(ps)} variable(s) on the servers ({mb(ps):.1f} MB), "
+                f"{len(rep)} replicated and all-reduced ({mb(rep):.1f} MB)")
+        if self.mode == "hybrid" and not ps:
+            head += "; no sparse variables: running as pure all-reduce"
+        elif self.mode == "hybrid" and not rep:
+            head += "; no dense variables: running as pure parameter server"
+        return head
+
+    def format(self) -> str:
+        rows = [("variable", "kind", "placement", "shape", "MB", "shards", "reason")]
+        for v in self.variables:
+            rows.append((v.name, v.kind, v.placement, "x".join(map(str, v.shape)) or "scalar",
+                         f"{v.bytes / 2**20:.2f}", _shards_text(v), v.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
+                 for r in rows]
+        return self.summary() + "\n" + "\n".join(lines) + self.format_lookups()
+
+    def format_lookups(self) -> str:
+        """The traced step's lookups: fused into one request per server, or why not."""
+        if not self.lookups:
+            return ""
+        fused = sum(1 for r in self.lookups if r.fused)
+        head = (f"\nlookups: {fused} of {len(self.lookups)} fused into one pull and one push "
+                f"per server per step")
+        width = max(len(r.variable) for r in self.lookups)
+        return head + "".join(f"\n  {r.variable.ljust(width)}  "
+                              f"{'fused' if r.fused else 'own request'}: {r.reason}"
+                              for r in self.lookups)
+
+
+def _shards_text(v: VariablePlan) -> str:
+    """"2 @ 0,1": the shard count and the server of each shard."""
+    if not v.shards:
+        return "-"
+    return f"{v.shards} @ {','.join(map(str, v.servers))}" if v.servers else str(v.shards)
+
+
+def table_name(run_id: str, index: int, name: str) -> str:
+    clean = re.sub(r"[^A-Za-z0-9_.-]", "_", name.split(":")[0]).strip("._-") or "var"
+    return f"{run_id}.v{index}.{clean}"[:128]
+
+
+def _kind(info: VariableInfo) -> tuple[str, str]:
+    if not info.gather_only:
+        return "dense", info.read_reason
+    if info.gradient == "Tensor":
+        return "dense", "gathered, but its gradient is a dense Tensor"
+    return "sparse", info.read_reason + (
+        "; gradient IndexedSlices" if info.gradient == "IndexedSlices" else "")
+
+
+def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[str, str]:
+    override = config.placement.get(info.name)
+    if override is not None:
+        return override, f"placed on {override} by the user"
+    if config.mode == "ps":
+        return "ps", ""
+    if config.mode == "allreduce":
+        return "allreduce", ""
+    return ("ps" if kind == "sparse" else "allreduce"), ""
+
+
+def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
+    wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
+        else config.shards
+    rows = info.shape[0] if info.shape else 1
+    if wanted is None:
+        wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
+    return max(1, min(wanted, rows))
+
+
+def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
+                 keep: Mapping[int, tuple[int, ...]] | None = None
+                 ) -> dict[int, tuple[int, ...]]:
+    """Server of every shard, balancing bytes: biggest tables first, each shard onto the
+    least-loaded server its table does not use yet (lowest index on ties), so one-shard
+    tables spread over the servers instead of all landing on server 0. Deterministic: every
+    worker computes the same placement from the same plan. Tables in `keep` (index ->
+    servers) stay where they are and count as load (resharding some tables of a job)."""
+    load = [0.0] * max(1, num_servers)
+    keep = keep or {}
+    placed: dict[int, tuple[int, ...]] = {}
+    for v in variables:
+        if v.index in keep:
+            placed[v.index] = tuple(keep[v.index])
+            for server in placed[v.index]:
+                load[server] += v.bytes / len(placed[v.index])
+    for v in sorted((v for v in variables if v.placement == "ps" and v.index not in keep),
+                    key=lambda v: (-v.bytes, v.index)):
+        share = v.bytes / v.shards
+        servers: list[int] = []
+        for _ in range(v.shards):
+            free = [i for i in range(len(load)) if i not in servers] or list(range(len(load)))
+            best = min(free, key=lambda i: (load[i], i))
+            servers.append(best)
+            load[best] += share
+        placed[v.index] = tuple(servers)
+    return placed
+
+
+def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
+              num_servers: int, num_workers: int) -> Plan:
+    names = {i.name for i in infos}
+    for option, given in (("placement", config.placement), ("shards", config.shards)):
+        unknown = set(given) - names if isinstance(given, Mapping) else set()
+        if unknown:
+            raise ConfigError(f"{option} names {sorted(unknown)} match no trainable variable; "
+                              f"known: {', '.join(i.name for i in infos)}")
+    plans = []
+    for info in sorted(infos, key=lambda i: i.index):
+        kind, reason = _kind(info)
+        placement, why = _placement(config, info, kind)
+        on_ps = placement == "ps"
+        plans.append(VariablePlan(
+            index=info.index, name=info.name, kind=kind, placement=placement,
+            reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
+            bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
+            table=table_name(run_id, info.index, info.name) if on_ps else ""))
+    placed = place_shards(tuple(plans), num_servers)
+    plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
+    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))

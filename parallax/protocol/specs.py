@@ -1,0 +1,411 @@
+"""Typed, validated specs of tables, initializers and server-side optimizers.
+
+One dataclass per concept, each with `to_proto`/`from_proto`; client and server both validate
+through these, so a bad spec fails the same way on either side with a message naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence, Union, get_args
+
+import numpy as np
+
+from parallax.errors import ConfigError
+from parallax.protocol import wire
+from parallax.ps.v1 import ps_pb2
+
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_INIT_KINDS = {
+    "zeros": ps_pb2.InitializerSpec.ZEROS,
+    "constant": ps_pb2.InitializerSpec.CONSTANT,
+    "uniform": ps_pb2.InitializerSpec.RANDOM_UNIFORM,
+    "normal": ps_pb2.InitializerSpec.RANDOM_NORMAL,
+    "truncated_normal": ps_pb2.InitializerSpec.TRUNCATED_NORMAL,
+}
+_PARTITIONS = {"mod": ps_pb2.MOD, "range": ps_pb2.RANGE}
+_SYNC_MODES = {"sync": ps_pb2.SYNC, "async": ps_pb2.ASYNC}
+_AGGREGATIONS = {"sum": ps_pb2.SUM, "mean": ps_pb2.MEAN}
+
+
+def _lookup(table: dict, value: object, what: str) -> object:
+    if value not in table:
+        raise ConfigError(f"{what} {value!r} is not supported; use one of {sorted(table)}")
+    return table[value]
+
+
+def _reverse(table: dict, code: int, what: str) -> str:
+    for name, c in table.items():
+        if c == code:
+            return name
+    raise ConfigError(f"{what} code {code} is unset or unknown; use one of {sorted(table)}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """Initial row values; random kinds are a pure function of (seed, row id, column)."""
+
+    kind: str = "zeros"
+    value: float = 0.0
+    minval: float = -0.05
+    maxval: float = 0.05
+    mean: float = 0.0
+    stddev: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _lookup(_INIT_KINDS, self.kind, "initializer kind")
+        for name in ("value", "minval", "maxval", "mean", "stddev"):
+            number = getattr(self, name)
+            _require(math.isfinite(number), f"initializer {name} must be a finite number, got "
+                     f"{number}; NaN/Inf initial values are refused")
+        _require(self.kind != "uniform" or self.minval < self.maxval,
+                 f"uniform initializer needs minval < maxval, got [{self.minval}, {self.maxval})")
+        _require(self.stddev >= 0, f"initializer stddev must be >= 0, got {self.stddev}")
+        _require(0 <= self.seed < 2**64, f"initializer seed must be in [0, 2**64), got {self.seed}")
+
+    def largest(self) -> float:
+        """The largest magnitude an initial value (or, for uniform, the width it is drawn
+        from, in float64) can take; normal draws stay within 8.6 standard deviations, as they
+        come from 53-bit uniforms."""
+        reach = {"zeros": 0.0, "constant": abs(self.value),
+                 "uniform": max(abs(self.minval), abs(self.maxval), self.maxval - self.minval),
+                 "normal": abs(self.mean) + 8.6 * self.stddev,
+                 "truncated_normal": abs(self.mean) + 2.0 * self.stddev}
+        return reach[self.kind]
+
+    def to_proto(self) -> ps_pb2.InitializerSpec:
+        return ps_pb2.InitializerSpec(
+            kind=_INIT_KINDS[self.kind], value=self.value, minval=self.minval,
+            maxval=self.maxval, mean=self.mean, stddev=self.stddev, seed=self.seed)
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.InitializerSpec) -> "Initializer":
+        return cls(kind=_reverse(_INIT_KINDS, msg.kind, "initializer kind"), value=msg.value,
+                   minval=msg.minval, maxval=msg.maxval, mean=msg.mean, stddev=msg.stddev,
+                   seed=msg.seed)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Keras 3 `SGD`: plain, momentum, or Nesterov momentum."""
+
+    learning_rate: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    kind: ClassVar[str] = "sgd"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(0 <= self.momentum <= 1, f"SGD momentum must be in [0, 1], got {self.momentum}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum != 0 else ()
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """Keras 3 `Adagrad`."""
+
+    learning_rate: float = 0.001
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+    kind: ClassVar[str] = "adagrad"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(self.initial_accumulator_value >= 0,
+                 f"Adagrad initial_accumulator_value must be >= 0, "
+                 f"got {self.initial_accumulator_value}")
+        _require(self.epsilon >= 0, f"Adagrad epsilon must be >= 0, got {self.epsilon}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator",)
+
+
+@dataclass(frozen=True)
+class _Moments:
+    """The hyper-parameters Adam, Adamax and Nadam share (Keras 3's names and defaults)."""
+
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        owner = type(self).__name__
+        for name in ("beta_1", "beta_2"):
+            beta = getattr(self, name)
+            _require(0 <= beta < 1, f"{owner} {name} must be in [0, 1), got {beta}")
+        _require(self.epsilon >= 0, f"{owner} epsilon must be >= 0, got {self.epsilon}")
+
+
+@dataclass(frozen=True)
+class Adam(_Moments):
+    """Keras 3 `Adam` (optionally AMSGrad), applied lazily to the rows a step touches."""
+
+    amsgrad: bool = False
+    kind: ClassVar[str] = "adam"
+
+    def slot_names(self) -> tuple[str, ...]:
+        moments = ("momentum", "velocity")
+        return moments + ("velocity_hat",) if self.amsgrad else moments
+
+
+@dataclass(frozen=True)
+class Ftrl:
+    """Keras 3 `Ftrl`."""
+
+    learning_rate: float = 0.001
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+    beta: float = 0.0
+    kind: ClassVar[str] = "ftrl"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(self.learning_rate_power <= 0,
+                 f"Ftrl learning_rate_power must be <= 0, got {self.learning_rate_power}")
+        _require(self.initial_accumulator_value >= 0,
+                 f"Ftrl initial_accumulator_value must be >= 0, "
+                 f"got {self.initial_accumulator_value}")
+        for name in ("l1_regularization_strength", "l2_regularization_strength",
+                     "l2_shrinkage_regularization_strength", "beta"):
+            value = getattr(self, name)
+            _require(value >= 0, f"Ftrl {name} must be >= 0, got {value}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator", "linear")
+
+
+@dataclass(frozen=True)
+class RMSprop:
+    """Keras 3 `RMSprop`, plain, with momentum and/or centered, applied lazily."""
+
+    learning_rate: float = 0.001
+    rho: float = 0.9
+    momentum: float = 0.0
+    epsilon: float = 1e-7
+    centered: bool = False
+    kind: ClassVar[str] = "rmsprop"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(0 <= self.rho <= 1, f"RMSprop rho must be in [0, 1], got {self.rho}")
+        _require(0 <= self.momentum <= 1,
+                 f"RMSprop momentum must be in [0, 1], got {self.momentum}")
+        _require(self.epsilon >= 0, f"RMSprop epsilon must be >= 0, got {self.epsilon}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + \
+            (("average_gradient",) if self.centered else ())
+
+
+@dataclass(frozen=True)
+class Adamax(_Moments):
+    """Keras 3 `Adamax`, applied lazily to the rows a step touches."""
+
+    kind: ClassVar[str] = "adamax"
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "norm")
+
+
+@dataclass(frozen=True)
+class Nadam(_Moments):
+    """Keras 3 `Nadam`, applied lazily; its `u_product` is a function of the table's step."""
+
+    kind: ClassVar[str] = "nadam"
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "velocity")
+
+
+@dataclass(frozen=True)
+class Lion:
+    """Keras 3 `Lion` (sign update), applied lazily to the rows a step touches."""
+
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    kind: ClassVar[str] = "lion"
+
+    def __post_init__(self) -> None:
+        _check_learning_rate(self.learning_rate)
+        _require(0 < self.beta_1 <= 1, f"Lion beta_1 must be in (0, 1], got {self.beta_1}")
+        _require(0 <= self.beta_2 <= 1, f"Lion beta_2 must be in [0, 1], got {self.beta_2}")
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",)
+
+
+# The one list of server-side optimizers: a new one is a dataclass above (fields named as in
+# Keras and in its proto message), its entry here, its message in the OptimizerSpec oneof of
+# ps.proto (field name = `kind`) and its update in servers/parallax_ps/optimizers.py.
+OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl, RMSprop, Adamax, Nadam, Lion]
+_OPTIMIZERS: dict[str, type] = {cls.kind: cls for cls in get_args(OptimizerSpec)}
+SERVER_OPTIMIZERS = ", ".join(cls.__name__ for cls in _OPTIMIZERS.values())
+
+
+def _check_learning_rate(lr: float) -> None:
+    _require(math.isfinite(lr) and lr > 0, f"learning_rate must be a finite number > 0, got {lr}")
+
+
+def optimizer_to_proto(opt: OptimizerSpec) -> ps_pb2.OptimizerSpec:
+    if type(opt) not in _OPTIMIZERS.values():
+        raise ConfigError(f"optimizer {opt!r} is not a server-side optimizer; use one of "
+                          f"{SERVER_OPTIMIZERS} from parallax.protocol.specs")
+    return ps_pb2.OptimizerSpec(**{opt.kind: dataclasses.asdict(opt)})
+
+
+def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ConfigError(f"optimizer is unset; use one of {sorted(_OPTIMIZERS)}")
+    payload = getattr(msg, kind)
+    cls = _OPTIMIZERS[kind]
+    return cls(**{f.name: getattr(payload, f.name) for f in dataclasses.fields(cls)})
+
+
+def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> OptimizerSpec:
+    """The server-side twin of a Keras 3 optimizer: same class, same hyper-parameters.
+    `tables`: the variables bound for the servers, named in the refusal of an optimizer the
+    servers do not have."""
+    name = type(optimizer).__name__.lower()
+    if name not in _OPTIMIZERS:
+        keras_name = type(optimizer).__name__
+        placement = {table: "allreduce" for table in (list(tables) or ["<variable name>"])}
+        raise ConfigError(
+            f"Keras optimizer {keras_name} has no server-side version (the parameter servers "
+            f"apply {SERVER_OPTIMIZERS}); compile with one of those, or keep the tables on the "
+            f"workers, all-reduced and updated by {keras_name} there: "
+            f"ParallaxStrategy(placement={placement!r}) for these tables, or "
+            f"ParallaxStrategy(mode='allreduce') for every variable")
+    config = optimizer.get_config()
+    for unsupported in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
+        if config.get(unsupported):
+            raise ConfigError(f"Keras optimizer option {unsupported}={config[unsupported]!r} is "
+                              f"not applied on the parameter servers; remove it or clip on "
+                              f"the worker before pushing")
+    cls = _OPTIMIZERS[name]
+    values = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+    values["learning_rate"] = float(optimizer.learning_rate.numpy()
+                                    if hasattr(optimizer.learning_rate, "numpy")
+                                    else optimizer.learning_rate)
+    return cls(**values)
+
+
+def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
+    """The per-row state a server keeps for this optimizer, besides the values (Keras' names
+    of its optimizer variables)."""
+    return spec.slot_names()
+
+
+def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
+    """A slot's value before a row's first update: `initial_<name>_value` where the spec has
+    one (Adagrad's and Ftrl's accumulator), else 0, as in Keras."""
+    return float(getattr(spec, f"initial_{name}_value", 0.0))
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A sparse table as every shard of it sees it."""
+
+    name: str
+    dim: int
+    vocabulary_size: int = 0
+    hashed_keys: bool = False
+    max_rows_per_shard: int = 0
+    dtype: str = "float32"
+    initializer: Initializer = field(default_factory=Initializer)
+    optimizer: OptimizerSpec = field(default_factory=SGD)
+    shard_count: int = 1
+    partition: str = "mod"
+    num_workers: int = 1
+    sync_mode: str = "sync"
+    aggregation: str = "sum"
+    allow_non_finite: bool = False
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(_TABLE_NAME.match(self.name)),
+                 f"table name {self.name!r} is invalid; use 1-128 letters, digits, '_', '.', '-'"
+                 f" not starting with '.' or '-'")
+        _require(isinstance(self.dim, int) and self.dim > 0,
+                 f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
+        if self.hashed_keys:
+            _require(self.vocabulary_size == 0, f"table {self.name!r}: hashed_keys tables take "
+                     f"any int64 key; set vocabulary_size=0, got {self.vocabulary_size}")
+            _require(self.partition == "mod", f"table {self.name!r}: hashed_keys tables route by "
+                     f"key hash; partition must be 'mod', got {self.partition!r}")
+            _require(self.max_rows_per_shard >= 0, f"table {self.name!r}: max_rows_per_shard "
+                     f"must be >= 0, got {self.max_rows_per_shard}")
+        else:
+            _require(isinstance(self.vocabulary_size, int) and self.vocabulary_size > 0,
+                     f"table {self.name!r}: vocabulary_size must be > 0 (or set hashed_keys=True)"
+                     f", got {self.vocabulary_size!r}")
+            _require(self.max_rows_per_shard == 0, f"table {self.name!r}: max_rows_per_shard "
+                     f"applies to hashed_keys tables only")
+        _require(self.dtype in ("float32", "float64"), f"table {self.name!r}: dtype must be "
+                 f"'float32' or 'float64', got {self.dtype!r}")
+        largest = float(np.finfo(self.dtype).max)
+        _require(self.initializer.largest() <= largest, f"table {self.name!r}: the "
+                 f"{self.initializer.kind} initializer can reach {self.initializer.largest():g}, "
+                 f"beyond the largest {self.dtype} ({largest:g}); initial values would be "
+                 f"infinite: use smaller initializer values or dtype 'float64'")
+        _require(type(self.optimizer) in _OPTIMIZERS.values(), f"table {self.name!r}: optimizer "
+                 f"{self.optimizer!r} is not one of parallax.protocol.specs {SERVER_OPTIMIZERS}")
+        _require(isinstance(self.shard_count, int) and self.shard_count >= 1,
+                 f"table {self.name!r}: shard_count must be >= 1, got {self.shard_count!r}")
+        _require(self.hashed_keys or self.shard_count <= self.vocabulary_size,
+                 f"table {self.name!r}: shard_count {self.shard_count} exceeds vocabulary_size "
+                 f"{self.vocabulary_size}; use at most {self.vocabulary_size} shards")
+        _lookup(_PARTITIONS, self.partition, f"table {self.name!r}: partition")
+        _require(isinstance(self.num_workers, int) and self.num_workers >= 1,
+                 f"table {self.name!r}: num_workers must be >= 1, got {self.num_workers!r}")
+        _lookup(_SYNC_MODES, self.sync_mode, f"table {self.name!r}: sync_mode")
+        _lookup(_AGGREGATIONS, self.aggregation, f"table {self.name!r}: aggregation")
+
+    def to_proto(self) -> ps_pb2.TableSpec:
+        return ps_pb2.TableSpec(
+            name=self.name, vocabulary_size=self.vocabulary_size, hashed_keys=self.hashed_keys,
+            max_rows_per_shard=self.max_rows_per_shard, dim=self.dim,
+            dtype=wire.dtype_code(self.dtype), initializer=self.initializer.to_proto(),
+            optimizer=optimizer_to_proto(self.optimizer), shard_count=self.shard_count,
+            partition=_PARTITIONS[self.partition], num_workers=self.num_workers,
+            sync_mode=_SYNC_MODES[self.sync_mode], aggregation=_AGGREGATIONS[self.aggregation],
+            allow_non_finite=self.allow_non_finite)
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSpec":
+        try:
+            dtype = wire.dtype_name(msg.dtype)
+        except wire.WireError as exc:
+            raise ConfigError(f"table {msg.name!r}: {exc}") from None
+        return cls(
+            name=msg.name, dim=msg.dim, vocabulary_size=msg.vocabulary_size,
+            hashed_keys=msg.hashed_keys, max_rows_per_shard=msg.max_rows_per_shard, dtype=dtype,
+            initializer=Initializer.from_proto(msg.initializer),
+            optimizer=optimizer_from_proto(msg.optimizer), shard_count=msg.shard_count,
+            partition=_reverse(_PARTITIONS, msg.partition, "partition"),
+            num_workers=msg.num_workers,
+            sync_mode=_reverse(_SYNC_MODES, msg.sync_mode, "sync_mode"),
+            aggregation=_reverse(_AGGREGATIONS, msg.aggregation, "aggregation"),
+            allow_non_finite=msg.allow_non_finite)
+
+    def describe_difference(self, other: "TableSpec") -> str:
+        """'dim 64 != 32, ...': the fields in which two specs of one table disagree."""
+        pairs = [(f.name, getattr(self, f.name), getattr(other, f.name))
+                 for f in dataclasses.fields(self)]
+        diffs = [f"{name} {mine!r} != {theirs!r}" for name, mine, theirs in pairs if mine != theirs]
+        return ", ".join(diffs)

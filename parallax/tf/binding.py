@@ -1,0 +1,218 @@
+"""Put a plan into effect: check that every worker made the same plan, create the tables on
+the servers (the chief streams the initial values once), bind each variable to its table and
+release the worker's copy, and broadcast rank 0's replicated variables.
+
+Failures on the chief are broadcast to the other workers before it raises, so no worker is
+left waiting in a collective for a peer that gave up.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from parallax.client import ClientOptions, PSClient
+from parallax.errors import ConfigError, ParallaxError
+from parallax.launch.cluster import ClusterSpec
+from parallax.placement.capacity import check_fits
+from parallax.placement.plan import Plan, VariablePlan
+from parallax.protocol.malloc_tuning import return_freed_memory
+from parallax.protocol.security import client_options_from_env
+from parallax.protocol.specs import Initializer, TableSpec, optimizer_from_keras
+from parallax.tf.collectives import HorovodWorkers, SingleWorker
+from parallax.tf.keras_support import slots_of
+from parallax.tf.remote import RemoteTable
+from parallax.tf.variables import ParallaxVariable
+
+log = logging.getLogger("parallax")
+
+Workers = SingleWorker | HorovodWorkers
+
+
+def check_agreement(plan: Plan, workers: Workers) -> None:
+    """Every worker must plan the same variables with the same shapes: the alternative is a
+    collective that hangs or tables that silently mix two models."""
+    signatures = workers.allgather_object(plan.signature())
+    chief = signatures[0]
+    for rank, other in enumerate(signatures[1:], start=1):
+        if other == chief:
+            continue
+        if len(other) != len(chief):
+            raise ConfigError(f"workers disagree on the model: worker 0 has {len(chief)} "
+                              f"trainable variables, worker {rank} has {len(other)}; every "
+                              f"worker must build the same model")
+        for mine, theirs in zip(chief, other):
+            if mine != theirs:
+                raise ConfigError(
+                    f"workers disagree on the model: variable #{mine[0]} is {mine[1]!r} "
+                    f"shape {mine[2]} {mine[3]} ({mine[4]}) on worker 0 but {theirs[1]!r} "
+                    f"shape {theirs[2]} {theirs[3]} ({theirs[4]}) on worker {rank}; every "
+                    f"worker must build the same model")
+
+
+def on_every_worker(workers: Workers, work: Callable[[], None], failed: str) -> None:
+    """Run `work` here; if it fails on any worker, every worker raises (none is left
+    waiting in the next collective for a peer that gave up). `failed` completes
+    "worker R ...: <error>" in the message the others raise."""
+    error = None
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - shared with the peers, then re-raised
+        error = exc
+    messages = workers.allgather_object(None if error is None else f"{error}")
+    if error is not None:
+        raise error
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise ParallaxError(f"worker {rank} {failed}: {message}")
+
+
+def on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
+    """`work` on rank 0 only; the others wait for it, and raise its error if it fails."""
+    on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
+
+
+_SERVER_INITIALIZERS = {  # Keras initializer -> the servers' (config keys kept)
+    "RandomUniform": ("uniform", ("minval", "maxval")),
+    "RandomNormal": ("normal", ("mean", "stddev")),
+    "TruncatedNormal": ("truncated_normal", ("mean", "stddev")),
+    "Zeros": ("zeros", ()),
+    "Constant": ("constant", ("value",)),
+}
+
+
+def server_initializer(var: ParallaxVariable, key: str, stream_limit: int) -> Initializer | None:
+    """For a table too big to stream cheaply (over `stream_limit` bytes) whose Keras
+    initializer the servers implement: that initializer, drawn on the servers row by row when
+    first touched, so no worker computes or sends the table (the values follow the same
+    distribution, not the same draws; an unseeded initializer gets a seed from `key`, the
+    same on every worker and in every run of the model). None: stream the initial values."""
+    initializer = var.keras_initializer
+    if initializer is None or var.shape.num_elements() * var.dtype.size <= stream_limit:
+        return None
+    name = "Constant" if type(initializer).__name__ == "Ones" else type(initializer).__name__
+    if name not in _SERVER_INITIALIZERS:
+        return None
+    kind, keys = _SERVER_INITIALIZERS[name]
+    config = initializer.get_config()
+    values = {key: float(config.get(key, 1.0)) for key in keys}
+    seed = config.get("seed")
+    seed = seed if isinstance(seed, int) and seed >= 0 else zlib.crc32(key.encode())
+    return Initializer(kind, seed=seed, **values)
+
+
+def _table_spec(vp: VariablePlan, var: tf.Variable, optimizer_spec, *, sync: bool,
+                pushers: int, initializer: Initializer | None) -> TableSpec:
+    shape = var.shape.as_list()
+    rows = shape[0] if shape else 1
+    dim = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=var.dtype.name,
+                     initializer=initializer or Initializer("zeros"), optimizer=optimizer_spec,
+                     shard_count=vp.shards, num_workers=pushers,
+                     sync_mode="sync" if sync else "async", aggregation="sum")
+
+
+class TableBinder:
+    """Creates and binds the tables of one plan; owns the PS client."""
+
+    def __init__(self, plan: Plan, cluster: ClusterSpec, workers: Workers,
+                 options: ClientOptions | None, connect_timeout: float,
+                 local_aggregation: bool, init_chunk_bytes: int = 8 << 20) -> None:
+        self.plan = plan
+        self.cluster = cluster
+        self.workers = workers
+        if not cluster.embedded:  # a launched job's credentials (parallax run --secure)
+            options = client_options_from_env(options)
+        self.client = PSClient(cluster.ps_addresses, options)
+        self.connect_timeout = connect_timeout
+        self.init_chunk_bytes = init_chunk_bytes
+        info = workers.info
+        self.pushers = info.size // info.local_size if local_aggregation else info.size
+        self.sends_pushes = info.local_rank == 0 if local_aggregation else True
+        self.pusher_index = info.rank // info.local_size if local_aggregation else info.rank
+        self.remotes: dict[int, RemoteTable] = {}
+
+    def bind(self, variables: dict[int, ParallaxVariable], optimizer,
+             restore: Callable[[PSClient], bool] | None = None) -> dict[int, RemoteTable]:
+        """Create and bind the plan's tables. `restore` (a resumed job): the chief calls it
+        on the created tables instead of filling them with initial values; when it returns
+        False (no checkpoint to load), they are filled from the variables as usual."""
+        on_servers = self.plan.on_servers
+        if optimizer is None:
+            raise ConfigError(
+                f"{len(on_servers)} variable(s) go to the parameter servers, which apply the "
+                f"optimizer themselves, but no Keras optimizer updated them in the traced "
+                f"step; update variables with a keras.optimizers optimizer "
+                f"(apply_gradients / fit), or use mode='allreduce'")
+        optimizer_spec = optimizer_from_keras(optimizer, [vp.name for vp in on_servers])
+        on_server_init = {vp.index: server_initializer(variables[vp.index],
+                                                       f"{vp.index}:{vp.name}",
+                                                       self.init_chunk_bytes)
+                          for vp in on_servers}
+        specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
+                             pushers=self.pushers, initializer=on_server_init[vp.index])
+                 for vp in on_servers]
+        on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout),
+                        "could not reach the parameter servers")
+
+        def create_and_fill() -> None:
+            memory = [reply.memory_bytes for reply in self.client.stats().values()]
+            check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
+                       memory)
+            tables = [self.client.create_table(spec, vp.servers or None)
+                      for vp, spec in zip(on_servers, specs)]
+            if restore is not None and restore(self.client):
+                return  # the checkpoint replaced whatever the tables held
+            for vp, spec, table in zip(on_servers, specs, tables):
+                fill(vp, spec, table)
+
+        def fill(vp: VariablePlan, spec: TableSpec, table) -> None:
+            applied = table.wait_step(0)
+            if applied:
+                raise ConfigError(
+                    f"table {spec.name!r} already exists on the servers and has applied "
+                    f"{applied} steps: another job, or an earlier run, used run id "
+                    f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
+                    f" or restart the servers. Nothing was changed")
+            if on_server_init[vp.index] is not None:
+                return  # drawn by the servers
+            for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
+                ids = np.arange(first, first + len(rows), dtype=np.int64)
+                table.assign(ids, rows.reshape(len(rows), spec.dim))
+
+        on_chief(self.workers, create_and_fill,
+                  "failed to set up the parameter-server tables")
+        return_freed_memory()
+        for vp, spec in zip(on_servers, specs):
+            # idempotent; a differing spec is refused
+            table = self.client.create_table(spec, vp.servers or None)
+            var = variables[vp.index]
+            remote = RemoteTable(vp.name, var.shape, var.dtype, table, sync=self.plan.sync,
+                                 worker=self.pusher_index, sends_pushes=self.sends_pushes)
+            var.bind_remote(remote)
+            for slot in slots_of(optimizer, var):
+                if isinstance(slot, ParallaxVariable):
+                    slot.release_as_constant()
+            self.remotes[vp.index] = remote
+        return self.remotes
+
+
+def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
+    """Rank 0's values for every variable the workers keep (dense weights, their slots)."""
+    local = [v for v in variables if getattr(v, "_parallax_remote", None) is None
+             and getattr(v, "_parallax_fill", None) is None  # released slots stay empty
+             and v.synchronization != tf.VariableSynchronization.ON_READ]  # per worker
+    workers.broadcast_variables(local)
+
+
+def log_plan(plan: Plan, workers: Workers) -> None:
+    if workers.info.is_chief:
+        log.info("%s", plan.format())
+
+
+def log_lookups(plan: Plan, workers: Workers) -> None:
+    if workers.info.is_chief:
+        log.info("%s", plan.format_lookups().lstrip("\n"))

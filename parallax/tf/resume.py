@@ -1,0 +1,349 @@
+"""Exact resume through TensorFlow's and Keras' own checkpoints: the tables' rows, optimizer
+slots and step travel with `tf.train.Checkpoint` / `CheckpointManager`, Keras
+`BackupAndRestore`, `ModelCheckpoint`, `save_weights` and `model.save`, by reference.
+
+Every Keras optimizer built in a `ParallaxStrategy`'s scope gets one more attribute,
+`parallax_server_tables`: the strategy's `ServerTables`, both a TF trackable and a Keras
+saveable, so both formats find it next to the optimizer's own state.
+- Saving it makes the chief wait until the servers applied every step it pushed, then has
+  the servers write a checkpoint of every table (`PSClient.save`: a new directory, sealed by
+  a checksummed manifest, the newest `checkpoints_kept` kept) under `resume/<run id>` in
+  their data directory. The file gets a small JSON reference to it: path, checkpoint name,
+  and per variable (by creation order in the strategy, as the plan numbers them) its name,
+  its table's name and its step. Other workers write no server checkpoint
+  (a file of theirs says so, and restoring it is refused).
+- Restoring it loads that checkpoint into the servers; every worker restores (each may read
+  its own file, as Keras' per-worker backups do: all follow the chief's reference). Before
+  the first training step (the usual resume: a new process restores, then trains) the
+  reference waits: the plan then names the tables as saved, and the chief fills them from
+  the checkpoint instead of initial values. After it, every worker lands its pushes, the
+  chief restores, and every worker continues from the saved step.
+The file also holds the tables' rows (as the variables' values). When the servers do not have
+the referenced checkpoint (the file was moved to another job or data directory, the servers
+have no `--data-dir`, or it is older than the newest `checkpoints_kept` saves), restoring
+falls back to those rows, with a warning naming the file and the checkpoint: the optimizer
+slots and step of the tables are then not restored. Servers without `--data-dir` cannot
+write checkpoints: saving then writes the rows only, with a warning; any other failed save
+of the tables (a read-only or full disk, ...) fails the save.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+import json
+import logging
+import os
+
+import grpc
+import numpy as np
+import tensorflow as tf
+from keras.src.saving.keras_saveable import KerasSaveable
+
+from parallax.errors import ConfigError, ServerError
+from parallax.placement.plan import Plan
+from parallax.protocol.checkpoint_names import NO_DATA_DIR
+from parallax.tf.binding import on_chief, on_every_worker
+
+ATTRIBUTE = "parallax_server_tables"
+FORMAT = 1
+_KEY = "reference"
+_MARK = "_parallax_tables_attached"
+log = logging.getLogger("parallax")
+# The file being loaded ("Keras file PATH"), while Keras or TF loads one: warnings name it.
+_LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("parallax_loading", default="")
+
+
+class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
+    """The servers' part of a job's state, as seen by TF checkpoints and Keras files."""
+
+    def __init__(self, extended) -> None:
+        self._strategy_extended = extended
+        self.pending: dict | None = None  # restored before the plan: applied when binding
+        self._warned = False
+
+    def _obj_type(self) -> str:
+        return "Loss"  # Keras walks only known kinds; this one adds nothing to skip
+
+    # ---- TensorFlow checkpoints ----
+
+    def _serialize_to_tensors(self):
+        text = self.save() if tf.executing_eagerly() else "{}"  # SavedModel tracing: none
+        return {_KEY: tf.constant(text)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.restore(restored_tensors[_KEY].numpy().decode(),
+                     _LOADING.get() or "this TensorFlow checkpoint")
+
+    # ---- Keras files ----
+
+    def save_own_variables(self, store) -> None:
+        store[_KEY] = np.frombuffer(self.save().encode(), dtype=np.uint8)
+
+    def load_own_variables(self, store) -> None:
+        self.restore(bytes(np.asarray(store[_KEY], dtype=np.uint8)).decode(),
+                     _LOADING.get() or "this Keras file")
+
+    # ---- both ----
+
+    def save(self) -> str:
+        """Checkpoint the tables on the servers (chief); the JSON reference to it."""
+        return json.dumps(self._reference(), sort_keys=True)
+
+    def _reference(self) -> dict:
+        extended = self._strategy_extended
+        if not extended.remotes:
+            return {}  # nothing on the servers (yet)
+        info = extended.workers.info
+        if not info.is_chief:
+            return {"format": FORMAT, "worker": info.rank}
+        tables = tables_by_variable(extended.plan, extended.remotes)
+        for remote in tables.values():
+            remote.land_pushes()
+        path = f"resume/{extended.cluster.run_id}"
+        try:
+            shards = extended.client.save(path, [r.table.name for r in tables.values()],
+                                          keep=extended.config.checkpoints_kept)
+        except ServerError as err:
+            if not without_data_dir(err):
+                raise  # a failing disk, ...: the user's save must fail, not lose the slots
+            self._warn_once(f"the parameter servers cannot write checkpoints ({err}); this "
+                            f"checkpoint holds the tables' rows but not their optimizer "
+                            f"slots or step, so a resume from it is not exact. Start the "
+                            f"servers with a data directory (parallax run --data-dir DIR)")
+            return {"format": FORMAT, "unsaved": str(err)}
+        return reference_to(path, shards,
+                            {i: (r.label, r.table.name) for i, r in tables.items()})
+
+    def restore(self, text: str, source: str = "this checkpoint") -> None:
+        """Load the referenced checkpoint into the servers now, or at the first step;
+        `source` names the file in a warning if the servers do not have it."""
+        reference = _parse(text)
+        if not reference:
+            return
+        reference = {**reference, "source": source}  # (the chief's travels to every worker)
+        extended = self._strategy_extended
+        if extended.plan is None:
+            self.pending = reference
+            return
+        reference = self.chiefs(reference)
+        if reference is not None:
+            restore_now(extended, reference)
+
+    def take_pending(self) -> dict | None:
+        """The chief's reference restored before the plan, on every worker (collective)."""
+        pending, self.pending = self.pending, None
+        return self.chiefs(pending)
+
+    def chiefs(self, reference: dict | None) -> dict | None:
+        """The chief's reference on every worker (collective: other workers' files hold no
+        tables checkpoint, they follow the chief's); None when it holds none."""
+        workers = self._strategy_extended.workers
+        reference = workers.broadcast_object(reference if workers.info.is_chief else None)
+        if not reference:
+            return None
+        if "worker" in reference:
+            raise ConfigError(
+                f"worker 0 restored a checkpoint written by worker {reference['worker']}, "
+                f"which does not save the tables on the parameter servers (the chief does); "
+                f"restore the chief's checkpoint on worker 0")
+        if "unsaved" in reference:
+            self._warn_once(f"this checkpoint holds no checkpoint of the tables' optimizer "
+                            f"slots and step ({reference['unsaved']}); they restart from "
+                            f"their initial values")
+            return None
+        return reference
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            log.warning("%s", message)
+            self._warned = True
+
+
+def without_data_dir(err: ServerError) -> bool:
+    """Whether `err` is the servers' refusal to save or restore for having no --data-dir
+    (FAILED_PRECONDITION whose message starts with `NO_DATA_DIR`), not any other failure."""
+    return (err.code == grpc.StatusCode.FAILED_PRECONDITION
+            and f"{err.code.name}: {NO_DATA_DIR}" in str(err))
+
+
+def reference_to(path: str, shards, tables: dict) -> dict:
+    """The reference to the checkpoint under `path` that `shards` (ShardCheckpoint) were
+    saved in; `tables`: {variable index: (variable name, table name)}. A table's step is its
+    shards' highest, the one restoring gives every shard (async shards count their own
+    pushes, so one may be ahead of another; sync shards are at one step)."""
+    steps: dict[str, int] = {}
+    for shard in shards:
+        steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
+    return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
+            "tables": {str(i): {"variable": variable, "table": table, "step": steps[table]}
+                       for i, (variable, table) in tables.items()}}
+
+
+def _parse(text: str) -> dict:
+    try:
+        reference = json.loads(text or "{}")
+    except ValueError:
+        reference = None
+    if not isinstance(reference, dict) or reference.get("format", FORMAT) != FORMAT:
+        raise ConfigError(f"the parallax tables reference in this checkpoint ({text[:200]!r}) "
+                          f"is not format {FORMAT}; it was written by another parallax "
+                          f"version: restore it with that version")
+    return reference
+
+
+def tables_by_variable(plan: Plan, remotes: dict) -> dict:
+    """{variable index in the plan: its RemoteTable}."""
+    return {vp.index: remotes[vp.index] for vp in plan.on_servers}
+
+
+def _check_variables(reference: dict, plan: Plan) -> None:
+    saved = {int(i): t["variable"] for i, t in reference["tables"].items()}
+    ours = {vp.index: vp.name for vp in plan.on_servers}
+    if sorted(saved) != sorted(ours):
+        raise ConfigError(f"the checkpoint holds tables of variables {sorted(saved.values())} "
+                          f"but this model puts {sorted(ours.values())} on the parameter "
+                          f"servers; restore it into the model that saved it, built the same "
+                          f"way")
+
+
+def with_saved_tables(plan: Plan, reference: dict) -> Plan:
+    """The plan with its tables named as in the checkpoint (run id, resharding generation),
+    so the servers can restore them by name."""
+    _check_variables(reference, plan)
+    saved = reference["tables"]
+    return dataclasses.replace(plan, variables=tuple(
+        dataclasses.replace(vp, table=saved[str(vp.index)]["table"])
+        if vp.placement == "ps" else vp for vp in plan.variables))
+
+
+def restore_into_servers(client, reference: dict, before_plan: bool = True) -> bool:
+    """Chief: load the referenced checkpoint into its tables (created, same names). False,
+    with a warning, when the servers do not have it: the tables keep the file's rows."""
+    tables = {t["table"]: t["step"] for t in reference["tables"].values()}
+    try:
+        shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"])
+    except ServerError as err:
+        if err.code != grpc.StatusCode.NOT_FOUND and not without_data_dir(err):
+            raise
+        _warn_rows_only(reference, err, before_plan)
+        return False
+    wrong = sorted({(s.table, s.step) for s in shards if s.step != tables[s.table]})
+    if wrong:
+        raise ConfigError(f"checkpoint {reference['checkpoint']} under {reference['path']!r} "
+                          f"restored (table, step) {wrong}, not the steps it was saved at "
+                          f"({tables}); it was changed since: restore another checkpoint")
+    return True
+
+
+def _warn_rows_only(reference: dict, err: ServerError, before_plan: bool) -> None:
+    slots = ("restart from their initial values" if before_plan else
+             "keep this job's current values")
+    log.warning("%s refers to checkpoint %s of the parameter-server tables under %r, which "
+                "the servers cannot load (%s). The tables' rows come from the file instead; "
+                "their optimizer slots and step %s, so this resume is not exact. To resume "
+                "exactly, restore with servers on the --data-dir that saved it, and keep "
+                "ParallaxStrategy(checkpoints_kept=N) at least the number of files you keep",
+                reference.get("source", "this checkpoint"), reference["checkpoint"],
+                reference["path"], err, slots)
+
+
+class Resumption:
+    """Loading a reference into the servers: the chief restores the checkpoint (or leaves
+    the file's rows, see `restore_into_servers`); every worker then continues from the saved
+    step if it was restored. Pass it to `TableBinder.bind` as `restore` before the plan."""
+
+    def __init__(self, reference: dict, before_plan: bool = True) -> None:
+        self.reference = reference
+        self.before_plan = before_plan
+        self.restored = False
+
+    def __call__(self, client) -> bool:
+        """Chief: load the checkpoint; whether the servers had it."""
+        self.restored = restore_into_servers(client, self.reference, self.before_plan)
+        return self.restored
+
+    def continue_steps(self, remotes: dict, workers) -> None:
+        """Every worker (collective): continue from the saved step if the chief restored."""
+        if workers.broadcast_object(self.restored if workers.info.is_chief else None):
+            set_steps(remotes, self.reference)
+
+
+def set_steps(remotes: dict, reference: dict) -> None:
+    """Every worker: the next push of each table ({variable index: RemoteTable}) is the
+    saved step's."""
+    for index, remote in remotes.items():
+        remote.steps_pushed = reference["tables"][str(index)]["step"]
+
+
+def restore_now(extended, reference: dict) -> None:
+    """After the plan: every worker lands its pushes, the chief restores, all continue from
+    the saved step. Call on every worker (as TF and Keras restore on every worker)."""
+    tables = tables_by_variable(extended.plan, extended.remotes)
+    _check_variables(reference, extended.plan)
+    moved = sorted(r.label for i, r in tables.items()
+                   if r.table.name != reference["tables"][str(i)]["table"])
+    if moved:
+        raise ConfigError(f"tables of {moved} were renamed since this checkpoint was saved "
+                          f"(resharded, or another run id), so the servers cannot restore "
+                          f"them in place; restore it in a new process, before the first "
+                          f"training step")
+    workers = extended.workers
+    on_every_worker(workers, lambda: [r.land_pushes() for r in tables.values()],
+                    "could not land its pushes before a restore")
+    resumption = Resumption(reference, before_plan=False)
+    on_chief(workers, lambda: resumption(extended.client),
+             "failed to restore the tables on the parameter servers")
+    resumption.continue_steps(tables, workers)
+
+
+def attach_to_keras_optimizers() -> None:
+    """Idempotent: Keras optimizers made in a ParallaxStrategy's scope get `ServerTables`
+    as the attribute `parallax_server_tables` (see the module docstring)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.optimizer import Optimizer
+    from keras.src.saving import saving_lib
+
+    _naming_the_file(saving_lib, "load_model", "filepath", "Keras file")
+    _naming_the_file(saving_lib, "load_weights_only", "filepath", "Keras file")
+    _naming_the_file(tf.train.Checkpoint, "restore", "save_path", "TensorFlow checkpoint")
+    original = TFOptimizer.__init__
+    if getattr(original, _MARK, False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        tables = getattr(self._distribution_strategy.extended, "server_tables", None)
+        # Keras lists a bare Optimizer's attributes as those never to save: not this one.
+        if isinstance(tables, ServerTables) and type(self) is not Optimizer:
+            setattr(self, ATTRIBUTE, tables)
+
+    setattr(__init__, _MARK, True)
+    __init__.__wrapped__ = original
+    TFOptimizer.__init__ = __init__
+
+
+def _naming_the_file(owner, name: str, argument: str, kind: str) -> None:
+    """Idempotent: while `owner.name` runs, `_LOADING` names the file its `argument` gives
+    (as "<kind> <path>"), so a warning about a file's tables can say which file."""
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        try:
+            path = signature.bind(*args, **kwargs).arguments.get(argument)
+        except TypeError:
+            path = None  # the call itself will say what is wrong
+        named = isinstance(path, (str, os.PathLike))
+        token = _LOADING.set(f"{kind} {os.fspath(path)}" if named else "")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _LOADING.reset(token)
+
+    setattr(load, _MARK, True)
+    setattr(owner, name, load)

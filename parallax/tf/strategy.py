@@ -1,0 +1,690 @@
+"""`ParallaxStrategy`: a `tf.distribute.Strategy` for hybrid parameter-server / all-reduce
+data parallelism. One replica per worker process; workers are Horovod ranks.
+
+The hooks TF and Keras call, and what parallax does in each:
+- `_create_variable`: every variable made in `scope()` is a `ParallaxVariable`, so the plan
+  can later move its rows to the servers.
+- `_call_for_each_replica` (`strategy.run`): before the first training step, trace the step
+  once for analysis (updates are observed, not applied), classify variables, make and apply
+  the plan. Afterwards: run the step; tables untouched by a training step get an empty push.
+- `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
+  (the servers sum them); everything else goes through one grouped Horovod all-reduce.
+- `_update` (the optimizer's per-variable update): variables on the servers push their
+  gradient there; replicated variables are updated locally, identically on every worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import weakref
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
+from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+
+from parallax.client import ClientOptions
+from parallax.errors import ConfigError, ParallaxError
+from parallax.launch.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
+                                     resolve_cluster)
+from parallax.placement import tuning
+from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
+from parallax.placement.resharding import Layout, ReshardReport, Resharder, check_layouts
+from parallax.placement.tuner import PartitionTuner
+from parallax.placement.tuning import PartitionSearch
+from parallax.protocol.malloc_tuning import reuse_freed_memory
+from parallax.tf import binding, keras_support, resume
+from parallax.tf.analysis import NOT_READ, inspect_reads
+from parallax.tf.collectives import WorkerInfo, make_collectives
+from parallax.tf.datasets import shard_for_worker
+from parallax.tf.fusion import StepFusion
+from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
+                                owner_of_gradient, set_fusion_of_step)
+from parallax.tf.variables import ParallaxVariable, analysis_trace, is_liftable, restore_storage
+
+_OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
+
+log = logging.getLogger("parallax")
+
+
+class _Observations:
+    """What the analysis trace saw: gradient kinds per variable, and the optimizer."""
+
+    def __init__(self) -> None:
+        self.gradients: dict[int, str] = {}
+        self.updated: list[tf.Variable] = []
+        self.optimizer = None
+
+    def record(self, var, fn, args) -> None:
+        grad = args[0] if args else None
+        kind = "IndexedSlices" if isinstance(grad, tf.IndexedSlices) else \
+            "Tensor" if grad is not None else "none"
+        self.gradients[id(var)] = kind
+        self.updated.append(var)
+        self.optimizer = self.optimizer or keras_support.keras_optimizer_of(fn)
+
+
+def _spec_of(value):
+    if isinstance(value, (tf.Tensor, tf.__internal__.CompositeTensor)):
+        return tf.type_spec_from_value(value)
+    return value
+
+
+class WorkerClusterResolver(SimpleClusterResolver):
+    """`strategy.cluster_resolver`: task type "worker", task id = rank (worker 0 is the
+    chief, as the MWMS tutorials' `_is_chief` expects); the cluster spec lists the host of
+    each worker (Horovod ranks run no TF server, so there is no port) and, as "ps", the
+    parameter servers' addresses once known."""
+
+    def __init__(self, extended: "ParallaxExtended") -> None:
+        info = extended.workers.info
+        self._hosts = list(extended.workers.allgather_object(info.host))
+        self._extended = weakref.ref(extended)
+        super().__init__(tf.train.ClusterSpec({"worker": self._hosts}), task_type="worker",
+                         task_id=info.rank)
+
+    def cluster_spec(self) -> tf.train.ClusterSpec:
+        extended = self._extended()
+        servers = list(extended.ps_addresses()) if extended is not None else []
+        return tf.train.ClusterSpec({"worker": self._hosts, **({"ps": servers} if servers
+                                                               else {})})
+
+
+def _warn_unread_tables(infos, chief: bool) -> None:
+    """Trainable matrices the planned step never read (a second model built in the same
+    scope, most often): they stay local and all-reduced, which for an embedding table is
+    the costly placement this strategy exists to avoid. Said once, by the chief."""
+    unread = [i.name for i in infos if i.read_reason == NOT_READ and len(i.shape) == 2]
+    if unread and chief:
+        log.warning("trainable matrices %s were not read by the step the plan was made from "
+                    "(the first fit or strategy.run), so they stay on the workers and are "
+                    "all-reduced as dense: if they belong to another model built in the same "
+                    "strategy.scope(), its embedding tables never reach the servers; build "
+                    "each model in its own ParallaxStrategy", unread)
+
+
+def _wants_servers(config: StrategyConfig) -> bool:
+    """Whether the plan may put a variable on the servers (every worker must then reach the
+    same ones: embedded servers are per worker)."""
+    return config.mode != "allreduce" or "ps" in config.placement.values()
+
+
+def _why_servers(config: StrategyConfig) -> str:
+    if config.mode != "allreduce":
+        return ""
+    named = sorted(k for k, v in config.placement.items() if v == "ps")
+    return f" (placement puts {named} on them)"
+
+
+class ParallaxExtended(one_device_strategy.OneDeviceExtended):
+    def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
+                 connect_timeout: float, search_partitions="auto") -> None:
+        self.config = config
+        self._search_setting = search_partitions
+        self.tuner: PartitionTuner | None = None
+        self.workers = make_collectives()
+        info = self.workers.info
+        gpus = tf.config.list_physical_devices("GPU")
+        device = f"/gpu:{info.local_rank % len(gpus)}" if gpus else "/cpu:0"
+        super().__init__(container, device)
+        self._client_options = client_options
+        self._connect_timeout = connect_timeout
+        self._created: list[weakref.ref] = []
+        self._observations: _Observations | None = None
+        self._pushed: set[int] | None = None
+        self.plan: Plan | None = None
+        self.remotes: dict[int, RemoteTable] = {}
+        self.cluster: ClusterSpec | None = None
+        self._binder = None
+        self._resharder: Resharder | None = None
+        self._optimizer = None  # the Keras optimizer the servers replicate
+        self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
+        resume.attach_to_keras_optimizers()
+        keras_support.make_weight_saves_atomic()
+        self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
+        if info.size > 1 and _wants_servers(config) and resolve_cluster(
+                config.ps_addresses, config.run_id, start=False).embedded:
+            raise ConfigError(
+                f"{info.size} workers were launched but no parameter servers were given"
+                f"{_why_servers(config)}: start the job with `parallax run` (it sets "
+                f"{ADDRESSES_ENV}), pass ps_addresses=... to ParallaxStrategy, or describe "
+                f"them as TF_CONFIG's \"ps\" tasks")
+        reuse_freed_memory()
+
+    # ---- variables ----
+
+    def _create_variable(self, next_creator, **kwargs):
+        kwargs.pop("colocate_with", None)
+        if kwargs.get("variable_def") is not None or not is_liftable(kwargs.get("initial_value")):
+            return next_creator(**kwargs)
+        with tf.init_scope(), tf.device(self._device):
+            var = ParallaxVariable.create(len(self._created), **kwargs)
+            var._parallax_planned = self.plan is not None  # made after the plan: stays local
+            if self.workers.info.size > 1 and \
+                    var.synchronization == tf.VariableSynchronization.ON_READ:
+                var._parallax_across_workers = self._aggregate_across_workers
+        self._created.append(weakref.ref(var))
+        return var
+
+    def variables(self) -> list[ParallaxVariable]:
+        return [v for v in (ref() for ref in self._created) if v is not None]
+
+    # ---- steps ----
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self.plan is None and self._observations is None:
+            self._plan_from(fn, args, kwargs)
+        if self._observations is not None or self._pushed is not None:
+            # The analysis trace, or a nested call inside a step (LossScaleOptimizer's
+            # merge_call runs its own replica functions): part of the step in progress.
+            return super()._call_for_each_replica(fn, args, kwargs)
+        forget_gradient_owners()
+        self._pushed = set()
+        step = StepFusion(tf.compat.v1.get_default_graph()) \
+            if self.remotes and self.config.fuse and not tf.executing_eagerly() else None
+        set_fusion_of_step(step)
+        try:
+            result = super()._call_for_each_replica(fn, args, kwargs)
+            if self.workers.info.size > 1 and keras_support.is_keras_logging_step(fn):
+                result = self._average_logs(result)
+            set_fusion_of_step(None)  # what follows is the step's own tail, not its lookups
+            if step is not None:
+                self._finish_fused(step)
+            elif self._pushed:  # a training step: every table must hear from this worker
+                for index, remote in self.remotes.items():
+                    if index not in self._pushed:
+                        remote.push_nothing()
+            if self._pushed and self.tuner is not None and not self.tuner.done:
+                # after the step's pushes (stateful ops run in program order)
+                tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
+                                  name="parallax_partition_search")
+        finally:
+            set_fusion_of_step(None)
+            self._pushed = None
+        return result
+
+    def _finish_fused(self, step: StepFusion) -> None:
+        """One pull op for the step's grouped lookups, one push op for its tables (those
+        updated through the fused path, and empty pushes for those not updated at all)."""
+        silent = [r for i, r in self.remotes.items() if i not in self._pushed]
+        step.finish(silent, training=bool(self._pushed))
+        if step.reports and self.plan is not None and not self.plan.lookups:
+            self.plan = dataclasses.replace(self.plan, lookups=tuple(step.reports))
+            if self.config.log_plan:
+                binding.log_lookups(self.plan, self.workers)
+
+    def _plan_from(self, fn, args, kwargs) -> None:
+        observations = _Observations()
+        self._observations = observations
+        try:
+            spec_args, spec_kwargs = tf.nest.map_structure(_spec_of, (tuple(args), kwargs or {}))
+            strategy = self._container_strategy()
+            traced = tf.function(lambda *a, **k: strategy.run(fn, a, k))
+            with analysis_trace():
+                graph = traced.get_concrete_function(*spec_args, **spec_kwargs).graph
+        finally:
+            self._observations = None
+        with tf.init_scope():
+            if observations.gradients:
+                self._make_plan(graph, observations)
+            # Not a training step (evaluate, predict): no plan yet, variables stay local.
+            self._materialize_local()
+
+    def _materialize_local(self) -> None:
+        """Compute the deferred initial value of every variable that stays on this worker;
+        once planned, a variable stays where it is (local reads need no run-time check)."""
+        for var in self.variables():
+            if var.remote is None:
+                var.materialize()
+            var._parallax_planned = self.plan is not None
+
+    def _variable_infos(self, graph, observations: _Observations) -> dict[int, VariableInfo]:
+        variables = [v for v in self.variables() if v.trainable]
+        reports = inspect_reads(graph, variables)
+        names: dict[str, int] = {}
+        infos = {}
+        for var in variables:
+            name = keras_support.keras_path_of(var, observations.optimizer) or \
+                var.name.split(":")[0]
+            names[name] = names.get(name, 0) + 1
+            if names[name] > 1:
+                name = f"{name}#{var._parallax_index}"
+            report = reports[id(var)]
+            infos[var._parallax_index] = VariableInfo(
+                index=var._parallax_index, name=name, shape=tuple(var.shape.as_list()),
+                dtype=var.dtype.name, gather_only=report.gather_only, read_reason=report.reason,
+                gradient=observations.gradients.get(id(var), "none"))
+        return infos
+
+    def _make_plan(self, graph, observations: _Observations) -> None:
+        foreign = [v.name for v in observations.updated if not isinstance(v, ParallaxVariable)]
+        if foreign:
+            raise ConfigError(
+                f"variables {foreign} were created outside strategy.scope(), so parallax "
+                f"cannot place them; build the model and the optimizer inside "
+                f"`with strategy.scope():`")
+        infos = self._variable_infos(graph, observations)
+        info = self.workers.info
+        # Where the servers would be (started only if the plan puts something on them).
+        planned = resolve_cluster(self.config.ps_addresses, self.config.run_id,
+                                  embedded_servers=self.config.embedded_servers, start=False)
+        # Without a configured run id each worker made one up: use the chief's.
+        planned = dataclasses.replace(planned,
+                                      run_id=self.workers.broadcast_object(planned.run_id))
+        plan = make_plan(self.config, list(infos.values()), run_id=planned.run_id,
+                         num_servers=len(planned.ps_addresses), num_workers=info.size)
+        if plan.on_servers:
+            self.cluster = planned if not planned.embedded else resolve_cluster(
+                None, planned.run_id, embedded_servers=self.config.embedded_servers)
+        search = tuning.resolve(self._search_setting, plan, self.config)
+        cached = None
+        if search is not None:  # the chief's saved decision, the same on every worker
+            cached = self.workers.broadcast_object(
+                tuning.load_decision(search, plan) if info.is_chief else None)
+            if cached is not None:
+                plan = tuning.with_layouts(plan, cached["layouts"])
+        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
+        if pending is not None:
+            plan = resume.with_saved_tables(plan, pending)
+        binding.check_agreement(plan, self.workers)
+        by_index = {v._parallax_index: v for v in self.variables()}
+        if plan.on_servers:
+            self._binder = binding.TableBinder(plan, self.cluster, self.workers,
+                                               self._client_options, self._connect_timeout,
+                                               self.config.local_aggregation)
+            resumption = None if pending is None else resume.Resumption(pending)
+            self.remotes = self._binder.bind(by_index, observations.optimizer, resumption)
+            if resumption is not None:
+                resumption.continue_steps(resume.tables_by_variable(plan, self.remotes),
+                                          self.workers)
+            self._optimizer = observations.optimizer
+            self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
+            if search is not None:
+                self.tuner = PartitionTuner(search, self, cached)
+            keras_support.route_keras_take()
+        binding.broadcast_replicated(self.variables(), self.workers)
+        self.plan = plan
+        if self.config.log_plan:
+            binding.log_plan(plan, self.workers)
+        _warn_unread_tables(infos.values(), self.workers.info.is_chief)
+
+    @property
+    def client(self):
+        """The client of the job's parameter servers (None before tables are placed)."""
+        return self._binder.client if self._binder is not None else None
+
+    def ps_addresses(self) -> tuple[str, ...]:
+        """The servers' addresses, as far as known (embedded ones start with the plan)."""
+        if self.cluster is not None:
+            return self.cluster.ps_addresses
+        if self.config.ps_addresses:
+            return self.config.ps_addresses
+        text = os.environ.get(ADDRESSES_ENV)
+        return parse_addresses(text, ADDRESSES_ENV) if text else ()
+
+    def reshard(self, layouts: Mapping[str, Layout], log: bool = True,
+                keep_previous: bool = False) -> ReshardReport:
+        """New layouts for tables, applied now on every worker (all must call it at the same
+        step boundary, outside any tf.function); see `Resharder` for `keep_previous`."""
+        if self.plan is None or self._resharder is None:
+            raise ConfigError("no table is on the parameter servers yet: reshard after the "
+                              "first training step (which makes the plan)")
+        self.plan, report = self._resharder.apply(self.plan, layouts, log=log,
+                                                  keep_previous=keep_previous)
+        return report
+
+    def release_previous(self) -> None:
+        if self._resharder is not None:
+            self._resharder.release_previous()
+
+    def layouts_for(self, shards: int | Mapping[str, int],
+                    servers: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
+        """Layouts giving tables these shard counts: the servers given, else placed by
+        bytes next to the tables that keep theirs."""
+        plan = self.plan
+        if plan is None:
+            raise ConfigError("reshard after the first training step, which makes the plan")
+        counts = {v.name: shards for v in plan.on_servers} if isinstance(shards, int) \
+            else dict(shards)
+        servers = dict(servers or {})
+        for name, given in servers.items():
+            if name in counts and len(given) != counts[name]:
+                raise ConfigError(f"{name!r}: {counts[name]} shards but {len(given)} servers "
+                                  f"given ({list(given)}); give one server per shard")
+        check_layouts(plan, {n: Layout(tuple(servers.get(n, [0] * c))) for n, c in
+                             counts.items()})
+        moving = {v.name for v in plan.on_servers if v.name in counts and v.name not in servers}
+        keep = {v.index: tuple(servers.get(v.name, v.servers)) for v in plan.on_servers
+                if v.name not in moving}  # given servers count as load where they will be
+        wanted = tuple(dataclasses.replace(v, shards=counts.get(v.name, v.shards))
+                       for v in plan.on_servers)
+        placed = place_shards(wanted, plan.num_servers, keep)
+        by_name = {v.name: v for v in plan.on_servers}
+        return {name: Layout(placed[by_name[name].index]) for name in counts}
+
+    def _aggregate_across_workers(self, value: tf.Tensor, aggregation) -> tf.Tensor:
+        total = self.workers.allreduce_sum([value])[0]
+        if aggregation == tf.VariableAggregation.MEAN:
+            return total / self.workers.info.size
+        if aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+            return value
+        return total
+
+    def _average_logs(self, logs):
+        """Keras' per-worker metric values -> their mean over workers (one grouped
+        all-reduce of a few scalars per step), identical on every worker."""
+        flat = tf.nest.flatten(logs)
+        positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)
+                     and v.dtype.is_floating and v.shape.rank == 0]
+        summed = self.workers.allreduce_sum([flat[i] for i in positions])
+        for i, total in zip(positions, summed):
+            flat[i] = total / self.workers.info.size
+        return tf.nest.pack_sequence_as(logs, flat)
+
+    # ---- reductions and updates ----
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [value for value, _ in value_destination_pairs]
+        if self._observations is not None:
+            return values
+        size = self.workers.info.size
+        mean = reduce_op == tf.distribute.ReduceOp.MEAN
+        results: list = [None] * len(values)
+        dense_positions = []
+        for i, value in enumerate(values):
+            if owner_of_gradient(value) is None:
+                dense_positions.append(i)
+                continue
+            if mean and size > 1:
+                value = tf.IndexedSlices(value.values / size, value.indices, value.dense_shape)
+            if self.config.local_aggregation and size > 1:
+                value = tf.IndexedSlices(self.workers.local_allgather(value.values),
+                                         self.workers.local_allgather(value.indices),
+                                         value.dense_shape)
+            results[i] = value
+        reduced = self.workers.allreduce_sum([values[i] for i in dense_positions])
+        for i, value in zip(dense_positions, reduced):
+            results[i] = value / size if mean and size > 1 else value
+        return results
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def _update(self, var, fn, args, kwargs, group):
+        if self._observations is not None:
+            self._observations.record(var, fn, args)
+            return tf.no_op() if group else (tf.no_op(),)
+        remote = getattr(var, "_parallax_remote", None)
+        if remote is None:
+            return super()._update(var, fn, args, kwargs, group)
+        if getattr(fn, "__name__", "") != _OPTIMIZER_UPDATE or not args:
+            raise ParallaxError(
+                f"{getattr(fn, '__name__', fn)!r} tried to update {remote.label!r}, which lives"
+                f" on the parameter servers; only Keras optimizer updates are forwarded there")
+        if keras_support.keras_optimizer_of(fn) is not self._optimizer:
+            raise ParallaxError(
+                f"{remote.label!r} lives on the parameter servers, which apply the optimizer "
+                f"the first training step used ({type(self._optimizer).__name__}); a "
+                f"different optimizer cannot update it. Keep one optimizer per strategy, or "
+                f"build the model again in a new strategy")
+        learning_rate = args[1] if len(args) > 1 else None
+        step = fusion_of_step()
+        if step is not None and step.can_push(args[0], learning_rate):
+            step.push(remote, args[0], learning_rate)  # sent by the step's fused push op
+            op = tf.no_op()
+        else:
+            op = remote.push(args[0], learning_rate=learning_rate)
+        if self._pushed is not None:
+            self._pushed.add(var._parallax_index)
+        return op if group else (op,)
+
+    # ---- datasets and topology ----
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        info = self.workers.info
+        return super()._experimental_distribute_dataset(
+            shard_for_worker(dataset, info.rank, info.size), options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        info = self.workers.info
+        context = distribute_lib.InputContext(num_input_pipelines=info.size,
+                                              input_pipeline_id=info.rank,
+                                              num_replicas_in_sync=info.size)
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn, self._input_workers_with_options(options), [context],
+            self._container_strategy(), options=options)
+
+    def _in_multi_worker_mode(self):
+        # To TensorFlow each worker is a single client (one device, no TF collectives): the
+        # workers coordinate through Horovod. So datasets yield plain tensors, not PerReplica.
+        return False
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self.workers.info.size
+
+    @property
+    def should_checkpoint(self):
+        return self.workers.info.is_chief
+
+    @property
+    def should_save_summary(self):
+        return self.workers.info.is_chief
+
+
+class ParallaxStrategy(distribute_lib.Strategy):
+    """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
+    variables all-reduced with Horovod.
+
+    Every argument is described in `__init__`'s docstring (where the servers, run id and mode
+    come from when not given: the arguments, then `parallax run`'s environment, then
+    TF_CONFIG's "ps" tasks, else embedded servers). `cluster_resolver`: task type "worker",
+    task id = this worker's rank, as MWMS gives it.
+    """
+
+    def __init__(self, mode: str | None = None, *, sync: bool | None = None,
+                 ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
+                 local_aggregation: bool | None = None, placement: dict | None = None,
+                 shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
+                 fuse: bool = True, checkpoints_kept: int = 5,
+                 client_options: ClientOptions | None = None,
+                 search_partitions: bool | str | PartitionSearch | None = None) -> None:
+        """Configure the strategy. Nothing is placed and no server is contacted here: the
+        first training step (`fit`, or the first `strategy.run` whose step updates
+        variables) makes the plan and checks what needs the model or the servers. Every
+        worker must construct it (under Horovod the workers exchange their host names here).
+
+        In a `parallax k8s` worker pod (`PARALLAX_JOB_CONFIG` names the job's `job.json`),
+        `placement`, `shards`, `local_aggregation` and `search_partitions` left None take
+        the job's `--plan` values, and one INFO line names what was applied; an argument
+        given wins. Elsewhere they take the defaults below.
+
+        Args:
+            mode: str or None (default). "hybrid": the variables the plan finds sparse (every
+                read a row gather on axis 0, gradient `IndexedSlices`) live on the parameter
+                servers; every other trainable variable is kept on every worker and its
+                gradients are summed by one grouped Horovod all-reduce per step. "ps": every
+                trainable variable on the servers (dense ones pulled whole at every step).
+                "allreduce": every variable on every worker, sparse gradients all-gathered by
+                Horovod, no servers. None: `PARALLAX_MODE` (`parallax run --mode`) when set
+                and not empty, else "hybrid". The only argument that may be positional.
+            sync: bool or None (default). True: a table shard applies one update per step,
+                from the sum of every worker's push, and a worker's pull waits until the
+                servers applied every step it pushed, so all workers read the same rows.
+                False: each push is applied on arrival and pulls do not wait; the dense
+                all-reduce (hybrid mode) stays synchronous. None: `PARALLAX_SYNC`, "sync" or
+                "async" (`parallax run --async` sets "async"), else True. Only tables on the
+                servers are affected.
+            ps_addresses: str, sequence of str, or None (default): "host:port" of each
+                parameter server, as one comma-separated string or a sequence. The servers
+                are the first of: this argument; `PARALLAX_PS_ADDRESSES` (set by `parallax
+                run`); the "ps" tasks of `TF_CONFIG` when it has any (each running `parallax
+                server`); else `embedded_servers` servers that this process starts. They are
+                contacted at the first training step, and only if the plan puts a variable
+                on them.
+            run_id: str or None (default): the job's id, 1-48 letters, digits, '_' or '-',
+                which prefixes its tables' names on the servers (`<run_id>.v<index>.<name>`).
+                None: `PARALLAX_RUN_ID` (set by `parallax run`), else with servers from
+                `TF_CONFIG` "tf-" and 12 hex digits of a hash of its cluster (the same for
+                every worker and every run of that cluster), else one the chief makes up
+                (date, time, 6 random hex digits). A table of that name that already exists
+                and has applied steps stops the first training step with a ConfigError,
+                changing nothing: another job, or an earlier run, used this id.
+            embedded_servers: int >= 1, default 2: how many servers to start when nothing
+                names any (see `ps_addresses`): child processes of this one on loopback,
+                started at the first training step if the plan puts a variable on them,
+                stopped when this process exits or dies. They have no data directory, so
+                checkpoints then hold the tables' rows but not their optimizer slots and
+                step (with a warning). Only for one worker: several workers need servers
+                named (see Raises).
+            local_aggregation: bool or None (default: False). True: the workers of a host
+                all-gather their table gradients and its local rank 0 alone pushes them, so
+                a table gets one push per host per step instead of one per worker. One host
+                only: with workers on several hosts the first training step raises a
+                ConfigError. No effect with one worker.
+            placement: dict or None (default: no overrides): {variable name: "ps" |
+                "allreduce"}, names as `strategy.plan` lists them (e.g.
+                "embedding/embeddings"). Puts that variable on the servers ("ps") or on every
+                worker ("allreduce") whatever the mode and its kind.
+            shards: int, dict or None (default). An int >= 1: every table's shard count; a
+                dict {variable name: int >= 1}: those tables' counts, the others keep the
+                default; names that match no table are ignored. None: one shard per whole
+                64 MiB of the table, at most one per server, at least one. A count is capped
+                at the table's rows, and one above the number of servers puts several shards
+                on a server. Shards go to servers balancing bytes, biggest tables first. Any
+                value but None turns the "auto" partition search off.
+            log_plan: bool, default True: the chief logs the plan (`strategy.plan.format()`)
+                at INFO on the "parallax" logger when it is made, and how the step's lookups
+                travel once a fused step is traced. False: neither (`strategy.plan` still
+                has the plan; warnings are not affected).
+            connect_timeout: float, seconds, default 60.0: how long each server has, at the
+                first training step, to answer a health check with SERVING; the servers are
+                waited for one after another. A worker that cannot reach one raises
+                ServerError (UNAVAILABLE) naming it, the other workers a ParallaxError naming
+                that worker. Not the timeout of each request (`ClientOptions.timeout`).
+            fuse: bool, default True: in a traced step (`strategy.run` inside a
+                `tf.function`, as `fit` does) the lookups of tables whose ids do not depend
+                on another lookup's rows share one pull op, and the step's table gradients
+                one push op: one PullMany and one PushMany request per server per step
+                (`parallax.tf.fusion`). False: each table its own pull and push requests. Both
+                train alike; eager steps are never fused.
+            checkpoints_kept: int >= 1, default 5: how many checkpoints of this job's tables
+                the servers keep. One is written (under `resume/<run id>` in the servers'
+                `--data-dir`) whenever a TF checkpoint or Keras file holding the optimizer
+                is saved, and older ones beyond this count are removed. A file whose tables'
+                checkpoint was removed restores the rows it holds, without the optimizer
+                slots and step, with a warning: keep at least as many as the files you keep
+                (`ModelCheckpoint`, `CheckpointManager(max_to_keep=...)`).
+            client_options: `parallax.ClientOptions` or None (default: `ClientOptions()`):
+                the client of the servers (request timeout, retries, message and chunk
+                sizes, TLS, token, data plane). With servers this process did not start,
+                the fields `tls_ca`, `tls_cert`, `tls_key` and `token` left None are filled
+                from `PARALLAX_TLS_CA`, `PARALLAX_TLS_CERT`, `PARALLAX_TLS_KEY` and
+                `PARALLAX_TOKEN_FILE` (set by `parallax run --secure`).
+            search_partitions: "auto", True, False, a `parallax.PartitionSearch`, or None
+                (default: "auto"). The search times the training steps under one shard
+                layout after another while the job trains, and every worker moves the tables
+                to the fastest layout measured, at the same step; the decision is saved
+                (`PartitionSearch.cache_dir`) and the next run of the same job starts from
+                it without searching. "auto": search when the plan puts tables on the
+                servers, with 2 or more workers and `shards` None. True: whenever the plan
+                puts tables on the servers, with `PartitionSearch()`'s settings; a
+                `PartitionSearch`: likewise, with its settings. False: never.
+
+        Raises:
+            ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
+                `PARALLAX_SYNC` is not "sync" or "async"; `ps_addresses` is empty or names
+                something that is not host:port with a port in 1-65535; a `placement` value
+                is not "ps" or "allreduce"; `embedded_servers`, `checkpoints_kept` or a
+                shard count is not an int >= 1 (bools refused); `search_partitions`
+                is none of the values above; `PARALLAX_JOB_CONFIG` names a file that is not
+                a JSON object; the process was started by horovodrun or mpirun
+                (`HOROVOD_RANK`, `OMPI_COMM_WORLD_RANK` or `PMI_RANK` set) and Horovod cannot
+                be imported; or there are several workers, the plan may put variables on
+                the servers (`mode` is not "allreduce", or `placement` sends some to "ps")
+                and neither `ps_addresses`, `PARALLAX_PS_ADDRESSES` nor TF_CONFIG's "ps"
+                tasks name them.
+
+            The first training step raises instead, before any table changes, for what needs
+            the model or the cluster: a `run_id` or `PARALLAX_RUN_ID` of other characters, a
+            malformed `PARALLAX_PS_ADDRESSES` or `TF_CONFIG`, a `placement` or `shards` name
+            that matches no trainable variable, an optimizer the servers cannot apply, workers
+            that built different models (ConfigError); servers that do not answer within
+            `connect_timeout` (ServerError).
+        """
+        from parallax.launch.k8s import plan_overrides
+        given = dict(placement=placement, shards=shards, local_aggregation=local_aggregation,
+                     search_partitions=search_partitions)
+        given.update(plan_overrides(given))  # arguments given win
+        placement, shards = given["placement"], given["shards"]
+        local_aggregation = given["local_aggregation"] or False
+        search_partitions = given["search_partitions"] if given["search_partitions"] \
+            is not None else "auto"
+        if ps_addresses is not None:
+            ps_addresses = parse_addresses(ps_addresses if isinstance(ps_addresses, str)
+                                           else ",".join(ps_addresses), "ps_addresses")
+        mode, sync = mode_from_env(mode, sync)
+        config = StrategyConfig(mode=mode, sync=sync,
+                                ps_addresses=tuple(ps_addresses) if ps_addresses else None,
+                                run_id=run_id, embedded_servers=embedded_servers,
+                                local_aggregation=local_aggregation,
+                                placement=dict(placement or {}), shards=shards,
+                                log_plan=log_plan, fuse=fuse,
+                                checkpoints_kept=checkpoints_kept)
+        tuning.check_setting(search_partitions)
+        super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
+                                          search_partitions))
+
+    @property
+    def plan(self) -> Plan | None:
+        """The placement plan, once the first training step has run (None before)."""
+        return self.extended.plan
+
+    @property
+    def worker(self) -> WorkerInfo:
+        return self.extended.workers.info
+
+    def reshard(self, shards: int | Mapping[str, int],
+                servers: Mapping[str, Sequence[int]] | None = None) -> ReshardReport:
+        """Give tables new shard counts (an int: every table) and, optionally, the server of
+        each shard; rows, optimizer slots and the step move to the new shards, so training
+        continues exactly where it was. Call it on every worker at the same point between
+        steps (outside tf.function), after the first training step."""
+        if tf.inside_function():
+            raise ConfigError("strategy.reshard moves tables between steps: call it eagerly "
+                              "(outside tf.function), on every worker")
+        extended = self.extended
+        return extended.reshard(extended.layouts_for(shards, servers))
+
+    @property
+    def partition_search(self) -> PartitionTuner | None:
+        """The measured tuning of shard counts (None when off): `.done`, `.report()`."""
+        return self.extended.tuner
+
+    @property
+    def tables(self) -> dict[str, RemoteTable]:
+        """Variables on the parameter servers, by name in the plan."""
+        plan = self.extended.plan
+        if plan is None:
+            return {}
+        return {v.name: self.extended.remotes[v.index] for v in plan.on_servers}
+
+    @contextlib.contextmanager
+    def local_tables(self):
+        """Pull every table into the worker's memory for the duration of the block, e.g. to
+        export a SavedModel that serves without parallax. Changes made inside are dropped."""
+        remotes = {v._parallax_index: v for v in self.extended.variables()
+                   if v.remote is not None}
+        with tf.init_scope():
+            values = {i: var.numpy() for i, var in remotes.items()}
+            for i, var in remotes.items():
+                var._parallax_remote = None
+                restore_storage(var, values[i])
+        try:
+            yield
+        finally:
+            with tf.init_scope():
+                for i, var in remotes.items():
+                    var.bind_remote(self.extended.remotes[i])
