@@ -13,7 +13,8 @@ one does from the restored epoch on.
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
 {"chaos": "start", "attempt", "rank", "step", "time", "pid"} when training (re)starts at
 `step` (steps already done), and {"chaos": "step", "attempt", "rank", "step", "time"} after
-each step (steps done; time: time.time()). --step-delay paces the steps so that a kill lands inside an epoch. Worker 0 writes
+each step (steps done; time: time.time()). --step-delay paces the steps so that a kill lands
+inside an epoch. Worker 0 writes
 the final weights (the whole embedding table, pulled from the servers, and the dense layer)
 to --out as an .npz.
 """

@@ -33,7 +33,7 @@ if "HOROVOD_SIZE" in os.environ:
     rank, size = hvd.rank(), hvd.size()
 
 from parallax import PSClient  # noqa: E402
-from parallax.protocol.security import client_options_from_env  # noqa: E402
+from parallax.client.connection import client_options_from_env  # noqa: E402
 
 addresses = os.environ["PARALLAX_PS_ADDRESSES"].split(",")
 with PSClient(addresses, client_options_from_env()) as client:

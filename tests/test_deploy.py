@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from parallax.env import (GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
+                          RENDEZVOUS_TIMEOUT_ENV)
 from parallax.errors import ConfigError
 from parallax.launch import cli, k8s
 from parallax.launch.k8s import K8sConfig, render
@@ -422,7 +424,7 @@ def test_manifests_are_structurally_valid(key):
     if n > 1:
         assert env["HOROVOD_SIZE"] == str(n) and env["HOROVOD_CONTROLLER"] == "gloo"
         assert env["HOROVOD_CPU_OPERATIONS"] == "gloo"
-        host, port = env[k8s.RENDEZVOUS_ENV].rsplit(":", 1)
+        host, port = env[RENDEZVOUS_ENV].rsplit(":", 1)
         # worker 0 of an indexed Job with this subdomain
         assert host == (f"{job_obj['metadata']['name']}-0.{pod['subdomain']}."
                         f"{config.namespace}.svc.cluster.local")
@@ -434,7 +436,7 @@ def test_manifests_are_structurally_valid(key):
     (mount,) = worker["volumeMounts"]
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == f"{config.name}-config"
-    assert env[k8s.JOB_CONFIG_ENV] == f"{mount['mountPath']}/job.json"
+    assert env[JOB_CONFIG_ENV] == f"{mount['mountPath']}/job.json"
     if config.cpu:
         assert worker["resources"]["requests"] == {"cpu": config.cpu, "memory": config.memory}
     # the ConfigMap's job.json reads as JSON in the YAML, not as one escaped string
@@ -558,12 +560,12 @@ def test_strategy_options_come_from_the_mounted_job_config(tmp_path, monkeypatch
     (cm,) = [o for o in render(config) if o["kind"] == "ConfigMap"]
     path = tmp_path / "job.json"
     path.write_text(cm["data"]["job.json"])
-    monkeypatch.setenv(k8s.JOB_CONFIG_ENV, str(path))
+    monkeypatch.setenv(JOB_CONFIG_ENV, str(path))
     assert k8s.strategy_options() == {"shards": 4, "placement": {"dense/kernel": "ps"}}
     path.write_text("[1]")
     with pytest.raises(ConfigError, match="PARALLAX_JOB_CONFIG=.* is not the JSON object"):
         k8s.strategy_options()
-    monkeypatch.delenv(k8s.JOB_CONFIG_ENV)
+    monkeypatch.delenv(JOB_CONFIG_ENV)
     assert k8s.strategy_options() == {}
 
 
@@ -583,11 +585,11 @@ def test_strategy_applies_the_job_plan_by_itself_and_given_arguments_win(
     path.write_text(cm["data"]["job.json"])
     for name in ("PARALLAX_PS_ADDRESSES", "PARALLAX_RUN_ID", "PARALLAX_MODE", "PARALLAX_SYNC"):
         monkeypatch.delenv(name, raising=False)  # embedded servers, not the job's
-    monkeypatch.setenv(k8s.JOB_CONFIG_ENV, str(path))
+    monkeypatch.setenv(JOB_CONFIG_ENV, str(path))
     with caplog.at_level("INFO", logger="parallax"):
         strategy = parallax.ParallaxStrategy(search_partitions=False, log_plan=False)
     (line,) = [r.getMessage() for r in caplog.records if "plan overrides" in r.getMessage()]
-    assert line == (f"plan overrides from {k8s.JOB_CONFIG_ENV}={path}: "
+    assert line == (f"plan overrides from {JOB_CONFIG_ENV}={path}: "
                     f"placement={{'dense/kernel': 'ps'}}, shards=2 (ParallaxStrategy's own "
                     f"search_partitions kept)")
     assert strategy.extended._search_setting is False
@@ -625,7 +627,7 @@ def test_job_json_reads_as_a_yaml_block_of_pretty_json(tmp_path):
 
 
 def _parsers():
-    from parallax.launch import logs
+    from parallax.runtime import logs
     parsers = [k8s._parser(), k8s._watch_parser()]
     for parser in parsers:
         logs.add_argument(parser)  # as `parallax k8s` adds it
@@ -1035,7 +1037,7 @@ def test_worker_bootstrap_runs_a_two_rank_gloo_job_without_horovodrun(tmp_path):
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     port = _free_port()
-    env = {**_env(container), k8s.RENDEZVOUS_ENV: f"localhost:{port}",
+    env = {**_env(container), RENDEZVOUS_ENV: f"localhost:{port}",
            "HOROVOD_GLOO_IFACE": "lo", "PATH": f"{BIN}:/usr/bin:/bin",
            "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
     argv = [str(BIN / "parallax"), *container["command"][1:]]
@@ -1078,7 +1080,7 @@ def test_worker_bootstrap_with_one_worker_runs_the_command_alone(tmp_path):
 
 def test_worker_bootstrap_reports_a_missing_rendezvous():
     env = {"HOROVOD_SIZE": "2", "JOB_COMPLETION_INDEX": "1",
-           k8s.RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", k8s.RENDEZVOUS_TIMEOUT_ENV: "1",
+           RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", RENDEZVOUS_TIMEOUT_ENV: "1",
            "PATH": f"{BIN}:/usr/bin:/bin"}
     out = subprocess.run([str(BIN / "parallax"), "k8s", "worker", "--", "true"], env=env,
                          capture_output=True, text=True, timeout=60)
@@ -1103,8 +1105,8 @@ def test_restarts_restart_the_gang_in_place_and_recreate_only_lost_pods(key):
     spec, env = job["spec"], _env(worker)
     # the gang supervisor in every pod: worker 0 coordinates, even with one worker
     assert worker["command"] == ["parallax", "k8s", "worker", "--", *config.command]
-    assert env[k8s.gang.MAX_RESTARTS_ENV] == str(config.max_restarts)
-    assert env[k8s.RENDEZVOUS_ENV].startswith(f"{config.name}-worker-0.{config.name}-workers.")
+    assert env[MAX_RESTARTS_ENV] == str(config.max_restarts)
+    assert env[RENDEZVOUS_ENV].startswith(f"{config.name}-worker-0.{config.name}-workers.")
     assert [p["containerPort"] for p in worker["ports"]] == [config.rendezvous_port]
     assert "PARALLAX_RESTART_COUNT" not in env  # each attempt gets its own from the gang
     # the run id is pinned: every attempt and every recreated pod resumes the same run
@@ -1156,8 +1158,8 @@ def test_without_restart_flags_the_manifests_are_as_before(key):
     config = CONFIGS[key]
     _, job, sts, worker = _objects(config)
     assert job["spec"]["backoffLimit"] == 0 and "podFailurePolicy" not in job["spec"]
-    assert k8s.gang.MAX_RESTARTS_ENV not in _env(worker)
-    assert (k8s.RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1)
+    assert MAX_RESTARTS_ENV not in _env(worker)
+    assert (RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1)
     if sts and not config.data_volume_size:
         pod = sts["spec"]["template"]["spec"]
         assert "--data-dir" not in _container(sts, "server")["command"]
@@ -1304,8 +1306,8 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict) -> dict:
                        max_restarts=max_restarts, command=(sys.executable, str(script)))
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    env = {**_env(container), k8s.RENDEZVOUS_ENV: f"localhost:{_free_port()}",
-           "PATH": f"{BIN}:/usr/bin:/bin", k8s.gang.TIMEOUT_ENV: "20", **extra_env}
+    env = {**_env(container), RENDEZVOUS_ENV: f"localhost:{_free_port()}",
+           "PATH": f"{BIN}:/usr/bin:/bin", GANG_TIMEOUT_ENV: "20", **extra_env}
     argv = [str(BIN / "parallax"), *container["command"][1:]]
     procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -1337,8 +1339,8 @@ def test_gang_bootstrap_exits_with_the_failure_once_restarts_are_used(tmp_path):
 
 
 def test_gang_worker_without_worker_0_exits_so_the_job_recreates_the_pods():
-    env = {"HOROVOD_SIZE": "2", "JOB_COMPLETION_INDEX": "1", k8s.gang.MAX_RESTARTS_ENV: "2",
-           k8s.RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", k8s.RENDEZVOUS_TIMEOUT_ENV: "1",
+    env = {"HOROVOD_SIZE": "2", "JOB_COMPLETION_INDEX": "1", MAX_RESTARTS_ENV: "2",
+           RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", RENDEZVOUS_TIMEOUT_ENV: "1",
            "PATH": f"{BIN}:/usr/bin:/bin"}
     out = subprocess.run([str(BIN / "parallax"), "k8s", "worker", "--", "true"], env=env,
                          capture_output=True, text=True, timeout=60)

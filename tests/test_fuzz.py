@@ -4,8 +4,8 @@ structurally valid but hostile requests (tests/wire_fuzz.py), against a real ser
 PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
 server's data port, parallax.protocol.dataplane; and in parallax.protocol.packed_codec's
 layout, as is and with hostile headers, lengths and counts), and frames that are no requests
-at all (bad magic, unknown methods, lengths past the limit, truncated bodies, wrong tokens) must be refused or
-dropped without harm.
+at all (bad magic, unknown methods, lengths past the limit, truncated bodies, wrong tokens)
+must be refused or dropped without harm.
 
 A fixed seed and a bounded count keep it reproducible and quick enough for CI. Afterwards:
 no request got INTERNAL or UNKNOWN (every refusal names a specific code), no request aimed at

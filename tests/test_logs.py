@@ -1,4 +1,4 @@
-"""Logging (parallax.launch.logs): levels, PARALLAX_LOG_LEVEL, --log-level on every command, the
+"""Logging (parallax.runtime.logs): levels, PARALLAX_LOG_LEVEL, --log-level on every command, the
 server's format and its per-shard lines at DEBUG, and the filter of TensorFlow's start-up
 noise, which drops exactly the known lines."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from parallax.env import LOG_LEVEL_ENV
 from parallax.errors import ConfigError
-from parallax.launch import logs
-from parallax.launch.cluster import LOG_LEVEL_ENV
 from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import TableSpec
+from parallax.runtime import logs
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 FFT = (b"2026-12-01 06:40:08.830848: E external/local_xla/xla/stream_executor/cuda/"

@@ -24,8 +24,8 @@ from parallax.client import ClientOptions, PSClient
 from parallax.errors import ConfigError, ServerError
 from parallax.launch.local_cluster import LocalCluster
 from parallax.launch.run import LaunchConfig, validate
-from parallax.protocol.security import (TOKEN_FILE_ENV, client_options_from_env,
-                                        generate_job_credentials, read_token)
+from parallax.client.connection import client_options_from_env
+from parallax.protocol.security import TOKEN_FILE_ENV, generate_job_credentials, read_token
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +153,8 @@ def test_mutual_tls_requires_a_client_certificate(mtls_cluster, creds, token, tm
     foreign = ClientOptions(tls_ca=str(creds.ca_cert), tls_cert=str(other.client_cert),
                             tls_key=str(other.client_key), token=token, **FAST)
     assert _refused(foreign, address).code == grpc.StatusCode.UNAVAILABLE
-    with PSClient([address], creds.client_options(ClientOptions(**FAST))) as client:
+    options = client_options_from_env(ClientOptions(**FAST), creds.worker_env())
+    with PSClient([address], options) as client:
         _round_trip(client, "mtls")
 
 
@@ -208,7 +209,8 @@ def test_credentials_need_no_openssl_and_carry_mutual_tls(tmp_path, monkeypatch)
                                                         ip_address("::1")]
     assert sans.get_values_for_type(x509.DNSName) == ["localhost", "ps-0.example"]
     with LocalCluster(1, extra_args=made.server_args()) as cluster:
-        with PSClient(cluster.addresses, made.client_options(ClientOptions(**FAST))) as client:
+        options = client_options_from_env(ClientOptions(**FAST), made.worker_env())
+        with PSClient(cluster.addresses, options) as client:
             _round_trip(client, "no-openssl")
         no_cert = ClientOptions(tls_ca=str(made.ca_cert), token=read_token(made.token_file),
                                 **FAST)

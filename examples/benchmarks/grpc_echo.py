@@ -20,7 +20,7 @@ _LIMIT = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_
 
 
 def serve() -> None:
-    from parallax.protocol.malloc_tuning import reuse_freed_memory
+    from parallax.runtime.malloc_tuning import reuse_freed_memory
     reuse_freed_memory()  # the same allocator settings as `parallax server`
     cache: dict[int, bytes] = {}
 

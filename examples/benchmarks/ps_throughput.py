@@ -18,7 +18,7 @@ What it measures
     same bytes in the same chunks and channels between two processes (grpc_echo.py): the
     ceiling for any gRPC parameter server in Python, reported as echo MB/s and echo ratio.
     Client and server share this machine's cores; both reuse freed buffers
-    (parallax.protocol.malloc_tuning), as `parallax server` does.
+    (parallax.runtime.malloc_tuning), as `parallax server` does.
 
     Tables are fixed-vocabulary (--vocab rows, zeros initializer, float32) and created and
     deleted as the benchmark goes, so only one lives on the server at a time
@@ -57,8 +57,8 @@ from google.protobuf.internal import api_implementation
 from parallax.client import ClientOptions, PSClient, ShardedTable
 from parallax.errors import ParallaxError
 from parallax.launch.local_cluster import LocalCluster
-from parallax.protocol.malloc_tuning import reuse_freed_memory
 from parallax.protocol.specs import SGD, TableSpec
+from parallax.runtime.malloc_tuning import reuse_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpc_echo import EchoClient  # noqa: E402

@@ -19,7 +19,7 @@ import sys
 from parallax.bench import cgroups, measure, workloads
 from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
 from parallax.errors import ConfigError
-from parallax.launch import logs
+from parallax.runtime import logs
 
 
 def _names(text: str) -> tuple[str, ...]:

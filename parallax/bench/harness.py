@@ -43,6 +43,7 @@ from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
+from parallax.env import ADDRESSES_ENV, RUN_ID_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.local_cluster import ready_address
 
@@ -199,8 +200,8 @@ class Run:
             return self._start_mwms()
         env: dict[str, str] = {}
         if self.system in ("hybrid", "ps"):
-            env.update({"PARALLAX_PS_ADDRESSES": ",".join(self._start_parallax_servers()),
-                        "PARALLAX_RUN_ID": f"bench-{self.system}-{int(time.time())}"})
+            env.update({ADDRESSES_ENV: ",".join(self._start_parallax_servers()),
+                        RUN_ID_ENV: f"bench-{self.system}-{int(time.time())}"})
         if self.workers > 1:
             port = self.place.port(RENDEZVOUS_PORT)
             # On the bridge's address only, so benchmarks of other prefixes can run at once.

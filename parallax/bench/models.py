@@ -91,3 +91,16 @@ def dataset(spec: WorkloadSpec, rank: int, batches: int = 16) -> tf.data.Dataset
     pool = batch_pool(spec, rank, batches)
     stacked = {key: np.stack([b[key] for b in pool]) for key in pool[0]}
     return tf.data.Dataset.from_tensor_slices(stacked).repeat().prefetch(2)
+
+
+def train_fn(model, optimizer, scale: float):
+    """The per-replica step shared by the strategies: loss scaled by 1/replicas because
+    tf.distribute sums gradients across replicas (the Keras and MWMS convention)."""
+    def step_fn(batch):
+        with tf.GradientTape() as tape:
+            loss = model.loss(batch)
+            scaled = loss * scale
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return step_fn

@@ -31,9 +31,6 @@ from parallax.placement.tuning import counts_text
 
 SHARDS = (1, 2, 4, 8, 16, 32, 64)
 TOPOLOGIES = ((2, 2), (4, 4))
-RATIO_TARGET = 0.95       # tuned samples/s over the best sweep point's
-OVERHEAD_TARGET = 0.10    # search overhead over a run of REFERENCE_STEPS steps
-REFERENCE_STEPS = 1000
 SYSTEM = "hybrid"
 # Short windows: the slowest points (64 shards of 26 CTR tables: ~3,300 RPCs per worker per
 # step) take seconds per step, so a window is min_window_steps steps there.

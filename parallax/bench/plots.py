@@ -6,35 +6,18 @@ matplotlib's Agg canvas directly, so nothing depends on pyplot's global state or
 display."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-from parallax.bench.report import Results, _Slice, _slices, summarize
+from parallax.bench import projection
+from parallax.bench.figures import figure, slug
+from parallax.bench.results import Results
+from parallax.bench.summary import Slice, slices, summarize
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-
-
-slug = _slug  # file-name-safe form of a name, for other reports' plots
-
-
-def _figure() -> tuple[Figure, Any]:
-    fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend, and without pyplot's state
-    return fig, fig.add_subplot()
-
-
-figure = _figure  # a fresh Agg figure and its axes, for other modules' plots
-
-
-def _throughput_plot(s: _Slice, path: Path) -> None:
-    fig, ax = _figure()
+def _throughput_plot(s: Slice, path: Path) -> None:
+    fig, ax = figure()
     for system in s.systems:
         points = [(n, r.samples_per_s) for n in s.workers
                   if (r := s.get(system, n)) and r.samples_per_s is not None]
@@ -50,13 +33,13 @@ def _throughput_plot(s: _Slice, path: Path) -> None:
     fig.savefig(path)
 
 
-def _bytes_plot(s: _Slice, path: Path) -> bool:
+def _bytes_plot(s: Slice, path: Path) -> bool:
     """Grouped sent/received bars at the largest worker count; False (nothing written) when no
     system's bytes were measured there."""
     rows = [r for p in s.systems if (r := s.get(p, s.workers[-1])) and r.measured]
     if not rows:
         return False
-    fig, ax = _figure()
+    fig, ax = figure()
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r.measured.sent for r in rows], 0.4, label="sent")
     ax.bar([x + 0.2 for x in xs], [r.measured.received for r in rows], 0.4, label="received")
@@ -79,12 +62,11 @@ def _bytes_plot(s: _Slice, path: Path) -> bool:
 def plots(results: Results, out_dir: str | Path) -> list[Path]:
     """throughput_<workload>_<network>.png and, where bytes were measured, bytes_<...>.png;
     projection_<workload>.png where the step-time model could be fitted."""
-    from parallax.bench import projection
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for s in _slices(summarize(results)):
-        stem = f"{_slug(s.workload)}_{_slug(s.network)}.png"
+    for s in slices(summarize(results)):
+        stem = f"{slug(s.workload)}_{slug(s.network)}.png"
         _throughput_plot(s, out / f"throughput_{stem}")
         written.append(out / f"throughput_{stem}")
         if _bytes_plot(s, out / f"bytes_{stem}"):
@@ -105,7 +87,7 @@ def partition_plot(path: Path, title: str, sweep: list[tuple[int, float]],
     """samples/s against shards per table: the sweep's measured points, the tuned run's
     throughput (a horizontal line), the search's fitted curve and the layouts it sampled
     (uniform: every table at that count; else at its largest count)."""
-    fig, ax = _figure()
+    fig, ax = figure()
     if sweep:
         ax.plot(*zip(*sweep), marker="o", label="sweep (measured)")
     if curve:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from parallax.bench.figures import figure, slug
 from parallax.bench.results import Network, Results, Run
 from parallax.errors import ConfigError
 from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, expected_traffic,
@@ -205,7 +206,6 @@ def section(found: list[SystemProjection], networks: dict[str, Network],
 
 def plot_name(workload: str, network: str, found: list[SystemProjection]) -> str:
     """projection_<workload>.png, with the network when the workload has several."""
-    from parallax.bench.plots import slug
     networks = {p.network for p in found if p.workload == workload}
     return (f"projection_{slug(workload)}.png" if len(networks) <= 1
             else f"projection_{slug(workload)}_{slug(network)}.png")
@@ -215,7 +215,6 @@ def plot(part: list[SystemProjection], path: Path, nominal_gbit: float | None) -
     """samples/s against workers (1-64): the model at each projected link (solid, dashed),
     the model at the measured conditions (one core, the nominal link; dotted) and the
     measured points as one core would run them (samples/s / share)."""
-    from parallax.bench.plots import figure
     if not part:
         raise ConfigError("nothing to plot: no system has a fitted projection")
     fig, ax = figure()

@@ -10,138 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from parallax.placement import traffic_model
 from parallax.bench import projection
-from parallax.errors import ConfigError
 from parallax.bench.results import Meta, Network, Results, Run, load  # noqa: F401 (API)
-from parallax.placement.traffic_model import StepTraffic, Workload
-
-SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
-WORKLOADS = ("lm", "ctr", "dense")
-PARALLAX = "hybrid"
-BYTES_TARGET = 1.2      # hybrid's measured bytes within this factor of the analytic minimum
-DENSE_TOLERANCE = 5.0   # percent: on a dense model hybrid is plain all-reduce, like Horovod
-
-_MODEL = {"hybrid": "hybrid", "ps": "ps", "tf_ps": "ps", "allreduce": "allreduce",
-          "horovod": "allreduce", "horovod_dense": "horovod_sparse_as_dense", "mwms": "mwms"}
-
-
-def analytic_traffic(system: str, workload: Workload) -> StepTraffic | None:
-    """The bytes one worker of `system` is expected to send and receive per step; None for a
-    system the model does not cover.
-
-    horovod (sparse gradients as IndexedSlices) is all-gathered like parallax's allreduce mode.
-    tf_ps is approximated by parallax's ps model: TensorFlow's ParameterServerStrategy keeps all
-    variables on the servers, gathers only the embedding rows a step reads and pushes sparse
-    gradients for them, and pulls and pushes dense variables whole. It ignores what the model
-    cannot see: the coordinator's RPCs that dispatch each step, and rows read twice by one step.
-    """
-    model = _MODEL.get(system)
-    return None if model is None else traffic_model.expected_traffic(model, workload)
-
-
-def minimum_traffic(workload: Workload) -> StepTraffic:
-    """The least a worker must move per step (issue 5): its unique sparse rows pulled and pushed
-    (2 x U x dim x itemsize, plus ids) and dense gradients ring-all-reduced (2 (W-1)/W x dense
-    bytes), which is exactly what hybrid is modelled to move."""
-    return traffic_model.expected_traffic("hybrid", workload)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One (workload, network, workers, system) point, its rounds aggregated by median."""
-
-    workload: str
-    network: str
-    workers: int
-    system: str
-    rounds_ok: int
-    rounds_total: int
-    samples_per_s: float | None
-    cpu_seconds_per_sample: float | None
-    measured: StepTraffic | None    # bytes per worker per step
-    analytic: StepTraffic | None    # this system's model
-    minimum: StepTraffic | None     # the analytic minimum: hybrid's model at the same point
-    vs_analytic: float | None       # measured total / analytic total
-    vs_minimum: float | None        # measured total / minimum total
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def _median_traffic(values: Iterable[StepTraffic | None]) -> StepTraffic | None:
-    present = [v for v in values if v is not None]
-    return StepTraffic(_median(v.sent for v in present), _median(v.received for v in present)) \
-        if present else None
-
-
-def _ratio(a: StepTraffic | None, b: StepTraffic | None) -> float | None:
-    return None if a is None or b is None or b.total == 0 else a.total / b.total
-
-
-def _rank(name: str, known: Sequence[str]) -> tuple[int, str]:
-    return (known.index(name) if name in known else len(known), name)
-
-
-def summarize(results: Results) -> list[Row]:
-    """Rows ordered by workload, network (as first run), workers and system."""
-    groups: dict[tuple[str, str, int, str], list[Run]] = {}
-    for run in results.runs:
-        groups.setdefault((run.workload, run.network.name, run.workers, run.system), []).append(run)
-    analytic = {k: next((r.analytic for r in runs if r.analytic), None)
-                for k, runs in groups.items()}
-    networks = list(dict.fromkeys(r.network.name for r in results.runs))
-    rows = []
-    for key in sorted(groups, key=lambda k: (_rank(k[0], WORKLOADS), networks.index(k[1]),
-                                             k[2], _rank(k[3], SYSTEMS))):
-        ok = [r for r in groups[key] if r.ok]
-        measured = _median_traffic(r.worker_bytes_per_step for r in ok)
-        minimum = analytic.get(key[:3] + (PARALLAX,))
-        rows.append(Row(*key, len(ok), len(groups[key]), _median(r.samples_per_s for r in ok),
-                        _median(r.cpu_seconds_per_sample for r in ok), measured, analytic[key],
-                        minimum, _ratio(measured, analytic[key]), _ratio(measured, minimum)))
-    return rows
-
-
-@dataclass(frozen=True)
-class _Slice:
-    """The rows of one workload on one network: what one group of tables and plots shows."""
-
-    workload: str
-    network: str
-    rows: tuple[Row, ...]
-
-    @property
-    def workers(self) -> list[int]:
-        return sorted({r.workers for r in self.rows})
-
-    @property
-    def systems(self) -> list[str]:
-        return sorted({r.system for r in self.rows}, key=lambda s: _rank(s, SYSTEMS))
-
-    def get(self, system: str, workers: int) -> Row | None:
-        return next((r for r in self.rows if (r.system, r.workers) == (system, workers)), None)
-
-    def speedup(self, system: str) -> float | None:
-        """hybrid's samples/s over `system`'s at the largest worker count."""
-        mine, theirs = (self.get(s, self.workers[-1]) for s in (PARALLAX, system))
-        if not (mine and theirs and mine.samples_per_s and theirs.samples_per_s):
-            return None
-        return mine.samples_per_s / theirs.samples_per_s
-
-
-def _slices(rows: list[Row]) -> list[_Slice]:
-    keys = dict.fromkeys((r.workload, r.network) for r in rows)
-    return [_Slice(w, n, tuple(r for r in rows if (r.workload, r.network) == (w, n)))
-            for w, n in keys]
+from parallax.bench.summary import (  # noqa: F401 (API: what report users read)
+    BYTES_TARGET, DENSE_TOLERANCE, PARALLAX, SYSTEMS, WORKLOADS, Row, Slice, _rank,
+    analytic_traffic, minimum_traffic, slices, summarize)
+from parallax.errors import ConfigError
+from parallax.placement.traffic_model import StepTraffic
 
 
 @dataclass(frozen=True)
@@ -160,7 +40,7 @@ def _verdict(met: bool) -> str:
     return "met" if met else "missed"
 
 
-def _speed_target(s: _Slice) -> Target:
+def _speed_target(s: Slice) -> Target:
     w = s.workers[-1]
     if s.workload == "dense":
         goal = f"hybrid within {DENSE_TOLERANCE:g}% of horovod"
@@ -186,7 +66,7 @@ def _speed_target(s: _Slice) -> Target:
                   detail + (f"; no ok rounds: {', '.join(failed)}" if failed else ""))
 
 
-def _bytes_target(s: _Slice) -> Target:
+def _bytes_target(s: Slice) -> Target:
     w = s.workers[-1]
     goal = f"hybrid bytes within {BYTES_TARGET:g}x of the analytic minimum"
     row = s.get(PARALLAX, w)
@@ -199,7 +79,7 @@ def _bytes_target(s: _Slice) -> Target:
 
 
 def targets(results: Results) -> list[Target]:
-    return [t for s in _slices(summarize(results)) for t in (_speed_target(s), _bytes_target(s))]
+    return [t for s in slices(summarize(results)) for t in (_speed_target(s), _bytes_target(s))]
 
 
 def human_bytes(n: float) -> str:
@@ -242,7 +122,7 @@ def _traffic_cells(row: Row) -> list[str]:
             ratio, vs_min if row.measured else "not measured"]
 
 
-def _slice_section(s: _Slice, network: Network) -> list[str]:
+def _slice_section(s: Slice, network: Network) -> list[str]:
     w = s.workers[-1]
     cols = [f"{n} worker{'s' if n > 1 else ''}" for n in s.workers]
     lines = [f"### {s.workload} on {network.describe()}", "",
@@ -313,10 +193,10 @@ def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
              f"- date: {m.date}", f"- commit: {m.commit}", f"- command: `{m.command}`",
              f"- machine: {m.machine}", *(f"- note: {n}" for n in m.notes), ""]
     networks = {r.network.name: r.network for r in results.runs}
-    slices = _slices(summarize(results))
-    for workload in dict.fromkeys(s.workload for s in slices):
+    parts = slices(summarize(results))
+    for workload in dict.fromkeys(s.workload for s in parts):
         lines += [f"## Workload {workload}", ""]
-        for s in (s for s in slices if s.workload == workload):
+        for s in (s for s in parts if s.workload == workload):
             lines += _slice_section(s, networks[s.network])
     lines += _isolation_section(summarize(results), networks)
     found = projection.projections(results)

@@ -109,7 +109,6 @@ def build_mwms(spec: workloads.WorkloadSpec) -> Built:
     import keras
     import tensorflow as tf
 
-    from parallax.bench.worker import _train_fn
 
     # First: MWMS must configure the collective runtime before any other op runs.
     options = tf.distribute.experimental.CommunicationOptions(
@@ -122,7 +121,7 @@ def build_mwms(spec: workloads.WorkloadSpec) -> Built:
         model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
         optimizer.build(model.trainable_variables)  # slots made now, not inside a trace
-    step_fn = _train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
+    step_fn = models.train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
     batches = iter(models.dataset(spec, rank))
     last = {"loss": float("nan")}
 
@@ -190,9 +189,8 @@ def build_tf_ps(spec: workloads.WorkloadSpec) -> Built:
     model, optimizer = _ps_model(strategy, spec)
     import tensorflow as tf
 
-    from parallax.bench.worker import _train_fn
 
-    step_fn = _train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
+    step_fn = models.train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
     iterator = iter(coordinator.create_per_worker_dataset(_union_dataset_fn(spec, workers)))
 
     @tf.function

@@ -40,21 +40,6 @@ def _iterator(spec: workloads.WorkloadSpec, rank: int):
     return iter(models.dataset(spec, rank))
 
 
-def _train_fn(model, optimizer, scale: float):
-    """The per-replica step shared by the strategies: loss scaled by 1/replicas because
-    tf.distribute sums gradients across replicas (the Keras and MWMS convention)."""
-    import tensorflow as tf
-
-    def step_fn(batch):
-        with tf.GradientTape() as tape:
-            loss = model.loss(batch)
-            scaled = loss * scale
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    return step_fn
-
-
 def parallax_trainer(system: str, spec: workloads.WorkloadSpec, shards: int | None = None,
                      search=None) -> measure.Trainer:
     return _parallax_setup(system, spec, shards, search)[0]
@@ -78,7 +63,7 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
     with strategy.scope():
         model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
-    step_fn = _train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
+    step_fn = models.train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
     rank, workers = strategy.worker.rank, strategy.worker.size
     batches = _iterator(spec, rank)
     last = {"loss": float("nan")}

@@ -6,6 +6,7 @@ anything else is an answer from the server and is raised at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -15,12 +16,14 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.client.dataplane import DataPlaneClient
-from parallax.errors import ParallaxError, ServerError
+from parallax.env import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
+from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol import bulk_codec, dataplane, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
@@ -64,6 +67,26 @@ class ClientOptions:
     @property
     def chunk_bytes(self) -> int:
         return min(self.chunk_mb * 1024 * 1024, self.max_message_bytes)
+
+
+def client_options_from_env(base: ClientOptions | None = None,
+                            environ: Mapping[str, str] | None = None) -> ClientOptions:
+    """`base` (default ClientOptions()) with the TLS files and token of the environment
+    (`PARALLAX_TLS_*`, `PARALLAX_TOKEN_FILE`; a job's `JobCredentials.worker_env()`) filled
+    into the fields `base` leaves unset; unchanged when none is set."""
+    base = base or ClientOptions()
+    env = os.environ if environ is None else environ
+    changes = {field: env[name] for field, name in (
+        ("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV))
+        if env.get(name) and getattr(base, field) is None}
+    if env.get(TOKEN_FILE_ENV) and base.token is None:
+        changes["token"] = security.read_token(env[TOKEN_FILE_ENV])
+    if (changes.get("tls_cert") or changes.get("tls_key")) and not (
+            changes.get("tls_ca") or base.tls_ca):
+        raise ConfigError(f"{TLS_CERT_ENV}/{TLS_KEY_ENV} are set but {TLS_CA_ENV} is not: "
+                          f"a client certificate needs TLS; set {TLS_CA_ENV} to the CA that "
+                          f"signed the servers' certificates")
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def describe(method: str, address: str, table, err: grpc.RpcError,

@@ -17,21 +17,13 @@ import hashlib
 import json
 import os
 import re
-import time
-import uuid
 from dataclasses import dataclass
 
+from parallax.env import (ADDRESSES_ENV, MODE_ENV, RUN_ID_ENV, SYNC_ENV, SYNC_MODES, TF_CONFIG_ENV,
+                          check_run_id, new_run_id)
 from parallax.errors import ConfigError
 
-ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
-RUN_ID_ENV = "PARALLAX_RUN_ID"
-MODE_ENV = "PARALLAX_MODE"   # hybrid | ps | allreduce, from `parallax run --mode`
-SYNC_ENV = "PARALLAX_SYNC"   # sync | async, from `parallax run --async`
-TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
-RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
-LOG_LEVEL_ENV = "PARALLAX_LOG_LEVEL"  # debug|info|warning|error|critical (--log-level)
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 
 @dataclass(frozen=True)
@@ -54,12 +46,6 @@ def parse_addresses(text: str, source: str) -> tuple[str, ...]:
     return addresses
 
 
-def check_run_id(run_id: str, source: str) -> str:
-    if not _RUN_ID.match(run_id):
-        raise ConfigError(f"{source} {run_id!r} must be 1-48 letters, digits, '_' or '-'")
-    return run_id
-
-
 def mode_from_env(mode: str | None, sync: bool | None,
                   environ: dict[str, str] | None = None) -> tuple[str, bool]:
     """Explicit arguments win; then the launcher's environment; then hybrid, sync."""
@@ -68,14 +54,10 @@ def mode_from_env(mode: str | None, sync: bool | None,
         mode = environ.get(MODE_ENV) or "hybrid"
     if sync is None:
         text = environ.get(SYNC_ENV, "sync")
-        if text not in ("sync", "async"):
+        if text not in SYNC_MODES:
             raise ConfigError(f"{SYNC_ENV}={text!r} must be 'sync' or 'async'")
         sync = text == "sync"
     return mode, sync
-
-
-def new_run_id() -> str:
-    return time.strftime("%m%d%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
 def resolve_cluster(ps_addresses: str | tuple[str, ...] | list[str] | None = None,

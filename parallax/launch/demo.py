@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from parallax.errors import ConfigError
-from parallax.launch import logs
 from parallax.launch.run import LaunchConfig, find_horovodrun, run
+from parallax.runtime import logs
 
 # The wheel carries examples/*.py as parallax/examples (setup.cfg maps them there); a source
 # checkout (and an editable install) has them beside the package.

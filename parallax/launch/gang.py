@@ -35,10 +35,9 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Mapping
 
+from parallax.env import GANG_TIMEOUT_ENV
 from parallax.launch.restarts import Outcome, RestartBudget
 
-MAX_RESTARTS_ENV = "PARALLAX_K8S_MAX_RESTARTS"  # set by the manifests: the gang's N
-TIMEOUT_ENV = "PARALLAX_GANG_TIMEOUT"          # seconds without contact that lose a rank
 GANG_TIMEOUT_S = 60.0
 LOST_GANG_EXIT = 75  # EX_TEMPFAIL: this pod lost its gang; the Job may recreate the pods
 PATH = "/parallax/gang"
@@ -228,7 +227,7 @@ class Supervisor:
     def _lost(self) -> int:
         print(f"parallax k8s worker {self.rank}: lost worker 0 at {self.url} for "
               f"{self.timeout:g} s; exiting {LOST_GANG_EXIT} so the Job recreates the pods "
-              f"(raise {TIMEOUT_ENV} if worker 0 is only slow)", flush=True)
+              f"(raise {GANG_TIMEOUT_ENV} if worker 0 is only slow)", flush=True)
         return LOST_GANG_EXIT
 
     def _attempt(self, attempt: int) -> int | None:

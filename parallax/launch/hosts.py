@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch import lifeline
 from parallax.launch.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
+from parallax.runtime import lifeline
 
 DEFAULT_SERVER_PORT = 7000
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")

@@ -75,17 +75,16 @@ from typing import Any, Mapping
 
 import yaml
 
+from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV,
+                          MODE_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV,
+                          RUN_ID_ENV, RUN_MODES, SYNC_ENV)
 from parallax.errors import ConfigError
-from parallax.launch import gang, logs
-from parallax.launch.cluster import RESTART_COUNT_ENV, RUN_ID_ENV
+from parallax.launch import gang
 from parallax.launch.restarts import RestartBudget
+from parallax.runtime import logs
 
-MODES = ("hybrid", "ps", "allreduce")
 CONFIG_DIR = "/etc/parallax"
 CONFIG_FILE = "job.json"
-JOB_CONFIG_ENV = "PARALLAX_JOB_CONFIG"
-RENDEZVOUS_ENV = "PARALLAX_RENDEZVOUS"          # host:port of rank 0's rendezvous server
-RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
 LABEL_JOB = "parallax.io/job"
 LABEL_ROLE = "parallax.io/role"
 MAX_NAME = 40  # leaves room for "-worker-<index>" and StatefulSet revision hashes (63 max)
@@ -178,8 +177,8 @@ def validate(config: K8sConfig) -> None:
     if not isinstance(config.workers, int) or config.workers < 1:
         raise ConfigError(f"--workers {config.workers!r}: the number of worker pods must be "
                           f"at least 1")
-    if config.mode not in MODES:
-        raise ConfigError(f"--mode {config.mode!r} is not one of {', '.join(MODES)}")
+    if config.mode not in RUN_MODES:
+        raise ConfigError(f"--mode {config.mode!r} is not one of {', '.join(RUN_MODES)}")
     if not isinstance(config.servers, int) or config.servers < 0:
         raise ConfigError(f"--servers {config.servers!r} must be >= 0")
     if config.servers == 0 and config.mode != "allreduce":
@@ -504,14 +503,14 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
     PARALLAX_RESTART_COUNT is not here: the gang supervisor gives each attempt its own."""
     env = {
         RUN_ID_ENV: config.name,
-        "PARALLAX_MODE": config.mode,
-        "PARALLAX_SYNC": "sync" if config.sync else "async",
+        MODE_ENV: config.mode,
+        SYNC_ENV: "sync" if config.sync else "async",
         JOB_CONFIG_ENV: f"{CONFIG_DIR}/{CONFIG_FILE}",
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }
     if config.servers:
-        env["PARALLAX_PS_ADDRESSES"] = ",".join(ps_addresses(config))
+        env[ADDRESSES_ENV] = ",".join(ps_addresses(config))
     if config.workers > 1:
         env.update({
             RENDEZVOUS_ENV: rendezvous_address(config),
@@ -522,7 +521,7 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
         })
     if config.max_restarts:
         env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
-        env[gang.MAX_RESTARTS_ENV] = str(config.max_restarts)
+        env[MAX_RESTARTS_ENV] = str(config.max_restarts)
     return env
 
 
@@ -1021,7 +1020,7 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
               file=sys.stderr)
         return 2
     size = int(environ.get("HOROVOD_SIZE", "1"))
-    max_restarts = int(environ.get(gang.MAX_RESTARTS_ENV, "0"))
+    max_restarts = int(environ.get(MAX_RESTARTS_ENV, "0"))
     if size <= 1 and not max_restarts:
         os.execvpe(command[0], command, environ)
     rank = _rank(environ, size)
@@ -1058,7 +1057,7 @@ def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
     def start(attempt: int) -> None:
         if size > 1:
             server.init(_host_plan(size))
-        addresses = environ.get("PARALLAX_PS_ADDRESSES")
+        addresses = environ.get(ADDRESSES_ENV)
         if not addresses:
             return
         from parallax.client.ps_client import PSClient
@@ -1076,7 +1075,7 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
                max_restarts: int) -> int:
     """Run `command` under the gang's supervision (parallax.launch.gang): every rank's command
     restarts together after any failure, at most `max_restarts` times."""
-    timeout = float(environ.get(gang.TIMEOUT_ENV, gang.GANG_TIMEOUT_S))
+    timeout = float(environ.get(GANG_TIMEOUT_ENV, gang.GANG_TIMEOUT_S))
     coordinator = None
     if rank == 0:
         coordinator = gang.Gang(size, RestartBudget(max_restarts, say=_say), lambda _: None,

@@ -3,7 +3,7 @@
 Each server is started with `--port 0`; its address is read from the READY line it prints,
 so there is no race for free ports. Output is forwarded with a `[ps i]` prefix. `stop()`
 sends SIGTERM, waits, kills stragglers, and reports every exit code. A server whose parent
-dies without stopping it (SIGKILL, os._exit) stops by itself (`parallax.launch.lifeline`).
+dies without stopping it (SIGKILL, os._exit) stops by itself (`parallax.runtime.lifeline`).
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import IO
 
+from parallax.env import READY_PREFIX
 from parallax.errors import ParallaxError
-from parallax.launch import lifeline
+from parallax.runtime import lifeline
 
-READY_PREFIX = "PARALLAX_SERVER_READY"
 
 
 SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")

@@ -15,9 +15,9 @@ import time
 import numpy as np
 
 from parallax.client import PSClient
-from parallax.launch import logs
 from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import Adagrad, Initializer, TableSpec
+from parallax.runtime import logs
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

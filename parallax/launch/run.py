@@ -21,7 +21,7 @@ check for `health_timeout` seconds (hung, SIGSTOPped) stops the job the same way
 named in one line. Servers this launcher started are always
 stopped. The launcher's own messages and the servers' output (`[ps i]` lines) go to stderr;
 the workers' output goes to stdout and stderr as they write it, less TensorFlow's known
-start-up lines (`parallax.launch.logs.worker_noise`).
+start-up lines (`parallax.runtime.logs.worker_noise`).
 
 horovodrun's habits work: `-H host:N,...` (or `--hosts host:N,...`), `--hostfile FILE`
 (`host slots=N` lines) and `--horovodrun-arg=ARG` for any other horovodrun flag. The
@@ -34,7 +34,6 @@ import contextlib
 import importlib.util
 import os
 import re
-import secrets
 import shlex
 import shutil
 import signal
@@ -49,17 +48,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from parallax.env import (ADDRESSES_ENV, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES,
+                          SYNC_ENV, is_run_id, new_run_id)
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch import lifeline, logs
-from parallax.launch.cluster import RESTART_COUNT_ENV
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
+from parallax.runtime import lifeline, logs
 
-ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"
-RUN_ID_ENV = "PARALLAX_RUN_ID"
-MODE_ENV = "PARALLAX_MODE"
-SYNC_ENV = "PARALLAX_SYNC"
-MODES = ("hybrid", "ps", "allreduce")
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")  # what workers accept as a run id
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
 # horovodrun flags that parallax sets itself, and what to do instead
@@ -99,12 +93,7 @@ class LaunchConfig:
                                           # run; servers as it says unless num_servers is
                                           # 0; num_workers <= its slots
     horovodrun_args: tuple[str, ...] = ()  # --horovodrun-arg: more flags for horovodrun
-    log_level: str | None = None          # --log-level (parallax.launch.logs); None: as it is
-
-
-def new_run_id() -> str:
-    """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
-    return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)
+    log_level: str | None = None          # --log-level (parallax.runtime.logs); None: as it is
 
 
 def check_address(address: str, source: str = "--ps-addresses") -> str:
@@ -150,7 +139,7 @@ def validate(config: LaunchConfig) -> list[str]:
         if arg.split("=", 1)[0] in ("--port", "--data-dir"):
             raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
                               f"the data directory is --data-dir; drop it")
-    if config.run_id is not None and not _RUN_ID.match(config.run_id):
+    if config.run_id is not None and not is_run_id(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
     if config.health_timeout < 0:
@@ -159,8 +148,8 @@ def validate(config: LaunchConfig) -> list[str]:
     if config.start_timeout <= 0:
         raise ConfigError(f"--server-start-timeout {config.start_timeout} must be > 0 seconds")
     _check_horovodrun_args(config.horovodrun_args)
-    if config.mode is not None and config.mode not in MODES:
-        raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(MODES)}")
+    if config.mode is not None and config.mode not in RUN_MODES:
+        raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(RUN_MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
         raise ConfigError(f"sync must be True, False or None, not {config.sync!r}")
     if config.hosts is not None:
@@ -598,6 +587,7 @@ def _start_servers(config: LaunchConfig, credentials=None):
                                                               if credentials else [])],
                            echo=sys.stderr,
                            start_timeout=config.start_timeout).start()
+    from parallax.client.connection import client_options_from_env
     from parallax.launch.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
                            extra_args=[*config.server_args, *(credentials.server_args()
@@ -608,7 +598,7 @@ def _start_servers(config: LaunchConfig, credentials=None):
     if credentials is not None:  # they serve what the workers will present
         try:
             _check_external(cluster.addresses, config.start_timeout,
-                            credentials.client_options())
+                            client_options_from_env(environ=credentials.worker_env()))
         except BaseException:
             cluster.stop()
             raise
@@ -657,7 +647,7 @@ def _monitor_options(env: dict):
     """Client options for the launcher's own calls (progress, health): the job's
     credentials, short timeouts, no retries."""
     from parallax.client import ClientOptions
-    from parallax.protocol.security import client_options_from_env
+    from parallax.client.connection import client_options_from_env
     return client_options_from_env(ClientOptions(timeout=5, retries=0), environ=env)
 
 
@@ -744,7 +734,7 @@ def _attempt(config: LaunchConfig, argv: list[str], horovod: bool, run_id: str,
             addresses, where = cluster.addresses, "started here"
         else:
             addresses, where = [a.strip() for a in config.ps_addresses], "external"
-            from parallax.protocol.security import client_options_from_env
+            from parallax.client.connection import client_options_from_env
             _check_external(addresses, config.start_timeout, client_options_from_env())
         _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
              f"({where}): {','.join(addresses)}; run id {run_id}"
@@ -830,7 +820,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                         help="TLS with client certificates and a cluster token: credentials "
                              "made for this job (removed at the end), passed to the workers "
                              "in PARALLAX_TLS_CA/CERT/KEY and PARALLAX_TOKEN_FILE")
-    parser.add_argument("--mode", choices=MODES, default=None,
+    parser.add_argument("--mode", choices=RUN_MODES, default=None,
                         help="the strategy's mode for the workers (PARALLAX_MODE; default: "
                              "the strategy's own default)")
     parser.add_argument("--async", dest="sync", action="store_false", default=None,

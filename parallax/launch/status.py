@@ -17,9 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.client import ClientOptions, PSClient
+from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch import logs
-from parallax.launch.cluster import ADDRESSES_ENV, parse_addresses
+from parallax.launch.cluster import parse_addresses
+from parallax.runtime import logs
 
 SERVING = "SERVING"
 UNREACHABLE = "UNREACHABLE"
@@ -31,7 +32,7 @@ def client_options(timeout: float) -> ClientOptions:
     hang on a dead server."""
     options = ClientOptions()
     try:
-        from parallax.protocol.security import client_options_from_env
+        from parallax.client.connection import client_options_from_env
     except ImportError:
         pass
     else:

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from parallax.env import RUN_MODES
 from parallax.errors import ConfigError
 
-RUN_MODES = ("hybrid", "ps", "allreduce")
 # A table is split into shards of at least this size by default. Every shard costs each
 # worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
 # Python gRPC (measured: LM and CTR benchmarks, docs/benchmarks.md), while what sharding buys,

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from parallax.env import PLAN_CACHE_ENV
 from parallax.errors import ConfigError
 from parallax.placement.partitioner import Measurement
 from parallax.placement.plan import Plan, StrategyConfig
 
 log = logging.getLogger("parallax")
 
-CACHE_ENV = "PARALLAX_PLAN_CACHE"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class PartitionSearch:
                               f"{self.plan_seconds}")
 
     def cache_root(self) -> Path | None:
-        root = self.cache_dir if self.cache_dir is not None else os.environ.get(CACHE_ENV)
+        root = self.cache_dir if self.cache_dir is not None else os.environ.get(PLAN_CACHE_ENV)
         if root == "":
             return None
         return Path(root) if root else Path.home() / ".cache" / "parallax" / "partitions"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import datetime
 import hmac
 import ipaddress
@@ -31,16 +30,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import grpc
 
+from parallax.env import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError
 
-TLS_CA_ENV = "PARALLAX_TLS_CA"
-TLS_CERT_ENV = "PARALLAX_TLS_CERT"
-TLS_KEY_ENV = "PARALLAX_TLS_KEY"
-TOKEN_FILE_ENV = "PARALLAX_TOKEN_FILE"
 TOKEN_HEADER = "authorization"
 TOKEN_SCHEME = "Bearer "
 CERT_DAYS = 30
@@ -189,25 +185,6 @@ def channel(address: str, options, channel_options: list) -> grpc.Channel:
     return grpc.intercept_channel(made, TokenMetadata(options.token)) if options.token else made
 
 
-def client_options_from_env(base=None, environ: Mapping[str, str] | None = None):
-    """`base` (default ClientOptions()) with the TLS files and token of the environment
-    filled into the fields `base` leaves unset; unchanged when none is set."""
-    from parallax.client.connection import ClientOptions
-    base = base or ClientOptions()
-    env = os.environ if environ is None else environ
-    changes = {field: env[name] for field, name in (
-        ("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV))
-        if env.get(name) and getattr(base, field) is None}
-    if env.get(TOKEN_FILE_ENV) and base.token is None:
-        changes["token"] = read_token(env[TOKEN_FILE_ENV])
-    if (changes.get("tls_cert") or changes.get("tls_key")) and not (
-            changes.get("tls_ca") or base.tls_ca):
-        raise ConfigError(f"{TLS_CERT_ENV}/{TLS_KEY_ENV} are set but {TLS_CA_ENV} is not: "
-                          f"a client certificate needs TLS; set {TLS_CA_ENV} to the CA that "
-                          f"signed the servers' certificates")
-    return dataclasses.replace(base, **changes) if changes else base
-
-
 # ---- job credentials ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class JobCredentials:
@@ -225,9 +202,6 @@ class JobCredentials:
     def worker_env(self) -> dict[str, str]:
         return {TLS_CA_ENV: str(self.ca_cert), TLS_CERT_ENV: str(self.client_cert),
                 TLS_KEY_ENV: str(self.client_key), TOKEN_FILE_ENV: str(self.token_file)}
-
-    def client_options(self, base=None):
-        return client_options_from_env(base, self.worker_env())
 
 
 # cryptography is imported by the functions that make credentials, not at module level: it

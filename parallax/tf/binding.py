@@ -19,9 +19,9 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.cluster import ClusterSpec
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
-from parallax.protocol.malloc_tuning import return_freed_memory
-from parallax.protocol.security import client_options_from_env
+from parallax.client.connection import client_options_from_env
 from parallax.protocol.specs import Initializer, TableSpec, optimizer_from_keras
+from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker
 from parallax.tf.keras_support import slots_of
 from parallax.tf.remote import RemoteTable

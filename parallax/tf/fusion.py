@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import tensorflow as tf
 
-from parallax.client.step_traffic import FusedPull, FusedPush, StepRouting
+from parallax.tf.step_traffic import FusedPull, FusedPush, StepRouting
 
 if TYPE_CHECKING:
     from parallax.tf.remote import RemoteTable

@@ -33,8 +33,8 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 from parallax.client import ShardedTable
 from parallax.client.connection import run_in_background
-from parallax.client.step_traffic import land_pushes_of
-from parallax.errors import ConfigError, ServerError
+from parallax.tf.step_traffic import land_pushes_of
+from parallax.errors import ConfigError
 from parallax.protocol.routing import out_of_range
 
 log = logging.getLogger("parallax")

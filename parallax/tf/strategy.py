@@ -26,15 +26,15 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax.client import ClientOptions
+from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.cluster import (ADDRESSES_ENV, ClusterSpec, mode_from_env, parse_addresses,
-                                     resolve_cluster)
+from parallax.launch.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
 from parallax.placement import tuning
 from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
 from parallax.placement.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.placement.tuner import PartitionTuner
 from parallax.placement.tuning import PartitionSearch
-from parallax.protocol.malloc_tuning import reuse_freed_memory
+from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax.tf import binding, keras_support, resume
 from parallax.tf.analysis import NOT_READ, inspect_reads
 from parallax.tf.collectives import WorkerInfo, make_collectives

@@ -40,6 +40,7 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
                                             HistogramMetricFamily, Metric)
 from prometheus_client.utils import floatToGoString
 
+from parallax.env import METRICS_IDLE_ENV
 from parallax.errors import ConfigError
 from parallax.protocol.security import TOKEN_SCHEME
 
@@ -50,7 +51,6 @@ BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
            1.0, 2.5, 5.0, 10.0)
 BUCKET_LABELS = tuple(floatToGoString(b) for b in BUCKETS + (float("inf"),))  # "le" values
 MAX_CONNECTIONS = 8  # served at once; more are closed on arrival
-IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a connection has for its request (default 5)
 # Which way the row payload (values, gradients) of a method travels.
 DIRECTION = {"Pull": "out", "Push": "in", "InitRows": "in", "PullMany": "out",
              "PushMany": "in"}
@@ -216,13 +216,13 @@ def tls_context(cert, key, client_ca=None) -> ssl.SSLContext:
 
 
 def _idle_seconds() -> float:
-    text = os.environ.get(IDLE_ENV, "5")
+    text = os.environ.get(METRICS_IDLE_ENV, "5")
     try:
         seconds = float(text)
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise ConfigError(f"{IDLE_ENV}={text!r} must be a number of seconds > 0")
+        raise ConfigError(f"{METRICS_IDLE_ENV}={text!r} must be a number of seconds > 0")
     return seconds
 
 
@@ -240,7 +240,7 @@ class _DeadlineReader(io.RawIOBase):
     def readinto(self, buffer) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"the request was not complete within {IDLE_ENV} seconds")
+            raise TimeoutError(f"the request was not complete within {METRICS_IDLE_ENV} seconds")
         self.sock.settimeout(left)
         return self.sock.recv_into(buffer)
 

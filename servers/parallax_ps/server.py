@@ -1,6 +1,6 @@
 """The parameter-server process: gRPC server, health service, graceful shutdown.
 
-On SIGTERM or SIGINT, or once the process that started it is gone (`parallax.launch.lifeline`: a
+On SIGTERM or SIGINT, or once the process that started it is gone (`parallax.runtime.lifeline`: a
 launcher or a program with embedded servers killed by SIGKILL or the OOM killer), the server
 reports NOT_SERVING, stops taking new RPCs, wakes every request waiting on a step or barrier
 (they end with UNAVAILABLE), lets in-flight requests finish within the grace period, and
@@ -21,15 +21,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from parallax.env import READY_PREFIX
 from parallax.errors import ConfigError
-from parallax.launch import lifeline, logs
 from parallax.protocol import security
-from parallax.protocol.malloc_tuning import reuse_freed_memory
+from parallax.runtime import lifeline, logs
+from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax_ps import metrics
 from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
-READY_PREFIX = "PARALLAX_SERVER_READY"
 log = logging.getLogger("parallax_ps")
 
 
@@ -51,7 +51,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"  # where /metrics listens: loopback unless asked
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
     data_port: int = 0  # PullMany/PushMany as frames on this port (0: any free one; -1: off)
-    log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.launch.logs)
+    log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.runtime.logs)
 
     @property
     def max_message_bytes(self) -> int:

@@ -22,8 +22,8 @@ import os
 import re
 import sys
 
+from parallax.env import LOG_LEVEL_ENV
 from parallax.errors import ConfigError
-from parallax.launch.cluster import LOG_LEVEL_ENV
 
 LIBRARY, SERVER = "parallax", "parallax_ps"
 LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -24,7 +24,8 @@ import threading
 import time
 from typing import Callable
 
-PARENT_ENV = "PARALLAX_PARENT_PID"
+from parallax.env import PARENT_ENV
+
 POLL_S = 0.2
 
 

@@ -1,0 +1,64 @@
+"""The contract between the launchers and the processes they start, in one place: every
+`PARALLAX_*` environment variable, the run modes, what a run id may be and how one is
+made, and the line a server prints once it listens.
+
+`parallax run`, `parallax k8s` manifests, the benchmark harness and the embedded default all
+set these; workers (the strategy), servers and the tools read them. No other module spells a
+name or a mode itself.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+from parallax.errors import ConfigError
+
+# ---- what workers read -------------------------------------------------------------------
+ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"  # comma-separated host:port of every server
+RUN_ID_ENV = "PARALLAX_RUN_ID"           # the job's id: table names on the servers carry it
+MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run --mode`
+SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
+RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
+TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
+PLAN_CACHE_ENV = "PARALLAX_PLAN_CACHE"   # where the partition search keeps its decisions
+
+# ---- every process parallax starts -------------------------------------------------------
+LOG_LEVEL_ENV = "PARALLAX_LOG_LEVEL"     # debug|info|warning|error|critical (--log-level)
+PARENT_ENV = "PARALLAX_PARENT_PID"       # the process whose death ends this one (lifeline)
+TLS_CA_ENV = "PARALLAX_TLS_CA"           # with --secure: the job's CA, certificate, key and
+TLS_CERT_ENV = "PARALLAX_TLS_CERT"       # token file (parallax.protocol.security)
+TLS_KEY_ENV = "PARALLAX_TLS_KEY"
+TOKEN_FILE_ENV = "PARALLAX_TOKEN_FILE"
+
+# ---- servers -----------------------------------------------------------------------------
+METRICS_IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a /metrics connection has (default 5)
+READY_PREFIX = "PARALLAX_SERVER_READY"   # a server's first stdout line: READY address=H:P
+
+# ---- Kubernetes (parallax k8s) -------------------------------------------------------------
+JOB_CONFIG_ENV = "PARALLAX_JOB_CONFIG"
+RENDEZVOUS_ENV = "PARALLAX_RENDEZVOUS"   # host:port of rank 0's rendezvous server
+RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
+MAX_RESTARTS_ENV = "PARALLAX_K8S_MAX_RESTARTS"  # set by the manifests: the gang's N
+GANG_TIMEOUT_ENV = "PARALLAX_GANG_TIMEOUT"       # seconds without contact that lose a rank
+
+# ---- modes and run ids -------------------------------------------------------------------
+RUN_MODES = ("hybrid", "ps", "allreduce")
+SYNC_MODES = ("sync", "async")
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+
+
+def is_run_id(text: str) -> bool:
+    """Whether `text` may be a run id: 1-48 letters, digits, '_' or '-'."""
+    return bool(_RUN_ID.match(text))
+
+
+def check_run_id(run_id: str, source: str) -> str:
+    if not is_run_id(run_id):
+        raise ConfigError(f"{source} {run_id!r} must be 1-48 letters, digits, '_' or '-'")
+    return run_id
+
+
+def new_run_id() -> str:
+    """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
+    return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)
