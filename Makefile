@@ -3,13 +3,16 @@
 VENV ?= .venv
 export PARALLAX_VENV := $(abspath $(VENV))
 
-.PHONY: demo test env bench compare wheel-check image
+.PHONY: demo test test-fast env bench compare wheel-check image
 
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
 
-test: env          ## install everything, then run the whole test suite
+test: env          ## install everything, then run the whole test suite (every tier)
 	$(VENV)/bin/python -m pytest
+
+test-fast: env     ## the unit tier alone: no TensorFlow, no process (seconds; tests/tiers.py)
+	$(VENV)/bin/python -m pytest $$($(VENV)/bin/python tests/tiers.py unit)
 
 env:
 	bash scripts/setup_env.sh

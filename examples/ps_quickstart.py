@@ -7,7 +7,7 @@ once the step is applied.
 import numpy as np
 
 from parallax import Adam, Initializer, PSClient, TableSpec
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 
 
 def main() -> None:

@@ -8,11 +8,18 @@ name or a mode itself.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
 import secrets
 import time
+from pathlib import Path
+from typing import Any, Mapping
 
 from parallax.errors import ConfigError
+
+log = logging.getLogger("parallax")
 
 # ---- what workers read -------------------------------------------------------------------
 ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"  # comma-separated host:port of every server
@@ -36,7 +43,8 @@ METRICS_IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a /metrics connection ha
 READY_PREFIX = "PARALLAX_SERVER_READY"   # a server's first stdout line: READY address=H:P
 
 # ---- Kubernetes (parallax k8s) -------------------------------------------------------------
-JOB_CONFIG_ENV = "PARALLAX_JOB_CONFIG"
+JOB_CONFIG_ENV = "PARALLAX_JOB_CONFIG"   # the job's job.json (its ConfigMap), in worker pods
+PLAN_KEYS = ("placement", "shards", "local_aggregation", "search_partitions")  # its "plan"
 RENDEZVOUS_ENV = "PARALLAX_RENDEZVOUS"   # host:port of rank 0's rendezvous server
 RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
 MAX_RESTARTS_ENV = "PARALLAX_K8S_MAX_RESTARTS"  # set by the manifests: the gang's N
@@ -62,3 +70,33 @@ def check_run_id(run_id: str, source: str) -> str:
 def new_run_id() -> str:
     """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
     return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)
+
+
+# ---- the plan overrides of a `parallax k8s` job ---------------------------------------------
+def strategy_options(path: str | None = None) -> dict[str, Any]:
+    """The plan overrides of the job's ConfigMap as ParallaxStrategy keyword arguments;
+    {} outside such a pod. ParallaxStrategy applies them by itself (`plan_overrides`)."""
+    path = path or os.environ.get(JOB_CONFIG_ENV)
+    if not path or not Path(path).is_file():
+        return {}
+    try:
+        plan = json.loads(Path(path).read_text()).get("plan", {})
+    except (json.JSONDecodeError, AttributeError):
+        raise ConfigError(f"{JOB_CONFIG_ENV}={path} is not the JSON object `parallax k8s` "
+                          f"renders into its ConfigMap; fix the file or unset "
+                          f"{JOB_CONFIG_ENV}") from None
+    return {k: plan[k] for k in PLAN_KEYS if k in plan}
+
+
+def plan_overrides(given: Mapping[str, Any]) -> dict[str, Any]:
+    """What ParallaxStrategy takes from the job's ConfigMap ($PARALLAX_JOB_CONFIG): its plan
+    overrides for the arguments `given` leaves None (an argument given wins); one INFO line
+    names what was applied, and what the arguments overrode."""
+    options = strategy_options()
+    applied = {k: v for k, v in options.items() if given.get(k) is None}
+    if options:
+        kept = sorted(set(options) - set(applied))
+        log.info("plan overrides from %s=%s: %s%s", JOB_CONFIG_ENV, os.environ[JOB_CONFIG_ENV],
+                 ", ".join(f"{k}={v!r}" for k, v in applied.items()) or "none applied",
+                 f" (ParallaxStrategy's own {', '.join(kept)} kept)" if kept else "")
+    return applied

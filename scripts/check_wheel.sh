@@ -92,7 +92,7 @@ if "LICENSE" not in info and "licenses/LICENSE" not in info:
     problems.append("missing: *.dist-info/LICENSE")
 if not re.search(r"^parallax = parallax\.cli:main$",
                  wheel.read(info["entry_points.txt"]).decode(), re.M):
-    problems.append("missing: the console script parallax = parallax.launch.cli:main")
+    problems.append("missing: the console script parallax = parallax.cli:main")
 tops = sorted({n.split("/")[0] for n in names} - {n.split("/")[0] for n in info.values()})
 if tops != ["parallax", "parallax_ps"]:
     problems.append(f"top-level entries {tops}, expected parallax and parallax_ps only")

@@ -1,19 +1,68 @@
-"""Shared fixtures: real parameter-server processes on loopback, and table snapshots."""
+"""Shared fixtures: real parameter-server processes on loopback, and table snapshots; and the
+test tiers (tests/tiers.py): every test is marked with its file's tier, and a run of unit
+tests alone fails a test that imports TensorFlow or starts a process."""
 from __future__ import annotations
 
+import importlib.abc
 import itertools
 import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import numpy.testing  # noqa: F401 (its first import runs lscpu: before any guard)
 import pytest
 
 from parallax.client import ClientOptions, PSClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
+
+from tiers import GUARDED, TIER_OF
 
 _names = itertools.count()
+_UNIT_ONLY = False  # set once collected: the run selects unit tests only
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = TIER_OF.get(item.path.name)
+        if tier is None:
+            raise pytest.UsageError(f"{item.path.name} has no tier: add it to tests/tiers.py")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_collection_finish(session):
+    global _UNIT_ONLY
+    _UNIT_ONLY = bool(session.items) and all(i.get_closest_marker("unit") for i in session.items)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in GUARDED)
+    if _UNIT_ONLY and loaded:
+        raise pytest.UsageError(f"the unit tests imported {', '.join(loaded[:3])}: a file that "
+                                f"needs TensorFlow belongs to the `tf` tier (tests/tiers.py)")
+
+
+class _Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in GUARDED:
+            raise ImportError(f"a unit test imported {name}: move its file to the `tf` tier "
+                              f"(tests/tiers.py)")
+        return None
+
+
+def _no_process(*args, **kwargs):
+    raise AssertionError("a unit test started a process: move its file to the `server`, "
+                         "`parallel` or `integration` tier (tests/tiers.py)")
+
+
+@pytest.fixture(autouse=True)
+def _unit_guard(monkeypatch):
+    """In a unit-only run: no TensorFlow, no process."""
+    if _UNIT_ONLY:
+        monkeypatch.setattr(sys, "meta_path", [_Refuse(), *sys.meta_path])
+        monkeypatch.setattr(subprocess.Popen, "__init__", _no_process)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -252,7 +252,7 @@ def test_unknown_table_on_a_server_with_many_tables_stays_not_found():
     """NOT_FOUND names some of the tables a server holds, not all: gRPC turns status details
     over 8 KB into RESOURCE_EXHAUSTED, which once hid the real error on a busy server."""
     from parallax.client import PSClient
-    from parallax.launch.local_cluster import LocalCluster
+    from parallax.client.local_cluster import LocalCluster
     with LocalCluster(1) as cluster, PSClient(cluster.addresses) as client:
         for i in range(200):
             client.create_table(TableSpec(name=f"{'a-long-table-name-' * 3}{i:04d}",

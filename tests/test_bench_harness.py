@@ -29,7 +29,7 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.Compl
     """`parallax bench` with a unique mark in its environment, which every process it
     starts inherits (see test_launch.marked_processes)."""
     out = tmp_path / "out"
-    return subprocess.run([sys.executable, "-m", "parallax.launch.cli", "bench", "--size", "short",
+    return subprocess.run([sys.executable, "-m", "parallax.cli", "bench", "--size", "short",
                            "--out", str(out), "--windows", "2", "--window-seconds", "0.5",
                            "--warmup-steps", "2", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -103,7 +103,7 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
     prefix = _prefix()
     out = tmp_path / "out"
     bench = subprocess.Popen(
-        [sys.executable, "-m", "parallax.launch.cli", "bench", "--size", "short", "--out", str(out),
+        [sys.executable, "-m", "parallax.cli", "bench", "--size", "short", "--out", str(out),
          "--workloads", "lm", "--workers", "2", "--networks", "unlimited", "--systems",
          "hybrid", "--prefix", prefix, "--window-seconds", "30", "--cpu-share", "0.5"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

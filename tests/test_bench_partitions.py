@@ -27,7 +27,7 @@ def _namespaces(prefix: str) -> list[str]:
 def test_tiny_sweep_and_tuned_run_in_namespaces(tmp_path):
     out, prefix = tmp_path / "out", "pxq" + secrets.token_hex(2)
     done = subprocess.run(
-        [sys.executable, "-m", "parallax.launch.cli", "bench", "partitions", "--size", "short",
+        [sys.executable, "-m", "parallax.cli", "bench", "partitions", "--size", "short",
          "--workloads", "lm", "--topologies", "2x2", "--shards", "1,2", "--network",
          "unlimited", "--windows", "2", "--window-seconds", "0.3", "--warmup-steps", "1",
          "--search-steps-per-sample", "3", "--search-warmup-steps", "1",

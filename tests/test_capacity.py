@@ -10,7 +10,7 @@ import pytest
 
 import parallax
 from parallax.client import PSClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 from parallax.placement.capacity import check_fits, server_bytes, table_bytes
 from parallax.placement.partitioner import PlannerError
 from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
 from parallax.errors import ConfigError, ServerError
-from parallax.launch.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
 from parallax.protocol import bulk_codec
 from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from parallax.launch.cli import COMMANDS
+from parallax.cli import COMMANDS
 
 
 def _help_of(name: str) -> str:

@@ -21,9 +21,9 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
 from parallax.errors import ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol import dataplane, wire
 from parallax.protocol.bulk_codec import PushHeader
 from parallax.protocol.packed_codec import PushManyParts

@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from parallax import cli
 from parallax.env import (GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
-                          RENDEZVOUS_TIMEOUT_ENV)
+                          RENDEZVOUS_TIMEOUT_ENV, strategy_options)
 from parallax.errors import ConfigError
-from parallax.launch import cli, k8s
+from parallax.launch import k8s
 from parallax.launch.k8s import K8sConfig, render
 from parallax.launch.run import parse_args
 
@@ -561,12 +562,12 @@ def test_strategy_options_come_from_the_mounted_job_config(tmp_path, monkeypatch
     path = tmp_path / "job.json"
     path.write_text(cm["data"]["job.json"])
     monkeypatch.setenv(JOB_CONFIG_ENV, str(path))
-    assert k8s.strategy_options() == {"shards": 4, "placement": {"dense/kernel": "ps"}}
+    assert strategy_options() == {"shards": 4, "placement": {"dense/kernel": "ps"}}
     path.write_text("[1]")
     with pytest.raises(ConfigError, match="PARALLAX_JOB_CONFIG=.* is not the JSON object"):
-        k8s.strategy_options()
+        strategy_options()
     monkeypatch.delenv(JOB_CONFIG_ENV)
-    assert k8s.strategy_options() == {}
+    assert strategy_options() == {}
 
 
 def test_strategy_applies_the_job_plan_by_itself_and_given_arguments_win(
@@ -1350,7 +1351,7 @@ def test_gang_worker_without_worker_0_exits_so_the_job_recreates_the_pods():
 
 def test_fresh_start_drops_only_this_runs_tables(tmp_path):
     from parallax.client import PSClient
-    from parallax.launch.local_cluster import LocalCluster
+    from parallax.client.local_cluster import LocalCluster
     from parallax.protocol.specs import TableSpec
     with LocalCluster(2) as cluster, PSClient(cluster.addresses) as client:
         for name in ("run1.v0.emb", "run1.v1.w", "run10.v0.emb"):

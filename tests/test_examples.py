@@ -133,7 +133,7 @@ def _two_worker_command(script: Path, flags: list[str]) -> list[str]:
     except ImportError:
         code = (
             "import os, subprocess, sys\n"
-            "from parallax.launch.local_cluster import LocalCluster\n"
+            "from parallax.client.local_cluster import LocalCluster\n"
             "with LocalCluster(2) as cluster:\n"
             "    env = dict(os.environ, PARALLAX_PS_ADDRESSES=','.join(cluster.addresses),\n"
             "               PARALLAX_RUN_ID='test-examples')\n"
@@ -141,7 +141,7 @@ def _two_worker_command(script: Path, flags: list[str]) -> list[str]:
             "    sys.exit(subprocess.call([hvd, '-np', '2', '-H', 'localhost:2', '--gloo',\n"
             "                              sys.executable, *sys.argv[1:]], env=env))\n")
         return [sys.executable, "-c", code, str(script), *flags]
-    return [sys.executable, "-m", "parallax.launch.cli", "run", "-np", "2", "--servers", "2",
+    return [sys.executable, "-m", "parallax.cli", "run", "-np", "2", "--servers", "2",
             str(script), *flags]
 
 

@@ -30,7 +30,7 @@ import wire_fuzz
 from conftest import Snapshot
 from parallax.client import ClientOptions, PSClient, ServerConnection
 from parallax.client.dataplane import DataPlaneClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 from parallax.protocol import dataplane, packed_codec
 from parallax.protocol.specs import SGD, TableSpec
 from parallax.ps.v1 import ps_pb2

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from parallax.client import PSClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import push_many
 from parallax.errors import ConfigError, ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol import wire
 from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import parallax
+from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ConfigError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.launch.run import LaunchConfig, parse_args, run, validate, workers_argv
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
 import load  # noqa: E402

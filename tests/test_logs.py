@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from parallax.client.local_cluster import LocalCluster
 from parallax.env import LOG_LEVEL_ENV
 from parallax.errors import ConfigError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import TableSpec
 from parallax.runtime import logs
 

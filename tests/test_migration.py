@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 
 from parallax.client import PSClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 from conftest import free_ports
 from test_launch import MARK, Launcher, mark, port_closed, wait_gone  # noqa: F401
 

@@ -22,9 +22,9 @@ import pytest
 
 from conftest import Snapshot
 from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
 from parallax.errors import ConfigError, ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol import bulk_codec, wire
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.specs import SGD, Adagrad, Adam, Initializer, TableSpec

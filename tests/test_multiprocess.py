@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parallax.client import PSClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 from parallax.protocol.routing import sum_duplicates
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,7 +17,7 @@ import pytest
 
 from parallax import SGD, PSClient, ServerError, TableSpec
 from parallax.client import ClientOptions
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'
@@ -28,7 +28,7 @@ DIM = 8
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallax.launch.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "parallax.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 

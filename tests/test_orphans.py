@@ -26,7 +26,7 @@ time.sleep(600)
 
 EMBEDDED = """
 import os, signal, sys, time
-from parallax.launch.cluster import resolve_cluster
+from parallax.client.cluster import resolve_cluster
 spec = resolve_cluster(environ={})
 assert len(spec.ps_addresses) == 2 and spec.embedded, spec
 open(sys.argv[1], "w").write(",".join(spec.ps_addresses))
@@ -58,7 +58,7 @@ def _assert_prompt_exits(report: dict) -> None:
 
 
 def test_servers_and_worker_end_when_parallax_run_is_sigkilled(tmp_path):
-    report = _reaped(tmp_path, True, sys.executable, "-m", "parallax.launch.cli", "run",
+    report = _reaped(tmp_path, True, sys.executable, "-m", "parallax.cli", "run",
                      "--servers", "2", "--progress-seconds", "0", "--",
                      sys.executable, "-c", WORKER, str(tmp_path / "ready"))
     assert report["command"] == -9

@@ -31,8 +31,8 @@ import pytest
 import tensorflow as tf
 
 import parallax
+from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol import bulk_codec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax import SGD, TableSpec
 from parallax.client import ClientOptions, PSClient
-from parallax.errors import ConfigError, ServerError
-from parallax.launch.local_cluster import LocalCluster
-from parallax.launch.run import LaunchConfig, validate
 from parallax.client.connection import client_options_from_env
+from parallax.client.local_cluster import LocalCluster
+from parallax.errors import ConfigError, ServerError
+from parallax.launch.run import LaunchConfig, validate
 from parallax.protocol.security import TOKEN_FILE_ENV, generate_job_credentials, read_token
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")

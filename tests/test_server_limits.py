@@ -21,8 +21,8 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.client.connection import ServerConnection
+from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.security import generate_job_credentials, read_token
 from parallax.protocol.specs import TableSpec
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ServerError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import TableSpec
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")

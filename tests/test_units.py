@@ -191,7 +191,7 @@ def test_initializer_kinds(kind, check):
 # ---- the `parallax` command line --------------------------------------------------------
 @pytest.mark.parametrize("flag", ["--version", "-V", "version"])
 def test_cli_prints_its_version(flag, capsys):
-    from parallax.launch import cli
+    from parallax import cli
     from parallax.version import __version__
     assert cli.main([flag]) == 0
     assert capsys.readouterr().out.startswith(f"parallax {__version__} ")
@@ -200,7 +200,7 @@ def test_cli_prints_its_version(flag, capsys):
 @pytest.mark.parametrize("error, code", [(ConfigError("--servers -1 must be >= 0"), 2),
                                          (ParallaxError("server 10.0.0.1:7000 is gone"), 1)])
 def test_cli_reports_a_parallax_error_in_one_line(error, code, capsys, monkeypatch):
-    from parallax.launch import cli
+    from parallax import cli
 
     def fails(argv):
         raise error
@@ -218,7 +218,7 @@ def _tf_config(task: dict, ps=("10.0.0.5:7000", "10.0.0.6:7000")) -> str:
 
 
 def test_tf_config_ps_tasks_are_the_servers_and_every_worker_derives_one_run_id():
-    from parallax.launch.cluster import resolve_cluster
+    from parallax.client.cluster import resolve_cluster
     specs = [resolve_cluster(environ={"TF_CONFIG": _tf_config({"type": "worker", "index": i})})
              for i in range(2)]
     assert specs[0].ps_addresses == ("10.0.0.5:7000", "10.0.0.6:7000")
@@ -232,7 +232,7 @@ def test_tf_config_ps_tasks_are_the_servers_and_every_worker_derives_one_run_id(
 
 
 def test_tf_config_without_ps_tasks_is_left_to_the_other_sources():
-    from parallax.launch.cluster import resolve_cluster
+    from parallax.client.cluster import resolve_cluster
     spec = resolve_cluster(environ={"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}}'},
                            start=False)
     assert spec.embedded
@@ -245,6 +245,6 @@ def test_tf_config_without_ps_tasks_is_left_to_the_other_sources():
     ('{"cluster": {"ps": ["nohost"]}}', "is not host:port"),
 ])
 def test_bad_tf_config_is_named(text, words):
-    from parallax.launch.cluster import resolve_cluster
+    from parallax.client.cluster import resolve_cluster
     with pytest.raises(ConfigError, match=words):
         resolve_cluster(environ={"TF_CONFIG": text})

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import SGD, TableSpec
 
 METHODS = ("pull", "push", "pull_hashed", "push_hashed", "pull_many", "push_many",

@@ -55,8 +55,8 @@ from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
 from parallax.client import ClientOptions, PSClient, ShardedTable
+from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ParallaxError
-from parallax.launch.local_cluster import LocalCluster
 from parallax.protocol.specs import SGD, TableSpec
 from parallax.runtime.malloc_tuning import reuse_freed_memory
 

@@ -33,7 +33,7 @@ from grpc_echo import EchoClient  # noqa: E402
 
 from parallax.client import ClientOptions, PSClient  # noqa: E402
 from parallax.client.many import pull_many, push_many  # noqa: E402
-from parallax.launch.local_cluster import LocalCluster  # noqa: E402
+from parallax.client.local_cluster import LocalCluster  # noqa: E402
 from parallax.protocol.specs import SGD, Initializer, TableSpec  # noqa: E402
 
 DIM, ROWS, DRAWS = 16, 400_000, 256

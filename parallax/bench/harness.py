@@ -45,7 +45,7 @@ from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.env import ADDRESSES_ENV, RUN_ID_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.local_cluster import ready_address
+from parallax.client.local_cluster import ready_address
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
 LOOPBACK = "loopback"

@@ -1,4 +1,4 @@
-"""Starting and watching jobs: the `parallax` command line, the launcher (`run`) and its
-backends (local processes, ssh hosts, Kubernetes manifests), the cluster description that
-reaches every process, restarts, status, progress and logs.
+"""Starting and watching jobs: the launcher (`run`) and its backends (local processes, ssh
+hosts, Kubernetes manifests and the gang bootstrap), restarts, status and progress. The
+`parallax` command itself is `parallax.cli`; where the servers are is `parallax.client.cluster`.
 """

@@ -47,8 +47,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from parallax.client.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
 from parallax.runtime import lifeline
 
 DEFAULT_SERVER_PORT = 7000

@@ -76,8 +76,8 @@ from typing import Any, Mapping
 import yaml
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV,
-                          MODE_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV,
-                          RUN_ID_ENV, RUN_MODES, SYNC_ENV)
+                          MODE_ENV, PLAN_KEYS, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
+                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV)
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch.restarts import RestartBudget
@@ -88,7 +88,6 @@ CONFIG_FILE = "job.json"
 LABEL_JOB = "parallax.io/job"
 LABEL_ROLE = "parallax.io/role"
 MAX_NAME = 40  # leaves room for "-worker-<index>" and StatefulSet revision hashes (63 max)
-PLAN_KEYS = ("placement", "shards", "local_aggregation", "search_partitions")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
@@ -737,35 +736,6 @@ _Dumper.add_representer(str, _text)
 
 def dump(objects: list[dict[str, Any]]) -> str:
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
-
-
-def strategy_options(path: str | None = None) -> dict[str, Any]:
-    """The plan overrides of the job's ConfigMap as ParallaxStrategy keyword arguments;
-    {} outside such a pod. ParallaxStrategy applies them by itself (`plan_overrides`)."""
-    path = path or os.environ.get(JOB_CONFIG_ENV)
-    if not path or not Path(path).is_file():
-        return {}
-    try:
-        plan = json.loads(Path(path).read_text()).get("plan", {})
-    except (json.JSONDecodeError, AttributeError):
-        raise ConfigError(f"{JOB_CONFIG_ENV}={path} is not the JSON object `parallax k8s` "
-                          f"renders into its ConfigMap; fix the file or unset "
-                          f"{JOB_CONFIG_ENV}") from None
-    return {k: plan[k] for k in PLAN_KEYS if k in plan}
-
-
-def plan_overrides(given: Mapping[str, Any]) -> dict[str, Any]:
-    """What ParallaxStrategy takes from the job's ConfigMap ($PARALLAX_JOB_CONFIG): its plan
-    overrides for the arguments `given` leaves None (an argument given wins); one INFO line
-    names what was applied, and what the arguments overrode."""
-    options = strategy_options()
-    applied = {k: v for k, v in options.items() if given.get(k) is None}
-    if options:
-        kept = sorted(set(options) - set(applied))
-        log.info("plan overrides from %s=%s: %s%s", JOB_CONFIG_ENV, os.environ[JOB_CONFIG_ENV],
-                 ", ".join(f"{k}={v!r}" for k, v in applied.items()) or "none applied",
-                 f" (ParallaxStrategy's own {', '.join(kept)} kept)" if kept else "")
-    return applied
 
 
 # ---------------------------------------------------------------------------------------

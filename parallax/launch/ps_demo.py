@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from parallax.client import PSClient
-from parallax.launch.local_cluster import LocalCluster
+from parallax.client.local_cluster import LocalCluster
 from parallax.protocol.specs import Adagrad, Initializer, TableSpec
 from parallax.runtime import logs
 

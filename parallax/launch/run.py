@@ -588,7 +588,7 @@ def _start_servers(config: LaunchConfig, credentials=None):
                            echo=sys.stderr,
                            start_timeout=config.start_timeout).start()
     from parallax.client.connection import client_options_from_env
-    from parallax.launch.local_cluster import LocalCluster
+    from parallax.client.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
                            extra_args=[*config.server_args, *(credentials.server_args()
                                                               if credentials else [])],

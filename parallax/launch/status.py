@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.cluster import parse_addresses
 from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.cluster import parse_addresses
 from parallax.runtime import logs
 
 SERVING = "SERVING"

@@ -1,4 +1,5 @@
-"""Where tables go: the plan (sparse or dense, servers and shard counts), capacity checks,
-the measured partition search (`partitioner`, `tuning`, `tuner`), live resharding and the
-traffic model behind the benchmark's projection.
+"""Where tables go, decided without TensorFlow: the plan (sparse or dense, servers and shard
+counts), capacity checks, the measured shard-count search (`partitioner`, `tuning`) and the
+traffic model behind the benchmark's projection. What runs it during training (the tuner,
+live resharding) is TensorFlow-side, in `parallax.tf`.
 """

@@ -15,11 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.cluster import ClusterSpec
+from parallax.client.connection import client_options_from_env
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.cluster import ClusterSpec
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
-from parallax.client.connection import client_options_from_env
 from parallax.protocol.specs import Initializer, TableSpec, optimizer_from_keras
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker

@@ -26,13 +26,11 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax.client import ClientOptions
+from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
 from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
 from parallax.placement import tuning
 from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
-from parallax.placement.resharding import Layout, ReshardReport, Resharder, check_layouts
-from parallax.placement.tuner import PartitionTuner
 from parallax.placement.tuning import PartitionSearch
 from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax.tf import binding, keras_support, resume
@@ -42,6 +40,8 @@ from parallax.tf.datasets import shard_for_worker
 from parallax.tf.fusion import StepFusion
 from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
                                 owner_of_gradient, set_fusion_of_step)
+from parallax.tf.resharding import Layout, ReshardReport, Resharder, check_layouts
+from parallax.tf.tuner import PartitionTuner
 from parallax.tf.variables import ParallaxVariable, analysis_trace, is_liftable, restore_storage
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
@@ -614,7 +614,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
             that built different models (ConfigError); servers that do not answer within
             `connect_timeout` (ServerError).
         """
-        from parallax.launch.k8s import plan_overrides
+        from parallax.env import plan_overrides
         given = dict(placement=placement, shards=shards, local_aggregation=local_aggregation,
                      search_partitions=search_partitions)
         given.update(plan_overrides(given))  # arguments given win

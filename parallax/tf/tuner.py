@@ -18,8 +18,8 @@ import numpy as np
 
 from parallax.placement.partitioner import (ClusterProfile, Measurement, Planner,
                                             ShardCountEnumerator, TableProfile, fit_report, place)
-from parallax.placement.resharding import Layout
 from parallax.placement.tuning import PartitionSearch, counts_text, next_uniform, save_decision
+from parallax.tf.resharding import Layout
 
 log = logging.getLogger("parallax")
 

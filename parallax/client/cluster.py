@@ -105,7 +105,7 @@ def tf_config_servers(text: str) -> tuple[tuple[str, ...], str] | None:
 
 def _embedded(num_servers: int, run_id: str) -> ClusterSpec:
     """Start `num_servers` parameter servers as children of this process (loopback)."""
-    from parallax.launch.local_cluster import LocalCluster
+    from parallax.client.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_servers).start()
     atexit.register(cluster.stop)

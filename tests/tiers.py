@@ -1,0 +1,46 @@
+"""The test tiers (Horovod's single / parallel / integration split, by marker), one place.
+
+- `unit`: no TensorFlow, no process, no socket server: seconds (`make test-fast`). When a
+  run selects only unit tests, importing TensorFlow or starting a process fails the test.
+- `server`: real parameter-server processes on loopback, driven by the client; no TensorFlow.
+- `tf`: TensorFlow in this process (the strategy, Keras), usually with real servers.
+- `parallel`: several worker processes (`parallax run`, horovodrun) or the benchmark's
+  namespaces and cgroups.
+- `integration`: the command line end to end, containers and manifests, chaos.
+
+`make test` runs every tier. Every test file is listed here once: a new file picks its tier.
+"""
+from __future__ import annotations
+
+TIERS = {
+    "unit": ["test_layout.py", "test_packed_codec.py", "test_plan.py", "test_routing_runs.py",
+             "test_traffic_model.py", "test_bench_report.py", "test_partitioner.py",
+             "test_bulk_codec.py", "test_cli_help.py"],
+    "server": ["test_bad_input.py", "test_checkpoint.py", "test_checkpoint_safety.py",
+               "test_dataplane.py", "test_fuzz.py", "test_hardening.py", "test_load.py",
+               "test_multi_table.py", "test_reshard.py", "test_server.py",
+               "test_server_limits.py", "test_server_process.py", "test_units.py",
+               "test_wire_contract.py", "test_security.py", "test_capacity.py"],
+    "tf": ["test_analysis.py", "test_fusion.py", "test_optimizer_math.py", "test_remote.py",
+           "test_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py"],
+    "parallel": ["test_strategy_equivalence.py", "test_multiprocess.py", "test_multihost.py",
+                 "test_launch.py", "test_launcher_edges.py", "test_orphans.py",
+                 "test_bench_cgroups.py", "test_bench_netns.py", "test_bench_harness.py",
+                 "test_bench_peers.py", "test_bench_partitions.py", "test_environment.py",
+                 "test_hosts.py"],
+    "integration": ["test_examples.py", "test_migration.py", "test_deploy.py", "test_chaos.py",
+                    "test_observability.py", "test_logs.py", "test_restarts.py",
+                    "test_tiers.py"],
+}
+TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
+GUARDED = ("tensorflow", "keras", "horovod")  # what a unit-only run may not import
+
+
+def files(tier: str) -> list[str]:
+    """The test files of `tier`, as paths from the repository root."""
+    return [f"tests/{name}" for name in TIERS[tier]]
+
+
+if __name__ == "__main__":  # `python tests/tiers.py unit`: the files of a tier, for pytest
+    import sys
+    print(" ".join(files(sys.argv[1])))
