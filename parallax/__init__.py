@@ -1,10 +1,24 @@
-"""parallax: sparsity-aware data-parallel training for TensorFlow 2."""
-from parallax.client import ClientOptions, PSClient, ShardedTable
+"""parallax: sparsity-aware data-parallel training for TensorFlow 2.
+
+Importing `parallax` loads only the low layers (errors, specs, logging): the client, the
+strategy (TensorFlow) and the partition search are loaded when first named, so the servers
+and the launcher, which import parallax's protocol, never load the client or TensorFlow.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam,
                                      RMSprop, TableSpec)
 from parallax.runtime.logs import install as _install_logging
 from parallax.version import __version__
+
+if TYPE_CHECKING:
+    from parallax.client import ClientOptions, PSClient, ShardedTable
+    from parallax.placement.tuning import PartitionSearch
+    from parallax.tf.strategy import ParallaxStrategy
 
 __all__ = ["Adagrad", "Adam", "Adamax", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
            "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch",
@@ -12,13 +26,16 @@ __all__ = ["Adagrad", "Adam", "Adamax", "ClientOptions", "ConfigError", "Ftrl", 
 
 _install_logging()  # the "parallax" logger writes to stderr (parallax.runtime.logs)
 
+_LAZY = {"ClientOptions": "parallax.client", "PSClient": "parallax.client",
+         "ShardedTable": "parallax.client", "PartitionSearch": "parallax.placement.tuning",
+         "ParallaxStrategy": "parallax.tf.strategy"}  # the last imports TensorFlow
+
 
 def __getattr__(name: str):
-    # The strategy imports TensorFlow; parameter servers import this package without it.
-    if name == "ParallaxStrategy":
-        from parallax.tf.strategy import ParallaxStrategy
-        return ParallaxStrategy
-    if name == "PartitionSearch":
-        from parallax.placement.tuning import PartitionSearch
-        return PartitionSearch
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'parallax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

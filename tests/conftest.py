@@ -22,7 +22,7 @@ from parallax.client.local_cluster import LocalCluster
 from tiers import GUARDED, TIER_OF
 
 _names = itertools.count()
-_UNIT_ONLY = False  # set once collected: the run selects unit tests only
+_DESELECTED = False  # some collected tests were deselected (-m, -k): others' imports loaded
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -34,13 +34,22 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
 
 
+def pytest_deselected(items):
+    global _DESELECTED
+    _DESELECTED = _DESELECTED or bool(items)
+
+
 def pytest_collection_finish(session):
-    global _UNIT_ONLY
-    _UNIT_ONLY = bool(session.items) and all(i.get_closest_marker("unit") for i in session.items)
+    """A run of unit tests only: no TensorFlow was imported by collecting them (unless other
+    files were collected too and deselected), and none may be imported or any process or
+    listening socket started from here on, fixtures of every scope included."""
+    if not session.items or not all(i.get_closest_marker("unit") for i in session.items):
+        return
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in GUARDED)
-    if _UNIT_ONLY and loaded:
+    if loaded and not _DESELECTED:
         raise pytest.UsageError(f"the unit tests imported {', '.join(loaded[:3])}: a file that "
                                 f"needs TensorFlow belongs to the `tf` tier (tests/tiers.py)")
+    _guard_unit_run()
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -51,18 +60,23 @@ class _Refuse(importlib.abc.MetaPathFinder):
         return None
 
 
-def _no_process(*args, **kwargs):
-    raise AssertionError("a unit test started a process: move its file to the `server`, "
-                         "`parallel` or `integration` tier (tests/tiers.py)")
+def _refused(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a unit test {what}: move its file to the `server`, `parallel` "
+                             f"or `integration` tier (tests/tiers.py)")
+    return refuse
 
 
-@pytest.fixture(autouse=True)
-def _unit_guard(monkeypatch):
-    """In a unit-only run: no TensorFlow, no process."""
-    if _UNIT_ONLY:
-        monkeypatch.setattr(sys, "meta_path", [_Refuse(), *sys.meta_path])
-        monkeypatch.setattr(subprocess.Popen, "__init__", _no_process)
-    yield
+def _guard_unit_run() -> None:
+    """For the rest of this (unit-only) session: no TensorFlow, no process, no server socket."""
+    sys.meta_path.insert(0, _Refuse())
+    started = _refused("started a process")
+    subprocess.Popen.__init__ = started
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp", "spawnv",
+                 "spawnve", "spawnvp", "spawnvpe", "execv", "execve"):
+        if hasattr(os, name):
+            setattr(os, name, started)
+    socket.socket.listen = _refused("opened a listening socket")
 
 
 @pytest.fixture(scope="session", autouse=True)

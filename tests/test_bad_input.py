@@ -262,3 +262,12 @@ def test_unknown_table_on_a_server_with_many_tables_stays_not_found():
             missing.pull([1])
     assert info.value.code == grpc.StatusCode.NOT_FOUND
     assert "and 192 more" in str(info.value) and len(str(info.value)) < 2000
+
+
+def test_server_answers_malformed_push_bytes_with_invalid_argument(cluster):
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        push = channel.unary_unary("/parallax.ps.v1.ParameterServer/Push")
+        with pytest.raises(grpc.RpcError) as info:
+            push(b"\x0a\x01t\x2a\x05\x08\x05\x1a\x10", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed PushRequest" in info.value.details()

@@ -114,3 +114,27 @@ def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
         np.testing.assert_array_equal(grouped_order(keys, bound, ids),
                                       np.lexsort((ids, keys)))
     np.testing.assert_array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("expect_push", [False, True])
+def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
+    """A pull's layout (client.many._pull_layout): every id once, in its shard's slice; by
+    the push plan (ids sorted within a shard) only when a push of the same ids follows."""
+    from parallax.client.many import _pull_layout
+    rng = np.random.default_rng(seed)
+    ids = _runs(rng, duplicates=False)
+    runs = Runs(PARTITIONERS, ids)
+    runs.expect_push = expect_push
+    for k, (p, run) in enumerate(zip(PARTITIONERS, ids)):
+        order, offsets, grouped = _pull_layout(runs, k)
+        np.testing.assert_array_equal(grouped, run if order is None else run[order])
+        assert sorted(grouped.tolist()) == sorted(run.tolist())
+        owner = p.shard_of(grouped)
+        for s in range(p.shard_count):
+            assert (owner[offsets[s]:offsets[s + 1]] == s).all()
+            if expect_push and p.shard_count > 1:
+                part = grouped[offsets[s]:offsets[s + 1]]
+                assert (np.diff(part) > 0).all()
+    assert (runs._plans is not None) == (expect_push and any(p.shard_count > 1
+                                                              for p in PARTITIONERS))

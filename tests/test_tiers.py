@@ -30,16 +30,58 @@ def test_the_unit_tier_passes_alone():
     assert " passed" in run.stdout.splitlines()[-1]
 
 
-def test_a_unit_test_may_start_no_process_and_import_no_tensorflow(tmp_path):
+BAD_UNIT_TESTS = """
+import os
+import socket
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server_process():
+    subprocess.run(["true"])
+
+
+def test_starts_a_process():
+    subprocess.run(["true"])
+
+
+def test_starts_one_in_a_module_fixture(server_process):
+    pass
+
+
+def test_runs_a_shell_command():
+    os.system("true")
+
+
+def test_listens():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+
+
+def test_imports_tensorflow():
+    import tensorflow  # noqa: F401
+"""
+
+
+def test_a_unit_test_may_start_no_process_listen_or_import_tensorflow(tmp_path):
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path)
     (tmp_path / "tiers.py").write_text(
         f"TIER_OF = {{'test_bad.py': 'unit'}}\nGUARDED = {tiers.GUARDED!r}\n")
-    (tmp_path / "test_bad.py").write_text(
-        "import subprocess\n\n\n"
-        "def test_starts_a_process():\n    subprocess.run(['true'])\n\n\n"
-        "def test_imports_tensorflow():\n    import tensorflow  # noqa: F401\n")
+    (tmp_path / "test_bad.py").write_text(BAD_UNIT_TESTS)
     run = _pytest("test_bad.py", cwd=tmp_path)
     assert run.returncode == 1, run.stdout[-4000:]
-    assert "2 failed" in run.stdout.splitlines()[-1]
-    assert "a unit test started a process" in run.stdout
-    assert "a unit test imported tensorflow" in run.stdout
+    assert "4 failed" in run.stdout.splitlines()[-1], run.stdout[-4000:]  # and 1 error:
+    assert "1 error" in run.stdout.splitlines()[-1]  # the module fixture's
+    for what in ("started a process", "opened a listening socket", "imported tensorflow"):
+        assert f"a unit test {what}" in run.stdout
+
+
+def test_a_tier_is_selected_by_marker():
+    """`pytest -m unit` collects (imports) every file given, TensorFlow's too, then runs the
+    unit tests alone: that is not the unit tests' import."""
+    run = _pytest("-m", "unit", "tests/test_plan.py", "tests/test_capacity.py", cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "deselected" in run.stdout.splitlines()[-1]

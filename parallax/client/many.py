@@ -202,15 +202,17 @@ def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndar
 
 def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.ndarray]:
     """(order, offsets, ids[order]) of table k's pull: its ids as they are for a table in
-    one shard, else by shard; distinct ids (a pull's) are laid out by their push plan
-    (sorted within each shard), which a push of the same ids then finds made."""
+    one shard, else by shard, in their order (`Partitioner.shard_order`); when a push of the
+    same ids follows (`runs.expect_push`), distinct ids are laid out by their push plan
+    instead (sorted within each shard), which the push then finds made."""
     ids = runs.run(k)
     if runs.partitioners[k].shard_count == 1:
         return None, [0, len(ids)], ids
-    plan = runs.push_plans()[k]
-    if plan.starts is None:
-        return plan.order, plan.offsets, plan.ids
-    order, offsets = runs.partitioners[k].shard_order(ids)  # ids repeated: as they come
+    if runs.expect_push:
+        plan = runs.push_plans()[k]
+        if plan.starts is None:
+            return plan.order, plan.offsets, plan.ids
+    order, offsets = runs.partitioners[k].shard_order(ids)
     return order, list(offsets), ids[order]
 
 

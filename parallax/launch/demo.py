@@ -14,8 +14,8 @@ from parallax.runtime import logs
 
 # The wheel carries examples/*.py as parallax/examples (setup.cfg maps them there); a source
 # checkout (and an editable install) has them beside the package.
-_HERE = Path(__file__).resolve().parent
-PLACES = (_HERE / "examples", _HERE.parent / "examples")
+_PACKAGE = Path(__file__).resolve().parents[1]  # parallax/
+PLACES = (_PACKAGE / "examples", _PACKAGE.parent / "examples")
 EXAMPLE = next((place / "language_model.py" for place in PLACES
                 if (place / "language_model.py").is_file()), PLACES[0] / "language_model.py")
 

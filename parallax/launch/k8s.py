@@ -44,7 +44,7 @@ to an address and start. With one worker nothing of this is set: the command run
 Workers also get PARALLAX_PS_ADDRESSES (the servers' DNS names), PARALLAX_RUN_ID (= JOB),
 PARALLAX_MODE, PARALLAX_SYNC and PARALLAX_JOB_CONFIG (the mounted job.json), all read by
 `ParallaxStrategy`: the plan overrides of job.json apply to the arguments it was not given
-(`plan_overrides`; `strategy_options()` returns them all).
+(`parallax.env.plan_overrides`; `parallax.env.strategy_options()` returns them all).
 
 With --max-restarts N the pods restart together, in place (parallax.launch.gang: one failed rank
 cannot rejoin a Horovod job, so every rank's command restarts with a fresh rendezvous); the

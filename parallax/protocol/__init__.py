@@ -1,7 +1,7 @@
 """The contract the workers and the parameter servers share, and nothing else: table specs,
 id routing, the wire formats (protobuf tensors, the bulk and packed codecs, data-plane
-framing), initial values, job security and the process tuning both sides apply.
+framing), initial values and job security.
 
-No TensorFlow here: the server (`servers/parallax_ps`) imports this package and
-`parallax.errors` only.
+No TensorFlow and no client here: the server (`servers/parallax_ps`) imports this package,
+`parallax.runtime`, `parallax.env` and `parallax.errors`, and nothing else of parallax.
 """

@@ -199,6 +199,9 @@ class Runs:
         self._width = max([p.shard_count for p in self.partitioners] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
         self._plans: list[PushPlan] | None = None
+        # Set by a training step's pull, whose ids its push sends back: the pull is laid out
+        # as their push plan (a sort by id within each shard), which the push then reuses.
+        self.expect_push = False
 
     def same_ids(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> bool:
         """Whether these runs are exactly this object's (same partitioners, same ids in the

@@ -165,7 +165,7 @@ class StepFusion:
         """Add the fused pull (rewiring the placeholders) and, for a training step, the push
         of every table (`silent`: tables the step did not update, which get an empty push);
         returns the push op, if any."""
-        self._fuse_pulls()
+        self._fuse_pulls(self._routing if training else None)
         if training:
             for remote in silent:
                 self.push(remote, remote.empty_gradient(), None)
@@ -177,10 +177,10 @@ class StepFusion:
         op = tf.numpy_function(push, flat, tf.int64, stateful=True, name="parallax_push_fused")
         return op.op
 
-    def _fuse_pulls(self) -> None:
+    def _fuse_pulls(self, routing: StepRouting | None) -> None:
         if not self._grouped:
             return
-        pull = FusedPull([g.remote for g in self._grouped], self._routing)
+        pull = FusedPull([g.remote for g in self._grouped], routing)
         outputs = tf.numpy_function(pull, [self.ticket] + [g.unique for g in self._grouped],
                                     [g.remote.dtype for g in self._grouped], stateful=False,
                                     name="parallax_pull_fused")

@@ -148,7 +148,7 @@ class FusedPull:
     def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
                  ) -> None:
         self.remotes = list(remotes)  # one per lookup; a table may appear more than once
-        self.routing = routing or StepRouting()
+        self.routing = routing  # the step's push's (None: no push follows, e.g. evaluation)
         self.runs = 0
 
     def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
@@ -172,7 +172,10 @@ class FusedPull:
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
         remotes = [tables[key] for key in order]
-        runs = self.routing.pulled = checked_runs(remotes, ids)
+        runs = checked_runs(remotes, ids)
+        if self.routing is not None:
+            runs.expect_push = True
+            self.routing.pulled = runs
         rows = _pull_after_pushes(remotes, runs)
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
