@@ -35,9 +35,28 @@ def _mixed_steps(shards) -> dict[str, list[int]]:
 
 class PSClient:
     """Connections to every server of a job; shard i of a table goes to server i % N unless a
-    placement is given."""
+    placement is given.
+
+    Example:
+
+        with PSClient(["127.0.0.1:7000", "127.0.0.1:7001"]) as client:
+            table = client.create_table(TableSpec(name="emb", vocabulary_size=1_000_000,
+                                                  dim=16, shard_count=2, optimizer=SGD(0.1)))
+            rows = table.pull([3, 7, 3])                       # shape (3, 16)
+            table.push([3, 7], np.ones((2, 16), np.float32), step=0)
+    """
 
     def __init__(self, addresses: Sequence[str], options: ClientOptions | None = None) -> None:
+        """Args:
+            addresses: host:port of every server of the job, in the order tables' shards
+                are placed on them (the same order on every worker).
+            options: deadlines, retries, chunk size, TLS and token (default ClientOptions();
+                `client_options_from_env` adds what `parallax run --secure` sets).
+
+        Raises:
+            ConfigError: no address. Nothing is contacted here: `wait_ready` checks that the
+                servers answer, and every call raises ServerError naming the server.
+        """
         if not addresses:
             raise ConfigError("PSClient needs at least one server address (host:port)")
         self.addresses = list(addresses)

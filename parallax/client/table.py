@@ -94,7 +94,17 @@ class ShardedTable:
     def pull(self, ids, min_step: int = 0) -> np.ndarray:
         """Rows for `ids` (any shape, duplicates allowed), shape ids.shape + (dim,).
 
-        `min_step=k` waits until every shard has applied steps [0, k)."""
+        Args:
+            ids: integer ids, each in [0, vocabulary_size) (any int64 for hashed keys); each
+                distinct id travels once.
+            min_step: wait until every shard has applied steps [0, min_step) (sync mode:
+                the rows a step reads once every worker pushed the step before).
+
+        Raises:
+            ConfigError: an id that is not an integer or is out of range (nothing is sent).
+            ServerError: a server refused or did not answer in time (it names the server,
+                the table and the gRPC status).
+        """
         shape = np.shape(ids)
         unique, inverse = dedup(self.checked_ids(ids))
         return self._pull_in_order(unique, min_step)[inverse].reshape(*shape, self.spec.dim)
@@ -110,7 +120,20 @@ class ShardedTable:
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
         """Send gradients for `ids` (duplicates summed here), chunked to the message limit;
-        True if this push closed the step on every shard."""
+        True if this push closed the step on every shard.
+
+        Args:
+            ids: integer ids of the rows, as for `pull`; a repeated id's gradients are summed.
+            grads: one row of `dim` values per id (cast to the table's dtype).
+            step: the step this push belongs to (sync mode: the shard's open step).
+            worker: this worker's index in [0, num_workers).
+            learning_rate: the rate to apply (0: the table's optimizer spec's).
+
+        Raises:
+            ConfigError: bad ids or a gradient of the wrong shape (nothing is sent).
+            ServerError: a shard refused the push (a step already closed or ahead, a
+                non-finite update, a repeated chunk): the shard is unchanged.
+        """
         ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         plan = self.partitioner.plan_push(ids)

@@ -71,6 +71,16 @@ SERVER_DIED_EXIT = 1
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """What `parallax run` starts, one field per flag (`parse_args` makes one from argv).
+
+    Example (two workers and two local servers, as `parallax run -np 2 -- python train.py`):
+
+        exit_code = run(LaunchConfig(num_workers=2, command=("python", "train.py")))
+
+    `validate(config)` (and `run`) raise ConfigError for a bad combination before anything
+    starts.
+    """
+
     num_workers: int = 1                  # -np
     num_servers: int = 2                  # --servers; 0: use ps_addresses (external servers)
     ps_addresses: tuple[str, ...] = ()    # --ps-addresses host:port,... (servers not started)

@@ -41,7 +41,16 @@ class PartitionSearch:
     measured once more when within confirm_ratio of each other (one sample on a busy machine
     can be off by 20%); cache_dir keeps decisions (default $PARALLAX_PLAN_CACHE, else
     ~/.cache/parallax/partitions; "" keeps none); plan_seconds bounds the planner's search.
-    For a fixed plan instead, pass `shards=` to the strategy and leave this off."""
+    For a fixed plan instead, pass `shards=` to the strategy and leave this off.
+
+    Example:
+
+        strategy = parallax.ParallaxStrategy(
+            search_partitions=parallax.PartitionSearch(max_shards=16, max_samples=4))
+
+    Raises:
+        ConfigError: a count, ratio or time out of range (when made, before any training).
+    """
 
     min_shards: int = 1
     max_shards: int = 64

@@ -478,6 +478,14 @@ class ParallaxStrategy(distribute_lib.Strategy):
     """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
     variables all-reduced with Horovod.
 
+    Example (one worker with embedded servers, or N workers under `parallax run -np N`):
+
+        strategy = parallax.ParallaxStrategy()
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Embedding(100_000, 64), ...])
+            model.compile(keras.optimizers.Adagrad(0.1), loss="mse")
+        model.fit(strategy.distribute_datasets_from_function(make_dataset), epochs=3)
+
     Every argument is described in `__init__`'s docstring (where the servers, run id and mode
     come from when not given: the arguments, then `parallax run`'s environment, then
     TF_CONFIG's "ps" tasks, else embedded servers). `cluster_resolver`: task type "worker",
