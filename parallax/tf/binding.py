@@ -25,7 +25,7 @@ from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker
 from parallax.tf.keras_support import slots_of
 from parallax.tf.remote import RemoteTable
-from parallax.tf.variables import ParallaxVariable
+from parallax.tf.variables import ParallaxVariable, is_released, remote_of
 
 log = logging.getLogger("parallax")
 
@@ -202,8 +202,8 @@ class TableBinder:
 
 def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
     """Rank 0's values for every variable the workers keep (dense weights, their slots)."""
-    local = [v for v in variables if getattr(v, "_parallax_remote", None) is None
-             and getattr(v, "_parallax_fill", None) is None  # released slots stay empty
+    local = [v for v in variables if remote_of(v) is None
+             and not is_released(v)  # released slots stay empty
              and v.synchronization != tf.VariableSynchronization.ON_READ]  # per worker
     workers.broadcast_variables(local)
 

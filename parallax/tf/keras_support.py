@@ -24,6 +24,8 @@ import os
 
 import tensorflow as tf
 
+from parallax.tf.variables import remote_of
+
 _ROUTED_MARK = "_parallax_routed"
 _ATOMIC_MARK = "_parallax_atomic"
 _WEIGHTS_SUFFIX = ".weights.h5"  # what Keras 3 requires of save_weights paths
@@ -63,7 +65,7 @@ def make_weight_saves_atomic() -> None:
 
 def _remote_storage(x):
     value = getattr(x, "value", None) if not isinstance(x, tf.Variable) else x
-    if isinstance(value, tf.Variable) and getattr(value, "_parallax_remote", None) is not None:
+    if isinstance(value, tf.Variable) and remote_of(value) is not None:
         return value
     return None
 

@@ -42,7 +42,8 @@ from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_s
                                 owner_of_gradient, set_fusion_of_step)
 from parallax.tf.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.tf.tuner import PartitionTuner
-from parallax.tf.variables import ParallaxVariable, analysis_trace, is_liftable, restore_storage
+from parallax.tf.variables import (ParallaxVariable, analysis_trace, is_liftable, remote_of,
+                                   restore_storage)
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
 
@@ -161,10 +162,10 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return next_creator(**kwargs)
         with tf.init_scope(), tf.device(self._device):
             var = ParallaxVariable.create(len(self._created), **kwargs)
-            var._parallax_planned = self.plan is not None  # made after the plan: stays local
+            var.parallax_planned = self.plan is not None  # made after the plan: stays local
             if self.workers.info.size > 1 and \
                     var.synchronization == tf.VariableSynchronization.ON_READ:
-                var._parallax_across_workers = self._aggregate_across_workers
+                var.aggregate_reads_with(self._aggregate_across_workers)
         self._created.append(weakref.ref(var))
         return var
 
@@ -238,7 +239,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         for var in self.variables():
             if var.remote is None:
                 var.materialize()
-            var._parallax_planned = self.plan is not None
+            var.parallax_planned = self.plan is not None
 
     def _variable_infos(self, graph, observations: _Observations) -> dict[int, VariableInfo]:
         variables = [v for v in self.variables() if v.trainable]
@@ -250,10 +251,10 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 var.name.split(":")[0]
             names[name] = names.get(name, 0) + 1
             if names[name] > 1:
-                name = f"{name}#{var._parallax_index}"
+                name = f"{name}#{var.parallax_index}"
             report = reports[id(var)]
-            infos[var._parallax_index] = VariableInfo(
-                index=var._parallax_index, name=name, shape=tuple(var.shape.as_list()),
+            infos[var.parallax_index] = VariableInfo(
+                index=var.parallax_index, name=name, shape=tuple(var.shape.as_list()),
                 dtype=var.dtype.name, gather_only=report.gather_only, read_reason=report.reason,
                 gradient=observations.gradients.get(id(var), "none"))
         return infos
@@ -289,7 +290,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if pending is not None:
             plan = resume.with_saved_tables(plan, pending)
         binding.check_agreement(plan, self.workers)
-        by_index = {v._parallax_index: v for v in self.variables()}
+        by_index = {v.parallax_index: v for v in self.variables()}
         if plan.on_servers:
             self._binder = binding.TableBinder(plan, self.cluster, self.workers,
                                                self._client_options, self._connect_timeout,
@@ -416,7 +417,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if self._observations is not None:
             self._observations.record(var, fn, args)
             return tf.no_op() if group else (tf.no_op(),)
-        remote = getattr(var, "_parallax_remote", None)
+        remote = remote_of(var)
         if remote is None:
             return super()._update(var, fn, args, kwargs, group)
         if getattr(fn, "__name__", "") != _OPTIMIZER_UPDATE or not args:
@@ -437,7 +438,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         else:
             op = remote.push(args[0], learning_rate=learning_rate)
         if self._pushed is not None:
-            self._pushed.add(var._parallax_index)
+            self._pushed.add(var.parallax_index)
         return op if group else (op,)
 
     # ---- datasets and topology ----
@@ -683,12 +684,12 @@ class ParallaxStrategy(distribute_lib.Strategy):
     def local_tables(self):
         """Pull every table into the worker's memory for the duration of the block, e.g. to
         export a SavedModel that serves without parallax. Changes made inside are dropped."""
-        remotes = {v._parallax_index: v for v in self.extended.variables()
+        remotes = {v.parallax_index: v for v in self.extended.variables()
                    if v.remote is not None}
         with tf.init_scope():
             values = {i: var.numpy() for i, var in remotes.items()}
             for i, var in remotes.items():
-                var._parallax_remote = None
+                var.unbind_remote()
                 restore_storage(var, values[i])
         try:
             yield

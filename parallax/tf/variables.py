@@ -76,7 +76,33 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
 
     @property
     def remote(self):
+        """The RemoteTable holding this variable's rows, or None while it is local."""
         return self._parallax_remote
+
+    @property
+    def parallax_index(self) -> int:
+        """Creation order in the strategy: the same on every worker (the plan's key)."""
+        return self._parallax_index
+
+    @property
+    def parallax_planned(self) -> bool:
+        """Whether the plan has decided where this variable lives (then local reads need no
+        run-time check)."""
+        return self._parallax_planned
+
+    @parallax_planned.setter
+    def parallax_planned(self, planned: bool) -> None:
+        self._parallax_planned = planned
+
+    def aggregate_reads_with(self, aggregate) -> None:
+        """A sync-on-read variable (a metric) reads `aggregate(local value)`: every worker's
+        value combined, as MWMS does."""
+        self._parallax_across_workers = aggregate
+
+    def unbind_remote(self) -> None:
+        """Read and write the local storage again (`ParallaxStrategy.local_tables`); the
+        caller restores the storage's value and binds the table back after."""
+        self._parallax_remote = None
 
     # ---- deferred initial values ----
 
@@ -276,6 +302,17 @@ def _keras_initializer(init_fn) -> tuple[Callable, tf.TensorShape, tf.DType] | N
         return None
     shape = tf.TensorShape(shape)
     return (initializer, shape, tf.as_dtype(dtype)) if shape.is_fully_defined() else None
+
+
+def remote_of(variable) -> object | None:
+    """The RemoteTable holding `variable`'s rows: None for a local variable, or one that is
+    not a ParallaxVariable."""
+    return getattr(variable, "_parallax_remote", None)
+
+
+def is_released(variable) -> bool:
+    """Whether `variable` is an optimizer slot released as a constant (it holds no storage)."""
+    return getattr(variable, "_parallax_fill", None) is not None
 
 
 def release_storage(variable: tf.Variable) -> None:
