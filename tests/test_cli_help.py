@@ -42,3 +42,11 @@ def test_every_option_has_help(name):
 def test_the_demo_help_is_not_cut_mid_sentence():
     text = _help_of("demo")
     assert "Extra arguments after `--` go to the example." in text
+
+
+def test_the_demo_finds_its_example_in_a_source_checkout():
+    """A reviewer's finding: after the layout moved demo.py into parallax/launch/, the demo
+    looked for examples/ beside the wrong package and `parallax demo` failed in a checkout."""
+    from parallax.launch import demo
+    assert demo.EXAMPLE.is_file(), demo.PLACES
+    assert demo.EXAMPLE.parent in demo.PLACES

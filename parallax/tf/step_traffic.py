@@ -125,14 +125,12 @@ class StepRouting:
 
     def __init__(self) -> None:
         self.pulled: Runs | None = None
-        self.reused = 0  # pushes that reused a pull's routing
 
     def runs_for(self, remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
         """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
         pulled = self.pulled
         if pulled is not None and pulled.same_ids([r.table.partitioner for r in remotes],
                                                   ids):
-            self.reused += 1
             return pulled
         return checked_runs(remotes, ids)
 

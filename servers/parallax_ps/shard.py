@@ -89,7 +89,6 @@ class TableShard:
         self.budget.claim(self, rows * self.row_bytes, self.label,
                           f"creating {rows} rows of dim {spec.dim} ({self.row_bytes} bytes a "
                           f"row with its optimizer slots)")
-        self._accounted = rows * self.row_bytes  # what the budget records for this shard
         try:
             self.storage = new_storage(spec, shard_index, self.optimizer)
         except BaseException:
@@ -164,10 +163,9 @@ class TableShard:
     def _account(self) -> None:
         """Tell the budget what this shard holds now (after a checked change); a closed
         (deleted) shard has released its claim."""
-        held = self.storage.num_rows * self.row_bytes + self.steps.buffered_bytes
-        if not self.closed and held != self._accounted:  # (most pushes change neither)
-            self.budget.update(self, held)
-            self._accounted = held
+        if not self.closed:
+            self.budget.update(self, self.storage.num_rows * self.row_bytes +
+                               self.steps.buffered_bytes)
 
     # ---- reads and writes ----------------------------------------------------------------
     def wait_for_step(self, min_step: int, deadline: float | None) -> int:
