@@ -44,7 +44,11 @@ def build(optimizer: str):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((3,), dtype="int64")
     rows = keras.layers.Embedding(VOCAB, DIM, name="embedding")(inputs)
-    out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(rows))
+    # a second table of the same row shape: the two share one server table (a table group)
+    more = keras.layers.Embedding(VOCAB // 2, DIM, name="embedding_b")(
+        keras.ops.mod(inputs, VOCAB // 2))
+    out = keras.layers.Dense(1, name="dense")(
+        keras.layers.Concatenate()([keras.layers.Flatten()(rows), keras.layers.Flatten()(more)]))
     model = keras.Model(inputs, out)
     model.compile(OPTIMIZERS[optimizer](), loss="mse")
     return model
@@ -130,7 +134,8 @@ def run_case(case: str, args) -> None:
     if strategy.worker.rank == 0:
         result = {"losses": losses, "prediction": model(ids[:64]).numpy().tolist(),
                   "task": [resolver.task_type, resolver.task_id],
-                  "cluster": resolver.cluster_spec().as_dict()}
+                  "cluster": resolver.cluster_spec().as_dict(),
+                  "grouped": strategy.plan.grouped}
         with open(os.path.join(out, f"{args.phase}.json"), "w") as f:
             json.dump(result, f)
 

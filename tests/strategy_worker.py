@@ -72,6 +72,13 @@ def build(model: str, vocab: int = VOCAB) -> keras.Model:
         return TableModel()
     inputs = keras.Input((FEATURES,), dtype="int64")
     embedding = keras.layers.Embedding(vocab, DIM)
+    if model == "two":  # two tables of one row shape: a table group on the servers
+        other = keras.layers.Embedding(vocab // 2, DIM)
+        h = keras.layers.Concatenate(axis=1)([
+            keras.layers.Flatten()(embedding(inputs[:, :2])),
+            keras.layers.Flatten()(other(keras.ops.mod(inputs[:, 2:], vocab // 2)))])
+        h = keras.layers.Dense(5, activation="tanh")(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
     if model == "keras":
         h = keras.layers.Flatten()(embedding(inputs))
     else:  # shared: the same table read by two layers, on two halves of the features
@@ -183,7 +190,8 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
                                          enumerate(zip(names, values))})
         if setup != "plain":
             summary = {"case": case, "plan": [(v.name, v.kind, v.placement, v.shards,
-                                               v.servers) for v in strategy.plan.variables],
+                                               v.servers, v.table, v.offset)
+                                              for v in strategy.plan.variables],
                        "workers": strategy.worker.size,
                        "search": strategy.partition_search.report()
                        if strategy.partition_search else None}

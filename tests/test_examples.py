@@ -163,14 +163,17 @@ def test_language_model_two_workers(lm_one_worker):
     assert losses(by_rank[0]) == pytest.approx(losses(lm_one_worker), rel=2e-3)
 
 
-def test_the_server_handler_benchmark_runs():
+@pytest.mark.parametrize("grouped", [False, True], ids=["tables", "grouped"])
+def test_the_server_handler_benchmark_runs(grouped):
     """examples/benchmarks/server_handlers.py drives the real handlers of one in-process
     service through sync steps of two workers (a step that did not close would wait for the
-    pull's deadline and fail the run); it prints its figure."""
+    pull's deadline and fail the run), with a table per table or one table group; it prints
+    its figure."""
     run = subprocess.run([sys.executable, str(EXAMPLES / "benchmarks" / "server_handlers.py"),
                           "--tables", "3", "--workers", "2", "--optimizer", "adam",
-                          "--steps", "5", "--rounds", "1"],
+                          "--steps", "5", "--rounds", "1"] + ["--grouped"] * grouped,
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert re.search(r"3 tables, 2 worker\(s\), adam: server handler CPU [0-9.]+ ms per step",
-                     run.stdout), run.stdout
+    shape = "in one table group" if grouped else "each its own table"
+    assert re.search(rf"3 tables {shape}, 2 worker\(s\), adam: server handler CPU [0-9.]+ "
+                     rf"ms per step", run.stdout), run.stdout

@@ -59,11 +59,11 @@ class Tables(keras.Model):
         return self.dense(h)
 
 
-def train_fit(strategy, epochs=2, **model_kwargs):
+def train_fit(strategy, epochs=2, optimizer=None, **model_kwargs):
     x, y = data()
     with strategy.scope():
         model = Tables(**model_kwargs)
-        model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
+        model.compile(optimizer() if optimizer else keras.optimizers.Adagrad(0.2), loss="mse")
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history["loss"]
 
@@ -108,6 +108,42 @@ def test_one_pull_and_one_push_request_per_server_per_step(make_strategy):
     lookups = strategy.plan.lookups
     assert len(lookups) == TABLES and all(r.fused for r in lookups)
     assert "fused into one pull and one push per server per step" in strategy.plan.format()
+
+
+def test_same_shaped_tables_share_one_server_table_and_train_the_same(make_strategy):
+    """A table group: the five tables' rows live in one server table (at offsets 0, 400,
+    ...), every step's request carries one part per server for all five, and training is
+    bit for bit what five tables of their own give."""
+    grouped = make_strategy()
+    model, loss = train_fit(grouped, epochs=1)
+    tables = {v.table for v in grouped.plan.on_servers}
+    assert len(tables) == 1 and grouped.plan.grouped
+    assert [v.offset for v in grouped.plan.on_servers] == [i * VOCAB for i in range(TABLES)]
+    held = [t for reply in grouped.extended._binder.client.stats(sorted(tables)).values()
+            for t in reply.tables]
+    assert sum(t.rows for t in held) == TABLES * VOCAB and len(held) == 2  # both servers
+    alone = make_strategy(group_tables=False)
+    model_alone, loss_alone = train_fit(alone, epochs=1)
+    assert len({v.table for v in alone.plan.on_servers}) == TABLES
+    assert loss == loss_alone
+    for a, b in zip(weights_of(grouped, model), weights_of(alone, model_alone)):
+        np.testing.assert_array_equal(a, b)
+    # a variable's own rows, read and assigned through its group's table
+    table = model.tables[2].embeddings
+    with grouped.local_tables():
+        before = table.numpy()
+    table.assign(before + 1.0)
+    with grouped.local_tables():
+        np.testing.assert_array_equal(table.numpy(), before + 1.0)
+        np.testing.assert_array_equal(model.tables[1].embeddings.numpy(),
+                                      weights_of(alone, model_alone)[1])
+
+
+def test_no_table_groups_under_an_optimizer_that_counts_steps(make_strategy):
+    strategy = make_strategy()
+    train_fit(strategy, epochs=1, optimizer=lambda: keras.optimizers.Adam(0.01))
+    assert not strategy.plan.grouped
+    assert len({v.table for v in strategy.plan.on_servers}) == TABLES
 
 
 @pytest.mark.parametrize("model_kwargs", [{}, {"shared": True}, {"dependent": True}],

@@ -80,6 +80,7 @@ def test_resumed_training_equals_uninterrupted_training(runs, case):
     np.testing.assert_allclose(losses, full["losses"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(resumed["prediction"], full["prediction"], rtol=0, atol=1e-6)
     assert not np.allclose(stopped["prediction"], full["prediction"], atol=1e-3)  # it trained
+    assert full["grouped"] and resumed["grouped"]  # its two tables shared one server table
 
 
 def test_cluster_resolver_names_the_chief_and_the_cluster(runs):

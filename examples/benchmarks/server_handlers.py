@@ -5,10 +5,11 @@ thread: what is left of a step's server CPU once the transport is gone.
 
 Each step: every worker's push (packed PushMany, decoded as the data plane decodes it), then
 the next step's pull. Prints the CPU per step (median of the rounds); `--profile` adds
-cProfile's top functions.
+cProfile's top functions. `--grouped`: the T tables as one table group does it, one table
+holding every table's rows at its offset, so a request has one part instead of T.
 
     .venv/bin/python examples/benchmarks/server_handlers.py [--tables 13] [--workers 1]
-        [--optimizer sgd|adagrad|adam] [--steps 1000] [--rounds 3] [--profile]
+        [--optimizer sgd|adagrad|adam] [--steps 1000] [--rounds 3] [--grouped] [--profile]
 """
 from __future__ import annotations
 
@@ -38,17 +39,21 @@ OPTIMIZERS = {"sgd": SGD(0.1), "adagrad": Adagrad(0.1), "adam": Adam(0.01)}
 class Step:
     """T tables on one in-process service, and one step's requests as a worker sends them."""
 
-    def __init__(self, tables: int, workers: int, optimizer) -> None:
+    def __init__(self, tables: int, workers: int, optimizer, grouped: bool = False) -> None:
         self.service = ParameterServerService(None, 64 << 20)
+        rng = np.random.default_rng(0)
+        self.ids = [np.unique(rng.integers(0, ROWS, DRAWS)) for _ in range(tables)]
         self.names, self.workers = [f"t{t}" for t in range(tables)], workers
+        rows = ROWS
+        if grouped:  # one table, table t's rows at offset t * ROWS
+            self.ids = [np.concatenate([ids + t * ROWS for t, ids in enumerate(self.ids)])]
+            self.names, rows = ["group"], ROWS * tables
         for name in self.names:
-            spec = TableSpec(name=name, vocabulary_size=ROWS, dim=DIM, shard_count=1,
+            spec = TableSpec(name=name, vocabulary_size=rows, dim=DIM, shard_count=1,
                              num_workers=workers, optimizer=optimizer,
                              initializer=Initializer("uniform", seed=1))
             self.service.CreateTable(ps_pb2.CreateTableRequest(spec=spec.to_proto()),
                                      _Context(0))
-        rng = np.random.default_rng(0)
-        self.ids = [np.unique(rng.integers(0, ROWS, DRAWS)) for _ in self.names]
         self.grads = [np.full((len(i), DIM), 1e-3, np.float32) for i in self.ids]
         self.pull_decode = request_deserializer("PullManyPacked")
         self.push_decode = request_deserializer("PushManyPacked")
@@ -82,9 +87,10 @@ def main() -> int:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grouped", action="store_true")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    step = Step(args.tables, args.workers, OPTIMIZERS[args.optimizer])
+    step = Step(args.tables, args.workers, OPTIMIZERS[args.optimizer], args.grouped)
     done = 0
 
     def requests(n: int) -> list:  # made before the clock starts: the client's work
@@ -99,7 +105,8 @@ def main() -> int:
         start = time.process_time()
         step.run(batch)
         per_step.append((time.process_time() - start) / args.steps)
-    print(f"{args.tables} tables, {args.workers} worker(s), {args.optimizer}: server handler "
+    shape = "in one table group" if args.grouped else "each its own table"
+    print(f"{args.tables} tables {shape}, {args.workers} worker(s), {args.optimizer}: server handler "
           f"CPU {statistics.median(per_step) * 1e3:.3f} ms per step (median of "
           f"{args.rounds} x {args.steps} steps; {args.workers} push(es) and 1 pull each)")
     if args.profile:

@@ -22,7 +22,8 @@ def table_bytes(spec: TableSpec) -> int:
 def server_bytes(plan: Plan, specs: Mapping[int, TableSpec]) -> list[int]:
     """What each server would hold under the plan's placement."""
     held = [0] * plan.num_servers
-    for vp in plan.on_servers:
+    tables = {vp.table or f"#{vp.index}": vp for vp in plan.on_servers}  # a group once
+    for vp in tables.values():
         share = table_bytes(specs[vp.index]) / max(1, vp.shards)
         for server in vp.servers or range(vp.shards):
             held[server % plan.num_servers] += int(share)

@@ -37,6 +37,7 @@ class StrategyConfig:
     shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
     log_plan: bool = True
     fuse: bool = True  # one pull and one push op per traced step (parallax.tf.fusion)
+    group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
     checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class StrategyConfig:
         if not _is_count(self.embedded_servers):
             raise ConfigError(f"embedded_servers must be an int >= 1, got "
                               f"{self.embedded_servers!r}")
+        if not isinstance(self.group_tables, bool):
+            raise ConfigError(f"group_tables must be True or False, got {self.group_tables!r}")
         if not _is_count(self.checkpoints_kept):
             raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
                               f"checkpoints kept), got {self.checkpoints_kept!r}")
@@ -98,6 +101,8 @@ class VariablePlan:
     shards: int      # 0 for replicated variables
     table: str = ""  # the table's name on the servers
     servers: tuple[int, ...] = ()  # server of each shard (see place_shards)
+    offset: int = 0  # the variable's first row in its table (a table group; see group_tables)
+    table_rows: int = 0  # rows of the table on the servers: this variable's, or its group's
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,19 @@ class Plan:
 
     def signature(self) -> tuple:
         """What every worker must agree on."""
-        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers)
-                     for v in self.variables)
+        return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers,
+                      v.offset, v.table_rows) for v in self.variables)
+
+    def members(self, table: str) -> tuple[VariablePlan, ...]:
+        """The variables whose rows `table` holds (several for a table group), by offset."""
+        return tuple(sorted((v for v in self.on_servers if v.table == table),
+                            key=lambda v: v.offset))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether some server table holds the rows of several variables."""
+        tables = [v.table for v in self.on_servers]
+        return len(set(tables)) < len(tables)
 
     def summary(self) -> str:
         ps, rep = self.on_servers, self.replicated
@@ -168,15 +184,26 @@ class Plan:
 
 
 def _shards_text(v: VariablePlan) -> str:
-    """"2 @ 0,1": the shard count and the server of each shard."""
+    """"2 @ 0,1": the shard count and the server of each shard ("... in g3": the shards of
+    table group 3, which this variable shares)."""
     if not v.shards:
         return "-"
-    return f"{v.shards} @ {','.join(map(str, v.servers))}" if v.servers else str(v.shards)
+    text = f"{v.shards} @ {','.join(map(str, v.servers))}" if v.servers else str(v.shards)
+    group = _GROUP_NAME.search(v.table)
+    return f"{text} in {group.group(1)}" if group else text
 
 
 def table_name(run_id: str, index: int, name: str) -> str:
     clean = re.sub(r"[^A-Za-z0-9_.-]", "_", name.split(":")[0]).strip("._-") or "var"
     return f"{run_id}.v{index}.{clean}"[:128]
+
+
+_GROUP_NAME = re.compile(r"\.(g\d+)\.x\d+(?:\.r\d+)?$")
+
+
+def group_table_name(run_id: str, first: int, members: int) -> str:
+    """The server table of a table group: named by its first variable's index."""
+    return f"{run_id}.g{first}.x{members}"
 
 
 def _kind(info: VariableInfo) -> tuple[str, str]:
@@ -202,10 +229,46 @@ def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[s
 def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
-    rows = info.shape[0] if info.shape else 1
+    return _shard_count(wanted, info.shape[0] if info.shape else 1, info.bytes, num_servers)
+
+
+def _shard_count(wanted: int | None, rows: int, size: int, num_servers: int) -> int:
+    """`wanted`, or by default one shard per SHARD_MIN_BYTES up to one per server; at most
+    one per row."""
     if wanted is None:
-        wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
+        wanted = min(num_servers, size // SHARD_MIN_BYTES)
     return max(1, min(wanted, rows))
+
+
+def _grouped(config: StrategyConfig, plans: list[VariablePlan], keys: Mapping[int, object],
+             run_id: str, num_servers: int) -> list[VariablePlan]:
+    """Table groups (`StrategyConfig.group_tables`): variables on the servers with equal
+    rows (width and dtype) and an equal `keys` entry (the strategy's: how their initial
+    values are made) share one server table, each at its own row offset, unless the user
+    named their shard count. A step's request to a server then carries one part for all of
+    them instead of one per table: a server spends ~60 us of Python per part whatever its
+    rows, which made many small tables the slowest case (docs/benchmarks.md)."""
+    named = set(config.shards) if isinstance(config.shards, Mapping) else set()
+    by_key: dict[tuple, list[VariablePlan]] = {}
+    for v in plans:
+        if v.placement == "ps" and v.index in keys and v.name not in named and len(v.shape) > 1:
+            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index])
+            by_key.setdefault(key, []).append(v)
+    grouped = {v.index: v for v in plans}
+    for members in (m for m in by_key.values() if len(m) > 1):
+        rows = sum(v.shape[0] for v in members)
+        # By default a group is spread over every server: it carries the step's rows of
+        # many tables, which one server alone would serve for every worker.
+        wanted = num_servers if isinstance(config.shards, Mapping) or config.shards is None \
+            else config.shards
+        shards = _shard_count(wanted, rows, 0, num_servers)
+        name = group_table_name(run_id, members[0].index, len(members))
+        offset = 0
+        for v in members:
+            grouped[v.index] = replace(v, table=name, offset=offset, table_rows=rows,
+                                       shards=shards)
+            offset += v.shape[0]
+    return [grouped[v.index] for v in plans]
 
 
 def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
@@ -213,9 +276,10 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
                  ) -> dict[int, tuple[int, ...]]:
     """Server of every shard, balancing bytes: biggest tables first, each shard onto the
     least-loaded server its table does not use yet (lowest index on ties), so one-shard
-    tables spread over the servers instead of all landing on server 0. Deterministic: every
-    worker computes the same placement from the same plan. Tables in `keep` (index ->
-    servers) stay where they are and count as load (resharding some tables of a job)."""
+    tables spread over the servers instead of all landing on server 0. The variables of a
+    table group are placed as their one table. Deterministic: every worker computes the same
+    placement from the same plan. Tables in `keep` (index -> servers) stay where they are
+    and count as load (resharding some tables of a job)."""
     load = [0.0] * max(1, num_servers)
     keep = keep or {}
     placed: dict[int, tuple[int, ...]] = {}
@@ -224,21 +288,31 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
             placed[v.index] = tuple(keep[v.index])
             for server in placed[v.index]:
                 load[server] += v.bytes / len(placed[v.index])
-    for v in sorted((v for v in variables if v.placement == "ps" and v.index not in keep),
-                    key=lambda v: (-v.bytes, v.index)):
-        share = v.bytes / v.shards
+    tables: dict[str, list[VariablePlan]] = {}
+    for v in variables:
+        if v.placement == "ps" and v.index not in keep:
+            tables.setdefault(v.table or f"#{v.index}", []).append(v)
+    units = sorted(tables.values(), key=lambda m: (-sum(v.bytes for v in m), m[0].index))
+    for members in units:
+        shards = members[0].shards
+        share = sum(v.bytes for v in members) / shards
         servers: list[int] = []
-        for _ in range(v.shards):
+        for _ in range(shards):
             free = [i for i in range(len(load)) if i not in servers] or list(range(len(load)))
             best = min(free, key=lambda i: (load[i], i))
             servers.append(best)
             load[best] += share
-        placed[v.index] = tuple(servers)
+        for v in members:
+            placed[v.index] = tuple(servers)
     return placed
 
 
 def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
-              num_servers: int, num_workers: int) -> Plan:
+              num_servers: int, num_workers: int,
+              group_keys: Mapping[int, object] | None = None) -> Plan:
+    """The plan. `group_keys` (variable index -> a hashable): the variables that may share a
+    server table with others of equal key and row shape (see `_grouped`); none by default,
+    and none when `config.group_tables` is off."""
     names = {i.name for i in infos}
     for option, given in (("placement", config.placement), ("shards", config.shards)):
         unknown = set(given) - names if isinstance(given, Mapping) else set()
@@ -254,7 +328,10 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             index=info.index, name=info.name, kind=kind, placement=placement,
             reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
             bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
-            table=table_name(run_id, info.index, info.name) if on_ps else ""))
+            table=table_name(run_id, info.index, info.name) if on_ps else "",
+            table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0))
+    if config.group_tables and group_keys:
+        plans = _grouped(config, plans, group_keys, run_id, num_servers)
     placed = place_shards(tuple(plans), num_servers)
     plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
     return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))

@@ -99,13 +99,14 @@ def check_setting(value) -> None:
 
 def resolve(value, plan: Plan, config: StrategyConfig) -> PartitionSearch | None:
     """The search a job runs, if any. "auto" (the default) searches where it can pay: tables
-    on the servers, several workers, and no shard counts fixed by the user."""
+    on the servers, several workers, no shard counts fixed by the user, and no table groups
+    (a strategy asked to search plans without them)."""
     check_setting(value)
     if not plan.on_servers or value in (None, False):
         return None
     if value == "auto":
-        if plan.num_workers < 2 or config.shards is not None:
-            return None
+        if plan.num_workers < 2 or config.shards is not None or plan.grouped:
+            return None  # (table groups: one table's requests already carry many tables)
         return PartitionSearch()
     return PartitionSearch() if value is True else value
 

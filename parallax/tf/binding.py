@@ -7,6 +7,7 @@ left waiting in a collective for a peer that gave up.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from typing import Callable, Sequence
@@ -24,7 +25,7 @@ from parallax.protocol.specs import Initializer, TableSpec, optimizer_from_keras
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker
 from parallax.tf.keras_support import slots_of
-from parallax.tf.remote import RemoteTable
+from parallax.tf.remote import RemoteTable, TablePushes
 from parallax.tf.variables import ParallaxVariable, is_released, remote_of
 
 log = logging.getLogger("parallax")
@@ -104,12 +105,36 @@ def server_initializer(var: ParallaxVariable, key: str, stream_limit: int) -> In
     return Initializer(kind, seed=seed, **values)
 
 
-def _table_spec(vp: VariablePlan, var: tf.Variable, optimizer_spec, *, sync: bool,
-                pushers: int, initializer: Initializer | None) -> TableSpec:
-    shape = var.shape.as_list()
-    rows = shape[0] if shape else 1
-    dim = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=var.dtype.name,
+# Optimizers whose update of a row depends on nothing but the row, its slots and its
+# gradient: not on the table's step count (Adam's bias correction, Adamax's, Nadam's momentum
+# schedule count steps). Only their tables are grouped: a step pushed to a table group in
+# several parts (an update traced in a tf.cond branch, a variable updated twice in one step,
+# an eager step) advances the group's step once per part.
+GROUPABLE_OPTIMIZERS = frozenset({"sgd", "adagrad", "ftrl", "rmsprop", "lion"})
+INIT_CHUNK_BYTES = 8 << 20  # initial values are streamed to the servers in chunks of this
+
+
+def group_keys(variables: dict[int, ParallaxVariable], optimizer,
+               stream_limit: int = INIT_CHUNK_BYTES) -> dict[int, tuple]:
+    """{variable index: key} for `make_plan`'s table groups: variables whose initial values
+    are made the same way (streamed, or drawn by the servers with the same initializer) may
+    share a table; none when the optimizer's update counts steps (GROUPABLE_OPTIMIZERS)."""
+    if type(optimizer).__name__.lower() not in GROUPABLE_OPTIMIZERS:
+        return {}  # (None: no optimizer, which `bind` refuses)
+    keys = {}
+    for index, var in variables.items():
+        drawn = server_initializer(var, "", stream_limit)
+        keys[index] = ("stream",) if drawn is None else \
+            dataclasses.astuple(dataclasses.replace(drawn, seed=0))
+    return keys
+
+
+def _table_spec(vp: VariablePlan, optimizer_spec, *, sync: bool, pushers: int,
+                initializer: Initializer | None) -> TableSpec:
+    """The spec of `vp`'s server table (a table group's: every member's rows)."""
+    dim = int(np.prod(vp.shape[1:])) if len(vp.shape) > 1 else 1
+    rows = vp.table_rows or (vp.shape[0] if vp.shape else 1)
+    return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=vp.dtype,
                      initializer=initializer or Initializer("zeros"), optimizer=optimizer_spec,
                      shard_count=vp.shards, num_workers=pushers,
                      sync_mode="sync" if sync else "async", aggregation="sum")
@@ -120,7 +145,7 @@ class TableBinder:
 
     def __init__(self, plan: Plan, cluster: ClusterSpec, workers: Workers,
                  options: ClientOptions | None, connect_timeout: float,
-                 local_aggregation: bool, init_chunk_bytes: int = 8 << 20) -> None:
+                 local_aggregation: bool, init_chunk_bytes: int = INIT_CHUNK_BYTES) -> None:
         self.plan = plan
         self.cluster = cluster
         self.workers = workers
@@ -152,8 +177,12 @@ class TableBinder:
                                                        f"{vp.index}:{vp.name}",
                                                        self.init_chunk_bytes)
                           for vp in on_servers}
-        specs = [_table_spec(vp, variables[vp.index], optimizer_spec, sync=self.plan.sync,
-                             pushers=self.pushers, initializer=on_server_init[vp.index])
+        # one spec per server table: a table group's, from its first member
+        heads = {vp.table: vp for vp in on_servers if vp.offset == 0}
+        grouped = {vp.table for vp in on_servers if vp.offset}
+        specs = [_table_spec(heads[vp.table], optimizer_spec, sync=self.plan.sync,
+                             pushers=self.pushers,
+                             initializer=on_server_init[heads[vp.table].index])
                  for vp in on_servers]
         on_every_worker(self.workers, lambda: self.client.wait_ready(self.connect_timeout),
                         "could not reach the parameter servers")
@@ -162,36 +191,48 @@ class TableBinder:
             memory = [reply.memory_bytes for reply in self.client.stats().values()]
             check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
                        memory)
-            tables = [self.client.create_table(spec, vp.servers or None)
-                      for vp, spec in zip(on_servers, specs)]
+            tables: dict = {}
+            for vp, spec in zip(on_servers, specs):
+                if spec.name not in tables:  # a table group's spec comes once per member
+                    tables[spec.name] = self.client.create_table(spec, vp.servers or None)
             if restore is not None and restore(self.client):
                 return  # the checkpoint replaced whatever the tables held
-            for vp, spec, table in zip(on_servers, specs, tables):
-                fill(vp, spec, table)
+            for table in tables.values():
+                unused(table)
+            for vp, spec in zip(on_servers, specs):
+                fill(vp, spec, tables[spec.name])
 
-        def fill(vp: VariablePlan, spec: TableSpec, table) -> None:
+        def unused(table) -> None:
             applied = table.wait_step(0)
             if applied:
                 raise ConfigError(
-                    f"table {spec.name!r} already exists on the servers and has applied "
+                    f"table {table.name!r} already exists on the servers and has applied "
                     f"{applied} steps: another job, or an earlier run, used run id "
                     f"{self.cluster.run_id!r}; pass a new run_id (or none: one is made up)"
                     f" or restart the servers. Nothing was changed")
+
+        def fill(vp: VariablePlan, spec: TableSpec, table) -> None:
             if on_server_init[vp.index] is not None:
                 return  # drawn by the servers
             for first, rows in variables[vp.index].initial_chunks(self.init_chunk_bytes):
-                ids = np.arange(first, first + len(rows), dtype=np.int64)
+                ids = np.arange(vp.offset + first, vp.offset + first + len(rows),
+                                dtype=np.int64)
                 table.assign(ids, rows.reshape(len(rows), spec.dim))
 
         on_chief(self.workers, create_and_fill,
                   "failed to set up the parameter-server tables")
         return_freed_memory()
+        tables, pushes = {}, {}
         for vp, spec in zip(on_servers, specs):
-            # idempotent; a differing spec is refused
-            table = self.client.create_table(spec, vp.servers or None)
+            if spec.name not in tables:  # idempotent; a differing spec is refused
+                tables[spec.name] = self.client.create_table(spec, vp.servers or None)
+                pushes[spec.name] = TablePushes()
             var = variables[vp.index]
-            remote = RemoteTable(vp.name, var.shape, var.dtype, table, sync=self.plan.sync,
-                                 worker=self.pusher_index, sends_pushes=self.sends_pushes)
+            shared = pushes[spec.name] if spec.name in grouped else None
+            remote = RemoteTable(vp.name, var.shape, var.dtype, tables[spec.name],
+                                 sync=self.plan.sync, worker=self.pusher_index,
+                                 sends_pushes=self.sends_pushes, offset=vp.offset,
+                                 pushes=shared)
             var.bind_remote(remote)
             for slot in slots_of(optimizer, var):
                 if isinstance(slot, ParallaxVariable):

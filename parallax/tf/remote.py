@@ -69,12 +69,27 @@ class TableTraffic:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+class TablePushes:
+    """This worker's pushes to one server table: the step it pushes next, the pushes in
+    flight, whether a pull came since the last push. The variables of a table group share
+    one (their table gets one push per step, carrying all of them)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.in_flight: list[Future] = []
+        self.lock = threading.Lock()
+        self.pulled_since_push = True
+
+
 class RemoteTable:
-    """The servers' copy of one variable, seen as a [rows, dim] table."""
+    """The servers' copy of one variable, seen as a [rows, dim] table: rows `offset` to
+    `offset + rows` of the server table `table` (offset 0 unless the variable is in a table
+    group, whose members share `pushes`)."""
 
     def __init__(self, label: str, shape: tf.TensorShape, dtype: tf.DType,
                  table: ShardedTable, *, sync: bool, worker: int = 0,
-                 sends_pushes: bool = True) -> None:
+                 sends_pushes: bool = True, offset: int = 0,
+                 pushes: TablePushes | None = None) -> None:
         self.label = label  # the user's name for the variable, used in every message
         self.shape = tf.TensorShape(shape)
         self.dtype = dtype
@@ -82,15 +97,15 @@ class RemoteTable:
         self.row_shape = self.shape.as_list()[1:]
         self.dim = int(math.prod(self.row_shape)) if self.row_shape else 1
         self.table = table
+        self.offset = offset
+        self.table_rows = offset + self.rows if pushes is None else \
+            table.partitioner.vocabulary_size  # the server table's (a group's: all members')
         self.sync = sync
         self.worker = worker  # this worker's index among those that push
         self.sends_pushes = sends_pushes  # False on non-root workers under local aggregation
-        self.steps_pushed = 0
+        self.pushes = pushes or TablePushes()
         self.traffic = TableTraffic()
         self._np_dtype = dtype.as_numpy_dtype
-        self._in_flight: list[Future] = []
-        self._in_flight_lock = threading.Lock()
-        self._pulled_since_push = True
         self.id_sample: list[np.ndarray] | None = None  # pulled ids, while the tuner samples
         _TABLES.add(self)
 
@@ -104,6 +119,19 @@ class RemoteTable:
                               f"({len(bad)} bad ids in this batch); check the "
                               f"vocabulary size of the layer and the input ids")
 
+    @property
+    def steps_pushed(self) -> int:
+        """The step this worker pushes next to the table (a table group's, shared)."""
+        return self.pushes.steps
+
+    @steps_pushed.setter
+    def steps_pushed(self, step: int) -> None:
+        self.pushes.steps = step
+
+    def table_ids(self, ids: np.ndarray) -> np.ndarray:
+        """The server table's ids of this variable's (checked) ids."""
+        return ids + self.offset if self.offset else ids
+
     def _min_step(self) -> int:
         return self.steps_pushed if self.sync else 0
 
@@ -114,8 +142,9 @@ class RemoteTable:
 
     def take_in_flight(self) -> list[Future]:
         """This table's pushes in flight, forgotten here: the caller waits for them."""
-        with self._in_flight_lock:
-            in_flight, self._in_flight = self._in_flight, []
+        pushes = self.pushes
+        with pushes.lock:
+            in_flight, pushes.in_flight = pushes.in_flight, []
         return in_flight
 
     def land_pushes(self) -> None:
@@ -128,7 +157,7 @@ class RemoteTable:
     def pull_rows(self, unique: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         self.before_pull(unique)
-        rows = self.table.pull_unique(unique, min_step=self._min_step())
+        rows = self.table.pull_unique(self.table_ids(unique), min_step=self._min_step())
         self.after_pull(unique, time.perf_counter() - start)
         return rows.astype(self._np_dtype, copy=False)
 
@@ -144,7 +173,7 @@ class RemoteTable:
         return self._min_step()
 
     def after_pull(self, unique: np.ndarray, seconds: float) -> None:
-        self._pulled_since_push = True
+        self.pushes.pulled_since_push = True
         if self.id_sample is not None:
             self.id_sample.append(unique.copy())
         with self.traffic.lock:
@@ -171,9 +200,10 @@ class RemoteTable:
 
     def prepare_push(self, ids: np.ndarray, grads: np.ndarray, checked: bool = False
                      ) -> tuple[np.ndarray, np.ndarray] | None:
-        """This worker's push of the open step, checked (unless the caller `checked` the
-        ids) and counted: (ids, grads) to send, or None when this worker does not push
-        (local aggregation)."""
+        """This worker's push of the open step to the server table, checked and counted:
+        (table ids, grads) to send, or None when this worker does not push (local
+        aggregation). `ids`: this variable's, or, when the caller `checked` them, the
+        server table's ids already (a fused push, which counts the rows itself)."""
         step = self.steps_pushed
         if not self.sends_pushes:
             self.steps_pushed = step + 1
@@ -181,26 +211,30 @@ class RemoteTable:
         ids = ids.astype(np.int64, copy=False).reshape(-1)
         if not checked:
             self._check_ids(ids)
+            self.count_push(len(ids))
+            ids = self.table_ids(ids)
         grads = grads.reshape(len(ids), self.dim)
         if self.sync:
-            if not self._pulled_since_push:
+            if not self.pushes.pulled_since_push:
                 # No pull since this table's last push (a table pushed but not read this
                 # step): that pull would have waited for the push and for the step to
                 # close; a push for the next step before that is refused as "ahead".
                 self.wait_for_pushes()
                 self.table.wait_step(step)
-            self._pulled_since_push = False
+            self.pushes.pulled_since_push = False
             _drain_at_exit()
-        with self.traffic.lock:
-            self.traffic.pushes += 1
-            self.traffic.pushed_rows += len(ids)
         self.steps_pushed = step + 1
         return ids, grads
 
+    def count_push(self, rows: int) -> None:
+        with self.traffic.lock:
+            self.traffic.pushes += 1
+            self.traffic.pushed_rows += rows
+
     def track_push(self, future: Future) -> None:
         """A push of this table in flight: the next pull, assign and exit wait for it."""
-        with self._in_flight_lock:
-            self._in_flight.append(future)
+        with self.pushes.lock:
+            self.pushes.in_flight.append(future)
 
     def _timed_push(self, ids: np.ndarray, grads: np.ndarray, step: int,
                     learning_rate: float) -> bool:
@@ -222,7 +256,7 @@ class RemoteTable:
             raise ConfigError(f"cannot assign a value of shape {values.shape} to "
                               f"{self.label!r} of shape {tuple(self.shape.as_list())}")
         self.land_pushes()
-        self.table.assign(np.arange(self.rows, dtype=np.int64),
+        self.table.assign(self.table_ids(np.arange(self.rows, dtype=np.int64)),
                           values.reshape(self.rows, self.dim))
 
     # ---- graph side ----
@@ -315,7 +349,7 @@ EXIT_PUSH_TIMEOUT = 60.0
 def _forget_in_flight() -> None:
     """In a forked child: the parent's pushes in flight are the parent's to land."""
     for table in list(_TABLES):  # a lock another thread held at the fork stays held here
-        table._in_flight, table._in_flight_lock = [], threading.Lock()
+        table.pushes.in_flight, table.pushes.lock = [], threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_in_flight)

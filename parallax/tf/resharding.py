@@ -68,6 +68,25 @@ def check_layouts(plan: Plan, layouts: Mapping[str, Layout]) -> None:
                               f"has servers 0 to {plan.num_servers - 1}")
 
 
+def with_groups(plan: Plan, layouts: Mapping[str, Layout]) -> dict[str, Layout]:
+    """`layouts` given to every variable of a table group one of them is given to (the group
+    is one table); two members given different layouts are refused."""
+    out = dict(layouts)
+    for name, layout in layouts.items():
+        vp = next((v for v in plan.on_servers if v.name == name), None)
+        if vp is None:
+            continue  # check_layouts names it
+        for member in plan.members(vp.table):
+            given = out.setdefault(member.name, layout)
+            if given != layout:
+                raise ConfigError(
+                    f"{name!r} and {member.name!r} share one server table (a table group) "
+                    f"but were given different layouts ({layout.servers} and "
+                    f"{given.servers}); give the group one layout, or build the strategy "
+                    f"with group_tables=False to shard them apart")
+    return out
+
+
 class Resharder:
     """Applies new layouts to the bound tables of one job (see the module docstring).
 
@@ -88,6 +107,7 @@ class Resharder:
     def apply(self, plan: Plan, layouts: Mapping[str, Layout], log: bool = True,
               keep_previous: bool = False) -> tuple[Plan, ReshardReport]:
         check_layouts(plan, layouts)
+        layouts = with_groups(plan, layouts)
         start = time.perf_counter()
         changed = [v for v in plan.on_servers if v.name in layouts
                    and layouts[v.name].servers != v.servers]
@@ -99,9 +119,10 @@ class Resharder:
         self.workers.allgather_object(None)  # every worker's last pushes are in
         reverts = {vp.index for vp in changed if vp.index in self.previous
                    and self.previous[vp.index][1] == layouts[vp.name]}
-        targets: dict[int, ShardedTable] = {}
+        targets: dict[str, ShardedTable] = {}  # by the old table name
         moved = [0, 0]
-        on_chief(self.workers, lambda: self._move(changed, layouts, reverts, targets, moved),
+        heads = [vp for vp in changed if vp.offset == 0]  # a table group moves once
+        on_chief(self.workers, lambda: self._move(heads, layouts, reverts, targets, moved),
                  "failed to reshard the tables")
         new_plans, dropped = {}, []
         for vp in changed:
@@ -116,7 +137,8 @@ class Resharder:
             else:
                 spec = dataclasses.replace(old.spec, name=self._name(vp),
                                            shard_count=layout.shards)
-                remote.table = targets.get(vp.index) or self.client.table(spec, layout.servers)
+                remote.table = targets.get(vp.table) or self.client.table(spec, layout.servers)
+                targets[vp.table] = remote.table  # the other members of a group share it
                 if vp.index in self.previous:
                     dropped.append(self.previous.pop(vp.index)[0])
                 if keep_previous:
@@ -142,6 +164,7 @@ class Resharder:
         self._delete(dropped)
 
     def _delete(self, tables: list[ShardedTable]) -> None:
+        tables = list({t.name: t for t in tables}.values())  # a group's members share one
         if tables:
             on_chief(self.workers, lambda: [self.client.delete_table(t) for t in tables],
                      "failed to delete the tables replaced by resharding")
@@ -162,7 +185,7 @@ class Resharder:
             layout = layouts[vp.name]
             table, report = self.client.reshard(current, self._name(vp), layout.shards,
                                                 layout.servers)
-            targets[vp.index] = table
+            targets[vp.table] = table
             return report
 
         with ThreadPoolExecutor(max_workers=min(len(changed), MOVE_TABLES)) as pool:

@@ -103,7 +103,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
             remote.land_pushes()
         path = f"resume/{extended.cluster.run_id}"
         try:
-            shards = extended.client.save(path, [r.table.name for r in tables.values()],
+            names = list(dict.fromkeys(r.table.name for r in tables.values()))  # groups once
+            shards = extended.client.save(path, names,
                                           keep=extended.config.checkpoints_kept)
         except ServerError as err:
             if not without_data_dir(err):
@@ -113,8 +114,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                             f"slots or step, so a resume from it is not exact. Start the "
                             f"servers with a data directory (parallax run --data-dir DIR)")
             return {"format": FORMAT, "unsaved": str(err)}
-        return reference_to(path, shards,
-                            {i: (r.label, r.table.name) for i, r in tables.items()})
+        return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
+                                           for i, r in tables.items()})
 
     def restore(self, text: str, source: str = "this checkpoint") -> None:
         """Load the referenced checkpoint into the servers now, or at the first step;
@@ -170,15 +171,17 @@ def without_data_dir(err: ServerError) -> bool:
 
 def reference_to(path: str, shards, tables: dict) -> dict:
     """The reference to the checkpoint under `path` that `shards` (ShardCheckpoint) were
-    saved in; `tables`: {variable index: (variable name, table name)}. A table's step is its
+    saved in; `tables`: {variable index: (variable name, table name, first row in the
+    table: not 0 in a table group)}. A table's step is its
     shards' highest, the one restoring gives every shard (async shards count their own
     pushes, so one may be ahead of another; sync shards are at one step)."""
     steps: dict[str, int] = {}
     for shard in shards:
         steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
     return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
-            "tables": {str(i): {"variable": variable, "table": table, "step": steps[table]}
-                       for i, (variable, table) in tables.items()}}
+            "tables": {str(i): {"variable": variable, "table": table, "step": steps[table],
+                                "offset": offset}
+                       for i, (variable, table, offset) in tables.items()}}
 
 
 def _parse(text: str) -> dict:
@@ -208,10 +211,29 @@ def _check_variables(reference: dict, plan: Plan) -> None:
                           f"way")
 
 
+def same_grouping(plan: Plan, reference: dict) -> bool:
+    """Whether the checkpoint's tables hold the plan's variables as the plan's tables will:
+    the same variables sharing a table (a table group), at the same offsets."""
+    def layout(entries) -> set:
+        tables: dict[str, set] = {}
+        for index, table, offset in entries:
+            tables.setdefault(table, set()).add((index, offset))
+        return {frozenset(members) for members in tables.values()}
+    saved = layout((int(i), t["table"], t.get("offset", 0))
+                   for i, t in reference["tables"].items())
+    return saved == layout((vp.index, vp.table, vp.offset) for vp in plan.on_servers)
+
+
 def with_saved_tables(plan: Plan, reference: dict) -> Plan:
     """The plan with its tables named as in the checkpoint (run id, resharding generation),
     so the servers can restore them by name."""
     _check_variables(reference, plan)
+    if not same_grouping(plan, reference):
+        raise ConfigError(
+            "the checkpoint's tables group the variables on the servers differently from "
+            "this job's plan (ParallaxStrategy(group_tables=...), the optimizer, or the "
+            "variables' initializers changed), so the servers cannot restore them by name; "
+            "restore it with the settings and model that saved it")
     saved = reference["tables"]
     return dataclasses.replace(plan, variables=tuple(
         dataclasses.replace(vp, table=saved[str(vp.index)]["table"])

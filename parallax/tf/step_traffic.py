@@ -107,14 +107,63 @@ def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.nd
 
 def checked_runs(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
     """Every table's ids in range, checked in one pass (the first table with a bad id says
-    which), as the `Runs` that `pull_many` and `push_many` route them by."""
+    which), as the `Runs` that `pull_many` and `push_many` route them by. `remotes`: one
+    variable per server table (a table group's ids are checked by `TableIds`)."""
     runs = Runs([r.table.partitioner for r in remotes], ids)
-    bad = runs.first_outside([r.rows for r in remotes])
+    bad = runs.first_outside([r.table_rows for r in remotes])
     if bad is not None:
         remotes[bad]._check_ids(runs.run(bad))  # raises, naming the variable and the id
         raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
                           f"own check let through")
     return runs
+
+
+class TableIds:
+    """Variables' ids laid out per server table: the members of a table group travel as one
+    run of their table's ids (each member's ids checked against its own rows, offset to
+    where its rows start, and concatenated in offset order), so a request carries one part
+    per table, not one per variable. Other variables' ids are their table's as they are."""
+
+    def __init__(self, members: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> None:
+        tables: dict[int, list[int]] = {}
+        for k, member in enumerate(members):
+            tables.setdefault(id(member.pushes), []).append(k)
+        self.groups = [sorted(ks, key=lambda k: members[k].offset) if len(ks) > 1 else ks
+                       for ks in tables.values()]
+        self.heads = [members[ks[0]] for ks in self.groups]  # one variable per table
+        self.lengths = [[len(ids[k]) for k in ks] for ks in self.groups]
+        self.ids = [_table_ids([members[k] for k in ks], [ids[k] for k in ks], lengths)
+                    for ks, lengths in zip(self.groups, self.lengths)]
+
+    def split(self, per_table: Sequence[np.ndarray]) -> dict[int, np.ndarray]:
+        """{member position: its part} of one array per table (rows, gradients)."""
+        out = {}
+        for ks, lengths, values in zip(self.groups, self.lengths, per_table):
+            if len(ks) == 1:
+                out[ks[0]] = values
+                continue
+            for k, part in zip(ks, np.split(values, np.cumsum(lengths)[:-1])):
+                out[k] = part
+        return out
+
+    def join(self, per_member: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One array per table of one per member (in `members` order), the inverse of
+        `split`."""
+        return [per_member[ks[0]] if len(ks) == 1 else
+                np.concatenate([per_member[k] for k in ks]) for ks in self.groups]
+
+
+def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
+               lengths: Sequence[int]) -> np.ndarray:
+    if len(members) == 1 and not members[0].offset:
+        return ids[0]
+    joined = np.concatenate(ids).astype(np.int64, copy=False)
+    limits = np.repeat(np.array([m.rows for m in members], np.int64), lengths)
+    bad = (joined < 0) | (joined >= limits)
+    if bad.any():
+        k = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(bad)), side="right"))
+        members[k]._check_ids(ids[k])  # raises, naming the variable and the id
+    return joined + np.repeat(np.array([m.offset for m in members], np.int64), lengths)
 
 
 class StepRouting:
@@ -169,16 +218,16 @@ class FusedPull:
                 ids.append(unique)
                 inverses[key] = np.split(inverse.reshape(-1), np.cumsum([len(p) for p in
                                                                           parts])[:-1])
-        remotes = [tables[key] for key in order]
-        runs = checked_runs(remotes, ids)
+        laid_out = TableIds([tables[key] for key in order], ids)
+        runs = checked_runs(laid_out.heads, laid_out.ids)
         if self.routing is not None:
             runs.expect_push = True
             self.routing.pulled = runs
-        rows = _pull_after_pushes(remotes, runs)
+        rows = laid_out.split(_pull_after_pushes(laid_out.heads, runs))
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
-        by_table = dict(zip(order, rows))
+        by_table = {key: rows[k] for k, key in enumerate(order)}
         taken: dict[int, int] = {}
         out = []
         for remote in self.remotes:
@@ -209,26 +258,32 @@ class FusedPush:
         self.runs = 0
 
     def __call__(self, *flat) -> np.int64:
-        """flat: ids, grads, learning rate of every table, in `remotes` order."""
-        pushing = [i for i, remote in enumerate(self.remotes) if remote.sends_pushes]
+        """flat: ids, grads, learning rate of every variable, in `remotes` order."""
         ids = [np.asarray(flat[3 * i]).astype(np.int64, copy=False).reshape(-1)
-               for i in pushing]
+               for i in range(len(self.remotes))]
         # every id checked before any table counts its push: a bad id changes nothing
-        runs = self.routing.runs_for([self.remotes[i] for i in pushing], ids) if pushing \
-            else None
+        laid_out = TableIds(self.remotes, ids)
+        pushing = [k for k, head in enumerate(laid_out.heads) if head.sends_pushes]
+        runs = self.routing.runs_for([laid_out.heads[k] for k in pushing],
+                                     [laid_out.ids[k] for k in pushing]) if pushing else None
+        values = laid_out.join([np.reshape(flat[3 * i + 1], (len(ids[i]), remote.dim))
+                                for i, remote in enumerate(self.remotes)])
         grads, steps, rates, sending = [], [], [], []
-        for i, remote in enumerate(self.remotes):
-            step = remote.steps_pushed
-            job = remote.prepare_push(flat[3 * i], flat[3 * i + 1], checked=True)
+        for k, (head, table_ids, members) in enumerate(zip(laid_out.heads, laid_out.ids,
+                                                            laid_out.groups)):
+            step = head.steps_pushed
+            job = head.prepare_push(table_ids, values[k], checked=True)
             if job is None:
                 continue
+            for i in members:
+                self.remotes[i].count_push(len(ids[i]))
             # numpy_function's inputs may share TensorFlow's buffers, reused once the op
             # returns: a push is encoded before it returns (`start_push_many`), and `runs`
             # holds its own copy of the ids.
             grads.append(job[1])
             steps.append(step)
-            rates.append(float(flat[3 * i + 2]))
-            sending.append(remote)
+            rates.append(float(flat[3 * members[0] + 2]))
+            sending.append(head)
         self.runs += 1
         if not sending:
             return np.int64(0)

@@ -233,6 +233,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             # Not a training step (evaluate, predict): no plan yet, variables stay local.
             self._materialize_local()
 
+    def _group_keys(self, variables: dict[int, ParallaxVariable], optimizer) -> dict:
+        """Which variables may share a server table (`make_plan`): none unless each step's
+        pushes leave together (fused steps)."""
+        if not (self.config.group_tables and self.config.fuse):
+            return {}
+        return binding.group_keys(variables, optimizer)
+
     def _materialize_local(self) -> None:
         """Compute the deferred initial value of every variable that stays on this worker;
         once planned, a variable stays where it is (local reads need no run-time check)."""
@@ -274,12 +281,19 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         # Without a configured run id each worker made one up: use the chief's.
         planned = dataclasses.replace(planned,
                                       run_id=self.workers.broadcast_object(planned.run_id))
+        by_index = {v.parallax_index: v for v in self.variables()}
         plan = make_plan(self.config, list(infos.values()), run_id=planned.run_id,
-                         num_servers=len(planned.ps_addresses), num_workers=info.size)
+                         num_servers=len(planned.ps_addresses), num_workers=info.size,
+                         group_keys=self._group_keys(by_index, observations.optimizer))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
+        ungrouped = lambda: make_plan(  # noqa: E731 - the plan without table groups
+            self.config, list(infos.values()), run_id=planned.run_id,
+            num_servers=len(planned.ps_addresses), num_workers=info.size)
         search = tuning.resolve(self._search_setting, plan, self.config)
+        if search is not None and plan.grouped:
+            plan = ungrouped()  # the search tunes each table's shards on its own
         cached = None
         if search is not None:  # the chief's saved decision, the same on every worker
             cached = self.workers.broadcast_object(
@@ -288,9 +302,10 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 plan = tuning.with_layouts(plan, cached["layouts"])
         pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None:
+            if plan.grouped and not resume.same_grouping(plan, pending):
+                plan = ungrouped()  # a checkpoint saved without table groups
             plan = resume.with_saved_tables(plan, pending)
         binding.check_agreement(plan, self.workers)
-        by_index = {v.parallax_index: v for v in self.variables()}
         if plan.on_servers:
             self._binder = binding.TableBinder(plan, self.cluster, self.workers,
                                                self._client_options, self._connect_timeout,
@@ -349,6 +364,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             raise ConfigError("reshard after the first training step, which makes the plan")
         counts = {v.name: shards for v in plan.on_servers} if isinstance(shards, int) \
             else dict(shards)
+        for vp in [v for v in plan.on_servers if v.name in counts]:
+            for member in plan.members(vp.table):  # a table group moves as one table
+                counts.setdefault(member.name, counts[vp.name])
         servers = dict(servers or {})
         for name, given in servers.items():
             if name in counts and len(given) != counts[name]:
@@ -497,7 +515,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool | None = None, placement: dict | None = None,
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
-                 fuse: bool = True, checkpoints_kept: int = 5,
+                 fuse: bool = True, group_tables: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None) -> None:
         """Configure the strategy. Nothing is placed and no server is contacted here: the
@@ -579,6 +597,16 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 one push op: one PullMany and one PushMany request per server per step
                 (`parallax.tf.fusion`). False: each table its own pull and push requests. Both
                 train alike; eager steps are never fused.
+            group_tables: bool, default True: variables on the servers with the same row
+                shape and dtype, whose initial values are made the same way, share one
+                server table (a table group: each at its own row offset, spread over every
+                server), so a step's request to a server carries one part for all of them
+                instead of one per table, which is what many small tables cost. Only with
+                `fuse=True` and an optimizer whose update does not count steps (SGD,
+                Adagrad, Ftrl, RMSprop, Lion; not Adam, Adamax, Nadam), without a shard
+                count named for the variable, and not with `search_partitions` set (which
+                tunes tables one by one). `strategy.plan` shows a group as "in g<N>"; a
+                reshard moves a group as one table. Trains exactly as separate tables.
             checkpoints_kept: int >= 1, default 5: how many checkpoints of this job's tables
                 the servers keep. One is written (under `resume/<run id>` in the servers'
                 `--data-dir`) whenever a TF checkpoint or Keras file holding the optimizer
@@ -598,8 +626,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 to the fastest layout measured, at the same step; the decision is saved
                 (`PartitionSearch.cache_dir`) and the next run of the same job starts from
                 it without searching. "auto": search when the plan puts tables on the
-                servers, with 2 or more workers and `shards` None. True: whenever the plan
-                puts tables on the servers, with `PartitionSearch()`'s settings; a
+                servers, with 2 or more workers, `shards` None and no table groups (see
+                `group_tables`). True: whenever the plan puts tables on the servers, with
+                `PartitionSearch()`'s settings, and then without table groups; a
                 `PartitionSearch`: likewise, with its settings. False: never.
 
         Raises:
@@ -640,7 +669,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 run_id=run_id, embedded_servers=embedded_servers,
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
-                                log_plan=log_plan, fuse=fuse,
+                                log_plan=log_plan, fuse=fuse, group_tables=group_tables,
                                 checkpoints_kept=checkpoints_kept)
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
