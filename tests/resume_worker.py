@@ -44,11 +44,12 @@ def build(optimizer: str):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((3,), dtype="int64")
     rows = keras.layers.Embedding(VOCAB, DIM, name="embedding")(inputs)
-    # a second table of the same row shape: the two share one server table (a table group)
-    more = keras.layers.Embedding(VOCAB // 2, DIM, name="embedding_b")(
-        keras.ops.mod(inputs, VOCAB // 2))
+    # two smaller tables of the same row shape, placed on one server, where they share one
+    # server table (a table group)
+    more = [keras.layers.Flatten()(keras.layers.Embedding(VOCAB // 2, DIM, name=name)(
+        keras.ops.mod(inputs, VOCAB // 2))) for name in ("embedding_b", "embedding_c")]
     out = keras.layers.Dense(1, name="dense")(
-        keras.layers.Concatenate()([keras.layers.Flatten()(rows), keras.layers.Flatten()(more)]))
+        keras.layers.Concatenate()([keras.layers.Flatten()(rows), *more]))
     model = keras.Model(inputs, out)
     model.compile(OPTIMIZERS[optimizer](), loss="mse")
     return model

@@ -72,11 +72,13 @@ def build(model: str, vocab: int = VOCAB) -> keras.Model:
         return TableModel()
     inputs = keras.Input((FEATURES,), dtype="int64")
     embedding = keras.layers.Embedding(vocab, DIM)
-    if model == "two":  # two tables of one row shape: a table group on the servers
-        other = keras.layers.Embedding(vocab // 2, DIM)
+    if model == "three":  # three tables of one row shape: the two smaller ones are placed
+        # on the same server, where they share one table (a table group)
+        small = [keras.layers.Embedding(vocab // 2, DIM) for _ in range(2)]
         h = keras.layers.Concatenate(axis=1)([
-            keras.layers.Flatten()(embedding(inputs[:, :2])),
-            keras.layers.Flatten()(other(keras.ops.mod(inputs[:, 2:], vocab // 2)))])
+            keras.layers.Flatten()(embedding(inputs[:, :1])),
+            *[keras.layers.Flatten()(table(keras.ops.mod(inputs[:, i + 1:i + 2], vocab // 2)))
+              for i, table in enumerate(small)]])
         h = keras.layers.Dense(5, activation="tanh")(h)
         return keras.Model(inputs, keras.layers.Dense(1)(h))
     if model == "keras":

@@ -111,17 +111,22 @@ def test_one_pull_and_one_push_request_per_server_per_step(make_strategy):
 
 
 def test_same_shaped_tables_share_one_server_table_and_train_the_same(make_strategy):
-    """A table group: the five tables' rows live in one server table (at offsets 0, 400,
-    ...), every step's request carries one part per server for all five, and training is
-    bit for bit what five tables of their own give."""
+    """Table groups: the five one-shard tables are spread over the two servers, and those on
+    one server share one server table (at offsets 0, 400, ...), so every step's request
+    carries one part per server; training is bit for bit what five tables of their own
+    give."""
     grouped = make_strategy()
     model, loss = train_fit(grouped, epochs=1)
-    tables = {v.table for v in grouped.plan.on_servers}
-    assert len(tables) == 1 and grouped.plan.grouped
-    assert [v.offset for v in grouped.plan.on_servers] == [i * VOCAB for i in range(TABLES)]
-    held = [t for reply in grouped.extended._binder.client.stats(sorted(tables)).values()
+    plan = grouped.plan
+    tables = sorted({v.table for v in plan.on_servers})
+    assert len(tables) == 2 and plan.grouped
+    assert {plan.members(t)[0].servers for t in tables} == {(0,), (1,)}
+    for table in tables:
+        members = plan.members(table)
+        assert [v.offset for v in members] == [i * VOCAB for i in range(len(members))]
+    held = [t for reply in grouped.extended._binder.client.stats(tables).values()
             for t in reply.tables]
-    assert sum(t.rows for t in held) == TABLES * VOCAB and len(held) == 2  # both servers
+    assert sum(t.rows for t in held) == TABLES * VOCAB and len(held) == 2
     alone = make_strategy(group_tables=False)
     model_alone, loss_alone = train_fit(alone, epochs=1)
     assert len({v.table for v in alone.plan.on_servers}) == TABLES
@@ -135,8 +140,9 @@ def test_same_shaped_tables_share_one_server_table_and_train_the_same(make_strat
     table.assign(before + 1.0)
     with grouped.local_tables():
         np.testing.assert_array_equal(table.numpy(), before + 1.0)
-        np.testing.assert_array_equal(model.tables[1].embeddings.numpy(),
-                                      weights_of(alone, model_alone)[1])
+        for i in (0, 1, 3, 4):
+            np.testing.assert_array_equal(model.tables[i].embeddings.numpy(),
+                                          weights_of(alone, model_alone)[i])
 
 
 def test_no_table_groups_under_an_optimizer_that_counts_steps(make_strategy):

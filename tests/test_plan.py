@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.placement.plan import SHARD_MIN_BYTES, StrategyConfig, VariableInfo, make_plan
+from dataclasses import replace
+
+from parallax.placement.plan import (SHARD_MIN_BYTES, StrategyConfig, VariableInfo, make_plan,
+                                     place_shards)
 
 
 def _table(index: int, rows: int, dim: int = 16) -> VariableInfo:
@@ -91,27 +94,37 @@ def _grouped(infos, servers=2, keys=None, **config):
                      num_workers=4, group_keys=keys)
 
 
-def test_same_shaped_tables_share_one_table_at_consecutive_offsets():
-    infos = [_table(0, 1000), _table(1, 300), _table(2, 50, dim=8), _table(3, 20)]
-    plan = _grouped(infos, servers=3)
-    group = [v for v in plan.variables if v.index in (0, 1, 3)]
-    assert {v.table for v in group} == {"r.g0.x3"}
-    assert [v.offset for v in group] == [0, 1000, 1300]
-    assert {v.table_rows for v in group} == {1320}
-    # a group is spread over every server, each member with the group's shards
-    assert {(v.shards, v.servers) for v in group} == {(3, (0, 1, 2))}
-    alone = plan.variables[2]  # another row width: a table of its own
-    assert (alone.table, alone.offset, alone.table_rows) == ("r.v2.table_2", 0, 50)
-    assert plan.grouped and [v.name for v in plan.members("r.g0.x3")] == \
-        ["table_0", "table_1", "table_3"]
-    assert "3 @ 0,1,2 in g0" in plan.format()
+def test_same_shaped_tables_on_the_same_servers_share_one_table_at_offsets():
+    rows_64mb = SHARD_MIN_BYTES // (16 * 4)
+    # CTR-like: two big tables of 2 shards each over both servers, many small ones spread
+    infos = [_table(0, 3 * rows_64mb), _table(1, 2 * rows_64mb)] + \
+        [_table(i, 1000 - 10 * i) for i in range(2, 12)] + [_table(12, 50, dim=8)]
+    plan = _grouped(infos, servers=2)
+    alone = plan.variables[12]  # another row width: a table of its own
+    assert (alone.table, alone.offset, alone.table_rows) == ("r.v12.table_12", 0, 50)
+    groups = {}
+    for v in plan.variables[:12]:
+        groups.setdefault(v.table, []).append(v)
+    assert len(groups) == 3  # the 2-shard pair, and one group of small tables per server
+    assert sorted(len(m) for m in groups.values()) == [2, 5, 5]
+    for name, members in groups.items():
+        assert name.startswith(f"r.g{members[0].index}.x{len(members)}")
+        assert len({(v.shards, v.servers, v.table_rows) for v in members}) == 1
+        assert [v.offset for v in members] == \
+            [sum(m.shape[0] for m in members[:i]) for i in range(len(members))]
+        assert members[0].table_rows == sum(v.shape[0] for v in members)
+        assert plan.members(name) == tuple(members)
+    # the placement is the one the tables had on their own
+    assert [v.servers for v in plan.variables] == \
+        [v.servers for v in _plan(infos, servers=2).variables]
+    assert plan.grouped and "2 @ 0,1 in g0" in plan.format()
 
 
 def test_groups_need_equal_keys_dtype_and_unnamed_shards():
     infos = [_table(0, 100), _table(1, 100), _table(2, 100), _table(3, 100),
              VariableInfo(4, "half", (100, 16), "float16", True, "gather", "IndexedSlices")]
     plan = _grouped(infos, keys={0: "a", 1: "b", 2: "a", 3: "a", 4: "a"},
-                    shards={"table_3": 1})
+                    shards={"table_3": 1}, servers=1)
     tables = {v.name: v.table for v in plan.variables}
     assert tables["table_0"] == tables["table_2"] == "r.g0.x2"
     assert len(set(tables.values())) == 4  # b alone, table_3 named, float16 alone
@@ -126,14 +139,18 @@ def test_no_groups_when_turned_off_or_without_keys(kwargs):
     assert [v.table_rows for v in plan.variables] == [100, 100]
 
 
-def test_an_int_shard_count_applies_to_a_group_and_placement_treats_it_as_one_table():
+def test_placement_treats_a_table_group_as_one_table():
     rows_64mb = SHARD_MIN_BYTES // (16 * 4)
     infos = [_table(0, rows_64mb), _table(1, rows_64mb), _table(2, 3 * rows_64mb, dim=8)]
-    plan = _grouped(infos, servers=2, shards=1)
-    a, b, c = plan.variables
-    assert a.table == b.table and a.servers == b.servers and a.shards == 1
-    assert c.servers != a.servers  # the group counts as its whole bytes on its server
-    assert plan.signature() != _plan(infos, servers=2, shards=1).signature()
+    plan = _plan(infos, servers=2, shards=1)  # 96 MB on server 0, 64 + 64 MB on server 1
+    assert [v.servers for v in plan.variables] == [(1,), (1,), (0,)]
+    merged = tuple(replace(v, table="g") if v.index < 2 else v for v in plan.variables)
+    placed = place_shards(merged, 2)  # one table of 128 MB: first, on server 0
+    assert placed == {0: (0,), 1: (0,), 2: (1,)}
+    grouped = _grouped(infos, servers=2, shards=1)
+    assert grouped.variables[0].table == grouped.variables[1].table != \
+        grouped.variables[2].table
+    assert grouped.signature() != plan.signature()
 
 
 def test_a_config_refuses_a_non_bool_group_tables():

@@ -29,12 +29,12 @@ PLAIN_CASES = ["keras-sgd-fit", "keras-adagrad-custom", "custom-sgd-custom",
                "custom-adagrad-custom", "shared-sgd-fit", "shared-adagrad-custom",
                "keras-sgd-fit-ps", "custom-adagrad-custom-ps", "keras-sgd-custom-allreduce",
                "keras-adagrad-fit-localagg", "keras-lso-fit", "shared-lso-custom",
-               "keras-adagrad-fit-reshard", "custom-sgd-custom-tuned", "two-sgd-fit",
-               "two-adagrad-custom-reshard", "two-adagrad-fit-localagg"]
+               "keras-adagrad-fit-reshard", "custom-sgd-custom-tuned", "three-sgd-fit",
+               "three-adagrad-custom-reshard", "three-adagrad-fit-localagg"]
 LAZY_CASES = ["keras-adam-fit", "custom-adam-custom", "shared-adam-custom",
               "keras-momentum-custom", "custom-adam-custom-reshard", "keras-adam-fit-tuned",
-              "two-adam-custom"]
-GROUPED_CASES = ["two-sgd-fit", "two-adagrad-custom-reshard", "two-adagrad-fit-localagg"]
+              "three-adam-custom"]
+GROUPED_CASES = ["three-sgd-fit", "three-adagrad-custom-reshard", "three-adagrad-fit-localagg"]
 
 EXPORT_CASE = "keras-adagrad-fit"
 PLAIN_CASES.append(EXPORT_CASE)
@@ -164,17 +164,19 @@ def _case_summaries(output: str) -> dict[str, dict]:
 
 
 def test_same_shaped_tables_shared_one_server_table_where_the_optimizer_allows(results):
-    """The "two" model's tables share one server table at offsets 0 and 400 (a table group:
-    one request part per server for both) under SGD and Adagrad, resharded too, and not
-    under Adam, whose update counts the table's steps."""
+    """The "three" model's two smaller tables, placed on one server, share one server table
+    at offsets 0 and 200 (a table group: one request part for both) under SGD and Adagrad,
+    resharded too, and not under Adam, whose update counts the table's steps."""
     summaries = _case_summaries(results["two_output"])
-    for case in GROUPED_CASES + ["two-adam-custom"]:
+    for case in GROUPED_CASES + ["three-adam-custom"]:
         tables = [v for v in summaries[case]["plan"] if v[2] == "ps"]
-        assert len(tables) == 2, (case, tables)
-        if case == "two-adam-custom":
-            assert tables[0][5] != tables[1][5] and {v[6] for v in tables} == {0}
+        assert len(tables) == 3, (case, tables)
+        big, *small = tables
+        if case == "three-adam-custom":
+            assert len({v[5] for v in tables}) == 3 and {v[6] for v in tables} == {0}
         else:
-            assert tables[0][5] == tables[1][5] and [v[6] for v in tables] == [0, 400], case
+            assert big[5] != small[0][5] == small[1][5], case
+            assert [v[6] for v in small] == [0, 200] and small[0][4] == small[1][4], case
 
 
 def test_resharded_and_tuned_runs_really_changed_their_layouts(results):
@@ -183,7 +185,7 @@ def test_resharded_and_tuned_runs_really_changed_their_layouts(results):
     layouts, decided, and says what it cost."""
     summaries = _case_summaries(results["two_output"])
     for case in ("keras-adagrad-fit-reshard", "custom-adam-custom-reshard",
-                 "two-adagrad-custom-reshard"):
+                 "three-adagrad-custom-reshard"):
         tables = [v for v in summaries[case]["plan"] if v[2] == "ps"]
         assert tables and all(v[3] == 2 and v[4] == [1, 0] for v in tables), tables
     for case in ("custom-sgd-custom-tuned", "keras-adam-fit-tuned"):

@@ -229,44 +229,33 @@ def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[s
 def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
-    return _shard_count(wanted, info.shape[0] if info.shape else 1, info.bytes, num_servers)
-
-
-def _shard_count(wanted: int | None, rows: int, size: int, num_servers: int) -> int:
-    """`wanted`, or by default one shard per SHARD_MIN_BYTES up to one per server; at most
-    one per row."""
+    rows = info.shape[0] if info.shape else 1
     if wanted is None:
-        wanted = min(num_servers, size // SHARD_MIN_BYTES)
+        wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
     return max(1, min(wanted, rows))
 
 
-def _grouped(config: StrategyConfig, plans: list[VariablePlan], keys: Mapping[int, object],
-             run_id: str, num_servers: int) -> list[VariablePlan]:
-    """Table groups (`StrategyConfig.group_tables`): variables on the servers with equal
-    rows (width and dtype) and an equal `keys` entry (the strategy's: how their initial
-    values are made) share one server table, each at its own row offset, unless the user
-    named their shard count. A step's request to a server then carries one part for all of
-    them instead of one per table: a server spends ~60 us of Python per part whatever its
-    rows, which made many small tables the slowest case (docs/benchmarks.md)."""
-    named = set(config.shards) if isinstance(config.shards, Mapping) else set()
+def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[str],
+             run_id: str) -> list[VariablePlan]:
+    """Table groups (`StrategyConfig.group_tables`): placed variables with equal rows (width
+    and dtype), an equal `keys` entry (the strategy's: how their initial values are made)
+    and the same shards on the same servers share one server table, each at its own row
+    offset, unless the user named their shard count (`named`). A step's request to a server
+    then carries one part for all of them instead of one per table: a server spends ~60 us
+    of Python per part whatever its rows, which made many small tables the slowest case
+    (docs/benchmarks.md). Placement is what it was: a group holds what its server held."""
     by_key: dict[tuple, list[VariablePlan]] = {}
     for v in plans:
         if v.placement == "ps" and v.index in keys and v.name not in named and len(v.shape) > 1:
-            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index])
+            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index], v.shards, v.servers)
             by_key.setdefault(key, []).append(v)
     grouped = {v.index: v for v in plans}
     for members in (m for m in by_key.values() if len(m) > 1):
         rows = sum(v.shape[0] for v in members)
-        # By default a group is spread over every server: it carries the step's rows of
-        # many tables, which one server alone would serve for every worker.
-        wanted = num_servers if isinstance(config.shards, Mapping) or config.shards is None \
-            else config.shards
-        shards = _shard_count(wanted, rows, 0, num_servers)
         name = group_table_name(run_id, members[0].index, len(members))
         offset = 0
         for v in members:
-            grouped[v.index] = replace(v, table=name, offset=offset, table_rows=rows,
-                                       shards=shards)
+            grouped[v.index] = replace(v, table=name, offset=offset, table_rows=rows)
             offset += v.shape[0]
     return [grouped[v.index] for v in plans]
 
@@ -330,8 +319,9 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
             table=table_name(run_id, info.index, info.name) if on_ps else "",
             table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0))
-    if config.group_tables and group_keys:
-        plans = _grouped(config, plans, group_keys, run_id, num_servers)
     placed = place_shards(tuple(plans), num_servers)
     plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
+    if config.group_tables and group_keys:
+        named = set(config.shards) if isinstance(config.shards, Mapping) else set()
+        plans = _grouped(plans, group_keys, named, run_id)
     return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))

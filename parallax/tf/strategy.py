@@ -598,10 +598,11 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 (`parallax.tf.fusion`). False: each table its own pull and push requests. Both
                 train alike; eager steps are never fused.
             group_tables: bool, default True: variables on the servers with the same row
-                shape and dtype, whose initial values are made the same way, share one
-                server table (a table group: each at its own row offset, spread over every
-                server), so a step's request to a server carries one part for all of them
-                instead of one per table, which is what many small tables cost. Only with
+                shape and dtype, whose initial values are made the same way, and which the
+                plan gave the same shards on the same servers, share one server table (a
+                table group: each at its own row offset), so a step's request to a server
+                carries one part for all of them instead of one per table, which is what
+                many small tables cost. Only with
                 `fuse=True` and an optimizer whose update does not count steps (SGD,
                 Adagrad, Ftrl, RMSprop, Lion; not Adam, Adamax, Nadam), without a shard
                 count named for the variable, and not with `search_partitions` set (which
