@@ -106,8 +106,8 @@ def main() -> int:
         step.run(batch)
         per_step.append((time.process_time() - start) / args.steps)
     shape = "in one table group" if args.grouped else "each its own table"
-    print(f"{args.tables} tables {shape}, {args.workers} worker(s), {args.optimizer}: server handler "
-          f"CPU {statistics.median(per_step) * 1e3:.3f} ms per step (median of "
+    print(f"{args.tables} tables {shape}, {args.workers} worker(s), {args.optimizer}: server "
+          f"handler CPU {statistics.median(per_step) * 1e3:.3f} ms per step (median of "
           f"{args.rounds} x {args.steps} steps; {args.workers} push(es) and 1 pull each)")
     if args.profile:
         profile = cProfile.Profile()
