@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import parallax
+from parallax.tf.variables import remote_of
 
 _ids = itertools.count()
 TABLES, VOCAB, DIM, BATCH = 5, 400, 4, 16
@@ -143,6 +144,82 @@ def test_same_shaped_tables_share_one_server_table_and_train_the_same(make_strat
         for i in (0, 1, 3, 4):
             np.testing.assert_array_equal(model.tables[i].embeddings.numpy(),
                                           weights_of(alone, model_alone)[i])
+
+
+def _group_member_layer(strategy, model, head: bool):
+    """The layer of a table group's first member (`head`) or of another member."""
+    plan = strategy.plan
+    vp = next(v for v in plan.on_servers if len(plan.members(v.table)) > 1
+              and (v.offset == 0) == head)
+    return next(t for t in model.tables
+                if remote_of(t.embeddings.value) is strategy.tables[vp.name]), vp
+
+
+def test_a_group_member_updated_alone_gets_the_steps_learning_rate(make_strategy):
+    """A step that updates one member of a group, not its first: the group's push carries
+    the step's learning rate, not the empty pushes' 0 ("the table's own", the rate the plan
+    was made with)."""
+    moved = {}
+    for grouped in (True, False):
+        strategy = make_strategy(group_tables=grouped)
+        model, _ = train_fit(strategy, epochs=1, optimizer=lambda: keras.optimizers.SGD(0.1))
+        layer = model.tables[2]
+        if grouped:
+            assert _group_member_layer(strategy, model, head=False)[0] is layer
+        optimizer = model.optimizer
+        optimizer.learning_rate.assign(1.0)
+
+        @tf.function
+        def step(ids):
+            def replica(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(layer(ids))
+                grads = tape.gradient(loss, [layer.embeddings])
+                optimizer.apply_gradients(zip(grads, [layer.embeddings]))
+            strategy.run(replica, args=(ids,))
+
+        with strategy.local_tables():
+            before = layer.embeddings.numpy()[[1, 2, 3]]
+        step(tf.constant([1, 2, 3], tf.int64))
+        with strategy.local_tables():
+            moved[grouped] = before - layer.embeddings.numpy()[[1, 2, 3]]
+    np.testing.assert_allclose(moved[True], moved[False], rtol=1e-6)
+    np.testing.assert_allclose(moved[True], 1.0, rtol=1e-6)  # rate 1.0 x gradient 1
+
+
+def test_an_id_past_a_group_members_rows_is_refused_not_read_from_the_next(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_fit(strategy, epochs=1)
+    layer, vp = _group_member_layer(strategy, model, head=True)  # the next member follows
+
+    @tf.function
+    def lookup(ids):
+        return strategy.run(layer, args=(ids,))
+
+    with pytest.raises(Exception, match=rf"{vp.name}.*has {VOCAB} rows: id {VOCAB} is out "):
+        lookup(tf.constant([VOCAB], tf.int64))
+
+
+def test_no_table_groups_where_updates_are_in_a_branch(make_strategy):
+    """LossScaleOptimizer applies its updates in a tf.cond branch: each is a push of its own,
+    which a table group would turn into a step (and a wait) per member."""
+    strategy = make_strategy()
+    train_fit(strategy, epochs=1, optimizer=lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1)))
+    assert not strategy.plan.grouped
+
+
+def test_resharding_a_group_member_onto_given_servers_moves_its_group(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_fit(strategy, epochs=1)
+    _, vp = _group_member_layer(strategy, model, head=True)
+    target = (1 - vp.servers[0],)
+    strategy.reshard({vp.name: 1}, servers={vp.name: list(target)})
+    table = strategy.plan.get(vp.name).table
+    assert len(strategy.plan.members(table)) > 1
+    assert {v.servers for v in strategy.plan.members(table)} == {target}
+    x, y = data(n=BATCH * 2, seed=5)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # still trains
 
 
 def test_no_table_groups_under_an_optimizer_that_counts_steps(make_strategy):

@@ -226,3 +226,44 @@ def test_async_shards_at_different_steps_resume_exactly(tmp_path):
             model = _model()
         tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
         assert _first_loss(model) == pytest.approx(loss, abs=1e-6)
+
+
+def _grouped_model(big_rows: int = 600_000):
+    """One table the servers draw (over 8 MB, a Keras initializer) and two small streamed
+    ones, which share one server table (a table group) on one server."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,), dtype="int64")
+    big = keras.layers.Embedding(big_rows, 4, name="big")
+    small = [keras.layers.Embedding(1000, 4, name=f"small{i}") for i in range(2)]
+    rows = [big(inputs[:, :1]), small[0](inputs[:, 1:2]), small[1](inputs[:, 2:3])]
+    h = keras.layers.Concatenate(axis=1)([keras.layers.Flatten()(r) for r in rows])
+    model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(h))
+    model.compile(keras.optimizers.Adagrad(0.3), loss="mse")
+    return model
+
+
+
+
+@pytest.mark.parametrize("now", [{}, {"group_tables": False}], ids=["same", "groups-off"])
+def test_a_restore_before_the_first_step_keeps_the_checkpoints_table_groups(tmp_path, now):
+    """A restore clears the variables' deferred initial values, which made the big table
+    "drawn by the servers" and the small ones "streamed": the plan then grouped the big one
+    with the small ones, unlike the checkpoint, and the resume was refused. The plan now
+    takes the checkpoint's groups (even with group_tables=False now) and resumes exactly."""
+    with _servers(1, tmp_path) as strategy:
+        with strategy.scope():
+            model = _grouped_model()
+        _first_loss(model)
+        saved = {v.name: (v.table, v.offset) for v in strategy.plan.on_servers}
+        assert saved["small0/embeddings"][0] == saved["small1/embeddings"][0] != \
+            saved["big/embeddings"][0]
+        path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
+            tmp_path / "ckpt")
+        losses = [_first_loss(model) for _ in range(2)]  # the next two steps
+    with _servers(1, tmp_path, **now) as strategy:
+        with strategy.scope():
+            model = _grouped_model()
+        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+        resumed = [_first_loss(model) for _ in range(2)]
+        assert {v.name: (v.table, v.offset) for v in strategy.plan.on_servers} == saved
+    np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)

@@ -236,26 +236,31 @@ def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int
 
 
 def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[str],
-             run_id: str) -> list[VariablePlan]:
+             run_id: str, placed: bool = True) -> list[VariablePlan]:
     """Table groups (`StrategyConfig.group_tables`): placed variables with equal rows (width
     and dtype), an equal `keys` entry (the strategy's: how their initial values are made)
     and the same shards on the same servers share one server table, each at its own row
     offset, unless the user named their shard count (`named`). A step's request to a server
     then carries one part for all of them instead of one per table: a server spends ~60 us
     of Python per part whatever its rows, which made many small tables the slowest case
-    (docs/benchmarks.md). Placement is what it was: a group holds what its server held."""
+    (docs/benchmarks.md). Placement is what it was: a group holds what its server held.
+    Not `placed` (the groups of a checkpoint, before placement): equal keys group whatever
+    the shards, and the group gets its members' largest shard count."""
     by_key: dict[tuple, list[VariablePlan]] = {}
     for v in plans:
         if v.placement == "ps" and v.index in keys and v.name not in named and len(v.shape) > 1:
-            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index], v.shards, v.servers)
+            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index]) + \
+                ((v.shards, v.servers) if placed else ())
             by_key.setdefault(key, []).append(v)
     grouped = {v.index: v for v in plans}
     for members in (m for m in by_key.values() if len(m) > 1):
         rows = sum(v.shape[0] for v in members)
         name = group_table_name(run_id, members[0].index, len(members))
+        shards = max(v.shards for v in members)
         offset = 0
         for v in members:
-            grouped[v.index] = replace(v, table=name, offset=offset, table_rows=rows)
+            grouped[v.index] = replace(v, table=name, offset=offset, table_rows=rows,
+                                       shards=shards)
             offset += v.shape[0]
     return [grouped[v.index] for v in plans]
 
@@ -298,10 +303,12 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
 
 def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
               num_servers: int, num_workers: int,
-              group_keys: Mapping[int, object] | None = None) -> Plan:
+              group_keys: Mapping[int, object] | None = None, saved_groups: bool = False
+              ) -> Plan:
     """The plan. `group_keys` (variable index -> a hashable): the variables that may share a
-    server table with others of equal key and row shape (see `_grouped`); none by default,
-    and none when `config.group_tables` is off."""
+    server table with others of equal key and row shape, placed alike (see `_grouped`);
+    none by default, and none when `config.group_tables` is off. `saved_groups`: the keys
+    name whole groups (a checkpoint's), made before placement and placed as one table."""
     names = {i.name for i in infos}
     for option, given in (("placement", config.placement), ("shards", config.shards)):
         unknown = set(given) - names if isinstance(given, Mapping) else set()
@@ -319,9 +326,12 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
             table=table_name(run_id, info.index, info.name) if on_ps else "",
             table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0))
+    grouping = bool(config.group_tables and group_keys)
+    named = set(config.shards) if isinstance(config.shards, Mapping) else set()
+    if grouping and saved_groups:
+        plans = _grouped(plans, group_keys, named, run_id, placed=False)
     placed = place_shards(tuple(plans), num_servers)
     plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
-    if config.group_tables and group_keys:
-        named = set(config.shards) if isinstance(config.shards, Mapping) else set()
+    if grouping and not saved_groups:
         plans = _grouped(plans, group_keys, named, run_id)
     return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))

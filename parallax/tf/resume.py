@@ -224,6 +224,12 @@ def same_grouping(plan: Plan, reference: dict) -> bool:
     return saved == layout((vp.index, vp.table, vp.offset) for vp in plan.on_servers)
 
 
+def saved_group_keys(reference: dict) -> dict[int, str]:
+    """`make_plan` group keys that group the variables as the checkpoint's tables do: a
+    variable's key is its saved table (one alone in its table groups with no other)."""
+    return {int(i): t["table"] for i, t in reference["tables"].items()}
+
+
 def with_saved_tables(plan: Plan, reference: dict) -> Plan:
     """The plan with its tables named as in the checkpoint (run id, resharding generation),
     so the servers can restore them by name."""
@@ -304,6 +310,12 @@ def restore_now(extended, reference: dict) -> None:
     the saved step. Call on every worker (as TF and Keras restore on every worker)."""
     tables = tables_by_variable(extended.plan, extended.remotes)
     _check_variables(reference, extended.plan)
+    if not same_grouping(extended.plan, reference):
+        raise ConfigError(
+            "the checkpoint's tables group the variables on the servers differently from "
+            "this job's (table groups: ParallaxStrategy(group_tables=...)), so the servers "
+            "cannot restore them in place; restore it in a new process, before the first "
+            "training step, where the plan takes the checkpoint's groups")
     moved = sorted(r.label for i, r in tables.items()
                    if r.table.name != reference["tables"][str(i)]["table"])
     if moved:

@@ -155,8 +155,8 @@ class TableIds:
 
 def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
                lengths: Sequence[int]) -> np.ndarray:
-    if len(members) == 1 and not members[0].offset:
-        return ids[0]
+    if len(members) == 1 and members[0].table_rows == members[0].rows:
+        return ids[0]  # a table of its own: `checked_runs` checks its ids
     joined = np.concatenate(ids).astype(np.int64, copy=False)
     limits = np.repeat(np.array([m.rows for m in members], np.int64), lengths)
     bad = (joined < 0) | (joined >= limits)
@@ -282,7 +282,7 @@ class FusedPush:
             # holds its own copy of the ids.
             grads.append(job[1])
             steps.append(step)
-            rates.append(float(flat[3 * members[0] + 2]))
+            rates.append(_rate(flat, members, ids))
             sending.append(head)
         self.runs += 1
         if not sending:
@@ -306,6 +306,13 @@ class FusedPush:
                              rates, checked=runs)
         finally:
             _account_push(remotes, runs.lengths, time.perf_counter() - start)
+
+
+def _rate(flat, members: Sequence[int], ids: Sequence[np.ndarray]) -> float:
+    """The learning rate of a table's push: a member's that sent rows (a member the step did
+    not update sends none, and rate 0.0: "the table's own"), else the first's."""
+    sent = next((i for i in members if len(ids[i])), members[0])
+    return float(flat[3 * sent + 2])
 
 
 def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:

@@ -57,8 +57,12 @@ class _Observations:
         self.gradients: dict[int, str] = {}
         self.updated: list[tf.Variable] = []
         self.optimizer = None
+        self.graph = None  # the step's own graph
+        self.nested_updates = False  # an update traced in a branch (tf.cond) or loop body
 
     def record(self, var, fn, args) -> None:
+        if tf.compat.v1.get_default_graph() is not self.graph:
+            self.nested_updates = True  # e.g. LossScaleOptimizer's tf.cond
         grad = args[0] if args else None
         kind = "IndexedSlices" if isinstance(grad, tf.IndexedSlices) else \
             "Tensor" if grad is not None else "none"
@@ -125,6 +129,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.config = config
         self._search_setting = search_partitions
         self.tuner: PartitionTuner | None = None
+        self._eager_steps = False  # whether the first training step ran eagerly
         self.workers = make_collectives()
         info = self.workers.info
         gpus = tf.config.list_physical_devices("GPU")
@@ -180,6 +185,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if self._observations is not None or self._pushed is not None:
             # The analysis trace, or a nested call inside a step (LossScaleOptimizer's
             # merge_call runs its own replica functions): part of the step in progress.
+            if self._observations is not None and self._observations.graph is None:
+                self._observations.graph = tf.compat.v1.get_default_graph()
             return super()._call_for_each_replica(fn, args, kwargs)
         forget_gradient_owners()
         self._pushed = set()
@@ -218,6 +225,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
 
     def _plan_from(self, fn, args, kwargs) -> None:
         observations = _Observations()
+        self._eager_steps = tf.executing_eagerly()  # steps run eagerly are never fused
         self._observations = observations
         try:
             spec_args, spec_kwargs = tf.nest.map_structure(_spec_of, (tuple(args), kwargs or {}))
@@ -233,12 +241,15 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             # Not a training step (evaluate, predict): no plan yet, variables stay local.
             self._materialize_local()
 
-    def _group_keys(self, variables: dict[int, ParallaxVariable], optimizer) -> dict:
+    def _group_keys(self, variables: dict[int, ParallaxVariable],
+                    observations: _Observations) -> dict:
         """Which variables may share a server table (`make_plan`): none unless each step's
-        pushes leave together (fused steps)."""
-        if not (self.config.group_tables and self.config.fuse):
-            return {}
-        return binding.group_keys(variables, optimizer)
+        pushes leave together, in one fused push: traced steps whose updates are all in the
+        step's own graph."""
+        if not (self.config.group_tables and self.config.fuse) or self._eager_steps or \
+                observations.nested_updates:
+            return {}  # each table's update would be a push (and a step) of its own
+        return binding.group_keys(variables, observations.optimizer)
 
     def _materialize_local(self) -> None:
         """Compute the deferred initial value of every variable that stays on this worker;
@@ -282,28 +293,36 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         planned = dataclasses.replace(planned,
                                       run_id=self.workers.broadcast_object(planned.run_id))
         by_index = {v.parallax_index: v for v in self.variables()}
-        plan = make_plan(self.config, list(infos.values()), run_id=planned.run_id,
-                         num_servers=len(planned.ps_addresses), num_workers=info.size,
-                         group_keys=self._group_keys(by_index, observations.optimizer))
+
+        def planned_with(config: StrategyConfig, keys, saved: bool = False) -> Plan:
+            return make_plan(config, list(infos.values()), run_id=planned.run_id,
+                             num_servers=len(planned.ps_addresses), num_workers=info.size,
+                             group_keys=keys, saved_groups=saved)
+        plan = planned_with(self.config, self._group_keys(by_index, observations))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
-        ungrouped = lambda: make_plan(  # noqa: E731 - the plan without table groups
-            self.config, list(infos.values()), run_id=planned.run_id,
-            num_servers=len(planned.ps_addresses), num_workers=info.size)
+        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
+        if pending is not None and not resume.same_grouping(plan, pending):
+            # the checkpoint's table groups, whatever made them (with_saved_tables refuses
+            # a checkpoint whose groups this plan cannot make)
+            plan = planned_with(dataclasses.replace(self.config, group_tables=True),
+                                resume.saved_group_keys(pending), saved=True)
         search = tuning.resolve(self._search_setting, plan, self.config)
         if search is not None and plan.grouped:
-            plan = ungrouped()  # the search tunes each table's shards on its own
+            if pending is not None:
+                log.warning("parallax: no partition search: the checkpoint restored keeps "
+                            "its table groups (group_tables), which the search does not tune")
+                search = None
+            else:  # the search tunes each table's shards on its own
+                plan = planned_with(self.config, None)
         cached = None
         if search is not None:  # the chief's saved decision, the same on every worker
             cached = self.workers.broadcast_object(
                 tuning.load_decision(search, plan) if info.is_chief else None)
             if cached is not None:
                 plan = tuning.with_layouts(plan, cached["layouts"])
-        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None:
-            if plan.grouped and not resume.same_grouping(plan, pending):
-                plan = ungrouped()  # a checkpoint saved without table groups
             plan = resume.with_saved_tables(plan, pending)
         binding.check_agreement(plan, self.workers)
         if plan.on_servers:
@@ -364,10 +383,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             raise ConfigError("reshard after the first training step, which makes the plan")
         counts = {v.name: shards for v in plan.on_servers} if isinstance(shards, int) \
             else dict(shards)
-        for vp in [v for v in plan.on_servers if v.name in counts]:
-            for member in plan.members(vp.table):  # a table group moves as one table
-                counts.setdefault(member.name, counts[vp.name])
         servers = dict(servers or {})
+        for vp in [v for v in plan.on_servers if v.name in counts or v.name in servers]:
+            for member in plan.members(vp.table):  # a table group moves as one table
+                if vp.name in counts:
+                    counts.setdefault(member.name, counts[vp.name])
+                if vp.name in servers:
+                    servers.setdefault(member.name, servers[vp.name])
         for name, given in servers.items():
             if name in counts and len(given) != counts[name]:
                 raise ConfigError(f"{name!r}: {counts[name]} shards but {len(given)} servers "
@@ -603,11 +625,14 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 table group: each at its own row offset), so a step's request to a server
                 carries one part for all of them instead of one per table, which is what
                 many small tables cost. Only with
-                `fuse=True` and an optimizer whose update does not count steps (SGD,
-                Adagrad, Ftrl, RMSprop, Lion; not Adam, Adamax, Nadam), without a shard
-                count named for the variable, and not with `search_partitions` set (which
-                tunes tables one by one). `strategy.plan` shows a group as "in g<N>"; a
-                reshard moves a group as one table. Trains exactly as separate tables.
+                `fuse=True`, traced steps whose updates are all in the step's own graph (not
+                in a `tf.cond` branch, as LossScaleOptimizer's are), an optimizer whose
+                update does not count steps (SGD, Adagrad, Ftrl, RMSprop, Lion; not Adam,
+                Adamax, Nadam), without a shard count named for the variable, and not with
+                `search_partitions` set (which tunes tables one by one). `strategy.plan`
+                shows a group as "in g<N>"; a reshard moves a group as one table, and a
+                restored checkpoint keeps its groups. Trains exactly as separate tables
+                (rows the servers draw follow the same distribution, not the same draws).
             checkpoints_kept: int >= 1, default 5: how many checkpoints of this job's tables
                 the servers keep. One is written (under `resume/<run id>` in the servers'
                 `--data-dir`) whenever a TF checkpoint or Keras file holding the optimizer
