@@ -40,20 +40,23 @@ from parallax.protocol.routing import out_of_range
 log = logging.getLogger("parallax")
 
 
-class _StepFusionSlot(threading.local):
-    fusion = None  # the parallax.tf.fusion.StepFusion of the step being traced on this thread
+class _StepSlot(threading.local):
+    """What the strategy knows of the step being traced on this thread."""
+
+    fusion = None  # its parallax.tf.fusion.StepFusion
+    owners: dict | None = None  # {lookup's dense_shape tensor .ref(): its RemoteTable}
 
 
-_STEP_FUSION = _StepFusionSlot()
+_STEP = _StepSlot()
 
 
 def fusion_of_step():
     """The StepFusion of the training step being traced on this thread, or None."""
-    return _STEP_FUSION.fusion
+    return _STEP.fusion
 
 
 def set_fusion_of_step(fusion) -> None:
-    _STEP_FUSION.fusion = fusion
+    _STEP.fusion = fusion
 
 
 @dataclass
@@ -297,7 +300,9 @@ class RemoteTable:
     def _record(self, var: tf.Variable, rows: tf.Tensor, ids: tf.Tensor) -> None:
         """Put `rows` (pulled for `ids`) on the gradient tape as a read of `var`."""
         dense_shape = tf.constant(self.shape.as_list() or [1], tf.int64)
-        _GRADIENT_OWNERS[id(dense_shape)] = (dense_shape, self)
+        if _STEP.owners is None:
+            _STEP.owners = {}
+        _STEP.owners[dense_shape.ref()] = self  # whose gradient this IndexedSlices will be
 
         def backward(grad_rows):
             if isinstance(grad_rows, tf.IndexedSlices):
@@ -339,7 +344,6 @@ class RemoteTable:
         return self.push(self.empty_gradient())
 
 
-_GRADIENT_OWNERS: dict[int, tuple[tf.Tensor, RemoteTable]] = {}
 _TABLES: weakref.WeakSet[RemoteTable] = weakref.WeakSet()
 _EXIT_DRAIN = threading.Lock()
 _EXIT_DRAIN_REGISTERED = False
@@ -377,13 +381,14 @@ def _land_pushes_in_flight() -> None:
 
 
 def owner_of_gradient(grad) -> RemoteTable | None:
-    """The table whose lookup produced this IndexedSlices gradient (the tape keeps the
-    `dense_shape` tensor of the first lookup when it aggregates several)."""
-    if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None:
+    """The table whose lookup, traced on this thread since the step began, produced this
+    IndexedSlices gradient (the tape keeps the `dense_shape` tensor of the first lookup when
+    it aggregates several): the tensor itself identifies it."""
+    if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None or not _STEP.owners:
         return None
-    entry = _GRADIENT_OWNERS.get(id(grad.dense_shape))
-    return entry[1] if entry is not None and entry[0] is grad.dense_shape else None
+    return _STEP.owners.get(grad.dense_shape.ref())
 
 
 def forget_gradient_owners() -> None:
-    _GRADIENT_OWNERS.clear()
+    """A step begins on this thread: its lookups' gradients are the ones to recognise."""
+    _STEP.owners = {}
