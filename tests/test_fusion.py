@@ -155,6 +155,24 @@ def _group_member_layer(strategy, model, head: bool):
                 if remote_of(t.embeddings.value) is strategy.tables[vp.name]), vp
 
 
+def _moved_by_one_update(strategy, layer, optimizer, ids):
+    """How much one traced step that updates `layer` alone, loss sum(rows), moves its rows."""
+    @tf.function
+    def step(ids):
+        def replica(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(ids))
+            grads = tape.gradient(loss, [layer.embeddings])
+            optimizer.apply_gradients(zip(grads, [layer.embeddings]))
+        strategy.run(replica, args=(ids,))
+
+    with strategy.local_tables():
+        before = layer.embeddings.numpy()[ids]
+    step(tf.constant(ids, tf.int64))
+    with strategy.local_tables():
+        return before - layer.embeddings.numpy()[ids]
+
+
 def test_a_group_member_updated_alone_gets_the_steps_learning_rate(make_strategy):
     """A step that updates one member of a group, not its first: the group's push carries
     the step's learning rate, not the empty pushes' 0 ("the table's own", the rate the plan
@@ -166,23 +184,8 @@ def test_a_group_member_updated_alone_gets_the_steps_learning_rate(make_strategy
         layer = model.tables[2]
         if grouped:
             assert _group_member_layer(strategy, model, head=False)[0] is layer
-        optimizer = model.optimizer
-        optimizer.learning_rate.assign(1.0)
-
-        @tf.function
-        def step(ids):
-            def replica(ids):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(layer(ids))
-                grads = tape.gradient(loss, [layer.embeddings])
-                optimizer.apply_gradients(zip(grads, [layer.embeddings]))
-            strategy.run(replica, args=(ids,))
-
-        with strategy.local_tables():
-            before = layer.embeddings.numpy()[[1, 2, 3]]
-        step(tf.constant([1, 2, 3], tf.int64))
-        with strategy.local_tables():
-            moved[grouped] = before - layer.embeddings.numpy()[[1, 2, 3]]
+        model.optimizer.learning_rate.assign(1.0)
+        moved[grouped] = _moved_by_one_update(strategy, layer, model.optimizer, [1, 2, 3])
     np.testing.assert_allclose(moved[True], moved[False], rtol=1e-6)
     np.testing.assert_allclose(moved[True], 1.0, rtol=1e-6)  # rate 1.0 x gradient 1
 
