@@ -32,7 +32,7 @@ import tensorflow as tf
 
 import parallax
 from parallax.client.local_cluster import LocalCluster
-from parallax.errors import ServerError
+from parallax.errors import ConfigError, ServerError
 from parallax.protocol import bulk_codec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,3 +267,21 @@ def test_a_restore_before_the_first_step_keeps_the_checkpoints_table_groups(tmp_
         resumed = [_first_loss(model) for _ in range(2)]
         assert {v.name: (v.table, v.offset) for v in strategy.plan.on_servers} == saved
     np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoints_table_groups_this_job_cannot_push_together_are_refused(tmp_path):
+    """Restored into a job whose optimizer counts steps (Adam), a group's members would each
+    advance the group's step: the first step refuses, naming the grouped variables."""
+    with _servers(1, tmp_path) as strategy:
+        with strategy.scope():
+            model = _grouped_model()
+        _first_loss(model)
+        path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
+            tmp_path / "ckpt")
+    with _servers(1, tmp_path) as strategy:
+        with strategy.scope():
+            model = _grouped_model()
+            model.compile(keras.optimizers.Adam(0.01), loss="mse")
+        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+        with pytest.raises(ConfigError, match=r"small0/embeddings.*table groups.*Adam"):
+            _first_loss(model)

@@ -230,6 +230,14 @@ def saved_group_keys(reference: dict) -> dict[int, str]:
     return {int(i): t["table"] for i, t in reference["tables"].items()}
 
 
+def saved_group_members(reference: dict) -> set[int]:
+    """Indices of the variables the checkpoint keeps in a table group (sharing a table)."""
+    tables: dict[str, list[int]] = {}
+    for i, t in reference["tables"].items():
+        tables.setdefault(t["table"], []).append(int(i))
+    return {i for members in tables.values() if len(members) > 1 for i in members}
+
+
 def with_saved_tables(plan: Plan, reference: dict) -> Plan:
     """The plan with its tables named as in the checkpoint (run id, resharding generation),
     so the servers can restore them by name."""

@@ -58,11 +58,11 @@ class _Observations:
         self.updated: list[tf.Variable] = []
         self.optimizer = None
         self.graph = None  # the step's own graph
-        self.nested_updates = False  # an update traced in a branch (tf.cond) or loop body
+        self.nested: set[int] = set()  # id() of variables updated in a branch or loop body
 
     def record(self, var, fn, args) -> None:
         if tf.compat.v1.get_default_graph() is not self.graph:
-            self.nested_updates = True  # e.g. LossScaleOptimizer's tf.cond
+            self.nested.add(id(var))  # e.g. LossScaleOptimizer's tf.cond
         grad = args[0] if args else None
         kind = "IndexedSlices" if isinstance(grad, tf.IndexedSlices) else \
             "Tensor" if grad is not None else "none"
@@ -242,14 +242,38 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self._materialize_local()
 
     def _group_keys(self, variables: dict[int, ParallaxVariable],
-                    observations: _Observations) -> dict:
-        """Which variables may share a server table (`make_plan`): none unless each step's
-        pushes leave together, in one fused push: traced steps whose updates are all in the
-        step's own graph."""
-        if not (self.config.group_tables and self.config.fuse) or self._eager_steps or \
-                observations.nested_updates:
+                    observations: _Observations, wanted: bool | None = None) -> dict:
+        """Which variables may share a server table (`make_plan`): those whose update joins
+        the step's one fused push (traced steps, an update in the step's own graph), under
+        an optimizer that allows it (`binding.group_keys`). `wanted`: group at all (default:
+        `group_tables`)."""
+        wanted = self.config.group_tables if wanted is None else wanted
+        if not (wanted and self.config.fuse) or self._eager_steps:
             return {}  # each table's update would be a push (and a step) of its own
-        return binding.group_keys(variables, observations.optimizer)
+        keys = binding.group_keys(variables, observations.optimizer)
+        return {i: key for i, key in keys.items() if id(variables[i]) not in observations.nested}
+
+    def _saved_groups(self, pending: dict, by_index, observations, planned_with) -> Plan:
+        """The plan with the table groups of a checkpoint restored before it (restoring
+        changes what made the groups: the variables' deferred initial values), where this
+        job can push each group together; else ConfigError (with_saved_tables refuses a
+        checkpoint whose groups the plan still lacks)."""
+        members = resume.saved_group_members(pending)
+        allowed = self._group_keys(by_index, observations, wanted=True)
+        refused = sorted(pending["tables"][str(i)]["variable"] for i in members
+                         if i not in allowed)
+        if refused:
+            raise ConfigError(
+                f"the checkpoint keeps {refused} in table groups (one server table each "
+                f"group), which this job cannot push one group at a time: it does not fuse "
+                f"its steps (fuse=False or eager steps), updates them in a tf.cond branch "
+                f"(LossScaleOptimizer) or uses an optimizer that counts steps (Adam, "
+                f"Adamax, Nadam); restore it with the settings that saved it")
+        if members and not self.config.group_tables:
+            log.warning("parallax: group_tables=False, but the checkpoint restored keeps %d "
+                        "variables in table groups: the plan keeps its groups", len(members))
+        return planned_with(dataclasses.replace(self.config, group_tables=True),
+                            resume.saved_group_keys(pending), saved=True)
 
     def _materialize_local(self) -> None:
         """Compute the deferred initial value of every variable that stays on this worker;
@@ -304,10 +328,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
         pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None and not resume.same_grouping(plan, pending):
-            # the checkpoint's table groups, whatever made them (with_saved_tables refuses
-            # a checkpoint whose groups this plan cannot make)
-            plan = planned_with(dataclasses.replace(self.config, group_tables=True),
-                                resume.saved_group_keys(pending), saved=True)
+            plan = self._saved_groups(pending, by_index, observations, planned_with)
         search = tuning.resolve(self._search_setting, plan, self.config)
         if search is not None and plan.grouped:
             if pending is not None:
