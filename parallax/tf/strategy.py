@@ -646,13 +646,14 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 table group: each at its own row offset), so a step's request to a server
                 carries one part for all of them instead of one per table, which is what
                 many small tables cost. Only with
-                `fuse=True`, traced steps whose updates are all in the step's own graph (not
-                in a `tf.cond` branch, as LossScaleOptimizer's are), an optimizer whose
+                `fuse=True`, traced steps, variables updated in the step's own graph (not in
+                a `tf.cond` branch, as LossScaleOptimizer's are), an optimizer whose
                 update does not count steps (SGD, Adagrad, Ftrl, RMSprop, Lion; not Adam,
                 Adamax, Nadam), without a shard count named for the variable, and not with
                 `search_partitions` set (which tunes tables one by one). `strategy.plan`
                 shows a group as "in g<N>"; a reshard moves a group as one table, and a
-                restored checkpoint keeps its groups. Trains exactly as separate tables
+                checkpoint restored before the first step keeps its groups (refused where
+                this job could not push them together). Trains exactly as separate tables
                 (rows the servers draw follow the same distribution, not the same draws).
             checkpoints_kept: int >= 1, default 5: how many checkpoints of this job's tables
                 the servers keep. One is written (under `resume/<run id>` in the servers'
