@@ -387,3 +387,16 @@ def test_kept_tables_stay_where_they_are_and_count_as_load():
     changed = place({**counts, "t0": 2}, tables, cluster, keep=keep)  # t0's count changes:
     assert changed.get("t0").shards == 2 and changed.get("t1").servers == (1,)  # t0 moves
     assert free != kept
+
+
+def test_the_placement_caches_are_named_by_their_key_and_written_whole(tmp_path):
+    from parallax.placement.json_cache import cache_path, write_atomically
+    a = cache_path(tmp_path, {"b": [1, 2], "a": 1})
+    assert a == cache_path(tmp_path, {"a": 1, "b": [1, 2]})  # canonical JSON
+    assert a != cache_path(tmp_path, {"a": 1, "b": [2, 1]}) and len(a.stem) == 64
+    assert len(cache_path(tmp_path, [1], digits=24).stem) == 24
+    write_atomically(a, "old")
+    with pytest.raises(TypeError):
+        write_atomically(a, object())  # fails while writing: the old file stays whole
+    assert a.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [a.name]  # no temporary left

@@ -12,17 +12,16 @@ next run of the same job starts with it instead of searching.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from parallax.env import PLAN_CACHE_ENV
 from parallax.errors import ConfigError
+from parallax.placement.json_cache import cache_path, write_atomically
 from parallax.placement.partitioner import Measurement
 from parallax.placement.plan import Plan, StrategyConfig
 
@@ -173,11 +172,12 @@ def next_uniform(config: PartitionSearch, rows: Mapping[str, int],
 
 # ---- the saved decision -------------------------------------------------------------------
 
-def search_key(plan: Plan) -> str:
-    """What a decision depends on: the tables, the run mode and the cluster's shape."""
+def decision_path(root: Path, plan: Plan) -> Path:
+    """Where a decision is saved: named by what it depends on, the tables, the run mode and
+    the cluster's shape."""
     tables = [(v.name, list(v.shape), v.dtype) for v in plan.on_servers]
-    blob = json.dumps([plan.mode, plan.sync, plan.num_workers, plan.num_servers, tables])
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return cache_path(root, [plan.mode, plan.sync, plan.num_workers, plan.num_servers,
+                             tables], digits=24)
 
 
 def load_decision(config: PartitionSearch, plan: Plan) -> dict | None:
@@ -186,7 +186,7 @@ def load_decision(config: PartitionSearch, plan: Plan) -> dict | None:
     root = config.cache_root()
     if root is None:
         return None
-    path = root / f"{search_key(plan)}.json"
+    path = decision_path(root, plan)
     try:
         saved = json.loads(path.read_text())
         layouts = {name: tuple(int(s) for s in servers)
@@ -208,11 +208,7 @@ def save_decision(config: PartitionSearch, plan: Plan, report: dict) -> Path | N
     root = config.cache_root()
     if root is None:
         return None
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{search_key(plan)}.json"
+    path = decision_path(root, plan)
     layouts = {v.name: list(v.servers) for v in plan.on_servers}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"layouts": layouts, "report": report}, f, indent=1)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"layouts": layouts, "report": report}, indent=1))
     return path

@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from parallax.errors import ConfigError
+from parallax.placement.json_cache import cache_path, write_atomically
 from parallax.placement.partitioner.enumerators import ShardCountEnumerator
 from parallax.placement.partitioner.estimators import ServerLoadEstimator, StepTimeEstimator
 from parallax.placement.partitioner.placer import place
@@ -127,8 +124,7 @@ class Planner:
             "load_prior": dataclasses.asdict(self.load.prior),
             "proposers": [f"{f.__module__}.{f.__qualname__}" for f in self.proposers],
         }
-        text = json.dumps(key, sort_keys=True, separators=(",", ":"))
-        return Path(self.cache_dir) / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+        return cache_path(self.cache_dir, key)
 
 
 def fit_report(estimator: StepTimeEstimator, candidates: Candidates) -> list[tuple[int, float]]:
@@ -194,12 +190,4 @@ def _read_cache(path: Path | None) -> ShardingPlan | None:
 
 
 def _write_cache(path: Path, plan: ShardingPlan) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, plan.to_json())
