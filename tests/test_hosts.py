@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.launch.hosts import (ClusterLayout, HostSpec, _gpus, horovodrun_argv, is_local,
-                                   load_hosts, one_local_worker, parse_host_string, parse_hosts,
-                                   with_devices)
+from parallax.launch.backends import BACKENDS, choose
+from parallax.launch.backends.horovodrun import horovodrun_argv
+from parallax.launch.hosts import (ClusterLayout, HostSpec, _gpus, is_local, load_hosts,
+                                   parse_host_string, parse_hosts, with_devices)
 
 
 def test_parallax_format_keeps_slot_ids_and_gives_one_server_per_host():
@@ -165,4 +166,7 @@ def test_horovodrun_argv_for_a_layout():
     argv = horovodrun_argv(layout, 3, ["prog"], "/bin/horovodrun", ("--verbose",))
     assert argv == ["/bin/horovodrun", "-np", "3", "-H", "localhost:2,carol@192.0.2.1:1",
                     "--gloo", "--verbose", "prog"]
-    assert one_local_worker(layout, 1) and not one_local_worker(layout, 2)
+    assert choose(layout, 1) is BACKENDS["single"]
+    assert choose(layout, 2) is BACKENDS["horovodrun"]
+    remote_first = parse_hosts("carol@192.0.2.1: 0\nlocalhost: 0\n")
+    assert choose(remote_first, 1) is BACKENDS["horovodrun"]  # one worker, over ssh

@@ -369,13 +369,14 @@ def test_parse_args_takes_horovodruns_flags(tmp_path):
 def test_workers_argv_passes_horovodrun_args_before_the_program():
     config = LaunchConfig(num_workers=2, hosts="localhost:2", command=(PROBE,),
                           horovodrun_args=("--start-timeout", "90"))
-    argv, horovod = workers_argv(config, validate(config))
-    assert horovod
+    argv, backend = workers_argv(config, validate(config))
+    assert backend.name == "horovodrun"
     tail = argv[argv.index("-np"):]
     assert tail == ["-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "90",
                     sys.executable, PROBE]
     single = LaunchConfig(command=(PROBE,), horovodrun_args=("--verbose",))
-    assert workers_argv(single, validate(single)) == ([sys.executable, PROBE], False)
+    argv, backend = workers_argv(single, validate(single))
+    assert (argv, backend.name) == ([sys.executable, PROBE], "single")
 
 
 def test_start_timeout_is_the_servers_and_deprecated(capsys):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.launch.run import LaunchConfig, bound_horovodrun, validate
+from parallax.launch.backends.horovodrun import bound_horovodrun
+from parallax.launch.run import LaunchConfig, validate
 
 HERE = Path(__file__).parent
 PROBE = str(HERE / "launch_probe.py")
@@ -93,10 +94,11 @@ def test_restarts_of_servers_on_other_hosts_need_a_data_dir(tmp_path):
 AT_FORK = """
 import os, sys, threading, time
 from parallax.launch import run as launch
+from parallax.launch.backends import BACKENDS
 marker = sys.argv[1]
 os.register_at_fork(after_in_child=lambda: open(marker, "a").write("python ran in the fork\\n"))
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a threaded launcher
-job = launch._Job(["grep", "SigIgn", "/proc/self/status"], dict(os.environ), horovod=False)
+job = launch._Job(["grep", "SigIgn", "/proc/self/status"], dict(os.environ), BACKENDS["single"])
 print("exit", job.proc.wait())
 """
 SIGPIPE_BIT = 1 << 12  # of /proc's SigIgn mask: signal 13

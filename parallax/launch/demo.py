@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from parallax.errors import ConfigError
-from parallax.launch.run import LaunchConfig, find_horovodrun, run
+from parallax.launch.backends.horovodrun import find_horovodrun
+from parallax.launch.run import LaunchConfig, run
 from parallax.runtime import logs
 
 # The wheel carries examples/*.py as parallax/examples (setup.cfg maps them there); a source

@@ -378,7 +378,7 @@ class HostCluster:
         return self.exit_codes
 
 
-def _worker_hosts(layout: ClusterLayout, num_workers: int) -> list[tuple[HostSpec, str, int]]:
+def worker_hosts(layout: ClusterLayout, num_workers: int) -> list[tuple[HostSpec, str, int]]:
     """(host, its name for horovodrun -H and HOROVOD_HOSTNAME, its workers) of the first
     num_workers slots."""
     left, hosts = num_workers, []
@@ -394,34 +394,10 @@ def with_devices(layout: ClusterLayout, num_workers: int, program: list[str]) ->
     """The program, run through `python -m parallax.launch.hosts gpus` when the layout names slot
     ids: each worker gets its id as CUDA_VISIBLE_DEVICES (see `_gpus`)."""
     pairs = [f"{name}={','.join(map(str, h.gpus[:take]))}"
-             for h, name, take in _worker_hosts(layout, num_workers) if h.gpus]
+             for h, name, take in worker_hosts(layout, num_workers) if h.gpus]
     if not pairs:
         return program
     return [sys.executable, "-m", "parallax.launch.hosts", "gpus", *pairs, "--", *program]
-
-
-def one_local_worker(layout: ClusterLayout, num_workers: int) -> bool:
-    """Whether the job is one worker on this machine: the program runs without horovodrun."""
-    return num_workers == 1 and is_local(layout.hosts[0].host)
-
-
-def horovodrun_argv(layout: ClusterLayout, num_workers: int, program: list[str],
-                    horovodrun: str, extra_args: tuple[str, ...] = ()) -> list[str]:
-    """`horovodrun -np N -H host:slots,... --gloo [-p PORT] [EXTRA_ARGS] PROGRAM` for a
-    layout (Horovod runs the remote workers over ssh, with the launcher's environment and
-    working directory)."""
-    hosts = _worker_hosts(layout, num_workers)
-    parts = [f"{name}:{take}" for _, name, take in hosts]
-    ports = {h.ssh_port for h, _, _ in hosts if not is_local(h.host)}
-    if len(ports) > 1:
-        raise ConfigError(f"the worker hosts use different ssh ports "
-                          f"{sorted(p or 22 for p in ports)}; horovodrun takes one (-p): use "
-                          f"one port, or set them per host in ~/.ssh/config")
-    port = ports.pop() if ports else None
-    nic = layout.network_interface
-    return [horovodrun, "-np", str(num_workers), "-H", ",".join(parts), "--gloo",
-            *(["-p", str(port)] if port is not None else []),
-            *(["--network-interfaces", nic] if nic else []), *extra_args, *program]
 
 
 def ssh_command(host: HostSpec, remote_argv: list[str]) -> list[str]:

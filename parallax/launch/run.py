@@ -1,9 +1,10 @@
 """`parallax run`: parameter servers and N Horovod workers on this machine, in one command.
 
 `run(LaunchConfig(...))` starts the servers (`LocalCluster`, unless external ones are given),
-then the workers: the command itself when there is one worker, `horovodrun -np N -H
-localhost:N --gloo COMMAND` otherwise, through `parallax/launch/horovodrun_bound.py` so that
-its rendezvous server listens on the job's interface (loopback for one host), not on 0.0.0.0.
+then the workers with a launch backend (`parallax.launch.backends`): the command itself when
+there is one worker here (`single`), `horovodrun -np N -H localhost:N --gloo COMMAND`
+otherwise (`horovodrun`, whose rendezvous server listens on the job's interface, loopback for
+one host, not on 0.0.0.0).
 Workers learn where the servers are from the environment (the contract the strategy reads):
 
   PARALLAX_PS_ADDRESSES  comma-separated host:port of every parameter server
@@ -31,7 +32,6 @@ in horovodrun, still means the servers' here, with a warning (deprecated).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import shlex
@@ -51,19 +51,14 @@ from pathlib import Path
 from parallax.env import (ADDRESSES_ENV, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES,
                           SYNC_ENV, is_run_id, new_run_id)
 from parallax.errors import ConfigError, ParallaxError
+from parallax.launch.backends import WorkerBackend, choose
+from parallax.launch.backends import horovodrun as horovodrun_backend
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
 from parallax.runtime import lifeline, logs
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
 # horovodrun flags that parallax sets itself, and what to do instead
-_NP, _HOSTS = "give parallax run -np N", "give parallax run -H host:N,... or --hostfile FILE"
-_OWN_HOROVODRUN_FLAGS = {"-np": _NP, "--num-proc": _NP, "-H": _HOSTS, "--hosts": _HOSTS,
-                         "--hostfile": _HOSTS, "--gloo": "drop it (gloo is always used)",
-                         "--mpi": "drop it (parallax runs horovodrun with gloo)"}
-# horovodrun prints this for each worker that exits non-zero, the first failure first
-_HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
-_RANK_LINE = re.compile(rb"^\[(\d+)\]<std(?:out|err)>:(.*)")  # horovodrun's prefixes
 LAST_LINES = 10  # of a failed worker's output, repeated when the job ends
 STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
 SERVER_DIED_EXIT = 1
@@ -157,7 +152,7 @@ def validate(config: LaunchConfig) -> list[str]:
                           f"(0: no health checks)")
     if config.start_timeout <= 0:
         raise ConfigError(f"--server-start-timeout {config.start_timeout} must be > 0 seconds")
-    _check_horovodrun_args(config.horovodrun_args)
+    horovodrun_backend.check_args(config.horovodrun_args)
     if config.mode is not None and config.mode not in RUN_MODES:
         raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(RUN_MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
@@ -191,16 +186,6 @@ def _check_restart_storage(config: LaunchConfig, layout) -> None:
                           f"this machine")
 
 
-def _check_horovodrun_args(args: tuple[str, ...]) -> None:
-    if isinstance(args, str):
-        raise ConfigError(f"horovodrun_args must be a tuple of strings, not the string {args!r}")
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in _OWN_HOROVODRUN_FLAGS:
-            raise ConfigError(f"--horovodrun-arg {arg!r}: parallax run sets {flag} itself; "
-                              f"{_OWN_HOROVODRUN_FLAGS[flag]}")
-
-
 def program_argv(command: tuple[str, ...] | list[str]) -> list[str]:
     argv = list(command)
     if not argv or not argv[0]:
@@ -222,76 +207,6 @@ def _check_script(path: str) -> None:
     if not Path(path).is_file():
         raise ConfigError(f"script {path!r} not found (relative to {os.getcwd()}); check the "
                           f"path")
-
-
-def find_horovodrun() -> str:
-    beside = Path(sys.executable).parent / "horovodrun"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("horovodrun")
-    if found is None:
-        raise ConfigError(f"more than one worker needs horovodrun (Horovod's launcher), which "
-                          f"is neither next to {sys.executable} nor on PATH: install Horovod "
-                          f"with gloo (`make demo` does), or run with -np 1")
-    return found
-
-
-BOUND_HOROVODRUN = Path(__file__).with_name("horovodrun_bound.py")
-
-
-def _interpreter_of(script: str) -> str:
-    """The Python to run horovodrun's code with: this one when it has Horovod, else the one
-    `script` (horovodrun) runs with, checked to be a Python that imports Horovod."""
-    if importlib.util.find_spec("horovod") is not None:
-        return sys.executable
-    python = _script_python(script)
-    if python is None or not _imports_horovod(python):
-        named = python or "an interpreter its first lines do not name"
-        raise ConfigError(f"horovodrun {script} runs with {named}, which cannot import "
-                          f"Horovod, and neither can {sys.executable}: install Horovod with "
-                          f"gloo into {sys.executable}'s environment (`make demo` does), or "
-                          f"put the horovodrun of a Python with Horovod first on PATH")
-    return python
-
-
-def _script_python(script: str) -> str | None:
-    """The interpreter a console script names: its #! line (`#!/usr/bin/env NAME` through
-    PATH) or, under `#!/bin/sh`, the one pip's wrapper execs (pip writes one when the
-    environment's path is long or has spaces: `'''exec' "/venv/bin/python" "$0" "$@"`)."""
-    with open(script, "rb") as file:
-        lines = file.read(4096).decode(errors="replace").splitlines()
-    if not lines or not lines[0].startswith("#!"):
-        return None
-    words = lines[0][2:].split()
-    if words and Path(words[0]).name == "env":
-        words = [shutil.which(words[1]) or ""] if len(words) > 1 else []
-    if words and Path(words[0]).name == "sh":
-        words = _pip_wrapped(lines[1] if len(lines) > 1 else "")
-    return words[0] if words and Path(words[0]).is_file() else None
-
-
-def _pip_wrapped(line: str) -> list[str]:
-    """[the Python] that pip's /bin/sh wrapper line execs, else []."""
-    try:
-        words = shlex.split(line)
-    except ValueError:
-        return []
-    return words[1:2] if words[:1] == ["exec"] else []
-
-
-def _imports_horovod(python: str) -> bool:
-    """Whether `python` runs and imports Horovod's launcher."""
-    try:
-        return subprocess.run([python, "-c", "import horovod.runner.launch"],
-                              capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def bound_horovodrun(argv: list[str]) -> list[str]:
-    """horovodrun's argv (argv[0] is horovodrun) run through BOUND_HOROVODRUN, with
-    horovodrun's own interpreter."""
-    return [_interpreter_of(argv[0]), str(BOUND_HOROVODRUN), *argv[1:]]
 
 
 def worker_path() -> str:
@@ -327,15 +242,16 @@ class _Job:
     """The workers' process (the command, or horovodrun) in its own process group, so that
     signals reach it once, from the launcher, and leftovers in the group can be killed."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], horovod: bool) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], backend: WorkerBackend) -> None:
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         argv = lifeline.dying_with(argv, os.getpid(), new_group=not group)  # no orphans either
-        self.horovod = horovod
-        self.first_failure: tuple[int, int] | None = None  # (rank, code) from horovodrun
+        self.backend = backend
+        self.first_failure: tuple[int, int] | None = None  # (rank, code) from the backend
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
         # stderr always goes through the launcher (TensorFlow's start-up noise is dropped);
-        # stdout only under horovodrun (a single worker keeps its terminal)
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if horovod else None,
+        # stdout only when the backend says so (a single worker keeps its terminal)
+        piped = subprocess.PIPE if backend.pipes_stdout else None
+        self.proc = subprocess.Popen(argv, env=env, stdout=piped,
                                      stderr=subprocess.PIPE, **group)
         self._pumps = [threading.Thread(target=self._forward, args=(stream, out), daemon=True)
                        for stream, out in ((self.proc.stdout, sys.stdout),
@@ -346,7 +262,7 @@ class _Job:
     def _forward(self, stream, out) -> None:
         """Copy one of the workers' streams as it comes (partial lines too) less TensorFlow's
         known start-up lines, keeping each rank's last lines (a traceback goes to stderr)
-        and noting horovodrun's report of failures."""
+        and noting the backend's report of failures."""
         fd, line, noise = stream.fileno(), b"", logs.NoiseFilter()
         while raw := os.read(fd, 65536):
             chunk = noise.feed(raw)
@@ -354,13 +270,12 @@ class _Job:
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
-                match = _HVD_EXIT.match(text)
-                if match and self.first_failure is None:
-                    self.first_failure = (int(match[1]), int(match[2]))
-                ranked = _RANK_LINE.match(text)
-                if ranked and ranked[2].strip():
-                    lines = self.last_lines.setdefault(int(ranked[1]), deque(maxlen=LAST_LINES))
-                    lines.append(ranked[2].decode(errors="replace"))
+                if self.first_failure is None:
+                    self.first_failure = self.backend.failure(text)
+                ranked = self.backend.rank_line(text)
+                if ranked and ranked[1].strip():
+                    lines = self.last_lines.setdefault(ranked[0], deque(maxlen=LAST_LINES))
+                    lines.append(ranked[1].decode(errors="replace"))
         _write(out, noise.flush())
 
     def tail(self, rank: int) -> str:
@@ -403,7 +318,7 @@ class _Job:
         code = self.proc.returncode
         if code is not None and code < 0:
             return 128 - code  # killed by a signal: the shell's convention
-        if code and self.first_failure is not None:  # horovodrun itself exits 1
+        if code and self.first_failure is not None:  # e.g. horovodrun itself exits 1
             return self.first_failure[1]
         return code or 0
 
@@ -581,8 +496,7 @@ def _job_outcome(job: _Job) -> Outcome:
     if not code:
         return Outcome(0)
     if job.first_failure is None:
-        who = "the workers (horovodrun)" if job.horovod else "worker rank 0"
-        return Outcome.failed(code, f"{who} exited with code {code}")
+        return Outcome.failed(code, f"{job.backend.who} exited with code {code}")
     rank, failed = job.first_failure
     _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
          f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
@@ -672,14 +586,14 @@ def run(config: LaunchConfig) -> int:
     its exit code. Raises ConfigError before starting anything."""
     if config.log_level is not None:
         logs.configure(config.log_level)
-    argv, horovod = workers_argv(config, validate(config))
+    argv, backend = workers_argv(config, validate(config))
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
     with _credentials(config) as credentials, _Signals() as signals, \
             _restart_data_dir(config, run_id) as config:
         attempt = 0
         while True:
-            outcome = _attempt(config, argv, horovod, run_id, attempt,
+            outcome = _attempt(config, argv, backend, run_id, attempt,
                                credentials, signals)
             if signals.signum is not None or not _restarting(budget, outcome, signals):
                 return outcome.code if signals.signum is None else 128 + signals.signum
@@ -701,18 +615,15 @@ def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> b
     return restart
 
 
-def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], bool]:
-    """The workers' command: the program when there is one worker here, else horovodrun
-    (through BOUND_HOROVODRUN); and whether it is horovodrun."""
-    from parallax.launch.hosts import (horovodrun_argv, load_hosts, one_local_worker,
-                                       parse_host_string, with_devices)
+def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], WorkerBackend]:
+    """The workers' command, and the launch backend that made it
+    (`parallax.launch.backends.choose`)."""
+    from parallax.launch.hosts import load_hosts, parse_host_string, with_devices
     layout = (load_hosts(config.hosts) if config.hosts is not None
               else parse_host_string(f"localhost:{config.num_workers}"))
+    backend = choose(layout, config.num_workers)
     program = with_devices(layout, config.num_workers, program)
-    if one_local_worker(layout, config.num_workers):
-        return program, False
-    return bound_horovodrun(horovodrun_argv(layout, config.num_workers, program,
-                                            find_horovodrun(), config.horovodrun_args)), True
+    return backend.argv(layout, config.num_workers, program, config.horovodrun_args), backend
 
 
 def _makes_data_dir(config: LaunchConfig) -> bool:
@@ -734,7 +645,7 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
         yield dataclasses.replace(config, data_dir=data_dir)
 
 
-def _attempt(config: LaunchConfig, argv: list[str], horovod: bool, run_id: str,
+def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_id: str,
              attempt: int, credentials, signals: _Signals) -> Outcome:
     """One run of every server and worker; how it ended."""
     cluster = None
@@ -752,7 +663,7 @@ def _attempt(config: LaunchConfig, argv: list[str], horovod: bool, run_id: str,
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
-        job = _Job(argv, env, horovod=horovod)
+        job = _Job(argv, env, backend)
         signals.attach(job)
         progress = _progress(config, addresses, run_id, env)
         health = _HealthWatch(addresses, config.health_timeout,
