@@ -10,8 +10,9 @@ import pytest
 
 from parallax.errors import ConfigError
 from parallax.placement.partitioner import (ClusterProfile, CostPrior, GreedyProposer, GridProposer,
-                                            Measurement, ModelFitProposer, Planner, PlannerError,
-                                            ServerLoadEstimator, ShardCountEnumerator, ShardingPlan,
+                                            Measurement, ModelFitProposer, PartitionPlan,
+                                            PartitionPlanner, PlannerError, ServerLoadEstimator,
+                                            ShardCountEnumerator,
                                             StepTimeEstimator, TableCost, TablePlacement,
                                             TableProfile, bytes_per_shard, fit_report, place,
                                             prior_cost, requests_per_step, shard_access_shares,
@@ -95,9 +96,9 @@ def test_table_cost_is_the_papers_curve_capped_by_parallelism():
 
 
 def test_sharding_plan_json_round_trips():
-    plan = ShardingPlan((TablePlacement("a", 2, (0, 1)), TablePlacement("b", 1, (1,))),
+    plan = PartitionPlan((TablePlacement("a", 2, (0, 1)), TablePlacement("b", 1, (1,))),
                         0.0123, "model-fit")
-    assert ShardingPlan.from_json(plan.to_json()) == plan
+    assert PartitionPlan.from_json(plan.to_json()) == plan
     assert plan.counts() == {"a": 2, "b": 1} and plan.get("b").servers == (1,)
     assert plan.format().splitlines()[1:] == ["table  shards  servers", "a           2  0,1",
                                               "b           1  1"]
@@ -117,7 +118,7 @@ def test_sharding_plan_json_round_trips():
 ])
 def test_bad_plan_json_names_the_field(text, words):
     with pytest.raises(ConfigError, match=words):
-        ShardingPlan.from_json(text)
+        PartitionPlan.from_json(text)
 
 
 # --- enumerator and the pure cost functions -----------------------------------------------
@@ -170,7 +171,7 @@ def test_per_table_fit_recovers_the_costs_and_the_planner_their_optima():
     assert fitted.divisible == pytest.approx(0.64, rel=0.05)
     assert fitted.per_shard == pytest.approx(0.01, rel=0.1)
     assert estimator.base_seconds == pytest.approx(0.02, abs=0.005)
-    plan = Planner(ENUM, estimator).plan(TABLES, WIDE, measurements)
+    plan = PartitionPlanner(ENUM, estimator).plan(TABLES, WIDE, measurements)
     assert plan.counts() == {"A": 1, "B": 8}
     assert plan.estimated_step_seconds == pytest.approx(
         0.02 + TRUTH["A"].seconds(1) + TRUTH["B"].seconds(8), rel=0.05)
@@ -200,7 +201,7 @@ def test_a_sweep_without_table_times_fits_the_step_curve_and_grid_finds_its_best
     measurements = _measurements([1, 2, 4, 16], per_table=False)
     truth = {n: 0.02 + sum(c.seconds(n) for c in TRUTH.values()) for n in (1, 2, 4, 8, 16)}
     assert min(truth, key=truth.get) == 8
-    plan = Planner(ENUM, proposers=[grid]).plan(TABLES, WIDE, measurements)
+    plan = PartitionPlanner(ENUM, proposers=[grid]).plan(TABLES, WIDE, measurements)
     assert plan.counts() == {"A": 8, "B": 8} and plan.source == "grid"
     estimator = StepTimeEstimator().calibrate(measurements, TABLES, WIDE)
     assert estimator.residual() < 0.02
@@ -285,7 +286,7 @@ def test_memory_is_respected_by_splitting_tables_that_do_not_pack_whole():
     tables = [_table(f"t{i}", rows=1_000_000, nbytes=6 * GiB) for i in range(3)]
     with pytest.raises(PlannerError, match=r"fits on no server(.|\n)*\n  1\. add servers"):
         place({t.name: 1 for t in tables}, tables, cluster)
-    plan = Planner(ShardCountEnumerator(max_shards=4)).plan(tables, cluster)
+    plan = PartitionPlanner(ShardCountEnumerator(max_shards=4)).plan(tables, cluster)
     used = _server_totals(plan, tables, cluster, shard_bytes)
     assert used.max() <= 10 * GiB and sum(plan.counts().values()) > 3
 
@@ -297,7 +298,7 @@ def test_tables_over_the_total_server_memory_raise_a_planner_error_with_numbers_
     tables = [_table("big", rows=10**6, nbytes=30 * GiB), _table("mid", rows=10**6,
                                                                   nbytes=10 * GiB)]
     with pytest.raises(PlannerError) as info:
-        Planner().plan(tables, cluster)
+        PartitionPlanner().plan(tables, cluster)
     text = str(info.value)
     assert "tables need 40.0 GiB of server memory but 4 servers have 8.0 GiB each (32.0 GiB)" \
         in text
@@ -312,7 +313,7 @@ def test_a_table_too_big_for_one_server_with_too_few_shards_allowed():
     cluster = ClusterProfile(num_servers=4, num_workers=2, server_memory_bytes=8 * GiB)
     table = _table("wide", rows=10**6, nbytes=20 * GiB)  # fits 32 GiB in all, not 2 servers
     with pytest.raises(PlannerError) as info:
-        Planner(ShardCountEnumerator(max_shards=2)).plan([table], cluster)
+        PartitionPlanner(ShardCountEnumerator(max_shards=2)).plan([table], cluster)
     text = str(info.value)
     assert "largest shard is 10.0 GiB but a server has 8.0 GiB" in text
     assert "\n  1. allow more shards: ShardCountEnumerator(max_shards>=3)" in text
@@ -328,12 +329,12 @@ def test_a_cache_hit_returns_the_same_plan_without_planning_again(tmp_path):
         calls.append(1)
         return GridProposer(candidates)
 
-    planner = Planner(ENUM, proposers=[counting_grid], cache_dir=str(tmp_path))
+    planner = PartitionPlanner(ENUM, proposers=[counting_grid], cache_dir=str(tmp_path))
     first = planner.plan(TABLES, WIDE, _measurements([1, 2, 4]))
     again = planner.plan(TABLES, WIDE, _measurements([1, 2, 4]))
     assert again == first and len(calls) == 1
     [stored] = tmp_path.glob("*.json")
-    assert len(stored.stem) == 64 and ShardingPlan.from_json(stored.read_text()) == first
+    assert len(stored.stem) == 64 and PartitionPlan.from_json(stored.read_text()) == first
     planner.plan(TABLES, ClusterProfile(8, 4), _measurements([1, 2, 4]))
     assert len(calls) == 2 and len(list(tmp_path.glob("*.json"))) == 2
 
@@ -358,8 +359,9 @@ class _Endless:
 @pytest.mark.parametrize("budget", [0.0, 0.1])
 def test_the_time_budget_is_respected(budget):
     made = []
-    planner = Planner(ENUM, proposers=[lambda c, f: made.append(_Endless(c, f)) or made[-1]],
-                      time_budget_seconds=budget)
+    planner = PartitionPlanner(ENUM,
+                               proposers=[lambda c, f: made.append(_Endless(c, f)) or made[-1]],
+                               time_budget_seconds=budget)
     start = time.monotonic()
     plan = planner.plan(TABLES, WIDE)
     assert time.monotonic() - start < budget + 0.5
@@ -368,7 +370,8 @@ def test_the_time_budget_is_respected(budget):
 
 
 def test_a_zero_budget_still_plans_with_the_default_proposers():
-    plan = Planner(ENUM, time_budget_seconds=0).plan(TABLES, WIDE, _measurements([1, 2, 4, 16]))
+    plan = PartitionPlanner(ENUM, time_budget_seconds=0).plan(TABLES, WIDE,
+                                                              _measurements([1, 2, 4, 16]))
     candidates = {t.name: ENUM.candidates(t, WIDE) for t in TABLES}
     assert all(plan.get(t).shards in candidates[t] for t in candidates)
     assert all(len(set(p.servers)) == p.shards for p in plan.tables)

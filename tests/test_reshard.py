@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from parallax.client.reshard import move_rows
+from parallax.client.row_mover import move_rows
 from parallax.errors import ConfigError, ServerError
 from parallax.protocol import wire
 from parallax.protocol.specs import Adam, Initializer, TableSpec

@@ -30,9 +30,9 @@ def test_push_plans_match_each_partitioner(seed, duplicates):
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates)
     many = Runs(PARTITIONERS, runs)
-    assert many.push_plans() is many.push_plans()  # planned once
-    for p, ids, plan in zip(PARTITIONERS, runs, many.push_plans()):
-        want = p.plan_push(ids)
+    assert many.push_routings() is many.push_routings()  # planned once
+    for p, ids, plan in zip(PARTITIONERS, runs, many.push_routings()):
+        want = p.route_push(ids)
         np.testing.assert_array_equal(plan.ids, want.ids)
         np.testing.assert_array_equal(plan.offsets, want.offsets)
         grads = rng.standard_normal((len(ids), 3))
@@ -50,7 +50,7 @@ def test_a_plan_of_distinct_ids_is_their_pull_layout(seed):
     shard's place, and shard s's ids are exactly those the partitioner gives it."""
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates=False)
-    for p, ids, plan in zip(PARTITIONERS, runs, Runs(PARTITIONERS, runs).push_plans()):
+    for p, ids, plan in zip(PARTITIONERS, runs, Runs(PARTITIONERS, runs).push_routings()):
         assert plan.starts is None
         np.testing.assert_array_equal(ids[plan.order], plan.ids)
         owner = p.shard_of(plan.ids)
@@ -96,7 +96,7 @@ def test_hashed_keys_are_not_range_checked_and_do_not_hide_other_runs():
 def test_every_run_empty():
     """A push of no rows to every table (a step that touched none) plans empty pushes."""
     runs = Runs(PARTITIONERS[:3], [np.empty(0, np.int64)] * 3)
-    for p, plan in zip(PARTITIONERS, runs.push_plans()):
+    for p, plan in zip(PARTITIONERS, runs.push_routings()):
         assert len(plan.ids) == 0 and list(plan.offsets) == [0] * (p.shard_count + 1)
 
 

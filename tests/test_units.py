@@ -134,7 +134,7 @@ def test_push_plan_sums_duplicates_into_contiguous_shard_slices(shards, ids):
     part = Partitioner(shards, 100)
     ids = np.array(ids, dtype=np.int64)
     grads = np.arange(2 * len(ids), dtype=np.float32).reshape(len(ids), 2)
-    plan = part.plan_push(ids)
+    plan = part.route_push(ids)
     expected = {i: grads[ids == i].sum(axis=0) for i in set(ids.tolist())}
     assert sorted(plan.ids.tolist()) == sorted(expected)
     for shard in range(shards):

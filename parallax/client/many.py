@@ -209,7 +209,7 @@ def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.n
     if runs.partitioners[k].shard_count == 1:
         return None, [0, len(ids)], ids
     if runs.expect_push:
-        plan = runs.push_plans()[k]
+        plan = runs.push_routings()[k]
         if plan.starts is None:
             return plan.order, plan.offsets, plan.ids
     order, offsets = runs.partitioners[k].shard_order(ids)
@@ -325,7 +325,7 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     runs = checked if checked is not None else _checked_runs(tables, ids)
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
-    plans = runs.push_plans()
+    plans = runs.push_routings()
     parts = []
     for k, (table, plan) in enumerate(zip(tables, plans)):
         row_bytes = table.spec.dim * table.dtype.itemsize + 8

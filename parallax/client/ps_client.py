@@ -11,7 +11,7 @@ from typing import Sequence
 import grpc
 
 from parallax.client.connection import ClientOptions, ServerConnection
-from parallax.client.reshard import MoveReport, move_rows
+from parallax.client.row_mover import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError, ServerError
 from parallax.protocol import checkpoint_names

@@ -136,7 +136,7 @@ class ShardedTable:
         """
         ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        plan = self.partitioner.plan_push(ids)
+        plan = self.partitioner.route_push(ids)
         calls = []
         slices = list(self.slices(plan.offsets))
         for shard, lo, hi, index, count in slices:

@@ -116,25 +116,25 @@ class Partitioner:
         order = stable_order(shards, self.shard_count)
         return order, np.searchsorted(shards[order], np.arange(self.shard_count + 1))
 
-    def plan_push(self, ids: np.ndarray) -> "PushPlan":
+    def route_push(self, ids: np.ndarray) -> "PushRouting":
         """Where each row of a push goes: unique ids laid out shard after shard (sorted within
         each shard), and which input rows sum into each. Only ids are touched here."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n, s = len(ids), self.shard_count
         if n == 0 or (s == 1 and (n == 1 or bool(np.all(ids[1:] > ids[:-1])))):
             offsets = np.array([0] * s + [n]) if n else np.zeros(s + 1, dtype=np.int64)
-            return PushPlan(ids, offsets, None, None)
+            return PushRouting(ids, offsets, None, None)
         shards = self.shard_of(ids) if s > 1 else np.zeros(n, dtype=np.int64)
         order = grouped_order(shards, s, ids)
         sorted_ids = ids[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
         unique_shards = shards[order][starts]
         offsets = np.searchsorted(unique_shards, np.arange(s + 1))
-        return PushPlan(sorted_ids[starts], offsets, order,
+        return PushRouting(sorted_ids[starts], offsets, order,
                         None if len(starts) == n else starts)
 
 
-class PushPlan(NamedTuple):
+class PushRouting(NamedTuple):
     """A push grouped by shard; `fill` writes the summed rows of a slice straight into the
     message being built, so gradient bytes are copied once on the client."""
 
@@ -176,7 +176,7 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     """(sorted unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows.
 
     Sorted unique input is returned as is (no copy)."""
-    plan = Partitioner(1).plan_push(ids)
+    plan = Partitioner(1).route_push(ids)
     if plan.order is None:
         return plan.ids, values  # already unique and sorted (what the client sends)
     summed = np.empty((len(plan.ids),) + values.shape[1:], dtype=values.dtype)
@@ -198,7 +198,7 @@ class Runs:
             else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.partitioners] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
-        self._plans: list[PushPlan] | None = None
+        self._plans: list[PushRouting] | None = None
         # Set by a training step's pull, whose ids its push sends back: the pull is laid out
         # as their push plan (a sort by id within each shard), which the push then reuses.
         self.expect_push = False
@@ -267,8 +267,8 @@ class Runs:
         found = np.searchsorted(sorted_keys, grid).tolist()
         return [found[a:a + c] for a, c in zip(at.tolist(), counts)]
 
-    def push_plans(self) -> list["PushPlan"]:
-        """Partitioner.plan_push of every run: the same rows land in the same places.
+    def push_routings(self) -> list["PushRouting"]:
+        """Partitioner.route_push of every run: the same rows land in the same places.
         Computed once (a `Runs` is not changed after it is made). A run of distinct ids (a
         pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
         sorted within each, from `order`."""
@@ -276,7 +276,7 @@ class Runs:
             self._plans = self._planned()
         return self._plans
 
-    def _planned(self) -> list["PushPlan"]:
+    def _planned(self) -> list["PushRouting"]:
         keys = self._keys()
         order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
@@ -291,6 +291,6 @@ class Runs:
             lo, hi = self.starts[k], self.starts[k + 1]
             u_lo, u_hi = bounds[0], bounds[-1]
             starts = None if u_hi - u_lo == hi - lo else first[u_lo:u_hi] - lo
-            plans.append(PushPlan(unique_ids[u_lo:u_hi], [b - u_lo for b in bounds],
+            plans.append(PushRouting(unique_ids[u_lo:u_hi], [b - u_lo for b in bounds],
                                   order[lo:hi] - lo, starts))
         return plans

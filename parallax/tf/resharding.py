@@ -3,7 +3,7 @@
 Every worker calls `Resharder.apply` at the same step boundary with the same new layouts:
 1. each worker's pushes land (sync: and the servers closed the step), then all meet;
 2. the chief copies each changed table into a new table (rows, optimizer slots, step; see
-   `parallax.client.reshard`), named `<table>.r<generation>`;
+   `parallax.client.row_mover`), named `<table>.r<generation>`;
 3. every worker routes the variable to the new table; the chief deletes the old one.
 Nothing is lost or applied twice: no push is in flight while rows move, and every push
 after the switch goes to the new table. If the move fails, the old tables stay in use, the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from parallax.client import PSClient, ShardedTable
-from parallax.client.reshard import move_rows
+from parallax.client.row_mover import move_rows
 from parallax.errors import ConfigError
 from parallax.placement.plan import Plan, VariablePlan
 from parallax.tf.binding import Workers, on_chief

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
-from parallax.placement.partitioner import (ClusterProfile, Measurement, Planner,
+from parallax.placement.partitioner import (ClusterProfile, Measurement, PartitionPlanner,
                                             ShardCountEnumerator, TableProfile, fit_report, place)
 from parallax.placement.tuning import PartitionSearch, counts_text, next_uniform, save_decision
 from parallax.tf.resharding import Layout
@@ -248,10 +248,10 @@ class PartitionTuner:
             self._skipped.append({"counts": dict(counts), "predicted_step_seconds": predicted})
         return False
 
-    def _planner(self) -> Planner:
+    def _planner(self) -> PartitionPlanner:
         enumerator = ShardCountEnumerator(min_shards=self.config.min_shards,
                                           max_shards=self.config.max_shards)
-        return Planner(enumerator=enumerator, time_budget_seconds=self.config.plan_seconds)
+        return PartitionPlanner(enumerator=enumerator, time_budget_seconds=self.config.plan_seconds)
 
     def _place(self, counts: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
         """Servers for `counts`; tables whose count stays keep their servers (moves are the

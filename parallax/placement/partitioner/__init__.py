@@ -10,16 +10,16 @@ from parallax.placement.partitioner.estimators import (ServerLoadEstimator, Step
                                                        requests_per_step, shard_access_shares,
                                                        shard_bytes)
 from parallax.placement.partitioner.placer import place
-from parallax.placement.partitioner.planner import DEFAULT_PROPOSERS, Planner, fit_report
+from parallax.placement.partitioner.planner import DEFAULT_PROPOSERS, PartitionPlanner, fit_report
 from parallax.placement.partitioner.proposers import (GreedyProposer, GridProposer,
                                                       ModelFitProposer, Proposer)
 from parallax.placement.partitioner.types import (ClusterProfile, CostPrior, FitPoint, Measurement,
-                                                  PlannerError, ShardingPlan, TableCost,
+                                                  PlannerError, PartitionPlan, TableCost,
                                                   TablePlacement, TableProfile)
 
 __all__ = ["ClusterProfile", "CostPrior", "DEFAULT_PROPOSERS", "FitPoint", "GreedyProposer",
-           "GridProposer", "Measurement", "ModelFitProposer", "Planner", "PlannerError",
-           "Proposer", "ServerLoadEstimator", "ShardCountEnumerator", "ShardingPlan",
+           "GridProposer", "Measurement", "ModelFitProposer", "PartitionPlanner", "PlannerError",
+           "Proposer", "ServerLoadEstimator", "ShardCountEnumerator", "PartitionPlan",
            "StepTimeEstimator", "TableCost", "TablePlacement", "TableProfile",
            "bytes_per_shard", "fit_report", "place", "prior_cost", "requests_per_step",
            "shard_access_shares", "shard_bytes"]

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 from parallax.errors import ConfigError
 from parallax.placement.partitioner.estimators import ServerLoadEstimator, shard_bytes
-from parallax.placement.partitioner.types import (ClusterProfile, PlannerError, ShardingPlan,
+from parallax.placement.partitioner.types import (ClusterProfile, PlannerError, PartitionPlan,
                                                   TablePlacement, TableProfile, size_text)
 
 
@@ -21,7 +21,7 @@ class _Shard:
 
 def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: ClusterProfile,
           load: ServerLoadEstimator | None = None,
-          keep: Mapping[str, Sequence[int]] | None = None) -> ShardingPlan:
+          keep: Mapping[str, Sequence[int]] | None = None) -> PartitionPlan:
     """Greedy LPT over two resources, memory and server work per step.
 
     Each shard weighs its share of each resource: bytes over the cluster's memory (over all
@@ -64,7 +64,7 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     for shard in sorted(shards, key=lambda s: (-max(s.memory, s.load), s.table, s.index)):
         if shard.table not in kept:
             servers[shard.table][shard.index] = state.put(shard, tables, counts)
-    return ShardingPlan(tuple(TablePlacement(t.name, counts[t.name], tuple(servers[t.name]))
+    return PartitionPlan(tuple(TablePlacement(t.name, counts[t.name], tuple(servers[t.name]))
                               for t in tables))
 
 

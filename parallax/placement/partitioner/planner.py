@@ -14,7 +14,7 @@ from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.proposers import (Candidates, GreedyProposer, GridProposer,
                                                       ModelFitProposer, Proposer, uniform_counts)
 from parallax.placement.partitioner.types import (ClusterProfile, Measurement, PlannerError,
-                                                  ShardingPlan, TableCost, TableProfile, size_text)
+                                                  PartitionPlan, TableCost, TableProfile, size_text)
 
 ProposerFactory = Callable[[Candidates, Callable[[str], TableCost]], Proposer]
 CACHE_FORMAT = 1
@@ -43,7 +43,7 @@ class _Tried:
     source: str
 
 
-class Planner:
+class PartitionPlanner:
     """Chooses every table's shard count and the server of each shard.
 
     `plan` calibrates the estimator on the measurements, enumerates each table's candidate
@@ -66,13 +66,13 @@ class Planner:
         self.estimator = estimator or StepTimeEstimator()
         self.proposers = tuple(DEFAULT_PROPOSERS if proposers is None else proposers)
         if not self.proposers:
-            raise ConfigError("Planner needs at least one proposer")
+            raise ConfigError("PartitionPlanner needs at least one proposer")
         self.time_budget_seconds = time_budget_seconds
         self.cache_dir = cache_dir
         self.load = load or ServerLoadEstimator(self.estimator.prior)
 
     def plan(self, tables: Sequence[TableProfile], cluster: ClusterProfile,
-             measurements: Sequence[Measurement] = ()) -> ShardingPlan:
+             measurements: Sequence[Measurement] = ()) -> PartitionPlan:
         tables, measurements = tuple(tables), tuple(measurements)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
@@ -146,7 +146,7 @@ def _check_proposal(proposer: Proposer, counts: Mapping[str, int],
 
 
 def _place_cheapest(tried: Sequence[_Tried], tables: Sequence[TableProfile],
-                    cluster: ClusterProfile, load: ServerLoadEstimator) -> ShardingPlan:
+                    cluster: ClusterProfile, load: ServerLoadEstimator) -> PartitionPlan:
     """Place the cheapest proposal whose shards pack into the servers' memory."""
     first_error: PlannerError | None = None
     for t in tried:
@@ -158,7 +158,7 @@ def _place_cheapest(tried: Sequence[_Tried], tables: Sequence[TableProfile],
         return dataclasses.replace(plan, estimated_step_seconds=t.cost, source=t.source)
     if first_error is not None:
         raise first_error
-    return ShardingPlan((), 0.0, "empty")  # no tables
+    return PartitionPlan((), 0.0, "empty")  # no tables
 
 
 def _check_total_memory(tables: Sequence[TableProfile], cluster: ClusterProfile) -> None:
@@ -180,14 +180,14 @@ def _check_total_memory(tables: Sequence[TableProfile], cluster: ClusterProfile)
         num_servers=cluster.num_servers)
 
 
-def _read_cache(path: Path | None) -> ShardingPlan | None:
+def _read_cache(path: Path | None) -> PartitionPlan | None:
     if path is None or not path.is_file():
         return None
     try:
-        return ShardingPlan.from_json(path.read_text())
+        return PartitionPlan.from_json(path.read_text())
     except (OSError, ConfigError):
         return None  # unreadable or from another version: plan again and overwrite
 
 
-def _write_cache(path: Path, plan: ShardingPlan) -> None:
+def _write_cache(path: Path, plan: PartitionPlan) -> None:
     write_atomically(path, plan.to_json())

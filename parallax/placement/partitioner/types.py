@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 from parallax.errors import ConfigError, ParallaxError
 
 V = TypeVar("V")
-PLAN_FORMAT = 1  # the "version" field of ShardingPlan.to_json
+PLAN_FORMAT = 1  # the "version" field of PartitionPlan.to_json
 
 
 class FrozenMap(Mapping[str, V]):
@@ -221,7 +221,7 @@ class TablePlacement:
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
+class PartitionPlan:
     """Per table, its shard count and the server of each shard; how it was found and what
     the model expects a step to take with it."""
 
@@ -255,7 +255,7 @@ class ShardingPlan:
                        for t in self.tables]}, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> ShardingPlan:
+    def from_json(cls, text: str) -> PartitionPlan:
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as e:
@@ -287,7 +287,7 @@ def _field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...], where: st
     return _kind(data[key], kinds, where + key)
 
 
-def _plan_from_dict(data: Any) -> ShardingPlan:
+def _plan_from_dict(data: Any) -> PartitionPlan:
     if not isinstance(data, dict):
         raise ConfigError(f"sharding plan JSON must be an object, got {type(data).__name__}")
     if _field(data, "version", (int,), "") != PLAN_FORMAT:
@@ -309,7 +309,7 @@ def _plan_from_dict(data: Any) -> ShardingPlan:
         except ConfigError as e:
             raise ConfigError(f"sharding plan JSON: tables[{i}]: {e}") from e
     est = _field(data, "estimated_step_seconds", (int, float, type(None)), "")
-    return ShardingPlan(tuple(placements), None if est is None else float(est),
+    return PartitionPlan(tuple(placements), None if est is None else float(est),
                         _field(data, "source", (str,), ""))
 
 
