@@ -157,3 +157,16 @@ def test_a_config_refuses_a_non_bool_group_tables():
     from parallax.errors import ConfigError
     with pytest.raises(ConfigError, match="group_tables must be True or False"):
         StrategyConfig(group_tables="yes")
+
+
+def test_only_optimizers_whose_update_ignores_the_step_count_share_tables():
+    """Grouped tables share one step count (`binding.group_keys` asks `counts_steps`): the
+    Keras names of the server optimizers, and an optimizer the servers do not have."""
+    from parallax.protocol.specs import counts_steps
+
+    def named(name):
+        return type(name, (), {})()
+    plain = ("SGD", "Adagrad", "Ftrl", "RMSprop", "Lion")
+    assert [n for n in plain if counts_steps(named(n))] == []
+    assert all(counts_steps(named(n)) for n in ("Adam", "Adamax", "Nadam", "AdamW", "Custom"))
+    assert counts_steps(None)

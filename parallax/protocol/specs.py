@@ -138,6 +138,7 @@ class _Moments:
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
+    counts_steps: ClassVar[bool] = True  # bias correction (Nadam: its momentum schedule)
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -251,8 +252,9 @@ class Lion:
 
 
 # The one list of server-side optimizers: a new one is a dataclass above (fields named as in
-# Keras and in its proto message), its entry here, its message in the OptimizerSpec oneof of
-# ps.proto (field name = `kind`) and its update in servers/parallax_ps/optimizers.py.
+# Keras and in its proto message; `kind`; `slot_names`; `counts_steps = True` when its update
+# of a row uses the table's step count), its entry here, its message in the OptimizerSpec
+# oneof of ps.proto (field name = `kind`) and its update in servers/parallax_ps/optimizers.py.
 OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl, RMSprop, Adamax, Nadam, Lion]
 _OPTIMIZERS: dict[str, type] = {cls.kind: cls for cls in get_args(OptimizerSpec)}
 SERVER_OPTIMIZERS = ", ".join(cls.__name__ for cls in _OPTIMIZERS.values())
@@ -304,6 +306,14 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
                                     if hasattr(optimizer.learning_rate, "numpy")
                                     else optimizer.learning_rate)
     return cls(**values)
+
+
+def counts_steps(optimizer: object) -> bool:
+    """Whether the server-side twin of a Keras optimizer updates a row by the table's step
+    count (Adam, Adamax, Nadam), not by the row, its slots and its gradient alone; True for
+    an optimizer the servers do not have."""
+    cls = _OPTIMIZERS.get(type(optimizer).__name__.lower())
+    return cls is None or getattr(cls, "counts_steps", False)
 
 
 def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:

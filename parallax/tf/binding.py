@@ -21,7 +21,7 @@ from parallax.client.connection import client_options_from_env
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
-from parallax.protocol.specs import Initializer, TableSpec, optimizer_from_keras
+from parallax.protocol.specs import Initializer, TableSpec, counts_steps, optimizer_from_keras
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker
 from parallax.tf.keras_support import slots_of
@@ -105,12 +105,6 @@ def server_initializer(var: ParallaxVariable, key: str, stream_limit: int) -> In
     return Initializer(kind, seed=seed, **values)
 
 
-# Optimizers whose update of a row depends on nothing but the row, its slots and its
-# gradient: not on the table's step count (Adam's bias correction, Adamax's, Nadam's momentum
-# schedule count steps). Only their tables are grouped: a step pushed to a table group in
-# several parts (an update traced in a tf.cond branch, a variable updated twice in one step,
-# an eager step) advances the group's step once per part.
-GROUPABLE_OPTIMIZERS = frozenset({"sgd", "adagrad", "ftrl", "rmsprop", "lion"})
 INIT_CHUNK_BYTES = 8 << 20  # initial values are streamed to the servers in chunks of this
 
 
@@ -118,9 +112,12 @@ def group_keys(variables: dict[int, ParallaxVariable], optimizer,
                stream_limit: int = INIT_CHUNK_BYTES) -> dict[int, tuple]:
     """{variable index: key} for `make_plan`'s table groups: variables whose initial values
     are made the same way (streamed, or drawn by the servers with the same initializer) may
-    share a table; none when the optimizer's update counts steps (GROUPABLE_OPTIMIZERS)."""
-    if type(optimizer).__name__.lower() not in GROUPABLE_OPTIMIZERS:
-        return {}  # (None: no optimizer, which `bind` refuses)
+    share a table. None when the optimizer's update counts steps
+    (`parallax.protocol.specs.counts_steps`: Adam's bias correction, say): a step pushed to a
+    table group in several parts (an update traced in a tf.cond branch, a variable updated
+    twice in one step, an eager step) advances the group's step once per part."""
+    if counts_steps(optimizer):
+        return {}  # (also None: no optimizer, which `bind` refuses)
     keys = {}
     for index, var in variables.items():
         drawn = server_initializer(var, "", stream_limit)
