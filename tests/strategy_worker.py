@@ -195,6 +195,7 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
                                                v.servers, v.table, v.offset)
                                               for v in strategy.plan.variables],
                        "workers": strategy.worker.size,
+                       "horovod_cycle_time": os.environ.get("HOROVOD_CYCLE_TIME"),
                        "search": strategy.partition_search.report()
                        if strategy.partition_search else None}
             print("CASE " + json.dumps(summary), flush=True)

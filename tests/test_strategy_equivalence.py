@@ -179,6 +179,15 @@ def test_same_shaped_tables_shared_one_server_table_where_the_optimizer_allows(r
             assert [v[6] for v in small] == [0, 200] and small[0][4] == small[1][4], case
 
 
+def test_workers_run_horovod_with_parallax_cycle_time(results):
+    """Horovod's coordination round every cycle costs a worker that waits for the servers
+    CPU: the workers of `parallax run` get parallax's longer cycle (collectives.CYCLE_TIME_MS)
+    where nothing else set one."""
+    from parallax.tf.collectives import CYCLE_TIME_MS
+    summaries = _case_summaries(results["two_output"])
+    assert {s["horovod_cycle_time"] for s in summaries.values()} == {str(CYCLE_TIME_MS)}
+
+
 def test_resharded_and_tuned_runs_really_changed_their_layouts(results):
     """The reshard and tuned cases above match the plain run; here, check they moved: the
     reshard cases end on 2 shards at servers (1, 0), and each search sampled several
