@@ -112,3 +112,29 @@ def test_worker_command_starts_without_python_in_a_fork_of_the_launcher(tmp_path
     assert not marker.exists(), marker.read_text()  # no Python ran in a fork of the launcher
     ignored = int(done.stdout.split("SigIgn:")[1].split()[0], 16)
     assert not ignored & SIGPIPE_BIT, done.stdout  # the command gets SIGPIPE, as from a shell
+
+
+# ---- the first failure a backend reports stays the first -------------------------------------
+def test_first_reported_failure_is_kept_while_the_other_stream_is_read():
+    """horovodrun reports failures on stdout while the failed worker's traceback arrives on
+    stderr: a line read on stderr meanwhile must not unset the failure stdout recorded, or
+    the job blames the worker horovodrun killed afterwards (exit 143) instead."""
+    import os
+    import time
+
+    from parallax.launch.backends.horovodrun import Horovodrun
+    from parallax.launch.run import _Job
+
+    class SlowToRead(Horovodrun):
+        def failure(self, line):
+            if line == b"traceback":
+                time.sleep(0.3)  # stdout's report is recorded meanwhile
+            return super().failure(line)
+
+    script = ("echo traceback >&2; echo 'Process 1 exit with status code 3.'; sleep 0.6; "
+              "echo 'Process 0 exit with status code 143.'; exit 1")
+    job = _Job(["sh", "-c", script], dict(os.environ), SlowToRead())
+    job.proc.wait(30)
+    job.stop(grace=5.0)
+    assert job.first_failure == (1, 3)
+    assert job.exit_code() == 3

@@ -170,3 +170,13 @@ def test_only_optimizers_whose_update_ignores_the_step_count_share_tables():
     assert [n for n in plain if counts_steps(named(n))] == []
     assert all(counts_steps(named(n)) for n in ("Adam", "Adamax", "Nadam", "AdamW", "Custom"))
     assert counts_steps(None)
+
+
+def test_every_server_optimizer_declares_whether_it_counts_steps():
+    """Undeclared would group a new optimizer's tables by accident (`counts_steps`
+    answers True for it, but say it where the optimizer is defined)."""
+    from typing import get_args
+
+    from parallax.protocol.specs import OptimizerSpec
+    undeclared = [c.__name__ for c in get_args(OptimizerSpec) if "counts_steps" not in vars(c)]
+    assert undeclared == []

@@ -26,7 +26,7 @@ def _runs(rng, duplicates: bool):
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("duplicates", [False, True])
-def test_push_plans_match_each_partitioner(seed, duplicates):
+def test_push_routings_match_each_partitioner(seed, duplicates):
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates)
     many = Runs(PARTITIONERS, runs)
@@ -46,7 +46,7 @@ def test_push_plans_match_each_partitioner(seed, duplicates):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_a_plan_of_distinct_ids_is_their_pull_layout(seed):
-    """A pull routes its (distinct) ids by the push plan: plan.order puts each id at its
+    """A pull routes its (distinct) ids by the push routing: plan.order puts each id at its
     shard's place, and shard s's ids are exactly those the partitioner gives it."""
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates=False)
@@ -120,7 +120,7 @@ def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
 @pytest.mark.parametrize("expect_push", [False, True])
 def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
     """A pull's layout (client.many._pull_layout): every id once, in its shard's slice; by
-    the push plan (ids sorted within a shard) only when a push of the same ids follows."""
+    the push routing (ids sorted within a shard) only when a push of the same ids follows."""
     from parallax.client.many import _pull_layout
     rng = np.random.default_rng(seed)
     ids = _runs(rng, duplicates=False)
@@ -136,5 +136,5 @@ def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
             if expect_push and p.shard_count > 1:
                 part = grouped[offsets[s]:offsets[s + 1]]
                 assert (np.diff(part) > 0).all()
-    assert (runs._plans is not None) == (expect_push and any(p.shard_count > 1
+    assert (runs._routings is not None) == (expect_push and any(p.shard_count > 1
                                                               for p in PARTITIONERS))

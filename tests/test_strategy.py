@@ -465,3 +465,12 @@ def test_a_failed_weights_save_leaves_the_previous_file_loadable(tmp_path):
     model.load_weights(path)
     np.testing.assert_array_equal(model.layers[0].w.numpy(), [1.0, 1.0])
     assert [p.name for p in tmp_path.iterdir()] == ["latest.weights.h5"]
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("1", True), ("+3", True),
+                                       (" 2x", True), ("true", False), ("-1", False)])
+def test_horovod_autotune_is_read_as_horovod_reads_it(value, on):
+    """With the autotuner on, parallax leaves HOROVOD_CYCLE_TIME unset: a cycle time from the
+    environment is fixed, never tuned. Horovod reads HOROVOD_AUTOTUNE with strtol, > 0."""
+    from parallax.tf.collectives import _autotuned
+    assert _autotuned({"HOROVOD_AUTOTUNE": value}) is on

@@ -46,7 +46,7 @@ class PullPart(NamedTuple):
 
 
 class PushPart(NamedTuple):
-    """Rows ids[lo:hi] of table `index`'s push plan, chunk `chunk` of `chunks` of a shard."""
+    """Rows ids[lo:hi] of table `index`'s push routing, chunk `chunk` of `chunks` of a shard."""
 
     index: int
     shard: int
@@ -203,7 +203,7 @@ def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndar
 def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.ndarray]:
     """(order, offsets, ids[order]) of table k's pull: its ids as they are for a table in
     one shard, else by shard, in their order (`Partitioner.shard_order`); when a push of the
-    same ids follows (`runs.expect_push`), distinct ids are laid out by their push plan
+    same ids follows (`runs.expect_push`), distinct ids are laid out by their push routing
     instead (sorted within each shard), which the push then finds made."""
     ids = runs.run(k)
     if runs.partitioners[k].shard_count == 1:

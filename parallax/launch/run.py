@@ -58,7 +58,6 @@ from parallax.runtime import lifeline, logs
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
-# horovodrun flags that parallax sets itself, and what to do instead
 LAST_LINES = 10  # of a failed worker's output, repeated when the job ends
 STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
 SERVER_DIED_EXIT = 1
@@ -270,8 +269,9 @@ class _Job:
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
-                if self.first_failure is None:
-                    self.first_failure = self.backend.failure(text)
+                failure = self.backend.failure(text)
+                if failure is not None and self.first_failure is None:
+                    self.first_failure = failure  # (the other stream's pump never unsets it)
                 ranked = self.backend.rank_line(text)
                 if ranked and ranked[1].strip():
                     lines = self.last_lines.setdefault(ranked[0], deque(maxlen=LAST_LINES))

@@ -131,7 +131,7 @@ class Partitioner:
         unique_shards = shards[order][starts]
         offsets = np.searchsorted(unique_shards, np.arange(s + 1))
         return PushRouting(sorted_ids[starts], offsets, order,
-                        None if len(starts) == n else starts)
+                           None if len(starts) == n else starts)
 
 
 class PushRouting(NamedTuple):
@@ -198,9 +198,9 @@ class Runs:
             else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.partitioners] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
-        self._plans: list[PushRouting] | None = None
+        self._routings: list[PushRouting] | None = None
         # Set by a training step's pull, whose ids its push sends back: the pull is laid out
-        # as their push plan (a sort by id within each shard), which the push then reuses.
+        # as their push routing (a sort by id within each shard), which the push then reuses.
         self.expect_push = False
 
     def same_ids(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> bool:
@@ -272,11 +272,11 @@ class Runs:
         Computed once (a `Runs` is not changed after it is made). A run of distinct ids (a
         pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
         sorted within each, from `order`."""
-        if self._plans is None:
-            self._plans = self._planned()
-        return self._plans
+        if self._routings is None:
+            self._routings = self._routed()
+        return self._routings
 
-    def _planned(self) -> list["PushRouting"]:
+    def _routed(self) -> list["PushRouting"]:
         keys = self._keys()
         order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
@@ -292,5 +292,5 @@ class Runs:
             u_lo, u_hi = bounds[0], bounds[-1]
             starts = None if u_hi - u_lo == hi - lo else first[u_lo:u_hi] - lo
             plans.append(PushRouting(unique_ids[u_lo:u_hi], [b - u_lo for b in bounds],
-                                  order[lo:hi] - lo, starts))
+                                     order[lo:hi] - lo, starts))
         return plans

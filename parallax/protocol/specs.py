@@ -101,6 +101,7 @@ class SGD:
     momentum: float = 0.0
     nesterov: bool = False
     kind: ClassVar[str] = "sgd"
+    counts_steps: ClassVar[bool] = False  # a row's update: its value, slots and gradient
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -118,6 +119,7 @@ class Adagrad:
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
     kind: ClassVar[str] = "adagrad"
+    counts_steps: ClassVar[bool] = False  # a row's update: its value, slots and gradient
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -138,7 +140,6 @@ class _Moments:
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
-    counts_steps: ClassVar[bool] = True  # bias correction (Nadam: its momentum schedule)
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -155,6 +156,7 @@ class Adam(_Moments):
 
     amsgrad: bool = False
     kind: ClassVar[str] = "adam"
+    counts_steps: ClassVar[bool] = True  # bias correction by the table's step
 
     def slot_names(self) -> tuple[str, ...]:
         moments = ("momentum", "velocity")
@@ -173,6 +175,7 @@ class Ftrl:
     l2_shrinkage_regularization_strength: float = 0.0
     beta: float = 0.0
     kind: ClassVar[str] = "ftrl"
+    counts_steps: ClassVar[bool] = False  # a row's update: its value, slots and gradient
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -200,6 +203,7 @@ class RMSprop:
     epsilon: float = 1e-7
     centered: bool = False
     kind: ClassVar[str] = "rmsprop"
+    counts_steps: ClassVar[bool] = False  # a row's update: its value, slots and gradient
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -218,6 +222,7 @@ class Adamax(_Moments):
     """Keras 3 `Adamax`, applied lazily to the rows a step touches."""
 
     kind: ClassVar[str] = "adamax"
+    counts_steps: ClassVar[bool] = True  # bias correction by the table's step
 
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum", "norm")
@@ -228,6 +233,7 @@ class Nadam(_Moments):
     """Keras 3 `Nadam`, applied lazily; its `u_product` is a function of the table's step."""
 
     kind: ClassVar[str] = "nadam"
+    counts_steps: ClassVar[bool] = True  # bias correction by the table's step
 
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum", "velocity")
@@ -241,6 +247,7 @@ class Lion:
     beta_1: float = 0.9
     beta_2: float = 0.99
     kind: ClassVar[str] = "lion"
+    counts_steps: ClassVar[bool] = False  # a row's update: its value, slots and gradient
 
     def __post_init__(self) -> None:
         _check_learning_rate(self.learning_rate)
@@ -252,8 +259,8 @@ class Lion:
 
 
 # The one list of server-side optimizers: a new one is a dataclass above (fields named as in
-# Keras and in its proto message; `kind`; `slot_names`; `counts_steps = True` when its update
-# of a row uses the table's step count), its entry here, its message in the OptimizerSpec
+# Keras and in its proto message; `kind`; `slot_names`; `counts_steps`: whether its update of
+# a row uses the table's step count), its entry here, its message in the OptimizerSpec
 # oneof of ps.proto (field name = `kind`) and its update in servers/parallax_ps/optimizers.py.
 OptimizerSpec = Union[SGD, Adagrad, Adam, Ftrl, RMSprop, Adamax, Nadam, Lion]
 _OPTIMIZERS: dict[str, type] = {cls.kind: cls for cls in get_args(OptimizerSpec)}
@@ -313,7 +320,7 @@ def counts_steps(optimizer: object) -> bool:
     count (Adam, Adamax, Nadam), not by the row, its slots and its gradient alone; True for
     an optimizer the servers do not have."""
     cls = _OPTIMIZERS.get(type(optimizer).__name__.lower())
-    return cls is None or getattr(cls, "counts_steps", False)
+    return cls is None or getattr(cls, "counts_steps", True)  # undeclared: the safe answer
 
 
 def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ fused group, in the graph), all-gather sparse gradients (the `allreduce` run mod
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,10 +22,12 @@ _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # with or without tensors to reduce: at its default 1 ms cycle, four idle workers on this
 # machine's two cores burned 150-370 ms of CPU per second each (`HOROVOD_CYCLE_TIME=50`:
 # 14-17). A worker waiting for the parameter servers pays it. parallax submits a step's dense
-# gradients as one group, so a longer cycle costs at most one cycle of latency per step, not
-# fusion. Used unless HOROVOD_CYCLE_TIME is set (horovodrun --cycle-time-ms sets it), and
-# only where hvd.init() had not run yet.
+# gradients as one group, so a longer cycle costs one cycle of latency at most per traced
+# step's all-reduce (and per other collective: plan checks, barriers), not fusion. Used
+# unless HOROVOD_CYCLE_TIME is set (horovodrun --cycle-time-ms sets it), Horovod's autotuner
+# is on (a cycle time from the environment is fixed, never tuned), or hvd.init() ran already.
 CYCLE_TIME_ENV = "HOROVOD_CYCLE_TIME"
+AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"
 CYCLE_TIME_MS = 5.0  # Horovod's own default before 0.21
 
 
@@ -75,7 +78,8 @@ class HorovodWorkers:
                               f"cannot be imported ({exc}); install it with the README's "
                               f"`make env`") from None
         self.hvd = hvd
-        os.environ.setdefault(CYCLE_TIME_ENV, str(CYCLE_TIME_MS))
+        if not hvd.is_initialized() and not _autotuned(os.environ):
+            os.environ.setdefault(CYCLE_TIME_ENV, str(CYCLE_TIME_MS))
         hvd.init()
         self.info = WorkerInfo(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
                                socket.gethostname())
@@ -104,6 +108,12 @@ class HorovodWorkers:
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0)
+
+
+def _autotuned(environ) -> bool:
+    """Whether Horovod's autotuner is on: HOROVOD_AUTOTUNE read as C's strtol, > 0."""
+    digits = re.match(r"\s*[+-]?\d+", environ.get(AUTOTUNE_ENV, ""))
+    return digits is not None and int(digits[0]) > 0
 
 
 def launched_by_horovod(environ: dict[str, str] | None = None) -> bool:

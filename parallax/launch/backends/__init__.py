@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
 from parallax.launch.backends.horovodrun import Horovodrun
 from parallax.launch.backends.single import Single
@@ -29,4 +30,8 @@ BACKENDS: dict[str, WorkerBackend] = {b.name: b for b in (Single(), Horovodrun()
 
 def choose(layout: ClusterLayout, num_workers: int) -> WorkerBackend:
     """The first backend that accepts the job (horovodrun accepts every layout)."""
-    return next(b for b in BACKENDS.values() if b.accepts(layout, num_workers))
+    for backend in BACKENDS.values():
+        if backend.accepts(layout, num_workers):
+            return backend
+    raise ConfigError(f"no launch backend ({', '.join(BACKENDS)}) can start {num_workers} "
+                      f"worker(s) on hosts {[h.host for h in layout.hosts]}")

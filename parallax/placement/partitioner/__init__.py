@@ -14,12 +14,17 @@ from parallax.placement.partitioner.planner import DEFAULT_PROPOSERS, PartitionP
 from parallax.placement.partitioner.proposers import (GreedyProposer, GridProposer,
                                                       ModelFitProposer, Proposer)
 from parallax.placement.partitioner.types import (ClusterProfile, CostPrior, FitPoint, Measurement,
-                                                  PlannerError, PartitionPlan, TableCost,
+                                                  PartitionPlan, PlannerError, TableCost,
                                                   TablePlacement, TableProfile)
 
+# The names before 2026-12-01 (PartitionPlan was ShardingPlan, PartitionPlanner was Planner),
+# kept for code written against them; not in __all__.
+ShardingPlan = PartitionPlan
+Planner = PartitionPlanner
+
 __all__ = ["ClusterProfile", "CostPrior", "DEFAULT_PROPOSERS", "FitPoint", "GreedyProposer",
-           "GridProposer", "Measurement", "ModelFitProposer", "PartitionPlanner", "PlannerError",
-           "Proposer", "ServerLoadEstimator", "ShardCountEnumerator", "PartitionPlan",
+           "GridProposer", "Measurement", "ModelFitProposer", "PartitionPlan", "PartitionPlanner",
+           "PlannerError", "Proposer", "ServerLoadEstimator", "ShardCountEnumerator",
            "StepTimeEstimator", "TableCost", "TablePlacement", "TableProfile",
            "bytes_per_shard", "fit_report", "place", "prior_cost", "requests_per_step",
            "shard_access_shares", "shard_bytes"]

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 from parallax.errors import ConfigError
 from parallax.placement.partitioner.estimators import ServerLoadEstimator, shard_bytes
-from parallax.placement.partitioner.types import (ClusterProfile, PlannerError, PartitionPlan,
+from parallax.placement.partitioner.types import (ClusterProfile, PartitionPlan, PlannerError,
                                                   TablePlacement, TableProfile, size_text)
 
 
@@ -65,7 +65,7 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
         if shard.table not in kept:
             servers[shard.table][shard.index] = state.put(shard, tables, counts)
     return PartitionPlan(tuple(TablePlacement(t.name, counts[t.name], tuple(servers[t.name]))
-                              for t in tables))
+                               for t in tables))
 
 
 def _shards(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: ClusterProfile,

@@ -13,8 +13,9 @@ from parallax.placement.partitioner.estimators import ServerLoadEstimator, StepT
 from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.proposers import (Candidates, GreedyProposer, GridProposer,
                                                       ModelFitProposer, Proposer, uniform_counts)
-from parallax.placement.partitioner.types import (ClusterProfile, Measurement, PlannerError,
-                                                  PartitionPlan, TableCost, TableProfile, size_text)
+from parallax.placement.partitioner.types import (ClusterProfile, Measurement, PartitionPlan,
+                                                  PlannerError, TableCost, TableProfile,
+                                                  size_text)
 
 ProposerFactory = Callable[[Candidates, Callable[[str], TableCost]], Proposer]
 CACHE_FORMAT = 1

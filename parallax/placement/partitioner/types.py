@@ -1,5 +1,5 @@
 """Value types of the partitioner: what it is told (table and cluster profiles, measurements),
-what it models (a table's cost curve), what it answers (a sharding plan) and its one error.
+what it models (a table's cost curve), what it answers (a partition plan) and its one error.
 
 All frozen; mappings are stored as `FrozenMap`, so every value here is hashable and can be
 shared between the planner's components without copies.
@@ -233,7 +233,7 @@ class PartitionPlan:
         object.__setattr__(self, "tables", tuple(self.tables))
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
-            raise ConfigError(f"tables of a sharding plan repeat a name: {names}")
+            raise ConfigError(f"tables of a partition plan repeat a name: {names}")
         if self.estimated_step_seconds is not None:
             _finite(self.estimated_step_seconds, 0, "estimated_step_seconds")
 
@@ -259,7 +259,7 @@ class PartitionPlan:
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"a sharding plan must be JSON: {e}") from e
+            raise ConfigError(f"a partition plan must be JSON: {e}") from e
         return _plan_from_dict(data)
 
     def format(self) -> str:
@@ -269,7 +269,7 @@ class PartitionPlan:
             (t.name, str(t.shards), ",".join(map(str, t.servers))) for t in self.tables]
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
         lines = [f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2]}" for r in rows]
-        head = (f"sharding plan ({self.source or 'given'}{est}): {len(self.tables)} table(s), "
+        head = (f"partition plan ({self.source or 'given'}{est}): {len(self.tables)} table(s), "
                 f"{sum(t.shards for t in self.tables)} shard(s)")
         return "\n".join([head] + lines)
 
@@ -277,28 +277,28 @@ class PartitionPlan:
 def _kind(value: Any, kinds: tuple[type, ...], what: str) -> Any:
     if isinstance(value, bool) or not isinstance(value, kinds):
         wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-        raise ConfigError(f"sharding plan JSON: {what} must be {wanted}, got {value!r}")
+        raise ConfigError(f"partition plan JSON: {what} must be {wanted}, got {value!r}")
     return value
 
 
 def _field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...], where: str) -> Any:
     if key not in data:
-        raise ConfigError(f"sharding plan JSON: {where}{key} is missing")
+        raise ConfigError(f"partition plan JSON: {where}{key} is missing")
     return _kind(data[key], kinds, where + key)
 
 
 def _plan_from_dict(data: Any) -> PartitionPlan:
     if not isinstance(data, dict):
-        raise ConfigError(f"sharding plan JSON must be an object, got {type(data).__name__}")
+        raise ConfigError(f"partition plan JSON must be an object, got {type(data).__name__}")
     if _field(data, "version", (int,), "") != PLAN_FORMAT:
-        raise ConfigError(f"sharding plan JSON: version is {data['version']}, "
+        raise ConfigError(f"partition plan JSON: version is {data['version']}, "
                           f"this parallax reads version {PLAN_FORMAT}")
     tables: Sequence[Any] = _field(data, "tables", (list,), "")
     placements = []
     for i, entry in enumerate(tables):
         where = f"tables[{i}]."
         if not isinstance(entry, dict):
-            raise ConfigError(f"sharding plan JSON: tables[{i}] must be an object")
+            raise ConfigError(f"partition plan JSON: tables[{i}] must be an object")
         servers = _field(entry, "servers", (list,), where)
         for j, s in enumerate(servers):
             _kind(s, (int,), f"{where}servers[{j}]")
@@ -307,10 +307,10 @@ def _plan_from_dict(data: Any) -> PartitionPlan:
                                              _field(entry, "shards", (int,), where),
                                              tuple(servers)))
         except ConfigError as e:
-            raise ConfigError(f"sharding plan JSON: tables[{i}]: {e}") from e
+            raise ConfigError(f"partition plan JSON: tables[{i}]: {e}") from e
     est = _field(data, "estimated_step_seconds", (int, float, type(None)), "")
     return PartitionPlan(tuple(placements), None if est is None else float(est),
-                        _field(data, "source", (str,), ""))
+                         _field(data, "source", (str,), ""))
 
 
 class PlannerError(ParallaxError):
