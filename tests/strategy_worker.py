@@ -191,11 +191,12 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
         np.savez(out / f"{case}.npz", **{f"{i}:{n}": v for i, (n, v) in
                                          enumerate(zip(names, values))})
         if setup != "plain":
+            from parallax import env
             summary = {"case": case, "plan": [(v.name, v.kind, v.placement, v.shards,
                                                v.servers, v.table, v.offset)
                                               for v in strategy.plan.variables],
                        "workers": strategy.worker.size,
-                       "horovod_cycle_time": os.environ.get("HOROVOD_CYCLE_TIME"),
+                       "horovod_cycle_time": os.environ.get(env.HOROVOD_CYCLE_TIME_ENV),
                        "search": strategy.partition_search.report()
                        if strategy.partition_search else None}
             print("CASE " + json.dumps(summary), flush=True)

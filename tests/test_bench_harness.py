@@ -161,6 +161,7 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     assert isolated["traffic_workload"]["workers"] == 2
     assert any(n.startswith("100mbit@0.25cpu: each process in its own CPU group of 0.25 core")
                for n in results["meta"]["notes"])
+    assert any(n.startswith("Horovod's cycle time: ") for n in results["meta"]["notes"])
     report = (tmp_path / "out" / "report.md").read_text()
     assert "### lm on 100mbit (" in report and "### lm on 100mbit@0.25cpu (25 Mbit/s" in report
     assert "### lm, fitted on 100mbit@0.25cpu" in report and "| hybrid | " in report

@@ -462,3 +462,11 @@ def test_shared_and_isolated_side_by_side(tmp_path):
         in section
     assert "## Shared cores against CPU isolation" not in report.markdown(
         _write(tmp_path, _results()))
+
+
+def test_results_say_which_horovod_cycle_time_each_system_ran_with():
+    from parallax.bench.harness import _cycle_time_note
+    assert _cycle_time_note({"HOROVOD_CYCLE_TIME": "2"}).endswith(
+        "HOROVOD_CYCLE_TIME=2 for every system")
+    note = _cycle_time_note({})
+    assert "(hybrid, ps, allreduce) 5.0 ms" in note and "default (1 ms)" in note

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parallax.env import HOROVOD_CYCLE_TIME_ENV, WORKER_CYCLE_TIME_MS
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "strategy_worker.py"
 PARALLAX = str(Path(sys.executable).parent / "parallax")
@@ -75,7 +77,7 @@ def results(tmp_path_factory) -> dict[str, Path]:
     two = _run([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--setup",
                 "parallax", "--cases", ",".join(PLAIN_CASES + LAZY_CASES), "--out",
                 str(base / "two"), "--export-case", EXPORT_CASE],
-               env={k: v for k, v in os.environ.items() if k != "HOROVOD_CYCLE_TIME"})
+               env={k: v for k, v in os.environ.items() if k != HOROVOD_CYCLE_TIME_ENV})
     return {"plain": base / "plain", "one": base / "one", "two": base / "two",
             "two_output": two}
 
@@ -184,11 +186,10 @@ def test_same_shaped_tables_shared_one_server_table_where_the_optimizer_allows(r
 
 def test_workers_run_horovod_with_parallax_cycle_time(results):
     """Horovod's coordination round every cycle costs a worker that waits for the servers
-    CPU: the workers of `parallax run` get parallax's longer cycle (collectives.CYCLE_TIME_MS)
+    CPU: the workers of `parallax run` get parallax's longer cycle (WORKER_CYCLE_TIME_MS)
     where nothing else set one."""
-    from parallax.tf.collectives import CYCLE_TIME_MS
     summaries = _case_summaries(results["two_output"])
-    assert {s["horovod_cycle_time"] for s in summaries.values()} == {str(CYCLE_TIME_MS)}
+    assert {s["horovod_cycle_time"] for s in summaries.values()} == {str(WORKER_CYCLE_TIME_MS)}
 
 
 def test_resharded_and_tuned_runs_really_changed_their_layouts(results):

@@ -43,7 +43,8 @@ from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
-from parallax.env import ADDRESSES_ENV, RUN_ID_ENV
+from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, RUN_ID_ENV,
+                          WORKER_CYCLE_TIME_MS)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.client.local_cluster import ready_address
 
@@ -389,6 +390,16 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _cycle_time_note(environ) -> str:
+    """Which Horovod cycle time each system ran with (it changes a waiting worker's CPU)."""
+    given = environ.get(HOROVOD_CYCLE_TIME_ENV)
+    if given is not None:
+        return f"Horovod's cycle time: {HOROVOD_CYCLE_TIME_ENV}={given} for every system"
+    return (f"Horovod's cycle time: parallax's workers (hybrid, ps, allreduce) "
+            f"{WORKER_CYCLE_TIME_MS} ms, Horovod's peers its own default (1 ms); set "
+            f"{HOROVOD_CYCLE_TIME_ENV} to give every system one")
+
+
 def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Path:
     """Every run of the matrix; returns the results JSON path (rewritten after every run)."""
     out = Path(config.out_dir)
@@ -404,6 +415,7 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Pa
             "tf_ps trains asynchronously, as TensorFlow's ParameterServerStrategy does: each "
             "worker applies its own batch's gradient, so a global step is W updates and its "
             "loss is not comparable with the synchronous systems' (throughput and bytes are)")
+    results["meta"]["notes"].append(_cycle_time_note(os.environ))
     _prepare_cpu_groups(config, results["meta"]["notes"], echo)
     for network in config.networks:
         for share in config.cpu_shares:

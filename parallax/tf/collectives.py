@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from parallax.env import HOROVOD_AUTOTUNE_ENV, HOROVOD_CYCLE_TIME_ENV, WORKER_CYCLE_TIME_MS
 from parallax.errors import ConfigError
 
 _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -26,9 +27,7 @@ _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # step's all-reduce (and per other collective: plan checks, barriers), not fusion. Used
 # unless HOROVOD_CYCLE_TIME is set (horovodrun --cycle-time-ms sets it), Horovod's autotuner
 # is on (a cycle time from the environment is fixed, never tuned), or hvd.init() ran already.
-CYCLE_TIME_ENV = "HOROVOD_CYCLE_TIME"
-AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"
-CYCLE_TIME_MS = 5.0  # Horovod's own default before 0.21
+# (parallax.env.WORKER_CYCLE_TIME_MS: 5 ms, Horovod's own default before 0.21)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class HorovodWorkers:
                               f"`make env`") from None
         self.hvd = hvd
         if not hvd.is_initialized() and not _autotuned(os.environ):
-            os.environ.setdefault(CYCLE_TIME_ENV, str(CYCLE_TIME_MS))
+            os.environ.setdefault(HOROVOD_CYCLE_TIME_ENV, str(WORKER_CYCLE_TIME_MS))
         hvd.init()
         self.info = WorkerInfo(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
                                socket.gethostname())
@@ -112,7 +111,7 @@ class HorovodWorkers:
 
 def _autotuned(environ) -> bool:
     """Whether Horovod's autotuner is on: HOROVOD_AUTOTUNE read as C's strtol, > 0."""
-    digits = re.match(r"\s*[+-]?\d+", environ.get(AUTOTUNE_ENV, ""))
+    digits = re.match(r"\s*[+-]?\d+", environ.get(HOROVOD_AUTOTUNE_ENV, ""))
     return digits is not None and int(digits[0]) > 0
 
 
