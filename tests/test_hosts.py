@@ -170,3 +170,12 @@ def test_horovodrun_argv_for_a_layout():
     assert choose(layout, 2) is BACKENDS["horovodrun"]
     remote_first = parse_hosts("carol@192.0.2.1: 0\nlocalhost: 0\n")
     assert choose(remote_first, 1) is BACKENDS["horovodrun"]  # one worker, over ssh
+
+
+def test_a_job_no_backend_accepts_is_refused_with_the_backends_and_hosts(monkeypatch):
+    from parallax.errors import ConfigError
+    from parallax.launch import backends
+    monkeypatch.setattr(backends, "BACKENDS", {"single": BACKENDS["single"]})
+    with pytest.raises(ConfigError, match=r"no launch backend \(single\) can start 2 worker\(s\) "
+                                          r"on hosts \['localhost'\]"):
+        backends.choose(parse_host_string("localhost:2"), 2)
