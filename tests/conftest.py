@@ -154,3 +154,27 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads is stopped: `kill` returns
+    before the stop has taken effect on some kernels and sandboxes, and a thread still
+    running could answer one more request."""
+    import signal
+    import time
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(_thread_state(pid, t) in ("T", "t", "") for t in os.listdir(
+            f"/proc/{pid}/task")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def _thread_state(pid: int, tid: str) -> str:
+    """One thread's state letter from /proc ("" once the thread is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]

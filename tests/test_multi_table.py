@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import Snapshot
+from conftest import Snapshot, freeze
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
@@ -874,7 +874,7 @@ def test_landing_a_started_push_is_bounded_by_the_callers_timeout():
         table = c.create_table(_spec("hung", shard_count=1, num_workers=2))
         ids, grads = np.arange(3), np.ones((3, 4), np.float32)
         start_push_many([table], [ids], [grads], [0], 0, [0.0]).result()  # plane connected
-        os.kill(hung.servers[0].proc.pid, signal.SIGSTOP)
+        freeze(hung.servers[0].proc.pid)
         try:
             pushing = _Pushing()
             pushing.in_flight.append(Landing(start_push_many([table], [ids], [grads], [0], 1,
