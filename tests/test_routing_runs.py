@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallax.protocol.routing import Partitioner, Runs, grouped_order, stable_order
+from parallax.protocol.routing import (SHORT_RUN, Partitioner, Runs, grouped_order, stable_order,
+                                      sum_runs)
 
 PARTITIONERS = [Partitioner(2, 1000), Partitioner(1, 50), Partitioner(3, 1000, "range"),
                 Partitioner(4), Partitioner(5, 17), Partitioner(2, 9, "range")]
@@ -114,6 +115,26 @@ def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
         np.testing.assert_array_equal(grouped_order(keys, bound, ids),
                                       np.lexsort((ids, keys)))
     np.testing.assert_array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sum_runs_adds_each_run_in_order_as_reduceat_does(seed):
+    """Runs of every length, short (summed position by position) and long (reduceat), in
+    any slice of a push's layout: the sums of the rows in `order`, to float32's rounding."""
+    rng = np.random.default_rng(seed)
+    counts = rng.choice([1, 1, 1, 2, 3, SHORT_RUN, SHORT_RUN + 1, 40], int(rng.integers(0, 60)))
+    n = int(counts.sum())
+    values = rng.standard_normal((n, int(rng.integers(1, 9)))).astype(np.float32)
+    order = rng.permutation(n)
+    starts = np.cumsum(counts) - counts
+    lo = int(rng.integers(0, len(counts) + 1))
+    hi = int(rng.integers(lo, len(counts) + 1))
+    end = int(starts[hi]) if hi < len(counts) else n
+    out = np.full((hi - lo, values.shape[1]), np.nan, np.float32)
+    sum_runs(values, order, starts[lo:hi], end, out)
+    expected = [values[order[a:a + c]].astype(np.float64).sum(axis=0)
+                for a, c in zip(starts[lo:hi], counts[lo:hi])]
+    np.testing.assert_allclose(out, np.reshape(expected, out.shape), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(5))

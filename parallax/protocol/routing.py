@@ -40,10 +40,20 @@ def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
 
 
 def grouped_order(keys: np.ndarray, bound: int, ids: np.ndarray) -> np.ndarray:
-    """np.lexsort((ids, keys)) (by key in [0, bound), then id), 3-8x faster: keys and ids
-    are packed into one int64 when they fit, and sorted unstably unless two are equal (then
-    the order among equals must be lexsort's, which the summing order depends on)."""
-    if len(ids) and bound <= 1 << 30 and ids.min() >= 0 and ids.max() < 1 << 32:
+    """np.lexsort((ids, keys)) (by key in [0, bound), then id, then position: stable), 3-8x
+    faster. When key, id and position fit one int64 together (the usual case), one sort of
+    those packed values gives the order in its low bits; else keys and ids are packed when
+    they fit, and sorted unstably unless two are equal."""
+    n = len(ids)
+    if n == 0 or bound > 1 << 30 or ids.min() < 0:
+        return np.lexsort((ids, keys))
+    position_bits, id_bits = max(1, (n - 1).bit_length()), max(1, int(ids.max()).bit_length())
+    if position_bits + id_bits + (bound - 1).bit_length() <= 63:
+        packed = (keys.astype(np.int64) << (id_bits + position_bits)) | \
+            (ids.astype(np.int64) << position_bits) | np.arange(n, dtype=np.int64)
+        packed.sort()  # every value differs (positions do): no stable sort needed
+        return packed & ((1 << position_bits) - 1)
+    if id_bits <= 32:
         packed = (keys.astype(np.int64) << 32) | ids
         order = np.argsort(packed)
         ordered = packed[order]
@@ -152,10 +162,41 @@ class PushRouting(NamedTuple):
         elif self.starts is None:
             np.take(values, self.order[lo:hi], axis=0, out=out, mode="clip")
         else:
-            first = self.starts[lo]
             last = self.starts[hi] if hi < len(self.starts) else len(self.order)
-            np.add.reduceat(values[self.order[first:last]], self.starts[lo:hi] - first, axis=0,
-                            out=out)
+            sum_runs(values, self.order, self.starts[lo:hi], last, out)
+
+
+SHORT_RUN = 8  # rows: runs up to this long are summed row position by row position
+
+
+def sum_runs(values: np.ndarray, order: np.ndarray, starts: np.ndarray, end: int,
+             out: np.ndarray) -> None:
+    """out[j] = the sum of values[order[starts[j]:starts[j + 1]]] (the last run ends at
+    `end`), added in that order. Equal to np.add.reduceat over the gathered rows, which pays
+    ~0.1 µs per run in numpy's loop: here short runs (most: an id pushed by a few workers,
+    or found a few times in a batch) are added one position at a time across all runs at
+    once, and only runs longer than SHORT_RUN go to reduceat."""
+    if len(starts) == 0:
+        return
+    counts = np.diff(starts, append=end)
+    np.take(values, order[starts], axis=0, out=out, mode="clip")
+    long = np.flatnonzero(counts > SHORT_RUN)
+    if len(long):
+        _sum_long_runs(values, order, starts[long], counts[long], out, long)
+    more = np.flatnonzero((counts > 1) & (counts <= SHORT_RUN))
+    k = 1
+    while len(more):
+        out[more] += values[order[starts[more] + k]]
+        k += 1
+        more = more[counts[more] > k]
+
+
+def _sum_long_runs(values: np.ndarray, order: np.ndarray, starts: np.ndarray,
+                   counts: np.ndarray, out: np.ndarray, where: np.ndarray) -> None:
+    """out[where[j]] = the sum of run j (`counts[j]` rows from `starts[j]` in `order`)."""
+    firsts = np.cumsum(counts) - counts
+    positions = np.arange(int(counts.sum())) + np.repeat(starts - firsts, counts)
+    out[where] = np.add.reduceat(values[order[positions]], firsts, axis=0)
 
 
 def out_of_range(ids: np.ndarray, size: int) -> np.ndarray | None:
