@@ -18,6 +18,7 @@ from parallax.placement.partitioner import (ClusterProfile, CostPrior, GreedyPro
                                             prior_cost, requests_per_step, shard_access_shares,
                                             shard_bytes)
 from parallax.placement.partitioner.planner import grid
+from parallax.placement.plan import VariablePlan, place_shards
 
 GiB = 2**30
 # Known per-table costs: A is cheapest whole (1 shard), B at 8 shards (sqrt(b / a) = 8).
@@ -279,6 +280,24 @@ def test_shards_of_a_table_spread_over_distinct_servers_deterministically():
     tables = [_table("x", rows=10_000, nbytes=8 * GiB), _table("y", rows=100)]
     two = ClusterProfile(num_servers=2, num_workers=2)
     assert sorted(place({"x": 1, "y": 2}, tables, two).get("y").servers) == [0, 1]
+
+
+def test_unmeasured_tables_are_placed_whole_by_bytes_as_a_plan_places_them():
+    """Nothing measured: the biggest table first, each shard onto the server with the fewest
+    bytes its table does not use yet (lowest index on ties). Two big sharded tables get the
+    same servers in the same order (so a plan can group them), small ones fill in."""
+    cluster = ClusterProfile(num_servers=2, num_workers=4)
+    tables = [_table("small", rows=100), _table("a", rows=10**6), _table("b", rows=10**6),
+              _table("mid", rows=5000), _table("tiny", rows=10)]
+    plan = place({"small": 1, "a": 2, "b": 2, "mid": 1, "tiny": 1}, tables, cluster)
+    assert [plan.get(n).servers for n in ("a", "b", "mid", "small", "tiny")] == \
+        [(0, 1), (0, 1), (0,), (1,), (1,)]
+    variables = tuple(VariablePlan(index=i, name=t.name, kind="sparse", placement="ps",
+                                   reason="", shape=(t.rows, t.dim), dtype="float32",
+                                   bytes=t.bytes, shards=plan.get(t.name).shards)
+                      for i, t in enumerate(tables))
+    assert place_shards(variables, 2) == {i: plan.get(t.name).servers
+                                          for i, t in enumerate(tables)}
 
 
 def test_memory_is_respected_by_splitting_tables_that_do_not_pack_whole():

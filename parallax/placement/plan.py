@@ -13,6 +13,8 @@ from typing import Mapping
 
 from parallax.env import RUN_MODES
 from parallax.errors import ConfigError
+from parallax.placement.partitioner.placer import place
+from parallax.placement.partitioner.types import ClusterProfile, TableProfile
 
 # A table is split into shards of at least this size by default. Every shard costs each
 # worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
@@ -268,37 +270,31 @@ def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[s
 def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
                  keep: Mapping[int, tuple[int, ...]] | None = None
                  ) -> dict[int, tuple[int, ...]]:
-    """Server of every shard, balancing bytes: biggest tables first, each shard onto the
-    least-loaded server its table does not use yet (lowest index on ties), so one-shard
-    tables spread over the servers instead of all landing on server 0. The variables of a
-    table group are placed as their one table. Deterministic: every worker computes the same
-    placement from the same plan. Tables in `keep` (index -> servers) stay where they are
-    and count as load (resharding some tables of a job)."""
-    load = [0.0] * max(1, num_servers)
+    """Server of every shard of the variables on parameter servers (index -> servers), by
+    the one placer, `parallax.placement.partitioner.place`, with nothing measured yet: whole
+    tables by bytes, the biggest first, each shard onto the least-loaded server its table does
+    not use yet (lowest index on ties). The variables of a table group are placed as their
+    one table. Deterministic: every worker computes the same placement from the same plan.
+    Variables in `keep` (index -> servers) stay where they are and count as load (resharding
+    some tables of a job)."""
     keep = keep or {}
-    placed: dict[int, tuple[int, ...]] = {}
+    units: dict[str, list[VariablePlan]] = {}
     for v in variables:
         if v.index in keep:
-            placed[v.index] = tuple(keep[v.index])
-            for server in placed[v.index]:
-                load[server] += v.bytes / len(placed[v.index])
-    tables: dict[str, list[VariablePlan]] = {}
-    for v in variables:
-        if v.placement == "ps" and v.index not in keep:
-            tables.setdefault(v.table or f"#{v.index}", []).append(v)
-    units = sorted(tables.values(), key=lambda m: (-sum(v.bytes for v in m), m[0].index))
-    for members in units:
-        shards = members[0].shards
-        share = sum(v.bytes for v in members) / shards
-        servers: list[int] = []
-        for _ in range(shards):
-            free = [i for i in range(len(load)) if i not in servers] or list(range(len(load)))
-            best = min(free, key=lambda i: (load[i], i))
-            servers.append(best)
-            load[best] += share
-        for v in members:
-            placed[v.index] = tuple(servers)
-    return placed
+            units[f"#kept{v.index}"] = [v]
+        elif v.placement == "ps":
+            units.setdefault(v.table or f"#{v.index}", []).append(v)
+    counts = {name: len(keep[m[0].index]) if m[0].index in keep else m[0].shards
+              for name, m in units.items()}
+    profiles = [TableProfile(name, max(counts[name], sum(v.shape[0] if v.shape else 1
+                                                         for v in m)),
+                             max(1, m[0].shape[-1] if len(m[0].shape) > 1 else 1),
+                             sum(v.bytes for v in m))
+                for name, m in sorted(units.items(), key=lambda u: u[1][0].index)]
+    kept = {name: keep[m[0].index] for name, m in units.items() if m[0].index in keep}
+    plan = place(counts, profiles, ClusterProfile(max(1, num_servers), 1), keep=kept)
+    return {v.index: placement.servers for placement in plan.tables
+            for v in units[placement.name]}
 
 
 def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,

@@ -38,8 +38,11 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     cold tables, balanced "in sum". The max is each shard's dominant share (as in dominant
     resource fairness), so both resources stay balanced at the level of the tighter one; with
     plenty of memory the bytes' shares are small and the load decides, with memory tight the
-    bytes do. Unmeasured tables have request-only loads, equal per shard, so the placer then
-    spreads shard counts and bytes like `parallax.placement.plan.place_shards`.
+    bytes do. When no table is measured (no `unique_rows_per_step`, no hot ids), load says
+    nothing about which server is busier: a fused step sends each server one pull and one
+    push per worker, whatever number of shards it holds. Then whole tables are placed by
+    bytes alone (`_place_by_bytes`), which is how a plan places its tables before any
+    measurement (`parallax.placement.plan.place_shards`).
 
     `keep` (table -> servers of its shards, e.g. the running layout): a table whose count
     equals its kept layout's stays there and counts as load, so a job that changes a few
@@ -51,12 +54,15 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     if sorted(names) != sorted(counts) or len(set(names)) != len(names):
         raise ConfigError(f"place needs one count per table: counts name {sorted(counts)}, "
                           f"tables {names}")
-    shards = _shards(counts, tables, cluster, load)
     servers: dict[str, list[int]] = {t.name: [0] * counts[t.name] for t in tables}
     state = _Servers(cluster)
     kept = {name: list(where) for name, where in (keep or {}).items()
             if name in counts and len(where) == counts[name]
             and all(0 <= s < cluster.num_servers for s in where)}
+    if not any(t.unique_rows_per_step or t.hot_shares for t in tables):
+        _place_by_bytes(counts, tables, kept, state, servers)
+        return _plan(counts, tables, servers)
+    shards = _shards(counts, tables, cluster, load)
     for shard in shards:
         if shard.table in kept:
             servers[shard.table][shard.index] = state.put(
@@ -64,8 +70,35 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     for shard in sorted(shards, key=lambda s: (-max(s.memory, s.load), s.table, s.index)):
         if shard.table not in kept:
             servers[shard.table][shard.index] = state.put(shard, tables, counts)
+    return _plan(counts, tables, servers)
+
+
+def _plan(counts: Mapping[str, int], tables: Sequence[TableProfile],
+          servers: Mapping[str, Sequence[int]]) -> PartitionPlan:
     return PartitionPlan(tuple(TablePlacement(t.name, counts[t.name], tuple(servers[t.name]))
                                for t in tables))
+
+
+def _place_by_bytes(counts: Mapping[str, int], tables: Sequence[TableProfile],
+                    kept: Mapping[str, Sequence[int]], state: "_Servers",
+                    servers: dict[str, list[int]]) -> None:
+    """Unmeasured tables, whole: the biggest first (ties in `tables` order), each of its
+    shards (an equal share of its bytes) onto the server with the fewest bytes that its
+    table does not use yet (the lowest index on ties), so one-shard tables spread over the
+    servers instead of all landing on server 0. Kept tables stay and count."""
+    for t in tables:
+        for i, at in enumerate(kept.get(t.name, ())):
+            servers[t.name][i] = state.put(_even_shard(t, i, counts), tables, counts, at=at)
+    moving = [t for t in tables if t.name not in kept]
+    for t in sorted(moving, key=lambda t: -t.bytes):  # stable: ties keep `tables` order
+        for i in range(counts[t.name]):
+            servers[t.name][i] = state.put(_even_shard(t, i, counts), tables, counts)
+
+
+def _even_shard(table: TableProfile, index: int, counts: Mapping[str, int]) -> _Shard:
+    """Shard `index` of `table` weighing an equal share of its bytes (no load)."""
+    n = counts[table.name]
+    return _Shard(table.name, index, shard_bytes(table, n)[index], table.bytes / n, 0.0)
 
 
 def _shards(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: ClusterProfile,
