@@ -114,11 +114,15 @@ def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
         ids = ids.astype(np.int64)
         np.testing.assert_array_equal(grouped_order(keys, bound, ids),
                                       np.lexsort((ids, keys)))
+    # keys past `bound` (a range partitioner's shards of unchecked ids), a numpy bound
+    wild = rng.integers(0, 1 << 40, n)
+    np.testing.assert_array_equal(grouped_order(wild, np.int64(bound), keys),
+                                  np.lexsort((keys, wild)))
     np.testing.assert_array_equal(stable_order(keys, bound), np.argsort(keys, kind="stable"))
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_sum_runs_adds_each_run_in_order_as_reduceat_does(seed):
+def test_sum_runs_adds_each_run_of_a_slice_of_the_layout(seed):
     """Runs of every length, short (summed position by position) and long (reduceat), in
     any slice of a push's layout: the sums of the rows in `order`, to float32's rounding."""
     rng = np.random.default_rng(seed)

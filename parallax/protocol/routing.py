@@ -45,15 +45,16 @@ def grouped_order(keys: np.ndarray, bound: int, ids: np.ndarray) -> np.ndarray:
     those packed values gives the order in its low bits; else keys and ids are packed when
     they fit, and sorted unstably unless two are equal."""
     n = len(ids)
-    if n == 0 or bound > 1 << 30 or ids.min() < 0:
+    if n == 0 or int(bound) > 1 << 30 or ids.min() < 0 or keys.min() < 0:
         return np.lexsort((ids, keys))
     position_bits, id_bits = max(1, (n - 1).bit_length()), max(1, int(ids.max()).bit_length())
-    if position_bits + id_bits + (bound - 1).bit_length() <= 63:
+    key_bits = int(keys.max()).bit_length()  # (unchecked ids may give keys past `bound`)
+    if position_bits + id_bits + key_bits <= 63:
         packed = (keys.astype(np.int64) << (id_bits + position_bits)) | \
             (ids.astype(np.int64) << position_bits) | np.arange(n, dtype=np.int64)
         packed.sort()  # every value differs (positions do): no stable sort needed
         return packed & ((1 << position_bits) - 1)
-    if id_bits <= 32:
+    if id_bits <= 32 and key_bits <= 31:
         packed = (keys.astype(np.int64) << 32) | ids
         order = np.argsort(packed)
         ordered = packed[order]
@@ -172,10 +173,11 @@ SHORT_RUN = 8  # rows: runs up to this long are summed row position by row posit
 def sum_runs(values: np.ndarray, order: np.ndarray, starts: np.ndarray, end: int,
              out: np.ndarray) -> None:
     """out[j] = the sum of values[order[starts[j]:starts[j + 1]]] (the last run ends at
-    `end`), added in that order. Equal to np.add.reduceat over the gathered rows, which pays
-    ~0.1 µs per run in numpy's loop: here short runs (most: an id pushed by a few workers,
-    or found a few times in a batch) are added one position at a time across all runs at
-    once, and only runs longer than SHORT_RUN go to reduceat."""
+    `end`). The sums np.add.reduceat gives over the gathered rows, up to rounding (short runs
+    are added strictly in order, reduceat pairs some), without its ~0.1 µs per run: short
+    runs (most: an id pushed by a few workers, or found a few times in a batch) are added
+    one position at a time across all runs at once, and only runs longer than SHORT_RUN go
+    to reduceat. Deterministic: the same input gives the same bits."""
     if len(starts) == 0:
         return
     counts = np.diff(starts, append=end)
