@@ -111,6 +111,38 @@ def test_one_pull_and_one_push_request_per_server_per_step(make_strategy):
     assert "fused into one pull and one push per server per step" in strategy.plan.format()
 
 
+def test_a_registered_table_client_carries_every_fused_pull_and_push(make_strategy):
+    """The extension point a worker row cache plugs into: a `TableClient` registered in
+    TABLE_CLIENTS and given to the strategy carries the step's one pull and one push (here
+    one that counts, then sends them on as `DirectClient` does); training is unchanged."""
+    from parallax.client.table_client import TABLE_CLIENTS, DirectClient, table_client
+    calls = []
+
+    class Counting(DirectClient):
+        name = "counting"
+
+        def start_pull(self, tables, min_steps, runs):
+            calls.append(("pull", len(tables)))
+            return super().start_pull(tables, min_steps, runs)
+
+        def start_push(self, tables, grads, steps, worker, learning_rates, runs):
+            calls.append(("push", len(tables)))
+            return super().start_push(tables, grads, steps, worker, learning_rates, runs)
+
+    TABLE_CLIENTS[Counting.name] = Counting
+    try:
+        counted, plain = make_strategy(), make_strategy()
+        counted.extended.table_client = table_client("counting")
+        _, loss = train_fit(counted, epochs=1)
+        _, expected = train_fit(plain, epochs=1)
+    finally:
+        del TABLE_CLIENTS[Counting.name]
+    steps = len(data()[0]) // BATCH
+    assert [kind for kind, _ in calls].count("push") == steps
+    assert [kind for kind, _ in calls].count("pull") >= steps  # (a final read may add one)
+    assert loss == expected
+
+
 def test_same_shaped_tables_share_one_server_table_and_train_the_same(make_strategy):
     """Table groups: the five one-shard tables are spread over the two servers, and those on
     one server share one server table (at offsets 0, 400, ...), so every step's request

@@ -248,3 +248,10 @@ def test_bad_tf_config_is_named(text, words):
     from parallax.client.cluster import resolve_cluster
     with pytest.raises(ConfigError, match=words):
         resolve_cluster(environ={"TF_CONFIG": text})
+
+
+def test_an_unknown_table_client_is_refused_naming_the_registered_ones():
+    from parallax.client.table_client import TABLE_CLIENTS, DirectClient, table_client
+    assert isinstance(table_client(), DirectClient) and "direct" in TABLE_CLIENTS
+    with pytest.raises(ConfigError, match=r"no table client named 'cache'; registered: direct"):
+        table_client("cache")

@@ -372,6 +372,10 @@ class PendingPush:
     def __init__(self, tables, calls: list) -> None:
         self.tables, self.calls = tables, calls
 
+    def abandon(self) -> None:
+        """The answers will not be read: let go of the connections."""
+        _abandon(self.calls)
+
     def result(self) -> list[bool]:
         """Per table, True if this push closed the step on every one of its shards."""
         closed: list[set[int]] = [set() for _ in self.tables]

@@ -33,6 +33,7 @@ import tensorflow as tf
 from parallax.tf.step_traffic import FusedPull, FusedPush, StepRouting
 
 if TYPE_CHECKING:
+    from parallax.client.table_client import TableClient
     from parallax.tf.remote import RemoteTable
 
 
@@ -55,8 +56,9 @@ class _Lookup:
 class StepFusion:
     """The lookups and pushes of one traced step, in the graph `graph`."""
 
-    def __init__(self, graph) -> None:
+    def __init__(self, graph, client: TableClient | None = None) -> None:
         self.graph = graph
+        self.client = client  # what the fused pull and push send through (None: direct)
         self.ticket = tf.numpy_function(_step_begins, [], tf.int64, stateful=True,
                                         name="parallax_step_begins")
         self.reports: list[LookupReport] = []
@@ -172,7 +174,7 @@ class StepFusion:
         if not self._pushes:
             return None
         entries = list(self._pushes.values())
-        push = FusedPush([e[0] for e in entries], self._routing)
+        push = FusedPush([e[0] for e in entries], self._routing, self.client)
         flat = [t for e in entries for t in e[1:]]
         op = tf.numpy_function(push, flat, tf.int64, stateful=True, name="parallax_push_fused")
         return op.op
@@ -180,7 +182,7 @@ class StepFusion:
     def _fuse_pulls(self, routing: StepRouting | None) -> None:
         if not self._grouped:
             return
-        pull = FusedPull([g.remote for g in self._grouped], routing)
+        pull = FusedPull([g.remote for g in self._grouped], routing, self.client)
         outputs = tf.numpy_function(pull, [self.ticket] + [g.unique for g in self._grouped],
                                     [g.remote.dtype for g in self._grouped], stateful=False,
                                     name="parallax_pull_fused")

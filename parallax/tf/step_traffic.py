@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from parallax.client.connection import run_in_background
-from parallax.client.many import PendingPush, pull_many, push_many, start_pull_many, start_push_many
+from parallax.client.table_client import Pending, TableClient, table_client
 from parallax.errors import ConfigError, ServerError
 from parallax.protocol.routing import Runs
 
@@ -35,7 +35,7 @@ class Landing:
     are read, once, by the first thread that waits for it (`result`), so it needs no thread
     of its own. It stands where a `concurrent.futures.Future` stands for other pushes."""
 
-    def __init__(self, pending: PendingPush, remotes: Sequence[RemoteTable], sizes,
+    def __init__(self, pending: Pending, remotes: Sequence[RemoteTable], sizes,
                  send_seconds: float) -> None:
         self._pending, self._remotes, self._sizes = pending, remotes, sizes
         self._send_seconds = send_seconds  # the push's time on the worker: sending it, plus
@@ -86,7 +86,8 @@ def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) 
         raise first
 
 
-def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.ndarray]:
+def _pull_after_pushes(client: TableClient, remotes: Sequence[RemoteTable], runs: Runs
+                       ) -> list[np.ndarray]:
     """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
     once, beside the step's push, since the servers hold it until that step is applied
     (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
@@ -95,8 +96,8 @@ def _pull_after_pushes(remotes: Sequence[RemoteTable], runs: Runs) -> list[np.nd
     tables = [r.table for r in remotes]
     if not all(r.sync for r in remotes):
         land_pushes_of(remotes)
-        return pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
-    pulling = start_pull_many(tables, (), [r.min_step() for r in remotes], checked=runs)
+        return client.pull(tables, [r.min_step() for r in remotes], runs)
+    pulling = client.start_pull(tables, [r.min_step() for r in remotes], runs)
     try:
         land_pushes_of(remotes)  # raises a failed push's error now
     except BaseException:
@@ -192,10 +193,11 @@ def _shares(sizes: Sequence[int]) -> list[float]:
 class FusedPull:
     """Pulls the rows of several lookups (each a table and its unique ids) at once."""
 
-    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
-                 ) -> None:
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None,
+                 client: TableClient | None = None) -> None:
         self.remotes = list(remotes)  # one per lookup; a table may appear more than once
         self.routing = routing  # the step's push's (None: no push follows, e.g. evaluation)
+        self.client = client or table_client()
         self.runs = 0
 
     def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
@@ -223,7 +225,7 @@ class FusedPull:
         if self.routing is not None:
             runs.expect_push = True
             self.routing.pulled = runs
-        rows = laid_out.split(_pull_after_pushes(laid_out.heads, runs))
+        rows = laid_out.split(_pull_after_pushes(self.client, laid_out.heads, runs))
         seconds = time.perf_counter() - start
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
@@ -245,10 +247,11 @@ class FusedPull:
 class FusedPush:
     """Pushes every table's gradient of one step in one request per server."""
 
-    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None
-                 ) -> None:
+    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None,
+                 client: TableClient | None = None) -> None:
         self.remotes = list(remotes)
         self.routing = routing or StepRouting()
+        self.client = client or table_client()
         if len({id(r) for r in self.remotes}) != len(self.remotes):
             raise ConfigError("internal: a fused push names a table twice")
         sync = {r.sync for r in self.remotes}
@@ -289,8 +292,8 @@ class FusedPush:
             return np.int64(0)
         if self.sync:  # sent now; the answers are read by the next pull (`Landing`)
             start = time.perf_counter()
-            pending = start_push_many([r.table for r in sending], (), grads, steps,
-                                      sending[0].worker, rates, checked=runs)
+            pending = self.client.start_push([r.table for r in sending], grads, steps,
+                                             sending[0].worker, rates, runs)
             landing = Landing(pending, sending, runs.lengths, time.perf_counter() - start)
             for remote in sending:
                 remote.track_push(landing)
@@ -298,12 +301,11 @@ class FusedPush:
             self._send(sending, runs, grads, steps, rates)
         return np.int64(len(sending))
 
-    @staticmethod
-    def _send(remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
+    def _send(self, remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
         start = time.perf_counter()
         try:
-            return push_many([r.table for r in remotes], (), grads, steps, remotes[0].worker,
-                             rates, checked=runs)
+            return self.client.push([r.table for r in remotes], grads, steps,
+                                    remotes[0].worker, rates, runs)
         finally:
             _account_push(remotes, runs.lengths, time.perf_counter() - start)
 

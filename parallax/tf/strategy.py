@@ -27,6 +27,7 @@ from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax.client import ClientOptions
 from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
+from parallax.client.table_client import table_client
 from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
@@ -142,6 +143,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._pushed: set[int] | None = None
         self.plan: Plan | None = None
         self.remotes: dict[int, RemoteTable] = {}
+        self.table_client = table_client()  # what fused steps pull and push through
         self.cluster: ClusterSpec | None = None
         self._binder = None
         self._resharder: Resharder | None = None
@@ -190,7 +192,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         forget_gradient_owners()
         self._pushed = set()
-        step = StepFusion(tf.compat.v1.get_default_graph()) \
+        step = StepFusion(tf.compat.v1.get_default_graph(), self.table_client) \
             if self.remotes and self.config.fuse and not tf.executing_eagerly() else None
         set_fusion_of_step(step)
         try:

@@ -1,0 +1,95 @@
+"""The table client: what a fused training step asks of the parameter servers (extension
+point `TABLE_CLIENTS`).
+
+A fused step makes one multi-table pull and one multi-table push (`parallax.tf.step_traffic`)
+through a `TableClient`. `DirectClient` sends both to the servers as they are
+(`parallax.client.many`). A worker-side row cache would be another `TableClient`: it answers
+hits from its rows, pulls the misses and the rows older than its staleness bound through
+`DirectClient`, and pushes every gradient, registered here under its name.
+
+    class CachingClient(TableClient):
+        name = "cache"
+        def start_pull(self, tables, min_steps, runs): ...
+        def start_push(self, tables, grads, steps, worker, learning_rates, runs): ...
+"""
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Protocol, Sequence
+
+import numpy as np
+
+from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
+from parallax.client.table import ShardedTable
+from parallax.errors import ConfigError
+from parallax.protocol.routing import Runs
+
+
+class Pending(Protocol):
+    """A pull or push in flight: `result()` waits for it, `abandon()` lets it go unread."""
+
+    def result(self): ...
+
+    def abandon(self) -> None: ...
+
+
+class TableClient(abc.ABC):
+    """Pulls and pushes of several tables at once, for one worker.
+
+    `runs`: every table's ids as `Runs` over the tables' partitioners, already checked
+    against the tables' rows (`parallax.tf.step_traffic.checked_runs`): unique ids for a
+    pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
+    as of at least that many applied steps (sync training)."""
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def start_pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
+                   runs: Runs) -> Pending:
+        """The pull in flight; its `result()` is the rows of each table's ids, in order."""
+
+    @abc.abstractmethod
+    def start_push(self, tables: Sequence[ShardedTable], grads: Sequence[np.ndarray],
+                   steps: Sequence[int], worker: int, learning_rates: Sequence[float],
+                   runs: Runs) -> Pending:
+        """The push in flight (the gradients are read before it returns); its `result()` is,
+        per table, whether this push closed the step on every shard."""
+
+    def pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
+             runs: Runs) -> list[np.ndarray]:
+        return self.start_pull(tables, min_steps, runs).result()
+
+    def push(self, tables: Sequence[ShardedTable], grads: Sequence[np.ndarray],
+             steps: Sequence[int], worker: int, learning_rates: Sequence[float],
+             runs: Runs) -> list[bool]:
+        return self.start_push(tables, grads, steps, worker, learning_rates, runs).result()
+
+
+class DirectClient(TableClient):
+    """Every pull and push to the servers, one multi-table request per server."""
+
+    name = "direct"
+
+    def start_pull(self, tables, min_steps, runs):
+        return start_pull_many(tables, (), min_steps, checked=runs)
+
+    def start_push(self, tables, grads, steps, worker, learning_rates, runs):
+        return start_push_many(tables, (), grads, steps, worker, learning_rates, checked=runs)
+
+    def pull(self, tables, min_steps, runs):  # the last request leaves from this thread
+        return pull_many(tables, (), min_steps, checked=runs)
+
+    def push(self, tables, grads, steps, worker, learning_rates, runs):
+        return push_many(tables, (), grads, steps, worker, learning_rates, checked=runs)
+
+
+TABLE_CLIENTS: dict[str, type[TableClient]] = {DirectClient.name: DirectClient}
+
+
+def table_client(name: str = DirectClient.name) -> TableClient:
+    """A new client of the registered kind `name`."""
+    kind = TABLE_CLIENTS.get(name)
+    if kind is None:
+        raise ConfigError(f"no table client named {name!r}; registered: "
+                          f"{', '.join(sorted(TABLE_CLIENTS))}")
+    return kind()
