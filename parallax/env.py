@@ -28,6 +28,9 @@ MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run 
 SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
+WORKERS_ENV = "PARALLAX_WORKERS"         # without Horovod: every worker's host:port for
+WORKER_RANK_ENV = "PARALLAX_WORKER_RANK"  # TensorFlow's collectives, and this one's index
+COLLECTIVES = ("auto", "horovod", "tensorflow")  # ParallaxStrategy(collectives=...)
 PLAN_CACHE_ENV = "PARALLAX_PLAN_CACHE"   # where the partition search keeps its decisions
 
 # ---- every process parallax starts -------------------------------------------------------

@@ -196,6 +196,7 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
                                                v.servers, v.table, v.offset)
                                               for v in strategy.plan.variables],
                        "workers": strategy.worker.size,
+                       "collectives": type(strategy.extended.workers).__name__,
                        "horovod_cycle_time": os.environ.get(env.HOROVOD_CYCLE_TIME_ENV),
                        "search": strategy.partition_search.report()
                        if strategy.partition_search else None}

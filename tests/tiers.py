@@ -27,7 +27,7 @@ TIERS = {
                  "test_launch.py", "test_launcher_edges.py", "test_orphans.py",
                  "test_bench_cgroups.py", "test_bench_netns.py", "test_bench_harness.py",
                  "test_bench_peers.py", "test_bench_partitions.py", "test_environment.py",
-                 "test_hosts.py"],
+                 "test_hosts.py", "test_tf_collectives.py"],
     "integration": ["test_examples.py", "test_migration.py", "test_deploy.py", "test_chaos.py",
                     "test_observability.py", "test_logs.py", "test_restarts.py",
                     "test_tiers.py"],

@@ -48,8 +48,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.env import (ADDRESSES_ENV, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES,
-                          SYNC_ENV, is_run_id, new_run_id)
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
+                          RUN_MODES, SYNC_ENV, is_run_id, new_run_id)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -98,6 +98,8 @@ class LaunchConfig:
                                           # 0; num_workers <= its slots
     horovodrun_args: tuple[str, ...] = ()  # --horovodrun-arg: more flags for horovodrun
     log_level: str | None = None          # --log-level (parallax.runtime.logs); None: as it is
+    collectives: str = "auto"             # --collectives auto|horovod|tensorflow: the workers'
+                                          # launch backend (parallax.launch.backends)
 
 
 def check_address(address: str, source: str = "--ps-addresses") -> str:
@@ -152,6 +154,9 @@ def validate(config: LaunchConfig) -> list[str]:
     if config.start_timeout <= 0:
         raise ConfigError(f"--server-start-timeout {config.start_timeout} must be > 0 seconds")
     horovodrun_backend.check_args(config.horovodrun_args)
+    if config.collectives not in COLLECTIVES:
+        raise ConfigError(f"--collectives {config.collectives!r} must be one of "
+                          f"{', '.join(COLLECTIVES)}")
     if config.mode is not None and config.mode not in RUN_MODES:
         raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(RUN_MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
@@ -621,7 +626,7 @@ def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], W
     from parallax.launch.hosts import load_hosts, parse_host_string, with_devices
     layout = (load_hosts(config.hosts) if config.hosts is not None
               else parse_host_string(f"localhost:{config.num_workers}"))
-    backend = choose(layout, config.num_workers)
+    backend = choose(layout, config.num_workers, config.collectives)
     program = with_devices(layout, config.num_workers, program)
     return backend.argv(layout, config.num_workers, program, config.horovodrun_args), backend
 
@@ -686,7 +691,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     import argparse
     parser = argparse.ArgumentParser(
         prog="parallax run", allow_abbrev=False,
-        description="Start parameter servers and N Horovod workers on this machine; the "
+        description="Start parameter servers and N workers (Horovod's, or TensorFlow "
+                    "collectives') on this machine; the "
                     "workers find the servers in PARALLAX_PS_ADDRESSES and the job id in "
                     "PARALLAX_RUN_ID.",
         usage="parallax run [-np N] [--servers S | --ps-addresses HOST:PORT,...] "
@@ -694,7 +700,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
               "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
               "[-H HOST:N,... | --hosts FILE | --hostfile FILE] [--horovodrun-arg=ARG ...] "
-              "[--log-level LEVEL] [--] COMMAND [ARGS ...]")
+              "[--collectives auto|horovod|tensorflow] [--log-level LEVEL] [--] COMMAND "
+              "[ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
                              "than 1 uses horovodrun)")
@@ -709,6 +716,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for horovodrun, e.g. "
                              "--horovodrun-arg=--start-timeout=120 (repeatable)")
+    parser.add_argument("--collectives", choices=COLLECTIVES, default="auto",
+                        help="what sums the workers' dense gradients: horovod (horovodrun "
+                             "starts the workers), tensorflow (TensorFlow's collective ops, no "
+                             "Horovod; workers on this machine) or auto (default): horovod "
+                             "where Horovod is installed, else tensorflow")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")
     parser.add_argument("--ps-addresses", default=None,
@@ -777,7 +789,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
         max_restarts=args.max_restarts, restart_delay=args.restart_delay,
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
-        log_level=args.log_level)
+        log_level=args.log_level, collectives=args.collectives)
 
 
 def _split_each(values: list[str]) -> tuple[str, ...]:

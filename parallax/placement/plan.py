@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from parallax.env import RUN_MODES
+from parallax.env import COLLECTIVES, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.types import ClusterProfile, TableProfile
@@ -41,10 +41,14 @@ class StrategyConfig:
     fuse: bool = True  # one pull and one push op per traced step (parallax.tf.fusion)
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
     checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
+    collectives: str = "auto"  # what sums dense gradients: auto|horovod|tensorflow (env.py)
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
+        if self.collectives not in COLLECTIVES:
+            raise ConfigError(f"collectives {self.collectives!r} is not one of "
+                              f"{', '.join(COLLECTIVES)}")
         for name, where in self.placement.items():
             if where not in PLACEMENTS:
                 raise ConfigError(f"placement of {name!r} is {where!r}; use 'ps' (rows on the "

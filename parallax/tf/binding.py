@@ -24,13 +24,14 @@ from parallax.placement.plan import Plan, VariablePlan
 from parallax.protocol.specs import Initializer, TableSpec, counts_steps, optimizer_from_keras
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives import HorovodWorkers, SingleWorker
+from parallax.tf.tf_collectives import TensorFlowWorkers
 from parallax.tf.keras_support import slots_of
 from parallax.tf.remote import RemoteTable, TablePushes
 from parallax.tf.variables import ParallaxVariable, is_released, remote_of
 
 log = logging.getLogger("parallax")
 
-Workers = SingleWorker | HorovodWorkers
+Workers = SingleWorker | HorovodWorkers | TensorFlowWorkers
 
 
 def check_agreement(plan: Plan, workers: Workers) -> None:

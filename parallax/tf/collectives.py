@@ -1,5 +1,6 @@
-"""Dense collectives between workers: Horovod ring all-reduce when launched by horovodrun,
-identity for a single worker.
+"""Dense collectives between workers (extension point `COLLECTIVES`): Horovod ring all-reduce
+when launched by horovodrun, TensorFlow's own collective ops (`parallax.tf.tf_collectives`)
+when launched without Horovod, identity for a single worker.
 
 The strategy only needs five things from its peers: who am I, sum these gradients (as one
 fused group, in the graph), all-gather sparse gradients (the `allreduce` run mode), copy rank
@@ -10,13 +11,15 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import tensorflow as tf
 
-from parallax.env import HOROVOD_AUTOTUNE_ENV, HOROVOD_CYCLE_TIME_ENV, WORKER_CYCLE_TIME_MS
+from parallax.env import (COLLECTIVES, HOROVOD_AUTOTUNE_ENV, HOROVOD_CYCLE_TIME_ENV,
+                          WORKER_CYCLE_TIME_MS)
 from parallax.errors import ConfigError
+from parallax.tf.tf_collectives import TensorFlowWorkers, collective_workers
+from parallax.tf.worker_info import WorkerInfo
 
 _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Horovod's background thread runs one coordination round among all workers every cycle,
@@ -28,19 +31,6 @@ _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # unless HOROVOD_CYCLE_TIME is set (horovodrun --cycle-time-ms sets it), Horovod's autotuner
 # is on (a cycle time from the environment is fixed, never tuned), or hvd.init() ran already.
 # (parallax.env.WORKER_CYCLE_TIME_MS: 5 ms, Horovod's own default before 0.21)
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    host: str
-
-    @property
-    def is_chief(self) -> bool:
-        return self.rank == 0
 
 
 class SingleWorker:
@@ -120,5 +110,15 @@ def launched_by_horovod(environ: dict[str, str] | None = None) -> bool:
     return any(name in environ for name in _HOROVOD_ENV)
 
 
-def make_collectives() -> SingleWorker | HorovodWorkers:
-    return HorovodWorkers() if launched_by_horovod() else SingleWorker()
+def make_collectives(kind: str = "auto", environ: dict[str, str] | None = None):
+    """The peers of this worker. `kind`: "horovod" (Horovod, as horovodrun or mpirun started
+    it), "tensorflow" (TensorFlow's collectives among the workers `parallax run` or TF_CONFIG
+    names) or "auto": Horovod when this process was launched by it, else TensorFlow's when
+    several workers are named, else a single worker."""
+    environ = os.environ if environ is None else environ
+    if kind not in COLLECTIVES:
+        raise ConfigError(f"collectives {kind!r} is not one of {', '.join(COLLECTIVES)}")
+    if kind == "horovod" or (kind == "auto" and launched_by_horovod(environ)):
+        return HorovodWorkers()
+    workers = collective_workers(environ)
+    return TensorFlowWorkers(*workers) if workers else SingleWorker()

@@ -37,6 +37,7 @@ from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax.tf import binding, keras_support, resume
 from parallax.tf.analysis import NOT_READ, inspect_reads
 from parallax.tf.collectives import WorkerInfo, make_collectives
+from parallax.tf.tf_collectives import LOCAL_AGGREGATION_NEEDS_HOROVOD, TensorFlowWorkers
 from parallax.tf.datasets import shard_for_worker
 from parallax.tf.fusion import StepFusion
 from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
@@ -131,7 +132,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._search_setting = search_partitions
         self.tuner: PartitionTuner | None = None
         self._eager_steps = False  # whether the first training step ran eagerly
-        self.workers = make_collectives()
+        self.workers = make_collectives(config.collectives)
+        if config.local_aggregation and isinstance(self.workers, TensorFlowWorkers):
+            raise ConfigError(LOCAL_AGGREGATION_NEEDS_HOROVOD)
         info = self.workers.info
         gpus = tf.config.list_physical_devices("GPU")
         device = f"/gpu:{info.local_rank % len(gpus)}" if gpus else "/cpu:0"
@@ -562,7 +565,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
                  fuse: bool = True, group_tables: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
-                 search_partitions: bool | str | PartitionSearch | None = None) -> None:
+                 search_partitions: bool | str | PartitionSearch | None = None,
+                 collectives: str = "auto") -> None:
         """Configure the strategy. Nothing is placed and no server is contacted here: the
         first training step (`fit`, or the first `strategy.run` whose step updates
         variables) makes the plan and checks what needs the model or the servers. Every
@@ -680,6 +684,15 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 `group_tables`). True: whenever the plan puts tables on the servers, with
                 `PartitionSearch()`'s settings, and then without table groups; a
                 `PartitionSearch`: likewise, with its settings. False: never.
+            collectives: "auto" (default), "horovod" or "tensorflow": what sums the dense
+                gradients of several workers. "horovod": Horovod's ring all-reduce (the
+                workers started by `horovodrun`, `mpirun` or `parallax run` with Horovod).
+                "tensorflow": TensorFlow's own collective ops, as MultiWorkerMirroredStrategy
+                uses them, among the workers `parallax run` names (`PARALLAX_WORKERS`) or
+                TF_CONFIG's "chief" and "worker" tasks; no Horovod needed, so any TensorFlow
+                release. "auto": Horovod when this process was launched by it, else
+                TensorFlow's when several workers are named, else one worker. With
+                TensorFlow's, create the strategy before any other TensorFlow work.
 
         Raises:
             ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
@@ -688,7 +701,9 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 is not "ps" or "allreduce"; `embedded_servers`, `checkpoints_kept` or a
                 shard count is not an int >= 1 (bools refused); `search_partitions`
                 is none of the values above; `PARALLAX_JOB_CONFIG` names a file that is not
-                a JSON object; the process was started by horovodrun or mpirun
+                a JSON object; `collectives` is none of the values above, or "tensorflow"
+                with the strategy created after other TensorFlow work; the process was
+                started by horovodrun or mpirun
                 (`HOROVOD_RANK`, `OMPI_COMM_WORLD_RANK` or `PMI_RANK` set) and Horovod cannot
                 be imported; or there are several workers, the plan may put variables on
                 the servers (`mode` is not "allreduce", or `placement` sends some to "ps")
@@ -720,7 +735,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
                                 log_plan=log_plan, fuse=fuse, group_tables=group_tables,
-                                checkpoints_kept=checkpoints_kept)
+                                checkpoints_kept=checkpoints_kept, collectives=collectives)
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))

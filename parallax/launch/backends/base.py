@@ -16,8 +16,11 @@ class WorkerBackend(abc.ABC):
     pipes_stdout: bool = True      # False: the workers keep the launcher's stdout (a terminal)
 
     @abc.abstractmethod
-    def accepts(self, layout: ClusterLayout, num_workers: int) -> bool:
-        """Whether this backend can start `num_workers` workers on `layout`."""
+    def accepts(self, layout: ClusterLayout, num_workers: int, collectives: str = "auto"
+                ) -> bool:
+        """Whether this backend can start `num_workers` workers on `layout` whose dense
+        gradients go through `collectives` (`parallax run --collectives`: auto, horovod or
+        tensorflow)."""
 
     @abc.abstractmethod
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],

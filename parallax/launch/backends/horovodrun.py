@@ -35,8 +35,9 @@ class Horovodrun(WorkerBackend):
     name = "horovodrun"
     who = "the workers (horovodrun)"
 
-    def accepts(self, layout: ClusterLayout, num_workers: int) -> bool:
-        return True
+    def accepts(self, layout: ClusterLayout, num_workers: int, collectives: str = "auto"
+                ) -> bool:
+        return collectives != "tensorflow"
 
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],
              extra_args: tuple[str, ...] = ()) -> list[str]:

@@ -14,7 +14,8 @@ class Single(WorkerBackend):
     who = "worker rank 0"
     pipes_stdout = False
 
-    def accepts(self, layout: ClusterLayout, num_workers: int) -> bool:
+    def accepts(self, layout: ClusterLayout, num_workers: int, collectives: str = "auto"
+                ) -> bool:
         return num_workers == 1 and is_local(layout.hosts[0].host)
 
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],

@@ -1,0 +1,138 @@
+"""Workers without Horovod: `parallax run --collectives tensorflow` starts them through its
+TensorFlow supervisor, and their dense gradients go through TensorFlow's own collective ops.
+
+Two workers must equal one process on the global batch (as with Horovod,
+test_strategy_equivalence.py), the supervisor must report a failing worker as horovodrun does
+(the launcher names the rank and stops the job), and what cannot work is refused up front.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import free_ports
+from parallax.errors import ConfigError
+from parallax.launch.backends import BACKENDS, choose
+from parallax.launch.hosts import parse_host_string
+from parallax.tf.tf_collectives import collective_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "strategy_worker.py"
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+PLAIN = ["keras-sgd-fit", "custom-adagrad-custom", "custom-sgd-custom-allreduce",
+         "shared-adagrad-custom", "keras-sgd-fit-ps"]
+LAZY = ["keras-adam-fit"]  # against parallax on one worker (Adam's lazy rows)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(command: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD_", "OMPI_", "PMI_", "PARALLAX_")) and k != "TF_CONFIG"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-4000:]}\n" \
+                                 f"{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("tf-collectives")
+    worker = [sys.executable, str(WORKER), "--steps", "20", "--batch", "16"]
+    _ok(_run(worker + ["--setup", "plain", "--cases", ",".join(PLAIN), "--out",
+                       str(base / "plain")]))
+    _ok(_run(worker + ["--setup", "parallax", "--cases", ",".join(LAZY), "--out",
+                       str(base / "one")]))
+    two = _ok(_run([PARALLAX, "run", "-np", "2", "--servers", "2", "--collectives",
+                    "tensorflow", "--", *worker, "--setup", "parallax", "--cases",
+                    ",".join(PLAIN + LAZY), "--out", str(base / "two")]))
+    return {"plain": base / "plain", "one": base / "one", "two": base / "two", "output": two}
+
+
+def _max_difference(reference: Path, distributed: Path, case: str) -> float:
+    want, got = np.load(reference / f"{case}.npz"), np.load(distributed / f"{case}.npz")
+    assert len(want.files) == len(got.files)
+    return max(float(np.abs(want[a] - got[b]).max() / max(1.0, np.abs(want[a]).max()))
+               for a, b in zip(want.files, got.files))
+
+
+@pytest.mark.parametrize("case", PLAIN)
+def test_two_tensorflow_workers_equal_plain_single_process(results, case):
+    assert _max_difference(results["plain"], results["two"], case) < 1e-5
+
+
+@pytest.mark.parametrize("case", LAZY)
+def test_two_tensorflow_workers_equal_one_worker_lazy_optimizers(results, case):
+    assert _max_difference(results["one"], results["two"], case) < 1e-5
+
+
+def test_the_workers_really_used_tensorflows_collectives(results):
+    """Every case ran on two workers over TensorFlowWorkers (no Horovod in the workers),
+    and the supervisor marked their output with ranks as horovodrun does."""
+    summaries = [json.loads(line.split("CASE ", 1)[1]) for line in
+                 results["output"].splitlines() if "CASE " in line]
+    assert sorted(s["case"] for s in summaries) == sorted(PLAIN + LAZY)
+    assert {(s["workers"], s["collectives"]) for s in summaries} == {(2, "TensorFlowWorkers")}
+    assert any(line.startswith("[1]<stdout>:") for line in results["output"].splitlines())
+
+
+def test_a_failing_worker_is_named_and_the_job_stops(tmp_path):
+    """Worker 1 exits 3 while worker 0 would sleep: the supervisor reports it in horovodrun's
+    words, stops worker 0, and `parallax run` exits with its code, naming rank 1."""
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "rank = int(os.environ['PARALLAX_WORKER_RANK'])\n"
+                      "print('WORKERS', os.environ['PARALLAX_WORKERS'], flush=True)\n"
+                      "sys.exit(3) if rank == 1 else time.sleep(120)\n")
+    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
+                 "--", sys.executable, str(script)], timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 3, output
+    assert "Process 1 exit with status code 3." in output
+    assert "worker rank 1 exited with code 3" in output
+    workers = [line.split("WORKERS ", 1)[1] for line in output.splitlines() if "WORKERS " in line]
+    assert workers and len(workers[0].split(",")) == 2
+
+
+def test_local_aggregation_with_tensorflows_collectives_is_refused_up_front(tmp_path):
+    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
+                 "--", sys.executable, str(WORKER), "--setup", "parallax", "--cases",
+                 "keras-adagrad-fit-localagg", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 1
+    assert "local aggregation gathers each step's sparse gradients" in proc.stdout + proc.stderr
+
+
+# ---- choosing, and reading the workers (no process) -----------------------------------------
+def test_the_backend_follows_collectives():
+    two_here = parse_host_string("localhost:2")
+    assert choose(two_here, 2, "tensorflow") is BACKENDS["tensorflow"]
+    assert choose(two_here, 2, "horovod") is BACKENDS["horovodrun"]
+    assert choose(two_here, 2) is BACKENDS["horovodrun"]  # Horovod is installed here
+    assert choose(two_here, 1, "tensorflow") is BACKENDS["single"]
+    with pytest.raises(ConfigError, match="on this machine only so far"):
+        choose(parse_host_string("192.0.2.1:2"), 2, "tensorflow")
+
+
+def test_workers_come_from_parallax_run_or_tf_config():
+    a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
+    assert collective_workers({"PARALLAX_WORKERS": f"{a},{b}",
+                               "PARALLAX_WORKER_RANK": "1"}) == ([a, b], 1)
+    assert collective_workers({"PARALLAX_WORKERS": a, "PARALLAX_WORKER_RANK": "0"}) is None
+    with pytest.raises(ConfigError, match="PARALLAX_WORKER_RANK='2'"):
+        collective_workers({"PARALLAX_WORKERS": f"{a},{b}", "PARALLAX_WORKER_RANK": "2"})
+    tf_config = {"cluster": {"chief": [a], "worker": [b], "ps": ["h:1"]},
+                 "task": {"type": "worker", "index": 0}}
+    assert collective_workers({"TF_CONFIG": json.dumps(tf_config)}) == ([a, b], 1)
+    tf_config["cluster"] = {"worker": [a], "ps": ["h:1"]}
+    assert collective_workers({"TF_CONFIG": json.dumps(tf_config)}) is None
+    assert collective_workers({}) is None
