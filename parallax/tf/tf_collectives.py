@@ -166,7 +166,6 @@ def _start_collective_service(addresses: Sequence[str], rank: int) -> None:
     MultiWorkerMirroredStrategy sets its context up; before any other TensorFlow work."""
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
-    from tensorflow.tsl.protobuf import coordination_config_pb2
 
     leader = f"/job:{_JOB}/replica:0/task:0"
     ctx = context.context()
@@ -181,8 +180,8 @@ def _start_collective_service(addresses: Sequence[str], rank: int) -> None:
                           "as for MultiWorkerMirroredStrategy") from None
     ctx.configure_coordination_service(
         service_type="standalone", service_leader=leader,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=_JOB,
-                                                                 num_tasks=len(addresses))])
+        coordinated_jobs=[_coordination_protos(context).CoordinatedJob(
+            name=_JOB, num_tasks=len(addresses))])
     config = copy.deepcopy(ctx.config)
     config.experimental.collective_group_leader = leader
     del config.device_filters[:]
@@ -194,3 +193,9 @@ def _start_collective_service(addresses: Sequence[str], rank: int) -> None:
         port=port)
     ctx.enable_collective_ops(server_def)
     ctx.ensure_initialized()
+
+
+def _coordination_protos(context):
+    """TensorFlow's coordination_config_pb2, wherever this release keeps it (tensorflow.tsl
+    up to 2.17, tensorflow.compiler.xla.tsl since): as its eager context imported it."""
+    return context.coordination_config_pb2
