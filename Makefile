@@ -1,9 +1,10 @@
 # The two commands of the README's quick start. Each installs whatever is missing first
 # (scripts/setup_env.sh is idempotent), then runs.
 VENV ?= .venv
+LATEST_TESTS ?= tests/test_tf_collectives.py
 export PARALLAX_VENV := $(abspath $(VENV))
 
-.PHONY: demo test test-fast env bench compare wheel-check image
+.PHONY: demo test test-fast test-latest env env-latest bench compare wheel-check image
 
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
@@ -16,6 +17,12 @@ test-fast: env     ## the unit tier alone: no TensorFlow, no process (seconds; t
 
 env:
 	bash scripts/setup_env.sh
+
+env-latest:        ## the second environment: the newest TensorFlow, no Horovod (.venv-latest)
+	bash scripts/setup_env_latest.sh
+
+test-latest: env-latest  ## TensorFlow's collectives, two workers, on the newest TensorFlow
+	.venv-latest/bin/python -m pytest $(LATEST_TESTS)
 
 wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, train the quick start
 	bash scripts/check_wheel.sh
