@@ -422,3 +422,13 @@ def test_the_placement_caches_are_named_by_their_key_and_written_whole(tmp_path)
         write_atomically(a, object())  # fails while writing: the old file stays whole
     assert a.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == [a.name]  # no temporary left
+
+
+def test_unmeasured_tables_under_a_memory_limit_pack_shard_by_shard():
+    """With server memory limited, unmeasured shards still go heaviest first (whole tables
+    by bytes could leave no room for a big one-shard table)."""
+    cluster = ClusterProfile(num_servers=2, num_workers=1, server_memory_bytes=1000)
+    tables = [_table("A", rows=1000, nbytes=1000), _table("B", rows=900, nbytes=900)]
+    plan = place({"A": 10, "B": 1}, tables, cluster)
+    used = _server_totals(plan, tables, cluster, shard_bytes)
+    assert used.max() <= 1000 and plan.get("B").shards == 1

@@ -137,3 +137,84 @@ def test_workers_come_from_parallax_run_or_tf_config():
     tf_config["cluster"] = {"worker": [a], "ps": ["h:1"]}
     assert collective_workers({"TF_CONFIG": json.dumps(tf_config)}) is None
     assert collective_workers({}) is None
+
+
+def test_signal_deaths_and_unended_lines_are_reported_as_horovodrun_does(tmp_path):
+    """Worker 1 prints a progress line with no newline, then is SIGKILLed: the supervisor
+    still reports it on a line of its own, with horovodrun's code 128 + 9, and `parallax run`
+    names rank 1 and exits 137."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "if os.environ['PARALLAX_WORKER_RANK'] == '1':\n"
+                      "    sys.stdout.write('5/100 [=>....] - loss: 0.69'); sys.stdout.flush()\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(120)\n")
+    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
+                 "--", sys.executable, str(script)], timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 137, output
+    assert "\nProcess 1 exit with status code 137." in output
+    assert "worker rank 1 exited with code 137" in output
+
+
+def test_small_integer_and_bool_tensors_are_summed_and_broadcast_exactly(tmp_path):
+    """dtypes CollectiveReduceV2 does not take (bool, int8, uint8, int16) travel as int64."""
+    script = tmp_path / "dtypes.py"
+    script.write_text(
+        "import tensorflow as tf\n"
+        "from parallax.tf.collectives import make_collectives\n"
+        "w = make_collectives('tensorflow')\n"
+        "r = w.info.rank\n"
+        "flag = tf.Variable(r == 0)\n"
+        "small = tf.Variable(tf.constant([r + 1, 100], tf.int8))\n"
+        "w.broadcast_variables([flag, small])\n"
+        "sums = w.allreduce_sum([tf.constant([r], tf.uint8), tf.constant([r + 1], tf.int16),\n"
+        "                        tf.constant(1.5)])\n"
+        "print('RESULT', r, bool(flag.numpy()), small.numpy().tolist(),\n"
+        "      [s.numpy().tolist() for s in sums], [s.dtype.name for s in sums], flush=True)\n")
+    output = _ok(_run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives",
+                       "tensorflow", "--", sys.executable, str(script)], timeout=300))
+    results = sorted(line.split("RESULT ", 1)[1] for line in output.splitlines()
+                     if "RESULT " in line)
+    expected = "True [1, 100] [[1], [3], 3.0] ['uint8', 'int16', 'float32']"
+    assert results == [f"0 {expected}", f"1 {expected}"], output
+
+
+def test_a_secure_job_or_horovodrun_flags_are_refused_with_tensorflows_collectives(tmp_path):
+    for extra in (["--secure"], ["--horovodrun-arg=--verbose"]):
+        proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives",
+                     "tensorflow", *extra, "--", sys.executable, "-c", "pass"], timeout=120)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, (extra, output)
+        assert ("listens, unauthenticated" if extra == ["--secure"] else
+                "--horovodrun-arg --verbose: the workers start without horovodrun") in output
+
+
+def test_a_strategy_asking_for_other_collectives_than_its_launcher_is_refused():
+    """Else every worker would train alone, as rank 0 of 1."""
+    from parallax.tf.collectives import make_collectives
+    with pytest.raises(ConfigError, match="horovodrun \\(or mpirun\\) started this worker"):
+        make_collectives("tensorflow", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"})
+    a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
+    with pytest.raises(ConfigError, match="started this worker, one of 2, without Horovod"):
+        make_collectives("horovod", {"PARALLAX_WORKERS": f"{a},{b}",
+                                     "PARALLAX_WORKER_RANK": "0"})
+
+
+@pytest.mark.parametrize("tf_config, message", [
+    ({"cluster": {"worker": ["h:1", "h:2"]}}, 'no "task"'),
+    ({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 2}},
+     "task index 2 is not one of the 2 worker tasks"),
+    ({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": -1}},
+     "task index -1"),
+    ({"cluster": {"worker": "h:1,h:2"}, "task": {"type": "worker", "index": 0}},
+     "must be lists"),
+    ({"cluster": {"worker": ["h:1", "h"]}, "task": {"type": "worker", "index": 0}},
+     "'h' is not host:port"),
+])
+def test_a_tf_config_that_cannot_name_this_worker_is_refused(tf_config, message):
+    with pytest.raises(ConfigError, match=message):
+        collective_workers({"TF_CONFIG": json.dumps(tf_config)})
+    assert collective_workers({"TF_CONFIG": json.dumps(
+        {"cluster": {"worker": ["h:1", "h:2"], "ps": ["p:1"]},
+         "task": {"type": "ps", "index": 0}})}) is None  # a ps task takes no part

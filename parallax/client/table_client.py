@@ -19,7 +19,7 @@ from typing import ClassVar, Protocol, Sequence
 
 import numpy as np
 
-from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
+from parallax.client.many import start_pull_many, start_push_many
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
 from parallax.protocol.routing import Runs
@@ -57,6 +57,7 @@ class TableClient(abc.ABC):
 
     def pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
              runs: Runs) -> list[np.ndarray]:
+        """`start_pull`, waited for (async training's pulls and pushes)."""
         return self.start_pull(tables, min_steps, runs).result()
 
     def push(self, tables: Sequence[ShardedTable], grads: Sequence[np.ndarray],
@@ -75,12 +76,6 @@ class DirectClient(TableClient):
 
     def start_push(self, tables, grads, steps, worker, learning_rates, runs):
         return start_push_many(tables, (), grads, steps, worker, learning_rates, checked=runs)
-
-    def pull(self, tables, min_steps, runs):  # the last request leaves from this thread
-        return pull_many(tables, (), min_steps, checked=runs)
-
-    def push(self, tables, grads, steps, worker, learning_rates, runs):
-        return push_many(tables, (), grads, steps, worker, learning_rates, checked=runs)
 
 
 TABLE_CLIENTS: dict[str, type[TableClient]] = {DirectClient.name: DirectClient}

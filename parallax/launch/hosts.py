@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
+from parallax.env import WORKER_RANK_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.runtime import lifeline
 
@@ -494,12 +495,13 @@ def _serve(argv: list[str]) -> int:
 def _gpus(argv: list[str], environ=None) -> list[str]:
     """`HOST=ID,... [HOST=ID,...] -- COMMAND`: set CUDA_VISIBLE_DEVICES to the id of this
     worker (HOROVOD_HOSTNAME's list, HOROVOD_LOCAL_RANK-th; the first list without
-    Horovod); returns COMMAND. A host not listed keeps CUDA_VISIBLE_DEVICES as it is."""
+    Horovod, PARALLAX_WORKER_RANK-th: the TensorFlow supervisor's workers are all on this
+    host); returns COMMAND. A host not listed keeps CUDA_VISIBLE_DEVICES as it is."""
     environ = os.environ if environ is None else environ
     split = argv.index("--") if "--" in argv else len(argv)
     ids = dict(pair.split("=", 1) for pair in argv[:split])
     name = environ.get("HOROVOD_HOSTNAME", next(iter(ids), ""))
-    rank = int(environ.get("HOROVOD_LOCAL_RANK", "0"))
+    rank = int(environ.get("HOROVOD_LOCAL_RANK", environ.get(WORKER_RANK_ENV, "0")))
     mine = ids.get(name, "").split(",") if ids.get(name) else []
     if rank < len(mine):
         environ["CUDA_VISIBLE_DEVICES"] = mine[rank]

@@ -627,6 +627,11 @@ def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], W
     layout = (load_hosts(config.hosts) if config.hosts is not None
               else parse_host_string(f"localhost:{config.num_workers}"))
     backend = choose(layout, config.num_workers, config.collectives)
+    if config.secure and backend.name == "tensorflow":
+        raise ConfigError("--secure with TensorFlow's collectives: each worker's TensorFlow "
+                          "server listens, unauthenticated, on every interface (TensorFlow has "
+                          "no bind address or credentials for it); use --collectives horovod "
+                          "for a secure job")
     program = with_devices(layout, config.num_workers, program)
     return backend.argv(layout, config.num_workers, program, config.horovodrun_args), backend
 
@@ -704,7 +709,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
-                             "than 1 uses horovodrun)")
+                             "than 1 uses horovodrun, or the TensorFlow backend: "
+                             "--collectives)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
                         help="horovodrun's host:N,host2:M (N workers and one server on each "
                              "host), or a host file (`host: 0,1` lines, the GPU ids, or YAML "

@@ -118,7 +118,17 @@ def make_collectives(kind: str = "auto", environ: dict[str, str] | None = None):
     environ = os.environ if environ is None else environ
     if kind not in COLLECTIVES:
         raise ConfigError(f"collectives {kind!r} is not one of {', '.join(COLLECTIVES)}")
-    if kind == "horovod" or (kind == "auto" and launched_by_horovod(environ)):
+    by_horovod = launched_by_horovod(environ)
+    workers = None if by_horovod else collective_workers(environ)
+    if kind == "tensorflow" and by_horovod:
+        raise ConfigError("collectives='tensorflow', but horovodrun (or mpirun) started this "
+                          "worker: each worker would train alone. Start the job with `parallax "
+                          "run --collectives tensorflow`, or use collectives='auto'")
+    if kind == "horovod" and workers:
+        raise ConfigError(f"collectives='horovod', but parallax run's TensorFlow backend (or "
+                          f"TF_CONFIG) started this worker, one of {len(workers[0])}, without "
+                          f"Horovod: each worker would train alone. Start the job with `parallax "
+                          f"run --collectives horovod`, or use collectives='auto'")
+    if kind == "horovod" or by_horovod:
         return HorovodWorkers()
-    workers = collective_workers(environ)
     return TensorFlowWorkers(*workers) if workers else SingleWorker()

@@ -30,7 +30,12 @@ from parallax.env import TF_CONFIG_ENV, WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError
 from parallax.tf.worker_info import WorkerInfo
 
-COLLECTIVE_TIMEOUT_S = 600.0  # a peer silent this long fails the collective (not a hang)
+# No timeout: a collective waits for its slowest peer, as Horovod's do (a chief's long
+# evaluation or checkpoint must not fail the job); a dead peer ends the job through the
+# launcher, which watches every worker.
+COLLECTIVE_TIMEOUT_S = 0.0
+# What CollectiveReduceV2 sums; other integer and bool tensors travel as int64 (exact).
+_REDUCIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 _GROUP_KEY = 1                # every worker is in the one group
 _JOB = "worker"
 LOCAL_AGGREGATION_NEEDS_HOROVOD = (
@@ -49,7 +54,7 @@ def collective_workers(environ: Mapping[str, str]) -> tuple[list[str], int] | No
     launcher's variables or TF_CONFIG's chief and worker tasks; None when neither names
     several workers."""
     if environ.get(WORKERS_ENV):
-        addresses = [a.strip() for a in environ[WORKERS_ENV].split(",") if a.strip()]
+        addresses = _addresses(environ[WORKERS_ENV].split(","), WORKERS_ENV)
         rank = environ.get(WORKER_RANK_ENV, "")
         if not rank.isdigit() or int(rank) >= len(addresses):
             raise ConfigError(f"{WORKER_RANK_ENV}={rank!r} must be this worker's index in "
@@ -63,16 +68,38 @@ def collective_workers(environ: Mapping[str, str]) -> tuple[list[str], int] | No
 def _tf_config_workers(text: str) -> tuple[list[str], int] | None:
     try:
         config = json.loads(text)
-        cluster, task = config["cluster"], config.get("task", {})
-        chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
-        kind, index = task.get("type", "worker"), int(task.get("index", 0))
+        cluster, task = config["cluster"], config.get("task")
+        chiefs, workers = cluster.get("chief", []), cluster.get("worker", [])
+        if not all(isinstance(x, list) for x in (chiefs, workers)):
+            raise TypeError("cluster.chief and cluster.worker must be lists of \"host:port\"")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ConfigError(f"{TF_CONFIG_ENV} is not a TensorFlow cluster description ({exc!r})"
+        raise ConfigError(f"{TF_CONFIG_ENV} is not a TensorFlow cluster description ({exc})"
                           ) from None
-    addresses = chiefs + workers
-    if len(addresses) < 2 or kind not in ("chief", "worker"):
+    addresses = _addresses(chiefs + workers, f"{TF_CONFIG_ENV} cluster.chief/worker")
+    if len(addresses) < 2:
         return None
+    if not isinstance(task, dict):
+        raise ConfigError(f"{TF_CONFIG_ENV} names {len(addresses)} workers but no \"task\" "
+                          f"(which one this process is): give {{\"task\": {{\"type\": "
+                          f"\"worker\", \"index\": N}}}}")
+    kind, index = task.get("type"), task.get("index")
+    if kind not in ("chief", "worker"):
+        return None  # a ps or evaluator task takes no part in the collectives
+    tasks = chiefs if kind == "chief" else workers
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tasks):
+        raise ConfigError(f"{TF_CONFIG_ENV} task index {index!r} is not one of the "
+                          f"{len(tasks)} {kind} tasks (0..{len(tasks) - 1})")
     return addresses, index if kind == "chief" else len(chiefs) + index
+
+
+def _addresses(entries, source: str) -> list[str]:
+    """host:port strings, each with a port in 1-65535."""
+    addresses = [str(a).strip() for a in entries if str(a).strip()]
+    for address in addresses:
+        port = address.rsplit(":", 1)[1] if ":" in address else ""
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{source}: {address!r} is not host:port (a port in 1-65535)")
+    return addresses
 
 
 class TensorFlowWorkers:
@@ -104,10 +131,12 @@ class TensorFlowWorkers:
         out: list[Any] = list(dense)
         by_dtype: dict[tf.DType, list[int]] = {}
         for i, t in enumerate(dense):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        for positions in by_dtype.values():
-            for i, summed in zip(positions, self._sum_packed([dense[i] for i in positions])):
-                out[i] = summed
+            by_dtype.setdefault(_carrier(t.dtype), []).append(i)
+        for carrier, positions in by_dtype.items():
+            summed = self._sum_packed([tf.cast(dense[i], carrier) for i in positions])
+            for i, total in zip(positions, summed):
+                out[i] = tf.cast(total, dense[i].dtype) if total.dtype != dense[i].dtype \
+                    else total
         return out
 
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
@@ -199,3 +228,14 @@ def _coordination_protos(context):
     """TensorFlow's coordination_config_pb2, wherever this release keeps it (tensorflow.tsl
     up to 2.17, tensorflow.compiler.xla.tsl since): as its eager context imported it."""
     return context.coordination_config_pb2
+
+
+def _carrier(dtype: tf.DType) -> tf.DType:
+    """The dtype a tensor is summed in: its own where CollectiveReduceV2 takes it, int64 for
+    other integers and bools (exact)."""
+    if dtype in _REDUCIBLE:
+        return dtype
+    if dtype.is_integer or dtype == tf.bool:
+        return tf.int64
+    raise ConfigError(f"TensorFlow's collectives cannot sum {dtype.name} tensors; use Horovod "
+                      f"(parallax run --collectives horovod) for this model")

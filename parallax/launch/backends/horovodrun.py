@@ -70,9 +70,10 @@ def find_horovodrun() -> str:
         return str(beside)
     found = shutil.which("horovodrun")
     if found is None:
-        raise ConfigError(f"more than one worker needs horovodrun (Horovod's launcher), which "
-                          f"is neither next to {sys.executable} nor on PATH: install Horovod "
-                          f"with gloo (`make demo` does), or run with -np 1")
+        raise ConfigError(f"these workers need horovodrun (Horovod's launcher), which is "
+                          f"neither next to {sys.executable} nor on PATH: install Horovod with "
+                          f"gloo (`make demo` does), run them on this machine with "
+                          f"--collectives tensorflow, or run with -np 1")
     return found
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -28,12 +29,14 @@ STOP_GRACE_S = 10.0  # after a failure: how long the other workers have to stop 
 
 
 def free_addresses(host: str, count: int) -> list[str]:
-    """`count` host:port the OS just handed out, held together so no two are the same."""
+    """`count` host:port whose ports the OS just handed out on every interface (TensorFlow's
+    server binds the wildcard address, whatever host it is told), held together so no two
+    are the same."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets = [socket.socket(family) for _ in range(count)]
     try:
         for s in sockets:
-            s.bind((host, 0))
+            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         bracket = f"[{host}]" if ":" in host else host
         return [f"{bracket}:{s.getsockname()[1]}" for s in sockets]
     finally:
@@ -41,14 +44,18 @@ def free_addresses(host: str, count: int) -> list[str]:
             s.close()
 
 
+def exit_code(returncode: int) -> int:
+    """A worker's exit code as horovodrun reports it: 128 + N for one killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 class _Supervisor:
     def __init__(self, program: list[str], addresses: list[str]) -> None:
         self.lock = threading.Lock()
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (rank, code), as they end
         self.procs = [self._start(program, addresses, rank) for rank in range(len(addresses))]
-        self.readers = [threading.Thread(target=self._relay, args=(rank, p), daemon=True)
-                        for rank, p in enumerate(self.procs)]
-        for reader in self.readers:
-            reader.start()
+        for rank, proc in enumerate(self.procs):
+            threading.Thread(target=self._relay, args=(rank, proc), daemon=True).start()
 
     @staticmethod
     def _start(program: list[str], addresses: list[str], rank: int) -> subprocess.Popen:
@@ -57,13 +64,15 @@ class _Supervisor:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def _relay(self, rank: int, proc: subprocess.Popen) -> None:
-        """Each output line of worker `rank`, prefixed as horovodrun prefixes it."""
+        """Each output line of worker `rank`, prefixed as horovodrun prefixes it (a last line
+        without its newline gets one); then its exit, once its output is out."""
         assert proc.stdout is not None
         prefix = f"[{rank}]<stdout>:".encode()
         for line in proc.stdout:
             with self.lock:
-                sys.stdout.buffer.write(prefix + line)
+                sys.stdout.buffer.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
                 sys.stdout.buffer.flush()
+        self.exits.put((rank, exit_code(proc.wait())))
 
     def say(self, text: str) -> None:
         with self.lock:
@@ -71,27 +80,22 @@ class _Supervisor:
             sys.stdout.buffer.flush()
 
     def wait(self) -> int:
-        """0 once every worker exited 0; else 1, after the first failure is reported and
-        the other workers are stopped."""
-        running = dict(enumerate(self.procs))
-        while running:
-            for rank, proc in list(running.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del running[rank]
-                if code != 0:
-                    self._finish_output()
-                    self.say(f"Process {rank} exit with status code {code}.")
-                    self.stop(running.values())
-                    return 1
-            time.sleep(0.05)
-        self._finish_output()
+        """0 once every worker exited 0; else 1, after the first failure (in the order the
+        workers ended) is reported and the other workers are stopped."""
+        for _ in self.procs:
+            rank, code = self._next_exit()
+            if code != 0:
+                self.say(f"Process {rank} exit with status code {code}.")
+                self.stop(self.procs)
+                return 1
         return 0
 
-    def _finish_output(self) -> None:
-        for reader in self.readers:
-            reader.join(timeout=0.0 if reader is threading.current_thread() else 1.0)
+    def _next_exit(self) -> tuple[int, int]:
+        while True:  # (a short timeout: SIGTERM's handler runs between the waits)
+            try:
+                return self.exits.get(timeout=0.5)
+            except queue.Empty:
+                continue
 
     def stop(self, procs) -> None:
         procs = [p for p in procs if p.poll() is None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
 from parallax.launch.backends.horovodrun import Horovodrun
 from parallax.launch.hosts import ClusterLayout, is_local, worker_hosts
@@ -29,6 +30,10 @@ class TensorFlowRun(WorkerBackend):
 
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],
              extra_args: tuple[str, ...] = ()) -> list[str]:
+        if extra_args:
+            raise ConfigError(f"--horovodrun-arg {' '.join(extra_args)}: the workers start "
+                              f"without horovodrun (--collectives tensorflow, or Horovod "
+                              f"missing); drop it, or use --collectives horovod")
         return [sys.executable, "-m", SUPERVISOR, "-np", str(num_workers), "--host",
                 "127.0.0.1", "--", *program]  # (every worker is on this machine: accepts)
 

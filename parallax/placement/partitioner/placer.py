@@ -38,11 +38,12 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     cold tables, balanced "in sum". The max is each shard's dominant share (as in dominant
     resource fairness), so both resources stay balanced at the level of the tighter one; with
     plenty of memory the bytes' shares are small and the load decides, with memory tight the
-    bytes do. When no table is measured (no `unique_rows_per_step`, no hot ids), load says
-    nothing about which server is busier: a fused step sends each server one pull and one
-    push per worker, whatever number of shards it holds. Then whole tables are placed by
-    bytes alone (`_place_by_bytes`), which is how a plan places its tables before any
-    measurement (`parallax.placement.plan.place_shards`).
+    bytes do. When no table is measured (no `unique_rows_per_step`, no hot ids) and server
+    memory is not limited, load says nothing about which server is busier: a fused step
+    sends each server one pull and one push per worker, whatever number of shards it holds.
+    Then whole tables are placed by bytes alone (`_place_by_bytes`), which is how a plan
+    places its tables before any measurement (`parallax.placement.plan.place_shards`); with
+    a memory limit, shards go heaviest first as above, which packs tighter.
 
     `keep` (table -> servers of its shards, e.g. the running layout): a table whose count
     equals its kept layout's stays there and counts as load, so a job that changes a few
@@ -59,7 +60,8 @@ def place(counts: Mapping[str, int], tables: Sequence[TableProfile], cluster: Cl
     kept = {name: list(where) for name, where in (keep or {}).items()
             if name in counts and len(where) == counts[name]
             and all(0 <= s < cluster.num_servers for s in where)}
-    if not any(t.unique_rows_per_step or t.hot_shares for t in tables):
+    if cluster.server_memory_bytes is None and \
+            not any(t.unique_rows_per_step or t.hot_shares for t in tables):
         _place_by_bytes(counts, tables, kept, state, servers)
         return _plan(counts, tables, servers)
     shards = _shards(counts, tables, cluster, load)
