@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from parallax.client.cluster import parse_addresses
 from parallax.env import TF_CONFIG_ENV, WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError
 from parallax.tf.worker_info import WorkerInfo
@@ -54,7 +55,7 @@ def collective_workers(environ: Mapping[str, str]) -> tuple[list[str], int] | No
     launcher's variables or TF_CONFIG's chief and worker tasks; None when neither names
     several workers."""
     if environ.get(WORKERS_ENV):
-        addresses = _addresses(environ[WORKERS_ENV].split(","), WORKERS_ENV)
+        addresses = list(parse_addresses(environ[WORKERS_ENV], WORKERS_ENV))
         rank = environ.get(WORKER_RANK_ENV, "")
         if not rank.isdigit() or int(rank) >= len(addresses):
             raise ConfigError(f"{WORKER_RANK_ENV}={rank!r} must be this worker's index in "
@@ -75,9 +76,10 @@ def _tf_config_workers(text: str) -> tuple[list[str], int] | None:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ConfigError(f"{TF_CONFIG_ENV} is not a TensorFlow cluster description ({exc})"
                           ) from None
-    addresses = _addresses(chiefs + workers, f"{TF_CONFIG_ENV} cluster.chief/worker")
-    if len(addresses) < 2:
+    if len(chiefs) + len(workers) < 2:
         return None
+    addresses = list(parse_addresses(",".join(map(str, chiefs + workers)),
+                                     f"{TF_CONFIG_ENV} cluster.chief/worker"))
     if not isinstance(task, dict):
         raise ConfigError(f"{TF_CONFIG_ENV} names {len(addresses)} workers but no \"task\" "
                           f"(which one this process is): give {{\"task\": {{\"type\": "
@@ -90,16 +92,6 @@ def _tf_config_workers(text: str) -> tuple[list[str], int] | None:
         raise ConfigError(f"{TF_CONFIG_ENV} task index {index!r} is not one of the "
                           f"{len(tasks)} {kind} tasks (0..{len(tasks) - 1})")
     return addresses, index if kind == "chief" else len(chiefs) + index
-
-
-def _addresses(entries, source: str) -> list[str]:
-    """host:port strings, each with a port in 1-65535."""
-    addresses = [str(a).strip() for a in entries if str(a).strip()]
-    for address in addresses:
-        port = address.rsplit(":", 1)[1] if ":" in address else ""
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError(f"{source}: {address!r} is not host:port (a port in 1-65535)")
-    return addresses
 
 
 class TensorFlowWorkers:
@@ -135,8 +127,7 @@ class TensorFlowWorkers:
         for carrier, positions in by_dtype.items():
             summed = self._sum_packed([tf.cast(dense[i], carrier) for i in positions])
             for i, total in zip(positions, summed):
-                out[i] = tf.cast(total, dense[i].dtype) if total.dtype != dense[i].dtype \
-                    else total
+                out[i] = tf.cast(total, dense[i].dtype)  # (no op where it is that dtype)
         return out
 
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
@@ -169,9 +160,7 @@ class TensorFlowWorkers:
             return next(_KEYS)
 
     def _sum_packed(self, tensors: Sequence[Any]) -> list[tf.Tensor]:
-        tensors = [tf.convert_to_tensor(t) for t in tensors]
-        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0) if len(tensors) > 1 \
-            else tf.reshape(tensors[0], [-1])
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
         with tf.device(self.device):
             summed = tf.raw_ops.CollectiveReduceV2(
                 input=flat, group_size=self.size, group_key=_GROUP_KEY,

@@ -80,10 +80,15 @@ def find_horovodrun() -> str:
 BOUND_HOROVODRUN = Path(__file__).with_name("horovodrun_bound.py")
 
 
+def horovod_installed() -> bool:
+    """Whether this interpreter can import Horovod."""
+    return importlib.util.find_spec("horovod") is not None
+
+
 def _interpreter_of(script: str) -> str:
     """The Python to run horovodrun's code with: this one when it has Horovod, else the one
     `script` (horovodrun) runs with, checked to be a Python that imports Horovod."""
-    if importlib.util.find_spec("horovod") is not None:
+    if horovod_installed():
         return sys.executable
     python = _script_python(script)
     if python is None or not _imports_horovod(python):

@@ -6,12 +6,11 @@ horovodrun's output contract: the launcher reads both alike.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
-from parallax.launch.backends.horovodrun import Horovodrun
+from parallax.launch.backends.horovodrun import Horovodrun, horovod_installed
 from parallax.launch.hosts import ClusterLayout, is_local, worker_hosts
 
 SUPERVISOR = "parallax.launch.backends.tf_supervisor"
@@ -40,6 +39,3 @@ class TensorFlowRun(WorkerBackend):
     rank_line = Horovodrun.rank_line  # the same output contract as horovodrun's
     failure = Horovodrun.failure
 
-
-def horovod_installed() -> bool:
-    return importlib.util.find_spec("horovod") is not None
