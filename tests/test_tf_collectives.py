@@ -19,7 +19,7 @@ import pytest
 from conftest import free_ports
 from parallax.errors import ConfigError
 from parallax.launch.backends import BACKENDS, choose
-from parallax.launch.backends.tfrun import horovod_installed
+from parallax.launch.backends.horovodrun import horovod_installed
 from parallax.launch.hosts import parse_host_string
 from parallax.tf.tf_collectives import collective_workers
 
@@ -38,6 +38,13 @@ def _run(command: list[str], timeout: float = 900) -> subprocess.CompletedProces
            if not k.startswith(("HOROVOD_", "OMPI_", "PMI_", "PARALLAX_")) and k != "TF_CONFIG"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
+
+
+def _two_workers(program: list[str], *flags: str, timeout: float = 300
+                 ) -> subprocess.CompletedProcess:
+    """`parallax run` of `program` on 2 workers over TensorFlow's collectives, 1 server."""
+    return _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
+                 *flags, "--", *program], timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -95,8 +102,7 @@ def test_a_failing_worker_is_named_and_the_job_stops(tmp_path):
                       "rank = int(os.environ['PARALLAX_WORKER_RANK'])\n"
                       "print('WORKERS', os.environ['PARALLAX_WORKERS'], flush=True)\n"
                       "sys.exit(3) if rank == 1 else time.sleep(120)\n")
-    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
-                 "--", sys.executable, str(script)], timeout=120)
+    proc = _two_workers([sys.executable, str(script)], timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 3, output
     assert "Process 1 exit with status code 3." in output
@@ -106,9 +112,8 @@ def test_a_failing_worker_is_named_and_the_job_stops(tmp_path):
 
 
 def test_local_aggregation_with_tensorflows_collectives_is_refused_up_front(tmp_path):
-    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
-                 "--", sys.executable, str(WORKER), "--setup", "parallax", "--cases",
-                 "keras-adagrad-fit-localagg", "--out", str(tmp_path)], timeout=300)
+    proc = _two_workers([sys.executable, str(WORKER), "--setup", "parallax", "--cases",
+                         "keras-adagrad-fit-localagg", "--out", str(tmp_path)])
     assert proc.returncode == 1
     assert "local aggregation gathers each step's sparse gradients" in proc.stdout + proc.stderr
 
@@ -149,8 +154,7 @@ def test_signal_deaths_and_unended_lines_are_reported_as_horovodrun_does(tmp_pat
                       "    sys.stdout.write('5/100 [=>....] - loss: 0.69'); sys.stdout.flush()\n"
                       "    os.kill(os.getpid(), signal.SIGKILL)\n"
                       "time.sleep(120)\n")
-    proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives", "tensorflow",
-                 "--", sys.executable, str(script)], timeout=120)
+    proc = _two_workers([sys.executable, str(script)], timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 137, output
     assert "\nProcess 1 exit with status code 137." in output
@@ -172,8 +176,7 @@ def test_small_integer_and_bool_tensors_are_summed_and_broadcast_exactly(tmp_pat
         "                        tf.constant(1.5)])\n"
         "print('RESULT', r, bool(flag.numpy()), small.numpy().tolist(),\n"
         "      [s.numpy().tolist() for s in sums], [s.dtype.name for s in sums], flush=True)\n")
-    output = _ok(_run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives",
-                       "tensorflow", "--", sys.executable, str(script)], timeout=300))
+    output = _ok(_two_workers([sys.executable, str(script)]))
     results = sorted(line.split("RESULT ", 1)[1] for line in output.splitlines()
                      if "RESULT " in line)
     expected = "True [1, 100] [[1], [3], 3.0] ['uint8', 'int16', 'float32']"
@@ -182,8 +185,7 @@ def test_small_integer_and_bool_tensors_are_summed_and_broadcast_exactly(tmp_pat
 
 def test_a_secure_job_or_horovodrun_flags_are_refused_with_tensorflows_collectives(tmp_path):
     for extra in (["--secure"], ["--horovodrun-arg=--verbose"]):
-        proc = _run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives",
-                     "tensorflow", *extra, "--", sys.executable, "-c", "pass"], timeout=120)
+        proc = _two_workers([sys.executable, "-c", "pass"], *extra, timeout=120)
         output = proc.stdout + proc.stderr
         assert proc.returncode != 0, (extra, output)
         assert ("listens, unauthenticated" if extra == ["--secure"] else
