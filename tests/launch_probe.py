@@ -1,10 +1,13 @@
 """A worker for `parallax run` tests: reports what the launcher gave it, as one JSON line.
 
-Initialises horovod.tensorflow when HOROVOD_SIZE is set (under horovodrun), waits until
+Initialises horovod.tensorflow when HOROVOD_SIZE is set (under horovodrun), or reads its rank
+and size from PARALLAX_WORKERS and PARALLAX_WORKER_RANK (the TensorFlow supervisor); with
+--collective it also sums rank + 1 over the workers through their collectives ("sum"); waits until
 every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "size",
 "addresses", "run_id", "pid", "netns", "mode", "sync", "restart", "cuda" (CUDA_VISIBLE_DEVICES),
 "log_level" (PARALLAX_LOG_LEVEL)}, optionally sleeps, and
-exits with --exit CODE (only on --exit-rank R when given; the other ranks exit 0). With
+exits with --exit CODE (only on --exit-rank R when given, at once; the other ranks sleep
+and exit 0). With
 --until-restart A, the sleep and the exit code apply only while PARALLAX_RESTART_COUNT < A
 (later attempts exit 0 at once).
 """
@@ -19,6 +22,7 @@ parser.add_argument("--exit", type=int, default=0)
 parser.add_argument("--exit-rank", type=int, default=None)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--until-restart", type=int, default=None)
+parser.add_argument("--collective", action="store_true")
 args = parser.parse_args()
 restart = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
 if args.until_restart is not None and restart >= args.until_restart:
@@ -31,6 +35,18 @@ if "HOROVOD_SIZE" in os.environ:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+elif os.environ.get("PARALLAX_WORKERS"):
+    rank = int(os.environ["PARALLAX_WORKER_RANK"])
+    size = len(os.environ["PARALLAX_WORKERS"].split(","))
+total = None
+if args.collective:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from parallax.tf.collectives import make_collectives
+
+    [summed] = make_collectives().allreduce_sum([tf.constant([rank + 1.0])])
+    total = float(summed.numpy()[0])
 
 from parallax import PSClient  # noqa: E402
 from parallax.client.connection import client_options_from_env  # noqa: E402
@@ -42,8 +58,8 @@ print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses
                   "run_id": os.environ["PARALLAX_RUN_ID"], "pid": os.getpid(),
                   "netns": os.readlink("/proc/self/ns/net"),
                   "mode": os.environ.get("PARALLAX_MODE"),
-                  "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart,
+                  "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart, "sum": total,
                   "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "log_level": os.environ.get("PARALLAX_LOG_LEVEL")}), flush=True)
-time.sleep(args.sleep)
+time.sleep(0.0 if args.exit_rank == rank else args.sleep)
 sys.exit(args.exit if args.exit_rank in (None, rank) else 0)

@@ -150,6 +150,17 @@ def test_slot_ids_become_each_workers_cuda_visible_devices():
     assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
+def test_slot_ids_of_the_tensorflow_supervisors_workers_follow_their_host_and_local_rank():
+    """Without Horovod a worker finds its host and local rank in PARALLAX_WORKERS (the
+    supervisor maps "localhost" to 127.0.0.1, and names an ssh host by its address)."""
+    layout = parse_hosts("localhost: 2,3\ncarol@192.0.2.1: 5,6\n")
+    argv = with_devices(layout, 4, ["prog"])[4:]
+    workers = "127.0.0.1:1,127.0.0.1:2,192.0.2.1:3,192.0.2.1:4"
+    for rank, device in enumerate(["2", "3", "5", "6"]):
+        env = {"PARALLAX_WORKERS": workers, "PARALLAX_WORKER_RANK": str(rank)}
+        assert _gpus(argv, env) == ["prog"] and env["CUDA_VISIBLE_DEVICES"] == device, rank
+
+
 def test_the_gpus_wrapper_execs_the_program_with_its_device():
     done = subprocess.run(
         [sys.executable, "-m", "parallax.launch.hosts", "gpus", "h1=4,5", "--", sys.executable,

@@ -77,6 +77,19 @@ def _servers() -> dict[int, str]:
     return found
 
 
+def _probe_processes() -> list[int]:
+    """pids of launch_probe.py workers still running (in any namespace)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if PROBE.encode() in cmd and b"parallax.launch.hosts" not in cmd:
+            found.append(int(entry.name))
+    return found
+
+
 def _launch(nc: Path, hosts: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PATH": f"{nc / 'bin'}:{os.environ['PATH']}",
            "TF_CPP_MIN_LOG_LEVEL": "2", "MULTIHOST_MARK": uuid.uuid4().hex}
@@ -138,6 +151,40 @@ def test_two_hosts_two_workers(cluster, tmp_path):
     assert not _servers(), "servers left behind"
 
 
+@pytest.mark.multiprocess
+def test_two_hosts_two_workers_over_tensorflows_collectives(cluster, tmp_path):
+    """--collectives tensorflow: the supervisor starts the second host's worker over ssh, and
+    the two workers sum over TensorFlow's collectives across the namespaces."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--collectives", "tensorflow", "--", "python", PROBE,
+                       "--collective")
+    output = launcher.communicate(timeout=180)[0]
+    assert launcher.returncode == 0, output
+    probes = sorted(_probes(output), key=lambda p: p["rank"])
+    assert [(p["rank"], p["size"], p["sum"]) for p in probes] == [(0, 2, 3.0), (1, 2, 3.0)], \
+        output
+    assert probes[0]["netns"] != probes[1]["netns"], "both workers ran in one namespace"
+    assert probes[0]["run_id"] == probes[1]["run_id"]
+    time.sleep(1)
+    assert not _servers(), "servers left behind"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_worker_ends_the_tensorflow_job_on_both_hosts(cluster, tmp_path, failing):
+    """One worker exits 3 (rank 1 runs over ssh): the job fails naming it, and the other,
+    which would sleep a minute, is stopped (nothing left in either namespace)."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    started = time.monotonic()
+    launcher = _launch(cluster, hosts, "--collectives", "tensorflow", "--", "python", PROBE,
+                       "--sleep", "60", "--exit", "3", "--exit-rank", str(failing))
+    output = launcher.communicate(timeout=180)[0]
+    assert launcher.returncode == 3, output
+    assert f"worker rank {failing} exited with code 3" in output, output
+    assert time.monotonic() - started < 60, output
+    time.sleep(1)
+    assert not _servers(), "servers left behind"
+    assert not [p for p in _probe_processes()], "a worker was left behind"
 @pytest.mark.multiprocess
 def test_secure_job_on_two_hosts(cluster, tmp_path):
     """--secure with --hosts: certificates for every host, copied over ssh to the other

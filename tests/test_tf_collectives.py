@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from conftest import free_ports
 from parallax.errors import ConfigError
 from parallax.launch.backends import BACKENDS, choose
 from parallax.launch.backends.horovodrun import horovod_installed
+from parallax.launch.backends.tf_supervisor import WorkerHost, remote_command
+from parallax.launch.backends.tfrun import supervisor_hosts
 from parallax.launch.hosts import parse_host_string
 from parallax.tf.tf_collectives import collective_workers
 
@@ -125,8 +128,27 @@ def test_the_backend_follows_collectives():
     assert choose(two_here, 2, "horovod") is BACKENDS["horovodrun"]
     assert choose(two_here, 2) is BACKENDS["horovodrun" if horovod_installed() else "tensorflow"]
     assert choose(two_here, 1, "tensorflow") is BACKENDS["single"]
-    with pytest.raises(ConfigError, match="on this machine only so far"):
-        choose(parse_host_string("192.0.2.1:2"), 2, "tensorflow")
+    elsewhere = parse_host_string("localhost:1,carol@192.0.2.1:2")
+    assert choose(elsewhere, 3, "tensorflow") is BACKENDS["tensorflow"]
+    assert supervisor_hosts(elsewhere, 2) == [
+        {"host": "127.0.0.1", "workers": 1},
+        {"host": "192.0.2.1", "workers": 1, "ssh_target": "carol@192.0.2.1"}]
+
+
+def test_a_remote_worker_runs_here_in_this_directory_with_the_exportable_environment():
+    host = WorkerHost("192.0.2.1", 1, "carol@192.0.2.1", 2222)
+    argv = remote_command(host, ["python", "train.py", "--name", "a b"],
+                          {"PARALLAX_RUN_ID": "r1", "PARALLAX_PARENT_PID": "42",
+                           "HOME": "/root", "SSH_AUTH_SOCK": "/x", "BASH_FUNC_f%%": "()",
+                           "ODD": "it's"})
+    assert argv[:-1] == [argv[0], "-o", "BatchMode=yes", "-p", "2222", "carol@192.0.2.1"]
+    words = shlex.split(argv[-1])
+    assert words[:2] == ["sh", "-c"]
+    script = shlex.split(words[2])
+    assert script[:4] == ["cd", os.getcwd(), "&&", "exec"]
+    assert script[4:7] == ["env", "ODD=it's", "PARALLAX_RUN_ID=r1"]
+    assert script[7:] == [sys.executable, "-m", "parallax.launch.hosts", "serve", "python",
+                          "train.py", "--name", "a b"]
 
 
 def test_workers_come_from_parallax_run_or_tf_config():

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
-from parallax.env import WORKER_RANK_ENV
+from parallax.env import WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.runtime import lifeline
 
@@ -494,18 +494,34 @@ def _serve(argv: list[str]) -> int:
 
 def _gpus(argv: list[str], environ=None) -> list[str]:
     """`HOST=ID,... [HOST=ID,...] -- COMMAND`: set CUDA_VISIBLE_DEVICES to the id of this
-    worker (HOROVOD_HOSTNAME's list, HOROVOD_LOCAL_RANK-th; the first list without
-    Horovod, PARALLAX_WORKER_RANK-th: the TensorFlow supervisor's workers are all on this
-    host); returns COMMAND. A host not listed keeps CUDA_VISIBLE_DEVICES as it is."""
+    worker (its host's list, its local rank-th: Horovod's HOROVOD_HOSTNAME and
+    HOROVOD_LOCAL_RANK, or the TensorFlow supervisor's PARALLAX_WORKERS and
+    PARALLAX_WORKER_RANK); returns COMMAND. A host not listed keeps CUDA_VISIBLE_DEVICES."""
     environ = os.environ if environ is None else environ
     split = argv.index("--") if "--" in argv else len(argv)
     ids = dict(pair.split("=", 1) for pair in argv[:split])
-    name = environ.get("HOROVOD_HOSTNAME", next(iter(ids), ""))
-    rank = int(environ.get("HOROVOD_LOCAL_RANK", environ.get(WORKER_RANK_ENV, "0")))
+    if "HOROVOD_HOSTNAME" in environ:
+        name, rank = environ["HOROVOD_HOSTNAME"], int(environ.get("HOROVOD_LOCAL_RANK", "0"))
+    else:
+        name, rank = _supervised_slot(ids, environ)
     mine = ids.get(name, "").split(",") if ids.get(name) else []
     if rank < len(mine):
         environ["CUDA_VISIBLE_DEVICES"] = mine[rank]
     return argv[split + 1:]
+
+
+def _supervised_slot(ids: dict[str, str], environ) -> tuple[str, int]:
+    """(the name in `ids` of this worker's host, its rank there) from PARALLAX_WORKERS and
+    PARALLAX_WORKER_RANK; the first host and rank 0 without them."""
+    if not environ.get(WORKERS_ENV):
+        return next(iter(ids), ""), 0
+    hosts = [a.rsplit(":", 1)[0].strip("[]") for a in environ[WORKERS_ENV].split(",")]
+    me = int(environ.get(WORKER_RANK_ENV, "0"))
+    mine = hosts[me]
+    names = {n: "127.0.0.1" if n == "localhost" else n.rpartition("@")[2].strip("[]")
+             for n in ids}
+    name = next((n for n, host in names.items() if host == mine), "")
+    return name, hosts[:me].count(mine)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ of a job's workers (`argv`), and reads what that command writes about them (`ran
 `failure`). `choose` picks the first backend in `BACKENDS` whose `accepts` takes the job:
 
   single      one worker on this machine: the program itself (`single.py`)
-  tensorflow  N workers on this machine without Horovod, through a small supervisor; their
-              dense gradients go through TensorFlow's collectives (`tfrun.py`)
+  tensorflow  N workers here and over ssh without Horovod, through a small supervisor;
+              their dense gradients go through TensorFlow's collectives (`tfrun.py`)
   horovodrun  N workers here and over ssh, through Horovod's launcher with gloo
               (`horovodrun.py`)
 
@@ -35,12 +35,9 @@ BACKENDS: dict[str, WorkerBackend] = {b.name: b for b in (Single(), TensorFlowRu
 def choose(layout: ClusterLayout, num_workers: int, collectives: str = "auto"
            ) -> WorkerBackend:
     """The first backend that accepts the job: with `collectives` "auto", horovodrun where
-    Horovod is installed, else the TensorFlow supervisor (this machine only)."""
+    Horovod is installed, else the TensorFlow supervisor."""
     for backend in BACKENDS.values():
         if backend.accepts(layout, num_workers, collectives):
             return backend
-    hint = "; TensorFlow's collectives start workers on this machine only so far: use " \
-        "--collectives horovod (Horovod installed) for other hosts" \
-        if collectives == "tensorflow" else ""
     raise ConfigError(f"no launch backend ({', '.join(BACKENDS)}) can start {num_workers} "
-                      f"worker(s) on hosts {[h.host for h in layout.hosts]}{hint}")
+                      f"worker(s) on hosts {[h.host for h in layout.hosts]}")

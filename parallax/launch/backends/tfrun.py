@@ -1,11 +1,12 @@
-"""The `tensorflow` launch backend: N workers on this machine, without Horovod, whose dense
-gradients go through TensorFlow's own collectives (`parallax.tf.tf_collectives`).
+"""The `tensorflow` launch backend: N workers, on this machine and over ssh, without Horovod,
+whose dense gradients go through TensorFlow's own collectives (`parallax.tf.tf_collectives`).
 
 Its one command is a small supervisor, `tf_supervisor.py` beside this file, which keeps
 horovodrun's output contract: the launcher reads both alike.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 from parallax.errors import ConfigError
@@ -22,10 +23,9 @@ class TensorFlowRun(WorkerBackend):
 
     def accepts(self, layout: ClusterLayout, num_workers: int, collectives: str = "auto"
                 ) -> bool:
-        """Several workers, all on this machine, asked for (or Horovod is not installed)."""
-        if collectives == "horovod" or (collectives == "auto" and horovod_installed()):
-            return False
-        return all(is_local(host.host) for host, _, _ in worker_hosts(layout, num_workers))
+        """Several workers, with TensorFlow's collectives asked for (or Horovod missing)."""
+        return collectives == "tensorflow" or (collectives == "auto"
+                                               and not horovod_installed())
 
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],
              extra_args: tuple[str, ...] = ()) -> list[str]:
@@ -33,9 +33,25 @@ class TensorFlowRun(WorkerBackend):
             raise ConfigError(f"--horovodrun-arg {' '.join(extra_args)}: the workers start "
                               f"without horovodrun (--collectives tensorflow, or Horovod "
                               f"missing); drop it, or use --collectives horovod")
-        return [sys.executable, "-m", SUPERVISOR, "-np", str(num_workers), "--host",
-                "127.0.0.1", "--", *program]  # (every worker is on this machine: accepts)
+        return [sys.executable, "-m", SUPERVISOR, "--hosts",
+                json.dumps(supervisor_hosts(layout, num_workers)), "--", *program]
 
     rank_line = Horovodrun.rank_line  # the same output contract as horovodrun's
     failure = Horovodrun.failure
 
+
+def supervisor_hosts(layout: ClusterLayout, num_workers: int) -> list[dict]:
+    """The supervisor's --hosts: each host of the first `num_workers` slots, its address
+    (loopback for "localhost") and workers, and how to reach it over ssh unless it is this
+    machine."""
+    hosts = []
+    for host, _, take in worker_hosts(layout, num_workers):
+        address = host.host.strip("[]")
+        entry: dict = {"host": "127.0.0.1" if address == "localhost" else address,
+                       "workers": take}
+        if not is_local(host.host):
+            entry["ssh_target"] = host.ssh_target
+            if host.ssh_port is not None:
+                entry["ssh_port"] = host.ssh_port
+        hosts.append(entry)
+    return hosts
