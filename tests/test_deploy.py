@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import re
 import socket
 import subprocess
@@ -320,6 +321,12 @@ CONFIGS = {
     "monitored-pvc": K8sConfig(name="mon", image="parallax", command=("python", "t.py"),
                                workers=2, service_monitor=True, data_volume_size="1Gi",
                                service_monitor_labels=("release=prometheus",)),
+    "tensorflow-3x2": K8sConfig(name="tf21", image="parallax:tf-2.21", command=("python", "t.py"),
+                                workers=3, servers=2, collectives="tensorflow",
+                                collective_port=7090),
+    "tensorflow-restarts-2x1": K8sConfig(name="tfr", image="parallax", command=("t",),
+                                         workers=2, servers=1, collectives="tensorflow",
+                                         max_restarts=2),
     "gpu-scheduled": K8sConfig(
         name="gpu", image="parallax", command=("python", "t.py"), workers=2, servers=2,
         cpu="1", memory="2Gi", cpu_limit="2", memory_limit="4Gi", server_cpu="4",
@@ -330,6 +337,11 @@ CONFIGS = {
         server_tolerations=("highmem:NoExecute",)),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
+
+
+def _python_path() -> dict[str, str]:
+    """PYTHONPATH, where the tests run against a checkout other than the installed one."""
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
 
 
 def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -422,7 +434,15 @@ def test_manifests_are_structurally_valid(key):
         assert job["ps_addresses"] == addresses
     else:
         assert "PARALLAX_PS_ADDRESSES" not in env
-    if n > 1:
+    if n > 1 and config.collectives == "tensorflow":  # each pod's TensorFlow server, by rank
+        assert not any(k.startswith("HOROVOD_") for k in env)
+        assert env["PARALLAX_WORKERS"].split(",") == [
+            f"{job_obj['metadata']['name']}-{i}.{pod['subdomain']}.{config.namespace}"
+            f".svc.cluster.local:{config.collective_port}" for i in range(n)]
+        assert ("collective", config.collective_port) in \
+            [(p["name"], p["containerPort"]) for p in worker["ports"]]
+        assert config.collective_port in [p["port"] for p in workers_svc["spec"]["ports"]]
+    elif n > 1:
         assert env["HOROVOD_SIZE"] == str(n) and env["HOROVOD_CONTROLLER"] == "gloo"
         assert env["HOROVOD_CPU_OPERATIONS"] == "gloo"
         host, port = env[RENDEZVOUS_ENV].rsplit(":", 1)
@@ -516,6 +536,10 @@ def test_manifests_pass_the_kubernetes_schemas(key):
      ["--service-monitor-label 'release'", "KEY=VALUE"]),
     ({"server_args": ("--metrics-port=9",)}, ["--server-arg '--metrics-port=9'",
                                               "give --metrics-port"]),
+    ({"collectives": "auto"}, ["--collectives 'auto'", "horovod, tensorflow"]),
+    ({"collectives": "tensorflow", "collective_port": 7001},
+     ["--collective-port 7001 is already a server or rendezvous port"]),
+    ({"collectives": "tensorflow", "collective_port": 0}, ["--collective-port 0", "1-65535"]),
 ])
 def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
@@ -1064,6 +1088,47 @@ def test_worker_bootstrap_runs_a_two_rank_gloo_job_without_horovodrun(tmp_path):
         assert f"HVD rank={index} size=2 sum=[1.0, 2.0]" in out, out[-3000:]
 
 
+TF_SUM = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+from parallax.tf.collectives import make_collectives
+rank = int(os.environ["PARALLAX_WORKER_RANK"])
+workers = make_collectives("tensorflow")
+[total] = workers.allreduce_sum([tf.constant([rank + 1.0])])
+print(f"TF rank={rank} size={workers.size} sum={float(total[0])} "
+      f"horovod={any(k.startswith('HOROVOD_') for k in os.environ)}", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_worker_bootstrap_runs_tensorflows_collectives_without_horovod(tmp_path):
+    """--collectives tensorflow: two 'pods' on loopback get their rank from
+    JOB_COMPLETION_INDEX and sum over TensorFlow's collectives (the manifests' worker
+    addresses replaced by loopback ports, as DNS names would resolve in a cluster)."""
+    script = tmp_path / "tf_sum.py"
+    script.write_text(TF_SUM)
+    config = K8sConfig(name="t", image="x", workers=2, servers=0, mode="allreduce",
+                       collectives="tensorflow", command=(sys.executable, str(script)))
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {**_env(container), "PATH": f"{BIN}:/usr/bin:/bin", **_python_path(),
+           "PARALLAX_WORKERS": ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))}
+    argv = [str(BIN / "parallax"), *container["command"][1:]]
+    procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (1, 0)}
+    try:
+        outs = {i: p.communicate(timeout=180)[0] for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for index, out in outs.items():
+        assert procs[index].returncode == 0, out[-3000:]
+        assert f"TF rank={index} size=2 sum=3.0 horovod=False" in out, out[-3000:]
+
+
 def test_worker_bootstrap_with_one_worker_runs_the_command_alone(tmp_path):
     config = K8sConfig(name="t", image="x", workers=1, servers=1,
                        command=(sys.executable, "-c",
@@ -1108,7 +1173,7 @@ def test_restarts_restart_the_gang_in_place_and_recreate_only_lost_pods(key):
     assert worker["command"] == ["parallax", "k8s", "worker", "--", *config.command]
     assert env[MAX_RESTARTS_ENV] == str(config.max_restarts)
     assert env[RENDEZVOUS_ENV].startswith(f"{config.name}-worker-0.{config.name}-workers.")
-    assert [p["containerPort"] for p in worker["ports"]] == [config.rendezvous_port]
+    assert [p["containerPort"] for p in worker["ports"]][0] == config.rendezvous_port
     assert "PARALLAX_RESTART_COUNT" not in env  # each attempt gets its own from the gang
     # the run id is pinned: every attempt and every recreated pod resumes the same run
     run_id = json.loads(objs["ConfigMap", f"{config.name}-config"]["data"]["job.json"])
@@ -1160,7 +1225,8 @@ def test_without_restart_flags_the_manifests_are_as_before(key):
     _, job, sts, worker = _objects(config)
     assert job["spec"]["backoffLimit"] == 0 and "podFailurePolicy" not in job["spec"]
     assert MAX_RESTARTS_ENV not in _env(worker)
-    assert (RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1)
+    assert (RENDEZVOUS_ENV in _env(worker)) == (config.workers > 1
+                                                and config.collectives == "horovod")
     if sts and not config.data_volume_size:
         pod = sts["spec"]["template"]["spec"]
         assert "--data-dir" not in _container(sts, "server")["command"]
@@ -1290,7 +1356,8 @@ def test_gang_fails_when_the_servers_cannot_be_prepared():
 
 RESTART_PROBE = """
 import os, sys, time
-rank, attempt = os.environ["HOROVOD_RANK"], os.environ["PARALLAX_RESTART_COUNT"]
+rank = os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK"))
+attempt = os.environ["PARALLAX_RESTART_COUNT"]
 print(f"rank={rank} attempt={attempt} run={os.environ['PARALLAX_RUN_ID']}", flush=True)
 if attempt == "0":
     if rank == "1":
@@ -1300,15 +1367,18 @@ sys.exit(int(os.environ.get("FINAL_CODE", "0")) if attempt == os.environ["LAST"]
 """
 
 
-def _gang_pods(tmp_path, max_restarts: int, extra_env: dict) -> dict:
+def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
+               collectives: str = "horovod") -> dict:
     script = tmp_path / "probe.py"
     script.write_text(RESTART_PROBE)
     config = K8sConfig(name="g", image="x", workers=2, servers=0, mode="allreduce",
-                       max_restarts=max_restarts, command=(sys.executable, str(script)))
+                       max_restarts=max_restarts, command=(sys.executable, str(script)),
+                       collectives=collectives)
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {**_env(container), RENDEZVOUS_ENV: f"localhost:{_free_port()}",
-           "PATH": f"{BIN}:/usr/bin:/bin", GANG_TIMEOUT_ENV: "20", **extra_env}
+           "PATH": f"{BIN}:/usr/bin:/bin", GANG_TIMEOUT_ENV: "20", **_python_path(),
+           **extra_env}
     argv = [str(BIN / "parallax"), *container["command"][1:]]
     procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -1323,8 +1393,10 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_gang_bootstrap_restarts_both_ranks_when_one_fails(tmp_path):
-    results = _gang_pods(tmp_path, 1, {"LAST": "1"})
+@pytest.mark.parametrize("collectives", ["horovod", "tensorflow"])
+def test_gang_bootstrap_restarts_both_ranks_when_one_fails(tmp_path, collectives):
+    """(With TensorFlow's collectives worker 0 serves the gang alone: no Horovod.)"""
+    results = _gang_pods(tmp_path, 1, {"LAST": "1"}, collectives)
     for rank, (code, out) in results.items():
         assert code == 0, out[-3000:]
         assert f"rank={rank} attempt=0 run=g" in out and f"rank={rank} attempt=1 run=g" in out

@@ -46,6 +46,11 @@ PARALLAX_MODE, PARALLAX_SYNC and PARALLAX_JOB_CONFIG (the mounted job.json), all
 `ParallaxStrategy`: the plan overrides of job.json apply to the arguments it was not given
 (`parallax.env.plan_overrides`; `parallax.env.strategy_options()` returns them all).
 
+With --collectives tensorflow (an image without Horovod) there is no rendezvous: every worker
+gets PARALLAX_WORKERS, the DNS names of all worker pods at --collective-port in rank order,
+and `parallax k8s worker` sets PARALLAX_WORKER_RANK from JOB_COMPLETION_INDEX; TensorFlow's
+servers find each other (`parallax.tf.tf_collectives`).
+
 With --max-restarts N the pods restart together, in place (parallax.launch.gang: one failed rank
 cannot rejoin a Horovod job, so every rank's command restarts with a fresh rendezvous); the
 Job's backoffLimit (N x workers) and podFailurePolicy only recreate pods that were disrupted
@@ -77,7 +82,8 @@ import yaml
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV,
                           MODE_ENV, PLAN_KEYS, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
-                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV)
+                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_RANK_ENV,
+                          WORKERS_ENV)
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch.restarts import RestartBudget
@@ -105,6 +111,7 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_POLL_S = 15.0                     # how often the servers' watcher reads the Job
 WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch-job`:
            "limits": {"cpu": "100m", "memory": "128Mi"}}  # ~55 MB resident, idle
+K8S_COLLECTIVES = ("horovod", "tensorflow")  # no "auto": the image decides, not this machine
 log = logging.getLogger("parallax")
 
 
@@ -120,6 +127,8 @@ class K8sConfig:
     sync: bool = True
     server_port: int = 7000
     rendezvous_port: int = 7070           # Horovod gloo rendezvous, served by worker 0
+    collectives: str = "horovod"          # horovod | tensorflow: the workers' dense sums
+    collective_port: int = 7080           # each worker's TensorFlow server (tensorflow)
     cpu: str | None = None                # resource requests of every pod, e.g. "2", "500m"
     memory: str | None = None             # e.g. "4Gi"
     plan: Mapping[str, Any] = field(default_factory=dict)  # placement / shards / local_aggregation
@@ -183,10 +192,19 @@ def validate(config: K8sConfig) -> None:
     if config.servers == 0 and config.mode != "allreduce":
         raise ConfigError(f"--servers 0 with --mode {config.mode}: the plan puts variables on "
                           f"parameter servers; give --servers 1 or more, or --mode allreduce")
+    if config.collectives not in K8S_COLLECTIVES:
+        raise ConfigError(f"--collectives {config.collectives!r} must be one of "
+                          f"{', '.join(K8S_COLLECTIVES)} (the image decides: horovod needs an "
+                          f"image with Horovod, the Dockerfile's default)")
     for flag, port in (("--server-port", config.server_port),
-                       ("--rendezvous-port", config.rendezvous_port)):
+                       ("--rendezvous-port", config.rendezvous_port),
+                       ("--collective-port", config.collective_port)):
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(f"{flag} {port!r} must be a port in 1-65535")
+    if config.collectives == "tensorflow" and config.collective_port in (
+            config.server_port, config.server_port + 1, config.rendezvous_port):
+        raise ConfigError(f"--collective-port {config.collective_port} is already a server "
+                          f"or rendezvous port; give another")
     if config.server_port == 65535:
         raise ConfigError("--server-port 65535 leaves no port after it for the servers' data "
                           "plane (--server-port + 1); give 1-65534")
@@ -431,11 +449,20 @@ def ps_addresses(config: K8sConfig) -> list[str]:
     return [f"{ps_service_host(config, i)}:{config.server_port}" for i in range(config.servers)]
 
 
+def worker_host(config: K8sConfig, index: int) -> str:
+    """Worker pod `index`'s stable DNS name: an indexed Job's pod is named <job>-<index>;
+    with `subdomain` it resolves as <job>-<index>.<subdomain>.<namespace>.svc.cluster.local"""
+    return (f"{config.name}-worker-{index}.{config.name}-workers.{config.namespace}"
+            f".svc.cluster.local")
+
+
 def rendezvous_address(config: K8sConfig) -> str:
-    # An indexed Job's pod is named <job>-<index>; with `subdomain` it resolves as
-    # <job>-<index>.<subdomain>.<namespace>.svc.cluster.local
-    host = f"{config.name}-worker-0.{config.name}-workers.{config.namespace}.svc.cluster.local"
-    return f"{host}:{config.rendezvous_port}"
+    return f"{worker_host(config, 0)}:{config.rendezvous_port}"
+
+
+def collective_addresses(config: K8sConfig) -> list[str]:
+    """Every worker's TensorFlow server, in rank order (--collectives tensorflow)."""
+    return [f"{worker_host(config, i)}:{config.collective_port}" for i in range(config.workers)]
 
 
 def job_config(config: K8sConfig) -> dict[str, Any]:
@@ -510,7 +537,9 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
     }
     if config.servers:
         env[ADDRESSES_ENV] = ",".join(ps_addresses(config))
-    if config.workers > 1:
+    if config.workers > 1 and config.collectives == "tensorflow":
+        env[WORKERS_ENV] = ",".join(collective_addresses(config))  # the rank: the bootstrap
+    elif config.workers > 1:
         env.update({
             RENDEZVOUS_ENV: rendezvous_address(config),
             "HOROVOD_SIZE": str(config.workers),
@@ -541,7 +570,8 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
                     _server_set(config)]
         objects += [_service_monitor(config)] if config.service_monitor else []
     objects += [_headless_service(config, f"{config.name}-workers", "worker",
-                                  [("rendezvous", config.rendezvous_port)]),
+                                  worker_ports(config) or [("rendezvous",
+                                                            config.rendezvous_port)]),
                 _worker_job(config)]
     for obj in objects:
         obj["metadata"]["namespace"] = config.namespace
@@ -686,8 +716,9 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
         "env": _env(worker_env(config)),
         "volumeMounts": [{"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
-    if config.workers > 1 or config.max_restarts:
-        worker["ports"] = [{"name": "rendezvous", "containerPort": config.rendezvous_port}]
+    ports = worker_ports(config)
+    if ports:
+        worker["ports"] = [{"name": n, "containerPort": p} for n, p in ports]
     if _resources(config, "worker"):
         worker["resources"] = _resources(config, "worker")
     spec: dict[str, Any] = {
@@ -707,6 +738,18 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
         spec["podFailurePolicy"] = _failure_policy()
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": _meta(config, f"{config.name}-worker", "worker"), "spec": spec}
+
+
+def worker_ports(config: K8sConfig) -> list[tuple[str, int]]:
+    """The worker pods' ports: the rendezvous on worker 0 (a Horovod job, or the gang of
+    --max-restarts), each worker's TensorFlow server (--collectives tensorflow)."""
+    ports = []
+    horovod = config.workers > 1 and config.collectives == "horovod"
+    if horovod or config.max_restarts:
+        ports.append(("rendezvous", config.rendezvous_port))
+    if config.workers > 1 and config.collectives == "tensorflow":
+        ports.append(("collective", config.collective_port))
+    return ports
 
 
 def _failure_policy() -> dict[str, Any]:
@@ -923,19 +966,25 @@ def _host_plan(size: int):
     return get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(size)], size)
 
 
-def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=None):
+def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=None,
+                     horovod: bool = True):
     """Horovod's rendezvous server on a fixed port, initialised with one slot per host
     named worker-<rank> (as horovodrun does with its host plan); with a `gang.Gang` it also
-    answers the gang's requests. Returns the server; call .shutdown() and .server_close()
-    to stop it."""
-    import threading
+    answers the gang's requests. Without `horovod` (TensorFlow's collectives) it serves only
+    the gang. Returns the server; call .shutdown() and .server_close() to stop it."""
+    import http.server
 
-    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-
-    handler = RendezvousHandler if coordinator is None else \
-        gang.handler_class(RendezvousHandler, coordinator)
-    httpd = RendezvousHTTPServer((host, port), handler, 0)
-    httpd.init(_host_plan(size))
+    if horovod:
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+        base = RendezvousHandler
+    else:
+        base = http.server.BaseHTTPRequestHandler
+    handler = base if coordinator is None else gang.handler_class(base, coordinator)
+    if horovod:
+        httpd = RendezvousHTTPServer((host, port), handler, 0)
+        httpd.init(_host_plan(size))
+    else:
+        httpd = http.server.ThreadingHTTPServer((host, port), handler)
     threading.Thread(target=httpd.serve_forever, name="rendezvous", daemon=True).start()
     return httpd
 
@@ -972,7 +1021,8 @@ def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None):
     host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
     port = int(port_text)
     if rank == 0:
-        return start_rendezvous(port, size, coordinator=coordinator), "127.0.0.1", port
+        return start_rendezvous(port, size, coordinator=coordinator,
+                                horovod=not _tensorflow(environ)), "127.0.0.1", port
     timeout = float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300"))
     return None, _wait_for(host, port, timeout), port
 
@@ -989,15 +1039,18 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
         print("parallax k8s worker: no command; usage: parallax k8s worker -- COMMAND",
               file=sys.stderr)
         return 2
-    size = int(environ.get("HOROVOD_SIZE", "1"))
+    size = len(environ[WORKERS_ENV].split(",")) if _tensorflow(environ) else \
+        int(environ.get("HOROVOD_SIZE", "1"))
     max_restarts = int(environ.get(MAX_RESTARTS_ENV, "0"))
-    if size <= 1 and not max_restarts:
-        os.execvpe(command[0], command, environ)
-    rank = _rank(environ, size)
+    rank = _rank(environ, size) if size > 1 or max_restarts else 0
     if rank is None:
         return 2
+    if _tensorflow(environ):
+        environ[WORKER_RANK_ENV] = str(rank)
     if max_restarts:
         return _gang_main(command, environ, rank, size, max_restarts)
+    if size <= 1 or _tensorflow(environ):  # (TensorFlow's workers find each other)
+        os.execvpe(command[0], command, environ)
     try:
         server, address, port = _join(environ, rank, size)
     except (OSError, ConfigError) as err:
@@ -1016,6 +1069,11 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
     return code if code >= 0 else 128 - code
 
 
+def _tensorflow(environ: Mapping[str, str]) -> bool:
+    """Whether the manifests gave this job TensorFlow's collectives (--collectives)."""
+    return bool(environ.get(WORKERS_ENV))
+
+
 def _say(text: str) -> None:
     print(f"parallax k8s worker 0: {text}", flush=True)
 
@@ -1025,7 +1083,7 @@ def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
     this run's tables left on the servers, as if they had restarted (the checkpoints on
     their data volume stay; the workers' scripts restore from them)."""
     def start(attempt: int) -> None:
-        if size > 1:
+        if size > 1 and not _tensorflow(environ):
             server.init(_host_plan(size))
         addresses = environ.get(ADDRESSES_ENV)
         if not addresses:
@@ -1062,7 +1120,7 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
 
     def child_env(attempt: int) -> dict[str, str]:
         env = dict(environ, **{RESTART_COUNT_ENV: str(attempt)})
-        if size > 1:
+        if size > 1 and not _tensorflow(environ):
             env.update(horovod_env(rank, size, address, port,
                                    environ.get("HOROVOD_GLOO_IFACE", "eth0")))
         return env
@@ -1117,6 +1175,13 @@ def _job_options(g) -> None:
                    'applies those its own arguments leave unset')
     g.add_argument("--rendezvous-port", type=int, default=7070, metavar="P",
                    help="Horovod gloo rendezvous port on worker 0 (default 7070)")
+    g.add_argument("--collectives", choices=K8S_COLLECTIVES, default="horovod",
+                   help="how the workers sum dense gradients: horovod (default; the image "
+                        "needs Horovod, as the Dockerfile's has) or tensorflow (TensorFlow's "
+                        "collective ops, no Horovod: e.g. an image on the newest TensorFlow)")
+    g.add_argument("--collective-port", type=int, default=7080, metavar="P",
+                   help="with --collectives tensorflow: each worker's TensorFlow server port "
+                        "(default 7080)")
     g.add_argument("--gloo-iface", default="eth0", metavar="IFACE",
                    help="pod network interface (default eth0)")
     g.add_argument("--image-pull-policy", default="IfNotPresent", metavar="POLICY",
@@ -1197,6 +1262,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, plan=plan,
+        collectives=args.collectives, collective_port=args.collective_port,
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
