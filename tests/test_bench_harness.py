@@ -50,13 +50,13 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
     assert reason is None, f"the benchmark's namespaces need root, ip and tc: {reason}"
     prefix = _prefix()
     done = _bench(tmp_path, "--workloads", "lm", "--workers", "2", "--networks", "unlimited",
-                  "--systems", "hybrid,horovod,mwms,tf_ps", "--rounds", "1",
+                  "--systems", "hybrid,horovod,mwms,tf_ps,hybrid_tf", "--rounds", "1",
                   "--prefix", prefix)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "out"
     results = json.loads((out / "results.json").read_text())
     runs = {r["system"]: r for r in results["runs"]}
-    assert set(runs) == {"hybrid", "horovod", "mwms", "tf_ps"}
+    assert set(runs) == {"hybrid", "horovod", "mwms", "tf_ps", "hybrid_tf"}
     for system, run in runs.items():
         assert run["status"] == "ok", f"{system}: {run['error']}"
         assert run["samples_per_s"] > 0 and run["cpu_seconds_per_sample"] > 0
@@ -77,6 +77,11 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
     assert window["bytes_sent"]["chief"] == 0
     # Horovod all-gathers the sparse gradients: more bytes per worker than the servers' way.
     assert runs["horovod"]["worker_bytes_per_step"]["received"] > measured["received"]
+    # hybrid over TensorFlow's collectives (across the namespaces) moves what hybrid over
+    # Horovod moves: the same pulls and pushes, and a ring all-reduce of the dense part.
+    for way in ("sent", "received"):
+        ratio = runs["hybrid_tf"]["worker_bytes_per_step"][way] / measured[way]
+        assert 0.75 <= ratio <= 1.33, (way, ratio)
     assert hybrid["global_batch"] == 2 * spec.batch_per_worker
     report = (out / "report.md").read_text()
     assert "lm on unlimited" in report and "| hybrid |" in report

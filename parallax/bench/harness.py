@@ -37,18 +37,20 @@ from pathlib import Path
 from typing import Sequence
 
 from parallax.launch import k8s
-from parallax.bench import cgroups, measure, workloads
+from parallax.bench import cgroups, measure, summary, workloads
 from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (API)
                                     traffic_record, window_metrics)
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, RUN_ID_ENV,
-                          WORKER_CYCLE_TIME_MS)
+                          WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.client.local_cluster import ready_address
 
-SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
+SYSTEMS = summary.SYSTEMS
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "hybrid_tf")  # (only by name: see below)
+SERVED = ("hybrid", "hybrid_tf", "ps", "tf_ps")  # systems with parameter servers
 LOOPBACK = "loopback"
 TF_PORT = 23400          # TF servers and MWMS workers inside namespaces (one per namespace)
 PS_PORT = 7000           # parallax servers inside namespaces
@@ -58,7 +60,7 @@ RENDEZVOUS_PORT = 23399  # Horovod's rendezvous, served by the harness in the ro
 @dataclass(frozen=True)
 class BenchConfig:
     workloads: tuple[str, ...] = workloads.WORKLOADS
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS  # hybrid_tf compares collectives, on request
     workers: tuple[int, ...] = (1, 2, 4)
     networks: tuple[str, ...] = ("1gbit+0.1ms",)
     servers: int = 2
@@ -95,7 +97,7 @@ class BenchConfig:
 
 def processes_per_run(config: BenchConfig) -> int:
     """The most processes one run of the matrix starts: workers, servers, a coordinator."""
-    servers = config.servers if {"hybrid", "ps", "tf_ps"} & set(config.systems) else 0
+    servers = config.servers if set(SERVED) & set(config.systems) else 0
     return max(config.workers) + servers + (1 if "tf_ps" in config.systems else 0)
 
 
@@ -200,9 +202,11 @@ class Run:
         if self.system == "mwms":
             return self._start_mwms()
         env: dict[str, str] = {}
-        if self.system in ("hybrid", "ps"):
+        if self.system in SERVED:
             env.update({ADDRESSES_ENV: ",".join(self._start_parallax_servers()),
                         RUN_ID_ENV: f"bench-{self.system}-{int(time.time())}"})
+        if self.system == "hybrid_tf":
+            return self._start_tf_collectives(env)
         if self.workers > 1:
             port = self.place.port(RENDEZVOUS_PORT)
             # On the bridge's address only, so benchmarks of other prefixes can run at once.
@@ -225,6 +229,16 @@ class Run:
                     self.place.address(host), "--port", "0"]
             procs.append(self._spawn(host, "server", argv, {}))
         return [_wait_ready(proc, timeout) for proc in procs]
+
+    def _start_tf_collectives(self, env: dict[str, str]) -> list[Proc]:
+        """parallax's workers on TensorFlow's collectives, as its TensorFlow launch backend
+        starts them (PARALLAX_WORKERS, PARALLAX_WORKER_RANK)."""
+        addresses = ",".join(f"{self.place.address(f'worker{i}')}:{self.place.port(TF_PORT)}"
+                             for i in range(self.workers))
+        return [self._spawn(f"worker{i}", "worker", self._worker_argv(),
+                            {**env, WORKERS_ENV: addresses, WORKER_RANK_ENV: str(i)}
+                            if self.workers > 1 else env)
+                for i in range(self.workers)]
 
     def _tf_config(self, cluster: dict[str, list[str]], task: str, index: int) -> dict:
         return {"TF_CONFIG": json.dumps({"cluster": cluster,
@@ -342,7 +356,7 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
         error = f"{type(err).__name__}: {err}"
     result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
-              "servers": config.servers if system in ("hybrid", "ps", "tf_ps") else 0,
+              "servers": config.servers if system in SERVED else 0,
               "batch_per_worker": spec.batch_per_worker,
               "global_batch": spec.batch_per_worker * workers,
               "status": "failed" if record is None else "ok", "error": error, "windows": [],

@@ -13,13 +13,15 @@ from parallax.bench.results import Results, Run
 from parallax.placement import traffic_model
 from parallax.placement.traffic_model import StepTraffic, Workload
 
-SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense")
+SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense",
+           "hybrid_tf")  # hybrid_tf: hybrid whose dense sums are TensorFlow's collectives
 WORKLOADS = ("lm", "ctr", "dense")
 PARALLAX = "hybrid"
 BYTES_TARGET = 1.2      # hybrid's measured bytes within this factor of the analytic minimum
 DENSE_TOLERANCE = 5.0   # percent: on a dense model hybrid is plain all-reduce, like Horovod
 
-_MODEL = {"hybrid": "hybrid", "ps": "ps", "tf_ps": "ps", "allreduce": "allreduce",
+_MODEL = {"hybrid": "hybrid", "hybrid_tf": "hybrid", "ps": "ps", "tf_ps": "ps",
+          "allreduce": "allreduce",
           "horovod": "allreduce", "horovod_dense": "horovod_sparse_as_dense", "mwms": "mwms"}
 
 

@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is impor
 
 from parallax.bench import measure, models, workloads  # noqa: E402
 
-PARALLAX_SYSTEMS = ("hybrid", "ps", "allreduce")
+PARALLAX_SYSTEMS = ("hybrid", "ps", "allreduce", "hybrid_tf")  # hybrid_tf: TF's collectives
 HOROVOD_SYSTEMS = ("horovod", "horovod_dense")
 TF_SYSTEMS = ("mwms", "tf_ps")
 SYSTEMS = PARALLAX_SYSTEMS + TF_SYSTEMS + HOROVOD_SYSTEMS
@@ -59,7 +59,11 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
     options: dict = {"search_partitions": search if search is not None else False}
     if shards is not None:
         options["shards"] = shards
-    strategy = parallax.ParallaxStrategy(mode=system, sync=True, log_plan=False, **options)
+    tf_collectives = system.endswith("_tf")
+    strategy = parallax.ParallaxStrategy(mode=system.removesuffix("_tf"), sync=True,
+                                         log_plan=False, **options,
+                                         **({"collectives": "tensorflow"} if tf_collectives
+                                            else {}))
     with strategy.scope():
         model = models.BenchModel(spec)
         optimizer = keras.optimizers.SGD(learning_rate=spec.lr)
@@ -81,7 +85,9 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
 
     trainer = measure.Trainer(step=step, rank=rank, workers=workers,
                               global_batch=spec.batch_per_worker * workers,
-                              agree_max=_horovod_max, sync=sync, loss=lambda: last["loss"])
+                              agree_max=(_agreed_max(strategy) if tf_collectives
+                                         else _horovod_max),
+                              sync=sync, loss=lambda: last["loss"])
     return trainer, strategy
 
 
@@ -138,6 +144,11 @@ def _horovod_max(value: float) -> float:
     if not hvd.is_initialized() or hvd.size() == 1:  # parallax alone does not start Horovod
         return value
     return float(hvd.allreduce(tf.constant(value, tf.float64), op=hvd.Max, name="bench_max"))
+
+
+def _agreed_max(strategy):
+    """The workers' maximum of a value through the strategy's own collectives."""
+    return lambda value: max(strategy.extended.workers.allgather_object(float(value)))
 
 
 def horovod_trainer(system: str, spec: workloads.WorkloadSpec) -> measure.Trainer:
