@@ -1,7 +1,7 @@
 # The two commands of the README's quick start. Each installs whatever is missing first
 # (scripts/setup_env.sh is idempotent), then runs.
 VENV ?= .venv
-LATEST_TESTS ?= tests/test_tf_collectives.py
+LATEST_TESTS ?= tests/test_tf_collectives.py tests/test_strategy.py tests/test_launch.py tests/test_resume.py
 export PARALLAX_VENV := $(abspath $(VENV))
 
 .PHONY: demo test test-fast test-latest env env-latest bench compare wheel-check image
@@ -21,8 +21,8 @@ env:
 env-latest:        ## the second environment: the newest TensorFlow, no Horovod (.venv-latest)
 	bash scripts/setup_env_latest.sh
 
-test-latest: env-latest  ## TensorFlow's collectives, two workers, on the newest TensorFlow
-	.venv-latest/bin/python -m pytest $(LATEST_TESTS)
+test-latest: env-latest  ## the strategy, launcher, resume and TF-collectives tests on the newest TensorFlow
+	.venv-latest/bin/python -m pytest -m "not horovod" $(LATEST_TESTS)
 
 wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, train the quick start
 	bash scripts/check_wheel.sh

@@ -172,6 +172,7 @@ def test_failing_worker_exit_code_comes_through_horovodrun(mark):
     assert all(port_closed(a) for a in launcher.probes()[0]["addresses"])
 
 
+@pytest.mark.horovod
 @pytest.mark.multiprocess
 def test_horovodrun_listens_on_loopback_for_one_host(mark):
     """horovodrun's rendezvous server binds the address its workers are given (loopback
@@ -188,7 +189,7 @@ def test_the_first_failing_rank_is_reported_with_its_traceback(mark):
     """Rank 1 raises (its traceback goes to stderr, nothing to stdout): the report names it
     and repeats the end of its traceback (issue 13, item 10f: it said "(none)")."""
     code = ("import os, time\n"
-            "if os.environ['HOROVOD_RANK'] == '1':\n"
+            "if os.environ.get('HOROVOD_RANK', os.environ.get('PARALLAX_WORKER_RANK')) == '1':\n"
             "    raise RuntimeError('the root cause, in rank 1')\n"
             "time.sleep(60)\n")
     launcher = Launcher("-np", "2", "--servers", "1", "--", "python", "-c", code, mark=mark)
@@ -300,6 +301,7 @@ def test_hosts_file_on_this_machine_places_workers_and_servers(mark, tmp_path):
     assert all(port_closed(a) for a in probes[0]["addresses"])
 
 
+@pytest.mark.horovod
 @pytest.mark.multiprocess
 def test_horovodrun_host_string_places_workers_and_one_server(mark):
     """`-H localhost:2`, horovodrun's syntax: 2 workers and one server (at a free port) on
@@ -366,6 +368,7 @@ def test_parse_args_takes_horovodruns_flags(tmp_path):
         (str(hostfile), 3, 1, "debug")
 
 
+@pytest.mark.horovod
 def test_workers_argv_passes_horovodrun_args_before_the_program():
     config = LaunchConfig(num_workers=2, hosts="localhost:2", command=(PROBE,),
                           horovodrun_args=("--start-timeout", "90"))

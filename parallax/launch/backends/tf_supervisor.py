@@ -11,7 +11,8 @@ A worker here ends with the supervisor (`parallax.runtime.lifeline`). A worker e
 under `python -m parallax.launch.hosts serve` in the supervisor's working directory and with
 its environment (as horovodrun forwards it), and ends when its ssh connection closes.
 
-Each worker's output line is printed prefixed `[rank]<stdout>:`; a worker that fails is
+Each worker's output line is printed prefixed `[rank]<stdout>:` (its stderr's to stderr,
+`[rank]<stderr>:`); a worker that fails is
 reported as `Process RANK exit with status code CODE.`, the first failure first, then the
 others are stopped and the supervisor exits 1. It exits 0 once every worker did; SIGTERM or
 SIGINT stops every worker.
@@ -140,28 +141,40 @@ class _Supervisor:
             self.stop(self.procs)
             raise ConfigError(f"could not start worker {len(self.procs)}: {err}") from None
         for rank, proc in enumerate(self.procs):
-            threading.Thread(target=self._relay, args=(rank, proc), daemon=True).start()
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
 
     @staticmethod
     def _start(program: list[str], host: WorkerHost, addresses: list[str], rank: int
                ) -> subprocess.Popen:
         env = {**os.environ, WORKERS_ENV: ",".join(addresses), WORKER_RANK_ENV: str(rank)}
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         if host.ssh_target is None:
             return subprocess.Popen(lifeline.dying_with(program, os.getpid()), env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                    **pipes)
         return subprocess.Popen(remote_command(host, program, env), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                **pipes)
 
-    def _relay(self, rank: int, proc: subprocess.Popen) -> None:
-        """Each output line of worker `rank`, prefixed as horovodrun prefixes it (a last line
-        without its newline gets one); then its exit, once its output is out."""
-        assert proc.stdout is not None
-        prefix = f"[{rank}]<stdout>:".encode()
-        for line in proc.stdout:
-            with self.lock:
-                sys.stdout.buffer.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
-                sys.stdout.buffer.flush()
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        """Relay worker `rank`'s stdout and stderr; then report its exit, once both are out."""
+        relays = [threading.Thread(target=self._relay, args=(rank, stream, name, out),
+                                   daemon=True)
+                  for stream, name, out in ((proc.stdout, "stdout", sys.stdout),
+                                            (proc.stderr, "stderr", sys.stderr))]
+        for relay in relays:
+            relay.start()
+        for relay in relays:
+            relay.join()
         self.exits.put((rank, exit_code(proc.wait())))
+
+    def _relay(self, rank: int, stream, name: str, out) -> None:
+        """Each line of one of worker `rank`'s streams to the same stream here, prefixed as
+        horovodrun prefixes it, `[rank]<stdout>:` or `[rank]<stderr>:` (a last line without
+        its newline gets one)."""
+        prefix = f"[{rank}]<{name}>:".encode()
+        for line in stream:
+            with self.lock:
+                out.buffer.write(prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
+                out.buffer.flush()
 
     def say(self, text: str) -> None:
         with self.lock:
