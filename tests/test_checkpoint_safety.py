@@ -6,6 +6,7 @@ small tmpfs (real ENOSPC), or, where mounting is not allowed, under a file-size 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -261,14 +262,16 @@ _DIES_MID_COMMIT = """
 import os, signal, sys
 from parallax.client import PSClient
 from parallax.ps.v1 import ps_pb2
-client = PSClient(sys.argv[1:])
+client = PSClient(sys.argv[3:])
 call = client.servers[1].call
+second_round = sys.argv[1] == "2"  # round 2: the COMMIT with keep >= 1 (complete, prune)
 def dying(method, request, *args, **kwargs):
-    if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
+    if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT and \\
+            (request.keep >= 1) == second_round:
         os.kill(os.getpid(), signal.SIGKILL)
     return call(method, request, *args, **kwargs)
 client.servers[1].call = dying
-client.save("p", keep=2)
+client.save("p", keep=int(sys.argv[2]))
 """
 
 
@@ -280,13 +283,61 @@ def test_a_client_killed_between_commits_leaves_the_complete_checkpoints(tmp_pat
     try:
         with servers.client() as client:
             good = _train_and_save(client, "p", range(2), keep=2)
-            dying = subprocess.run([sys.executable, "-c", _DIES_MID_COMMIT,
+            dying = subprocess.run([sys.executable, "-c", _DIES_MID_COMMIT, "1", "2",
                                     *client.addresses], capture_output=True, text=True)
             assert dying.returncode == -signal.SIGKILL, dying.stderr
             assert _restored(client, "p") == {"A": (2, good[-1]), "B": (2, good[-1])}
             newest = _train_and_save(client, "p", range(2, 3), keep=2)
             assert _restored(client, "p", good[-1]) == {"A": (2, good[-1]), "B": (2, good[-1])}
             assert _restored(client, "p") == {"A": (3, newest[0]), "B": (3, newest[0])}
+    finally:
+        servers.close()
+
+
+def test_a_client_killed_in_the_second_commit_round_restores_the_new_checkpoint(tmp_path):
+    """keep=1, a data directory per server: the saving process is killed -9 after server 0
+    marked the new checkpoint complete and pruned the old one, before server 1 did. Every
+    server holds the new one committed, so restore takes it (the old one is gone from
+    server 0: restoring it failed with NOT_FOUND)."""
+    servers = _Servers(tmp_path, shared=False)
+    try:
+        with servers.client() as client:
+            good = _train_and_save(client, "p", range(2), keep=1)
+            for name in ("A", "B"):
+                client.table(_tiny(name), [0 if name == "A" else 1]).push(
+                    [1], np.ones((1, 2)), step=2)
+            dying = subprocess.run([sys.executable, "-c", _DIES_MID_COMMIT, "2", "1",
+                                    *client.addresses], capture_output=True, text=True)
+            assert dying.returncode == -signal.SIGKILL, dying.stderr
+            restored = _restored(client, "p")
+            assert {step for step, _ in restored.values()} == {3}, restored
+            [name] = {checkpoint for _, checkpoint in restored.values()}
+            assert name > good[-1]
+    finally:
+        servers.close()
+
+
+def test_a_table_sharded_over_servers_with_their_own_data_dirs_restores(tmp_path):
+    """A data directory per server (as `parallax k8s` gives each server its own volume):
+    each holds its own shards of a table spread over both, and each restores those. Moving
+    shards elsewhere needs every shard's files, and is refused naming the fix."""
+    servers = _Servers(tmp_path, shared=False)
+    spec = TableSpec(name="T", vocabulary_size=10, dim=2, shard_count=2, num_workers=1,
+                     optimizer=SGD(0.1), initializer=Initializer("zeros"))
+    try:
+        with PSClient([p.address for p in servers.procs], ClientOptions(timeout=20)) as client:
+            table = client.create_table(spec, placement=[0, 1])
+            table.push([1, 2, 3], np.ones((3, 2)), step=0)
+            saved = client.save("p")
+            rows = table.pull(np.arange(10))
+            table.push([1, 2, 3], np.ones((3, 2)), step=1)
+            assert {(s.shard_index, s.step) for s in client.restore("p")} == {(0, 1), (1, 1)}
+            np.testing.assert_array_equal(table.pull(np.arange(10)), rows)
+            client.delete_tables("T")
+            client.create_table(dataclasses.replace(spec, shard_count=1), placement=[1])
+            with pytest.raises(ServerError, match=r"DATA_LOSS: .*shards \[1\] of \[2\].*"
+                                                  r"shared data directory"):
+                client.restore("p", checkpoint=saved[0].checkpoint)
     finally:
         servers.close()
 

@@ -185,6 +185,11 @@ def small_server():
     assert cluster.exit_codes == [0]
 
 
+def _pushed(client) -> dict[str, list[int]]:
+    """{table: the workers that pushed its open step}."""
+    return {t.table: list(t.pushed_workers) for r in client.stats().values() for t in r.tables}
+
+
 def _tables_held(client) -> list[tuple[str, int]]:
     return sorted((t.table, t.rows) for r in client.stats().values() for t in r.tables)
 
@@ -221,6 +226,56 @@ def test_memory_limit_bounds_hashed_growth_and_init_rows(small_server):
                  "--memory-mb")
         assert _tables_held(client) == [("keys", 1000)]
         client.delete_table(table)
+
+
+def test_a_multi_table_request_is_held_to_the_memory_limit_as_a_whole(small_server):
+    """Parts that each fit --memory-mb but not together are refused together, changing
+    nothing: a PushMany buffering two sync steps, a PullMany growing two hashed tables."""
+    with PSClient(small_server.addresses) as client:
+        tables = [client.create_table(TableSpec(name=n, vocabulary_size=1024, dim=1024,
+                                                num_workers=2)) for n in ("a", "b")]
+        request = ps_pb2.PushManyRequest()
+        ids, grads = np.tile(np.arange(1024), 7), np.ones((7168, 1024), np.float32)
+        for name in ("a", "b"):  # 28 MiB of gradients each; 8 MiB of rows held
+            request.parts.append(_push(name, ids, grads))
+        stub = tables[0].shards[0].stub()
+        _refused(lambda: stub.PushMany(request, timeout=60), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "buffering", "--memory-mb")
+        assert _pushed(client) == {"a": [], "b": []}  # neither part buffered
+        stub.PushMany(ps_pb2.PushManyRequest(parts=request.parts[:1]), timeout=60)  # alone: fits
+        assert _pushed(client) == {"a": [0], "b": []}
+        for table in tables:
+            client.delete_table(table)
+        hashed = [client.create_table(TableSpec(name=n, hashed_keys=True, dim=1024))
+                  for n in ("h1", "h2")]
+        pull = ps_pb2.PullManyRequest()
+        for k, name in enumerate(("h1", "h2")):  # 12,000 new keys each: 47 MiB each
+            part = pull.parts.add(table=name, shard_index=0)
+            wire.encode(np.arange(12_000, dtype=np.int64) + k * 10**6, part.ids)
+        _refused(lambda: stub.PullMany(pull, timeout=60), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "holding 12000 rows", "--memory-mb")
+        assert _tables_held(client) == [("h1", 0), ("h2", 0)]
+        for table in hashed:
+            client.delete_table(table)
+
+
+def test_a_restore_is_held_to_the_memory_limit(tmp_path):
+    """A hashed table's checkpoint that no longer fits beside the other tables is refused
+    before anything is replaced."""
+    with LocalCluster(1, data_dir=tmp_path, extra_args=["--memory-mb", "64"]) as cluster, \
+            PSClient(cluster.addresses) as client:
+        spec = TableSpec(name="keys", hashed_keys=True, dim=1024)
+        table = client.create_table(spec)
+        table.pull(np.arange(10_000))  # 39 MiB
+        client.save("ckpt")
+        client.delete_table(table)
+        client.create_table(TableSpec(name="other", hashed_keys=True, dim=1024)).pull(
+            np.arange(7_000))  # 27 MiB
+        client.create_table(spec)
+        with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: .*restoring 10000 rows.*"
+                                              r"--memory-mb"):
+            client.restore("ckpt", tables=["keys"])
+        assert _tables_held(client) == [("keys", 0), ("other", 7_000)]
 
 
 def test_chunk_count_and_buffered_step_bytes_are_bounded(small_server):

@@ -88,6 +88,23 @@ def test_a_killed_server_restarts_every_server_and_worker(mark):
 
 
 @pytest.mark.multiprocess
+def test_a_hung_server_restarts_the_job_after_its_health_timeout(mark):
+    """A server that stops answering (SIGSTOP) for --health-timeout restarts every server and
+    worker, as one that dies does; the restart names it."""
+    launcher = Launcher("--max-restarts", "1", "--restart-delay", "0", "--servers", "2",
+                        "--health-timeout", "2", "--", "python", PROBE, "--sleep", "120",
+                        "--until-restart", "1", mark=mark)
+    launcher.wait_for_probes(1)
+    servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
+    assert len(servers) == 2
+    os.kill(servers[1], signal.SIGSTOP)
+    assert launcher.wait(90) == 0, launcher.output()
+    assert [p["restart"] for p in launcher.probes()] == [0, 1]
+    lines = _restarts(launcher)
+    assert len(lines) == 1 and "server 1" in lines[0], lines
+
+
+@pytest.mark.multiprocess
 def test_without_max_restarts_a_failure_ends_the_job(mark):
     launcher = Launcher("--servers", "1", "--", "python", PROBE, "--exit", "4", mark=mark)
     assert launcher.wait(60) == 4, launcher.output()

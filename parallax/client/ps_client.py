@@ -218,12 +218,14 @@ class PSClient:
         request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables))
         replies = self._each("Restore", request(checkpoint=checkpoint, verify_only=True))
         self._shards_of(replies, tables, "restore")
-        name = self._one_checkpoint(replies)
-        if name and any(s.checkpoint != name for r in replies for s in r.shards):
-            log.warning("the servers' newest checkpoints under %r differ (%s: a save failed "
-                        "midway); restoring %s, the oldest of them", path,
-                        self._held(replies), name)
-            self._each("Restore", request(checkpoint=name, verify_only=True))
+        held = self._held(replies)
+        names = sorted({n for found in held.values() for n in found})
+        name = names[0] if names else ""
+        if len(names) > 1:
+            name = self._newest_everywhere(request, names)
+            log.warning("the servers' newest complete checkpoints under %r differ (%s: a save "
+                        "failed midway); restoring %s, the newest every server holds", path,
+                        held, name)
         return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
                                "restore")
 
@@ -232,11 +234,19 @@ class PSClient:
         return {address: sorted({s.checkpoint for s in reply.shards})
                 for address, reply in zip(self.addresses, replies) if reply.shards}
 
-    def _one_checkpoint(self, replies) -> str:
-        """The checkpoint every server can load: where their newest differ (the newer ones
-        only some servers completed), the oldest of them; "" when no server has a shard."""
-        names = {n for found in self._held(replies).values() for n in found}
-        return min(names) if names else ""
+    def _newest_everywhere(self, request, names: list[str]) -> str:
+        """The newest of `names` that every server verifies. A save that failed in its first
+        commit round left its checkpoint on some servers only (not there: NOT_FOUND), one
+        that failed in the second left it on all, some of them having pruned older ones."""
+        for name in reversed(names[1:]):
+            try:
+                self._each("Restore", request(checkpoint=name, verify_only=True))
+                return name
+            except ServerError as err:
+                if err.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+        self._each("Restore", request(checkpoint=names[0], verify_only=True))
+        return names[0]
 
     def stats(self, tables: Sequence[str] = ()) -> dict[str, ps_pb2.StatsResponse]:
         replies = self._each("Stats", ps_pb2.StatsRequest(tables=list(tables)))

@@ -8,7 +8,7 @@ RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means n
 from __future__ import annotations
 
 import threading
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 import grpc
 
@@ -35,6 +35,21 @@ class MemoryBudget:
         with self._lock:
             self._refuse_over(owner, nbytes, label, what)
 
+    def check_together(self, needs: Sequence[tuple[object, int, str, What]]) -> None:
+        """`check` for several owners at once (the shards of one request, each with what it
+        would hold in all): raise RESOURCE_EXHAUSTED, naming the first that grows, unless
+        all of them fit together (changes nothing)."""
+        with self._lock:
+            wanted = {id(owner): (owner, nbytes) for owner, nbytes, _, _ in needs}
+            total = self._total + sum(nbytes - self._claims.get(owner, 0)
+                                      for owner, nbytes in wanted.values())
+            if not self.limit or total <= self.limit:
+                return
+            for owner, nbytes, label, what in needs:
+                if nbytes > self._claims.get(owner, 0):
+                    self._refuse(total - nbytes, nbytes, label, what)
+            self._refuse(total, 0, needs[0][2], needs[0][3])  # none grows: over already
+
     def claim(self, owner: object, nbytes: int, label: str, what: What) -> None:
         """Check, then record that `owner` holds `nbytes` in all."""
         with self._lock:
@@ -57,10 +72,13 @@ class MemoryBudget:
     def _refuse_over(self, owner: object, nbytes: int, label: str, what: What) -> None:
         others = self._total - self._claims.get(owner, 0)
         if self.limit and others + nbytes > self.limit:
-            what = what() if callable(what) else what
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{label}: {what} needs {_mib(nbytes)}, but this server's tables may use "
-                f"{_mib(self.limit)} (--memory-mb) and other tables hold {_mib(others)}; "
-                f"raise --memory-mb, spread the table over more servers or shards, or "
-                f"delete tables")
+            self._refuse(others, nbytes, label, what)
+
+    def _refuse(self, others: int, nbytes: int, label: str, what: What) -> None:
+        what = what() if callable(what) else what
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{label}: {what} needs {_mib(nbytes)}, but this server's tables may use "
+            f"{_mib(self.limit)} (--memory-mb) and other tables hold {_mib(others)}; "
+            f"raise --memory-mb, spread the table over more servers or shards, or "
+            f"delete tables")

@@ -140,8 +140,11 @@ def open_checkpoint(data_dir: Path | None, request) -> tuple[Path, dict]:
     return directory, versions.read_manifest(directory)
 
 
-def _table_parts(directory: Path, manifest: dict, table: str) -> list[dict]:
-    """The manifest's record of every shard of `table`, a complete set or an error."""
+def _table_parts(directory: Path, manifest: dict, table: str,
+                 own: tuple[int, int]) -> list[dict]:
+    """The manifest's record of every shard of `table`, a complete set; else, where servers
+    keep separate data directories, the one part saved by shard `own` (index, count) as it
+    is now; else an error."""
     parts = [p for p in manifest["shards"] if p["table"] == table]
     if not parts:
         held = sorted({p["table"] for p in manifest["shards"]})
@@ -150,10 +153,15 @@ def _table_parts(directory: Path, manifest: dict, table: str) -> list[dict]:
                            f"{held}); save the table with the others, or restore another path")
     counts = sorted({p["shard_count"] for p in parts})
     found = sorted(p["shard_index"] for p in parts)
-    if len(counts) != 1 or found != list(range(counts[0])):
-        raise data_loss(f"checkpoint {directory} has no complete set of shards of table "
-                        f"{table!r} (shards {found} of {counts}); save it again")
-    return sorted(parts, key=lambda p: p["shard_index"])
+    if len(counts) == 1 and found == list(range(counts[0])):
+        return sorted(parts, key=lambda p: p["shard_index"])
+    mine = [p for p in parts if (p["shard_index"], p["shard_count"]) == own]
+    if mine:
+        return mine
+    raise data_loss(f"checkpoint {directory} has shards {found} of {counts} of table {table!r}, "
+                    f"not shard {own[0]} of {own[1]}: with a data directory per server, "
+                    f"restore each shard where it was saved (same shard count and placement); "
+                    f"to move or reshard tables, give every server one shared data directory")
 
 
 def _check_compatible(manifest: dict, spec: TableSpec, slot_names: list[str]) -> None:
@@ -217,7 +225,7 @@ def load_for_shard(shard: TableShard, directory: Path,
     """
     spec = shard.spec
     slot_names = sorted(shard.optimizer.slot_names)
-    parts = _table_parts(directory, manifest, spec.name)
+    parts = _table_parts(directory, manifest, spec.name, (shard.shard_index, spec.shard_count))
     steps = {p["step"] for p in parts}
     if len(steps) != 1 and spec.sync_mode == "sync":
         raise data_loss(f"checkpoint {directory} of table {spec.name!r} mixes steps "
@@ -226,6 +234,10 @@ def load_for_shard(shard: TableShard, directory: Path,
     for part in parts:
         arrays = _load_part(directory, manifest, part, spec, slot_names)
         mine = shard.partitioner.shard_of(arrays["ids"]) == shard.shard_index
+        if len(parts) < part["shard_count"] and not mine.all():  # its own part only
+            raise data_loss(f"checkpoint {directory}: shard {shard.shard_index} of table "
+                            f"{spec.name!r} was saved partitioned otherwise; restore it with "
+                            f"the partition it was saved with")
         for name, arr in arrays.items():
             kept.setdefault(name, []).append(arr[mine])
     ids = np.concatenate(kept["ids"])

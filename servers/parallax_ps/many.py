@@ -108,8 +108,10 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
             keys.setdefault(id(shard), []).append(part)
             nbytes[id(shard)] = nbytes.get(id(shard), 0) + size
     by_id = {id(s): s for s in shards}
-    for key, parts in keys.items():
-        by_id[key].check_capacity(np.concatenate(parts), nbytes[key])
+    needs = [(by_id[key], *need) for key, parts in keys.items()
+             if (need := by_id[key].capacity_need(np.concatenate(parts), nbytes[key]))]
+    if needs:  # all together: each part fitting alone is not enough
+        needs[0][0].budget.check_together(needs)
 
 
 def _ids(part, i: int) -> np.ndarray:

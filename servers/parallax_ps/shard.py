@@ -145,6 +145,14 @@ class TableShard:
         """Refuse keys that would overflow a bounded hashed table, or new rows and `buffered`
         bytes of sync gradients that would overflow the server's memory budget (caller holds
         `cond`; changes nothing)."""
+        need = self.capacity_need(ids, buffered)
+        if need is not None:
+            self.budget.check(self, *need)
+
+    def capacity_need(self, ids: np.ndarray, buffered: int = 0):
+        """(bytes, label, what) this shard would hold with `ids`' new keys and `buffered`
+        more bytes of sync gradients, for the memory budget; None when it would not grow.
+        Refuses keys over a bounded hashed table's max_rows_per_shard (caller holds `cond`)."""
         new = 0
         if self.spec.hashed_keys and len(ids):
             new = self.storage.count_new(np.concatenate([ids, *self.steps.pending_keys()]))
@@ -153,12 +161,19 @@ class TableShard:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.label}: {new} new keys would exceed max_rows_per_shard="
                                f"{limit} (holding {self.storage.num_rows}); raise it or add shards")
-        if new or buffered:
-            rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
-            self.budget.check(self, rows * self.row_bytes + pending, self.label,
-                              lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with "
-                                      f"its slots) and buffering {pending} bytes of step "
-                                      f"{self.steps.step}'s gradients")
+        if not (new or buffered):
+            return None
+        rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
+        return (rows * self.row_bytes + pending, self.label,
+                lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with its slots) "
+                        f"and buffering {pending} bytes of step {self.steps.step}'s gradients")
+
+    def restore_need(self, ids: np.ndarray):
+        """(bytes, label, what) a restore of `ids`' rows makes this shard hold: a hashed
+        shard's rows (a fixed one claimed its whole vocabulary when it was made)."""
+        rows = len(ids) if self.spec.hashed_keys else self.storage.num_rows
+        return (rows * self.row_bytes, self.label,
+                f"restoring {rows} rows ({self.row_bytes} bytes a row with its slots)")
 
     def _account(self) -> None:
         """Tell the budget what this shard holds now (after a checked change); a closed
