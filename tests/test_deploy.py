@@ -1112,21 +1112,28 @@ def test_worker_bootstrap_runs_tensorflows_collectives_without_horovod(tmp_path)
                        collectives="tensorflow", command=(sys.executable, str(script)))
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    env = {**_env(container), "PATH": f"{BIN}:/usr/bin:/bin", **_python_path(),
-           "PARALLAX_WORKERS": ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))}
+    results = _two_pods(container, {
+        "PARALLAX_WORKERS": ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))}, 180)
+    for index, (code, out) in results.items():
+        assert code == 0, out[-3000:]
+        assert f"TF rank={index} size=2 sum=3.0 horovod=False" in out, out[-3000:]
+
+
+def _two_pods(container: dict, extra_env: dict, timeout: float) -> dict[int, tuple[int, str]]:
+    """Run the worker container's command as pods 1 and 0 on loopback (the manifests'
+    environment, then `extra_env`); {index: (exit code, output)}."""
+    env = {**_env(container), "PATH": f"{BIN}:/usr/bin:/bin", **_python_path(), **extra_env}
     argv = [str(BIN / "parallax"), *container["command"][1:]]
     procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in (1, 0)}
     try:
-        outs = {i: p.communicate(timeout=180)[0] for i, p in procs.items()}
+        outs = {i: p.communicate(timeout=timeout)[0] for i, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-    for index, out in outs.items():
-        assert procs[index].returncode == 0, out[-3000:]
-        assert f"TF rank={index} size=2 sum=3.0 horovod=False" in out, out[-3000:]
+    return {i: (procs[i].returncode, outs[i]) for i in procs}
 
 
 def test_worker_bootstrap_with_one_worker_runs_the_command_alone(tmp_path):
@@ -1376,20 +1383,8 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
                        collectives=collectives)
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    env = {**_env(container), RENDEZVOUS_ENV: f"localhost:{_free_port()}",
-           "PATH": f"{BIN}:/usr/bin:/bin", GANG_TIMEOUT_ENV: "20", **_python_path(),
-           **extra_env}
-    argv = [str(BIN / "parallax"), *container["command"][1:]]
-    procs = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in (1, 0)}
-    try:
-        outs = {i: p.communicate(timeout=90)[0] for i, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-    return {i: (procs[i].returncode, outs[i]) for i in procs}
+    return _two_pods(container, {RENDEZVOUS_ENV: f"localhost:{_free_port()}",
+                                 GANG_TIMEOUT_ENV: "20", **extra_env}, 90)
 
 
 @pytest.mark.multiprocess
