@@ -339,9 +339,19 @@ CONFIGS = {
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
 
-def _python_path() -> dict[str, str]:
-    """PYTHONPATH, where the tests run against a checkout other than the installed one."""
-    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+def _python_path(*first: Path) -> dict[str, str]:
+    """PYTHONPATH: `first`, then the checkout the tests run against where it is not the
+    installed one."""
+    paths = [*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
+
+
+def _without_horovod(tmp_path: Path) -> dict[str, str]:
+    """The environment of an image without Horovod: `import horovod` fails."""
+    fake = tmp_path / "no-horovod" / "horovod"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text("raise ImportError('no Horovod in this image')\n")
+    return _python_path(fake.parent)
 
 
 def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -540,6 +550,8 @@ def test_manifests_pass_the_kubernetes_schemas(key):
     ({"collectives": "tensorflow", "collective_port": 7001},
      ["--collective-port 7001 is already a server or rendezvous port"]),
     ({"collectives": "tensorflow", "collective_port": 0}, ["--collective-port 0", "1-65535"]),
+    ({"collectives": "tensorflow", "plan": {"local_aggregation": True}},
+     ["--plan local_aggregation with --collectives tensorflow", "Horovod"]),
 ])
 def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
@@ -1113,7 +1125,8 @@ def test_worker_bootstrap_runs_tensorflows_collectives_without_horovod(tmp_path)
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     results = _two_pods(container, {
-        "PARALLAX_WORKERS": ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))}, 180)
+        "PARALLAX_WORKERS": ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2)),
+        **_without_horovod(tmp_path)}, 180)
     for index, (code, out) in results.items():
         assert code == 0, out[-3000:]
         assert f"TF rank={index} size=2 sum=3.0 horovod=False" in out, out[-3000:]
@@ -1383,8 +1396,44 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
                        collectives=collectives)
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
+    image = _without_horovod(tmp_path) if collectives == "tensorflow" else {}
     return _two_pods(container, {RENDEZVOUS_ENV: f"localhost:{_free_port()}",
-                                 GANG_TIMEOUT_ENV: "20", **extra_env}, 90)
+                                 GANG_TIMEOUT_ENV: "20", **image, **extra_env}, 90)
+
+
+def test_one_tensorflow_worker_with_restarts_needs_no_horovod(tmp_path):
+    """--collectives tensorflow --workers 1 --max-restarts: the gang's server on worker 0
+    runs without Horovod (it imported Horovod's rendezvous, failing in such an image)."""
+    config = K8sConfig(name="t", image="x", workers=1, servers=0, mode="allreduce",
+                       collectives="tensorflow", max_restarts=1,
+                       command=(sys.executable, "-c", "print('command ran')"))
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {**_env(container), "PATH": f"{BIN}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": "0",
+           RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", **_without_horovod(tmp_path)}
+    done = subprocess.run([str(BIN / "parallax"), *container["command"][1:]], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "command ran" in done.stdout
+
+
+def test_the_gang_server_without_horovod_is_quiet_and_answers_404_elsewhere(capfd):
+    """Worker 0's server for the gang alone logs no line per request (every rank polls
+    twice a second) and answers another path with 404, not a traceback."""
+    import urllib.error
+    import urllib.request
+    port = _free_port()
+    server = k8s.start_rendezvous(port, 2, "127.0.0.1", horovod=False)
+    try:
+        for _ in range(3):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/elsewhere", timeout=10)
+            assert err.value.code == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+    out, err_text = capfd.readouterr()
+    assert out == "" and err_text == "", (out, err_text)
 
 
 @pytest.mark.multiprocess

@@ -278,6 +278,23 @@ def test_a_restore_is_held_to_the_memory_limit(tmp_path):
         assert _tables_held(client) == [("keys", 0), ("other", 7_000)]
 
 
+def test_a_refused_restore_reads_no_rows(tmp_path):
+    """A checkpoint far over --memory-mb is refused from its ids alone: the server never
+    holds its rows (it read all 195 MiB, and ~3x that in copies, before refusing)."""
+    spec = TableSpec(name="keys", hashed_keys=True, dim=1024)
+    with LocalCluster(1, data_dir=tmp_path) as cluster, PSClient(cluster.addresses) as client:
+        client.create_table(spec).pull(np.arange(50_000))  # 195 MiB
+        client.save("ckpt")
+    with LocalCluster(1, data_dir=tmp_path, extra_args=["--memory-mb", "32"]) as cluster, \
+            PSClient(cluster.addresses) as client:
+        client.create_table(spec)
+        before = _peak_rss_mb(cluster.servers[0].proc.pid)
+        with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: .*restoring 50000 rows"):
+            client.restore("ckpt")
+        assert _peak_rss_mb(cluster.servers[0].proc.pid) - before < 32
+        assert _tables_held(client) == [("keys", 0)]
+
+
 def test_chunk_count_and_buffered_step_bytes_are_bounded(small_server):
     with PSClient(small_server.addresses) as client:
         table = client.create_table(TableSpec(name="sync", vocabulary_size=1024, dim=1024,

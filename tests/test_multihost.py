@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import sys
@@ -167,6 +168,61 @@ def test_two_hosts_two_workers_over_tensorflows_collectives(cluster, tmp_path):
     assert probes[0]["run_id"] == probes[1]["run_id"]
     time.sleep(1)
     assert not _servers(), "servers left behind"
+
+
+@pytest.mark.multiprocess
+def test_localhost_beside_another_host_over_tensorflows_collectives(cluster, tmp_path):
+    """A host file naming this machine "localhost" next to another host: the local worker
+    is announced by its address toward that host, not loopback (the remote worker could not
+    reach it, and the job hung)."""
+    hosts = tmp_path / "mixed.yaml"
+    hosts.write_text("server_port: 7000\nnetwork_interface: eth0\nhosts:\n"
+                     "  - {host: localhost, slots: 1, servers: 0}\n"
+                     "  - {host: 10.77.0.2, slots: 1, servers: 1}\n")
+    launcher = _launch(cluster, hosts, "--collectives", "tensorflow", "--", "python", PROBE,
+                       "--collective")
+    try:
+        output = launcher.communicate(timeout=120)[0]
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output
+    probes = sorted(_probes(output), key=lambda p: p["rank"])
+    assert [(p["rank"], p["sum"]) for p in probes] == [(0, 3.0), (1, 3.0)], output
+
+
+@pytest.mark.multiprocess
+def test_a_remote_worker_ends_with_its_serve_wrapper(cluster, tmp_path):
+    """The wrapper that runs the worker on the other host is killed -9: the worker ends too
+    (it was left running, re-parented to init, while the job went on without it)."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--collectives", "tensorflow", "--", "python", PROBE,
+                       "--sleep", "90")
+    try:
+        deadline, wrapper = time.monotonic() + 60, None
+        while wrapper is None and time.monotonic() < deadline:
+            wrapper = next((pid for pid in _probe_wrappers()), None)
+            time.sleep(0.3)
+        assert wrapper is not None, "no serve wrapper of a remote worker found"
+        os.kill(wrapper, signal.SIGKILL)
+        output = launcher.communicate(timeout=60)[0]
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0, output
+    time.sleep(1)
+    assert not _probe_processes(), "a worker outlived its wrapper"
+
+
+def _probe_wrappers() -> list[int]:
+    """pids of `parallax.launch.hosts serve` wrappers running launch_probe.py."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if PROBE.encode() in cmd and b"parallax.launch.hosts" in cmd and b"serve" in cmd:
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.multiprocess

@@ -7,6 +7,7 @@ test_strategy_equivalence.py), the supervisor must report a failing worker as ho
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shlex
@@ -23,7 +24,7 @@ from parallax.launch.backends import BACKENDS, choose
 from parallax.launch.backends.horovodrun import horovod_installed
 from parallax.launch.backends.tf_supervisor import WorkerHost, remote_command
 from parallax.launch.backends.tfrun import supervisor_hosts
-from parallax.launch.hosts import parse_host_string
+from parallax.launch.hosts import is_local, parse_host_string
 from parallax.tf.tf_collectives import collective_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,11 +129,15 @@ def test_the_backend_follows_collectives():
     assert choose(two_here, 2, "horovod") is BACKENDS["horovodrun"]
     assert choose(two_here, 2) is BACKENDS["horovodrun" if horovod_installed() else "tensorflow"]
     assert choose(two_here, 1, "tensorflow") is BACKENDS["single"]
+    assert supervisor_hosts(two_here, 2) == [{"host": "127.0.0.1", "workers": 2}]
     elsewhere = parse_host_string("localhost:1,carol@192.0.2.1:2")
     assert choose(elsewhere, 3, "tensorflow") is BACKENDS["tensorflow"]
-    assert supervisor_hosts(elsewhere, 2) == [
-        {"host": "127.0.0.1", "workers": 1},
-        {"host": "192.0.2.1", "workers": 1, "ssh_target": "carol@192.0.2.1"}]
+    here, there = supervisor_hosts(elsewhere, 2)
+    # this machine by the address 192.0.2.1 reaches it at, not loopback: its workers'
+    # addresses go to the other host's workers too
+    assert here["workers"] == 1 and is_local(here["host"])
+    assert not ipaddress.ip_address(here["host"]).is_loopback, here
+    assert there == {"host": "192.0.2.1", "workers": 1, "ssh_target": "carol@192.0.2.1"}
 
 
 def test_a_remote_worker_runs_here_in_this_directory_with_the_exportable_environment():

@@ -466,8 +466,8 @@ def _serve(argv: list[str]) -> int:
     """Run argv; stop it when stdin reaches EOF or on SIGTERM/SIGHUP; exit with its code."""
     import signal
 
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                            env=lifeline.child_env())  # the server ends with this wrapper
+    proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid()), stdin=subprocess.DEVNULL,
+                            env=lifeline.child_env())  # the program ends with this wrapper
 
     def stop(*_):
         if proc.poll() is None:
@@ -521,6 +521,8 @@ def _supervised_slot(ids: dict[str, str], environ) -> tuple[str, int]:
     names = {n: "127.0.0.1" if n == "localhost" else n.rpartition("@")[2].strip("[]")
              for n in ids}
     name = next((n for n, host in names.items() if host == mine), "")
+    if not name and is_local(mine):  # this machine, named by its address toward the others
+        name = next((n for n in names if is_local(n)), "")
     return name, hosts[:me].count(mine)
 
 

@@ -60,6 +60,7 @@ server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import logging
 import os
@@ -234,6 +235,9 @@ def validate(config: K8sConfig) -> None:
     _validate_metrics(config)
     _validate_restarts(config)
     _validate_plan(config.plan)
+    if config.collectives == "tensorflow" and config.plan.get("local_aggregation"):
+        raise ConfigError("--plan local_aggregation with --collectives tensorflow: local "
+                          "aggregation gathers gradients through Horovod; drop one of them")
 
 
 # Resources: "--cpu" and friends for every pod, "--server-cpu" and friends for the servers.
@@ -978,7 +982,7 @@ def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=No
         from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
         base = RendezvousHandler
     else:
-        base = http.server.BaseHTTPRequestHandler
+        base = _QuietHandler
     handler = base if coordinator is None else gang.handler_class(base, coordinator)
     if horovod:
         httpd = RendezvousHTTPServer((host, port), handler, 0)
@@ -987,6 +991,19 @@ def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=No
         httpd = http.server.ThreadingHTTPServer((host, port), handler)
     threading.Thread(target=httpd.serve_forever, name="rendezvous", daemon=True).start()
     return httpd
+
+
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    """The gang's server without Horovod: no line per request (each rank polls twice a
+    second, as Horovod's handler is silent too), 404 for any other path."""
+
+    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        pass
+
+    def do_GET(self):  # noqa: N802
+        self.send_error(404)
+
+    do_PUT = do_GET
 
 
 def _wait_for(host: str, port: int, timeout: float) -> str:
@@ -1022,7 +1039,8 @@ def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None):
     port = int(port_text)
     if rank == 0:
         return start_rendezvous(port, size, coordinator=coordinator,
-                                horovod=not _tensorflow(environ)), "127.0.0.1", port
+                                horovod=size > 1 and not _tensorflow(environ)), \
+            "127.0.0.1", port
     timeout = float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300"))
     return None, _wait_for(host, port, timeout), port
 

@@ -177,8 +177,7 @@ def validate(config: LaunchConfig) -> list[str]:
 def _check_restart_storage(config: LaunchConfig, layout) -> None:
     """Refuse restarts that would keep the checkpoints of servers on other hosts in a
     directory of the launcher's (what `_restart_data_dir` makes without --data-dir): each
-    host would get one of its own, never removed, and restoring a table spread over servers
-    needs every shard's file in one directory."""
+    host would get one of its own, never removed."""
     if not _makes_data_dir(config):
         return
     from parallax.launch.hosts import is_local
@@ -725,7 +724,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--collectives", choices=COLLECTIVES, default="auto",
                         help="what sums the workers' dense gradients: horovod (horovodrun "
                              "starts the workers), tensorflow (TensorFlow's collective ops, no "
-                             "Horovod; workers on this machine) or auto (default): horovod "
+                             "Horovod; here and over ssh) or auto (default): horovod "
                              "where Horovod is installed, else tensorflow")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")

@@ -177,23 +177,28 @@ def _check_compatible(manifest: dict, spec: TableSpec, slot_names: list[str]) ->
                            + "; ".join(diff) + "); create the table with the saved shape")
 
 
-def _load_part(directory: Path, manifest: dict, part: dict, spec: TableSpec,
-               slot_names: list[str]) -> dict[str, np.ndarray]:
-    """A part's arrays, every file verified against the checkpoint's manifest."""
+def _part_file(directory: Path, manifest: dict, part: dict, spec: TableSpec,
+               slot_names: list[str]) -> tuple[Path, int]:
+    """(the part's array file, its rows), its record and file verified against the
+    checkpoint's manifest and the table."""
     stem = _stem(part["table"], part["shard_index"], part["shard_count"])
     record = json.loads(versions.verified(directory, manifest, f"{stem}.json").read_text())
     _check_compatible(record, spec, slot_names)
-    path = versions.verified(directory, manifest, f"{part['table']}/{record['file']}")
+    return (versions.verified(directory, manifest, f"{part['table']}/{record['file']}"),
+            record.get("rows"))
+
+
+def _part_arrays(path: Path, rows: int, names: list[str], spec: TableSpec
+                 ) -> dict[str, np.ndarray]:
+    """The named arrays of a part's file (each read only when named), shapes checked."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in ["ids", "values", *(f"slot_{n}" for n in slot_names)]}
+            arrays = {k: data[k] for k in names}
     except (OSError, ValueError, KeyError) as exc:
         raise data_loss(f"checkpoint file {path} is unreadable: {exc}") from None
-    rows = record.get("rows")
-    expected = {name: ((rows, spec.dim), np.dtype(spec.dtype)) for name in arrays}
-    expected["ids"] = ((rows,), np.dtype(np.int64))
     for name, array in arrays.items():
-        shape, dtype = expected[name]
+        shape, dtype = (((rows,), np.dtype(np.int64)) if name == "ids"
+                        else ((rows, spec.dim), np.dtype(spec.dtype)))
         if array.shape != shape or array.dtype != dtype:
             raise data_loss(f"checkpoint file {path}: {name} is {array.dtype.name}"
                             f"{list(array.shape)}, expected {dtype.name}{list(shape)}")
@@ -230,18 +235,29 @@ def load_for_shard(shard: TableShard, directory: Path,
     if len(steps) != 1 and spec.sync_mode == "sync":
         raise data_loss(f"checkpoint {directory} of table {spec.name!r} mixes steps "
                         f"{sorted(steps)}; restore another checkpoint")
-    kept: dict[str, list[np.ndarray]] = {}
-    for part in parts:
-        arrays = _load_part(directory, manifest, part, spec, slot_names)
-        mine = shard.partitioner.shard_of(arrays["ids"]) == shard.shard_index
+    files = [_part_file(directory, manifest, part, spec, slot_names) for part in parts]
+    kept: dict[str, list[np.ndarray]] = {"ids": []}
+    masks = []
+    for part, (path, rows) in zip(parts, files):  # the ids first: what this shard keeps
+        ids = _part_arrays(path, rows, ["ids"], spec)["ids"]
+        mine = shard.partitioner.shard_of(ids) == shard.shard_index
         if len(parts) < part["shard_count"] and not mine.all():  # its own part only
             raise data_loss(f"checkpoint {directory}: shard {shard.shard_index} of table "
                             f"{spec.name!r} was saved partitioned otherwise; restore it with "
                             f"the partition it was saved with")
-        for name, arr in arrays.items():
-            kept.setdefault(name, []).append(arr[mine])
-    ids = np.concatenate(kept["ids"])
+        kept["ids"].append(ids if mine.all() else ids[mine])
+        masks.append(mine)
+    ids = _joined(kept["ids"])
     _check_rows(shard, ids)
-    values = np.concatenate(kept["values"])
-    slots = {n: np.concatenate(kept[f"slot_{n}"]) for n in slot_names}
-    return ids, values, slots, int(max(steps))  # async shards count their own pushes
+    shard.budget.check(shard, *shard.restore_need(len(ids)))  # before the rows are read
+    names = ["values", *(f"slot_{n}" for n in slot_names)]
+    for (path, rows), mine in zip(files, masks):
+        for name, arr in _part_arrays(path, rows, names, spec).items():
+            kept.setdefault(name, []).append(arr if mine.all() else arr[mine])
+    slots = {n: _joined(kept[f"slot_{n}"]) for n in slot_names}
+    return ids, _joined(kept["values"]), slots, int(max(steps))  # (async: their own steps)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays one after another (one array as it is: no copy)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)

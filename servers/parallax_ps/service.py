@@ -412,7 +412,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 held.enter_context(shard.cond)
             for shard in shards:
                 shard.check_between_steps()
-            shards[0].budget.check_together([(shard, *shard.restore_need(ids))
+            shards[0].budget.check_together([(shard, *shard.restore_need(len(ids)))
                                              for shard, (ids, *_) in zip(shards, loaded)])
             for shard, (ids, values, slots, step) in zip(shards, loaded):
                 if not request.verify_only:

@@ -168,10 +168,10 @@ class TableShard:
                 lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with its slots) "
                         f"and buffering {pending} bytes of step {self.steps.step}'s gradients")
 
-    def restore_need(self, ids: np.ndarray):
-        """(bytes, label, what) a restore of `ids`' rows makes this shard hold: a hashed
+    def restore_need(self, restored: int):
+        """(bytes, label, what) a restore of `restored` rows makes this shard hold: a hashed
         shard's rows (a fixed one claimed its whole vocabulary when it was made)."""
-        rows = len(ids) if self.spec.hashed_keys else self.storage.num_rows
+        rows = restored if self.spec.hashed_keys else self.storage.num_rows
         return (rows * self.row_bytes, self.label,
                 f"restoring {rows} rows ({self.row_bytes} bytes a row with its slots)")
 

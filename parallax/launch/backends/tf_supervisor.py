@@ -88,8 +88,13 @@ def free_addresses(host: str, count: int) -> list[str]:
     """`count` host:port whose ports the OS just handed out on every interface (TensorFlow's
     server binds the wildcard address, whatever host it is told), held together so no two
     are the same."""
-    proc = subprocess.run([sys.executable, "-c", _FREE_PORTS, host, str(count)],
-                          capture_output=True, text=True, timeout=PORTS_TIMEOUT_S, check=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _FREE_PORTS, host, str(count)],
+                              capture_output=True, text=True, timeout=PORTS_TIMEOUT_S,
+                              check=True)
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        raise ConfigError(f"could not get {count} free port(s) on {host}: {detail}") from None
     return proc.stdout.split()
 
 

@@ -7,6 +7,7 @@ horovodrun's output contract: the launcher reads both alike.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 from parallax.errors import ConfigError
@@ -42,16 +43,44 @@ class TensorFlowRun(WorkerBackend):
 
 def supervisor_hosts(layout: ClusterLayout, num_workers: int) -> list[dict]:
     """The supervisor's --hosts: each host of the first `num_workers` slots, its address
-    (loopback for "localhost") and workers, and how to reach it over ssh unless it is this
-    machine."""
+    and workers, and how to reach it over ssh unless it is this machine. "localhost" is
+    127.0.0.1 when every worker is here, else this machine's address on the route to the
+    first other host (the others must reach its workers)."""
     hosts = []
-    for host, _, take in worker_hosts(layout, num_workers):
+    placed = worker_hosts(layout, num_workers)
+    remote = [h.host.strip("[]") for h, _, _ in placed if not is_local(h.host)]
+    for host, _, take in placed:
         address = host.host.strip("[]")
-        entry: dict = {"host": "127.0.0.1" if address == "localhost" else address,
-                       "workers": take}
+        if address == "localhost":
+            address = "127.0.0.1"
+        if remote and _loopback(address):  # the other hosts could not reach it
+            address = _address_toward(remote[0])
+        entry: dict = {"host": address, "workers": take}
         if not is_local(host.host):
             entry["ssh_target"] = host.ssh_target
             if host.ssh_port is not None:
                 entry["ssh_port"] = host.ssh_port
         hosts.append(entry)
     return hosts
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (what that host can reach it at)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 22, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # (UDP: nothing is sent; the route is looked up)
+            return probe.getsockname()[0]
+    except OSError as err:
+        raise ConfigError(f"the host file names this machine as a loopback address and "
+                          f"{host} as another host, and no route to {host} gives this "
+                          f"machine's own address ({err}): name this machine by an address "
+                          f"{host} can reach") from None
