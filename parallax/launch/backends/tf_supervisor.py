@@ -26,7 +26,6 @@ import queue
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
