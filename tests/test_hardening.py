@@ -340,3 +340,43 @@ def test_a_table_too_large_to_allocate_is_resource_exhausted_not_internal(client
         ps_pb2.CreateTableRequest(spec=spec), timeout=10),
         grpc.StatusCode.RESOURCE_EXHAUSTED, f"table {table_name!r} shard 0: creating",
         "--memory-mb")
+
+
+# ---- found by attack after the fixes above --------------------------------------------------
+def test_an_accumulator_starting_beyond_the_dtype_is_refused_at_creation(client, table_name):
+    # it was accepted, and then every push was refused as an "overflow" of the slot
+    for bad in (Adagrad(initial_accumulator_value=float("inf")),
+                Adagrad(initial_accumulator_value=1e39)):
+        with pytest.raises(ConfigError, match=r"slot 'accumulator' starts at .*beyond the "
+                                              r"largest float32|must be finite"):
+            TableSpec(name=table_name, vocabulary_size=4, dim=1, optimizer=bad)
+    spec = TableSpec(name=table_name, vocabulary_size=4, dim=1, optimizer=Adagrad()).to_proto()
+    spec.optimizer.adagrad.initial_accumulator_value = float("inf")
+    stub = client.table(TableSpec(name=table_name, vocabulary_size=4, dim=1)).shards[0].stub()
+    _refused(lambda: stub.CreateTable(ps_pb2.CreateTableRequest(spec=spec), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "initial_accumulator_value must be finite")
+    assert table_name not in dict(_tables_held(client))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62], [2**32, 2**32, 0]])
+def test_an_empty_tensor_of_huge_dimensions_is_invalid_not_internal(client, table_name, shape):
+    # numpy could not lay it out: the server answered INTERNAL and logged a traceback
+    table = client.create_table(TableSpec(name=table_name, vocabulary_size=4, dim=1))
+    request = ps_pb2.PullRequest(table=table_name, shard_index=0)
+    request.ids.dtype = ps_pb2.INT64
+    request.ids.shape.extend(shape)
+    _refused(lambda: table.shards[0].stub().Pull(request, timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "cannot be laid out")
+    client.delete_table(table)
+
+
+def test_a_negative_chunk_count_is_refused(client, snapshot, table_name):
+    # it was read as one whole push and applied
+    table = client.create_table(TableSpec(name=table_name, vocabulary_size=4, dim=2))
+    table.pull([1])
+    before = snapshot(table_name)
+    _refused(lambda: table.shards[0].stub().Push(
+        _push(table_name, [1], np.ones((1, 2)), chunk_count=-5), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT, "chunk_count -5 is negative")
+    snapshot(table_name).assert_equal(before)
+    client.delete_table(table)

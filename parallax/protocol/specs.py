@@ -329,6 +329,22 @@ def slot_names(spec: OptimizerSpec) -> tuple[str, ...]:
     return spec.slot_names()
 
 
+def _check_optimizer_values(table: str, spec: OptimizerSpec, largest: float,
+                            dtype: str) -> None:
+    """Every hyper-parameter finite, and every slot's initial value within the table's dtype:
+    an accumulator starting at inf (or at 1e39 in float32) would refuse every update."""
+    for item in dataclasses.fields(spec):
+        value = getattr(spec, item.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"table {table!r}: optimizer {spec.kind} "
+                     f"{item.name} must be finite, got {value}")
+    for name in spec.slot_names():
+        start = slot_initial_value(spec, name)
+        _require(abs(start) <= largest, f"table {table!r}: optimizer {spec.kind} slot "
+                 f"{name!r} starts at {start:g}, beyond the largest {dtype} ({largest:g}); "
+                 f"use a smaller initial value or dtype 'float64'")
+
+
 def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
     """A slot's value before a row's first update: `initial_<name>_value` where the spec has
     one (Adagrad's and Ftrl's accumulator), else 0, as in Keras."""
@@ -382,6 +398,7 @@ class TableSpec:
                  f"infinite: use smaller initializer values or dtype 'float64'")
         _require(type(self.optimizer) in _OPTIMIZERS.values(), f"table {self.name!r}: optimizer "
                  f"{self.optimizer!r} is not one of parallax.protocol.specs {SERVER_OPTIMIZERS}")
+        _check_optimizer_values(self.name, self.optimizer, largest, self.dtype)
         _require(isinstance(self.shard_count, int) and self.shard_count >= 1,
                  f"table {self.name!r}: shard_count must be >= 1, got {self.shard_count!r}")
         _require(self.hashed_keys or self.shard_count <= self.vocabulary_size,

@@ -77,4 +77,8 @@ def decode(tensor: ps_pb2.Tensor, field: str = "tensor") -> np.ndarray:
     if len(tensor.content) != expected:
         raise WireError(f"{field}: shape {list(shape)} of {dtype.name} needs {expected} bytes, "
                         f"got {len(tensor.content)}")
-    return np.frombuffer(tensor.content, dtype=dtype, count=count).reshape(shape)
+    try:  # a zero-sized shape with huge other dimensions passes the length check
+        return np.frombuffer(tensor.content, dtype=dtype, count=count).reshape(shape)
+    except ValueError as err:
+        raise WireError(f"{field}: shape {list(shape)} of {dtype.name} cannot be laid out "
+                        f"({err}); send dimensions below 2**31") from None

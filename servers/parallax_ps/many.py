@@ -25,6 +25,7 @@ from parallax.protocol import bulk_codec, wire
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import quiet_float_errors
 from parallax_ps.shard import ShuttingDown, TableShard
+from parallax_ps.steps import chunk_total
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def _check_distinct(parts: Sequence[bulk_codec.BulkPush]) -> None:
         if key in seen:
             raise invalid(f"{where} repeats chunk {part.chunk_index}; send each chunk once")
         seen.add(key)
-        push = (part.step, part.worker, part.session, max(1, part.chunk_count))
+        push = (part.step, part.worker, part.session, chunk_total(part.chunk_count))
         first = pushes.setdefault(key[:2], push)
         if push != first:
             raise invalid(f"{where}: step, worker, session and chunk_count {push} differ from "
@@ -192,7 +193,7 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
     checked = [shard.check_push_input(part.ids, part.grads, part.learning_rate)
                for shard, part in zip(shards, parts)]
     _check_same_rate(shards, parts, [lr for _, lr in checked])
-    chunks = [max(1, part.chunk_count) for part in parts]
+    chunks = [chunk_total(part.chunk_count) for part in parts]
     with held(shards):
         for shard, part, (_, lr), count in zip(shards, parts, checked, chunks):
             shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,

@@ -35,6 +35,7 @@ from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
+from parallax_ps.steps import chunk_total
 
 log = logging.getLogger("parallax_ps")
 SERVICE_NAME = "parallax.ps.v1.ParameterServer"
@@ -295,7 +296,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         grads = request.grads
         step, applied = shard.push(request.step, request.worker, request.ids, grads,
                                    request.learning_rate, request.chunk_index,
-                                   max(1, request.chunk_count), request.session)
+                                   chunk_total(request.chunk_count), request.session)
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
 

@@ -26,6 +26,16 @@ ASYNC_HISTORY = 64  # async steps per worker whose chunks are remembered to refu
 MAX_CHUNKS = 1 << 16  # chunks one push may declare (64 GiB in 1 MiB chunks)
 
 
+
+def chunk_total(chunk_count: int) -> int:
+    """The chunks a push comes in: the wire's 0 (unset) means one whole push; a negative
+    count is refused rather than read as one."""
+    if chunk_count < 0:
+        raise invalid(f"chunk_count {chunk_count} is negative; send 0 or 1 for a whole push, "
+                      f"or the number of chunks")
+    return max(1, chunk_count)
+
+
 @dataclass
 class _Push:
     """One worker's push for one step, as its chunks arrive."""
