@@ -246,8 +246,10 @@ class _Job:
     signals reach it once, from the launcher, and leftovers in the group can be killed."""
 
     def __init__(self, argv: list[str], env: dict[str, str], backend: WorkerBackend) -> None:
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-        argv = lifeline.dying_with(argv, os.getpid(), new_group=not group)  # no orphans either
+        # the wrapper leads the job's group and ends all of it if the launcher dies: the
+        # command's children (a shell's, horovodrun's) are no orphans either
+        argv = lifeline.dying_with(argv, os.getpid(), reap_group=True)
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}  # before exec
         self.backend = backend
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from the backend
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report

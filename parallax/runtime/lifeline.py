@@ -15,6 +15,12 @@ Two mechanisms, one per kind of child:
   command (no preexec_fn, which would run Python in a fork of the threaded launcher).
   `parallax run` starts it from its main thread, which lives as long as the launcher. Linux
   only; elsewhere the launcher's own cleanup remains.
+* A job's process group (`dying_with(..., reap_group=True)`): the command's own children
+  (a shell's, horovodrun's) do not get that signal, and horovodrun outlives a SIGTERM. So the
+  wrapper stays, as the group's leader, and runs the command as its child; when the launcher
+  dies it sends SIGTERM to the whole group and every descendant (horovodrun's ranks run in
+  sessions of their own), and SIGKILL after `REAP_GRACE_S` to what is left. Otherwise it
+  only waits, and exits as its command did (a signal's death by the same signal).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Callable
 from parallax.env import PARENT_ENV
 
 POLL_S = 0.2
+REAP_GRACE_S = 3.0  # a dead launcher's job: SIGTERM, then SIGKILL this much later
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,9 +95,107 @@ except OSError as exc:
 """
 
 
-def dying_with(argv: list[str], parent: int, new_group: bool = False) -> list[str]:
+# What `dying_with(reap_group=True)` runs: the group's leader forks the command and waits.
+# Signals the launcher sends reach the whole group (killpg), so the leader forwards none; the
+# SIGTERM of the launcher's death (PR_SET_PDEATHSIG) it turns into the group's end.
+_REAP_GROUP = """
+import os, signal, sys, time
+parent, grace, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+os.setpgrp()
+prctl = None
+if sys.platform.startswith("linux"):
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+def processes():  # pid -> (parent pid, process group) of every live process (no zombies)
+    found = {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            found[pid] = (int(fields[1]), int(fields[2]))
+    return found
+def job(me=os.getpid()):  # this group, and every descendant (horovodrun's ranks lead sessions)
+    table = processes()
+    found = {pid for pid, (_, group) in table.items() if group == me}
+    grown = True
+    while grown:
+        more = {pid for pid, (parent, _) in table.items() if parent in found | {me}} - found
+        found |= more
+        grown = bool(more)
+    return found - {me}
+def signal_all(pids, number):
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except OSError:
+            pass
+def end_group():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    known = job()
+    signal_all(known, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(-1, os.WNOHANG)  # the command, once it has ended
+        except ChildProcessError:
+            pass
+        known = (known | job()) & set(processes())
+        if not known:  # all ended: so does their leader, as by the signal it sent
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    signal_all(known | job(), signal.SIGKILL)
+    os.killpg(0, signal.SIGKILL)
+def on_term(signum, frame):
+    if os.getppid() != parent:
+        end_group()
+held = [getattr(signal, name) for name in ("SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")]
+before = {number: signal.getsignal(number) for number in [signal.SIGTERM, *held]}
+signal.signal(signal.SIGTERM, on_term)
+for number in held:
+    signal.signal(number, signal.SIG_IGN)
+blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # on_term is not the child's
+child = os.fork()
+if child == 0:
+    for number, handler in before.items():  # as inherited (nohup's SIGHUP stays ignored)
+        signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+    for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the command gets them
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if prctl is not None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # the command ends with its leader too
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        sys.stderr.write(f"cannot run {argv[0]!r}: {exc}; check the command\\n")
+        os._exit(127)
+signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+if prctl is not None:
+    prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: on_term hears of the launcher's end
+if os.getppid() != parent:
+    end_group()  # the launcher died before the line above
+status = os.waitpid(child, 0)[1]
+if os.WIFSIGNALED(status):
+    number = os.WTERMSIG(status)
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+"""
+
+
+def dying_with(argv: list[str], parent: int, new_group: bool = False,
+               reap_group: bool = False) -> list[str]:
     """`argv` run so that it gets SIGTERM when `parent` (the caller's pid, whose starting
     thread must outlive it) ends; if it already has, it ends at once. With `new_group`, it
-    also leads a process group of its own. Its pid stays the one the caller started."""
+    also leads a process group of its own; its pid stays the one the caller started. With
+    `reap_group`, the pid the caller started leads a new group and runs `argv` as its child:
+    when `parent` ends, every process of the group gets SIGTERM, then SIGKILL
+    (`REAP_GRACE_S`); it exits as `argv` did. Signals for the command go to the group."""
+    if reap_group:
+        return [sys.executable, "-I", "-S", "-c", _REAP_GROUP, str(parent),
+                str(REAP_GRACE_S), *argv]
     return [sys.executable, "-I", "-S", "-c", _EXEC_DYING, str(parent),
             "1" if new_group else "0", *argv]
