@@ -7,11 +7,13 @@ catch the mistake first.
 """
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
 
-from parallax.client import PSClient
+from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import push_many
 from parallax.errors import ConfigError, ServerError
@@ -380,3 +382,55 @@ def test_a_negative_chunk_count_is_refused(client, snapshot, table_name):
         grpc.StatusCode.INVALID_ARGUMENT, "chunk_count -5 is negative")
     snapshot(table_name).assert_equal(before)
     client.delete_table(table)
+
+
+def _init_chunks(table: str, rows: int, start: int = 0, per_chunk: int = 10_000):
+    for at in range(start, start + rows, per_chunk):
+        ids = np.arange(at, min(at + per_chunk, start + rows))
+        yield _chunk(table, ids, np.ones((len(ids), 64))).SerializeToString()
+
+
+def test_init_rows_streams_open_together_are_held_to_the_memory_limit_together(small_server):
+    # each stream was checked alone: four of 50 MB each took a 64 MiB server to 361 MB
+    with PSClient(small_server.addresses) as client:
+        table = client.create_table(TableSpec(name="streams", hashed_keys=True, dim=64))
+        sent, hold = threading.Event(), threading.Event()
+
+        def held_open():  # 36 MiB of rows, then the stream stays open until told
+            yield from _init_chunks("streams", 140_000)
+            sent.set()
+            hold.wait(60)
+            raise RuntimeError("cancel the stream")
+
+        first: list[BaseException] = []
+        thread = threading.Thread(target=lambda: first.append(pytest.raises(
+            grpc.RpcError, lambda: _raw_stream(small_server.addresses[0])(held_open(),
+                                                                        timeout=60))))
+        thread.start()
+        assert sent.wait(60)
+        _refused(lambda: _raw_stream(small_server.addresses[0])(
+            _init_chunks("streams", 140_000, start=10**6), timeout=60),
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "an InitRows stream buffering", "--memory-mb")
+        hold.set()
+        thread.join(60)
+        assert first and _tables_held(client) == [("streams", 0)]
+        # the cancelled stream's claim is gone: the same stream alone fits
+        assert _raw_stream(small_server.addresses[0])(
+            _init_chunks("streams", 140_000, start=10**6), timeout=60).rows == 140_000
+        client.delete_table(table)
+
+
+def test_hashed_growth_counts_keys_index_and_capacity(small_server):
+    # a dim-1 table was counted at 4 bytes a row: 16M rows (866 MB) fit in --memory-mb 64
+    with PSClient(small_server.addresses, ClientOptions(timeout=60)) as client:
+        table = client.create_table(TableSpec(name="narrow", hashed_keys=True, dim=1,
+                                              optimizer=SGD(learning_rate=0.1),
+                                              initializer=Initializer("zeros")))
+        held = 0
+        with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: .*plus keys, index"):
+            for _ in range(40):  # at most 8M rows
+                table.pull(np.arange(held, held + 200_000) * 7919)
+                held += 200_000
+        per_row = 4 + 8 + 1 + 16  # value, key, changed flag, sorted index entry
+        assert 1_000_000 <= held <= (64 * MB) // per_row, held
+        client.delete_table(table)

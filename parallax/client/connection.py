@@ -37,7 +37,7 @@ _HINTS = {
                                  "server with --tls-cert)",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the server did not answer in time; raise "
                                        "ClientOptions.timeout or check for stalled workers",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the message exceeds a size limit; lower "
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the message exceeds a size limit; lower "  # gRPC's
                                         "ClientOptions.max_message_mb or raise the server's "
                                         "--max-message-mb",
 }
@@ -97,8 +97,11 @@ def describe(method: str, address: str, table, err: grpc.RpcError,
     where = f"{method} of table {table!r}" if table else method
     table = None if table is None else str(table)
     tries = f" after {attempts} attempts" if attempts > 1 else ""
+    details = err.details() or ""
     hint = _HINTS.get(code)
-    message = f"{where} on server {address} failed{tries}: {code.name}: {err.details()}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" not in details:
+        hint = None  # the server's own refusals (--memory-mb, bounds) name their fix
+    message = f"{where} on server {address} failed{tries}: {code.name}: {details}"
     return ServerError(message + (f" ({hint})" if hint else ""), address=address, table=table,
                        code=code)
 

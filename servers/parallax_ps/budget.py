@@ -61,6 +61,12 @@ class MemoryBudget:
         with self._lock:
             self._set(owner, nbytes)
 
+    def room(self, owner: object) -> int | None:
+        """The bytes `owner` may hold in all beside the others' claims; None: no limit."""
+        with self._lock:
+            return self.limit - (self._total - self._claims.get(owner, 0)) if self.limit \
+                else None
+
     def release(self, owner: object) -> None:
         with self._lock:
             self._total -= self._claims.pop(owner, 0)

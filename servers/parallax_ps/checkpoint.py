@@ -194,6 +194,11 @@ def _part_arrays(path: Path, rows: int, names: list[str], spec: TableSpec
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in names}
+    except FileNotFoundError:  # verified a moment ago: pruned since, by a newer save
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"checkpoint file {path} was removed while it was being restored "
+                           f"(a concurrent save pruned it: only the newest checkpoints are "
+                           f"kept); restore a newer checkpoint, or keep more") from None
     except (OSError, ValueError, KeyError) as exc:
         raise data_loss(f"checkpoint file {path} is unreadable: {exc}") from None
     for name, array in arrays.items():

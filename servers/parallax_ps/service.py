@@ -240,6 +240,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc("InitRows")
     def InitRows(self, request_iterator, context):
+        stream = object()  # this stream's claim on the memory budget, while it buffers
+        try:
+            shard, ids, values = self._buffer_init_rows(request_iterator, stream)
+        finally:
+            self.budget.release(stream)
+        shard.assign(ids, values)
+        return ps_pb2.InitRowsResponse(rows=len(ids)), shard.spec.name, len(ids), values.nbytes
+
+    def _buffer_init_rows(self, request_iterator, stream: object):
+        """An InitRows stream's chunks, checked and buffered under the budget's claim
+        `stream` (streams open together are held to --memory-mb together)."""
         shard, ids_parts, value_parts, buffered = None, [], [], 0
         for chunk in request_iterator:
             _check_decoded(chunk)
@@ -251,11 +262,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             ids = shard.check_ids(wire.decode(chunk.ids, "ids"))
             values = wire.decode(chunk.values, "values")
             shard.check_rows(values, len(ids), "values")
+            buffered += ids.nbytes + values.nbytes
+            self.budget.claim(stream, buffered, shard.label,
+                              f"an InitRows stream buffering {buffered} bytes of rows")
             ids_parts.append(ids)
             value_parts.append(values)
-            buffered += ids.nbytes + values.nbytes
-            self.budget.check(None, buffered, shard.label,
-                              f"an InitRows stream buffering {buffered} bytes of rows")
         if shard is None:
             raise invalid("InitRows stream was empty; send at least one chunk")
         ids = np.concatenate(ids_parts)
@@ -263,9 +274,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if len(unique) != len(ids):
             raise invalid(f"{shard.label}: InitRows sets id {unique[counts > 1][0]} more than "
                           f"once; send each id once")
-        values = np.concatenate(value_parts)
-        shard.assign(ids, values)
-        return ps_pb2.InitRowsResponse(rows=len(ids)), shard.spec.name, len(ids), values.nbytes
+        return shard, ids, np.concatenate(value_parts)
 
     # ---- rows ------------------------------------------------------------------------------
     @_rpc("Pull")

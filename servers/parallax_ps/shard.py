@@ -94,6 +94,8 @@ class TableShard:
         except BaseException:
             self.budget.release(self)
             raise
+        if spec.hashed_keys:  # a hashed shard's arrays grow within the budget
+            self.storage.room = lambda: self.budget.room(self)
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
@@ -164,22 +166,24 @@ class TableShard:
         if not (new or buffered):
             return None
         rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
-        return (rows * self.row_bytes + pending, self.label,
-                lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with its slots) "
-                        f"and buffering {pending} bytes of step {self.steps.step}'s gradients")
+        return (self.storage.bytes_held(rows, self.row_bytes) + pending, self.label,
+                lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with its slots, "
+                        f"plus keys, index and spare capacity) and buffering {pending} bytes "
+                        f"of step {self.steps.step}'s gradients")
 
     def restore_need(self, restored: int):
         """(bytes, label, what) a restore of `restored` rows makes this shard hold: a hashed
         shard's rows (a fixed one claimed its whole vocabulary when it was made)."""
         rows = restored if self.spec.hashed_keys else self.storage.num_rows
-        return (rows * self.row_bytes, self.label,
+        return (self.storage.bytes_held(rows, self.row_bytes, fresh=True), self.label,
                 f"restoring {rows} rows ({self.row_bytes} bytes a row with its slots)")
 
     def _account(self) -> None:
         """Tell the budget what this shard holds now (after a checked change); a closed
         (deleted) shard has released its claim."""
         if not self.closed:
-            self.budget.update(self, self.storage.num_rows * self.row_bytes +
+            self.budget.update(self, self.storage.bytes_held(self.storage.num_rows,
+                                                             self.row_bytes) +
                                self.steps.buffered_bytes)
 
     # ---- reads and writes ----------------------------------------------------------------

@@ -6,12 +6,19 @@ binary search, no Python loop over ids), and arrays grow geometrically.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import Partitioner
 from parallax.protocol.specs import TableSpec
 from parallax_ps.optimizers import ServerOptimizer, Slots
+
+KEY_BYTES = 8 + 1  # a hashed shard's bytes per allocated row besides values and slots:
+                   # its key and its changed flag
+INDEX_BYTES = 8 + 8  # a hashed shard's bytes per held row in its sorted index: key and row
+MIN_CAPACITY = 1024  # rows a hashed shard allocates at least
 
 
 class FixedRows:
@@ -38,6 +45,10 @@ class FixedRows:
     @property
     def num_rows(self) -> int:
         return len(self.values)
+
+    def bytes_held(self, rows: int, row_bytes: int, fresh: bool = False) -> int:
+        """What the memory budget counts: every row's values and slots, claimed at creation."""
+        return self.num_rows * row_bytes
 
     def row_ids(self) -> np.ndarray:
         return self.partitioner.global_ids(self.shard)
@@ -119,10 +130,30 @@ class KeyedRows:
         self.values = np.empty((0, spec.dim), dtype=spec.dtype)
         self.slots: Slots = optimizer.new_slots(0, spec.dim, self.values.dtype)
         self._count = 0
+        self._row_bytes = self.values.itemsize * spec.dim * (1 + len(self.slots))
+        self.room: Callable[[], int | None] = lambda: None  # bytes the memory budget allows
 
     @property
     def num_rows(self) -> int:
         return self._count
+
+    def capacity_for(self, rows: int) -> int:
+        """The rows allocated once `rows` are held: arrays grow geometrically, but no further
+        than the memory budget's room (spare capacity never makes a table refuse rows)."""
+        have = len(self.values)
+        if rows <= have:
+            return have
+        grown, room = max(rows, 2 * have, MIN_CAPACITY), self.room()
+        if room is not None:
+            fits = room // (self._row_bytes + KEY_BYTES + INDEX_BYTES)  # its index too, full
+            grown = max(rows, min(grown, fits))
+        return grown
+
+    def bytes_held(self, rows: int, row_bytes: int, fresh: bool = False) -> int:
+        """What holding `rows` rows allocates: values, slots, keys and flags of the whole
+        capacity, plus the sorted index; `fresh`, in new arrays (a restore's)."""
+        capacity = max(rows, MIN_CAPACITY) if fresh else self.capacity_for(rows)
+        return capacity * (row_bytes + KEY_BYTES) + rows * INDEX_BYTES
 
     def row_ids(self) -> np.ndarray:
         return self._keys[: self._count].copy()
@@ -168,7 +199,7 @@ class KeyedRows:
         new_keys = np.sort(new_keys)
         start, stop = self._count, self._count + len(new_keys)
         if stop > len(self.values):
-            self._grow(max(stop, 2 * len(self.values), 1024))
+            self._grow(self.capacity_for(stop))
         self._keys[start:stop] = new_keys
         if initialise:
             self.values[start:stop] = initial_rows(self.spec.initializer, new_keys,
@@ -197,7 +228,7 @@ class KeyedRows:
         self._count = 0
         self._keys_sorted = np.empty(0, dtype=np.int64)
         self._rows_sorted = np.empty(0, dtype=np.int64)
-        self._grow(max(len(ids), 1024))
+        self._grow(max(len(ids), MIN_CAPACITY))
         self.adopt(ids, values, slots)
 
     def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
