@@ -15,7 +15,7 @@ from __future__ import annotations
 TIERS = {
     "unit": ["test_layout.py", "test_packed_codec.py", "test_plan.py", "test_routing_runs.py",
              "test_traffic_model.py", "test_bench_report.py", "test_partitioner.py",
-             "test_bulk_codec.py", "test_cli_help.py"],
+             "test_bulk_codec.py", "test_cli_help.py", "test_wire_dtypes.py"],
     "server": ["test_bad_input.py", "test_checkpoint.py", "test_checkpoint_safety.py",
                "test_dataplane.py", "test_fuzz.py", "test_hardening.py", "test_load.py",
                "test_multi_table.py", "test_reshard.py", "test_server.py",
