@@ -20,7 +20,7 @@ TIERS = {
                "test_dataplane.py", "test_fuzz.py", "test_hardening.py", "test_load.py",
                "test_multi_table.py", "test_reshard.py", "test_server.py",
                "test_server_limits.py", "test_server_process.py", "test_units.py",
-               "test_wire_contract.py", "test_security.py"],
+               "test_wire_contract.py", "test_security.py", "test_wire_compression.py"],
     "tf": ["test_analysis.py", "test_capacity.py", "test_fusion.py", "test_optimizer_math.py",
            "test_remote.py", "test_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py"],
     "parallel": ["test_strategy_equivalence.py", "test_multiprocess.py", "test_multihost.py",
