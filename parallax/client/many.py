@@ -19,7 +19,7 @@ import numpy as np
 from parallax.client.connection import ServerConnection, run_in_background
 from parallax.client.table import ShardedTable, start_call
 from parallax.errors import ConfigError, ServerError
-from parallax.protocol import bulk_codec
+from parallax.protocol import bulk_codec, wire_dtypes
 from parallax.protocol.packed_codec import PullManyParts, PushManyParts
 from parallax.protocol.routing import Runs
 from parallax.ps.v1 import ps_pb2
@@ -276,6 +276,8 @@ class PendingPull:
                 for part, (values, _) in zip(chunk, answer):
                     order = orders[part.index]
                     target = rows[part.index]
+                    if values.dtype != target.dtype:  # a wire dtype's rows
+                        values = wire_dtypes.to_float32(values)
                     if order is None:
                         target[part.lo:part.hi] = values
                     else:
@@ -326,30 +328,39 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
     plans = runs.push_routings()
+    # narrowed before anything is sent: a gradient beyond its wire dtype sends nothing
+    narrow = [t.narrowed(t.summed(p, g)) if t.wire else None
+              for t, p, g in zip(tables, plans, grads)]
     parts = []
     for k, (table, plan) in enumerate(zip(tables, plans)):
-        row_bytes = table.spec.dim * table.dtype.itemsize + 8
+        row_bytes = table.spec.dim * table.push_dtype.itemsize + 8
         fields = _PART_FIELDS_BYTES + len(table.name.encode())
         for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
             parts.append(PushPart(k, shard, lo, hi, chunk, chunks,
                                   (hi - lo) * row_bytes + fields))
-    return _start_push(tables, plans, grads, parts, steps, worker, learning_rates, now)
+    return _start_push(tables, plans, (grads, narrow), parts, steps, worker, learning_rates,
+                       now)
 
 
 def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
                   ) -> PushManyParts:
+    """`grads`: (each table's gradients, each table's narrowed sums or None)."""
+    grads, narrow = grads
     headers = []
     for p in parts:
         table = tables[p.index]
         header = bulk_codec.PushHeader(table.name, p.shard, steps[p.index], worker,
                                        float(learning_rates[p.index]), p.chunk, p.chunks,
                                        table.session)
-        headers.append((header, p.hi - p.lo, table.spec.dim, table.dtype))
+        headers.append((header, p.hi - p.lo, table.spec.dim, table.push_dtype))
 
     def fill(i: int, ids: np.ndarray, rows: np.ndarray) -> None:
         p = parts[i]
         ids[...] = plans[p.index].ids[p.lo:p.hi]
-        plans[p.index].fill(grads[p.index], p.lo, p.hi, rows)
+        if narrow[p.index] is None:
+            plans[p.index].fill(grads[p.index], p.lo, p.hi, rows)
+        else:
+            rows[...] = narrow[p.index][p.lo:p.hi]
     return PushManyParts(headers, fill)
 
 

@@ -5,6 +5,10 @@ once -> each answer (a zero-copy view) lands in a contiguous slice -> one gather
 caller's order. Push: plan the layout from the ids alone -> sum duplicates straight into each
 outgoing message (one copy of the gradients) -> one push per shard and chunk, empty ones
 included: in sync mode every worker's push is what closes a step on every shard.
+
+A table with a `wire_dtype` sends its summed gradients narrowed to it (refusing, before
+anything is sent, one that would not stay finite: `WireOverflowError`) and reads pulled rows
+back as float32; `full_precision=True` pulls (`pull_all`, exports) travel as float32.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import numpy as np
 
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
-from parallax.protocol import bulk_codec, wire
+from parallax.protocol import bulk_codec, wire, wire_dtypes
 from parallax.protocol.routing import Partitioner, dedup, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
@@ -32,6 +36,8 @@ class ShardedTable:
         self.session = session  # sent with pushes: async retries are recognised per session
         self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.dtype = np.dtype(spec.dtype)
+        self.wire = wire_dtypes.get(spec.wire_dtype) if spec.wire_dtype else None
+        self.push_dtype = self.wire.storage if self.wire else self.dtype  # gradients sent
         row_bytes = spec.dim * self.dtype.itemsize + 8  # the row and its int64 id
         self.chunk_rows = max(1, (shards[0].options.chunk_bytes - 4096) // row_bytes)
 
@@ -61,7 +67,8 @@ class ShardedTable:
                 yield shard, lo, min(lo + self.chunk_rows, stop), index, len(bounds)
 
     def _pull_grouped(self, ids: np.ndarray, offsets: np.ndarray, min_step: int,
-                      order: np.ndarray | None = None) -> np.ndarray:
+                      order: np.ndarray | None = None, full_precision: bool = False
+                      ) -> np.ndarray:
         """Rows of shard-grouped `ids`; with `order`, row k lands at position order[k]."""
         every = list(self.slices(offsets))  # a shard with no ids has one empty slice
         one_chunk_per_shard = len(every) == self.spec.shard_count
@@ -79,17 +86,27 @@ class ShardedTable:
         calls = []
         for shard, lo, hi, _, _ in slices:
             request = ps_pb2.PullRequest(table=self.name, shard_index=shard,
-                                         min_step=wait_in_pull)
+                                         min_step=wait_in_pull, full_precision=full_precision)
             wire.encode(ids[lo:hi], request.ids)
             conn = self.shards[shard]
             calls.append((conn, start_call(conn, "Pull", request, len(slices)), request, lo, hi))
         for conn, future, request, lo, hi in calls:
             values, _ = conn.result(future, "Pull", request, self.name)
+            values = self.widened(values)
             if order is None:
                 rows[lo:hi] = values
             else:
                 rows[order[lo:hi]] = values
         return rows
+
+    def widened(self, values: np.ndarray) -> np.ndarray:
+        """Pulled rows (float32, or the wire dtype's) in the table's dtype."""
+        return values if values.dtype == self.dtype else wire_dtypes.to_float32(values)
+
+    def narrowed(self, summed: np.ndarray) -> np.ndarray:
+        """Summed gradients in the wire dtype; WireOverflowError if one would not stay
+        finite there."""
+        return wire_dtypes.encode_checked(summed, self.wire, self.name, "gradient")
 
     def pull(self, ids, min_step: int = 0) -> np.ndarray:
         """Rows for `ids` (any shape, duplicates allowed), shape ids.shape + (dim,).
@@ -109,14 +126,17 @@ class ShardedTable:
         unique, inverse = dedup(self.checked_ids(ids))
         return self._pull_in_order(unique, min_step)[inverse].reshape(*shape, self.spec.dim)
 
-    def pull_unique(self, unique, min_step: int = 0) -> np.ndarray:
-        """Rows for ids that are already unique, in their order (skips the dedup)."""
-        return self._pull_in_order(self.checked_ids(unique), min_step)
+    def pull_unique(self, unique, min_step: int = 0, full_precision: bool = False
+                    ) -> np.ndarray:
+        """Rows for ids that are already unique, in their order (skips the dedup);
+        `full_precision`: in the table's dtype even if it has a narrower wire_dtype."""
+        return self._pull_in_order(self.checked_ids(unique), min_step, full_precision)
 
-    def _pull_in_order(self, unique: np.ndarray, min_step: int) -> np.ndarray:
+    def _pull_in_order(self, unique: np.ndarray, min_step: int,
+                       full_precision: bool = False) -> np.ndarray:
         order, offsets = self.partitioner.shard_order(unique)
         grouped = unique if order is None else unique[order]
-        return self._pull_grouped(grouped, offsets, min_step, order)
+        return self._pull_grouped(grouped, offsets, min_step, order, full_precision)
 
     def push(self, ids, grads, step: int, worker: int = 0, learning_rate: float = 0.0) -> bool:
         """Send gradients for `ids` (duplicates summed here), chunked to the message limit;
@@ -131,20 +151,26 @@ class ShardedTable:
 
         Raises:
             ConfigError: bad ids or a gradient of the wrong shape (nothing is sent).
+            WireOverflowError: a summed gradient beyond the wire dtype's range (nothing is
+                sent).
             ServerError: a shard refused the push (a step already closed or ahead, a
                 non-finite update, a repeated chunk): the shard is unchanged.
         """
         ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
         plan = self.partitioner.route_push(ids)
+        narrow = self.narrowed(self.summed(plan, grads)) if self.wire else None
         calls = []
         slices = list(self.slices(plan.offsets))
         for shard, lo, hi, index, count in slices:
             writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
-                                                  self.spec.dim, self.dtype, learning_rate,
-                                                  index, count, self.session)
+                                                  self.spec.dim, self.push_dtype,
+                                                  learning_rate, index, count, self.session)
             writer.ids[...] = plan.ids[lo:hi]
-            plan.fill(grads, lo, hi, writer.grads)
+            if narrow is None:
+                plan.fill(grads, lo, hi, writer.grads)
+            else:
+                writer.grads[...] = narrow[lo:hi]
             request = writer.data()
             conn = self.shards[shard]
             calls.append((shard, conn, start_call(conn, "Push", request, len(slices)), request))
@@ -156,6 +182,12 @@ class ShardedTable:
             if reply is not None and reply.applied:
                 closed.add(shard)
         return len(closed) == self.spec.shard_count
+
+    def summed(self, plan, grads: np.ndarray) -> np.ndarray:
+        """Every routed id's summed gradient, in the table's dtype, in `plan.ids` order."""
+        out = np.empty((len(plan.ids), self.spec.dim), self.dtype)
+        plan.fill(grads, 0, len(plan.ids), out)
+        return out
 
     def wait_step(self, min_step: int) -> int:
         """Block until every shard has applied `min_step` steps; returns the lowest step."""
@@ -191,10 +223,12 @@ class ShardedTable:
         return total
 
     def pull_all(self) -> np.ndarray:
-        """The whole table (fixed vocabulary), e.g. for export; in message-sized pieces."""
+        """The whole table (fixed vocabulary), e.g. for export, in message-sized pieces; in
+        full precision whatever the table's wire_dtype."""
         if self.spec.hashed_keys:
             raise ConfigError(f"table {self.name!r} has hashed keys; pull the keys you need")
-        return self.pull_unique(np.arange(self.spec.vocabulary_size, dtype=np.int64))
+        return self.pull_unique(np.arange(self.spec.vocabulary_size, dtype=np.int64),
+                                full_precision=True)
 
 
 def start_call(conn, method: str, request, calls: int):

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from parallax.env import COLLECTIVES, RUN_MODES
 from parallax.errors import ConfigError
+from parallax.protocol.wire_dtypes import WIRE_DTYPES
 from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.types import ClusterProfile, TableProfile
 
@@ -42,6 +43,9 @@ class StrategyConfig:
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
     checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
     collectives: str = "auto"  # what sums dense gradients: auto|horovod|tensorflow (env.py)
+    # rows of server tables on the wire: one dtype for every float32 table, or variable
+    # name -> dtype; None: each table's own (parallax.protocol.wire_dtypes)
+    wire_dtype: str | Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
@@ -61,6 +65,14 @@ class StrategyConfig:
         if not _is_count(self.checkpoints_kept):
             raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
                               f"checkpoints kept), got {self.checkpoints_kept!r}")
+        wires = self.wire_dtype.items() if isinstance(self.wire_dtype, Mapping) else \
+            [("", self.wire_dtype)]
+        for name, dtype in wires:
+            if dtype is not None and dtype not in WIRE_DTYPES:
+                where = f" of {name!r}" if name else ""
+                raise ConfigError(f"wire_dtype{where} is {dtype!r}; use one of "
+                                  f"{', '.join(WIRE_DTYPES)} (rows of the tables on the "
+                                  f"servers as they travel; the servers keep float32)")
         shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
         for count in shards:
             if count is not None and not _is_count(count):
@@ -109,6 +121,7 @@ class VariablePlan:
     servers: tuple[int, ...] = ()  # server of each shard (see place_shards)
     offset: int = 0  # the variable's first row in its table (a table group; see group_tables)
     table_rows: int = 0  # rows of the table on the servers: this variable's, or its group's
+    wire_dtype: str = ""  # its rows on the wire when not its dtype ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -140,7 +153,7 @@ class Plan:
     def signature(self) -> tuple:
         """What every worker must agree on."""
         return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers,
-                      v.offset, v.table_rows) for v in self.variables)
+                      v.offset, v.table_rows, v.wire_dtype) for v in self.variables)
 
     def members(self, table: str) -> tuple[VariablePlan, ...]:
         """The variables whose rows `table` holds (several for a table group), by offset."""
@@ -167,12 +180,18 @@ class Plan:
         return head
 
     def format(self) -> str:
-        rows = [("variable", "kind", "placement", "shape", "MB", "shards", "reason")]
+        """The plan as a table; a "wire" column when some table's rows travel in another
+        dtype than their own."""
+        wire = any(v.wire_dtype for v in self.variables)
+        rows = [("variable", "kind", "placement", "shape", "MB", "shards") +
+                (("wire",) if wire else ()) + ("reason",)]
         for v in self.variables:
             rows.append((v.name, v.kind, v.placement, "x".join(map(str, v.shape)) or "scalar",
-                         f"{v.bytes / 2**20:.2f}", _shards_text(v), v.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6]
+                         f"{v.bytes / 2**20:.2f}", _shards_text(v)) +
+                        ((v.wire_dtype or "-",) if wire else ()) + (v.reason,))
+        n = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(n)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n]
                  for r in rows]
         return self.summary() + "\n" + "\n".join(lines) + self.format_lookups()
 
@@ -241,10 +260,27 @@ def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int
     return max(1, min(wanted, rows))
 
 
+def _wire_dtype(config: StrategyConfig, info: VariableInfo, on_ps: bool) -> str:
+    """The dtype a variable's table sends its rows in, "" for its own: `config.wire_dtype`
+    for every float32 table, or for the variables it names (which must be float32 tables)."""
+    named = isinstance(config.wire_dtype, Mapping)
+    wanted = config.wire_dtype.get(info.name) if named else config.wire_dtype
+    if wanted is None or wanted == info.dtype:
+        return ""
+    if named and not on_ps:
+        raise ConfigError(f"wire_dtype names {info.name!r}, which the plan keeps on the "
+                          f"workers (all-reduced); wire_dtype applies to tables on the "
+                          f"servers: remove it, or place the variable on 'ps'")
+    if named and info.dtype != "float32":
+        raise ConfigError(f"wire_dtype of {info.name!r} is {wanted!r}, but the variable is "
+                          f"{info.dtype}; narrower rows on the wire need a float32 table")
+    return wanted if on_ps and info.dtype == "float32" else ""
+
+
 def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[str],
              run_id: str, placed: bool = True) -> list[VariablePlan]:
-    """Table groups (`StrategyConfig.group_tables`): placed variables with equal rows (width
-    and dtype), an equal `keys` entry (the strategy's: how their initial values are made)
+    """Table groups (`StrategyConfig.group_tables`): placed variables with equal rows (width,
+    dtype and wire dtype), an equal `keys` entry (the strategy's: how their initial values are made)
     and the same shards on the same servers share one server table, each at its own row
     offset, unless the user named their shard count (`named`). A step's request to a server
     then carries one part for all of them instead of one per table: a server spends ~60 us
@@ -255,7 +291,7 @@ def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[s
     by_key: dict[tuple, list[VariablePlan]] = {}
     for v in plans:
         if v.placement == "ps" and v.index in keys and v.name not in named and len(v.shape) > 1:
-            key = (math.prod(v.shape[1:]), v.dtype, keys[v.index]) + \
+            key = (math.prod(v.shape[1:]), v.dtype, v.wire_dtype, keys[v.index]) + \
                 ((v.shards, v.servers) if placed else ())
             by_key.setdefault(key, []).append(v)
     grouped = {v.index: v for v in plans}
@@ -310,7 +346,8 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
     none by default, and none when `config.group_tables` is off. `saved_groups`: the keys
     name whole groups (a checkpoint's), made before placement and placed as one table."""
     names = {i.name for i in infos}
-    for option, given in (("placement", config.placement), ("shards", config.shards)):
+    for option, given in (("placement", config.placement), ("shards", config.shards),
+                          ("wire_dtype", config.wire_dtype)):
         unknown = set(given) - names if isinstance(given, Mapping) else set()
         if unknown:
             raise ConfigError(f"{option} names {sorted(unknown)} match no trainable variable; "
@@ -325,7 +362,8 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
             bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
             table=table_name(run_id, info.index, info.name) if on_ps else "",
-            table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0))
+            table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0,
+            wire_dtype=_wire_dtype(config, info, on_ps)))
     grouping = bool(config.group_tables and group_keys)
     named = set(config.shards) if isinstance(config.shards, Mapping) else set()
     if grouping and saved_groups:

@@ -14,7 +14,7 @@ from typing import ClassVar, Sequence, Union, get_args
 import numpy as np
 
 from parallax.errors import ConfigError
-from parallax.protocol import wire
+from parallax.protocol import wire, wire_dtypes
 from parallax.ps.v1 import ps_pb2
 
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -369,6 +369,7 @@ class TableSpec:
     sync_mode: str = "sync"
     aggregation: str = "sum"
     allow_non_finite: bool = False
+    wire_dtype: str = ""  # rows on the wire: "" (= dtype), "float16" or "bfloat16"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_TABLE_NAME.match(self.name)),
@@ -409,6 +410,22 @@ class TableSpec:
                  f"table {self.name!r}: num_workers must be >= 1, got {self.num_workers!r}")
         _lookup(_SYNC_MODES, self.sync_mode, f"table {self.name!r}: sync_mode")
         _lookup(_AGGREGATIONS, self.aggregation, f"table {self.name!r}: aggregation")
+        self._check_wire_dtype()
+
+    def _check_wire_dtype(self) -> None:
+        if self.wire_dtype == self.dtype:  # the same as unset: one spelling, one spec
+            object.__setattr__(self, "wire_dtype", "")
+        allowed = ("",) + wire_dtypes.COMPRESSED
+        _require(self.wire_dtype in allowed, f"table {self.name!r}: wire_dtype "
+                 f"{self.wire_dtype!r} is not supported; use one of {list(allowed)} ('' or "
+                 f"{self.dtype!r}: rows travel as the table's dtype)")
+        _require(not self.wire_dtype or self.dtype == "float32", f"table {self.name!r}: "
+                 f"wire_dtype {self.wire_dtype!r} needs dtype 'float32', got {self.dtype!r}")
+
+    @property
+    def row_wire_dtype(self) -> str:
+        """The dtype rows travel in: `wire_dtype`, else the table's own."""
+        return self.wire_dtype or self.dtype
 
     def to_proto(self) -> ps_pb2.TableSpec:
         return ps_pb2.TableSpec(
@@ -418,12 +435,14 @@ class TableSpec:
             optimizer=optimizer_to_proto(self.optimizer), shard_count=self.shard_count,
             partition=_PARTITIONS[self.partition], num_workers=self.num_workers,
             sync_mode=_SYNC_MODES[self.sync_mode], aggregation=_AGGREGATIONS[self.aggregation],
-            allow_non_finite=self.allow_non_finite)
+            allow_non_finite=self.allow_non_finite,
+            wire_dtype=wire.dtype_code(self.wire_dtype) if self.wire_dtype else 0)
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSpec":
         try:
             dtype = wire.dtype_name(msg.dtype)
+            wire_dtype = wire.dtype_name(msg.wire_dtype) if msg.wire_dtype else ""
         except wire.WireError as exc:
             raise ConfigError(f"table {msg.name!r}: {exc}") from None
         return cls(
@@ -435,7 +454,7 @@ class TableSpec:
             num_workers=msg.num_workers,
             sync_mode=_reverse(_SYNC_MODES, msg.sync_mode, "sync_mode"),
             aggregation=_reverse(_AGGREGATIONS, msg.aggregation, "aggregation"),
-            allow_non_finite=msg.allow_non_finite)
+            allow_non_finite=msg.allow_non_finite, wire_dtype=wire_dtype)
 
     def describe_difference(self, other: "TableSpec") -> str:
         """'dim 64 != 32, ...': the fields in which two specs of one table disagree."""

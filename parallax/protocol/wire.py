@@ -1,5 +1,8 @@
 """numpy <-> wire `Tensor` conversion: raw little-endian bytes plus dtype and shape.
 
+numpy has no bfloat16: a BFLOAT16 tensor is read as (and written from) the uint16 array of
+its bits; `parallax.protocol.wire_dtypes` converts those to and from float32.
+
 Decoding returns a read-only view on the message's bytes (no copy); encoding makes the one
 copy protobuf needs. Malformed tensors raise `WireError` naming the field and the mismatch.
 """
@@ -18,10 +21,12 @@ _TO_NUMPY = {
     ps_pb2.FLOAT16: np.dtype("<f2"),
     ps_pb2.INT32: np.dtype("<i4"),
     ps_pb2.INT64: np.dtype("<i8"),
+    ps_pb2.BFLOAT16: np.dtype("<u2"),  # its bits
 }
 _FROM_NUMPY = {dt.newbyteorder("="): code for code, dt in _TO_NUMPY.items()}
 _NAMES = {"float32": ps_pb2.FLOAT32, "float64": ps_pb2.FLOAT64, "float16": ps_pb2.FLOAT16,
-          "int32": ps_pb2.INT32, "int64": ps_pb2.INT64}
+          "int32": ps_pb2.INT32, "int64": ps_pb2.INT64, "bfloat16": ps_pb2.BFLOAT16}
+_NAME_OF = {code: name for name, code in _NAMES.items()}
 
 
 class WireError(ParallaxError, ValueError):
@@ -30,7 +35,7 @@ class WireError(ParallaxError, ValueError):
 
 def dtype_code(dtype: object) -> int:
     """The wire code of a numpy dtype or dtype name ('float32', np.float32, ...)."""
-    code = _FROM_NUMPY.get(dtype) if isinstance(dtype, np.dtype) else None
+    code = _FROM_NUMPY.get(dtype) if isinstance(dtype, np.dtype) else _NAMES.get(dtype)
     if code is not None:  # a native-order dtype (every table's): no conversion needed
         return code
     dt = np.dtype(dtype).newbyteorder("=")
@@ -48,7 +53,9 @@ def numpy_dtype(code: int) -> np.dtype:
 
 
 def dtype_name(code: int) -> str:
-    return numpy_dtype(code).name
+    """'float32', ..., 'bfloat16' (whose numpy array is uint16)."""
+    numpy_dtype(code)  # raises for an unknown or unset code
+    return _NAME_OF[code]
 
 
 def encode(array: np.ndarray, out: ps_pb2.Tensor | None = None) -> ps_pb2.Tensor:

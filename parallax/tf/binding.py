@@ -135,7 +135,8 @@ def _table_spec(vp: VariablePlan, optimizer_spec, *, sync: bool, pushers: int,
     return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=vp.dtype,
                      initializer=initializer or Initializer("zeros"), optimizer=optimizer_spec,
                      shard_count=vp.shards, num_workers=pushers,
-                     sync_mode="sync" if sync else "async", aggregation="sum")
+                     sync_mode="sync" if sync else "async", aggregation="sum",
+                     wire_dtype=vp.wire_dtype)
 
 
 class TableBinder:

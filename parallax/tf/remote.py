@@ -157,10 +157,11 @@ class RemoteTable:
         if self.sync:
             self.table.wait_step(self.steps_pushed)
 
-    def pull_rows(self, unique: np.ndarray) -> np.ndarray:
+    def pull_rows(self, unique: np.ndarray, full_precision: bool = False) -> np.ndarray:
         start = time.perf_counter()
         self.before_pull(unique)
-        rows = self.table.pull_unique(self.table_ids(unique), min_step=self._min_step())
+        rows = self.table.pull_unique(self.table_ids(unique), min_step=self._min_step(),
+                                      full_precision=full_precision)
         self.after_pull(unique, time.perf_counter() - start)
         return rows.astype(self._np_dtype, copy=False)
 
@@ -185,7 +186,11 @@ class RemoteTable:
             self.traffic.pull_seconds += seconds
 
     def pull_all_rows(self) -> np.ndarray:
-        return self.pull_rows(np.arange(self.rows, dtype=np.int64))
+        return self.pull_rows(np.arange(self.rows, dtype=np.int64), full_precision=True)
+
+    def pull_exact(self, unique: np.ndarray) -> np.ndarray:
+        """Rows in the table's dtype whatever its wire dtype (eager reads: saving, export)."""
+        return self.pull_rows(unique, full_precision=True)
 
     def push_rows(self, ids: np.ndarray, grads: np.ndarray, learning_rate) -> np.int64:
         step = self.steps_pushed
@@ -282,9 +287,11 @@ class RemoteTable:
     def read_all(self, var: tf.Variable) -> tf.Tensor:
         """The whole variable pulled from the servers. Its gradient is still delivered as an
         `IndexedSlices` (over every row) so the strategy knows it belongs to the servers and
-        does not all-reduce it as well."""
+        does not all-reduce it as well. Read eagerly (saving, `get_weights`, a checkpoint),
+        the rows come in the table's own dtype, never a narrower wire dtype."""
         every = tf.range(self.rows, dtype=tf.int64)
-        rows = self._pull_op(every, self.pull_rows, "parallax_pull_all")
+        pull = self.pull_exact if tf.executing_eagerly() else self.pull_rows
+        rows = self._pull_op(every, pull, "parallax_pull_all")
         self._record(var, rows, every)
         return tf.reshape(rows, self.shape)
 

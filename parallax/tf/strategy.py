@@ -566,7 +566,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  fuse: bool = True, group_tables: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None,
-                 collectives: str = "auto") -> None:
+                 collectives: str = "auto", wire_dtype=None) -> None:
         """Configure the strategy. Nothing is placed and no server is contacted here: the
         first training step (`fit`, or the first `strategy.run` whose step updates
         variables) makes the plan and checks what needs the model or the servers. Every
@@ -693,6 +693,15 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 release. "auto": Horovod when this process was launched by it, else
                 TensorFlow's when several workers are named, else one worker. With
                 TensorFlow's, create the strategy before any other TensorFlow work.
+            wire_dtype: None (default), "float32", "float16" or "bfloat16", or a dict of
+                variable name -> one of those: the dtype the rows of the tables on the
+                servers travel in, pulls and pushes alike (a string: every float32 table;
+                a dict: the variables it names). The servers keep float32 rows and
+                optimizer slots and apply float32 gradients; only the wire narrows (half
+                the row bytes). "bfloat16" keeps float32's range with 8 bits of
+                precision; "float16" has 11 bits but overflows past 65504 (a gradient or
+                row beyond it is refused, naming the table). Exports, `model.save` and
+                checkpoints stay float32. `strategy.plan` shows it in a "wire" column.
 
         Raises:
             ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
@@ -735,7 +744,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 local_aggregation=local_aggregation,
                                 placement=dict(placement or {}), shards=shards,
                                 log_plan=log_plan, fuse=fuse, group_tables=group_tables,
-                                checkpoints_kept=checkpoints_kept, collectives=collectives)
+                                checkpoints_kept=checkpoints_kept, collectives=collectives,
+                                wire_dtype=wire_dtype)
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))

@@ -83,7 +83,7 @@ def check_answer_size(method: str, shards: Sequence[TableShard], ids: Sequence[n
                       limit: int) -> None:
     """Refuse at once (before any wait) an answer whose rows alone are over the limit; the
     exact size, headers included, is checked before the answer is allocated."""
-    total = sum(len(i) * s.spec.dim * np.dtype(s.spec.dtype).itemsize
+    total = sum(len(i) * s.spec.dim * s.answer_dtype().itemsize
                 for s, i in zip(shards, ids))
     if total > limit:
         raise _too_large(method, total, limit, exact=False)
@@ -145,7 +145,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                                    f"while a pull waited for step {part.min_step}; retry")
         _check_capacity(shards, ids, [0] * len(ids))
         with exact_answer_size("PullMany"):
-            answer = writer([(len(i), s.spec.dim, s.spec.dtype, step)
+            answer = writer([(len(i), s.spec.dim, s.answer_dtype(), step)
                              for s, i, step in zip(shards, ids, steps)],
                             max_bytes=max_message_bytes)
         for shard, part_ids, out in zip(shards, ids, answer.values):
@@ -192,15 +192,15 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
     _check_distinct(parts)
     checked = [shard.check_push_input(part.ids, part.grads, part.learning_rate)
                for shard, part in zip(shards, parts)]
-    _check_same_rate(shards, parts, [lr for _, lr in checked])
+    _check_same_rate(shards, parts, [lr for _, lr, _ in checked])
     chunks = [chunk_total(part.chunk_count) for part in parts]
     with held(shards):
-        for shard, part, (_, lr), count in zip(shards, parts, checked, chunks):
+        for shard, part, (_, lr, _), count in zip(shards, parts, checked, chunks):
             shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
                                    part.session)
-        _check_capacity(shards, [ids for ids, _ in checked],
-                        [s.buffered_by(ids, p.grads, count) for s, p, (ids, _), count in
-                         zip(shards, parts, checked, chunks)])
+        _check_capacity(shards, [ids for ids, _, _ in checked],
+                        [s.buffered_by(ids, grads, count) for s, (ids, _, grads), count in
+                         zip(shards, checked, chunks)])
         with quiet_float_errors():
             results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
@@ -209,17 +209,17 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
 
 
 def _apply_all(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
-               checked: Sequence[tuple[np.ndarray, float]], chunks: Sequence[int]
+               checked: Sequence[tuple[np.ndarray, float, np.ndarray]], chunks: Sequence[int]
                ) -> list[tuple[int, bool]]:
     """Apply every checked part in order (locks held, float errors quiet); a part refused
     while being applied takes back the parts before it, so the request changes nothing."""
     journal: list = []
     results = []
     try:
-        for i, (shard, part, (ids, lr), count) in enumerate(zip(shards, parts, checked,
-                                                                chunks)):
+        for i, (shard, part, (ids, lr, grads), count) in enumerate(zip(shards, parts, checked,
+                                                                       chunks)):
             last = i == len(parts) - 1  # nothing after it can be refused: no journal
-            results.append(shard.apply_push_held(part.step, part.worker, ids, part.grads, lr,
+            results.append(shard.apply_push_held(part.step, part.worker, ids, grads, lr,
                                                  part.chunk_index, count, part.session,
                                                  None if last else journal))
     except RequestError:

@@ -289,8 +289,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         def allocate(rows: int, step: int) -> np.ndarray:
             nonlocal writer
             with many.exact_answer_size("Pull"):
-                writer = bulk_codec.PullResponseWriter(rows, shard.spec.dim, shard.spec.dtype,
-                                                       step, max_bytes=self.max_message_bytes)
+                writer = bulk_codec.PullResponseWriter(
+                    rows, shard.spec.dim, shard.answer_dtype(request.full_precision), step,
+                    max_bytes=self.max_message_bytes)
             return writer.values
 
         values, _ = shard.pull(ids, request.min_step, _deadline(context), allocate)

@@ -5,6 +5,10 @@ it was. The lock is per shard (tables never contend with each other) and numpy r
 GIL for the heavy array work. Sync-mode readers wait on the shard's condition until the step
 they need is applied, so no pull ever sees a half-applied step.
 
+A table with a `wire_dtype` (float16, bfloat16) answers pulls with its float32 rows narrowed
+to it, refusing (OUT_OF_RANGE) a row that would not stay finite, and takes pushes in either
+dtype, widened to float32 before the optimizer sees them.
+
 An update is computed on copies of the rows it touches and written back only when every
 value and slot it produces is finite. What a shard holds (rows, slots, buffered sync
 gradients) is claimed from the server's `MemoryBudget` before it is allocated.
@@ -19,6 +23,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from parallax.protocol import wire, wire_dtypes
 from parallax.protocol.routing import Partitioner, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax_ps.budget import MemoryBudget
@@ -32,6 +37,14 @@ from parallax_ps.storage import new_storage
 # counting on from it never overflows the step fields of the answers.
 MAX_STEP = 1 << 62
 _SMALL_ELEMENTS = 1 << 16  # below this, an element-wise check beats errstate's set-up
+
+
+def _name(dtype: np.dtype) -> str:
+    """A dtype as the wire names it (uint16: bfloat16)."""
+    try:
+        return wire.dtype_name(wire.dtype_code(dtype))
+    except wire.WireError:
+        return np.dtype(dtype).name
 
 
 def _sum_is_finite(values: np.ndarray) -> bool:
@@ -100,6 +113,13 @@ class TableShard:
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
         self.closed = ""  # why the shard stopped serving, once it has
+        self.wire = wire_dtypes.get(spec.wire_dtype) if spec.wire_dtype else None
+
+    def answer_dtype(self, full_precision: bool = False) -> np.dtype:
+        """The dtype of this table's rows in a pull answer (full precision: its own)."""
+        if self.wire is None or full_precision:
+            return np.dtype(self.spec.dtype)
+        return self.wire.storage
 
     # ---- validation (no state changes) -------------------------------------------------
     def check_ids(self, ids: np.ndarray, field: str = "ids") -> np.ndarray:
@@ -135,8 +155,8 @@ class TableShard:
             raise invalid(f"{self.label}: {field} has {values.shape[0]} rows but ids has {n}; "
                           f"send one row per id")
         if values.dtype != dtype:
-            raise invalid(f"{self.label}: {field} dtype {values.dtype.name} does not match the "
-                          f"table dtype {dtype.name}")
+            raise invalid(f"{self.label}: {field} dtype {_name(values.dtype)} does not match "
+                          f"the table dtype {dtype.name}")
         if not self.spec.allow_non_finite and n and not _all_finite(values):
             bad = np.argwhere(~np.isfinite(values))[0]
             raise invalid(f"{self.label}: {field} row {bad[0]} column {bad[1]} is "
@@ -216,27 +236,54 @@ class TableShard:
             rows = self.storage.locate(ids, create=True)
             if self.spec.hashed_keys:
                 self._account()
-            # ids are validated, so mode="clip" never clips; it spares take a buffered copy
-            return np.take(self.storage.values, rows, axis=0, out=out, mode="clip"), step
+            return self._gather(rows, out), step
 
     def gather_held(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """Rows of validated `ids` into `out`; the caller holds `cond` (and checked the
-        capacity of a hashed table for every part of its request)."""
+        """Rows of validated `ids` into `out` (of `answer_dtype()`, or the table's dtype); the
+        caller holds `cond` (and checked the capacity of a hashed table for every part of
+        its request)."""
         rows = self.storage.locate(ids, create=True)
         if self.spec.hashed_keys:
             self._account()
-        np.take(self.storage.values, rows, axis=0, out=out, mode="clip")
+        self._gather(rows, out)
 
-    def check_push_input(self, ids: np.ndarray, grads: np.ndarray,
-                         learning_rate: float) -> tuple[np.ndarray, float]:
-        """Stateless checks of a push: (validated ids, the learning rate to apply)."""
+    def _gather(self, rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The values of storage `rows`, into `out` when given, narrowed to the wire dtype
+        when `out` has it. Validated ids: mode="clip" never clips (it spares take a copy)."""
+        values = self.storage.values
+        if out is None or out.dtype == values.dtype:
+            return np.take(values, rows, axis=0, out=out, mode="clip")
+        wide = np.take(values, rows, axis=0, mode="clip")
+        try:
+            return wire_dtypes.encode_checked(wide, self.wire, self.spec.name, "row", out)
+        except wire_dtypes.WireOverflowError as exc:
+            raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"{self.label}: {exc} (pulls "
+                               f"answer in the wire dtype; the server keeps float32)") from None
+
+    def check_push_input(self, ids: np.ndarray, grads: np.ndarray, learning_rate: float
+                         ) -> tuple[np.ndarray, float, np.ndarray]:
+        """Stateless checks of a push: (validated ids, the learning rate to apply, the
+        gradients in the table's dtype)."""
         ids = self.check_ids(ids)
-        self.check_rows(grads, len(ids), "grads")
+        grads = self._widened(grads, len(ids))
         if not 0 <= learning_rate <= self._max_value:  # NaN fails too
             raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
                           f"as a {self.spec.dtype}, the table's dtype (0 uses the table's "
                           f"optimizer spec)")
-        return ids, learning_rate or self.spec.optimizer.learning_rate
+        return ids, learning_rate or self.spec.optimizer.learning_rate, grads
+
+    def _widened(self, grads: np.ndarray, n: int) -> np.ndarray:
+        """Checked gradients in the table's dtype: as sent, or widened from the wire dtype."""
+        if self.wire is None or grads.dtype != self.wire.storage:
+            if self.wire is not None and grads.dtype != np.dtype(self.spec.dtype):
+                raise invalid(f"{self.label}: grads dtype {_name(grads.dtype)} is neither the "
+                              f"table's wire_dtype {self.wire.name} nor its dtype "
+                              f"{self.spec.dtype}; send one of those")
+            self.check_rows(grads, n, "grads")
+            return grads
+        wide = self.wire.decode(grads)
+        self.check_rows(wide, n, "grads")  # shape, and NaN/Inf as the optimizer would see
+        return wide
 
     def check_push_state(self, step: int, worker: int, lr: float, chunk: int, chunks: int,
                          session: int) -> None:
@@ -332,7 +379,7 @@ class TableShard:
     def push(self, step: int, worker: int, ids: np.ndarray, grads: np.ndarray,
              learning_rate: float, chunk: int = 0, chunks: int = 1,
              session: int = 0) -> tuple[int, bool]:
-        ids, lr = self.check_push_input(ids, grads, learning_rate)
+        ids, lr, grads = self.check_push_input(ids, grads, learning_rate)
         with self.cond:
             self.check_push_state(step, worker, lr, chunk, chunks, session)
             self.check_capacity(ids, self.buffered_by(ids, grads, chunks))

@@ -14,6 +14,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
 
 class Partition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +46,7 @@ FLOAT64: DType
 FLOAT16: DType
 INT32: DType
 INT64: DType
+BFLOAT16: DType
 PARTITION_UNSPECIFIED: Partition
 MOD: Partition
 RANGE: Partition
@@ -222,7 +224,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ..., rmsprop: _Optional[_Union[RMSprop, _Mapping]] = ..., adamax: _Optional[_Union[Adamax, _Mapping]] = ..., nadam: _Optional[_Union[Nadam, _Mapping]] = ..., lion: _Optional[_Union[Lion, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite")
+    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite", "wire_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASHED_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +239,7 @@ class TableSpec(_message.Message):
     SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocabulary_size: int
     hashed_keys: bool
@@ -251,7 +254,8 @@ class TableSpec(_message.Message):
     sync_mode: SyncMode
     aggregation: Aggregation
     allow_non_finite: bool
-    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "shard_index")
@@ -302,16 +306,18 @@ class InitRowsResponse(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("table", "shard_index", "ids", "min_step")
+    __slots__ = ("table", "shard_index", "ids", "min_step", "full_precision")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    FULL_PRECISION_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     ids: Tensor
     min_step: int
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., min_step: _Optional[int] = ...) -> None: ...
+    full_precision: bool
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., min_step: _Optional[int] = ..., full_precision: bool = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("values", "step")
