@@ -42,6 +42,7 @@ class StrategyConfig:
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
     checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
     collectives: str = "auto"  # what sums dense gradients: auto|horovod|tensorflow (env.py)
+    cache: object = None  # a parallax.RowCache (the worker's hot-row cache), or None: off
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
@@ -121,6 +122,7 @@ class Plan:
     # How each lookup of a table travels (parallax.tf.fusion.LookupReport), once a training
     # step has been traced for real; not part of what workers must agree on.
     lookups: tuple = ()
+    cache: str = ""  # the worker row cache, described (empty: off); not agreed on either
 
     @property
     def on_servers(self) -> tuple[VariablePlan, ...]:
@@ -164,6 +166,8 @@ class Plan:
             head += "; no sparse variables: running as pure all-reduce"
         elif self.mode == "hybrid" and not rep:
             head += "; no dense variables: running as pure parameter server"
+        if self.cache and ps:
+            head += f"; {self.cache}"
         return head
 
     def format(self) -> str:
@@ -334,4 +338,5 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
     plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
     if grouping and not saved_groups:
         plans = _grouped(plans, group_keys, named, run_id)
-    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))
+    cache = config.cache.describe() if config.cache is not None else ""
+    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans), cache=cache)
