@@ -39,8 +39,10 @@ from parallax.protocol.routing import Runs
 
 WAYS = 8  # slots per set: a row may live in any of its set's WAYS slots
 SKETCH_DEPTH = 4  # hash rows of the count-min sketch
+SKETCH_WIDTH_PER_SLOT = 2  # counters per hash row for each slot of the store
+SKETCH_MAX = np.iinfo(np.uint16).max  # counters saturate there
 AGE_AFTER = 10  # the sketch halves every counter after AGE_AFTER x width accesses
-SLOT_OVERHEAD_BYTES = 8 + 8 + SKETCH_DEPTH * 4  # id, version and sketch counters per slot
+SLOT_OVERHEAD_BYTES = 8 + 8 + SKETCH_DEPTH * SKETCH_WIDTH_PER_SLOT * 2  # id, version, sketch
 MIN_CACHE_BYTES = 64 << 10  # 64 KiB: below this no table gets a set
 _EMPTY = np.iinfo(np.int64).min  # the version of an empty slot
 _SET_SALT = 0x5BD1E995
@@ -115,11 +117,13 @@ def _hashed(ids: np.ndarray, salt: int, modulo: int) -> np.ndarray:
 
 
 class FrequencySketch:
-    """Count-min sketch of id accesses, `SKETCH_DEPTH` x `width` uint32 counters; every
-    counter halves after `AGE_AFTER * width` accesses, so old popularity fades."""
+    """Count-min sketch of id accesses, `SKETCH_DEPTH` x `width` saturating uint16 counters
+    with conservative update (an access raises only the counters at its estimate, which
+    keeps the noise of a stream of cold ids low); every counter halves after `AGE_AFTER *
+    width` accesses, so old popularity fades."""
 
     def __init__(self, width: int) -> None:
-        self.counts = np.zeros((SKETCH_DEPTH, max(1, width)), np.uint32)
+        self.counts = np.zeros((SKETCH_DEPTH, max(1, width)), np.uint16)
         self.added = 0
 
     def _columns(self, ids: np.ndarray) -> list[np.ndarray]:
@@ -133,17 +137,25 @@ class FrequencySketch:
                     for d in range(SKETCH_DEPTH)]
 
     def add(self, ids: np.ndarray) -> None:
-        for row, column in zip(self.counts, self._columns(ids)):
-            where, times = np.unique(column, return_counts=True)
-            row[where] += times.astype(np.uint32)
+        """One access of each of `ids` (distinct ids)."""
+        columns = self._columns(ids)
+        raised = np.minimum(self._estimate(columns) + 1, SKETCH_MAX)
+        order = np.argsort(raised, kind="stable")  # of ids sharing a counter, the largest
+        raised = raised[order].astype(np.uint16)   # estimate is written last and wins
+        for row, column in zip(self.counts, columns):
+            at = column[order]
+            row[at] = np.maximum(row[at], raised)
         self.added += len(ids)
         if self.added >= AGE_AFTER * self.counts.shape[1]:
             self.counts >>= 1
             self.added //= 2
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
-        cols = self._columns(ids)
-        return np.min([row[c] for row, c in zip(self.counts, cols)], axis=0).astype(np.int64)
+        return self._estimate(self._columns(ids))
+
+    def _estimate(self, columns: list[np.ndarray]) -> np.ndarray:
+        return np.min([row[c] for row, c in zip(self.counts, columns)],
+                      axis=0).astype(np.int64)
 
 
 class RowStore:
@@ -156,7 +168,7 @@ class RowStore:
         self.keys = np.zeros(slots, np.int64)
         self.versions = np.full(slots, _EMPTY, np.int64)
         self.rows = np.zeros((slots, dim), dtype)
-        self.sketch = FrequencySketch(slots)
+        self.sketch = FrequencySketch(slots * SKETCH_WIDTH_PER_SLOT)
 
     @property
     def nbytes(self) -> int:
