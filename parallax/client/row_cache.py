@@ -289,6 +289,7 @@ class CachingClient(TableClient):
     """`DirectClient` behind a worker's hot-row cache (see the module docstring)."""
 
     name = "row_cache"
+    wants_clocks = True
 
     def __init__(self, config: RowCache | None = None,
                  direct: TableClient | None = None) -> None:

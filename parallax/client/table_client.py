@@ -42,10 +42,11 @@ class TableClient(abc.ABC):
     against the tables' rows (`parallax.tf.step_traffic.checked_runs`): unique ids for a
     pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
     as of at least that many applied steps (sync training). `clocks[k]`: the steps this
-    worker has pushed to table k, in either mode (what a cache counts staleness in; None:
-    `min_steps`)."""
+    worker has pushed to table k, in either mode (what a cache counts staleness in), passed
+    only to a client whose `wants_clocks` is True (one written before it keeps working)."""
 
     name: ClassVar[str] = ""
+    wants_clocks: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start_pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
