@@ -16,17 +16,19 @@ from parallax.runtime.logs import install as _install_logging
 from parallax.version import __version__
 
 if TYPE_CHECKING:
-    from parallax.client import ClientOptions, PSClient, ShardedTable
+    from parallax.client import CacheStats, ClientOptions, PSClient, RowCache, ShardedTable
     from parallax.placement.tuning import PartitionSearch
     from parallax.tf.strategy import ParallaxStrategy
 
-__all__ = ["Adagrad", "Adam", "Adamax", "ClientOptions", "ConfigError", "Ftrl", "Initializer",
-           "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy", "PartitionSearch",
-           "RMSprop", "SGD", "ServerError", "ShardedTable", "TableSpec", "__version__"]
+__all__ = ["Adagrad", "Adam", "Adamax", "CacheStats", "ClientOptions", "ConfigError", "Ftrl",
+           "Initializer", "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy",
+           "PartitionSearch", "RMSprop", "RowCache", "SGD", "ServerError", "ShardedTable",
+           "TableSpec", "__version__"]
 
 _install_logging()  # the "parallax" logger writes to stderr (parallax.runtime.logs)
 
 _LAZY = {"ClientOptions": "parallax.client", "PSClient": "parallax.client",
+         "RowCache": "parallax.client", "CacheStats": "parallax.client",
          "ShardedTable": "parallax.client", "PartitionSearch": "parallax.placement.tuning",
          "ParallaxStrategy": "parallax.tf.strategy"}  # the last imports TensorFlow
 

@@ -165,16 +165,18 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
                                           cache_dir="") \
             if mode == "tuned" else False
         strategy = parallax.ParallaxStrategy(
-            mode="hybrid" if mode in ("localagg", "reshard", "tuned") else mode,
+            mode="hybrid" if mode in ("localagg", "reshard", "tuned", "cache0",
+                                      "cache0reshard") else mode,
             local_aggregation=mode == "localagg", run_id=f"{run_id}-{case}"[:48],
-            log_plan=False, search_partitions=search)
+            log_plan=False, search_partitions=search,
+            cache=parallax.RowCache(staleness=0) if mode.startswith("cache") else None)
     with strategy.scope():
         rank = strategy.worker.rank if setup != "plain" else 0
         model = build(model_kind, VOCAB + 1 if disagree and rank == 1 else VOCAB)
         optimizer = OPTIMIZERS[optimizer_name]()
         if loop == "fit" and setup != "plain":
             model.compile(optimizer=optimizer, loss="mse")  # in the scope: metrics too
-    between_steps = reshard_midway(strategy, steps) if mode == "reshard" and \
+    between_steps = reshard_midway(strategy, steps) if mode.endswith("reshard") and \
         setup != "plain" else (lambda step: None)
     if loop == "fit" and setup != "plain":
         history = model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0,
@@ -212,7 +214,8 @@ def main(argv: list[str]) -> int:
                         help="comma-separated model-optimizer-loop[-mode], mode: hybrid (default)"
                              ", ps, allreduce, localagg (hybrid with local aggregation), reshard "
                              "(hybrid, resharded twice midway), tuned (hybrid with a short "
-                             "partition search)")
+                             "partition search), cache0 (hybrid with a row cache of "
+                             "staleness 0), cache0reshard (both)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--out", type=Path, required=True)

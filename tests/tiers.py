@@ -14,6 +14,7 @@ from __future__ import annotations
 
 TIERS = {
     "unit": ["test_layout.py", "test_packed_codec.py", "test_plan.py", "test_routing_runs.py",
+             "test_row_cache.py",
              "test_traffic_model.py", "test_bench_report.py", "test_partitioner.py",
              "test_bulk_codec.py", "test_cli_help.py", "test_wire_dtypes.py"],
     "server": ["test_bad_input.py", "test_checkpoint.py", "test_checkpoint_safety.py",
@@ -23,12 +24,12 @@ TIERS = {
                "test_wire_contract.py", "test_security.py", "test_wire_compression.py"],
     "tf": ["test_analysis.py", "test_capacity.py", "test_fusion.py", "test_optimizer_math.py",
            "test_remote.py", "test_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py",
-           "test_strategy_wire.py"],
+           "test_strategy_wire.py", "test_row_cache_training.py"],
     "parallel": ["test_strategy_equivalence.py", "test_multiprocess.py", "test_multihost.py",
                  "test_launch.py", "test_launcher_edges.py", "test_orphans.py",
                  "test_bench_cgroups.py", "test_bench_netns.py", "test_bench_harness.py",
                  "test_bench_peers.py", "test_bench_partitions.py", "test_environment.py",
-                 "test_hosts.py", "test_tf_collectives.py"],
+                 "test_hosts.py", "test_tf_collectives.py", "test_row_cache_workers.py"],
     "integration": ["test_examples.py", "test_migration.py", "test_deploy.py", "test_chaos.py",
                     "test_observability.py", "test_logs.py", "test_restarts.py",
                     "test_tiers.py"],

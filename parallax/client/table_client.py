@@ -5,12 +5,14 @@ A fused step makes one multi-table pull and one multi-table push (`parallax.tf.s
 through a `TableClient`. `DirectClient` sends both to the servers as they are
 (`parallax.client.many`). A worker-side row cache would be another `TableClient`: it answers
 hits from its rows, pulls the misses and the rows older than its staleness bound through
-`DirectClient`, and pushes every gradient, registered here under its name.
+`DirectClient`, and pushes every gradient, registered here under its name: that is
+`parallax.client.row_cache.CachingClient` ("row_cache").
 
     class CachingClient(TableClient):
-        name = "cache"
-        def start_pull(self, tables, min_steps, runs): ...
+        name = "row_cache"
+        def start_pull(self, tables, min_steps, runs, clocks=None): ...
         def start_push(self, tables, grads, steps, worker, learning_rates, runs): ...
+        def invalidate(self, tables=None): ...
 """
 from __future__ import annotations
 
@@ -39,13 +41,16 @@ class TableClient(abc.ABC):
     `runs`: every table's ids as `Runs` over the tables' partitioners, already checked
     against the tables' rows (`parallax.tf.step_traffic.checked_runs`): unique ids for a
     pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
-    as of at least that many applied steps (sync training)."""
+    as of at least that many applied steps (sync training). `clocks[k]`: the steps this
+    worker has pushed to table k, in either mode (what a cache counts staleness in), passed
+    only to a client whose `wants_clocks` is True (one written before it keeps working)."""
 
     name: ClassVar[str] = ""
+    wants_clocks: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start_pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
-                   runs: Runs) -> Pending:
+                   runs: Runs, clocks: Sequence[int] | None = None) -> Pending:
         """The pull in flight; its `result()` is the rows of each table's ids, in order."""
 
     @abc.abstractmethod
@@ -56,14 +61,19 @@ class TableClient(abc.ABC):
         per table, whether this push closed the step on every shard."""
 
     def pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
-             runs: Runs) -> list[np.ndarray]:
+             runs: Runs, clocks: Sequence[int] | None = None) -> list[np.ndarray]:
         """`start_pull`, waited for (async training's pulls and pushes)."""
-        return self.start_pull(tables, min_steps, runs).result()
+        return self.start_pull(tables, min_steps, runs, clocks).result()
 
     def push(self, tables: Sequence[ShardedTable], grads: Sequence[np.ndarray],
              steps: Sequence[int], worker: int, learning_rates: Sequence[float],
              runs: Runs) -> list[bool]:
         return self.start_push(tables, grads, steps, worker, learning_rates, runs).result()
+
+    def invalidate(self, tables: Sequence[ShardedTable] | None = None) -> None:
+        """These tables' rows (None: every table's) changed other than by this worker's
+        pushes (an assign, a restore) or moved to another layout (a reshard): forget any
+        copy of them. Nothing to forget here."""
 
 
 class DirectClient(TableClient):
@@ -71,7 +81,7 @@ class DirectClient(TableClient):
 
     name = "direct"
 
-    def start_pull(self, tables, min_steps, runs):
+    def start_pull(self, tables, min_steps, runs, clocks=None):
         return start_pull_many(tables, (), min_steps, checked=runs)
 
     def start_push(self, tables, grads, steps, worker, learning_rates, runs):
@@ -81,10 +91,10 @@ class DirectClient(TableClient):
 TABLE_CLIENTS: dict[str, type[TableClient]] = {DirectClient.name: DirectClient}
 
 
-def table_client(name: str = DirectClient.name) -> TableClient:
-    """A new client of the registered kind `name`."""
+def table_client(name: str = DirectClient.name, *args) -> TableClient:
+    """A new client of the registered kind `name`, made with `args` (its configuration)."""
     kind = TABLE_CLIENTS.get(name)
     if kind is None:
         raise ConfigError(f"no table client named {name!r}; registered: "
                           f"{', '.join(sorted(TABLE_CLIENTS))}")
-    return kind()
+    return kind(*args)

@@ -46,6 +46,7 @@ class StrategyConfig:
     # rows of server tables on the wire: one dtype for every float32 table, or variable
     # name -> dtype; None: each table's own (parallax.protocol.wire_dtypes)
     wire_dtype: str | Mapping[str, str] | None = None
+    cache: object = None  # a parallax.RowCache (the worker's hot-row cache), or None: off
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
@@ -134,6 +135,7 @@ class Plan:
     # How each lookup of a table travels (parallax.tf.fusion.LookupReport), once a training
     # step has been traced for real; not part of what workers must agree on.
     lookups: tuple = ()
+    cache: str = ""  # the worker row cache, described (empty: off); not agreed on either
 
     @property
     def on_servers(self) -> tuple[VariablePlan, ...]:
@@ -177,6 +179,8 @@ class Plan:
             head += "; no sparse variables: running as pure all-reduce"
         elif self.mode == "hybrid" and not rep:
             head += "; no dense variables: running as pure parameter server"
+        if self.cache and ps:
+            head += f"; {self.cache}"
         return head
 
     def format(self) -> str:
@@ -372,4 +376,5 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
     plans = [replace(v, servers=placed.get(v.index, ())) for v in plans]
     if grouping and not saved_groups:
         plans = _grouped(plans, group_keys, named, run_id)
-    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans))
+    cache = config.cache.describe() if config.cache is not None else ""
+    return Plan(config.mode, config.sync, num_servers, num_workers, tuple(plans), cache=cache)

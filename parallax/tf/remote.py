@@ -110,6 +110,7 @@ class RemoteTable:
         self.traffic = TableTraffic()
         self._np_dtype = dtype.as_numpy_dtype
         self.id_sample: list[np.ndarray] | None = None  # pulled ids, while the tuner samples
+        self.on_assign = None  # called with [table] after `assign_all` (a row cache forgets)
         _TABLES.add(self)
 
     # ---- numpy side: runs inside numpy_function ops ----
@@ -264,8 +265,12 @@ class RemoteTable:
             raise ConfigError(f"cannot assign a value of shape {values.shape} to "
                               f"{self.label!r} of shape {tuple(self.shape.as_list())}")
         self.land_pushes()
-        self.table.assign(self.table_ids(np.arange(self.rows, dtype=np.int64)),
-                          values.reshape(self.rows, self.dim))
+        try:
+            self.table.assign(self.table_ids(np.arange(self.rows, dtype=np.int64)),
+                              values.reshape(self.rows, self.dim))
+        finally:
+            if self.on_assign is not None:
+                self.on_assign([self.table])
 
     # ---- graph side ----
 

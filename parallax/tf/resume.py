@@ -335,6 +335,7 @@ def restore_now(extended, reference: dict) -> None:
     on_every_worker(workers, lambda: [r.land_pushes() for r in tables.values()],
                     "could not land its pushes before a restore")
     resumption = Resumption(reference, before_plan=False)
+    extended.table_client.invalidate()  # the rows (and steps) go back to the checkpoint's
     on_chief(workers, lambda: resumption(extended.client),
              "failed to restore the tables on the parameter servers")
     resumption.continue_steps(tables, workers)

@@ -92,12 +92,14 @@ def _pull_after_pushes(client: TableClient, remotes: Sequence[RemoteTable], runs
     once, beside the step's push, since the servers hold it until that step is applied
     (`min_step`); a failed push is reported as soon as it fails, and the pull it leaves
     waiting is let go. Async tables: the pushes land first (a worker reads its own
-    updates). `runs`: the tables' ids, checked (`checked_runs`)."""
+    updates). `runs`: the tables' ids, checked (`checked_runs`). The tables' steps pushed
+    are the client's clocks (a row cache's staleness)."""
     tables = [r.table for r in remotes]
+    clocks = [[r.steps_pushed for r in remotes]] if client.wants_clocks else []
     if not all(r.sync for r in remotes):
         land_pushes_of(remotes)
-        return client.pull(tables, [r.min_step() for r in remotes], runs)
-    pulling = client.start_pull(tables, [r.min_step() for r in remotes], runs)
+        return client.pull(tables, [r.min_step() for r in remotes], runs, *clocks)
+    pulling = client.start_pull(tables, [r.min_step() for r in remotes], runs, *clocks)
     try:
         land_pushes_of(remotes)  # raises a failed push's error now
     except BaseException:

@@ -27,7 +27,8 @@ from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
 from parallax.client import ClientOptions
 from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
-from parallax.client.table_client import table_client
+from parallax.client.row_cache import CacheStats, CachingClient, RowCache
+from parallax.client.table_client import DirectClient, table_client
 from parallax.env import ADDRESSES_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
@@ -146,7 +147,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._pushed: set[int] | None = None
         self.plan: Plan | None = None
         self.remotes: dict[int, RemoteTable] = {}
-        self.table_client = table_client()  # what fused steps pull and push through
+        self.table_client = table_client(CachingClient.name, config.cache) if config.cache \
+            else table_client(DirectClient.name)  # what fused steps pull and push through
         self.cluster: ClusterSpec | None = None
         self._binder = None
         self._resharder: Resharder | None = None
@@ -357,6 +359,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                                                self.config.local_aggregation)
             resumption = None if pending is None else resume.Resumption(pending)
             self.remotes = self._binder.bind(by_index, observations.optimizer, resumption)
+            for remote in self.remotes.values():  # an assign makes cached rows wrong
+                remote.on_assign = self.table_client.invalidate
             if resumption is not None:
                 resumption.continue_steps(resume.tables_by_variable(plan, self.remotes),
                                           self.workers)
@@ -392,8 +396,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if self.plan is None or self._resharder is None:
             raise ConfigError("no table is on the parameter servers yet: reshard after the "
                               "first training step (which makes the plan)")
-        self.plan, report = self._resharder.apply(self.plan, layouts, log=log,
-                                                  keep_previous=keep_previous)
+        try:
+            self.plan, report = self._resharder.apply(self.plan, layouts, log=log,
+                                                      keep_previous=keep_previous)
+        finally:  # the tables' layouts (and names) changed, or may have
+            self.table_client.invalidate()
         return report
 
     def release_previous(self) -> None:
@@ -541,6 +548,13 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         return self.workers.info.is_chief
 
 
+def _checked_cache(cache) -> RowCache | None:
+    if cache is not None and not isinstance(cache, RowCache):
+        raise ConfigError(f"cache must be a parallax.RowCache or None, got {cache!r}; e.g. "
+                          f"cache=parallax.RowCache(bytes=64 << 20, staleness=4)")
+    return cache
+
+
 class ParallaxStrategy(distribute_lib.Strategy):
     """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
     variables all-reduced with Horovod.
@@ -566,7 +580,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  fuse: bool = True, group_tables: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None,
-                 collectives: str = "auto", wire_dtype=None) -> None:
+                 collectives: str = "auto", wire_dtype=None,
+                 cache: RowCache | None = None) -> None:
         """Configure the strategy. Nothing is placed and no server is contacted here: the
         first training step (`fit`, or the first `strategy.run` whose step updates
         variables) makes the plan and checks what needs the model or the servers. Every
@@ -702,6 +717,12 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 precision; "float16" has 11 bits but overflows past 65504 (a gradient or
                 row beyond it is refused, naming the table). Exports, `model.save` and
                 checkpoints stay float32. `strategy.plan` shows it in a "wire" column.
+            cache: a `parallax.RowCache` or None (default: no cache). Each worker keeps the
+                rows its fused steps pull most often, within `RowCache.bytes`, and answers a
+                pull from them while they are at most `RowCache.staleness` steps old; the
+                misses and older rows are pulled, every gradient is pushed as before
+                (`parallax.client.row_cache`; `strategy.cache_stats()` counts it). With
+                staleness 0 training is exactly that without a cache.
 
         Raises:
             ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
@@ -745,7 +766,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 placement=dict(placement or {}), shards=shards,
                                 log_plan=log_plan, fuse=fuse, group_tables=group_tables,
                                 checkpoints_kept=checkpoints_kept, collectives=collectives,
-                                wire_dtype=wire_dtype)
+                                wire_dtype=wire_dtype, cache=_checked_cache(cache))
         tuning.check_setting(search_partitions)
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))
@@ -770,6 +791,12 @@ class ParallaxStrategy(distribute_lib.Strategy):
                               "(outside tf.function), on every worker")
         extended = self.extended
         return extended.reshard(extended.layouts_for(shards, servers))
+
+    def cache_stats(self) -> CacheStats | None:
+        """What this worker's row cache did (hits, misses, stale refreshes, rows and bytes
+        saved, memory held), or None without a cache (`cache=`)."""
+        client = self.extended.table_client
+        return client.stats() if isinstance(client, CachingClient) else None
 
     @property
     def partition_search(self) -> PartitionTuner | None:
