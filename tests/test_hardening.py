@@ -396,8 +396,8 @@ def test_init_rows_streams_open_together_are_held_to_the_memory_limit_together(s
         table = client.create_table(TableSpec(name="streams", hashed_keys=True, dim=64))
         sent, hold = threading.Event(), threading.Event()
 
-        def held_open():  # 36 MiB of rows, then the stream stays open until told
-            yield from _init_chunks("streams", 140_000)
+        def held_open():  # 20 MiB of rows (claimed twice: joined at the end), then the stream stays open until told
+            yield from _init_chunks("streams", 80_000)
             sent.set()
             hold.wait(60)
             raise RuntimeError("cancel the stream")
@@ -409,14 +409,14 @@ def test_init_rows_streams_open_together_are_held_to_the_memory_limit_together(s
         thread.start()
         assert sent.wait(60)
         _refused(lambda: _raw_stream(small_server.addresses[0])(
-            _init_chunks("streams", 140_000, start=10**6), timeout=60),
+            _init_chunks("streams", 80_000, start=10**6), timeout=60),
             grpc.StatusCode.RESOURCE_EXHAUSTED, "an InitRows stream buffering", "--memory-mb")
         hold.set()
         thread.join(60)
         assert first and _tables_held(client) == [("streams", 0)]
         # the cancelled stream's claim is gone: the same stream alone fits
         assert _raw_stream(small_server.addresses[0])(
-            _init_chunks("streams", 140_000, start=10**6), timeout=60).rows == 140_000
+            _init_chunks("streams", 80_000, start=10**6), timeout=60).rows == 80_000
         client.delete_table(table)
 
 

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
@@ -191,3 +192,34 @@ def test_metrics_requests_trickling_in_lose_their_slot_at_the_deadline(monkeypat
         finally:
             for sock in slow:
                 sock.close()
+
+
+def test_spare_capacity_never_refuses_rows_that_fit():
+    """Two hashed tables grown together in multi-table requests reach the memory limit:
+    geometric spare capacity is taken only where the budget grants it (each shard's spare
+    had been checked against the whole limit: requests were refused at ~68% of it)."""
+    from parallax_ps import many
+    from parallax_ps.budget import MemoryBudget
+    from parallax_ps.errors import RequestError
+    from parallax_ps.shard import TableShard
+
+    limit = 4 << 20
+    budget = MemoryBudget(limit)
+    shards = [TableShard(TableSpec(name=n, hashed_keys=True, dim=8), 0, budget) for n in "ab"]
+    for k, shard in enumerate(shards):  # restored: arrays of exactly 25,000 rows each
+        ids = np.arange(25_000) + k * 10**9
+        with shard.cond:
+            shard.storage.replace(ids, np.zeros((len(ids), 8), np.float32), {})
+            shard._account()
+    held = 25_000
+    with pytest.raises(RequestError, match="--memory-mb"):
+        for start in range(25_000, 1_000_000, 1000):
+            ids = [np.arange(start, start + 1000) + k * 10**9 for k in range(2)]
+            many._check_capacity(shards, ids, [0, 0])
+            for shard, part in zip(shards, ids):
+                with shard.cond:
+                    shard.storage.locate(part, create=True)
+                    shard._account()
+            held += 1000
+    per_row = 8 * 4 + 9 + 16  # value, key and flag, index entry
+    assert 2 * held * per_row >= 0.85 * limit, held

@@ -161,7 +161,7 @@ blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # on_term 
 child = os.fork()
 if child == 0:
     for number, handler in before.items():  # as inherited (nohup's SIGHUP stays ignored)
-        signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        signal.signal(number, signal.SIG_IGN if handler == signal.SIG_IGN else signal.SIG_DFL)
     for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; the command gets them
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -178,9 +178,14 @@ if prctl is not None:
 if os.getppid() != parent:
     end_group()  # the launcher died before the line above
 status = os.waitpid(child, 0)[1]
-if os.WIFSIGNALED(status):
+if os.WIFSIGNALED(status):  # end as the command did, without a core of our own
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     number = os.WTERMSIG(status)
-    signal.signal(number, signal.SIG_DFL)
+    try:
+        signal.signal(number, signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass  # SIGKILL and SIGSTOP cannot be caught: they are at their default already
     os.kill(os.getpid(), number)
 os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 """

@@ -61,11 +61,16 @@ class MemoryBudget:
         with self._lock:
             self._set(owner, nbytes)
 
-    def room(self, owner: object) -> int | None:
-        """The bytes `owner` may hold in all beside the others' claims; None: no limit."""
+    def reserve_spare(self, owner: object, nbytes: int, spare: int) -> bool:
+        """Record that `owner` holds `nbytes` plus `spare` bytes of spare capacity, if the
+        spare is at most half the room left beside them (so spare capacity never takes the
+        last of the limit from rows); False, and nothing recorded, otherwise."""
         with self._lock:
-            return self.limit - (self._total - self._claims.get(owner, 0)) if self.limit \
-                else None
+            others = self._total - self._claims.get(owner, 0)
+            if self.limit and 2 * spare > self.limit - others - nbytes:
+                return False
+            self._set(owner, nbytes + spare)
+            return True
 
     def release(self, owner: object) -> None:
         with self._lock:

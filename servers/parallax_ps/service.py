@@ -243,9 +243,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         stream = object()  # this stream's claim on the memory budget, while it buffers
         try:
             shard, ids, values = self._buffer_init_rows(request_iterator, stream)
+            shard.assign(ids, values)  # the buffer is held until the rows are in place
         finally:
             self.budget.release(stream)
-        shard.assign(ids, values)
         return ps_pb2.InitRowsResponse(rows=len(ids)), shard.spec.name, len(ids), values.nbytes
 
     def _buffer_init_rows(self, request_iterator, stream: object):
@@ -263,7 +263,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             values = wire.decode(chunk.values, "values")
             shard.check_rows(values, len(ids), "values")
             buffered += ids.nbytes + values.nbytes
-            self.budget.claim(stream, buffered, shard.label,
+            self.budget.claim(stream, 2 * buffered, shard.label,  # and joined, at the end
                               f"an InitRows stream buffering {buffered} bytes of rows")
             ids_parts.append(ids)
             value_parts.append(values)

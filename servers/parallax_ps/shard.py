@@ -107,8 +107,9 @@ class TableShard:
         except BaseException:
             self.budget.release(self)
             raise
-        if spec.hashed_keys:  # a hashed shard's arrays grow within the budget
-            self.storage.room = lambda: self.budget.room(self)
+        self._admitted = 0  # bytes the request being applied was checked to hold
+        if spec.hashed_keys:  # a hashed shard's spare capacity: only where it fits
+            self.storage.reserve = self._reserve
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
@@ -186,10 +187,18 @@ class TableShard:
         if not (new or buffered):
             return None
         rows, pending = self.storage.num_rows + new, self.steps.buffered_bytes + buffered
-        return (self.storage.bytes_held(rows, self.row_bytes) + pending, self.label,
+        self._admitted = self.storage.bytes_held(rows, self.row_bytes) + pending
+        return (self._admitted, self.label,
                 lambda: f"holding {rows} rows ({self.row_bytes} bytes a row with its slots, "
                         f"plus keys, index and spare capacity) and buffering {pending} bytes "
                         f"of step {self.steps.step}'s gradients")
+
+    def _reserve(self, spare: int) -> bool:
+        """Claim `spare` bytes of capacity beyond what the request being applied was
+        admitted with (caller holds `cond`), if the budget grants them."""
+        held = self.storage.bytes_held(self.storage.num_rows, self.row_bytes) + \
+            self.steps.buffered_bytes
+        return self.budget.reserve_spare(self, max(self._admitted, held), spare)
 
     def restore_need(self, restored: int):
         """(bytes, label, what) a restore of `restored` rows makes this shard hold: a hashed

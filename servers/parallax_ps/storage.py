@@ -131,29 +131,31 @@ class KeyedRows:
         self.slots: Slots = optimizer.new_slots(0, spec.dim, self.values.dtype)
         self._count = 0
         self._row_bytes = self.values.itemsize * spec.dim * (1 + len(self.slots))
-        self.room: Callable[[], int | None] = lambda: None  # bytes the memory budget allows
+        # claims spare bytes beyond what the request was admitted with; False: refused
+        self.reserve: Callable[[int], bool] = lambda spare: True
 
     @property
     def num_rows(self) -> int:
         return self._count
 
-    def capacity_for(self, rows: int) -> int:
-        """The rows allocated once `rows` are held: arrays grow geometrically, but no further
-        than the memory budget's room (spare capacity never makes a table refuse rows)."""
-        have = len(self.values)
-        if rows <= have:
-            return have
-        grown, room = max(rows, 2 * have, MIN_CAPACITY), self.room()
-        if room is not None:
-            fits = room // (self._row_bytes + KEY_BYTES + INDEX_BYTES)  # its index too, full
-            grown = max(rows, min(grown, fits))
-        return grown
+    def bytes_at(self, capacity: int, rows: int) -> int:
+        """Values, slots, keys and flags of `capacity` rows, plus the index of `rows`."""
+        return capacity * (self._row_bytes + KEY_BYTES) + rows * INDEX_BYTES
 
     def bytes_held(self, rows: int, row_bytes: int, fresh: bool = False) -> int:
-        """What holding `rows` rows allocates: values, slots, keys and flags of the whole
-        capacity, plus the sorted index; `fresh`, in new arrays (a restore's)."""
-        capacity = max(rows, MIN_CAPACITY) if fresh else self.capacity_for(rows)
-        return capacity * (row_bytes + KEY_BYTES) + rows * INDEX_BYTES
+        """What holding `rows` rows needs at least (what the memory budget checks): the
+        arrays as allocated, or just grown to `rows`; `fresh`, in new arrays (a restore's)."""
+        capacity = max(rows, MIN_CAPACITY) if fresh else max(len(self.values), rows)
+        return self.bytes_at(capacity, rows)
+
+    def _grown(self, rows: int) -> int:
+        """The capacity to grow to for `rows`: geometric when the budget grants the spare
+        rows (`reserve`, atomically), else exactly `rows` (already admitted)."""
+        geometric = max(rows, 2 * len(self.values), MIN_CAPACITY)
+        if geometric > rows and not self.reserve(self.bytes_at(geometric, rows)
+                                                 - self.bytes_at(rows, rows)):
+            return rows
+        return geometric
 
     def row_ids(self) -> np.ndarray:
         return self._keys[: self._count].copy()
@@ -199,7 +201,7 @@ class KeyedRows:
         new_keys = np.sort(new_keys)
         start, stop = self._count, self._count + len(new_keys)
         if stop > len(self.values):
-            self._grow(self.capacity_for(stop))
+            self._grow(self._grown(stop))
         self._keys[start:stop] = new_keys
         if initialise:
             self.values[start:stop] = initial_rows(self.spec.initializer, new_keys,
