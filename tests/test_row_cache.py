@@ -189,3 +189,30 @@ def test_invalidate_forgets_the_tables_rows():
     cache.invalidate()
     pull(cache, tables, ids, [1, 1])
     assert server.rows == 250 and cache.stats().invalidations == 2
+
+
+def test_a_pull_in_flight_across_an_invalidation_stores_nothing():
+    # its rows were read before the invalidation (a restore, an assign): the store made
+    # after it must not take them
+    server = VersionedRows()
+    cache = CachingClient(RowCache(staleness=10), server)
+    tables, ids = [fake_table("a")], [np.arange(50, dtype=np.int64)]
+    runs = Runs([t.partitioner for t in tables], ids)
+    in_flight = cache.start_pull(tables, [1], runs, [1])  # read at the server's step 0
+    server.steps["a"] = 5  # the table changed (restored, assigned) ...
+    cache.invalidate()  # ... and the cache was told
+    pull(cache, tables, [np.arange(100, 110, dtype=np.int64)], [1])  # a new store
+    in_flight.result()
+    rows = pull(cache, tables, ids, [1])[0]
+    assert (rows[:, 1] == 5).all(), rows[:, 1]
+
+
+def test_a_table_made_again_under_its_name_is_not_served_the_old_rows():
+    server = VersionedRows()
+    cache = CachingClient(RowCache(staleness=10), server)
+    ids = [np.arange(50, dtype=np.int64)]
+    pull(cache, [fake_table("a")], ids, [1])
+    again = fake_table("a")
+    again.spec = SimpleNamespace(dim=DIM, vocabulary_size=VOCAB // 2, hashed_keys=False)
+    pull(cache, [again], ids, [1])
+    assert server.rows == 100 and cache.stats().hits == 0

@@ -270,15 +270,17 @@ class _Ready:
 class _Filling:
     """A pull whose misses are in flight: `result()` fills them in and caches them."""
 
-    def __init__(self, cache: "CachingClient", tables, rows, missing, clocks, pending) -> None:
+    def __init__(self, cache: "CachingClient", tables, rows, missing, clocks, pending,
+                 generation: int) -> None:
         self.cache, self.tables, self.rows = cache, tables, rows
         self.missing, self.clocks, self.pending = missing, clocks, pending
+        self.generation = generation  # the cache's, when the pull left
 
     def result(self) -> list[np.ndarray]:
         fetched = self.pending.result()
         for out, (positions, ids), got in zip(self.rows, self.missing, fetched):
             out[positions] = got
-        self.cache.remember(self.tables, self.missing, fetched, self.clocks)
+        self.cache.remember(self.tables, self.missing, fetched, self.clocks, self.generation)
         return self.rows
 
     def abandon(self) -> None:
@@ -298,6 +300,8 @@ class CachingClient(TableClient):
         self._lock = threading.Lock()
         self._sizes: dict[str, tuple[int, int]] = {}  # table -> (slot bytes, rows)
         self._stores: dict[str, RowStore | None] = {}
+        self._specs: dict[str, object] = {}  # table -> the spec its store holds rows of
+        self._generation = 0  # invalidations so far: a pull in flight across one stores nothing
         self._counts = {f.name: 0 for f in fields(CacheStats) if f.name in _COUNTED}
 
     def start_pull(self, tables, min_steps, runs, clocks=None):
@@ -313,10 +317,11 @@ class CachingClient(TableClient):
             if not any(len(ids) for _, ids in missing) and max(min_steps, default=0) <= 0:
                 self._counts["requests_saved"] += 1
                 return _Ready(rows)
+            generation = self._generation
         every = all(len(ids) == len(runs.run(k)) for k, (_, ids) in enumerate(missing))
         asked = runs if every else Runs(runs.partitioners, [ids for _, ids in missing])
         pending = self.direct.start_pull(tables, min_steps, asked)
-        return _Filling(self, tables, rows, missing, clocks, pending)
+        return _Filling(self, tables, rows, missing, clocks, pending, generation)
 
     def _served(self, table: ShardedTable, store: RowStore | None, ids: np.ndarray,
                 clock: int) -> tuple[np.ndarray, np.ndarray]:
@@ -331,12 +336,15 @@ class CachingClient(TableClient):
         self._counts["hits"] += hits
         self._counts["stale"] += int(np.count_nonzero(stale))
         self._counts["misses"] += len(ids) - hits - int(np.count_nonzero(stale))
-        self._counts["bytes_saved"] += hits * table.spec.dim * table.dtype.itemsize
+        self._counts["bytes_saved"] += hits * table.spec.dim * _wire_itemsize(table)
         return out, np.flatnonzero(~fresh)
 
-    def remember(self, tables, missing, fetched, clocks) -> None:
-        """Rows the servers answered at `clocks`, into the tables' stores (if still held)."""
+    def remember(self, tables, missing, fetched, clocks, generation: int) -> None:
+        """Rows the servers answered at `clocks`, into the tables' stores (if still held,
+        and not invalidated since the pull left)."""
         with self._lock:
+            if generation != self._generation:
+                return
             for table, (_, ids), rows, clock in zip(tables, missing, fetched, clocks):
                 store = self._stores.get(table.name)
                 if store is not None and len(ids):
@@ -345,6 +353,11 @@ class CachingClient(TableClient):
     def _stores_for(self, tables: Sequence[ShardedTable]) -> list[RowStore | None]:
         """Each table's store; tables seen for the first time share out the budget again
         (stores whose share changed start empty)."""
+        for t in tables:  # a table made again under the same name: not the rows held
+            if self._specs.setdefault(t.name, t.spec) != t.spec:
+                self._specs[t.name] = t.spec
+                self._sizes.pop(t.name, None)
+                self._stores.pop(t.name, None)
         new = {t.name: self._size(t) for t in tables if t.name not in self._sizes}
         if new:
             self._sizes.update(new)
@@ -381,6 +394,8 @@ class CachingClient(TableClient):
             for name in names:
                 self._sizes.pop(name, None)
                 self._stores.pop(name, None)
+                self._specs.pop(name, None)
+            self._generation += 1
             self._counts["invalidations"] += 1
 
     def stats(self) -> CacheStats:
@@ -389,6 +404,12 @@ class CachingClient(TableClient):
             return CacheStats(**self._counts, rows_held=sum(s.held for s in stores),
                               bytes_held=sum(s.nbytes for s in stores),
                               capacity_rows=sum(s.sets * WAYS for s in stores))
+
+
+def _wire_itemsize(table: ShardedTable) -> int:
+    """Bytes an element of the table's rows takes on the wire (its wire dtype's, if any)."""
+    return 2 if getattr(table.spec, "wire_dtype", "") in ("float16", "bfloat16") else \
+        table.dtype.itemsize
 
 
 _COUNTED = ("pulls", "hits", "misses", "stale", "requests_saved", "bytes_saved",
