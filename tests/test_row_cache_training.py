@@ -6,29 +6,15 @@ an assign invalidate it; async training and table groups run with it; bad values
 refused naming the fix."""
 from __future__ import annotations
 
-import itertools
-import time
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import parallax
-from test_fusion import Tables, data, weights_of
+from test_fusion import Tables, data, make_strategy, weights_of  # noqa: F401 (a fixture)
 
-_ids = itertools.count()
 BATCH = 16
-
-
-@pytest.fixture
-def make_strategy(cluster):
-    def make(**kwargs):
-        kwargs.setdefault("ps_addresses", cluster.addresses)
-        kwargs.setdefault("log_plan", False)
-        kwargs.setdefault("search_partitions", False)
-        return parallax.ParallaxStrategy(run_id=f"rc{next(_ids)}-{int(time.time())}", **kwargs)
-    return make
 
 
 def pulled_rows(strategy) -> int:

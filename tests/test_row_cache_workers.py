@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from parallax.env import HOROVOD_CYCLE_TIME_ENV
+from test_strategy_equivalence import _run
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "strategy_worker.py"
@@ -26,14 +26,9 @@ CASES = ",".join(c for pair in PAIRS for c in pair)
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(command: list[str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k != HOROVOD_CYCLE_TIME_ENV}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env=env)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc.stdout + proc.stderr
+def _run_job(command: list[str]) -> str:
+    return _run(command, timeout=900, env={k: v for k, v in os.environ.items()
+                                           if k != HOROVOD_CYCLE_TIME_ENV})
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +36,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     base = tmp_path_factory.mktemp("row-cache")
     worker = [sys.executable, str(WORKER), "--steps", "20", "--batch", "16", "--setup",
               "parallax", "--cases", CASES]
-    two = _run([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--out",
+    two = _run_job([PARALLAX, "run", "-np", "2", "--servers", "2", "--", *worker, "--out",
                 str(base / "two")])
-    one = _run(worker + ["--out", str(base / "one")])
+    one = _run_job(worker + ["--out", str(base / "one")])
     return {"two": (base / "two", two), "one": (base / "one", one)}
 
 
