@@ -351,6 +351,9 @@ def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
     return float(getattr(spec, f"initial_{name}_value", 0.0))
 
 
+EVICTIONS = ("none", "lru", "lfu")  # TableSpec.eviction
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """A sparse table as every shard of it sees it."""
@@ -370,6 +373,10 @@ class TableSpec:
     aggregation: str = "sum"
     allow_non_finite: bool = False
     wire_dtype: str = ""  # rows on the wire: "" (= dtype), "float16" or "bfloat16"
+    admit_after: int = 0  # sightings before a hashed key gets a row (0/1: at once)
+    admit_probability: float = 1.0  # chance per sighting (deterministic by key and count)
+    eviction: str = "none"  # "none", "lru" or "lfu": keep max_rows_per_shard by evicting
+    ttl_steps: int = 0  # evict rows unused for this many of the shard's steps (0: off)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_TABLE_NAME.match(self.name)),
@@ -411,6 +418,36 @@ class TableSpec:
         _lookup(_SYNC_MODES, self.sync_mode, f"table {self.name!r}: sync_mode")
         _lookup(_AGGREGATIONS, self.aggregation, f"table {self.name!r}: aggregation")
         self._check_wire_dtype()
+        self._check_dynamic()
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether rows are admitted or evicted (rather than created on first use and kept)."""
+        return (self.admit_after > 1 or self.admit_probability < 1 or self.eviction != "none"
+                or self.ttl_steps > 0)
+
+    def _check_dynamic(self) -> None:
+        name = self.name
+        if self.eviction == "":  # the wire's unset value
+            object.__setattr__(self, "eviction", "none")
+        _require(isinstance(self.admit_after, int) and self.admit_after >= 0,
+                 f"table {name!r}: admit_after must be an int >= 0 (0 or 1: a key gets a row "
+                 f"at once), got {self.admit_after!r}")
+        _require(isinstance(self.admit_probability, (int, float))
+                 and 0 < self.admit_probability <= 1, f"table {name!r}: admit_probability "
+                 f"must be in (0, 1] (1: admit on the admit_after-th sighting), got "
+                 f"{self.admit_probability!r}")
+        _require(self.eviction in EVICTIONS, f"table {name!r}: eviction {self.eviction!r} is "
+                 f"not supported; use one of {list(EVICTIONS)}")
+        _require(isinstance(self.ttl_steps, int) and self.ttl_steps >= 0,
+                 f"table {name!r}: ttl_steps must be an int >= 0 (0: off), got "
+                 f"{self.ttl_steps!r}")
+        _require(not self.dynamic or self.hashed_keys, f"table {name!r}: admit_after, "
+                 f"admit_probability, eviction and ttl_steps apply to hashed_keys tables only; "
+                 f"set hashed_keys=True or leave them at their defaults")
+        _require(self.eviction == "none" or self.max_rows_per_shard > 0, f"table {name!r}: "
+                 f"eviction {self.eviction!r} keeps max_rows_per_shard by evicting, but "
+                 f"max_rows_per_shard is 0 (unbounded); set it, or eviction='none'")
 
     def _check_wire_dtype(self) -> None:
         if self.wire_dtype == self.dtype:  # the same as unset: one spelling, one spec
@@ -436,7 +473,11 @@ class TableSpec:
             partition=_PARTITIONS[self.partition], num_workers=self.num_workers,
             sync_mode=_SYNC_MODES[self.sync_mode], aggregation=_AGGREGATIONS[self.aggregation],
             allow_non_finite=self.allow_non_finite,
-            wire_dtype=wire.dtype_code(self.wire_dtype) if self.wire_dtype else 0)
+            wire_dtype=wire.dtype_code(self.wire_dtype) if self.wire_dtype else 0,
+            admit_after=self.admit_after,
+            admit_probability=0.0 if self.admit_probability == 1 else self.admit_probability,
+            eviction="" if self.eviction == "none" else self.eviction,
+            ttl_steps=self.ttl_steps)
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSpec":
@@ -454,7 +495,9 @@ class TableSpec:
             num_workers=msg.num_workers,
             sync_mode=_reverse(_SYNC_MODES, msg.sync_mode, "sync_mode"),
             aggregation=_reverse(_AGGREGATIONS, msg.aggregation, "aggregation"),
-            allow_non_finite=msg.allow_non_finite, wire_dtype=wire_dtype)
+            allow_non_finite=msg.allow_non_finite, wire_dtype=wire_dtype,
+            admit_after=msg.admit_after, admit_probability=msg.admit_probability or 1.0,
+            eviction=msg.eviction or "none", ttl_steps=msg.ttl_steps)
 
     def describe_difference(self, other: "TableSpec") -> str:
         """'dim 64 != 32, ...': the fields in which two specs of one table disagree."""

@@ -99,12 +99,14 @@ def exact_answer_size(method: str) -> Iterator[None]:
 
 
 def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
-                    buffered: Sequence[int]) -> None:
+                    buffered: Sequence[int], pull: bool = False) -> None:
     """Every hashed shard with all of its parts' keys at once, and every shard with all the
-    bytes its parts buffer (locks held)."""
+    bytes its parts buffer (locks held). A pull from a dynamic table creates no rows."""
     keys: dict[int, list[np.ndarray]] = {}
     nbytes: dict[int, int] = {}
     for shard, part, size in zip(shards, ids, buffered):
+        if pull and shard.vocab is not None:
+            continue
         if shard.spec.hashed_keys or size:
             keys.setdefault(id(shard), []).append(part)
             nbytes[id(shard)] = nbytes.get(id(shard), 0) + size
@@ -143,7 +145,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                 raise RequestError(grpc.StatusCode.ABORTED,
                                    f"{shard.label} went back to step {step} (restored) "
                                    f"while a pull waited for step {part.min_step}; retry")
-        _check_capacity(shards, ids, [0] * len(ids))
+        _check_capacity(shards, ids, [0] * len(ids), pull=True)
         with exact_answer_size("PullMany"):
             answer = writer([(len(i), s.spec.dim, s.answer_dtype(), step)
                              for s, i, step in zip(shards, ids, steps)],

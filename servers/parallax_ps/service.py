@@ -449,7 +449,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 rows=shard.storage.num_rows, dim=spec.dim, dtype=wire.dtype_code(spec.dtype),
                 bytes=shard.nbytes, step=shard.steps.step,
                 pushed_workers=shard.steps.pushed_workers(),
-                methods=self.stats.methods(spec.name))
+                methods=self.stats.methods(spec.name),
+                dynamic=shard.dynamic_stats())
         return response, "", 0, 0
 
 

@@ -26,11 +26,15 @@ import numpy as np
 from parallax.protocol import wire, wire_dtypes
 from parallax.protocol.routing import Partitioner, out_of_range
 from parallax.protocol.specs import TableSpec
+from parallax.ps.v1 import ps_pb2
+from parallax_ps.admission import SKETCH_BYTES, needs_sketch
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
+from parallax_ps.eviction import Change, Vocabulary
 from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
 from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
+from parallax.protocol.initial_values import initial_rows
 
 
 # Steps a shard may be set to: beyond any training, and far enough below int64's end that
@@ -81,6 +85,7 @@ class _Applied:
     originals: list[tuple[np.ndarray, np.ndarray, Slots]]
     closed: tuple | None
     held: int  # rows the shard held before: a hashed table's new keys go with the push
+    changes: list[Change]  # a dynamic table's admissions and evictions, in order
 
 
 class TableShard:
@@ -99,7 +104,8 @@ class TableShard:
         self.row_bytes = spec.dim * np.dtype(spec.dtype).itemsize * \
             (1 + len(self.optimizer.slot_names))
         rows = 0 if spec.hashed_keys else self.partitioner.shard_size(shard_index)
-        self.budget.claim(self, rows * self.row_bytes, self.label,
+        fixed = SKETCH_BYTES if needs_sketch(spec) else 0  # the admission sketch's counters
+        self.budget.claim(self, rows * self.row_bytes + fixed, self.label,
                           f"creating {rows} rows of dim {spec.dim} ({self.row_bytes} bytes a "
                           f"row with its optimizer slots)")
         try:
@@ -110,6 +116,8 @@ class TableShard:
         self._admitted = 0  # bytes the request being applied was checked to hold
         if spec.hashed_keys:  # a hashed shard's spare capacity: only where it fits
             self.storage.reserve = self._reserve
+            self.storage.fixed_bytes = fixed
+        self.vocab = Vocabulary(spec, self.label) if spec.dynamic else None
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
         self.cond = threading.Condition()
@@ -164,22 +172,26 @@ class TableShard:
                           f"{values[bad[0], bad[1]]}; NaN/Inf are rejected (create the table "
                           f"with allow_non_finite=True to accept them)")
 
-    def check_capacity(self, ids: np.ndarray, buffered: int = 0) -> None:
+    def check_capacity(self, ids: np.ndarray, buffered: int = 0, exact: bool = False) -> None:
         """Refuse keys that would overflow a bounded hashed table, or new rows and `buffered`
         bytes of sync gradients that would overflow the server's memory budget (caller holds
         `cond`; changes nothing)."""
-        need = self.capacity_need(ids, buffered)
+        need = self.capacity_need(ids, buffered, exact)
         if need is not None:
             self.budget.check(self, *need)
 
-    def capacity_need(self, ids: np.ndarray, buffered: int = 0):
+    def capacity_need(self, ids: np.ndarray, buffered: int = 0, exact: bool = False):
         """(bytes, label, what) this shard would hold with `ids`' new keys and `buffered`
         more bytes of sync gradients, for the memory budget; None when it would not grow.
-        Refuses keys over a bounded hashed table's max_rows_per_shard (caller holds `cond`)."""
+        Refuses keys over a bounded hashed table's max_rows_per_shard (caller holds `cond`).
+        A dynamic table's pulls create no rows and its updates keep the bound, so there it
+        counts at most the bound, unless `exact` (assign, import: every key gets a row)."""
         new = 0
         if self.spec.hashed_keys and len(ids):
             new = self.storage.count_new(np.concatenate([ids, *self.steps.pending_keys()]))
         limit = self.spec.max_rows_per_shard
+        if self.vocab is not None and not exact and limit:
+            new = min(new, max(limit - self.storage.num_rows, 0))
         if limit and self.storage.num_rows + new > limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.label}: {new} new keys would exceed max_rows_per_shard="
@@ -239,9 +251,11 @@ class TableShard:
         once; it may refuse (raise), and nothing has changed then."""
         with self.cond:
             step = self.wait_for_step(min_step, deadline)
-            if self.spec.hashed_keys:
+            if self.spec.hashed_keys and self.vocab is None:
                 self.check_capacity(ids)
             out = allocate(len(ids), step) if allocate else None  # may refuse: nothing changed
+            if self.vocab is not None:
+                return self._gather_dynamic(ids, out), step
             rows = self.storage.locate(ids, create=True)
             if self.spec.hashed_keys:
                 self._account()
@@ -251,10 +265,42 @@ class TableShard:
         """Rows of validated `ids` into `out` (of `answer_dtype()`, or the table's dtype); the
         caller holds `cond` (and checked the capacity of a hashed table for every part of
         its request)."""
+        if self.vocab is not None:
+            self._gather_dynamic(ids, out)
+            return
         rows = self.storage.locate(ids, create=True)
         if self.spec.hashed_keys:
             self._account()
         self._gather(rows, out)
+
+    def _gather_dynamic(self, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """A dynamic table's rows: held keys' values, and for the others the default row,
+        their initializer value (what a row admitted for them starts with); no row is
+        created, so pulls never change what a step's other pulls see."""
+        rows, found = self.storage.find(ids)
+        if found.all():
+            return self._gather(rows, out)
+        wide = np.empty((len(ids), self.spec.dim), dtype=self.spec.dtype)
+        wide[found] = self.storage.values[rows[found]]
+        wide[~found] = initial_rows(self.spec.initializer, ids[~found], self.spec.dim,
+                                    self.spec.dtype)
+        self.vocab.count_defaults(int((~found).sum()))
+        return self._narrowed(wide, out)
+
+    def _narrowed(self, wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return wide
+        if out.dtype == wide.dtype:
+            out[...] = wide
+            return out
+        return self._encoded(wide, out)
+
+    def _encoded(self, wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        try:
+            return wire_dtypes.encode_checked(wide, self.wire, self.spec.name, "row", out)
+        except wire_dtypes.WireOverflowError as exc:
+            raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"{self.label}: {exc} (pulls "
+                               f"answer in the wire dtype; the server keeps float32)") from None
 
     def _gather(self, rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The values of storage `rows`, into `out` when given, narrowed to the wire dtype
@@ -262,12 +308,7 @@ class TableShard:
         values = self.storage.values
         if out is None or out.dtype == values.dtype:
             return np.take(values, rows, axis=0, out=out, mode="clip")
-        wide = np.take(values, rows, axis=0, mode="clip")
-        try:
-            return wire_dtypes.encode_checked(wide, self.wire, self.spec.name, "row", out)
-        except wire_dtypes.WireOverflowError as exc:
-            raise RequestError(grpc.StatusCode.OUT_OF_RANGE, f"{self.label}: {exc} (pulls "
-                               f"answer in the wire dtype; the server keeps float32)") from None
+        return self._encoded(np.take(values, rows, axis=0, mode="clip"), out)
 
     def check_push_input(self, ids: np.ndarray, grads: np.ndarray, learning_rate: float
                          ) -> tuple[np.ndarray, float, np.ndarray]:
@@ -321,9 +362,13 @@ class TableShard:
         (multi-part requests) collects what `undo` needs to take this push back."""
         batch, held = (ids, grads), self.storage.num_rows
         batches, completed = self.steps.add(worker, step, batch, lr, chunk, chunks, session)
+        changes: list[Change] = []
         try:
-            updates = [self._updated(b_ids, b_grads, lr) for b_ids, b_grads in batches
-                       if len(b_ids)]
+            if self.vocab is not None and (batches or completed):
+                updates = [self._updated_dynamic(batches, lr, changes)]
+            else:
+                updates = [self._updated(b_ids, b_grads, lr) for b_ids, b_grads in batches
+                           if len(b_ids)]
         except RequestError:
             self.storage.forget_since(held)  # the keys it created (hashed tables)
             self.steps.withdraw(worker, step, batch, chunk, session)
@@ -337,7 +382,7 @@ class TableShard:
         self._account()
         if journal is not None:
             journal.append((self, _Applied(worker, step, batch, chunk, session, originals,
-                                           closed, held)))
+                                           closed, held, changes)))
         if completed:
             self.cond.notify_all()
         return self.steps.step, completed
@@ -346,6 +391,8 @@ class TableShard:
         """Take back a push `apply_push_held` journalled (the caller holds `cond`)."""
         for rows, values, slots in reversed(applied.originals):
             self._write(rows, values, slots)
+        for change in reversed(applied.changes):
+            self.vocab.undo(self.storage, change)
         self.storage.forget_since(applied.held)
         if applied.closed is not None:
             self.steps.reopen(applied.closed)
@@ -373,6 +420,24 @@ class TableShard:
             self._check_finite(ids, lr, values, slots)
         return rows, values, slots
 
+    def _updated_dynamic(self, batches: list, lr: float, changes: list[Change]
+                         ) -> tuple[np.ndarray, np.ndarray, Slots]:
+        """`_updated` for a dynamic table: one update of the batches' (disjoint) ids, after
+        admission and eviction (`eviction.py`), which are taken back if it is refused; the
+        change goes into `changes`. Runs for every applied step, even without ids (TTL)."""
+        ids = np.concatenate([b[0] for b in batches]) if batches else np.empty(0, np.int64)
+        grads = np.concatenate([b[1] for b in batches]) if batches else \
+            np.empty((0, self.spec.dim), self.spec.dtype)
+        protected = np.concatenate([np.empty(0, np.int64), *self.steps.pending_keys()])
+        applies, change = self.vocab.update(self.storage, ids, protected, self.steps.step)
+        try:
+            update = self._updated(ids[applies], grads[applies], lr)
+        except RequestError:
+            self.vocab.undo(self.storage, change)
+            raise
+        changes.append(change)
+        return update
+
     def _check_finite(self, ids: np.ndarray, lr: float, values: np.ndarray,
                       slots: Slots) -> None:
         for name, array in (("value", values), *((f"slot {n!r}", s) for n, s in slots.items())):
@@ -399,10 +464,12 @@ class TableShard:
     def assign(self, ids: np.ndarray, values: np.ndarray) -> None:
         """Set rows to explicit values (validated by the caller); slots keep their state."""
         with self.cond:
-            self.check_capacity(ids)
+            self.check_capacity(ids, exact=True)
             rows = self.storage.locate(ids, create=True)
             self.storage.values[rows] = values
             self.storage.mark_changed(rows)
+            if self.vocab is not None:  # assigned rows count as used now (not as a use)
+                self.storage.last_used[rows] = self.steps.step
             self._account()
 
     def wait_step(self, min_step: int, deadline: float | None) -> tuple[int, list[int]]:
@@ -479,7 +546,7 @@ class TableShard:
                 raise ShuttingDown(self.closed)
             self.check_between_steps()
             if self.spec.hashed_keys:
-                self.check_capacity(ids)
+                self.check_capacity(ids, exact=True)
             self.storage.adopt(ids, values, slots)
             self._account()
             if restart_changes:
@@ -494,6 +561,13 @@ class TableShard:
             self.closed = f"{self.label}: {reason}"
             self.budget.release(self)
             self.cond.notify_all()
+
+    def dynamic_stats(self) -> ps_pb2.DynamicStats | None:
+        """A dynamic table's admission and eviction counters (None for other tables)."""
+        if self.vocab is None:
+            return None
+        with self.cond:
+            return ps_pb2.DynamicStats(**self.vocab.counters.as_dict())
 
     @property
     def nbytes(self) -> int:

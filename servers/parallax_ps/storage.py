@@ -18,6 +18,7 @@ from parallax_ps.optimizers import ServerOptimizer, Slots
 KEY_BYTES = 8 + 1  # a hashed shard's bytes per allocated row besides values and slots:
                    # its key and its changed flag
 INDEX_BYTES = 8 + 8  # a hashed shard's bytes per held row in its sorted index: key and row
+META_BYTES = 8 + 8  # a dynamic shard's bytes per allocated row: last-used step, use count
 MIN_CAPACITY = 1024  # rows a hashed shard allocates at least
 
 
@@ -129,8 +130,12 @@ class KeyedRows:
         self._changed = np.empty(0, dtype=bool)  # written by training since creation
         self.values = np.empty((0, spec.dim), dtype=spec.dtype)
         self.slots: Slots = optimizer.new_slots(0, spec.dim, self.values.dtype)
+        self.last_used = np.empty(0, dtype=np.int64)  # dynamic tables: step of last update
+        self.uses = np.empty(0, dtype=np.int64)  # dynamic tables: updates of each row
         self._count = 0
-        self._row_bytes = self.values.itemsize * spec.dim * (1 + len(self.slots))
+        self._row_bytes = self.values.itemsize * spec.dim * (1 + len(self.slots)) + \
+            (META_BYTES if spec.dynamic else 0)
+        self.fixed_bytes = 0  # held whatever the rows (a dynamic shard's sketch)
         # claims spare bytes beyond what the request was admitted with; False: refused
         self.reserve: Callable[[int], bool] = lambda spare: True
 
@@ -140,7 +145,8 @@ class KeyedRows:
 
     def bytes_at(self, capacity: int, rows: int) -> int:
         """Values, slots, keys and flags of `capacity` rows, plus the index of `rows`."""
-        return capacity * (self._row_bytes + KEY_BYTES) + rows * INDEX_BYTES
+        return capacity * (self._row_bytes + KEY_BYTES) + rows * INDEX_BYTES + \
+            self.fixed_bytes
 
     def bytes_held(self, rows: int, row_bytes: int, fresh: bool = False) -> int:
         """What holding `rows` rows needs at least (what the memory budget checks): the
@@ -152,6 +158,8 @@ class KeyedRows:
         """The capacity to grow to for `rows`: geometric when the budget grants the spare
         rows (`reserve`, atomically), else exactly `rows` (already admitted)."""
         geometric = max(rows, 2 * len(self.values), MIN_CAPACITY)
+        if self.spec.dynamic and self.spec.max_rows_per_shard:  # never more than it holds
+            geometric = min(geometric, max(rows, self.spec.max_rows_per_shard))
         if geometric > rows and not self.reserve(self.bytes_at(geometric, rows)
                                                  - self.bytes_at(rows, rows)):
             return rows
@@ -162,6 +170,9 @@ class KeyedRows:
 
     def ids_of(self, rows: np.ndarray) -> np.ndarray:
         return self._keys[rows]
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._find(np.asarray(keys, dtype=np.int64))
 
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(local row or -1, found) for each key, by binary search of the sorted index."""
@@ -208,6 +219,8 @@ class KeyedRows:
                                                    self.spec.dim, self.spec.dtype)
             for name, slot in self.slots.items():
                 slot[start:stop] = self.optimizer.slot_initial_value(name)
+        if self.spec.dynamic:
+            self.last_used[start:stop], self.uses[start:stop] = 0, 0
         self._count = stop
         # merge the (sorted, absent) new keys into the index in O(n): no re-sort
         at = np.searchsorted(self._keys_sorted, new_keys)
@@ -224,6 +237,54 @@ class KeyedRows:
         self._changed = grown(self._changed)
         self.values = grown(self.values)
         self.slots = {name: grown(slot) for name, slot in self.slots.items()}
+        if self.spec.dynamic:
+            self.last_used, self.uses = grown(self.last_used), grown(self.uses)
+
+    # ---- dynamic vocabularies (eviction.py decides, these change the arrays) -----------
+    def meta(self) -> tuple[np.ndarray, np.ndarray]:
+        """(last-used step, use count) of every held row, in local order."""
+        return self.last_used[: self._count], self.uses[: self._count]
+
+    def used_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = self._find(keys)[0]
+        return keys, self.last_used[rows], self.uses[rows]
+
+    def set_meta(self, keys: np.ndarray, last_used: np.ndarray, uses: np.ndarray) -> None:
+        rows = self._find(keys)[0]
+        self.last_used[rows], self.uses[rows] = last_used, uses
+
+    def mark_used(self, keys: np.ndarray, step: int) -> None:
+        rows = self._find(keys)[0]
+        self.last_used[rows] = step
+        self.uses[rows] += 1
+
+    def extract(self, keys: np.ndarray) -> tuple:
+        """Copies of (keys, values, slots, last_used, uses) of held keys."""
+        rows = self._find(keys)[0]
+        return (keys, self.values[rows], {n: s[rows] for n, s in self.slots.items()},
+                self.last_used[rows], self.uses[rows])
+
+    def _arrays(self) -> list[np.ndarray]:
+        extra = [self.last_used, self.uses] if self.spec.dynamic else []
+        return [self._keys, self._changed, self.values, *self.slots.values(), *extra]
+
+    def remove(self, keys: np.ndarray) -> None:
+        """Drop held keys and their rows: the last rows move into the holes (O(removed)
+        rows copied) and the index forgets them (O(held))."""
+        if not len(keys):
+            return
+        rows = np.sort(self._find(keys)[0])
+        count, left = self._count, self._count - len(rows)
+        holes = rows[rows < left]
+        tail = np.setdiff1d(np.arange(left, count), rows)  # as many as holes
+        for arr in self._arrays():
+            arr[holes] = arr[tail]
+        keep = np.ones(len(self._keys_sorted), dtype=bool)
+        keep[np.searchsorted(self._keys_sorted, keys)] = False
+        self._keys_sorted, self._rows_sorted = self._keys_sorted[keep], self._rows_sorted[keep]
+        self._rows_sorted[np.searchsorted(self._keys_sorted, self._keys[holes])] = holes
+        self._changed[left:count] = False
+        self._count = left
 
     def replace(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
         """Adopt restored rows: the shard then holds exactly these keys."""

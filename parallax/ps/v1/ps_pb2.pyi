@@ -224,7 +224,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ..., rmsprop: _Optional[_Union[RMSprop, _Mapping]] = ..., adamax: _Optional[_Union[Adamax, _Mapping]] = ..., nadam: _Optional[_Union[Nadam, _Mapping]] = ..., lion: _Optional[_Union[Lion, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite", "wire_dtype")
+    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite", "wire_dtype", "admit_after", "admit_probability", "eviction", "ttl_steps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASHED_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,10 @@ class TableSpec(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocabulary_size: int
     hashed_keys: bool
@@ -255,7 +259,11 @@ class TableSpec(_message.Message):
     aggregation: Aggregation
     allow_non_finite: bool
     wire_dtype: DType
-    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    admit_after: int
+    admit_probability: float
+    eviction: str
+    ttl_steps: int
+    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., eviction: _Optional[str] = ..., ttl_steps: _Optional[int] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "shard_index")
@@ -514,7 +522,7 @@ class MethodStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., total_seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("table", "shard_index", "shard_count", "rows", "dim", "dtype", "bytes", "step", "pushed_workers", "methods")
+    __slots__ = ("table", "shard_index", "shard_count", "rows", "dim", "dtype", "bytes", "step", "pushed_workers", "methods", "dynamic")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +533,7 @@ class TableStats(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     PUSHED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     shard_count: int
@@ -535,7 +544,22 @@ class TableStats(_message.Message):
     step: int
     pushed_workers: _containers.RepeatedScalarFieldContainer[int]
     methods: _containers.RepeatedCompositeFieldContainer[MethodStats]
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., pushed_workers: _Optional[_Iterable[int]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ...) -> None: ...
+    dynamic: DynamicStats
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., pushed_workers: _Optional[_Iterable[int]] = ..., methods: _Optional[_Iterable[_Union[MethodStats, _Mapping]]] = ..., dynamic: _Optional[_Union[DynamicStats, _Mapping]] = ...) -> None: ...
+
+class DynamicStats(_message.Message):
+    __slots__ = ("admitted", "evicted_capacity", "evicted_ttl", "dropped_gradients", "default_rows")
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    admitted: int
+    evicted_capacity: int
+    evicted_ttl: int
+    dropped_gradients: int
+    default_rows: int
+    def __init__(self, admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_ttl: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., default_rows: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("tables",)
