@@ -10,6 +10,7 @@ nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,9 @@ from parallax.protocol.checkpoint_names import NO_DATA_DIR
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
 from parallax_ps import versions
+from parallax_ps.admission import SKETCH_DEPTH, SKETCH_WIDTH
 from parallax_ps.errors import RequestError, invalid, precondition
+from parallax_ps.eviction import Counters
 from parallax_ps.shard import TableShard
 from parallax_ps.versions import data_loss
 
@@ -75,10 +78,11 @@ def _stem(table: str, index: int, count: int) -> str:
 
 def save_shard(shard: TableShard, directory: Path) -> tuple[Path, int, int]:
     """Write one shard into a staging directory; returns (data file, rows, step)."""
-    ids, values, slots, step = shard.snapshot()
+    ids, values, slots, step, state = shard.snapshot()
     spec = shard.spec
     data_path = directory / f"{_stem(spec.name, shard.shard_index, spec.shard_count)}.npz"
-    arrays = {"ids": ids, "values": values, **{f"slot_{n}": s for n, s in slots.items()}}
+    arrays = {"ids": ids, "values": values, **{f"slot_{n}": s for n, s in slots.items()},
+              **{f"dyn_{n}": a for n, a in state.items()}}
     _write(data_path, lambda f: np.savez(f, **arrays))
     part = {
         "format_version": versions.FORMAT_VERSION, "table": spec.name,
@@ -88,6 +92,7 @@ def save_shard(shard: TableShard, directory: Path) -> tuple[Path, int, int]:
         "slots": sorted(slots), "sync_mode": spec.sync_mode, "step": step,
         "rows": int(len(ids)), "file": data_path.name, "bytes": data_path.stat().st_size,
         "sha256": versions.sha256_of(data_path),
+        "dynamic": sorted(state),  # a dynamic table's per-row use, counters and sketch
     }
     _write(data_path.with_suffix(".json"), lambda f: f.write(json.dumps(part, indent=1).encode()))
     return data_path, len(ids), step
@@ -202,12 +207,56 @@ def _part_arrays(path: Path, rows: int, names: list[str], spec: TableSpec
     except (OSError, ValueError, KeyError) as exc:
         raise data_loss(f"checkpoint file {path} is unreadable: {exc}") from None
     for name, array in arrays.items():
-        shape, dtype = (((rows,), np.dtype(np.int64)) if name == "ids"
-                        else ((rows, spec.dim), np.dtype(spec.dtype)))
+        shape, dtype = _expected(name, rows, spec)
         if array.shape != shape or array.dtype != dtype:
             raise data_loss(f"checkpoint file {path}: {name} is {array.dtype.name}"
                             f"{list(array.shape)}, expected {dtype.name}{list(shape)}")
     return arrays
+
+
+def _expected(name: str, rows: int, spec: TableSpec) -> tuple[tuple, np.dtype]:
+    """The shape and dtype of a part's array."""
+    if name in ("ids", "dyn_last_used", "dyn_uses"):
+        return (rows,), np.dtype(np.int64)
+    if name == "dyn_counters":
+        return (len(dataclasses.fields(Counters)),), np.dtype(np.int64)
+    if name == "dyn_sketch":
+        return (SKETCH_DEPTH, SKETCH_WIDTH), np.dtype(np.uint32)
+    return (rows, spec.dim), np.dtype(spec.dtype)
+
+
+def _names(path: Path) -> set[str]:
+    with np.load(path, allow_pickle=False) as data:
+        return set(data.files)
+
+
+def _dynamic_state(shard: TableShard, parts: list[dict], files: list, masks: list) -> dict:
+    """A dynamic shard's saved state: per-row last-used steps and use counts of its rows;
+    the counters and sketch of the part it was saved as (same shard count), else the sum
+    of every part's sketches (a count-min over-estimate, still valid) and fresh counters.
+    Empty for other tables and checkpoints saved without it (rows then start unused)."""
+    if shard.vocab is None:
+        return {}
+    names = [_names(path) for path, _ in files]
+    if not all("dyn_last_used" in n for n in names):
+        return {}
+    state: dict[str, list[np.ndarray]] = {}
+    for (path, rows), mine in zip(files, masks):
+        for name, arr in _part_arrays(path, rows, ["dyn_last_used", "dyn_uses"],
+                                      shard.spec).items():
+            state.setdefault(name[4:], []).append(arr if mine.all() else arr[mine])
+    out = {name: _joined(arrays) for name, arrays in state.items()}
+    at = (shard.shard_index, shard.spec.shard_count)
+    own = [i for i, p in enumerate(parts) if (p["shard_index"], p["shard_count"]) == at]
+    if own:
+        path, rows = files[own[0]]
+        wanted = [n for n in ("dyn_counters", "dyn_sketch") if n in names[own[0]]]
+        out.update({n[4:]: a for n, a in _part_arrays(path, rows, wanted, shard.spec).items()})
+    elif all("dyn_sketch" in n for n in names):
+        with np.errstate(over="ignore"):
+            out["sketch"] = sum(_part_arrays(path, rows, ["dyn_sketch"], shard.spec)
+                                ["dyn_sketch"] for path, rows in files)
+    return out
 
 
 def _check_rows(shard: TableShard, ids: np.ndarray) -> None:
@@ -228,8 +277,9 @@ def _check_rows(shard: TableShard, ids: np.ndarray) -> None:
 
 
 def load_for_shard(shard: TableShard, directory: Path,
-                   manifest: dict) -> tuple[np.ndarray, np.ndarray, dict, int]:
-    """(ids, values, slots, step) this shard owns in a checkpoint saved with any shard count.
+                   manifest: dict) -> tuple[np.ndarray, np.ndarray, dict, int, dict]:
+    """(ids, values, slots, step, dynamic state) this shard owns in a checkpoint saved with
+    any shard count.
 
     Reads and verifies everything without touching the shard; `shard.restore` adopts it.
     """
@@ -260,7 +310,8 @@ def load_for_shard(shard: TableShard, directory: Path,
         for name, arr in _part_arrays(path, rows, names, spec).items():
             kept.setdefault(name, []).append(arr if mine.all() else arr[mine])
     slots = {n: _joined(kept[f"slot_{n}"]) for n in slot_names}
-    return ids, _joined(kept["values"]), slots, int(max(steps))  # (async: their own steps)
+    state = _dynamic_state(shard, parts, files, masks)
+    return ids, _joined(kept["values"]), slots, int(max(steps)), state  # (async: own steps)
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:

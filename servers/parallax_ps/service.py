@@ -425,9 +425,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 shard.check_between_steps()
             shards[0].budget.check_together([(shard, *shard.restore_need(len(ids)))
                                              for shard, (ids, *_) in zip(shards, loaded)])
-            for shard, (ids, values, slots, step) in zip(shards, loaded):
+            for shard, (ids, values, slots, step, state) in zip(shards, loaded):
                 if not request.verify_only:
-                    shard.restore(ids, values, slots, step)
+                    shard.restore(ids, values, slots, step, state)
                 response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
                                     rows=len(ids), step=step, checkpoint=directory.name,
                                     file=str(directory / shard.spec.name),

@@ -477,13 +477,20 @@ class TableShard:
             step = self.wait_for_step(min_step, deadline)
             return step, self.steps.pushed_workers()
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, Slots, int]:
-        """A consistent copy (ids, values, slots, step) of the applied steps only."""
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, Slots, int, dict[str, np.ndarray]]:
+        """A consistent copy (ids, values, slots, step, dynamic state) of the applied steps
+        only; the state (a dynamic table's: per-row last-used step and use count, counters,
+        sketch) is empty for other tables."""
         with self.cond:
             self.storage.materialize()
             values, slots = self.storage.trimmed()
+            state = {}
+            if self.vocab is not None:
+                last_used, uses = self.storage.meta()
+                state = {"last_used": last_used.copy(), "uses": uses.copy(),
+                         **self.vocab.state()}
             return (self.storage.row_ids(), values.copy(),
-                    {n: s.copy() for n, s in slots.items()}, self.steps.step)
+                    {n: s.copy() for n, s in slots.items()}, self.steps.step, state)
 
     def check_between_steps(self) -> None:
         """Raise unless no push is pending; callers that go on to `restore` hold `cond`."""
@@ -494,11 +501,18 @@ class TableShard:
                                    f"pushed part of step {self.steps.step}; restore between "
                                    f"steps")
 
-    def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int) -> None:
-        """Adopt checkpointed rows and step; every push bookkeeping starts afresh."""
+    def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int,
+                state: dict[str, np.ndarray] | None = None) -> None:
+        """Adopt checkpointed rows, step and dynamic state (without one, a dynamic table's
+        rows count as used at `step`, never before); push bookkeeping starts afresh."""
         with self.cond:
             self.check_between_steps()
             self.storage.replace(ids, values, slots)
+            if self.vocab is not None:
+                state = state or {}
+                self.storage.set_meta(np.asarray(ids, np.int64),
+                                      state.get("last_used", step), state.get("uses", 0))
+                self.vocab.load(state)
             self.steps.reset(step)
             self._account()
             self.cond.notify_all()
