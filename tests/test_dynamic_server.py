@@ -4,10 +4,12 @@ same rows, and checkpoint/restore exactness."""
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import numpy as np
-import pytest
 
+from parallax import PSClient
+from parallax.client.local_cluster import LocalCluster
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 
@@ -109,3 +111,35 @@ def test_a_restored_table_admits_and_evicts_as_the_uninterrupted_one(client, tab
                         e.dynamic.dropped_gradients) for e in _shard_stats(client, table_name))
     assert stats_got == stats_expected
     np.testing.assert_array_equal(table.pull(probe, min_step=20), rows_expected)
+
+
+def test_counters_reach_the_metrics_endpoint():
+    with LocalCluster(1, extra_args=["--metrics-port", "0"]) as cluster, \
+            PSClient(cluster.addresses) as client:
+        ready = next(line for line in cluster.servers[0].lines
+                     if line.startswith("PARALLAX_SERVER_READY"))
+        address = dict(f.split("=", 1) for f in ready.split()[1:])["metrics"]
+        table = client.create_table(_spec("m", shard_count=1, max_rows_per_shard=2,
+                                          eviction="lru", admit_after=2, ttl_steps=3))
+        for step in range(6):
+            keys = np.array([step, step + 1, step + 2, 100])
+            table.pull(keys, min_step=step)
+            table.push(keys, np.ones((4, DIM), np.float32), step=step)
+        (entry,) = _shard_stats(client, "m")
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                   if line.startswith("parallax_table_"))
+    labels = 'shard="0",table="m"'
+    counters = entry.dynamic
+    assert counters.admitted and counters.evicted_capacity and counters.dropped_gradients
+    expected = {
+        f"parallax_table_admitted_total{{{labels}}}": counters.admitted,
+        f'parallax_table_evicted_total{{reason="capacity",{labels}}}':
+            counters.evicted_capacity,
+        f'parallax_table_evicted_total{{reason="ttl",{labels}}}': counters.evicted_ttl,
+        f"parallax_table_dropped_gradients_total{{{labels}}}": counters.dropped_gradients,
+        f"parallax_table_default_rows_total{{{labels}}}": counters.default_rows,
+        f"parallax_table_rows{{{labels}}}": entry.rows}
+    got = {k: float(samples.get(k, "nan")) for k in expected}
+    assert got == {k: float(v) for k, v in expected.items()}, sorted(samples)

@@ -153,6 +153,26 @@ class RequestMetrics:
                      "successful RPCs, by method and table.", ("method", "table"), rows)]
 
 
+def dynamic_families(shards: list) -> list[Metric]:
+    """Counters of the dynamic table shards' admission and eviction (eviction.Counters)."""
+    counts = [((s.spec.name, str(s.shard_index)), s.dynamic_stats()) for s in shards
+              if s.vocab is not None]
+    return [
+        _counter("parallax_table_admitted_total", "Keys a dynamic table shard gave a row.",
+                 ("table", "shard"), [(k, c.admitted) for k, c in counts]),
+        _counter("parallax_table_evicted_total", "Rows a dynamic table shard evicted, by "
+                 "reason: capacity (max_rows_per_shard, lru/lfu) or ttl (ttl_steps).",
+                 ("table", "shard", "reason"),
+                 [(k + (reason,), getattr(c, f"evicted_{reason}")) for k, c in counts
+                  for reason in ("capacity", "ttl")]),
+        _counter("parallax_table_dropped_gradients_total", "Gradient rows of keys not "
+                 "admitted (no row), dropped by a dynamic table shard.", ("table", "shard"),
+                 [(k, c.dropped_gradients) for k, c in counts]),
+        _counter("parallax_table_default_rows_total", "Pulled rows a dynamic table shard "
+                 "answered with the default (initializer) row: keys without a row.",
+                 ("table", "shard"), [(k, c.default_rows) for k, c in counts])]
+
+
 def table_families(shards: list) -> list[Metric]:
     """Gauges of the table shards held by this server (read under each shard's lock)."""
     steps, lags, rows, sizes = [], [], [], []
@@ -164,7 +184,7 @@ def table_families(shards: list) -> list[Metric]:
                 lags.append((labels, shard.steps.num_workers - len(shard.steps.pushed_workers())))
             rows.append((labels, shard.storage.num_rows))
             sizes.append((labels, shard.nbytes))
-    return [
+    return [*dynamic_families(shards), 
         GaugeMetricFamily("parallax_up", "1 while the server is serving.", value=1),
         GaugeMetricFamily("parallax_tables", "Table shards held by this server.",
                           value=len(shards)),
