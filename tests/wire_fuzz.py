@@ -45,6 +45,9 @@ SANDBOX = {spec.name: spec for spec in (
     TableSpec(name="sbx_sync", vocabulary_size=100, dim=4, optimizer=SGD(learning_rate=0.1)),
     TableSpec(name="sbx_adam", vocabulary_size=100, dim=2, dtype="float64", num_workers=2,
               sync_mode="async", optimizer=Adam(learning_rate=0.01)),
+    TableSpec(name="sbx_dynamic", hashed_keys=True, max_rows_per_shard=64, dim=4,
+              num_workers=2, sync_mode="async", optimizer=Adagrad(learning_rate=0.1),
+              admit_after=2, admit_probability=0.5, eviction="lru", ttl_steps=20),
 )}
 HASHED_KEYS = np.array([-(2**62), -7, 0, 3, 11, 2**40 + 1, 2**63 - 1], np.int64)
 SLOTS = {"sgd": [], "adagrad": ["accumulator"], "adam": ["m", "v"]}  # as the server names them
@@ -339,7 +342,8 @@ def _chunks(rng, spec: TableSpec, count: int) -> list[ps_pb2.InitRowsChunk]:
 
 
 def init_valid(rng):
-    return _chunks(rng, SANDBOX[pick(rng, ["sbx_async", "sbx_hashed"])], int(rng.integers(1, 4)))
+    return _chunks(rng, SANDBOX[pick(rng, ["sbx_async", "sbx_hashed", "sbx_dynamic"])],
+                   int(rng.integers(1, 4)))
 
 
 def init_attack(rng):
@@ -483,7 +487,8 @@ def _shard_rows(rng, spec: TableSpec) -> ps_pb2.ShardRows:
 
 
 def import_valid(rng):
-    return _shard_rows(rng, SANDBOX[pick(rng, ["sbx_async", "sbx_adam", "sbx_hashed"])])
+    return _shard_rows(rng, SANDBOX[pick(rng, ["sbx_async", "sbx_adam", "sbx_hashed",
+                                               "sbx_dynamic"])])
 
 
 def import_attack(rng):
