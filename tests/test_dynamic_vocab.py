@@ -183,3 +183,20 @@ def test_spec_round_trips_through_the_proto():
                  max_rows_per_shard=9)
     assert TableSpec.from_proto(spec.to_proto()) == spec
     assert TableSpec.from_proto(_spec().to_proto()) == _spec()
+
+
+def test_eviction_keeps_the_memory_claim_within_the_bound():
+    budget = MemoryBudget(1 << 30)
+    shard = TableShard(_spec(max_rows_per_shard=3000, eviction="lru"), 0, budget)
+    for step in range(12):
+        _push(shard, np.arange(step * 1000, step * 1000 + 1000), step)
+        assert shard.storage.num_rows <= 3000
+        assert budget._total <= shard.storage.bytes_at(3000, 3000)
+    assert len(shard.storage.values) <= 3000
+
+
+def test_admission_only_tables_skip_the_eviction_pass():
+    shard = TableShard(_spec(admit_after=2), 0)
+    for step in range(3):
+        _push(shard, np.arange(100), step)
+    assert shard.storage.num_rows == 100 and shard.vocab.counters.admitted == 100

@@ -80,19 +80,20 @@ class Vocabulary:
 
     def _victims(self, storage, keys: np.ndarray, protected: np.ndarray, step: int,
                  incoming: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """(ttl victims, capacity victims, room for admitted keys); changes nothing."""
+        """(ttl victims, capacity victims, room for admitted keys); changes nothing. Costs
+        a pass over the held rows only when TTL is on or room has to be made."""
+        limit, ttl = self.spec.max_rows_per_shard, self.spec.ttl_steps
+        none = np.empty(0, dtype=np.int64)
+        if not ttl and (not limit or storage.num_rows + incoming <= limit):
+            return none, none, incoming
         held = storage.row_ids()
         last_used, uses = storage.meta()
         free = ~np.isin(held, keys) & ~np.isin(held, protected)
-        ttl = self.spec.ttl_steps
         expired = free & (step - last_used >= ttl) if ttl else np.zeros(len(held), bool)
-        limit = self.spec.max_rows_per_shard
-        if not limit:
-            return held[expired], held[:0], incoming
-        room = limit - (len(held) - int(expired.sum()))
+        room = limit - (len(held) - int(expired.sum())) if limit else incoming
         need = incoming - room
         if need <= 0:
-            return held[expired], held[:0], incoming
+            return held[expired], none, incoming
         if self.spec.eviction == "none":
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.label}: {incoming} admitted keys would exceed "

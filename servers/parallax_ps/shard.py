@@ -562,6 +562,8 @@ class TableShard:
             if self.spec.hashed_keys:
                 self.check_capacity(ids, exact=True)
             self.storage.adopt(ids, values, slots)
+            if self.vocab is not None:  # no use history travels: used at the imported step
+                self.storage.set_meta(ids, step, 0)
             self._account()
             if restart_changes:
                 self.storage.restart_changes()
