@@ -118,6 +118,9 @@ def table_name(request) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"t{next(_names)}_{request.node.name[:40]}")
 
 
+PER_SHARD = ("dyn_counters", "dyn_sketch")  # checkpoint arrays that are not per row
+
+
 class Snapshot:
     """Everything observable about a table: rows, optimizer slots and step (via a checkpoint)."""
 
@@ -130,6 +133,9 @@ class Snapshot:
         loaded = [dict(np.load(p)) for p in parts]
         order = np.argsort(np.concatenate([p["ids"] for p in loaded]), kind="stable")
         for key in loaded[0]:
+            if key in PER_SHARD:  # a dynamic table's counters and sketch: one per shard
+                self.arrays[key] = np.stack([p[key] for p in loaded])
+                continue
             self.arrays[key] = np.concatenate([p[key] for p in loaded])[order]
 
     def assert_equal(self, other: "Snapshot") -> None:

@@ -3,6 +3,7 @@ in Stats after every request, counters in Stats and /metrics, two sync workers s
 same rows, and checkpoint/restore exactness."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import urllib.request
 
@@ -143,3 +144,23 @@ def test_counters_reach_the_metrics_endpoint():
         f"parallax_table_rows{{{labels}}}": entry.rows}
     got = {k: float(samples.get(k, "nan")) for k in expected}
     assert got == {k: float(v) for k, v in expected.items()}, sorted(samples)
+
+
+def test_a_dynamic_table_reshards_through_a_checkpoint(client, snapshot, table_name):
+    spec = _spec(table_name, max_rows_per_shard=12, eviction="lfu", admit_after=2)
+    table = client.create_table(spec)
+    _train(table, np.random.default_rng(6), 8, 0)
+    saved = snapshot(table_name)
+    client.save(f"dyn-reshard-{table_name}", [table_name])
+    client.delete_table(table)
+    table = client.create_table(dataclasses.replace(spec, shard_count=3))
+    client.restore(f"dyn-reshard-{table_name}", [table_name])
+    after = snapshot(table_name)
+    for key in ("ids", "values", "slot_accumulator", "dyn_last_used", "dyn_uses"):
+        np.testing.assert_array_equal(after.arrays[key], saved.arrays[key], err_msg=key)
+    summed = saved.arrays["dyn_sketch"].sum(axis=0)
+    for sketch in after.arrays["dyn_sketch"]:  # each shard: the sum of the saved ones
+        np.testing.assert_array_equal(sketch, summed)
+    assert not after.arrays["dyn_counters"].any()
+    _train(table, np.random.default_rng(7), 5, 8)
+    assert all(e.rows <= 12 for e in _shard_stats(client, table_name))
