@@ -143,16 +143,28 @@ def test_undo_takes_back_admission_and_eviction_exactly():
     shard = TableShard(_spec(max_rows_per_shard=3, eviction="lru", admit_after=2), 0)
     for step in range(3):
         _push(shard, [1, 2, 3], step)
-    before = (_held(shard), shard.storage.values[:3].copy(), shard.vocab.sketch.counts.copy())
     ids = np.array([4, 5], dtype=np.int64)
-    for step in (3,):
-        _push(shard, ids, step)  # first sighting: dropped
+    _push(shard, ids, 3)  # first sighting: dropped
+
+    def state():
+        keys = shard.storage.row_ids()
+        order = np.argsort(keys)
+        rows = shard.storage.find(keys[order])[0]
+        return (keys[order].tolist(), shard.storage.values[rows].copy(),
+                shard.storage.values[rows].copy(), shard.storage.last_used[rows].copy(),
+                shard.storage.uses[rows].copy(), shard.vocab.sketch.counts.copy(),
+                shard.vocab.counters.as_dict(), shard.steps.step)
+
+    before = state()
     journal: list = []
     with shard.cond:
         shard.apply_push_held(4, 0, ids, np.ones((2, DIM), np.float32), 1.0, 0, 1, 0, journal)
-        assert _held(shard) != before[0]
+        assert shard.vocab.counters.evicted_capacity == 2
         shard.undo(journal[0][1])
-    assert _held(shard) == before[0]
+    after = state()
+    assert after[6] == before[6] and after[7] == before[7]  # counters, step
+    for mine, theirs in zip(after[:6], before[:6]):
+        np.testing.assert_array_equal(mine, theirs)
 
 
 def test_the_sketch_is_claimed_at_creation():

@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from parallax.protocol import wire, wire_dtypes
+from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import Partitioner, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
@@ -34,7 +35,6 @@ from parallax_ps.eviction import Change, Vocabulary
 from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
 from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
-from parallax.protocol.initial_values import initial_rows
 
 
 # Steps a shard may be set to: beyond any training, and far enough below int64's end that
