@@ -7,10 +7,15 @@ import dataclasses
 import threading
 import urllib.request
 
+import grpc
 import numpy as np
+import pytest
 
 from parallax import PSClient
 from parallax.client.local_cluster import LocalCluster
+from parallax.client.many import push_many
+from parallax.protocol import wire
+from parallax.ps.v1 import ps_pb2
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 
@@ -164,3 +169,36 @@ def test_a_dynamic_table_reshards_through_a_checkpoint(client, snapshot, table_n
     assert not after.arrays["dyn_counters"].any()
     _train(table, np.random.default_rng(7), 5, 8)
     assert all(e.rows <= 12 for e in _shard_stats(client, table_name))
+
+
+def _push_part(table, ids, grads, step: int) -> ps_pb2.PushRequest:
+    part = ps_pb2.PushRequest(table=table.name, shard_index=0, step=step)
+    wire.encode(np.asarray(ids, np.int64), part.ids)
+    wire.encode(np.asarray(grads, np.float32), part.grads)
+    return part
+
+
+def test_a_push_many_refused_in_a_later_part_takes_back_admission_and_eviction(
+        client, snapshot, table_name):
+    dyn = client.create_table(_spec(f"{table_name}_d", shard_count=1, max_rows_per_shard=3,
+                                    eviction="lru", admit_after=2), [0])
+    other = client.create_table(TableSpec(name=f"{table_name}_o", vocabulary_size=10, dim=2,
+                                          optimizer=SGD(10.0)), [0])
+    for step in range(2):
+        push_many([dyn, other], [np.array([1, 2, 3, 8, 9]), np.array([0])],
+                  [np.ones((5, DIM)), np.ones((1, 2))], [step, step], 0, [0.0, 0.0])
+    before = [snapshot(dyn.name), snapshot(other.name)]
+    stats_before = _shard_stats(client, dyn.name)[0].dynamic
+    assert (stats_before.admitted, stats_before.evicted_capacity) == (3, 0)  # 1, 2, 3
+    request = ps_pb2.PushManyRequest(parts=[  # 8 (third sighting) admitted, evicting 1
+        _push_part(dyn, [4, 5, 8], np.ones((3, DIM)), 2),
+        _push_part(other, [1], np.full((1, 2), 3e38), 2)])  # overflows: refused at apply
+    with pytest.raises(grpc.RpcError) as info:
+        dyn.shards[0].stub().PushMany(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    for snap, table in zip(before, (dyn, other)):
+        snapshot(table.name).assert_equal(snap)
+    assert _shard_stats(client, dyn.name)[0].dynamic == stats_before
+    push_many([dyn, other], [np.array([4, 5, 8]), np.array([1])],
+              [np.ones((3, DIM)), np.ones((1, 2))], [2, 2], 0, [0.0, 0.0])
+    assert _shard_stats(client, dyn.name)[0].dynamic.evicted_capacity == 1  # it would have
