@@ -202,3 +202,14 @@ def test_a_push_many_refused_in_a_later_part_takes_back_admission_and_eviction(
     push_many([dyn, other], [np.array([4, 5, 8]), np.array([1])],
               [np.ones((3, DIM)), np.ones((1, 2))], [2, 2], 0, [0.0, 0.0])
     assert _shard_stats(client, dyn.name)[0].dynamic.evicted_capacity == 1  # it would have
+
+
+def test_parallax_status_json_carries_the_counters(cluster, client, table_name):
+    from parallax.client import ClientOptions
+    from parallax.launch.status import collect
+    table = client.create_table(_spec(table_name, shard_count=1, admit_after=2), [0])
+    table.push([1, 2], np.ones((2, DIM), np.float32), step=0)
+    (server, *_) = collect(cluster.addresses[:1], ClientOptions())
+    (mine,) = [t for t in server["tables"] if t["table"] == table_name]
+    assert mine["dynamic"] == {"admitted": 0, "evicted_capacity": 0, "evicted_ttl": 0,
+                               "dropped_gradients": 2, "default_rows": 0}

@@ -139,6 +139,18 @@ def test_sync_eviction_spares_the_open_step_and_the_bound_holds():
     assert shard.steps.step == 30
 
 
+def test_rows_of_the_steps_buffered_pushes_are_never_evicted():
+    shard = TableShard(_spec(max_rows_per_shard=2, eviction="lru", num_workers=2), 0)
+    _push(shard, [1], 0, worker=0)
+    _push(shard, [2], 0, worker=1)
+    _push(shard, [2], 1, worker=0)
+    _push(shard, [], 1, worker=1)  # 1 last used at step 0, 2 at step 1
+    _push(shard, [1], 2, worker=0)  # buffered: nothing decided yet
+    assert _held(shard) == [1, 2] and shard.steps.step == 2
+    _push(shard, [3], 2, worker=1)  # room for 3: not 1 (the step's own), 2 goes
+    assert _held(shard) == [1, 3]
+
+
 def test_undo_takes_back_admission_and_eviction_exactly():
     shard = TableShard(_spec(max_rows_per_shard=3, eviction="lru", admit_after=2), 0)
     for step in range(3):

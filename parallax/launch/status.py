@@ -88,8 +88,14 @@ def probe(address: str, options: ClientOptions) -> dict:
         found["tables"].append({
             "table": t.table, "shard": t.shard_index, "shard_count": t.shard_count,
             "rows": t.rows, "dim": t.dim, "bytes": t.bytes, "step": t.step,
-            "pushed_workers": list(t.pushed_workers), **_method_totals(t.methods)})
+            "pushed_workers": list(t.pushed_workers), **_method_totals(t.methods),
+            **({"dynamic": _dynamic(t.dynamic)} if t.HasField("dynamic") else {})})
     return found
+
+
+def _dynamic(counters) -> dict[str, int]:
+    """A dynamic table shard's admission and eviction counters (`--json` only)."""
+    return {f.name: getattr(counters, f.name) for f in counters.DESCRIPTOR.fields}
 
 
 def collect(addresses: list[str], options: ClientOptions) -> list[dict]:
