@@ -14,9 +14,11 @@ from parallax.protocol.specs import TableSpec, slot_names
 
 
 def table_bytes(spec: TableSpec) -> int:
-    """Values and optimizer slots of a whole fixed-vocabulary table on the servers."""
-    return spec.vocabulary_size * spec.dim * dtype_bytes(spec.dtype) * \
-        (1 + len(slot_names(spec.optimizer)))
+    """Values and optimizer slots of a whole table on the servers: a fixed vocabulary's, or a
+    bounded hashed table's at its bound (an unbounded one's grow with its keys: 0 here)."""
+    rows = spec.max_rows_per_shard * spec.shard_count if spec.hashed_keys else \
+        spec.vocabulary_size
+    return rows * spec.dim * dtype_bytes(spec.dtype) * (1 + len(slot_names(spec.optimizer)))
 
 
 def server_bytes(plan: Plan, specs: Mapping[int, TableSpec]) -> list[int]:

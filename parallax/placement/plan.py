@@ -27,6 +27,39 @@ PLACEMENTS = ("ps", "allreduce")
 
 
 @dataclass(frozen=True)
+class DynamicRows:
+    """A dynamic table's rows (`parallax.layers.DynamicEmbedding`): keyed by any int64, so
+    its server table has hashed keys; rows are admitted, bounded and evicted as its
+    `TableSpec` fields of the same names say (parallax.protocol.specs)."""
+
+    max_rows_per_shard: int = 0  # 0: unbounded
+    admit_after: int = 0
+    admit_probability: float = 1.0
+    eviction: str = "none"
+    ttl_steps: int = 0
+
+    def spec_fields(self) -> dict:
+        """The TableSpec fields of these rows (`TableSpec(**fields)` checks them)."""
+        return dict(hashed_keys=True, vocabulary_size=0, partition="mod",
+                    max_rows_per_shard=self.max_rows_per_shard, admit_after=self.admit_after,
+                    admit_probability=self.admit_probability, eviction=self.eviction,
+                    ttl_steps=self.ttl_steps)
+
+    def describe(self) -> str:
+        """"dynamic: <= 1000 rows/shard (lru), admit after 2, ttl 50 steps"."""
+        bound = (f"<= {self.max_rows_per_shard} rows/shard ({self.eviction})"
+                 if self.max_rows_per_shard else "unbounded")
+        parts = [bound]
+        if self.admit_after > 1:
+            parts.append(f"admit after {self.admit_after}")
+        if self.admit_probability < 1:
+            parts.append(f"admit p={self.admit_probability:g}")
+        if self.ttl_steps:
+            parts.append(f"ttl {self.ttl_steps} steps")
+        return "dynamic: " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class StrategyConfig:
     """Everything the user can choose; the defaults train synchronously in hybrid mode."""
 
@@ -101,9 +134,15 @@ class VariableInfo:
     gather_only: bool
     read_reason: str
     gradient: str  # "IndexedSlices", "Tensor" or "none"
+    dynamic: DynamicRows | None = None  # a DynamicEmbedding's table: keyed rows
 
     @property
     def bytes(self) -> int:
+        """The variable's bytes (a dynamic table's: its bound per shard, 0 if unbounded; its
+        shape's rows are only the layer's local stand-in)."""
+        if self.dynamic is not None:
+            row = int(math.prod(self.shape[1:])) * dtype_bytes(self.dtype)
+            return self.dynamic.max_rows_per_shard * row
         return int(math.prod(self.shape)) * dtype_bytes(self.dtype)
 
 
@@ -123,6 +162,7 @@ class VariablePlan:
     offset: int = 0  # the variable's first row in its table (a table group; see group_tables)
     table_rows: int = 0  # rows of the table on the servers: this variable's, or its group's
     wire_dtype: str = ""  # its rows on the wire when not its dtype ("float16", "bfloat16")
+    dynamic: DynamicRows | None = None  # keyed rows, admitted and evicted (DynamicEmbedding)
 
 
 @dataclass(frozen=True)
@@ -155,7 +195,7 @@ class Plan:
     def signature(self) -> tuple:
         """What every worker must agree on."""
         return tuple((v.index, v.name, v.shape, v.dtype, v.placement, v.shards, v.servers,
-                      v.offset, v.table_rows, v.wire_dtype) for v in self.variables)
+                      v.offset, v.table_rows, v.wire_dtype, v.dynamic) for v in self.variables)
 
     def members(self, table: str) -> tuple[VariablePlan, ...]:
         """The variables whose rows `table` holds (several for a table group), by offset."""
@@ -190,7 +230,7 @@ class Plan:
         rows = [("variable", "kind", "placement", "shape", "MB", "shards") +
                 (("wire",) if wire else ()) + ("reason",)]
         for v in self.variables:
-            rows.append((v.name, v.kind, v.placement, "x".join(map(str, v.shape)) or "scalar",
+            rows.append((v.name, v.kind, v.placement, _shape_text(v),
                          f"{v.bytes / 2**20:.2f}", _shards_text(v)) +
                         ((v.wire_dtype or "-",) if wire else ()) + (v.reason,))
         n = len(rows[0]) - 1
@@ -210,6 +250,13 @@ class Plan:
         return head + "".join(f"\n  {r.variable.ljust(width)}  "
                               f"{'fused' if r.fused else 'own request'}: {r.reason}"
                               for r in self.lookups)
+
+
+def _shape_text(v: VariablePlan) -> str:
+    """"1000x16"; a dynamic table's rows are its keys: "keysx16"."""
+    if v.dynamic is not None:
+        return "x".join(["keys", *map(str, v.shape[1:])])
+    return "x".join(map(str, v.shape)) or "scalar"
 
 
 def _shards_text(v: VariablePlan) -> str:
@@ -236,6 +283,8 @@ def group_table_name(run_id: str, first: int, members: int) -> str:
 
 
 def _kind(info: VariableInfo) -> tuple[str, str]:
+    if info.dynamic is not None:
+        return "sparse", info.dynamic.describe()
     if not info.gather_only:
         return "dense", info.read_reason
     if info.gradient == "Tensor":
@@ -246,6 +295,15 @@ def _kind(info: VariableInfo) -> tuple[str, str]:
 
 def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[str, str]:
     override = config.placement.get(info.name)
+    if info.dynamic is not None:
+        if config.mode == "allreduce" or override == "allreduce":
+            why = ("mode is 'allreduce'" if config.mode == "allreduce" else
+                   "placement names it 'allreduce'")
+            raise ConfigError(f"{info.name!r} is a DynamicEmbedding table, whose rows are "
+                              f"keyed by any int64 and live on the parameter servers, but "
+                              f"{why}; use mode 'hybrid', 'ps' or 'async' (or drop it from "
+                              f"placement)")
+        return "ps", ""
     if override is not None:
         return override, f"placed on {override} by the user"
     if config.mode == "ps":
@@ -258,6 +316,8 @@ def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[s
 def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
+    if info.dynamic is not None:  # keys grow without a vocabulary: every server by default
+        return max(1, num_servers if wanted is None else wanted)
     rows = info.shape[0] if info.shape else 1
     if wanted is None:
         wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
@@ -294,7 +354,8 @@ def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[s
     the shards, and the group gets its members' largest shard count."""
     by_key: dict[tuple, list[VariablePlan]] = {}
     for v in plans:
-        if v.placement == "ps" and v.index in keys and v.name not in named and len(v.shape) > 1:
+        if v.placement == "ps" and v.index in keys and v.name not in named and \
+                len(v.shape) > 1 and v.dynamic is None:
             key = (math.prod(v.shape[1:]), v.dtype, v.wire_dtype, keys[v.index]) + \
                 ((v.shards, v.servers) if placed else ())
             by_key.setdefault(key, []).append(v)
@@ -361,13 +422,14 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
         kind, reason = _kind(info)
         placement, why = _placement(config, info, kind)
         on_ps = placement == "ps"
+        shards = _shards(config, info, num_servers) if on_ps else 0
         plans.append(VariablePlan(
             index=info.index, name=info.name, kind=kind, placement=placement,
             reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,
-            bytes=info.bytes, shards=_shards(config, info, num_servers) if on_ps else 0,
+            bytes=info.bytes * (shards if info.dynamic else 1), shards=shards,
             table=table_name(run_id, info.index, info.name) if on_ps else "",
             table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0,
-            wire_dtype=_wire_dtype(config, info, on_ps)))
+            wire_dtype=_wire_dtype(config, info, on_ps), dynamic=info.dynamic))
     grouping = bool(config.group_tables and group_keys)
     named = set(config.shards) if isinstance(config.shards, Mapping) else set()
     if grouping and saved_groups:

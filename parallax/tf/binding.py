@@ -8,6 +8,7 @@ left waiting in a collective for a peer that gave up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import zlib
 from typing import Callable, Sequence
@@ -95,6 +96,12 @@ def server_initializer(var: ParallaxVariable, key: str, stream_limit: int) -> In
     initializer = var.keras_initializer
     if initializer is None or var.shape.num_elements() * var.dtype.size <= stream_limit:
         return None
+    return drawn_initializer(initializer, key)
+
+
+def drawn_initializer(initializer, key: str) -> Initializer | None:
+    """The servers' form of a Keras initializer (seeded from `key` when unseeded), or None
+    when they do not implement it."""
     name = "Constant" if type(initializer).__name__ == "Ones" else type(initializer).__name__
     if name not in _SERVER_INITIALIZERS:
         return None
@@ -121,6 +128,8 @@ def group_keys(variables: dict[int, ParallaxVariable], optimizer,
         return {}  # (also None: no optimizer, which `bind` refuses)
     keys = {}
     for index, var in variables.items():
+        if var.dynamic_rows is not None:
+            continue  # keyed rows: a table of its own
         drawn = server_initializer(var, "", stream_limit)
         keys[index] = ("stream",) if drawn is None else \
             dataclasses.astuple(dataclasses.replace(drawn, seed=0))
@@ -132,11 +141,27 @@ def _table_spec(vp: VariablePlan, optimizer_spec, *, sync: bool, pushers: int,
     """The spec of `vp`'s server table (a table group's: every member's rows)."""
     dim = int(np.prod(vp.shape[1:])) if len(vp.shape) > 1 else 1
     rows = vp.table_rows or (vp.shape[0] if vp.shape else 1)
-    return TableSpec(name=vp.table, dim=dim, vocabulary_size=rows, dtype=vp.dtype,
+    keyed = vp.dynamic.spec_fields() if vp.dynamic is not None else \
+        dict(vocabulary_size=rows)
+    return TableSpec(name=vp.table, dim=dim, dtype=vp.dtype,
                      initializer=initializer or Initializer("zeros"), optimizer=optimizer_spec,
                      shard_count=vp.shards, num_workers=pushers,
                      sync_mode="sync" if sync else "async", aggregation="sum",
-                     wire_dtype=vp.wire_dtype)
+                     wire_dtype=vp.wire_dtype, **keyed)
+
+
+def dynamic_initializer(var: ParallaxVariable, key: str) -> Initializer:
+    """A dynamic table's initializer, which the servers draw each new row from (no worker
+    can stream rows for keys nobody has seen yet)."""
+    initializer = var.keras_initializer or var.dynamic_initializer
+    drawn = drawn_initializer(initializer, key) if initializer is not None else None
+    if drawn is None:
+        raise ConfigError(
+            f"{var.name!r} is a DynamicEmbedding table, whose new rows the servers draw, but "
+            f"its initializer {type(initializer).__name__ if initializer else 'value'} is not "
+            f"one they implement; use one of {', '.join(sorted(_SERVER_INITIALIZERS))} (or "
+            f"'ones')")
+    return drawn
 
 
 class TableBinder:
@@ -172,9 +197,10 @@ class TableBinder:
                 f"step; update variables with a keras.optimizers optimizer "
                 f"(apply_gradients / fit), or use mode='allreduce'")
         optimizer_spec = optimizer_from_keras(optimizer, [vp.name for vp in on_servers])
-        on_server_init = {vp.index: server_initializer(variables[vp.index],
-                                                       f"{vp.index}:{vp.name}",
-                                                       self.init_chunk_bytes)
+        on_server_init = {vp.index: (dynamic_initializer if vp.dynamic else
+                                     functools.partial(server_initializer,
+                                                       stream_limit=self.init_chunk_bytes))(
+                              variables[vp.index], f"{vp.index}:{vp.name}")
                           for vp in on_servers}
         # one spec per server table: a table group's, from its first member
         heads = {vp.table: vp for vp in on_servers if vp.offset == 0}
@@ -231,7 +257,7 @@ class TableBinder:
             remote = RemoteTable(vp.name, var.shape, var.dtype, tables[spec.name],
                                  sync=self.plan.sync, worker=self.pusher_index,
                                  sends_pushes=self.sends_pushes, offset=vp.offset,
-                                 pushes=shared)
+                                 pushes=shared, keyed=vp.dynamic is not None)
             var.bind_remote(remote)
             for slot in slots_of(optimizer, var):
                 if isinstance(slot, ParallaxVariable):

@@ -87,12 +87,14 @@ class TablePushes:
 class RemoteTable:
     """The servers' copy of one variable, seen as a [rows, dim] table: rows `offset` to
     `offset + rows` of the server table `table` (offset 0 unless the variable is in a table
-    group, whose members share `pushes`)."""
+    group, whose members share `pushes`). `keyed`: a dynamic table (DynamicEmbedding), whose
+    ids are any int64 keys, held or not (the servers admit and evict rows); `shape` is then
+    only the layer's local stand-in, and the table has no whole value to read or assign."""
 
     def __init__(self, label: str, shape: tf.TensorShape, dtype: tf.DType,
                  table: ShardedTable, *, sync: bool, worker: int = 0,
                  sends_pushes: bool = True, offset: int = 0,
-                 pushes: TablePushes | None = None) -> None:
+                 pushes: TablePushes | None = None, keyed: bool = False) -> None:
         self.label = label  # the user's name for the variable, used in every message
         self.shape = tf.TensorShape(shape)
         self.dtype = dtype
@@ -101,7 +103,8 @@ class RemoteTable:
         self.dim = int(math.prod(self.row_shape)) if self.row_shape else 1
         self.table = table
         self.offset = offset
-        self.table_rows = offset + self.rows if pushes is None else \
+        self.keyed = keyed
+        self.table_rows = None if keyed else offset + self.rows if pushes is None else \
             table.partitioner.vocabulary_size  # the server table's (a group's: all members')
         self.sync = sync
         self.worker = worker  # this worker's index among those that push
@@ -116,6 +119,8 @@ class RemoteTable:
     # ---- numpy side: runs inside numpy_function ops ----
 
     def _check_ids(self, ids: np.ndarray) -> None:
+        if self.keyed:
+            return  # any int64 key
         bad = out_of_range(ids, self.rows)
         if bad is not None:
             raise ConfigError(f"table {self.label!r} has {self.rows} rows: id "
@@ -187,6 +192,7 @@ class RemoteTable:
             self.traffic.pull_seconds += seconds
 
     def pull_all_rows(self) -> np.ndarray:
+        self._refuse_whole("read as a whole")
         return self.pull_rows(np.arange(self.rows, dtype=np.int64), full_precision=True)
 
     def pull_exact(self, unique: np.ndarray) -> np.ndarray:
@@ -260,6 +266,7 @@ class RemoteTable:
 
     def assign_all(self, value) -> None:
         """Replace every row (eager), e.g. when weights are loaded into a trained model."""
+        self._refuse_whole("assigned a whole value")
         values = np.asarray(value, dtype=self._np_dtype)
         if values.shape != tuple(self.shape.as_list()):
             raise ConfigError(f"cannot assign a value of shape {values.shape} to "
@@ -271,6 +278,14 @@ class RemoteTable:
         finally:
             if self.on_assign is not None:
                 self.on_assign([self.table])
+
+    def _refuse_whole(self, what: str) -> None:
+        if self.keyed:
+            raise ConfigError(
+                f"{self.label!r} is a DynamicEmbedding table: its rows live on the servers "
+                f"keyed by any int64, so it cannot be {what}; read rows by key (call the "
+                f"layer), export them with layer.export_rows() or layer.serving_layer(), and "
+                f"save them with a tf.train.Checkpoint / Keras checkpoint in the strategy")
 
     # ---- graph side ----
 
@@ -293,7 +308,11 @@ class RemoteTable:
         """The whole variable pulled from the servers. Its gradient is still delivered as an
         `IndexedSlices` (over every row) so the strategy knows it belongs to the servers and
         does not all-reduce it as well. Read eagerly (saving, `get_weights`, a checkpoint),
-        the rows come in the table's own dtype, never a narrower wire dtype."""
+        the rows come in the table's own dtype, never a narrower wire dtype. A keyed table's
+        whole value is its stand-in's zeros (what saving the variable writes; the servers'
+        checkpoint holds the rows)."""
+        if self.keyed:
+            return tf.zeros(self.shape, self.dtype)
         every = tf.range(self.rows, dtype=tf.int64)
         pull = self.pull_exact if tf.executing_eagerly() else self.pull_rows
         rows = self._pull_op(every, pull, "parallax_pull_all")

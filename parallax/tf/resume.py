@@ -111,7 +111,9 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                 raise  # a failing disk, ...: the user's save must fail, not lose the slots
             self._warn_once(f"the parameter servers cannot write checkpoints ({err}); this "
                             f"checkpoint holds the tables' rows but not their optimizer "
-                            f"slots or step, so a resume from it is not exact. Start the "
+                            f"slots or step (nor any DynamicEmbedding's rows, which only "
+                            f"the servers' checkpoint holds), so a resume from it is not "
+                            f"exact. Start the "
                             f"servers with a data directory (parallax run --data-dir DIR)")
             return {"format": FORMAT, "unsaved": str(err)}
         return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
@@ -278,7 +280,8 @@ def _warn_rows_only(reference: dict, err: ServerError, before_plan: bool) -> Non
              "keep this job's current values")
     log.warning("%s refers to checkpoint %s of the parameter-server tables under %r, which "
                 "the servers cannot load (%s). The tables' rows come from the file instead; "
-                "their optimizer slots and step %s, so this resume is not exact. To resume "
+                "their optimizer slots and step %s (a DynamicEmbedding's rows, only in the "
+                "servers' checkpoint, restart empty), so this resume is not exact. To resume "
                 "exactly, restore with servers on the --data-dir that saved it, and keep "
                 "ParallaxStrategy(checkpoints_kept=N) at least the number of files you keep",
                 reference.get("source", "this checkpoint"), reference["checkpoint"],

@@ -158,7 +158,7 @@ class TableIds:
 
 def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
                lengths: Sequence[int]) -> np.ndarray:
-    if len(members) == 1 and members[0].table_rows == members[0].rows:
+    if len(members) == 1 and members[0].table_rows in (None, members[0].rows):
         return ids[0]  # a table of its own: `checked_runs` checks its ids
     joined = np.concatenate(ids).astype(np.int64, copy=False)
     limits = np.repeat(np.array([m.rows for m in members], np.int64), lengths)

@@ -305,7 +305,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             infos[var.parallax_index] = VariableInfo(
                 index=var.parallax_index, name=name, shape=tuple(var.shape.as_list()),
                 dtype=var.dtype.name, gather_only=report.gather_only, read_reason=report.reason,
-                gradient=observations.gradients.get(id(var), "none"))
+                gradient=observations.gradients.get(id(var), "none"), dynamic=var.dynamic_rows)
         return infos
 
     def _make_plan(self, graph, observations: _Observations) -> None:
@@ -814,9 +814,11 @@ class ParallaxStrategy(distribute_lib.Strategy):
     @contextlib.contextmanager
     def local_tables(self):
         """Pull every table into the worker's memory for the duration of the block, e.g. to
-        export a SavedModel that serves without parallax. Changes made inside are dropped."""
+        export a SavedModel that serves without parallax. Changes made inside are dropped.
+        A DynamicEmbedding's table stays on the servers: serve its rows with
+        `parallax.layers.serving_model` instead."""
         remotes = {v.parallax_index: v for v in self.extended.variables()
-                   if v.remote is not None}
+                   if v.remote is not None and not v.remote.keyed}
         with tf.init_scope():
             values = {i: var.numpy() for i, var in remotes.items()}
             for i, var in remotes.items():

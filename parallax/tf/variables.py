@@ -55,6 +55,8 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     _parallax_init = None    # the deferred initial value (a callable), until computed
     _parallax_planned = False  # True once the plan decided where this variable lives
     _parallax_across_workers = None  # sync-on-read (metrics): local value -> all workers'
+    dynamic_rows = None  # a parallax.placement.plan.DynamicRows: a DynamicEmbedding's table
+    dynamic_initializer = None  # its Keras initializer, which the servers draw new rows from
 
     @classmethod
     def create(cls, index: int, **kwargs) -> "ParallaxVariable":
@@ -238,6 +240,12 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
             return super().gather_nd(indices, name=name)
 
     def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        if self._parallax_remote is not None and self._parallax_remote.keyed:
+            raise ConfigError(
+                f"variable {self.name!r} is a DynamicEmbedding's table, keyed rows on the "
+                f"parameter servers: export a serving copy of the model, "
+                f"`parallax.layers.serving_model(model, top_n=N)` (or keys=[...]), built "
+                f"outside strategy.scope(); it holds those rows in a static lookup")
         if self._parallax_remote is not None:
             raise ConfigError(
                 f"variable {self.name!r} lives on the parameter servers: a SavedModel exported "
@@ -251,6 +259,8 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         self._parallax_init = None  # a checkpoint's value replaces the deferred one
         if self._parallax_fill is not None:
             return None  # a released slot: the servers hold the real one
+        if self._parallax_remote is not None and self._parallax_remote.keyed:
+            return None  # a dynamic table: the servers' checkpoint holds its rows
         if self._parallax_remote is not None:  # a table: the restored rows go to the servers
             self.assign(next(iter(restored_tensors.values())))
             return None

@@ -1,0 +1,264 @@
+"""`parallax.layers.DynamicEmbedding` (issue 17 part 1): keys of any int64 value or strings,
+trained locally (outside a strategy) and under `ParallaxStrategy` in hybrid, ps and async
+modes against real servers on loopback; admission, the per-shard bound, a checkpoint and
+an exact resume, a reshard, and a serving copy that loads without parallax."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax
+from parallax.client.local_cluster import LocalCluster
+from parallax.errors import ConfigError
+from parallax.layers import DynamicEmbedding, hash_keys, serving_model
+
+_ids = itertools.count()
+DIM, COLUMNS, BATCH = 4, 3, 32
+BIG = 10**15  # keys far outside any vocabulary
+
+
+def stream(n=256, seed=0, distinct=None):
+    """Zipf-skewed keys around BIG, and a target that depends on them."""
+    rng = np.random.default_rng(seed)
+    ranks = rng.zipf(1.3, size=(n, COLUMNS))
+    if distinct is not None:
+        ranks = np.minimum(ranks, distinct)
+    x = (ranks * 7919 + BIG).astype("int64")
+    return x, (ranks.sum(axis=1) % 3 / 3.0).astype("float32")[:, None]
+
+
+def build(key_dtype="int64", **layer):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((COLUMNS,), dtype="string" if key_dtype == "string" else "int64")
+    rows = DynamicEmbedding(DIM, key_dtype=key_dtype, name="dyn", **layer)(inputs)
+    out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(rows))
+    model = keras.Model(inputs, out)
+    model.compile(keras.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+@pytest.fixture
+def make_strategy(cluster):
+    def make(**kwargs):
+        kwargs.setdefault("ps_addresses", cluster.addresses)
+        kwargs.setdefault("log_plan", False)
+        kwargs.setdefault("search_partitions", False)
+        return parallax.ParallaxStrategy(run_id=f"dyn{next(_ids)}-{int(time.time())}",
+                                         **kwargs)
+    return make
+
+
+def shard_stats(strategy):
+    """Stats of the dynamic table's shards on the job's servers."""
+    name = next(v.table for v in strategy.plan.on_servers if v.dynamic is not None)
+    return [t for reply in strategy.extended.client.stats([name]).values()
+            for t in reply.tables]
+
+
+def train_in(strategy, epochs=2, **layer):
+    x, y = stream()
+    with strategy.scope():
+        model = build(**layer)
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+# ---- locally ------------------------------------------------------------------------------
+
+def test_locally_keys_get_rows_on_their_admit_after_th_sighting():
+    layer = DynamicEmbedding(DIM, admit_after=2, local_rows=4)
+    seen_once, seen_twice = BIG + 1, BIG + 2
+    layer(tf.constant([[seen_once, seen_twice]]), training=True)
+    assert len(layer.export_rows()[0]) == 0  # nobody seen twice yet
+    rows = layer(tf.constant([[seen_twice, BIG + 3]]), training=True).numpy()
+    keys, values, uses = layer.export_rows()
+    assert keys.tolist() == [seen_twice] and uses.tolist() == [2]
+    np.testing.assert_array_equal(rows[0, 1], np.zeros(DIM))  # unadmitted: zeros
+    np.testing.assert_array_equal(rows[0, 0], values[0])
+    many = tf.constant([[BIG + k for k in range(10, 20)] * 2])
+    layer(many, training=True)  # a sighting per batch, whatever the repeats in it
+    assert len(layer.export_rows()[0]) == 1
+    layer(many, training=True)
+    assert len(layer.export_rows()[0]) == 4  # local_rows holds at most 4 keys
+
+
+def test_locally_a_model_trains_and_unadmitted_keys_get_no_gradient():
+    x, y = stream()
+    model = build(admit_after=3)
+    losses = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
+                       verbose=0).history["loss"]
+    assert losses[-1] < losses[0]
+    layer = model.get_layer("dyn")
+    keys, values, uses = layer.export_rows()
+    assert len(keys) and (uses >= 3).all()
+    held = int(layer._local.next_row.numpy())
+    slots = [v for v in model.optimizer.variables if v.shape == layer._variable.shape]
+    accumulator = slots[0].numpy()
+    assert (accumulator[:held] > 0.1).any(axis=1).mean() > 0.9  # held rows were trained ...
+    np.testing.assert_array_equal(accumulator[held:], 0.1)  # ... no other row got a gradient
+
+
+def test_string_keys_are_hashed_in_the_graph_and_serve_alike():
+    layer = DynamicEmbedding(DIM, key_dtype="string")
+    out = layer(tf.constant([["apple", "pear"]]), training=True).numpy()
+    keys, values, _ = layer.export_rows(keys=["pear"])
+    assert keys.tolist() == hash_keys(tf.constant(["pear"])).numpy().tolist()
+    np.testing.assert_array_equal(out[0, 1], values[0])
+    served = layer.serving_layer()(tf.constant([["pear", "plum"]])).numpy()
+    np.testing.assert_array_equal(served[0, 0], out[0, 1])
+    np.testing.assert_array_equal(served[0, 1], np.zeros(DIM))
+    with pytest.raises(ConfigError, match="takes string keys, got int32"):
+        layer(tf.constant([[1]]))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"admit_probability": 0.0}, "admit_probability must be in"),
+    ({"eviction": "lru"}, "max_rows_per_shard is 0"),
+    ({"eviction": "fifo", "max_rows_per_shard": 5}, "eviction 'fifo' is not supported"),
+    ({"ttl_steps": -1}, "ttl_steps must be an int >= 0"),
+    ({"key_dtype": "float32"}, "key_dtype 'float32' is not supported"),
+])
+def test_bad_settings_are_refused_naming_the_fix(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        DynamicEmbedding(DIM, **settings)
+
+
+# ---- under the strategy -------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, sync", [("hybrid", True), ("ps", True), ("hybrid", False)],
+                         ids=["hybrid", "ps", "async"])
+def test_trains_under_the_strategy_within_the_bound(make_strategy, mode, sync):
+    strategy = make_strategy(mode=mode, sync=sync)
+    model, losses = train_in(strategy, epochs=3, max_rows_per_shard=20, eviction="lfu")
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    vp = strategy.plan.get("dyn/embeddings")
+    assert vp.placement == "ps" and vp.dynamic.max_rows_per_shard == 20
+    assert "dynamic: <= 20 rows/shard (lfu)" in strategy.plan.format()
+    assert "keysx4" in strategy.plan.format()
+    stats = shard_stats(strategy)
+    assert len(stats) == 2 and all(0 < s.rows <= 20 for s in stats)
+    assert sum(s.dynamic.evicted_capacity for s in stats) > 0  # the bound held by evicting
+    keys, rows, uses = model.get_layer("dyn").export_rows()
+    assert len(keys) == sum(s.rows for s in stats) and rows.shape == (len(keys), DIM)
+
+
+def test_unadmitted_keys_read_their_default_row_and_drop_their_gradients(make_strategy):
+    strategy = make_strategy()
+    with strategy.scope():
+        model = build(admit_after=3)
+    x, y = stream(n=BATCH)
+    x[:, 0] = BIG - 5  # a key seen in every row of the batch: BATCH sightings at once
+    x[0, 1] = BIG - 7  # seen once
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    layer = model.get_layer("dyn")
+    assert layer.export_rows(keys=[BIG - 7])[0].size == 0  # not admitted
+    assert layer.export_rows(keys=[BIG - 5])[0].tolist() == [BIG - 5]
+    assert sum(s.dynamic.dropped_gradients for s in shard_stats(strategy)) > 0
+    default = layer(tf.constant([[BIG - 7]])).numpy()
+    assert np.abs(default).max() > 0  # the initializer's row for the key, not zeros ...
+    np.testing.assert_array_equal(layer(tf.constant([[BIG - 7]])).numpy(), default)  # ... kept
+
+
+def test_allreduce_mode_and_unsupported_initializers_are_refused(make_strategy):
+    with pytest.raises(ConfigError, match="DynamicEmbedding table.*mode is 'allreduce'"):
+        train_in(make_strategy(mode="allreduce"), epochs=1)
+    with pytest.raises(ConfigError, match="initializer GlorotUniform is not one they "):
+        train_in(make_strategy(), epochs=1, embeddings_initializer="glorot_uniform")
+
+
+def test_whole_value_assignments_are_refused(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_in(strategy, epochs=1)
+    layer = model.get_layer("dyn")
+    with pytest.raises(ConfigError, match="DynamicEmbedding table.*cannot be assigned"):
+        layer.set_weights([np.zeros(layer._variable.shape, np.float32)])
+    np.testing.assert_array_equal(layer.get_weights()[0], 0)  # the stand-in reads zeros
+
+
+def test_a_reshard_moves_the_rows(make_strategy):
+    strategy = make_strategy()
+    model, _ = train_in(strategy, epochs=1, max_rows_per_shard=40)
+    layer = model.get_layer("dyn")
+    before = layer.export_rows()
+    strategy.reshard({"dyn/embeddings": 1})
+    assert strategy.plan.get("dyn/embeddings").shards == 1
+    after = layer.export_rows()
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    x, y = stream(seed=1)
+    assert np.isfinite(model.fit(x, y, batch_size=BATCH, verbose=0).history["loss"]).all()
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """tf.train.Checkpoint after 2 epochs; a new job on new servers (same data directory)
+    restores it and trains a third: losses, rows, counters as the uninterrupted job's."""
+    x, y = stream()
+    layer = dict(max_rows_per_shard=15, admit_after=2, ttl_steps=6)
+
+    def job(steps_before, resume_from=None):
+        with LocalCluster(2, data_dir=tmp_path / "data") as servers:
+            strategy = parallax.ParallaxStrategy(
+                ps_addresses=servers.addresses, log_plan=False, search_partitions=False,
+                run_id=f"resume{next(_ids)}-{int(time.time())}")
+            with strategy.scope():
+                model = build(**layer)
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            if resume_from is not None:
+                checkpoint.restore(resume_from)
+            path = None
+            if steps_before:
+                model.fit(x, y, batch_size=BATCH, epochs=steps_before, shuffle=False,
+                          verbose=0)
+                path = checkpoint.save(tmp_path / "ckpt")
+            losses = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                               verbose=0).history["loss"]
+            counters = sorted((s.shard_index, s.rows, s.dynamic.admitted,
+                               s.dynamic.evicted_capacity, s.dynamic.evicted_ttl)
+                              for s in shard_stats(strategy))
+            return losses, model.get_layer("dyn").export_rows(), counters, path
+
+    full_losses, full_rows, full_counters, path = job(2)
+    resumed_losses, resumed_rows, resumed_counters, _ = job(0, resume_from=path)
+    np.testing.assert_allclose(resumed_losses, full_losses, rtol=0, atol=1e-6)
+    for a, b in zip(resumed_rows, full_rows):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert resumed_counters == full_counters
+
+
+SERVE = """
+import sys, numpy as np, tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+keys = np.load(sys.argv[2])
+out = loaded.serve(tf.constant(keys)).numpy()
+np.save(sys.argv[3], out)
+assert not [m for m in sys.modules if m.startswith("parallax")], "parallax was imported"
+"""
+
+
+def test_a_serving_copy_exports_a_savedmodel_that_serves_without_parallax(make_strategy,
+                                                                          tmp_path):
+    strategy = make_strategy()
+    model, _ = train_in(strategy, epochs=2)
+    layer = model.get_layer("dyn")
+    keys, _, uses = layer.export_rows(top_n=6)
+    assert len(keys) == 6 and (np.diff(uses) <= 0).all()  # most used first
+    served_keys = np.array([keys[:COLUMNS], keys[COLUMNS:]], np.int64)
+    expected = model.predict(served_keys, verbose=0)
+    copy = serving_model(model, top_n=6)
+    np.testing.assert_allclose(copy.predict(served_keys, verbose=0), expected, atol=1e-6)
+    copy.export(tmp_path / "served")
+    np.save(tmp_path / "keys.npy", served_keys)
+    proc = subprocess.run([sys.executable, "-c", SERVE, str(tmp_path / "served"),
+                           str(tmp_path / "keys.npy"), str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-6)
+    with pytest.raises(ConfigError, match="serving_model top_n names"):
+        serving_model(model, top_n={"nope": 3})
