@@ -2,7 +2,8 @@
 
 Each package of `parallax/` is one layer and imports only the layers it may (`ALLOWED`);
 the server imports the shared protocol and nothing of the client or the TensorFlow side;
-only `parallax/tf/` (and the benchmark's training processes) import TensorFlow; and no
+only `parallax/tf/` and the Keras layers (`parallax/layers/`, and the benchmark's training
+processes) import TensorFlow; and no
 module imports, even inside a function, a module that imports it back. Importing a module
 counts as importing each package above it too (their `__init__` runs). Imports under
 `if TYPE_CHECKING:` are for type checkers only and do not count.
@@ -28,6 +29,7 @@ ALLOWED = {
     "placement": {"env", "errors", "protocol"},
     "tf": {"client", "env", "errors", "placement", "protocol", "ps", "runtime", "version"},
     "launch": {"client", "env", "errors", "protocol", "ps", "runtime", "version"},
+    "layers": {"errors", "placement", "protocol", "tf"},  # Keras layers users build models of
     # the package's own __init__, which every import of parallax.* from outside runs: only
     # the low layers at import time (the client and the strategy are loaded when named)
     "parallax": {"errors", "protocol", "runtime", "version"},
@@ -121,7 +123,7 @@ def test_every_module_has_a_layer():
 
 def test_only_the_tensorflow_side_imports_tensorflow():
     wrong = sorted(f"{m} imports {n}" for m, names in IMPORTS.items()
-                   if _layer(m) != "tf" and m not in TF_OUTSIDE_TF
+                   if _layer(m) not in ("tf", "layers") and m not in TF_OUTSIDE_TF
                    for n in names if any(n == t or n.startswith(t + ".") for t in TENSORFLOW))
     assert not wrong, "\n".join(wrong)
 

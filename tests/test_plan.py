@@ -180,3 +180,39 @@ def test_every_server_optimizer_declares_whether_it_counts_steps():
     from parallax.protocol.specs import OptimizerSpec
     undeclared = [c.__name__ for c in get_args(OptimizerSpec) if "counts_steps" not in vars(c)]
     assert undeclared == []
+
+
+def _dynamic(index: int, **rows) -> VariableInfo:
+    from parallax.placement.plan import DynamicRows
+    return replace(_table(index, 1 << 16, dim=8), name=f"dynamic_{index}",
+                   dynamic=DynamicRows(**rows))
+
+
+def test_a_dynamic_table_goes_to_every_server_ungrouped_and_sized_at_its_bound():
+    infos = [_dynamic(0, max_rows_per_shard=1000, eviction="lru"), _table(1, 50, 8),
+             _table(2, 50, 8)]
+    grouped = make_plan(StrategyConfig(), infos, run_id="r", num_servers=1, num_workers=4,
+                        group_keys={0: "k", 1: "k", 2: "k"})
+    assert grouped.variables[1].table == grouped.variables[2].table  # a group, without ...
+    assert grouped.variables[0].table != grouped.variables[1].table  # ... the dynamic table
+    plan = _plan(infos, servers=3)
+    dynamic = plan.variables[0]
+    assert dynamic.placement == "ps" and dynamic.shards == 3 and dynamic.kind == "sparse"
+    assert dynamic.bytes == 3 * 1000 * 8 * 4  # its bound on each of its shards
+    assert dynamic.dynamic.max_rows_per_shard == 1000
+    text = plan.format()
+    assert "keysx8" in text and "dynamic: <= 1000 rows/shard (lru)" in text
+    unbounded = _plan([_dynamic(0, admit_after=3)], servers=2, shards={"dynamic_0": 1})
+    assert unbounded.variables[0].shards == 1 and unbounded.variables[0].bytes == 0
+    assert "dynamic: unbounded, admit after 3" in unbounded.format()
+    assert plan.signature() != _plan([_dynamic(0, max_rows_per_shard=999, eviction="lru"),
+                                      _table(1, 50, 8), _table(2, 50, 8)],
+                                     servers=3).signature()  # workers agree on the bound
+
+
+@pytest.mark.parametrize("config", [{"mode": "allreduce"},
+                                    {"placement": {"dynamic_0": "allreduce"}}])
+def test_a_dynamic_table_kept_on_the_workers_is_refused(config):
+    from parallax.errors import ConfigError
+    with pytest.raises(ConfigError, match="DynamicEmbedding table.*use mode 'hybrid'"):
+        _plan([_dynamic(0)], **config)
