@@ -34,6 +34,8 @@ _LAZY = {"ClientOptions": "parallax.client", "PSClient": "parallax.client",
 
 
 def __getattr__(name: str):
+    if name == "layers":  # parallax.layers.DynamicEmbedding (imports TensorFlow and Keras)
+        return importlib.import_module("parallax.layers")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'parallax' has no attribute {name!r}")

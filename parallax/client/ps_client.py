@@ -111,7 +111,7 @@ class PSClient:
         """A new table `name` holding `table`'s rows, slots and step in `shard_count` shards
         (on `placement`). Call between steps; the old table is left for the caller to delete
         once no worker routes to it. On failure the new table is deleted again."""
-        spec = dataclasses.replace(table.spec, name=name, shard_count=shard_count)
+        spec = table.spec.resharded(name, shard_count)
         target = self.create_table(spec, placement)
         try:
             if target.wait_step(0):

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from parallax.env import COLLECTIVES, RUN_MODES
 from parallax.errors import ConfigError
+from parallax.protocol.specs import bound_over
 from parallax.protocol.wire_dtypes import WIRE_DTYPES
 from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.types import ClusterProfile, TableProfile
@@ -44,6 +45,13 @@ class DynamicRows:
                     max_rows_per_shard=self.max_rows_per_shard, admit_after=self.admit_after,
                     admit_probability=self.admit_probability, eviction=self.eviction,
                     ttl_steps=self.ttl_steps)
+
+    def resharded(self, shards: int, new_shards: int) -> "DynamicRows":
+        """These rows over `new_shards` shards instead of `shards`, keeping the total bound
+        (`parallax.protocol.specs.bound_over`): a reshard or the partition search's layout
+        never shrinks what the table holds."""
+        return replace(self, max_rows_per_shard=bound_over(self.max_rows_per_shard, shards,
+                                                           new_shards))
 
     def describe(self) -> str:
         """"dynamic: <= 1000 rows/shard (lru), admit after 2, ttl 50 steps"."""
@@ -232,7 +240,7 @@ class Plan:
         for v in self.variables:
             rows.append((v.name, v.kind, v.placement, _shape_text(v),
                          f"{v.bytes / 2**20:.2f}", _shards_text(v)) +
-                        ((v.wire_dtype or "-",) if wire else ()) + (v.reason,))
+                        ((v.wire_dtype or "-",) if wire else ()) + (_reason_text(v),))
         n = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(n)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n]
@@ -250,6 +258,11 @@ class Plan:
         return head + "".join(f"\n  {r.variable.ljust(width)}  "
                               f"{'fused' if r.fused else 'own request'}: {r.reason}"
                               for r in self.lookups)
+
+
+def _reason_text(v: VariablePlan) -> str:
+    """The reason, after a dynamic table's current bound and admission."""
+    return f"{v.dynamic.describe()}; {v.reason}" if v.dynamic is not None else v.reason
 
 
 def _shape_text(v: VariablePlan) -> str:
@@ -283,8 +296,8 @@ def group_table_name(run_id: str, first: int, members: int) -> str:
 
 
 def _kind(info: VariableInfo) -> tuple[str, str]:
-    if info.dynamic is not None:
-        return "sparse", info.dynamic.describe()
+    if info.dynamic is not None:  # (the plan's table shows its bound: `_reason_text`)
+        return "sparse", "a DynamicEmbedding's table, keyed by any int64"
     if not info.gather_only:
         return "dense", info.read_reason
     if info.gradient == "Tensor":

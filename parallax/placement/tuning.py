@@ -111,9 +111,12 @@ def resolve(value, plan: Plan, config: StrategyConfig) -> PartitionSearch | None
 
 
 def with_layouts(plan: Plan, layouts: Mapping[str, tuple[int, ...]]) -> Plan:
-    """`plan` with saved shard counts and servers for its tables."""
+    """`plan` with saved shard counts and servers for its tables (a dynamic table keeps its
+    total bound: `DynamicRows.resharded`)."""
     return dataclasses.replace(plan, variables=tuple(
-        dataclasses.replace(v, shards=len(layouts[v.name]), servers=tuple(layouts[v.name]))
+        dataclasses.replace(v, shards=len(layouts[v.name]), servers=tuple(layouts[v.name]),
+                            dynamic=v.dynamic and v.dynamic.resharded(v.shards,
+                                                                      len(layouts[v.name])))
         if v.name in layouts else v for v in plan.variables))
 
 

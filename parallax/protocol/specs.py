@@ -354,6 +354,12 @@ def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
 EVICTIONS = ("none", "lru", "lfu")  # TableSpec.eviction
 
 
+def bound_over(max_rows_per_shard: int, shards: int, new_shards: int) -> int:
+    """The per-shard bound that keeps a bounded table's total (bound x shards) over
+    `new_shards` shards, rounded up; 0 (unbounded) stays 0."""
+    return -(-max_rows_per_shard * shards // new_shards) if max_rows_per_shard else 0
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """A sparse table as every shard of it sees it."""
@@ -448,6 +454,15 @@ class TableSpec:
         _require(self.eviction == "none" or self.max_rows_per_shard > 0, f"table {name!r}: "
                  f"eviction {self.eviction!r} keeps max_rows_per_shard by evicting, but "
                  f"max_rows_per_shard is 0 (unbounded); set it, or eviction='none'")
+
+    def resharded(self, name: str, shard_count: int) -> "TableSpec":
+        """This table as `name` over `shard_count` shards. A bounded hashed table keeps its
+        total bound (max_rows_per_shard x shard_count, rounded up per shard), so a reshard,
+        by hand or by the partition search, evicts nothing it did not have to."""
+        per_shard = bound_over(self.max_rows_per_shard, self.shard_count, shard_count) \
+            if self.hashed_keys else 0
+        return dataclasses.replace(self, name=name, shard_count=shard_count,
+                                   max_rows_per_shard=per_shard)
 
     def _check_wire_dtype(self) -> None:
         if self.wire_dtype == self.dtype:  # the same as unset: one spelling, one spec

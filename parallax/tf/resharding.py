@@ -135,8 +135,7 @@ class Resharder:
                 else:
                     dropped.append(old)
             else:
-                spec = dataclasses.replace(old.spec, name=self._name(vp),
-                                           shard_count=layout.shards)
+                spec = old.spec.resharded(self._name(vp), layout.shards)
                 remote.table = targets.get(vp.table) or self.client.table(spec, layout.servers)
                 targets[vp.table] = remote.table  # the other members of a group share it
                 if vp.index in self.previous:
@@ -147,7 +146,8 @@ class Resharder:
                     dropped.append(old)
             new_plans[vp.index] = dataclasses.replace(vp, shards=layout.shards,
                                                       servers=layout.servers,
-                                                      table=remote.table.name)
+                                                      table=remote.table.name,
+                                                      dynamic=_rebound(vp, remote))
         self._delete(dropped)
         new_plan = dataclasses.replace(plan, variables=tuple(
             new_plans.get(v.index, v) for v in plan.variables))
@@ -199,6 +199,14 @@ class Resharder:
         for future in futures:
             moved[0] += future.result().rows
             moved[1] += future.result().bytes
+
+
+def _rebound(vp: VariablePlan, remote: RemoteTable):
+    """A dynamic table's rows as its new table bounds them (`TableSpec.resharded`)."""
+    if vp.dynamic is None:
+        return None
+    return dataclasses.replace(vp.dynamic,
+                               max_rows_per_shard=remote.table.spec.max_rows_per_shard)
 
 
 def describe(before: Plan, after: Plan, report: ReshardReport) -> str:
