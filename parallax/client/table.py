@@ -222,6 +222,33 @@ class ShardedTable:
             total += self.shards[shard].call("InitRows", chunks, self.name).rows
         return total
 
+    def export_pages(self, shard: int, page_rows: int = 0, changed_only: bool = False
+                     ) -> Iterator[ps_pb2.ShardRows]:
+        """One shard's touched rows, page by page (ExportRows; `page_rows` <= 0: about the
+        client's chunk size, with up to 3 slots per row), all at one step: a page at
+        another step (a push landed while the shard was read) raises ConfigError, as does
+        a shard that stops short. Between steps only (a shard mid-step refuses:
+        ServerError, FAILED_PRECONDITION)."""
+        if page_rows <= 0:
+            row_bytes = 4 * self.spec.dim * self.dtype.itemsize + 8
+            page_rows = max(1, self.shards[0].options.chunk_bytes // row_bytes)
+        offset, total, step = 0, None, None
+        while total is None or offset < total:
+            request = ps_pb2.ExportRowsRequest(table=self.name, shard_index=shard,
+                                               offset=offset, max_rows=page_rows,
+                                               changed_only=changed_only)
+            page = self.shards[shard].call("ExportRows", request, self.name)
+            if step is not None and page.step != step:
+                raise ConfigError(f"cannot read {self.name!r}: shard {shard} moved from step "
+                                  f"{step} to {page.step} while it was read; a push landed. "
+                                  f"Read between steps, once every worker's pushes landed")
+            step, total = page.step, page.total_rows
+            if page.next_offset <= offset and offset < total:
+                raise ConfigError(f"shard {shard} of {self.name!r} exported no rows at "
+                                  f"offset {offset} of {total}")
+            offset = page.next_offset
+            yield page
+
     def pull_all(self) -> np.ndarray:
         """The whole table (fixed vocabulary), e.g. for export, in message-sized pieces; in
         full precision whatever the table's wire_dtype."""
