@@ -1,7 +1,8 @@
 """A dynamic table's rows with their use history, on real servers (loopback): a live reshard
 keeps uses and last-used steps (LRU and LFU go on evicting the same rows), an import into
-fewer bounded shards keeps the bound by evicting per the policy, and an import past the
-bound without eviction is refused with nothing changed."""
+fewer bounded shards keeps the bound by evicting per the policy, an import past the bound
+without eviction is refused with nothing changed, and `ShardedTable.export_rows` reads given
+keys, the most used or every row across shards."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
+from parallax.client.dynamic_rows import PRUNE_ROWS
 from parallax.client.row_mover import move_rows
-from parallax.errors import ServerError
+from parallax.errors import ConfigError, ServerError
 from parallax.protocol import wire
 from parallax.protocol.specs import Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
@@ -143,3 +145,81 @@ def test_bad_use_history_is_refused_and_changes_nothing(client, snapshot, table_
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     snapshot(table.name).assert_equal(before)
     assert _dynamic(client, table.name) == [(0, 3, 0)]
+
+
+# ---- export_rows ---------------------------------------------------------------------------
+@pytest.fixture
+def trained(client, snapshot, table_name):
+    """A dynamic LFU table of 3 shards trained on a Zipf stream, and its snapshot."""
+    table = client.create_table(_spec(table_name, shard_count=3, max_rows_per_shard=800,
+                                      eviction="lfu"))
+    _train(table, 4, 8, keys=100_000, size=400, a=1.1)
+    snap = snapshot(table_name)
+    assert len(snap.arrays["ids"]) > PRUNE_ROWS  # the top_n selection prunes as pages come
+    return table, snap
+
+
+def test_export_rows_reads_every_row_across_shards(trained):
+    table, snap = trained
+    keys, values, uses = table.export_rows()
+    np.testing.assert_array_equal(keys, snap.arrays["ids"])
+    np.testing.assert_array_equal(values, snap.arrays["values"])
+    np.testing.assert_array_equal(uses, snap.arrays["dyn_uses"])
+    assert keys.dtype == np.int64 and uses.dtype == np.int64 and values.dtype == np.float32
+
+
+def test_export_rows_of_given_keys_leaves_out_those_not_held(client, trained):
+    table, snap = trained
+    held = snap.arrays["ids"][[0, 5, 17, -1]]
+    missing = np.array([10**12, 10**12 + 1])
+    rows_before = _dynamic(client, table.name)
+    keys, values, uses = table.export_rows(keys=np.concatenate([missing, held[::-1], held]))
+    np.testing.assert_array_equal(keys, held)
+    where = np.searchsorted(snap.arrays["ids"], held)
+    np.testing.assert_array_equal(values, snap.arrays["values"][where])
+    np.testing.assert_array_equal(uses, snap.arrays["dyn_uses"][where])
+    assert _dynamic(client, table.name) == rows_before  # reading creates no row
+    assert [len(a) for a in table.export_rows(keys=missing)] == [0, 0, 0]
+
+
+def test_export_rows_top_n_ranks_by_uses_then_key(trained):
+    table, snap = trained
+    ids, counts = snap.arrays["ids"], snap.arrays["dyn_uses"]
+    order = np.lexsort((ids, -counts))
+    n = 50
+    assert counts[order[n - 1]] == counts[order[n]]  # the cut falls among ties
+    keys, values, uses = table.export_rows(top_n=n)
+    np.testing.assert_array_equal(keys, ids[order[:n]])
+    np.testing.assert_array_equal(uses, counts[order[:n]])
+    np.testing.assert_array_equal(values, snap.arrays["values"][order[:n]])
+    some = ids[order[::7]]  # of given keys too
+    mine = np.lexsort((some, -counts[order[::7]]))[:3]
+    np.testing.assert_array_equal(table.export_rows(keys=some, top_n=3)[0], some[mine])
+    with pytest.raises(ConfigError, match="top_n must be an int >= 0"):
+        table.export_rows(top_n=-1)
+
+
+def test_export_rows_of_a_plain_hashed_table_has_no_use_counts(client, snapshot, table_name):
+    table = client.create_table(_spec(table_name, max_rows_per_shard=1000))
+    _train(table, 5, 3)
+    snap = snapshot(table_name)
+    keys, values, uses = table.export_rows()
+    np.testing.assert_array_equal(keys, snap.arrays["ids"])
+    np.testing.assert_array_equal(values, snap.arrays["values"])
+    assert uses.dtype == np.int64 and len(uses) == 0
+    assert len(table.export_rows(keys=snap.arrays["ids"][:3])[0]) == 3
+    with pytest.raises(ConfigError, match="is not dynamic: its rows keep no use counts"):
+        table.export_rows(top_n=5)
+
+
+def test_export_rows_mid_step_is_refused_clearly(client, table_name):
+    table = client.create_table(_spec(table_name, num_workers=2, max_rows_per_shard=50,
+                                      eviction="lru"))
+    table.push([1, 2, 3], np.ones((3, DIM), np.float32), step=0, worker=0)  # half a step
+    with pytest.raises(ServerError, match="export_rows reads between steps only") as info:
+        table.export_rows()
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "export between steps" in str(info.value)
+    table.push([4], np.ones((1, DIM), np.float32), step=0, worker=1)
+    assert table.wait_step(1) == 1
+    np.testing.assert_array_equal(table.export_rows()[0], [1, 2, 3, 4])

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import grpc
 import numpy as np
 
+from parallax.client import dynamic_rows
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.protocol import bulk_codec, wire, wire_dtypes
@@ -248,6 +249,17 @@ class ShardedTable:
                                   f"offset {offset} of {total}")
             offset = page.next_offset
             yield page
+
+    def export_rows(self, keys=None, top_n: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys int64[n], values [n, dim] in the table's dtype, uses int64[n]) of the
+        rows a hashed table holds, sorted by key: those of `keys` it holds (the others are
+        left out), or with `top_n`, the n rows with the most uses over all shards (most
+        first, ties by the smaller key; of `keys`, when given too), or else every row.
+        Pages through ExportRows of each shard, between steps only; `uses` is empty for a
+        table that is not dynamic (it keeps no use counts). See
+        `parallax.client.dynamic_rows`."""
+        return dynamic_rows.export_rows(self, keys, top_n)
 
     def pull_all(self) -> np.ndarray:
         """The whole table (fixed vocabulary), e.g. for export, in message-sized pieces; in
