@@ -168,9 +168,9 @@ def tensor_attack(rng, good: ps_pb2.Tensor) -> ps_pb2.Tensor:
         bad.content = content[:max(0, len(content) - int(rng.integers(1, 9)))]
     elif how == 6:
         bad.content = content + bytes(int(rng.integers(1, 9)))
-    elif how == 7:
-        bad.CopyFrom(tensor(np.zeros((0,) + tuple(good.shape[1:]),
-                                     wire.numpy_dtype(good.dtype or 1))))
+    elif how == 7:  # empty, with the trailing shape: stated, not allocated (a shape spoilt
+        bad.shape[:] = [0, *good.shape[1:]]  # by an earlier attack may be too big for numpy)
+        bad.content = b""
     elif how == 8:
         bad.CopyFrom(_hostile_values(rng, good))
     elif how == 9:
@@ -483,6 +483,9 @@ def _shard_rows(rng, spec: TableSpec) -> ps_pb2.ShardRows:
     for name in SLOTS[spec.optimizer.kind]:
         message.slot_names.append(name)
         message.slots.add().CopyFrom(tensor(np.abs(rows(rng, spec, len(ids)))))
+    if spec.dynamic and rng.random() < 0.5:  # a dynamic table's use history
+        message.uses.CopyFrom(tensor(rng.integers(0, 9, len(ids))))
+        message.last_used.CopyFrom(tensor(rng.integers(0, 5, len(ids))))
     return message
 
 

@@ -4,7 +4,9 @@ placement, between steps.
 The source is read shard by shard, page by page (ExportRows); each page is split by the
 target's partitioner and written to the owning target shards (ImportRows), all pages of one
 source page in flight at once. Only touched rows travel: an untouched row of a
-fixed-vocabulary table is its initial value, the same on any shard count. Every target
+fixed-vocabulary table is its initial value, the same on any shard count. A dynamic
+table's rows carry their use history (uses, last_used), so LRU, LFU and TTL decide after
+the move as before it; a bounded target with fewer shards evicts by its policy. Every target
 shard is also told the step the source had applied, so a synchronous job goes on with the
 step it was at. Both sides refuse while a push is pending, so a page never mixes two steps.
 """
@@ -22,6 +24,7 @@ from parallax.protocol import wire
 from parallax.ps.v1 import ps_pb2
 
 MOVE_THREADS = 8  # source shards read at once
+HISTORY = ("uses", "last_used")  # a dynamic table's use history, carried with its rows
 
 
 @dataclass(frozen=True)
@@ -43,21 +46,16 @@ def check_compatible(source: ShardedTable, target: ShardedTable) -> None:
                           f"({a.describe_difference(b)})")
 
 
-def _export_page(table: ShardedTable, shard: int, offset: int, page_rows: int,
-                 changed_only: bool):
-    request = ps_pb2.ExportRowsRequest(table=table.name, shard_index=shard, offset=offset,
-                                       max_rows=page_rows, changed_only=changed_only)
-    return table.shards[shard].call("ExportRows", request, table.name)
-
-
 def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> None:
     """Split one exported page by target shard and write the parts concurrently."""
     ids = wire.decode(page.ids, "ids")
     values = wire.decode(page.values, "values")
     slots = [wire.decode(t, "slot") for t in page.slots]
+    history = [wire.decode(getattr(page, f), f) for f in HISTORY if page.HasField(f)]
     order, offsets = target.partitioner.shard_order(ids)
     if order is not None:
-        ids, values, slots = ids[order], values[order], [s[order] for s in slots]
+        ids, values = ids[order], values[order]
+        slots, history = [s[order] for s in slots], [h[order] for h in history]
     calls = []
     for shard in range(target.spec.shard_count):
         lo, hi = int(offsets[shard]), int(offsets[shard + 1])
@@ -69,6 +67,8 @@ def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> No
         wire.encode(values[lo:hi], request.values)
         for slot in slots:
             wire.encode(slot[lo:hi], request.slots.add())
+        for field, array in zip(HISTORY, history):  # a dynamic table's: uses, last_used
+            wire.encode(array[lo:hi], getattr(request, field))
         conn = target.shards[shard]
         calls.append((conn, conn.future("ImportRows", request), request))
     for conn, future, request in calls:
@@ -96,22 +96,13 @@ def _move_shard(source: ShardedTable, shard: int, target: ShardedTable, page_row
     rows = nbytes = 0
     step = None
     slot_names: list[str] = []
-    offset, total = 0, None
-    while total is None or offset < total:
-        page = _export_page(source, shard, offset, page_rows, changed_only)
-        if step is not None and page.step != step:
-            raise ConfigError(f"cannot reshard {source.name!r}: shard {shard} moved from step "
-                              f"{step} to {page.step} while it was read; a push landed")
-        step, slot_names, total = page.step, list(page.slot_names), page.total_rows
-        count = page.next_offset - offset
-        if count <= 0 and offset < total:
-            raise ConfigError(f"shard {shard} of {source.name!r} exported no rows at "
-                              f"offset {offset} of {total}")
+    for page in source.export_pages(shard, page_rows, changed_only):
+        step, slot_names = page.step, list(page.slot_names)
+        count = page.ids.shape[0] if page.ids.shape else 0
         if count:
             _import_pages(target, page, page.step)
         rows += count
         nbytes += len(page.values.content) + sum(len(s.content) for s in page.slots)
-        offset = page.next_offset
     return rows, nbytes, step, slot_names
 
 
@@ -126,9 +117,6 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0,
     caught up), into the table `source` was made from (kept, unchanged since): that catches
     it up, and it counts its own changes afresh from then."""
     check_compatible(source, target)
-    if page_rows <= 0:  # pages of about the client's chunk size, with up to 3 slots per row
-        row_bytes = 4 * source.spec.dim * source.dtype.itemsize + 8
-        page_rows = max(1, source.shards[0].options.chunk_bytes // row_bytes)
     start = time.perf_counter()
     count = source.spec.shard_count
     with ThreadPoolExecutor(max_workers=min(count, MOVE_THREADS)) as pool:

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import grpc
 import numpy as np
 
+from parallax.client import dynamic_rows
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.protocol import bulk_codec, wire, wire_dtypes
@@ -221,6 +222,44 @@ class ShardedTable:
 
             total += self.shards[shard].call("InitRows", chunks, self.name).rows
         return total
+
+    def export_pages(self, shard: int, page_rows: int = 0, changed_only: bool = False
+                     ) -> Iterator[ps_pb2.ShardRows]:
+        """One shard's touched rows, page by page (ExportRows; `page_rows` <= 0: about the
+        client's chunk size, with up to 3 slots per row), all at one step: a page at
+        another step (a push landed while the shard was read) raises ConfigError, as does
+        a shard that stops short. Between steps only (a shard mid-step refuses:
+        ServerError, FAILED_PRECONDITION)."""
+        if page_rows <= 0:
+            row_bytes = 4 * self.spec.dim * self.dtype.itemsize + 8
+            page_rows = max(1, self.shards[0].options.chunk_bytes // row_bytes)
+        offset, total, step = 0, None, None
+        while total is None or offset < total:
+            request = ps_pb2.ExportRowsRequest(table=self.name, shard_index=shard,
+                                               offset=offset, max_rows=page_rows,
+                                               changed_only=changed_only)
+            page = self.shards[shard].call("ExportRows", request, self.name)
+            if step is not None and page.step != step:
+                raise ConfigError(f"cannot read {self.name!r}: shard {shard} moved from step "
+                                  f"{step} to {page.step} while it was read; a push landed. "
+                                  f"Read between steps, once every worker's pushes landed")
+            step, total = page.step, page.total_rows
+            if page.next_offset <= offset and offset < total:
+                raise ConfigError(f"shard {shard} of {self.name!r} exported no rows at "
+                                  f"offset {offset} of {total}")
+            offset = page.next_offset
+            yield page
+
+    def export_rows(self, keys=None, top_n: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys int64[n], values [n, dim] in the table's dtype, uses int64[n]) of the
+        rows a hashed table holds, sorted by key: those of `keys` it holds (the others are
+        left out), or with `top_n`, the n rows with the most uses over all shards (most
+        first, ties by the smaller key; of `keys`, when given too), or else every row.
+        Pages through ExportRows of each shard, between steps only; `uses` is empty for a
+        table that is not dynamic (it keeps no use counts). See
+        `parallax.client.dynamic_rows`."""
+        return dynamic_rows.export_rows(self, keys, top_n)
 
     def pull_all(self) -> np.ndarray:
         """The whole table (fixed vocabulary), e.g. for export, in message-sized pieces; in

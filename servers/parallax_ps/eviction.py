@@ -16,6 +16,10 @@ whichever of them came first. Per applied update, in order:
    first. Without `eviction`, such an update is refused (RESOURCE_EXHAUSTED);
 4. the update's rows are marked used at this step (one use per update).
 
+An import (ImportRows, live resharding) that would pass `max_rows_per_shard` evicts by the
+same policy among the incoming and the held rows, by their use history (`import_room`);
+without `eviction` it is refused whole.
+
 An evicted row loses its value and optimizer slots; a key admitted again starts from its
 initial value. Everything an update changed is kept in a `Change`, so a multi-part request
 can take it back exactly.
@@ -144,6 +148,38 @@ class Vocabulary:
 
     def count_defaults(self, n: int) -> None:
         self.counters.default_rows += n
+
+    def count_evicted(self, n: int) -> None:
+        self.counters.evicted_capacity += n
+
+    # ---- imports (live resharding) -------------------------------------------------------
+    def import_room(self, storage, keys: np.ndarray, last_used: np.ndarray,
+                    uses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For an import of unique `keys` with their use history: (which incoming keys to
+        keep, held keys to evict), so that the shard holds at most max_rows_per_shard. The
+        policy ranks the incoming rows and the held ones alike (an incoming row replaces
+        the held row of its key); changes nothing. Past the bound without eviction, the
+        import is refused (RESOURCE_EXHAUSTED)."""
+        limit, keep = self.spec.max_rows_per_shard, np.ones(len(keys), dtype=bool)
+        held = storage.row_ids()
+        others = ~np.isin(held, keys)  # held rows the import does not replace
+        need = int(others.sum()) + len(keys) - limit
+        if not limit or need <= 0:
+            return keep, held[:0]
+        if self.spec.eviction == "none":
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.label}: importing {len(keys)} rows would make "
+                               f"{need + limit} rows, over max_rows_per_shard={limit} "
+                               f"(holding {len(held)}); nothing was imported: raise "
+                               f"max_rows_per_shard, import into more shards, or create the "
+                               f"table with eviction='lru' or 'lfu' to evict by use")
+        last_held, uses_held = storage.meta()
+        order = eviction_order(self.spec.eviction, np.concatenate([held[others], keys]),
+                               np.concatenate([last_held[others], last_used]),
+                               np.concatenate([uses_held[others], uses]))
+        victims, kept_held = order[:need], int(others.sum())
+        keep[victims[victims >= kept_held] - kept_held] = False
+        return keep, held[others][victims[victims < kept_held]]
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state(self) -> dict[str, np.ndarray]:

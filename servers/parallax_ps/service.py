@@ -127,6 +127,19 @@ def _rpc_many(method: str):
     return decorate
 
 
+def _history(shard: TableShard, request: ps_pb2.ShardRows):
+    """The (uses, last_used) an ImportRows page carries, or None; refused when it carries
+    only one of them."""
+    present = [request.HasField(f) for f in ("uses", "last_used")]
+    if not any(present):
+        return None
+    if not all(present):
+        raise invalid(f"{shard.label}: ImportRows carries "
+                      f"{'uses' if present[0] else 'last_used'} without "
+                      f"{'last_used' if present[0] else 'uses'}; send both or neither")
+    return wire.decode(request.uses, "uses"), wire.decode(request.last_used, "last_used")
+
+
 def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
     if existing is not None and existing.spec != spec:
         raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
@@ -369,11 +382,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard(request.table, request.shard_index)
         spec = shard.spec
         row_bytes = (1 + len(shard.optimizer.slot_names)) * spec.dim * \
-            np.dtype(spec.dtype).itemsize + 8
+            np.dtype(spec.dtype).itemsize + 8 + (16 if spec.dynamic else 0)
         fit = max(1, (self.max_message_bytes - 65536) // row_bytes)
         limit = min(request.max_rows, fit) if request.max_rows > 0 else fit
-        ids, values, slots, step, total = shard.export(request.offset, limit,
-                                                       request.changed_only)
+        ids, values, slots, step, total, history = shard.export(request.offset, limit,
+                                                                request.changed_only)
         response = ps_pb2.ShardRows(table=spec.name, shard_index=shard.shard_index, step=step,
                                     next_offset=request.offset + len(ids), total_rows=total)
         wire.encode(ids, response.ids)
@@ -381,6 +394,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         for name, slot in slots.items():
             response.slot_names.append(name)
             wire.encode(slot, response.slots.add())
+        if history is not None:
+            wire.encode(history[0], response.uses)
+            wire.encode(history[1], response.last_used)
         nbytes = values.nbytes + sum(s.nbytes for s in slots.values())
         return response, spec.name, len(ids), nbytes
 
@@ -398,7 +414,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         slots = {name: wire.decode(t, f"slot {name}")
                  for name, t in zip(request.slot_names, request.slots)}
         rows, step = shard.import_rows(ids, values, slots, request.step,
-                                       request.restart_changes)
+                                       request.restart_changes, _history(shard, request))
         return (ps_pb2.ImportRowsResponse(rows=rows, step=step), shard.spec.name, len(ids),
                 values.nbytes)
 

@@ -37,6 +37,8 @@ from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
 
 
+History = tuple[np.ndarray, np.ndarray]  # a dynamic table's (uses, last_used) of some rows
+
 # Steps a shard may be set to: beyond any training, and far enough below int64's end that
 # counting on from it never overflows the step fields of the answers.
 MAX_STEP = 1 << 62
@@ -492,14 +494,15 @@ class TableShard:
             return (self.storage.row_ids(), values.copy(),
                     {n: s.copy() for n, s in slots.items()}, self.steps.step, state)
 
-    def check_between_steps(self) -> None:
+    def check_between_steps(self, action: str = "restore") -> None:
         """Raise unless no push is pending; callers that go on to `restore` hold `cond`."""
         with self.cond:
             if self.steps.pending:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"{self.label}: workers {sorted(self.steps.pushes)} have "
-                                   f"pushed part of step {self.steps.step}; restore between "
-                                   f"steps")
+                                   f"pushed part of step {self.steps.step}; {action} between "
+                                   f"steps, once every worker's pushes of the step have "
+                                   f"landed")
 
     def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int,
                 state: dict[str, np.ndarray] | None = None) -> None:
@@ -519,21 +522,26 @@ class TableShard:
 
     # ---- live resharding ---------------------------------------------------------------
     def export(self, offset: int, max_rows: int, changed_only: bool = False
-               ) -> tuple[np.ndarray, np.ndarray, Slots, int, int]:
-        """(ids, values, slots, step, total) of touched rows [offset, offset + max_rows), in a
-        stable order (`changed_only`: rows training wrote since the shard was made); only
-        between steps, so pages of one export see one state."""
+               ) -> tuple[np.ndarray, np.ndarray, Slots, int, int, History | None]:
+        """(ids, values, slots, step, total, history) of touched rows [offset, offset +
+        max_rows), in a stable order (`changed_only`: rows training wrote since the shard
+        was made); history: a dynamic table's (uses, last_used) of those rows, else None.
+        Only between steps, so pages of one export see one state."""
         if offset < 0 or max_rows < 1:
             raise invalid(f"{self.label}: export page offset {offset} must be >= 0 and "
                           f"max_rows {max_rows} >= 1")
         with self.cond:
-            self.check_between_steps()
+            self.check_between_steps("export")
             touched = self.storage.touched(changed_only)
             rows = touched[offset:offset + max_rows]
             values, slots = self.storage.trimmed()
+            history = None
+            if self.vocab is not None:
+                last_used, uses = self.storage.meta()
+                history = uses[rows], last_used[rows]
             return (self.storage.ids_of(rows), values[rows],
                     {name: slot[rows] for name, slot in slots.items()}, self.steps.step,
-                    len(touched))
+                    len(touched), history)
 
     def check_slots(self, slots: Slots, n: int) -> None:
         expected = sorted(self.optimizer.slot_names)
@@ -544,13 +552,35 @@ class TableShard:
         for name, values in slots.items():
             self.check_rows(values, n, f"slot {name!r}")
 
+    def check_history(self, history: History | None, n: int) -> History | None:
+        """Use history as int64 (uses, last_used), refused unless it is one integer in
+        [0, MAX_STEP] per row of each."""
+        if history is None:
+            return None
+        out = []
+        for field, array in zip(("uses", "last_used"), history):
+            if array.dtype.kind != "i" or array.shape != (n,):
+                raise invalid(f"{self.label}: {field} must be int64 [{n}] (one per row), got "
+                              f"{_name(array.dtype)} {list(array.shape)}")
+            bad = np.flatnonzero((array < 0) | (array > MAX_STEP))
+            if len(bad):
+                raise invalid(f"{self.label}: {field} {array[bad[0]]} (row {bad[0]}) must "
+                              f"be in [0, {MAX_STEP}]")
+            out.append(array.astype(np.int64, copy=False))
+        return out[0], out[1]
+
     def import_rows(self, ids: np.ndarray, values: np.ndarray, slots: Slots,
-                    step: int, restart_changes: bool = False) -> tuple[int, int]:
-        """Adopt rows with their slots and the step of the table they came from; everything
-        is checked first, so a bad page changes nothing. Returns (rows held, step)."""
+                    step: int, restart_changes: bool = False,
+                    history: History | None = None) -> tuple[int, int]:
+        """Adopt rows with their slots, (dynamic tables) their use history (uses,
+        last_used) and the step of the table they came from; everything is checked first,
+        so a bad page changes nothing. A bounded dynamic table with eviction keeps
+        max_rows_per_shard by evicting among the incoming and held rows (`eviction.py`).
+        Returns (rows held, step)."""
         ids = self.check_ids(ids)
         self.check_rows(values, len(ids), "values")
         self.check_slots(slots, len(ids))
+        history = self.check_history(history, len(ids))
         if len(np.unique(ids)) != len(ids):
             raise invalid(f"{self.label}: imported rows repeat an id; send each id once")
         if not 0 <= step <= MAX_STEP:
@@ -558,12 +588,13 @@ class TableShard:
         with self.cond:
             if self.closed:
                 raise ShuttingDown(self.closed)
-            self.check_between_steps()
-            if self.spec.hashed_keys:
-                self.check_capacity(ids, exact=True)
-            self.storage.adopt(ids, values, slots)
-            if self.vocab is not None:  # no use history travels: used at the imported step
-                self.storage.set_meta(ids, step, 0)
+            self.check_between_steps("import")
+            if self.vocab is not None:
+                self._import_dynamic(ids, values, slots, step, history)
+            else:
+                if self.spec.hashed_keys:
+                    self.check_capacity(ids, exact=True)
+                self.storage.adopt(ids, values, slots)
             self._account()
             if restart_changes:
                 self.storage.restart_changes()
@@ -571,6 +602,20 @@ class TableShard:
                 self.steps.reset(step)
                 self.cond.notify_all()
             return self.storage.num_rows, self.steps.step
+
+    def _import_dynamic(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int,
+                        history: History | None) -> None:
+        """`import_rows` into a dynamic table (caller holds `cond`): evict to keep the bound,
+        then adopt the kept rows with their history (none sent: last used at `step`, 0
+        uses)."""
+        uses, last_used = history if history is not None else (
+            np.zeros(len(ids), np.int64), np.full(len(ids), step, np.int64))
+        keep, victims = self.vocab.import_room(self.storage, ids, last_used, uses)
+        self.check_capacity(ids[keep])  # the bound is kept: the memory budget for the rest
+        self.storage.remove(victims)
+        self.storage.adopt(ids[keep], values[keep], {n: s[keep] for n, s in slots.items()})
+        self.storage.set_meta(ids[keep], last_used[keep], uses[keep])
+        self.vocab.count_evicted(len(victims) + int((~keep).sum()))
 
     def close(self, reason: str) -> None:
         with self.cond:

@@ -472,7 +472,7 @@ class ExportRowsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ..., changed_only: bool = ...) -> None: ...
 
 class ShardRows(_message.Message):
-    __slots__ = ("table", "shard_index", "step", "ids", "values", "slot_names", "slots", "next_offset", "total_rows", "restart_changes")
+    __slots__ = ("table", "shard_index", "step", "ids", "values", "slot_names", "slots", "next_offset", "total_rows", "restart_changes", "uses", "last_used")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +483,8 @@ class ShardRows(_message.Message):
     NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     RESTART_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     step: int
@@ -493,7 +495,9 @@ class ShardRows(_message.Message):
     next_offset: int
     total_rows: int
     restart_changes: bool
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., slot_names: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_offset: _Optional[int] = ..., total_rows: _Optional[int] = ..., restart_changes: bool = ...) -> None: ...
+    uses: Tensor
+    last_used: Tensor
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., step: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., slot_names: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_offset: _Optional[int] = ..., total_rows: _Optional[int] = ..., restart_changes: bool = ..., uses: _Optional[_Union[Tensor, _Mapping]] = ..., last_used: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ImportRowsResponse(_message.Message):
     __slots__ = ("rows", "step")
