@@ -153,10 +153,10 @@ def test_unadmitted_keys_read_their_default_row_and_drop_their_gradients(make_st
     strategy = make_strategy()
     with strategy.scope():
         model = build(admit_after=3)
-    x, y = stream(n=BATCH)
-    x[:, 0] = BIG - 5  # a key seen in every row of the batch: BATCH sightings at once
-    x[0, 1] = BIG - 7  # seen once
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    x, y = stream(n=3 * BATCH)
+    x[:, 0] = BIG - 5  # a key in every row of 3 batches: 3 sightings (one per step) ...
+    x[:BATCH, 1] = BIG - 7  # ... and one in every row of the first batch only: 1 sighting
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     layer = model.get_layer("dyn")
     assert layer.export_rows(keys=[BIG - 7])[0].size == 0  # not admitted
     assert layer.export_rows(keys=[BIG - 5])[0].tolist() == [BIG - 5]

@@ -14,7 +14,7 @@ def serving_model(model: keras.Model, keys=None, top_n: int | None = None) -> ke
     """The serving copy of `model` (functional or Sequential; build it outside any
     `strategy.scope()`). `keys`: a list of keys for every DynamicEmbedding, or a dict
     {layer name: keys}; `top_n` likewise an int or a dict. Neither: every row held."""
-    dynamic = [layer for layer in model._flatten_layers() if isinstance(layer, DynamicEmbedding)]
+    dynamic = [layer for layer in _leaves(model) if isinstance(layer, DynamicEmbedding)]
     if not dynamic:
         raise ConfigError(f"model {model.name!r} has no DynamicEmbedding layer; export it as "
                           f"it is (model.export / tf.saved_model.save)")
@@ -40,7 +40,13 @@ def serving_model(model: keras.Model, keys=None, top_n: int | None = None) -> ke
                           f"{model.name!r} could not be cloned ({err}): build the serving "
                           f"model yourself from layer.serving_layer() of each "
                           f"DynamicEmbedding") from err
-    for source, target in zip(model._flatten_layers(), copy._flatten_layers()):
+    for source, target in zip(_leaves(model), _leaves(copy)):
         if not isinstance(source, DynamicEmbedding) and source.weights:
             target.set_weights(source.get_weights())
     return copy
+
+
+def _leaves(model: keras.Model) -> list:
+    """The layers of `model` (nested models' included) that hold their own weights."""
+    return [layer for layer in model._flatten_layers(include_self=False)
+            if not list(layer._flatten_layers(include_self=False))]

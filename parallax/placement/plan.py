@@ -44,7 +44,7 @@ class DynamicRows:
         return dict(hashed_keys=True, vocabulary_size=0, partition="mod",
                     max_rows_per_shard=self.max_rows_per_shard, admit_after=self.admit_after,
                     admit_probability=self.admit_probability, eviction=self.eviction,
-                    ttl_steps=self.ttl_steps)
+                    ttl_steps=self.ttl_steps, count_uses=True)  # top-N exports rank by use
 
     def resharded(self, shards: int, new_shards: int) -> "DynamicRows":
         """These rows over `new_shards` shards instead of `shards`, keeping the total bound

@@ -383,6 +383,7 @@ class TableSpec:
     admit_probability: float = 1.0  # chance per sighting (deterministic by key and count)
     eviction: str = "none"  # "none", "lru" or "lfu": keep max_rows_per_shard by evicting
     ttl_steps: int = 0  # evict rows unused for this many of the shard's steps (0: off)
+    count_uses: bool = False  # keep use counts and last-used steps without admission/eviction
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_TABLE_NAME.match(self.name)),
@@ -428,9 +429,10 @@ class TableSpec:
 
     @property
     def dynamic(self) -> bool:
-        """Whether rows are admitted or evicted (rather than created on first use and kept)."""
+        """Whether rows are admitted or evicted (rather than created on first use and kept),
+        or their use is counted: the tables whose shards keep each row's use history."""
         return (self.admit_after > 1 or self.admit_probability < 1 or self.eviction != "none"
-                or self.ttl_steps > 0)
+                or self.ttl_steps > 0 or self.count_uses)
 
     def _check_dynamic(self) -> None:
         name = self.name
@@ -449,7 +451,8 @@ class TableSpec:
                  f"table {name!r}: ttl_steps must be an int >= 0 (0: off), got "
                  f"{self.ttl_steps!r}")
         _require(not self.dynamic or self.hashed_keys, f"table {name!r}: admit_after, "
-                 f"admit_probability, eviction and ttl_steps apply to hashed_keys tables only; "
+                 f"admit_probability, eviction, ttl_steps and count_uses apply to hashed_keys "
+                 f"tables only; "
                  f"set hashed_keys=True or leave them at their defaults")
         _require(self.eviction == "none" or self.max_rows_per_shard > 0, f"table {name!r}: "
                  f"eviction {self.eviction!r} keeps max_rows_per_shard by evicting, but "
@@ -492,7 +495,7 @@ class TableSpec:
             admit_after=self.admit_after,
             admit_probability=0.0 if self.admit_probability == 1 else self.admit_probability,
             eviction="" if self.eviction == "none" else self.eviction,
-            ttl_steps=self.ttl_steps)
+            ttl_steps=self.ttl_steps, count_uses=self.count_uses)
 
     @classmethod
     def from_proto(cls, msg: ps_pb2.TableSpec) -> "TableSpec":
@@ -512,7 +515,8 @@ class TableSpec:
             aggregation=_reverse(_AGGREGATIONS, msg.aggregation, "aggregation"),
             allow_non_finite=msg.allow_non_finite, wire_dtype=wire_dtype,
             admit_after=msg.admit_after, admit_probability=msg.admit_probability or 1.0,
-            eviction=msg.eviction or "none", ttl_steps=msg.ttl_steps)
+            eviction=msg.eviction or "none", ttl_steps=msg.ttl_steps,
+            count_uses=msg.count_uses)
 
     def describe_difference(self, other: "TableSpec") -> str:
         """'dim 64 != 32, ...': the fields in which two specs of one table disagree."""

@@ -224,7 +224,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, sgd: _Optional[_Union[SGD, _Mapping]] = ..., adagrad: _Optional[_Union[Adagrad, _Mapping]] = ..., adam: _Optional[_Union[Adam, _Mapping]] = ..., ftrl: _Optional[_Union[Ftrl, _Mapping]] = ..., rmsprop: _Optional[_Union[RMSprop, _Mapping]] = ..., adamax: _Optional[_Union[Adamax, _Mapping]] = ..., nadam: _Optional[_Union[Nadam, _Mapping]] = ..., lion: _Optional[_Union[Lion, _Mapping]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite", "wire_dtype", "admit_after", "admit_probability", "eviction", "ttl_steps")
+    __slots__ = ("name", "vocabulary_size", "hashed_keys", "max_rows_per_shard", "dim", "dtype", "initializer", "optimizer", "shard_count", "partition", "num_workers", "sync_mode", "aggregation", "allow_non_finite", "wire_dtype", "admit_after", "admit_probability", "eviction", "ttl_steps", "count_uses")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASHED_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class TableSpec(_message.Message):
     ADMIT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
     TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_USES_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocabulary_size: int
     hashed_keys: bool
@@ -263,7 +264,8 @@ class TableSpec(_message.Message):
     admit_probability: float
     eviction: str
     ttl_steps: int
-    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., eviction: _Optional[str] = ..., ttl_steps: _Optional[int] = ...) -> None: ...
+    count_uses: bool
+    def __init__(self, name: _Optional[str] = ..., vocabulary_size: _Optional[int] = ..., hashed_keys: bool = ..., max_rows_per_shard: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., shard_count: _Optional[int] = ..., partition: _Optional[_Union[Partition, str]] = ..., num_workers: _Optional[int] = ..., sync_mode: _Optional[_Union[SyncMode, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., allow_non_finite: bool = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., eviction: _Optional[str] = ..., ttl_steps: _Optional[int] = ..., count_uses: bool = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "shard_index")
