@@ -71,6 +71,13 @@ def build(model: str, vocab: int = VOCAB) -> keras.Model:
     if model == "custom":
         return TableModel()
     inputs = keras.Input((FEATURES,), dtype="int64")
+    if model == "dynamic":  # keys far beyond any vocabulary; admitted at the 2nd sighting,
+        # at most 12 rows a shard (LRU): admission and eviction happen within 20 steps
+        from parallax.layers import DynamicEmbedding
+        rows = DynamicEmbedding(DIM, max_rows_per_shard=12, admit_after=2, local_rows=vocab)(
+            keras.ops.add(keras.ops.multiply(inputs, 7919), 10**15))
+        h = keras.layers.Dense(5, activation="tanh")(keras.layers.Flatten()(rows))
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
     embedding = keras.layers.Embedding(vocab, DIM)
     if model == "three":  # three tables of one row shape: the two smaller ones are placed
         # on the same server, where they share one table (a table group)
@@ -190,6 +197,10 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
     if rank is None or rank.is_chief:
         names = [v.path if hasattr(v, "path") else v.name for v in model.trainable_variables]
         values = [np.asarray(v.numpy()) for v in model.trainable_variables]
+        if model_kind == "dynamic":  # its rows: the servers' keys and values, sorted by key
+            keys, rows, _ = next(layer for layer in model.layers
+                                 if hasattr(layer, "export_rows")).export_rows()
+            names, values = names + ["keys", "rows"], values + [keys, rows]
         np.savez(out / f"{case}.npz", **{f"{i}:{n}": v for i, (n, v) in
                                          enumerate(zip(names, values))})
         if setup != "plain":

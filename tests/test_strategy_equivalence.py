@@ -9,7 +9,9 @@ References:
   semantics differ from Keras' dense update on rows a step does not touch, as documented;
   the servers' math against Keras itself is tested in test_optimizer_math.py.
 Models: (a) Keras Embedding + Dense, (b) a tf.Variable read by tf.nn.embedding_lookup,
-(c) one table read by two layers. Loops: Keras fit and a custom loop.
+(c) one table read by two layers, (d) a DynamicEmbedding admitting and evicting rows
+(compared with one worker: rows held, their keys and values). Loops: Keras fit and a
+custom loop.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ PLAIN_CASES = ["keras-sgd-fit", "keras-adagrad-custom", "custom-sgd-custom",
                "three-adagrad-custom-reshard", "three-adagrad-fit-localagg"]
 LAZY_CASES = ["keras-adam-fit", "custom-adam-custom", "shared-adam-custom",
               "keras-momentum-custom", "custom-adam-custom-reshard", "keras-adam-fit-tuned",
-              "three-adam-custom"]
+              "three-adam-custom", "dynamic-adagrad-fit", "dynamic-sgd-custom"]
 GROUPED_CASES = ["three-sgd-fit", "three-adagrad-custom-reshard", "three-adagrad-fit-localagg"]
 
 EXPORT_CASE = "keras-adagrad-fit"

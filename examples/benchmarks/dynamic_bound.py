@@ -8,7 +8,7 @@ batches: keys are Zipf ranks (exponent --zipf) over --keys distinct 62-bit keys,
 example; each key has a hidden weight, and the label is a Bernoulli draw of the sigmoid of
 the example's summed weights. The model: DynamicEmbedding(8) -> Dense(1, sigmoid), binary
 cross-entropy, Adagrad. The bounded tables hold at most 10% of the keys (--bound), as LFU or
-LRU. Every --poll steps the servers' rows per shard are read (Stats) and the largest kept.
+LRU, and LRU again admitting a key at its second sighting. Every --poll steps the servers' rows per shard are read (Stats) and the largest kept.
 Reported: the mean training loss over the last 10% of steps, the loss on fresh examples
 from the same stream, and the largest row count of any shard against the bound. It prints a
 table and writes bench-results/dynamic_bound.json.
@@ -104,7 +104,14 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ranks")
     parser.add_argument("--bound", type=float, default=0.1, help="bound / distinct keys")
     parser.add_argument("--poll", type=int, default=50, help="steps between row counts")
+    parser.add_argument("--plot", default="", help="also draw the loss curves to this PNG")
+    parser.add_argument("--from-json", default="", help="report (and plot) a saved run")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        _report(argparse.Namespace(**{**saved["args"], "plot": args.plot}),
+                saved["bound_per_shard"], saved["results"])
+        return
 
     from parallax.client.local_cluster import LocalCluster
 
@@ -113,7 +120,9 @@ def main() -> None:
     settings = [{"name": "unbounded", "layer": {}}] + [
         {"name": f"bounded-{policy}", "layer": {"max_rows_per_shard": per_shard,
                                                 "eviction": policy}}
-        for policy in ("lfu", "lru")]
+        for policy in ("lfu", "lru")] + [
+        {"name": "bounded-lru-admit2", "layer": {"max_rows_per_shard": per_shard,
+                                                 "eviction": "lru", "admit_after": 2}}]
     with LocalCluster(SHARDS) as cluster:
         results = [train(s, stream, args, cluster.addresses) for s in settings]
     _report(args, per_shard, results)
@@ -136,7 +145,33 @@ def _report(args, per_shard: int, results: list[dict]) -> None:
     out = Path("bench-results")
     out.mkdir(exist_ok=True)
     (out / "dynamic_bound.json").write_text(json.dumps(
-        {"args": vars(args), "bound_per_shard": per_shard, "results": results}, indent=1))
+        {"args": {k: v for k, v in vars(args).items() if k not in ("plot", "from_json")},
+         "bound_per_shard": per_shard, "results": results}, indent=1))
+    if args.plot:
+        _plot(results, per_shard, Path(args.plot))
+
+
+def _plot(results: list[dict], per_shard: int, path: Path, window: int = 100) -> None:
+    """Training loss (moving mean over `window` steps) of each table, one figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    kernel = np.ones(window) / window
+    for r in results:
+        smooth = np.convolve(r["losses"], kernel, mode="valid")
+        ax.plot(np.arange(window, window + len(smooth)), smooth,
+                label=f"{r['name']} ({sum(r['rows_held'])} rows)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (mean of {window} steps)")
+    ax.set_title(f"DynamicEmbedding bounded at {per_shard} rows/shard vs unbounded")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
