@@ -196,9 +196,11 @@ def test_a_reshard_moves_the_rows(make_strategy):
     assert np.isfinite(model.fit(x, y, batch_size=BATCH, verbose=0).history["loss"]).all()
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    """tf.train.Checkpoint after 2 epochs; a new job on new servers (same data directory)
-    restores it and trains a third: losses, rows, counters as the uninterrupted job's."""
+@pytest.mark.parametrize("how", ["checkpoint", "keras-file"])
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, how):
+    """A tf.train.Checkpoint (or model.save) after 2 epochs; a new job on new servers (same
+    data directory) restores it (load_model) and trains a third: losses, rows, counters as
+    the uninterrupted job's."""
     x, y = stream()
     layer = dict(max_rows_per_shard=15, admit_after=2, ttl_steps=6)
 
@@ -208,15 +210,19 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
                 ps_addresses=servers.addresses, log_plan=False, search_partitions=False,
                 run_id=f"resume{next(_ids)}-{int(time.time())}")
             with strategy.scope():
-                model = build(**layer)
+                model = build(**layer) if how == "checkpoint" or resume_from is None else \
+                    keras.models.load_model(resume_from)
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-            if resume_from is not None:
+            if resume_from is not None and how == "checkpoint":
                 checkpoint.restore(resume_from)
             path = None
             if steps_before:
                 model.fit(x, y, batch_size=BATCH, epochs=steps_before, shuffle=False,
                           verbose=0)
-                path = checkpoint.save(tmp_path / "ckpt")
+                path = checkpoint.save(tmp_path / "ckpt") if how == "checkpoint" else \
+                    tmp_path / "m.keras"
+                if how == "keras-file":
+                    model.save(path)
             losses = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                                verbose=0).history["loss"]
             counters = sorted((s.shard_index, s.rows, s.dynamic.admitted,

@@ -52,6 +52,7 @@ def dynamic_rows(max_rows_per_shard: int = 0, eviction: str | None = None,
     return rows
 
 
+@keras.saving.register_keras_serializable(package="parallax")
 class DynamicEmbedding(keras.layers.Layer):
     """Embeddings of `output_dim` for keys of any value; see the module docstring.
 
