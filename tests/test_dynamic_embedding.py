@@ -18,6 +18,7 @@ import parallax
 from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ConfigError
 from parallax.layers import DynamicEmbedding, hash_keys, serving_model
+from test_fusion import make_strategy  # noqa: F401 (a fixture: strategies on `cluster`)
 
 _ids = itertools.count()
 DIM, COLUMNS, BATCH = 4, 3, 32
@@ -42,17 +43,6 @@ def build(key_dtype="int64", **layer):
     model = keras.Model(inputs, out)
     model.compile(keras.optimizers.Adagrad(0.1), loss="mse")
     return model
-
-
-@pytest.fixture
-def make_strategy(cluster):
-    def make(**kwargs):
-        kwargs.setdefault("ps_addresses", cluster.addresses)
-        kwargs.setdefault("log_plan", False)
-        kwargs.setdefault("search_partitions", False)
-        return parallax.ParallaxStrategy(run_id=f"dyn{next(_ids)}-{int(time.time())}",
-                                         **kwargs)
-    return make
 
 
 def shard_stats(strategy):
