@@ -156,6 +156,20 @@ def test_unadmitted_keys_read_their_default_row_and_drop_their_gradients(make_st
     np.testing.assert_array_equal(layer(tf.constant([[BIG - 7]])).numpy(), default)  # ... kept
 
 
+def test_rows_unused_for_ttl_steps_are_dropped(make_strategy):
+    strategy = make_strategy()
+    with strategy.scope():
+        model = build(ttl_steps=3)
+    x, y = stream(n=8 * BATCH)
+    x[:BATCH, 0] = BIG - 9  # used in the first step only
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    layer = model.get_layer("dyn")
+    assert layer.export_rows(keys=[BIG - 9])[0].tolist() == [BIG - 9]
+    model.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)  # 7 steps
+    assert layer.export_rows(keys=[BIG - 9])[0].size == 0
+    assert sum(s.dynamic.evicted_ttl for s in shard_stats(strategy)) > 0
+
+
 def test_allreduce_mode_and_unsupported_initializers_are_refused(make_strategy):
     with pytest.raises(ConfigError, match="DynamicEmbedding table.*mode is 'allreduce'"):
         train_in(make_strategy(mode="allreduce"), epochs=1)
