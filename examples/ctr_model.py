@@ -22,8 +22,14 @@ Memory: Keras creates the tables on the worker first (10M x 8 float32 = 320 MB, 
 optimizer's slots of the same size); at the first step the chief streams them to the servers
 and every worker frees its copies.
 
+`--dynamic`: the ids arrive as raw 64-bit hashes (of feature and id), as CTR pipelines
+produce them, and each table is a `parallax.layers.DynamicEmbedding` with no vocabulary: a
+key gets a row on its `--admit-after`-th sighting, each shard holds at most `--dynamic-rows`
+rows (LFU eviction; 0: unbounded).
+
     python examples/ctr_model.py                      # one worker, 2 embedded servers
     parallax run -np 2 --servers 2 python examples/ctr_model.py
+    python examples/ctr_model.py --dynamic --dynamic-rows 200000
 """
 from __future__ import annotations
 
@@ -86,15 +92,34 @@ class PairwiseDot(keras.layers.Layer):
         return keras.ops.take(flat, (rows * n + cols).astype("int32"), axis=1)
 
 
+def hashed_keys(features: dict) -> dict:
+    """The categorical ids as raw 64-bit keys: a hash of (feature, id), as int64."""
+    out = dict(features)
+    for f in range(sum(1 for k in features if k.startswith("c"))):
+        salted = features[f"c{f}"].astype(np.uint64) + np.uint64((f + 1) << 40)
+        out[f"c{f}"] = _mix(salted).view(np.int64)
+    return out
+
+
+def _table(f: int, vocab: int, args):
+    """Feature f's embedding: a Keras Embedding of its vocabulary, or a DynamicEmbedding."""
+    if not args.dynamic:
+        return keras.layers.Embedding(vocab, args.dim, name=f"table_c{f}")
+    from parallax.layers import DynamicEmbedding
+    return DynamicEmbedding(args.dim, max_rows_per_shard=args.dynamic_rows,
+                            eviction="lfu" if args.dynamic_rows else "none",
+                            admit_after=args.admit_after, name=f"table_c{f}")
+
+
 def build_model(vocabularies, args) -> keras.Model:
-    inputs = {f"c{f}": keras.Input((), dtype="int32", name=f"c{f}")
+    key_dtype = "int64" if args.dynamic else "int32"
+    inputs = {f"c{f}": keras.Input((), dtype=key_dtype, name=f"c{f}")
               for f in range(len(vocabularies))}
     inputs["numeric"] = keras.Input((NUMERIC,), dtype="float32", name="numeric")
     bottom = keras.layers.Dense(32, activation="relu", name="bottom_1")(inputs["numeric"])
     bottom = keras.layers.Dense(args.dim, activation="relu", name="bottom_2")(bottom)
-    vectors = [bottom] + [
-        keras.layers.Embedding(vocab, args.dim, name=f"table_c{f}")(inputs[f"c{f}"])
-        for f, vocab in enumerate(vocabularies)]
+    vectors = [bottom] + [_table(f, vocab, args)(inputs[f"c{f}"])
+                          for f, vocab in enumerate(vocabularies)]
     x = keras.layers.Concatenate()([bottom, PairwiseDot(name="interactions")(vectors)])
     x = keras.layers.Dense(64, activation="relu", name="top_1")(x)
     x = keras.layers.Dense(32, activation="relu", name="top_2")(x)
@@ -110,6 +135,12 @@ def parse_args(argv=None):
     parser.add_argument("--dim", type=int, default=8, help="embedding dimension")
     parser.add_argument("--vocab-sizes", default=",".join(map(str, VOCABULARIES)),
                         help="comma-separated vocabulary size of each categorical feature")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="raw 64-bit keys into DynamicEmbedding tables (no vocabulary)")
+    parser.add_argument("--dynamic-rows", type=int, default=0,
+                        help="--dynamic: rows per table shard, LFU-evicted (0: unbounded)")
+    parser.add_argument("--admit-after", type=int, default=2,
+                        help="--dynamic: sightings before a key gets a row")
     return parser.parse_args(argv)
 
 
@@ -129,6 +160,8 @@ def main(argv=None) -> None:
     x, y, _ = generate(args.train_examples, vocabularies, args.seed, stream=0)
     x_eval, y_eval, eval_logit = generate(args.eval_examples, vocabularies, args.seed,
                                           stream=1)
+    if args.dynamic:
+        x, x_eval = hashed_keys(x), hashed_keys(x_eval)
     strategy = make_strategy(args)
     steps = steps_per_epoch(args, len(y), "training data")
     chief_print(strategy,

@@ -107,6 +107,13 @@ def test_ctr_model():
     assert 0.15 < result["positive_rate"] < 0.35
 
 
+def test_ctr_model_with_dynamic_embeddings_of_raw_64_bit_keys():
+    result = run_example("ctr_model.py", *CTR_FLAGS, "--dynamic", "--dynamic-rows", "20000")
+    assert_common(result, "ctr_model", epochs=2, steps=15)
+    assert "8 variable(s) on the servers" in result["plan"]
+    assert result["eval_auc"] > 0.55
+
+
 def test_dense_model_runs_as_pure_allreduce():
     result = run_example("dense_model.py", *DENSE_FLAGS)
     assert_common(result, "dense_model", epochs=3, steps=40)
