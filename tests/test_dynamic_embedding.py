@@ -95,6 +95,22 @@ def test_locally_a_model_trains_and_unadmitted_keys_get_no_gradient():
     np.testing.assert_array_equal(accumulator[held:], 0.1)  # ... no other row got a gradient
 
 
+def test_a_locally_trained_model_saves_reloads_and_exports_with_its_keys(tmp_path):
+    x, y = stream()
+    model = build(admit_after=2)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    expected = model.predict(x[:16], verbose=0)
+    assert np.abs(expected - model.layers[-1].bias.numpy()).max() > 0  # rows matter
+    model.save(tmp_path / "m.keras")
+    reloaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(reloaded.predict(x[:16], verbose=0), expected)
+    model.export(tmp_path / "served", verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "served"))  # (it owns the variables)
+    np.testing.assert_array_equal(loaded.serve(tf.constant(x[:16])).numpy(), expected)
+    np.testing.assert_allclose(serving_model(model).predict(x[:16], verbose=0), expected,
+                               atol=1e-6)
+
+
 def test_string_keys_are_hashed_in_the_graph_and_serve_alike():
     layer = DynamicEmbedding(DIM, key_dtype="string")
     out = layer(tf.constant([["apple", "pear"]]), training=True).numpy()

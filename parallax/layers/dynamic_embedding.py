@@ -137,6 +137,22 @@ class DynamicEmbedding(keras.layers.Layer):
                           self.embeddings_initializer))
         return config
 
+    # ---- Keras files: the local tables travel with the rows ----
+
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        if self._local is not None:
+            for name, array in self._local.state().items():
+                store[f"local_{name}"] = array
+
+    def load_own_variables(self, store) -> None:
+        keys = [str(k) for k in store.keys()]
+        local = {k[len("local_"):]: np.asarray(store[k]) for k in keys
+                 if k.startswith("local_")}
+        super().load_own_variables({k: store[k] for k in keys if not k.startswith("local_")})
+        if self._local is not None and local:
+            self._local.load(local)
+
     # ---- export ----
 
     def export_rows(self, keys=None, top_n: int | None = None
@@ -170,11 +186,13 @@ class DynamicEmbedding(keras.layers.Layer):
                                 name=name or self.name)
 
 
-class _LocalKeys:
+class _LocalKeys(tf.Module):
     """The local table outside a strategy: key -> row of the layer's variable (a hash
-    table), sightings per key, and the next free row."""
+    table), sightings per key, and the next free row. A tf.Module, so a SavedModel of a
+    locally trained model tracks (and holds) its tables."""
 
     def __init__(self, layer: DynamicEmbedding, capacity: int) -> None:
+        super().__init__(name="dynamic_keys")
         self.layer = layer
         self.capacity = capacity
         self.index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1,
@@ -206,6 +224,21 @@ class _LocalKeys:
         first = self.next_row.read_value()
         self.index.insert(new, first + tf.range(tf.size(new, tf.int64), dtype=tf.int64))
         self.next_row.assign_add(tf.size(new, tf.int64))
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The tables as arrays (a Keras file's share of the layer, see `save_own_variables`)."""
+        keys, rows_at = (t.numpy() for t in self.index.export())
+        seen, uses = (t.numpy() for t in self.uses.export())
+        return {"keys": keys, "rows_at": rows_at, "seen": seen, "uses": uses,
+                "next_row": np.asarray(self.next_row.numpy())}
+
+    def load(self, state) -> None:
+        for table, (keys, values) in ((self.index, ("keys", "rows_at")),
+                                      (self.uses, ("seen", "uses"))):
+            table.remove(table.export()[0])
+            table.insert(tf.constant(np.asarray(state[keys]), tf.int64),
+                         tf.constant(np.asarray(state[values]), tf.int64))
+        self.next_row.assign(int(np.asarray(state["next_row"])))
 
     def export(self, wanted, top_n) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         keys, rows_at = (t.numpy() for t in self.index.export())
