@@ -202,14 +202,51 @@ def test_whole_value_assignments_are_refused(make_strategy):
     np.testing.assert_array_equal(layer.get_weights()[0], 0)  # the stand-in reads zeros
 
 
-def test_a_reshard_moves_the_rows(make_strategy):
+def test_mixed_precision_trains_under_the_strategy(make_strategy):
+    """The layer reads its float32 variable (no autocast copy), and LossScaleOptimizer's
+    finite check reads the keyed gradient's values (it cannot densify any key)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        strategy = make_strategy()
+        model, losses = train_in(strategy, epochs=2, max_rows_per_shard=30)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert np.isfinite(losses).all() and losses[-1] < losses[0]
+        assert model.get_layer("dyn").compute_dtype == "float16"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_layer_built_after_the_plan_is_refused(make_strategy):
+    strategy = make_strategy()
+    train_in(strategy, epochs=1)
+    with strategy.scope(), pytest.raises(ConfigError, match="built after its ParallaxStrategy"):
+        build()
+
+
+def test_a_file_saved_in_the_strategy_loads_with_plain_keras(make_strategy, tmp_path):
+    strategy = make_strategy()
+    model, _ = train_in(strategy, epochs=2, max_rows_per_shard=40)
+    keys, _, _ = model.get_layer("dyn").export_rows()
+    held = keys[:COLUMNS * 4].reshape(4, COLUMNS)  # served keys all held: same rows both ways
+    expected = model.predict(held, verbose=0)
+    model.save(tmp_path / "m.keras")
+    plain = keras.models.load_model(tmp_path / "m.keras")  # no strategy: the local table
+    np.testing.assert_allclose(plain.predict(held, verbose=0), expected, atol=1e-6)
+    assert len(plain.get_layer("dyn").export_rows()[0]) == len(keys)
+
+
+@pytest.mark.parametrize("shards, servers", [(1, None), (2, [1, 0])])
+def test_a_reshard_moves_the_rows(make_strategy, shards, servers):
     strategy = make_strategy()
     model, _ = train_in(strategy, epochs=1, max_rows_per_shard=40)
     layer = model.get_layer("dyn")
     before = layer.export_rows()
-    strategy.reshard({"dyn/embeddings": 1})
-    assert strategy.plan.get("dyn/embeddings").shards == 1
-    after = layer.export_rows()
+    assert len(before[0]) == 80  # both shards full
+    strategy.reshard({"dyn/embeddings": shards},  # 2 -> 1, or onto each other's server
+                     servers=servers and {"dyn/embeddings": servers})
+    vp = strategy.plan.get("dyn/embeddings")
+    assert vp.shards == shards and (servers is None or list(vp.servers) == servers)
+    after = layer.export_rows()  # every row kept: the bound per shard followed
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
     x, y = stream(seed=1)
@@ -258,6 +295,36 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, how):
     assert resumed_counters == full_counters
 
 
+def test_a_restore_into_fewer_shards_keeps_every_row(tmp_path):
+    """Saved over 2 full shards of 15 rows, restored into 1: the shard is bounded to hold
+    them all (not refused, not evicted)."""
+    x, y = stream()
+
+    def job(servers, restore_from=None, held=None):
+        with LocalCluster(servers, data_dir=tmp_path / "data") as cluster:
+            strategy = parallax.ParallaxStrategy(
+                ps_addresses=cluster.addresses, log_plan=False, search_partitions=False,
+                run_id=f"fewer{next(_ids)}-{int(time.time())}")
+            with strategy.scope():
+                model = build(max_rows_per_shard=15)
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            if restore_from is not None:  # then a step on held keys only (plans, evicts none)
+                checkpoint.restore(restore_from)
+                model.fit(held[:COLUMNS * 8].reshape(8, COLUMNS), np.zeros((8, 1)), verbose=0)
+            else:
+                model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+            keys = model.get_layer("dyn").export_rows()[0]
+            bound = strategy.plan.get("dyn/embeddings").dynamic.max_rows_per_shard
+            path = checkpoint.save(tmp_path / "ckpt") if restore_from is None else None
+            return keys, bound, path
+
+    saved_keys, _, path = job(2)
+    assert len(saved_keys) == 30
+    keys, bound, _ = job(1, restore_from=path, held=saved_keys)
+    assert bound >= 30
+    np.testing.assert_array_equal(keys, saved_keys)
+
+
 SERVE = """
 import sys, numpy as np, tensorflow as tf
 loaded = tf.saved_model.load(sys.argv[1])
@@ -288,3 +355,7 @@ def test_a_serving_copy_exports_a_savedmodel_that_serves_without_parallax(make_s
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-6)
     with pytest.raises(ConfigError, match="serving_model top_n names"):
         serving_model(model, top_n={"nope": 3})
+    inputs = keras.Input((COLUMNS,), dtype="int64")  # the trained model nested in another
+    outer = keras.Model(inputs, model(inputs))
+    nested = serving_model(outer, top_n=6)
+    np.testing.assert_allclose(nested.predict(served_keys, verbose=0), expected, atol=1e-6)

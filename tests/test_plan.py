@@ -216,3 +216,15 @@ def test_a_dynamic_table_kept_on_the_workers_is_refused(config):
     from parallax.errors import ConfigError
     with pytest.raises(ConfigError, match="DynamicEmbedding table.*use mode 'hybrid'"):
         _plan([_dynamic(0)], **config)
+
+
+def test_a_dynamic_tables_bound_follows_its_shards_without_inflating():
+    from parallax.protocol.specs import bound_for
+    plan = _plan([_dynamic(0, max_rows_per_shard=300, eviction="lru")], servers=3)
+    rows = plan.variables[0].dynamic
+    assert (rows.max_rows_per_shard, rows.total_rows) == (300, 900)
+    one = rows.resharded(1)
+    assert one.max_rows_per_shard == bound_for(900, 1) == 900 + 120  # its share, + 4 sigma
+    assert one.resharded(3).resharded(1) == one  # back and forth: no ratchet ...
+    assert one.resharded(3) == rows  # ... and back at the planned count, the user's bound
+    assert rows.resharded(2).max_rows_per_shard == 450 + 85

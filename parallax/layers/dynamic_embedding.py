@@ -17,6 +17,9 @@ sighting in training while fewer than `local_rows` keys hold one, and other keys
 """
 from __future__ import annotations
 
+import logging
+import numbers
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -26,7 +29,10 @@ from parallax.placement.plan import DynamicRows
 from parallax.protocol.specs import TableSpec
 from parallax.tf.variables import ParallaxVariable
 
+log = logging.getLogger("parallax")
+
 KEY_DTYPES = ("int64", "int32", "string")
+_SAVED = ("dynamic_keys", "dynamic_rows", "dynamic_uses")  # a Keras file's rows by key
 LOCAL_ROWS = 1 << 16  # rows of the local table (and of the stand-in under a strategy)
 
 
@@ -74,6 +80,7 @@ class DynamicEmbedding(keras.layers.Layer):
                  admit_after: int = 0, admit_probability: float = 1.0, ttl_steps: int = 0,
                  embeddings_initializer="uniform", local_rows: int = LOCAL_ROWS,
                  **kwargs) -> None:
+        kwargs["autocast"] = False  # call() reads the variable itself, not a cast copy
         super().__init__(**kwargs)
         if not isinstance(output_dim, int) or isinstance(output_dim, bool) or output_dim < 1:
             raise ConfigError(f"DynamicEmbedding output_dim must be an int >= 1, got "
@@ -97,6 +104,12 @@ class DynamicEmbedding(keras.layers.Layer):
                                           initializer=self.embeddings_initializer,
                                           name="embeddings", trainable=True)
         var = self._variable
+        if isinstance(var, ParallaxVariable) and var.parallax_planned:
+            raise ConfigError(
+                f"DynamicEmbedding {self.name!r} was built after its ParallaxStrategy made "
+                f"its plan (at the first training step), so its table can no longer be "
+                f"placed on the servers; build every DynamicEmbedding before the first step, "
+                f"or build and train this model in a ParallaxStrategy of its own")
         var.dynamic_rows = self.rows
         var.dynamic_initializer = self.embeddings_initializer
         if not isinstance(var, ParallaxVariable):
@@ -108,10 +121,12 @@ class DynamicEmbedding(keras.layers.Layer):
         return getattr(self.embeddings, "value", self.embeddings)
 
     def call(self, keys, training=None):
+        if isinstance(keys, (tf.RaggedTensor, tf.SparseTensor)):
+            raise ConfigError(f"DynamicEmbedding {self.name!r} takes dense keys, got a "
+                              f"{type(keys).__name__}; pad it (.to_tensor() / "
+                              f"tf.sparse.to_dense) and mask the padding downstream")
         keys = tf.convert_to_tensor(keys)
-        if (keys.dtype == tf.string) != (self.key_dtype == "string"):
-            raise ConfigError(f"DynamicEmbedding {self.name!r} takes {self.key_dtype} keys, "
-                              f"got {keys.dtype.name}; set key_dtype to match the input")
+        self._check_keys(keys.dtype)
         flat = hash_keys(keys)
         var = self._variable
         if self._local is not None:
@@ -122,6 +137,13 @@ class DynamicEmbedding(keras.layers.Layer):
             rows = var.sparse_read(tf.math.floormod(flat, self.local_rows))
         shape = tf.concat([tf.shape(keys), [self.output_dim]], axis=0)
         return tf.reshape(tf.cast(rows, self.compute_dtype), shape)
+
+    def _check_keys(self, dtype: tf.DType) -> None:
+        if (dtype == tf.string) != (self.key_dtype == "string") or \
+                not (dtype == tf.string or dtype.is_integer):
+            raise ConfigError(f"DynamicEmbedding {self.name!r} takes {self.key_dtype} keys, "
+                              f"got {dtype.name}; set key_dtype to match the input (floats: "
+                              f"cast to int64 yourself, if they are whole numbers)")
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.output_dim,)
@@ -140,18 +162,22 @@ class DynamicEmbedding(keras.layers.Layer):
     # ---- Keras files: the local tables travel with the rows ----
 
     def save_own_variables(self, store) -> None:
+        """The file holds the rows by key (from the servers under a strategy), so it loads
+        with plain Keras: `load_own_variables` puts them into the local table."""
         super().save_own_variables(store)
-        if self._local is not None:
-            for name, array in self._local.state().items():
-                store[f"local_{name}"] = array
+        held = self._local is not None or self._variable.remote is not None
+        keys, rows, uses = self.export_rows() if held else (
+            np.zeros(0, np.int64), np.zeros((0, self.output_dim), np.float32),
+            np.zeros(0, np.int64))
+        store[_SAVED[0]], store[_SAVED[1]], store[_SAVED[2]] = keys, rows, uses
 
     def load_own_variables(self, store) -> None:
-        keys = [str(k) for k in store.keys()]
-        local = {k[len("local_"):]: np.asarray(store[k]) for k in keys
-                 if k.startswith("local_")}
-        super().load_own_variables({k: store[k] for k in keys if not k.startswith("local_")})
-        if self._local is not None and local:
-            self._local.load(local)
+        """Locally: the file's rows by key (the most used `local_rows` of them). Under a
+        strategy the servers' checkpoint, which the file refers to, holds the table."""
+        names = [str(k) for k in store.keys()]
+        super().load_own_variables({k: store[k] for k in names if k not in _SAVED})
+        if self._local is not None and _SAVED[0] in names:
+            self._local.adopt(*(np.asarray(store[k]) for k in _SAVED))
 
     # ---- export ----
 
@@ -160,9 +186,14 @@ class DynamicEmbedding(keras.layers.Layer):
         """(keys int64 [n], rows [n, output_dim], uses int64 [n]) of the rows the table
         holds: those of `keys` (raw keys: strings are hashed), the `top_n` most used, or
         all. Eager, between steps."""
-        wanted = None if keys is None else hash_keys(tf.constant(keys)).numpy()
-        if top_n is not None and (not isinstance(top_n, int) or top_n < 1):
+        wanted = None
+        if keys is not None:
+            keys = tf.constant(keys)
+            self._check_keys(keys.dtype)
+            wanted = hash_keys(keys).numpy()
+        if top_n is not None and (not isinstance(top_n, numbers.Integral) or top_n < 1):
             raise ConfigError(f"top_n must be an int >= 1, got {top_n!r}")
+        top_n = None if top_n is None else int(top_n)
         if not self.built:
             raise ConfigError(f"DynamicEmbedding {self.name!r} is not built yet: call it "
                               f"(train) before exporting its rows")
@@ -204,9 +235,13 @@ class _LocalKeys(tf.Module):
     def rows(self, keys: tf.Tensor, training: bool) -> tf.Tensor:
         unique, inverse = tf.unique(keys, out_idx=tf.int32)
         if training:
-            uses = tf.reshape(self.uses.lookup(unique), [-1]) + 1
-            self.uses.insert(unique, uses)
-            self._admit(unique, tf.reshape(self.index.lookup(unique), [-1]), uses)
+            index = tf.reshape(self.index.lookup(unique), [-1])
+            # sightings: of held keys (their use counts), and of others while a row is free
+            counted = (index >= 0) | (self.next_row < self.capacity)
+            seen = tf.boolean_mask(unique, counted)
+            uses = tf.reshape(self.uses.lookup(seen), [-1]) + 1
+            self.uses.insert(seen, uses)
+            self._admit(seen, tf.boolean_mask(index, counted), uses)
         index = tf.reshape(self.index.lookup(unique), [-1])
         held = tf.where(index >= 0)[:, 0]
         var = self.layer._variable
@@ -225,20 +260,23 @@ class _LocalKeys(tf.Module):
         self.index.insert(new, first + tf.range(tf.size(new, tf.int64), dtype=tf.int64))
         self.next_row.assign_add(tf.size(new, tf.int64))
 
-    def state(self) -> dict[str, np.ndarray]:
-        """The tables as arrays (a Keras file's share of the layer, see `save_own_variables`)."""
-        keys, rows_at = (t.numpy() for t in self.index.export())
-        seen, uses = (t.numpy() for t in self.uses.export())
-        return {"keys": keys, "rows_at": rows_at, "seen": seen, "uses": uses,
-                "next_row": np.asarray(self.next_row.numpy())}
-
-    def load(self, state) -> None:
-        for table, (keys, values) in ((self.index, ("keys", "rows_at")),
-                                      (self.uses, ("seen", "uses"))):
+    def adopt(self, keys: np.ndarray, rows: np.ndarray, uses: np.ndarray) -> None:
+        """Hold exactly these rows (a Keras file's): the `capacity` most used, if more."""
+        if len(keys) > self.capacity:
+            log.warning("DynamicEmbedding %r: the file holds %d rows, local_rows is %d: the "
+                        "%d most used are kept (raise local_rows to keep all)",
+                        self.layer.name, len(keys), self.capacity, self.capacity)
+            best = np.lexsort((keys, -uses))[:self.capacity]
+            keys, rows, uses = keys[best], rows[best], uses[best]
+        for table in (self.index, self.uses):
             table.remove(table.export()[0])
-            table.insert(tf.constant(np.asarray(state[keys]), tf.int64),
-                         tf.constant(np.asarray(state[values]), tf.int64))
-        self.next_row.assign(int(np.asarray(state["next_row"])))
+        keys = tf.constant(keys, tf.int64)
+        self.index.insert(keys, tf.range(tf.size(keys, tf.int64), dtype=tf.int64))
+        self.uses.insert(keys, tf.constant(uses, tf.int64))
+        var = self.layer._variable
+        var.scatter_update(tf.IndexedSlices(tf.constant(rows, var.dtype),
+                                            tf.range(tf.size(keys, tf.int64))))
+        self.next_row.assign(len(rows))
 
     def export(self, wanted, top_n) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         keys, rows_at = (t.numpy() for t in self.index.export())
@@ -283,3 +321,8 @@ class ServingEmbedding(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.output_dim,)
+
+    def get_config(self) -> dict:
+        raise ConfigError(f"ServingEmbedding {self.name!r} holds its rows as constants of the "
+                          f"graph, not as a Keras config: export the serving model as a "
+                          f"SavedModel (model.export(path) or tf.saved_model.save)")

@@ -34,12 +34,17 @@ def serving_model(model: keras.Model, keys=None, top_n: int | None = None) -> ke
         return layer.__class__.from_config(layer.get_config())
 
     try:
-        copy = keras.models.clone_model(model, clone_function=clone)
+        copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     except ValueError as err:
         raise ConfigError(f"serving_model copies functional and Sequential models; "
                           f"{model.name!r} could not be cloned ({err}): build the serving "
                           f"model yourself from layer.serving_layer() of each "
                           f"DynamicEmbedding") from err
+    left = [layer.name for layer in _leaves(copy) if isinstance(layer, DynamicEmbedding)]
+    if left:
+        raise ConfigError(f"serving_model could not replace DynamicEmbedding layers {left} "
+                          f"of {model.name!r} (inside a subclassed model?); build the serving "
+                          f"model yourself from layer.serving_layer() of each")
     for source, target in zip(_leaves(model), _leaves(copy)):
         if not isinstance(source, DynamicEmbedding) and source.weights:
             target.set_weights(source.get_weights())

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from parallax.env import COLLECTIVES, RUN_MODES
 from parallax.errors import ConfigError
-from parallax.protocol.specs import bound_over
+from parallax.protocol.specs import bound_for
 from parallax.protocol.wire_dtypes import WIRE_DTYPES
 from parallax.placement.partitioner.placer import place
 from parallax.placement.partitioner.types import ClusterProfile, TableProfile
@@ -34,6 +34,8 @@ class DynamicRows:
     `TableSpec` fields of the same names say (parallax.protocol.specs)."""
 
     max_rows_per_shard: int = 0  # 0: unbounded
+    total_rows: int = 0  # the bound over every shard, as first planned (see `resharded`)
+    planned_shards: int = 0  # the shard count it was first planned with
     admit_after: int = 0
     admit_probability: float = 1.0
     eviction: str = "none"
@@ -46,12 +48,19 @@ class DynamicRows:
                     admit_probability=self.admit_probability, eviction=self.eviction,
                     ttl_steps=self.ttl_steps, count_uses=True)  # top-N exports rank by use
 
-    def resharded(self, shards: int, new_shards: int) -> "DynamicRows":
-        """These rows over `new_shards` shards instead of `shards`, keeping the total bound
-        (`parallax.protocol.specs.bound_over`): a reshard or the partition search's layout
-        never shrinks what the table holds."""
-        return replace(self, max_rows_per_shard=bound_over(self.max_rows_per_shard, shards,
-                                                           new_shards))
+    def planned(self, shards: int) -> "DynamicRows":
+        """As first planned over `shards` shards: the user's bound on each."""
+        return replace(self, total_rows=self.max_rows_per_shard * shards,
+                       planned_shards=shards)
+
+    def resharded(self, shards: int) -> "DynamicRows":
+        """These rows over another shard count: room on each shard for its share of the
+        planned total (`parallax.protocol.specs.bound_for`), so a reshard or the partition
+        search's layout keeps what the table holds, and sampling layouts back and forth
+        does not inflate the bound."""
+        if shards == self.planned_shards:  # back where it was planned: the user's bound
+            return replace(self, max_rows_per_shard=self.total_rows // shards)
+        return replace(self, max_rows_per_shard=bound_for(self.total_rows, shards))
 
     def describe(self) -> str:
         """"dynamic: <= 1000 rows/shard (lru), admit after 2, ttl 50 steps"."""
@@ -442,7 +451,8 @@ def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
             bytes=info.bytes * (shards if info.dynamic else 1), shards=shards,
             table=table_name(run_id, info.index, info.name) if on_ps else "",
             table_rows=(info.shape[0] if info.shape else 1) if on_ps else 0,
-            wire_dtype=_wire_dtype(config, info, on_ps), dynamic=info.dynamic))
+            wire_dtype=_wire_dtype(config, info, on_ps),
+            dynamic=info.dynamic and info.dynamic.planned(shards)))
     grouping = bool(config.group_tables and group_keys)
     named = set(config.shards) if isinstance(config.shards, Mapping) else set()
     if grouping and saved_groups:

@@ -115,8 +115,7 @@ def with_layouts(plan: Plan, layouts: Mapping[str, tuple[int, ...]]) -> Plan:
     total bound: `DynamicRows.resharded`)."""
     return dataclasses.replace(plan, variables=tuple(
         dataclasses.replace(v, shards=len(layouts[v.name]), servers=tuple(layouts[v.name]),
-                            dynamic=v.dynamic and v.dynamic.resharded(v.shards,
-                                                                      len(layouts[v.name])))
+                            dynamic=v.dynamic and v.dynamic.resharded(len(layouts[v.name])))
         if v.name in layouts else v for v in plan.variables))
 
 

@@ -354,10 +354,15 @@ def slot_initial_value(spec: OptimizerSpec, name: str) -> float:
 EVICTIONS = ("none", "lru", "lfu")  # TableSpec.eviction
 
 
-def bound_over(max_rows_per_shard: int, shards: int, new_shards: int) -> int:
-    """The per-shard bound that keeps a bounded table's total (bound x shards) over
-    `new_shards` shards, rounded up; 0 (unbounded) stays 0."""
-    return -(-max_rows_per_shard * shards // new_shards) if max_rows_per_shard else 0
+def bound_for(total_rows: int, shards: int) -> int:
+    """The per-shard bound of a hashed table that must hold `total_rows` rows over `shards`
+    shards: keys route by hash, so a shard gets their share m = total_rows / shards, give
+    or take the binomial spread; it may hold m plus 4 standard deviations (sqrt(m)). 0
+    (unbounded) stays 0."""
+    if not total_rows:
+        return 0
+    share = total_rows / shards
+    return math.ceil(share + 4 * math.sqrt(share))
 
 
 @dataclass(frozen=True)
@@ -458,14 +463,20 @@ class TableSpec:
                  f"eviction {self.eviction!r} keeps max_rows_per_shard by evicting, but "
                  f"max_rows_per_shard is 0 (unbounded); set it, or eviction='none'")
 
-    def resharded(self, name: str, shard_count: int) -> "TableSpec":
-        """This table as `name` over `shard_count` shards. A bounded hashed table keeps its
-        total bound (max_rows_per_shard x shard_count, rounded up per shard), so a reshard,
-        by hand or by the partition search, evicts nothing it did not have to."""
-        per_shard = bound_over(self.max_rows_per_shard, self.shard_count, shard_count) \
-            if self.hashed_keys else 0
+    def resharded(self, name: str, shard_count: int,
+                  max_rows_per_shard: int | None = None) -> "TableSpec":
+        """This table as `name` over `shard_count` shards. A bounded hashed table gets
+        `max_rows_per_shard`, or by default its own at the same shard count and else room
+        for the rows it may hold now (`bound_for` of its bound times its shards), so a
+        reshard keeps every row (a hash split more uneven than 4 standard deviations
+        aside)."""
+        if max_rows_per_shard is None and shard_count == self.shard_count:
+            max_rows_per_shard = self.max_rows_per_shard  # moved to other servers only
+        elif max_rows_per_shard is None:
+            max_rows_per_shard = bound_for(self.max_rows_per_shard * self.shard_count,
+                                           shard_count) if self.hashed_keys else 0
         return dataclasses.replace(self, name=name, shard_count=shard_count,
-                                   max_rows_per_shard=per_shard)
+                                   max_rows_per_shard=max_rows_per_shard)
 
     def _check_wire_dtype(self) -> None:
         if self.wire_dtype == self.dtype:  # the same as unset: one spelling, one spec

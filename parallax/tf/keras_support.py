@@ -12,6 +12,10 @@
   ReduceLROnPlateau, ...) see the same, global numbers and take the same decisions.
 - Optimizer slots of a table that moved to the servers are never used on the worker; their
   storage is released (the servers keep their own slots).
+- `LossScaleOptimizer.check_finite` densifies every `IndexedSlices` gradient to test it: a
+  table's whole size on every step, and impossible for a dynamic table, whose ids are keys
+  beyond any dense shape. `check_sparse_values_only()` has it test the slices' values (the
+  same answer: the rows a dense gradient adds are zeros).
 - Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
   their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
   restart can resume. `make_weight_saves_atomic()` has local files written under a temporary
@@ -88,6 +92,24 @@ def route_keras_take() -> None:
     setattr(take, _ROUTED_MARK, True)
     take.__wrapped__ = original
     tf_numpy.take = take
+
+
+def check_sparse_values_only() -> None:
+    """Idempotent: LossScaleOptimizer's finite check reads IndexedSlices' values only."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    original = LossScaleOptimizer.check_finite
+    if getattr(original, _ROUTED_MARK, False):
+        return
+
+    def check_finite(self, grads):
+        return original(self, [g.values if isinstance(g, tf.IndexedSlices) else g
+                               for g in grads])
+
+    check_finite.__doc__ = original.__doc__
+    setattr(check_finite, _ROUTED_MARK, True)
+    check_finite.__wrapped__ = original
+    LossScaleOptimizer.check_finite = check_finite
 
 
 def keras_optimizer_of(update_fn):

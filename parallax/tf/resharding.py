@@ -135,7 +135,8 @@ class Resharder:
                 else:
                     dropped.append(old)
             else:
-                spec = old.spec.resharded(self._name(vp), layout.shards)
+                spec = old.spec.resharded(self._name(vp), layout.shards,
+                                          _bound(vp, layout.shards))
                 remote.table = targets.get(vp.table) or self.client.table(spec, layout.servers)
                 targets[vp.table] = remote.table  # the other members of a group share it
                 if vp.index in self.previous:
@@ -147,7 +148,8 @@ class Resharder:
             new_plans[vp.index] = dataclasses.replace(vp, shards=layout.shards,
                                                       servers=layout.servers,
                                                       table=remote.table.name,
-                                                      dynamic=_rebound(vp, remote))
+                                                      dynamic=vp.dynamic and
+                                                      vp.dynamic.resharded(layout.shards))
         self._delete(dropped)
         new_plan = dataclasses.replace(plan, variables=tuple(
             new_plans.get(v.index, v) for v in plan.variables))
@@ -184,7 +186,7 @@ class Resharder:
                 return move_rows(current, self.previous[vp.index][0], changed_only=True)
             layout = layouts[vp.name]
             table, report = self.client.reshard(current, self._name(vp), layout.shards,
-                                                layout.servers)
+                                                layout.servers, _bound(vp, layout.shards))
             targets[vp.table] = table
             return report
 
@@ -201,12 +203,10 @@ class Resharder:
             moved[1] += future.result().bytes
 
 
-def _rebound(vp: VariablePlan, remote: RemoteTable):
-    """A dynamic table's rows as its new table bounds them (`TableSpec.resharded`)."""
-    if vp.dynamic is None:
-        return None
-    return dataclasses.replace(vp.dynamic,
-                               max_rows_per_shard=remote.table.spec.max_rows_per_shard)
+def _bound(vp: VariablePlan, shards: int) -> int | None:
+    """A dynamic table's bound per shard over `shards` (`DynamicRows.resharded`), or None:
+    the table's own rule (`TableSpec.resharded`)."""
+    return vp.dynamic.resharded(shards).max_rows_per_shard if vp.dynamic else None
 
 
 def describe(before: Plan, after: Plan, report: ReshardReport) -> str:

@@ -117,7 +117,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                             f"servers with a data directory (parallax run --data-dir DIR)")
             return {"format": FORMAT, "unsaved": str(err)}
         return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
-                                           for i, r in tables.items()})
+                                           for i, r in tables.items()},
+                            {r.table.name: r.table.spec for r in tables.values()})
 
     def restore(self, text: str, source: str = "this checkpoint") -> None:
         """Load the referenced checkpoint into the servers now, or at the first step;
@@ -171,18 +172,22 @@ def without_data_dir(err: ServerError) -> bool:
             and f"{err.code.name}: {NO_DATA_DIR}" in str(err))
 
 
-def reference_to(path: str, shards, tables: dict) -> dict:
+def reference_to(path: str, shards, tables: dict, specs: dict | None = None) -> dict:
     """The reference to the checkpoint under `path` that `shards` (ShardCheckpoint) were
     saved in; `tables`: {variable index: (variable name, table name, first row in the
     table: not 0 in a table group)}. A table's step is its
     shards' highest, the one restoring gives every shard (async shards count their own
-    pushes, so one may be ahead of another; sync shards are at one step)."""
+    pushes, so one may be ahead of another; sync shards are at one step). `specs` (by table
+    name): a bounded hashed table's shard count and bound are kept, so a restore into
+    another shard count bounds each shard to fit (`with_saved_tables`)."""
     steps: dict[str, int] = {}
     for shard in shards:
         steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
+    bounds = {name: {"shards": spec.shard_count, "bound": spec.max_rows_per_shard}
+              for name, spec in (specs or {}).items() if spec.max_rows_per_shard}
     return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
             "tables": {str(i): {"variable": variable, "table": table, "step": steps[table],
-                                "offset": offset}
+                                "offset": offset, **bounds.get(table, {})}
                        for i, (variable, table, offset) in tables.items()}}
 
 
@@ -252,8 +257,18 @@ def with_saved_tables(plan: Plan, reference: dict) -> Plan:
             "restore it with the settings and model that saved it")
     saved = reference["tables"]
     return dataclasses.replace(plan, variables=tuple(
-        dataclasses.replace(vp, table=saved[str(vp.index)]["table"])
+        dataclasses.replace(vp, table=saved[str(vp.index)]["table"],
+                            dynamic=_saved_bound(vp, saved[str(vp.index)]))
         if vp.placement == "ps" else vp for vp in plan.variables))
+
+
+def _saved_bound(vp, saved: dict):
+    """A bounded dynamic table restored into another shard count: each shard bounded to
+    fit its share of what the saved shards could hold (`DynamicRows.resharded`)."""
+    if vp.dynamic is None or saved.get("shards", vp.shards) == vp.shards:
+        return vp.dynamic
+    as_saved = dataclasses.replace(vp.dynamic, max_rows_per_shard=saved["bound"])
+    return as_saved.planned(saved["shards"]).resharded(vp.shards)
 
 
 def restore_into_servers(client, reference: dict, before_plan: bool = True) -> bool:

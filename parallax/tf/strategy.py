@@ -369,6 +369,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             if search is not None:
                 self.tuner = PartitionTuner(search, self, cached)
             keras_support.route_keras_take()
+            keras_support.check_sparse_values_only()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
         if self.config.log_plan:
