@@ -92,33 +92,49 @@ def _setup(spec, name: str, dtype: str, addresses, run_id: str) -> Series:
     return Series(name, strategy, step, sync, run_id)
 
 
-def _round(series: Series, steps: int, client) -> None:
-    """`steps` steps of one series, timed up to the last push landing; rank 0 (which holds
-    `client`) also counts the row bytes the servers moved meanwhile."""
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _round(series: Series, steps: int, client, servers: list[int]) -> None:
+    """`steps` steps of one series, timed up to the last push landing, with this worker's
+    CPU and (local servers only) the servers'; rank 0 (which holds `client`) also counts the
+    row bytes the servers moved meanwhile."""
     before = _row_bytes(client, series.run_id) if client else 0
+    cpu, server_cpu = time.process_time(), _cpu_seconds(servers)
     start = time.perf_counter()
     for _ in range(steps):
         series.losses.append(series.step())
     series.sync()
     seconds = time.perf_counter() - start
     moved = (_row_bytes(client, series.run_id) - before) if client else 0
-    series.samples.append({"steps_per_s": steps / seconds,
-                           "row_bytes_per_step": moved / steps / series.strategy.worker.size})
+    series.samples.append({
+        "steps_per_s": steps / seconds,
+        "worker_cpu_ms_per_step": (time.process_time() - cpu) / steps * 1e3,
+        "server_cpu_ms_per_step": ((_cpu_seconds(servers) - server_cpu) / steps * 1e3
+                                   if servers else None),
+        "row_bytes_per_step": moved / steps / series.strategy.worker.size})
 
 
 @contextlib.contextmanager
 def _servers():
-    """(server addresses, a tag every worker shares): `parallax run`'s servers and job id, or
-    2 local servers started here."""
+    """(server addresses, a tag every worker shares, the servers' pids if local):
+    `parallax run`'s servers and job id, or 2 local servers started here."""
     from parallax import env
     from parallax.client.local_cluster import LocalCluster
 
     given = os.environ.get(env.ADDRESSES_ENV)
     if given:
-        yield given.split(","), os.environ.get(env.RUN_ID_ENV) or "wire"
+        yield given.split(","), os.environ.get(env.RUN_ID_ENV) or "wire", []
         return
     with LocalCluster(2) as cluster:
-        yield cluster.addresses, f"wire{int(time.time())}"
+        yield (cluster.addresses, f"wire{int(time.time())}",
+               [server.proc.pid for server in cluster.servers])
 
 
 def _args() -> argparse.Namespace:
@@ -155,7 +171,7 @@ def main() -> None:
     if args.control:
         plan.append((CONTROL, "float32",
                      dataclasses.replace(spec, lr=spec.lr * (1 + args.control))))
-    with _servers() as (addresses, tag), PSClient(addresses) as client:
+    with _servers() as (addresses, tag, pids), PSClient(addresses) as client:
         runs = {}
         for name, dtype, series_spec in plan:
             runs[name] = _setup(series_spec, name, dtype, addresses, f"{tag}-{name}")
@@ -163,7 +179,7 @@ def main() -> None:
         rank = runs["float32"].strategy.worker.rank
         for _ in range(args.rounds):
             for series in runs.values():
-                _round(series, args.steps, client if rank == 0 else None)
+                _round(series, args.steps, client if rank == 0 else None, pids)
     if rank == 0:
         results = _report(args, spec, runs)
         if args.plot:
@@ -188,23 +204,39 @@ def _loss_diff(losses: list[float], base: list[float], window: int) -> dict:
             "losses": [float(x) for x in loss]}
 
 
+def _cpu(samples: list[dict]) -> dict:
+    """Median CPU per step over rounds: this worker's and (local servers) the servers'."""
+    servers = [s["server_cpu_ms_per_step"] for s in samples]
+    return {"worker_cpu_ms_per_step": statistics.median(s["worker_cpu_ms_per_step"]
+                                                        for s in samples),
+            "server_cpu_ms_per_step": None if None in servers else statistics.median(servers)}
+
+
+def _cpu_text(r: dict) -> str:
+    """'worker+servers' CPU ms per step, or the worker's alone."""
+    worker, servers = r["worker_cpu_ms_per_step"], r["server_cpu_ms_per_step"]
+    return f"{worker:.1f}" if servers is None else f"{worker:.1f}+{servers:.1f}"
+
+
 def _report(args, spec, runs: dict[str, Series]) -> dict:
     workers = runs["float32"].strategy.worker.size
     print(f"lm workload: 2 tables of {spec.table_rows[0]} x {spec.table_dim}, batch "
           f"{spec.batch_per_worker}, SGD lr {spec.lr:g}, {args.rounds} rounds x {args.steps} "
           f"steps per series, {workers} worker(s), 2 servers; windows of {args.window} steps")
     print(f"{'series':10} {'row KB/step':>11} {'vs fp32':>7} {'steps/s':>8} {'vs fp32':>7} "
-          f"{'max rel/step':>12} {'max rel/window':>14} {'final loss':>10} {'final rel':>10}")
+          f"{'CPU ms/step':>11} {'max rel/step':>12} {'max rel/window':>14} "
+          f"{'final loss':>10} {'final rel':>10}")
     results = {}
     for name, series in runs.items():
         nbytes = statistics.median(s["row_bytes_per_step"] for s in series.samples)
         speed = statistics.median(s["steps_per_s"] for s in series.samples)
         r = results[name] = {"row_bytes_per_step": nbytes, "steps_per_s": speed,
-                             "speeds": [s["steps_per_s"] for s in series.samples],
+                             **_cpu(series.samples), "rounds": series.samples,
                              **_loss_diff(series.losses, runs["float32"].losses, args.window)}
         r32 = results["float32"]
         print(f"{name:10} {nbytes / 1024:11.1f} {nbytes / r32['row_bytes_per_step']:7.3f} "
-              f"{speed:8.2f} {speed / r32['steps_per_s']:7.3f} {r['max_rel_loss_diff']:12.2e} "
+              f"{speed:8.2f} {speed / r32['steps_per_s']:7.3f} {_cpu_text(r):>11} "
+              f"{r['max_rel_loss_diff']:12.2e} "
               f"{r['max_rel_window_diff']:14.2e} {r['final_loss']:10.5f} "
               f"{r['final_rel_loss_diff']:10.2e}")
     worst = max(results[d]["max_rel_window_diff"] for d in DTYPES)
