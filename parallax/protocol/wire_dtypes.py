@@ -124,11 +124,12 @@ _F16_TABLE: list[np.ndarray] = []  # float32 of every float16 bit pattern (256 K
 
 def f16_decode(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float16 -> float32, exact: a lookup of the bits (numpy's own float16 conversion is
-    not vectorised, about 4x slower)."""
+    not vectorised, about 2x slower). mode="clip" skips take's bounds check, which every
+    uint16 passes (the table has an entry for each)."""
     if not _F16_TABLE:
         _F16_TABLE.append(np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(_F32))
     bits = np.ascontiguousarray(values, dtype="<f2").view(np.uint16)
-    return np.take(_F16_TABLE[0], bits, out=out)
+    return np.take(_F16_TABLE[0], bits, out=out, mode="clip")
 
 
 def _same(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
