@@ -38,6 +38,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 CONTROL = "float32-lr"  # the control series' name: float32 on the wire, another learning rate
 ROW_METHODS = ("Pull", "Push", "PullMany", "PushMany")  # the packed ones count as *Many
 OUT = Path("bench-results")
+COLORS = {"float32": "tab:blue", "bfloat16": "tab:orange", "float16": "tab:green",
+          CONTROL: "tab:red"}  # the same series in the same colour in both plots
 
 
 @dataclasses.dataclass
@@ -255,7 +257,7 @@ def _plot(results: dict, bound: float, out: Path) -> None:
 
     fig, ax = figure()
     for name, r in results.items():
-        ax.plot(r["losses"], label=name, linewidth=0.8)
+        ax.plot(r["losses"], label=name, linewidth=0.8, color=COLORS[name])
     ax.set(xlabel="step", ylabel="loss (lm, worker 0)", title="lm loss by wire dtype")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -264,7 +266,7 @@ def _plot(results: dict, bound: float, out: Path) -> None:
     base = np.array(results["float32"]["losses"])
     for name, r in list(results.items())[1:]:
         rel = np.abs(np.array(r["losses"]) - base) / base
-        ax.plot(np.maximum(rel, 1e-9), label=name, linewidth=0.8)
+        ax.plot(np.maximum(rel, 1e-9), label=name, linewidth=0.8, color=COLORS[name])
     ax.axhline(bound, color="red", linestyle="--", label=f"bound {bound:g} (on window means)")
     ax.set_yscale("log")
     ax.set(xlabel="step", ylabel="|loss - float32's| / float32's, per step (floor 1e-9)",
