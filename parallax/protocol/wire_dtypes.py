@@ -68,13 +68,14 @@ def bf16_finite(bits: np.ndarray) -> np.ndarray:
 _ABS = np.uint32(0x7FFFFFFF)
 _F32_INF = np.uint32(0x7F800000)        # also the exponent mask
 _F16_INF_AT = np.uint32(0x477FF000)     # 65520: it and everything larger make float16 Inf
+_F16_ZERO_AT = np.uint32(97 << 23)      # 2^-30: it and everything smaller make float16 zero
 _F16_NORMAL_EXP = np.uint32(113 << 23)  # 2^-14, float16's smallest normal
 _REBIAS = np.uint32(15 << 23)           # float16's exponent bias, in a float32's exponent
 
 
 def _f16_rounded(mag: np.ndarray) -> np.ndarray:
-    """float16 bits (in uint32, no sign) of float32 magnitudes (bits, clamped to 65520),
-    in place in `mag`: adding 2^(e+15-127) to 4|x|, for |x|'s exponent e (at least
+    """float16 bits (in uint32, no sign) of float32 magnitudes (bits, clamped to [2^-30,
+    65520]), in place in `mag`: adding 2^(e+15-127) to 4|x|, for |x|'s exponent e (at least
     float16's smallest normal's), leaves 4|x| rounded to nearest even at float16's precision,
     subnormals included, as the sum's low bits (the method of Maratyszcza's FP16 library).
     Branch-free: every value takes the same arithmetic."""
@@ -107,7 +108,9 @@ def f16_encode(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     bits = _f32(values).reshape(-1).view(np.uint32)
     half = np.bitwise_and(bits, _ABS)
     has_nan = half.max(initial=0) > _F32_INF
-    np.minimum(half, _F16_INF_AT, out=half)
+    # clamped: values below 2^-25 round to zero anyway, and no float32 subnormal then
+    # meets the arithmetic (each costs a microcode assist, ~4x slower)
+    np.clip(half, _F16_ZERO_AT, _F16_INF_AT, out=half)
     _f16_rounded(half)
     if has_nan:
         _f16_nan(bits, half)
