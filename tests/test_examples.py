@@ -184,3 +184,23 @@ def test_the_server_handler_benchmark_runs(grouped):
     shape = "in one table group" if grouped else "each its own table"
     assert re.search(rf"3 tables {shape}, 2 worker\(s\), adam: server handler CPU [0-9.]+ "
                      rf"ms per step", run.stdout), run.stdout
+
+
+def test_the_wire_dtype_benchmark_runs(tmp_path):
+    """examples/benchmarks/wire_dtype.py trains the lm workload once per wire dtype and a
+    float32 control on 2 local servers: narrow rows move half the bytes, the losses stay
+    within its bound of float32's, and it writes every step's loss and both plots."""
+    run = subprocess.run([sys.executable, str(EXAMPLES / "benchmarks" / "wire_dtype.py"),
+                          "--rounds", "2", "--steps", "3", "--vocab", "2000", "--batch", "32",
+                          "--window", "2", "--control", "1e-3", "--plot"],
+                         capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+                         env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("bfloat16", "float16"):
+        assert re.search(rf"^{name} +[0-9.]+ +0\.5\d\d ", run.stdout, re.M), run.stdout
+    assert "in every window: holds" in run.stdout, run.stdout
+    results = json.loads((tmp_path / "bench-results" / "wire_dtype.json").read_text())
+    assert sorted(results["results"]) == ["bfloat16", "float16", "float32", "float32-lr"]
+    assert all(len(r["losses"]) == 6 for r in results["results"].values())
+    assert (tmp_path / "bench-results" / "wire_dtype_loss.png").stat().st_size > 0
+    assert (tmp_path / "bench-results" / "wire_dtype_loss_diff.png").stat().st_size > 0

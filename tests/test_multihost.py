@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -62,33 +63,37 @@ def cluster(tmp_path):
         assert not set(NS.values()) & _namespaces(), "namespaces left behind"
 
 
-def _servers() -> dict[int, str]:
-    """pid -> namespace of every running parallax_ps bound to a 10.77.0.x address."""
+def _servers() -> dict[int, tuple[str, str]]:
+    """pid -> (address, namespace) of every running parallax_ps bound to a 10.77.0.x address."""
     found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+    for pid, cmd in _cmdlines():
         if b"parallax_ps" in cmd and b"--host" in cmd and cmd[cmd.index(b"--host") + 1] \
                 .startswith(b"10.77.0.") and b"parallax.launch.hosts" not in cmd:
-            ns = subprocess.run(["ip", "netns", "identify", entry.name], capture_output=True,
+            ns = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True,
                                 text=True).stdout.strip()
-            found[int(entry.name)] = (cmd[cmd.index(b"--host") + 1].decode(), ns)
+            found[pid] = (cmd[cmd.index(b"--host") + 1].decode(), ns)
     return found
+
+
+def _cmdlines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, command line split at its NULs) of every process still there to be read."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended while we looked
+            continue
 
 
 def _probe_processes() -> list[int]:
     """pids of launch_probe.py workers still running (in any namespace)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if PROBE.encode() in cmd and b"parallax.launch.hosts" not in cmd:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, cmd in _cmdlines()
+            if PROBE.encode() in cmd and b"parallax.launch.hosts" not in cmd]
+
+
+def _probe_wrappers() -> list[int]:
+    """pids of `parallax.launch.hosts serve` wrappers running launch_probe.py."""
+    return [pid for pid, cmd in _cmdlines()
+            if PROBE.encode() in cmd and b"parallax.launch.hosts" in cmd and b"serve" in cmd]
 
 
 def _launch(nc: Path, hosts: Path, *args: str) -> subprocess.Popen:
@@ -200,7 +205,7 @@ def test_a_remote_worker_ends_with_its_serve_wrapper(cluster, tmp_path):
     try:
         deadline, wrapper = time.monotonic() + 60, None
         while wrapper is None and time.monotonic() < deadline:
-            wrapper = next((pid for pid in _probe_wrappers()), None)
+            wrapper = next(iter(_probe_wrappers()), None)
             time.sleep(0.3)
         assert wrapper is not None, "no serve wrapper of a remote worker found"
         os.kill(wrapper, signal.SIGKILL)
@@ -210,19 +215,6 @@ def test_a_remote_worker_ends_with_its_serve_wrapper(cluster, tmp_path):
     assert launcher.returncode != 0, output
     time.sleep(1)
     assert not _probe_processes(), "a worker outlived its wrapper"
-
-
-def _probe_wrappers() -> list[int]:
-    """pids of `parallax.launch.hosts serve` wrappers running launch_probe.py."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if PROBE.encode() in cmd and b"parallax.launch.hosts" in cmd and b"serve" in cmd:
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.multiprocess

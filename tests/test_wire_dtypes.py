@@ -2,8 +2,10 @@
 
 bfloat16 rounding against ml_dtypes (TensorFlow's own bfloat16, a reference only: parallax
 does not depend on it) over every upper half and the lower halves around each rounding
-boundary, and against a float64 reference; float16 against numpy; overflow refused; the
-table spec, both codecs and the plan carrying a wire dtype."""
+boundary, and against a float64 reference; float16 against numpy's cast over every sign,
+exponent and float16 mantissa with the dropped bits on and around each tie (subnormals, Inf
+and NaN included); overflow refused; the table spec, both codecs and the plan carrying a
+wire dtype."""
 from __future__ import annotations
 
 import numpy as np
@@ -89,6 +91,39 @@ def test_bf16_decode_is_exact_and_nan_stays_quiet_nan():
     np.testing.assert_array_equal(bf16_encode(wide)[finite], every[finite])
     signalling = np.array([0x7F800001], np.uint32).view(np.float32)  # would truncate to Inf
     assert np.isnan(bf16_decode(bf16_encode(signalling))).all()
+
+
+F16_DROPPED_BITS = [0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x0ABC]  # a tie is 0x1000
+
+
+def _every_f16_prefix() -> np.ndarray:
+    """float32 bits with every upper 19 bits (sign, exponent, float16's 10 mantissa bits)
+    and the 13 bits a normal float16 drops on and around a tie; a subnormal's tie lies in
+    the upper bits, so its neighbours are here too."""
+    upper = np.arange(1 << 19, dtype=np.uint32) << 13
+    return (upper[:, None] | np.array(F16_DROPPED_BITS, np.uint32)[None, :]).reshape(-1)
+
+
+def test_f16_encode_is_numpys_cast_bit_for_bit_and_nan_stays_quiet_nan():
+    bits = _every_f16_prefix()
+    values = bits.view(np.float32)
+    with np.errstate(all="ignore"):  # numpy flags each underflow and overflow
+        want = values.astype(np.float16).view(np.uint16)
+    got = wire_dtypes.f16_encode(values).view(np.uint16)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert ((got[nan] & 0x7E00) == 0x7E00).all()  # a quiet NaN: no NaN becomes an Inf
+    np.testing.assert_array_equal(got[nan] & 0x8000, (bits[nan] >> 16) & 0x8000)
+
+
+def test_f16_encode_keeps_the_shape_and_fills_out():
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3) / 7
+    out = np.empty((4, 3), np.float16)
+    assert wire_dtypes.f16_encode(rows, out) is out
+    np.testing.assert_array_equal(out, rows.astype(np.float16))
+    assert wire_dtypes.f16_encode(np.float32(65519.0)).shape == ()
+    assert float(wire_dtypes.f16_encode(np.float32(65519.0))) == 65504.0
+    assert wire_dtypes.f16_encode(np.zeros((0, 4), np.float32)).shape == (0, 4)
 
 
 def test_f16_rounds_as_numpy_and_decodes_exactly():
