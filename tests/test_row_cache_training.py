@@ -90,9 +90,9 @@ def test_reshard_assign_and_restore_invalidate_the_cache(make_strategy, tmp_path
     table = model.tables[0].embeddings
     cache = strategy.extended.table_client
     name = strategy.tables[table.path].table.name
-    assert name in cache._stores
+    assert name in cache._where
     table.assign(np.full(table.shape, 0.5, np.float32))  # every row: the cache forgets them
-    assert strategy.cache_stats().invalidations == 2 and name not in cache._stores
+    assert strategy.cache_stats().invalidations == 2 and name not in cache._where
     before = strategy.cache_stats()
     model.predict(x[:BATCH], batch_size=BATCH, verbose=0)
     after = strategy.cache_stats()
