@@ -48,11 +48,16 @@ class CacheRow:
 
 @dataclass(frozen=True)
 class CacheSlice:
-    workload: str
-    network: str
-    workers: int
+    """hybrid and its cache systems at one point: `where` is (workload, network, workers);
+    `runs` their ok runs."""
+
+    where: tuple[str, str, int]
     rows: tuple[CacheRow, ...]
-    runs: tuple[Run, ...]  # hybrid's and the cache systems', ok ones
+    runs: tuple[Run, ...]
+
+    workload = property(lambda self: self.where[0])
+    network = property(lambda self: self.where[1])
+    workers = property(lambda self: self.where[2])
 
     @property
     def stem(self) -> str:
@@ -133,7 +138,7 @@ def cache_slices(results: Results) -> list[CacheSlice]:
         rows = [hybrid] if hybrid else []
         rows += [_row(s, [r for r in runs if r.system == s], base, hybrid)
                  for s in systems if s != PARALLAX]
-        out.append(CacheSlice(workload, network, workers, tuple(rows),
+        out.append(CacheSlice((workload, network, workers), tuple(rows),
                               tuple(r for r in runs if r.ok)))
     return out
 
