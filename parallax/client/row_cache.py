@@ -55,8 +55,12 @@ MIN_CACHE_BYTES = 64 << 10  # 64 KiB: below this no table gets a set
 _EMPTY = np.uint64(0)  # the key of an empty slot; the one id hashing to it is never cached
 _SALT = np.uint64(0x5BD1E995)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is invertible mod 2**64
-_SKETCH_MULTIPLIERS = np.array([0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB,
-                                0x8EBC6AF09C88C6E3], np.uint64)[:SKETCH_DEPTH, None]
+_SKETCH_MULTIPLIERS = np.array([0xD6E8FEB86659FD93, 0xA0761D6478BD642F], np.uint64)  # odd
+BLOCK_COUNTERS = 8  # a sketch block's counters of each row: 4 rows x 8 x 2 bytes = 64 bytes
+_BLOCK = SKETCH_DEPTH * BLOCK_COUNTERS
+_ROW_OFFSETS = (np.arange(SKETCH_DEPTH, dtype=np.uint64) * np.uint64(BLOCK_COUNTERS))[:, None]
+_FIELD_SHIFTS = (np.arange(SKETCH_DEPTH, dtype=np.uint64) * np.uint64(3))[:, None]  # 3 bits:
+_FIELD_MASK = np.uint64(BLOCK_COUNTERS - 1)  # one of a row's 8 counters in the block
 _HALF = np.uint64(32)  # bits: a hash's high half picks its set, products' high halves columns
 _WAY = np.arange(WAYS)
 _WORD = np.dtype(f"u{WAYS}")  # WAYS bools as one unsigned int (WAYS is 1, 2, 4 or 8)
@@ -130,28 +134,32 @@ def _scaled(bits: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 class FrequencySketch:
     """Count-min sketch of id accesses: `SKETCH_DEPTH` rows of saturating uint16 counters,
-    segment k (a table) its own `widths[k]` columns of each row; conservative update (an
+    segment k (a table) its own `widths[k]` counters of each row; conservative update (an
     access raises only the counters at its estimate, which keeps the noise of a stream of
     cold ids low); a segment's counters halve after `AGE_AFTER * widths[k]` accesses of it,
-    so old popularity fades. Ids come as their `id_hashes`."""
+    so old popularity fades. Ids come as their `id_hashes`.
+
+    Blocked, as Caffeine's: the counters are laid out in blocks of one cache line,
+    `BLOCK_COUNTERS` of each row, and an id's counters are all in one block (picked by its
+    hash, a counter of each row within it by more bits of the hash), so an access reads one
+    line of memory, not one per row."""
 
     def __init__(self, widths: Sequence[int]) -> None:
-        widths = [max(1, int(w)) for w in widths]
-        self.widths = np.array(widths, np.uint64)
-        self.starts = np.cumsum([0] + widths).astype(np.int64)
-        self.counts = np.zeros((SKETCH_DEPTH, int(self.starts[-1])), np.uint16)
-        self.added = np.zeros(len(widths), np.int64)
-        self._age_at = AGE_AFTER * np.array(widths, np.int64)  # accesses of a segment
-        self._row_starts = np.arange(SKETCH_DEPTH, dtype=np.uint64)[:, None] * \
-            np.uint64(self.counts.shape[1])
+        blocks = [max(1, -(-int(w) // BLOCK_COUNTERS)) for w in widths]
+        self.blocks = np.array(blocks, np.uint64)
+        self.starts = np.cumsum([0] + blocks).astype(np.int64)
+        self.counts = np.zeros((int(self.starts[-1]), _BLOCK), np.uint16)
+        self.added = np.zeros(len(blocks), np.int64)
+        self._age_at = AGE_AFTER * BLOCK_COUNTERS * np.array(blocks, np.int64)
 
     def cells(self, hashes: np.ndarray, segments: np.ndarray) -> np.ndarray:
         """[SKETCH_DEPTH, n]: each hash's counter in each row, as indices into the flat
-        counts (row d's column from the high half of the hash times its own odd number)."""
-        spread = (hashes * _SKETCH_MULTIPLIERS) >> _HALF
-        columns = _scaled(spread, self.widths[segments]) + \
+        counts (its block from the high half of the hash times one odd number, its counter
+        of each row from 3-bit fields of the high half of it times another)."""
+        block = _scaled((hashes * _SKETCH_MULTIPLIERS[0]) >> _HALF, self.blocks[segments]) + \
             self.starts[segments].astype(np.uint64)
-        return (columns + self._row_starts).astype(np.intp)
+        fields = ((hashes * _SKETCH_MULTIPLIERS[1]) >> _HALF) >> _FIELD_SHIFTS
+        return (block * np.uint64(_BLOCK) + _ROW_OFFSETS + (fields & _FIELD_MASK)).astype(np.intp)
 
     def add(self, cells: np.ndarray, segments: np.ndarray) -> np.ndarray:
         """One access of each id (distinct ids) at its `cells`; their estimates after it."""
@@ -160,7 +168,7 @@ class FrequencySketch:
         np.maximum.at(flat, cells.reshape(-1), np.tile(raised.astype(np.uint16), SKETCH_DEPTH))
         self.added += np.bincount(segments, minlength=len(self.added))
         for k in np.flatnonzero(self.added >= self._age_at):
-            self.counts[:, self.starts[k]:self.starts[k + 1]] >>= 1
+            self.counts[self.starts[k]:self.starts[k + 1]] >>= 1
             self.added[k] //= 2
             raised[segments == k] >>= 1  # estimates as the counters are now
         return raised
@@ -169,7 +177,7 @@ class FrequencySketch:
         return self.counts.reshape(-1)[cells].min(axis=0).astype(np.int64)
 
     def clear(self, segment: int) -> None:
-        self.counts[:, self.starts[segment]:self.starts[segment + 1]] = 0
+        self.counts[self.starts[segment]:self.starts[segment + 1]] = 0
         self.added[segment] = 0
 
 
@@ -208,6 +216,7 @@ class RowStore:
         self.rows = _touched((capacity, dim), dtype)
         self.sketch = FrequencySketch([n * WAYS * SKETCH_WIDTH_PER_SLOT for n in sets])
         self.writes = 0  # calls that changed a slot: a probe's slots hold while it stands
+        self.empty = np.array(sets, np.int64) * WAYS  # each segment's empty slots
 
     @property
     def nbytes(self) -> int:
@@ -254,14 +263,25 @@ class RowStore:
         slots = probe.slots if seen == self.writes else self.find(probe.hashes, probe.sets)
         held = slots >= 0
         self.writes += 1
+        if held.all():
+            self._refresh(slots, rows, versions)
+            return
         if held.any():
-            at, version = slots[held], versions[held]
-            newer = self.versions[at] <= version
-            self.rows[at[newer]] = rows[held][newer]
-            self.versions[at[newer]] = version[newer]
-        new = ~held & (probe.hashes != _EMPTY)
+            self._refresh(slots[held], rows[held], versions[held])
+        # an id seen once (estimate 1) takes only an empty slot: no held row is less frequent
+        # but one whose counters aged to 0, and most ids of a Zipf stream are seen once
+        new = ~held & (probe.hashes != _EMPTY) & \
+            ((probe.freq > 1) | (self.empty[probe.segments] > 0))
         if new.any():
             self._admit(probe.subset(new), rows[new], versions[new])
+
+    def _refresh(self, slots: np.ndarray, rows: np.ndarray, versions: np.ndarray) -> None:
+        """Held rows fetched again, written unless the slot holds a newer version."""
+        newer = self.versions[slots] <= versions
+        if not newer.all():
+            slots, rows, versions = slots[newer], rows[newer], versions[newer]
+        self.rows[slots] = rows
+        self.versions[slots] = versions
 
     def _admit(self, probe: Probe, rows: np.ndarray, versions: np.ndarray) -> None:
         """In every set at once, the newcomers by falling frequency against the set's slots
@@ -280,6 +300,8 @@ class RowStore:
         won, slots = order[wins], victims[group[wins], rank[wins]]
         self.keys[slots], self.versions[slots], self.rows[slots] = \
             probe.hashes[won], versions[won], rows[won]
+        filled = victim_freq[group[wins], rank[wins]] < 0
+        self.empty -= np.bincount(probe.segments[won][filled], minlength=len(self.empty))
 
     def _victims(self, sets: np.ndarray, segments: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -296,6 +318,7 @@ class RowStore:
         """Forget every row of one table."""
         lo, hi = (int(self.set_starts[segment + i]) * WAYS for i in (0, 1))
         self.keys[lo:hi] = _EMPTY
+        self.empty[segment] = hi - lo
         self.sketch.clear(segment)
         self.writes += 1
 
