@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import struct
 
 import pytest
@@ -507,10 +508,11 @@ def test_the_row_cache_section_compares_each_staleness_with_hybrid(tmp_path):
     cells = dict((r.split(" | ")[0][2:], r.split(" | ")) for r in rows)
     # samples/s, vs hybrid (median 1000.5), rows and bytes pulled per worker-step, cut
     assert cells["hybrid_cache4"][1:7] == ["1,400, 1,400", "1,400", "1.40x", "25", "400", "60%"]
-    assert cells["hybrid_cache4"][9:12] == ["60.0%", "0.5020", "+0.40% |"]
+    assert cells["hybrid_cache4"][9:12] == ["60.0%", "0.5020", "+0.400% |"]
+    assert "Final losses over steps 61-110." in section
     assert cells["hybrid"][3] == "-" and cells["hybrid"][7] == "2.0"  # 80 requests / 40
     assert ("hybrid_cache4: bytes cut 60% (target >= 50%): met; throughput 1.40x (target >= "
-            "1.3x): met; final loss +0.40% (target within 1%): met") in section
+            "1.3x): met; final loss +0.400% (target within 1%): met") in section
     assert "hybrid_cache0: bytes cut 0% (target >= 50%): missed" in section
     assert "hybrid_cache16" not in section.split("### Row cache targets")[1]  # > 4: no target
     png = tmp_path / "out" / "cache_ctr_1gbit_w4.png"
@@ -519,10 +521,18 @@ def test_the_row_cache_section_compares_each_staleness_with_hybrid(tmp_path):
     assert "cache_ctr" not in text[text.index("## Targets"):]  # shown inline, not again
 
 
-def test_the_final_loss_is_taken_over_the_steps_both_runs_ran():
-    from parallax.bench.cache_report import LOSS_TAIL, final_losses
-    short, long = [1.0] * 100, [1.0] * 100 + [9.0] * 100
-    assert final_losses(short, long) == (1.0, 1.0)
+def test_the_final_loss_is_taken_over_the_steps_every_run_ran(tmp_path):
+    from parallax.bench.cache_report import LOSS_TAIL, cache_slices, final_loss
+    long = [1.0] * 100 + [9.0] * 100
+    assert final_loss(long, 100) == 1.0 and final_loss(long[:50], 100) is None
     ramp = [float(i) for i in range(LOSS_TAIL * 2)]
-    assert final_losses(ramp, ramp)[0] == sum(ramp[LOSS_TAIL:]) / LOSS_TAIL
-    assert final_losses([], long) is None
+    assert final_loss(ramp, len(ramp)) == sum(ramp[LOSS_TAIL:]) / LOSS_TAIL
+    raw = _cache_results()
+    raw["runs"][1]["losses"] = raw["runs"][1]["losses"][:80]  # one short run: all at 80
+    raw["runs"][0]["losses"][79] = 2.0  # hybrid round 0 at step 80 only
+    (tmp_path / "r.json").write_text(json.dumps(raw))
+    rows = {r.system: r for r in cache_slices(report.load(tmp_path / "r.json"))[0].rows}
+    mine = (30 * 1.502 + 20 * 0.502) / 50  # steps 31-80: 30 before the drop, 20 after
+    theirs = [(30 * 1.5 + 19 * 0.5 + 2.0) / 50, (30 * 1.5 + 20 * 0.5) / 50]
+    assert rows["hybrid_cache4"].loss_change == pytest.approx(
+        statistics.median([mine / t - 1 for t in theirs]))

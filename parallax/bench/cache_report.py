@@ -42,7 +42,7 @@ class CacheRow:
     bytes_cut: float | None  # 1 - pull_bytes / hybrid's
     received: float | None  # a worker's received bytes per step (interface counters)
     hit_rate: float | None  # rank 0's cache: hits / rows asked of it
-    loss: float | None  # final loss (LOSS_TAIL steps)
+    loss: float | None  # final loss: mean over the slice's last LOSS_TAIL common steps
     loss_change: float | None  # final loss / hybrid's same-round final loss - 1
 
 
@@ -54,6 +54,7 @@ class CacheSlice:
     where: tuple[str, str, int]
     rows: tuple[CacheRow, ...]
     runs: tuple[Run, ...]
+    loss_steps: int  # the steps every run ran: final losses are taken over the last of them
 
     workload = property(lambda self: self.where[0])
     network = property(lambda self: self.where[1])
@@ -85,30 +86,26 @@ def _hit_rate(run: Run) -> float | None:
     return c["cache_hits"] / asked if asked and "cache_hits" in c else None
 
 
-def final_losses(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
-    """Both curves' mean loss over the last LOSS_TAIL steps both ran (the same batches)."""
-    n = min(len(a), len(b))
-    if n == 0:
+def final_loss(losses: Sequence[float], steps: int) -> float | None:
+    """The mean loss over the last LOSS_TAIL of the first `steps` steps (None: fewer ran)."""
+    if steps <= 0 or len(losses) < steps:
         return None
-    lo = max(0, n - LOSS_TAIL)
-    return statistics.fmean(a[lo:n]), statistics.fmean(b[lo:n])
+    return statistics.fmean(losses[max(0, steps - LOSS_TAIL):steps])
 
 
-def _loss_change(run: Run, base: Run | None) -> float | None:
-    pair = final_losses(run.losses, base.losses) if base is not None else None
-    if pair is None or pair[1] == 0:
-        return None
-    return pair[0] / pair[1] - 1
+def _loss_change(run: Run, base: Run | None, steps: int) -> float | None:
+    mine = final_loss(run.losses, steps)
+    theirs = final_loss(base.losses, steps) if base is not None else None
+    return None if mine is None or not theirs else mine / theirs - 1
 
 
-def _row(system: str, runs: list[Run], base: dict[int, Run], hybrid: CacheRow | None
-         ) -> CacheRow:
+def _row(system: str, runs: list[Run], base: dict[int, Run], hybrid: CacheRow | None,
+         steps: int) -> CacheRow:
     ok = sorted((r for r in runs if r.ok), key=lambda r: r.round)
     speed = _median(r.samples_per_s for r in ok)
     pull_bytes = _median(_per_worker_step(r, "server_pull_bytes") for r in ok)
     received = _median(r.worker_bytes_per_step.received if r.worker_bytes_per_step else None
                        for r in ok)
-    losses = [final_losses(r.losses, (base.get(r.round) or r).losses) for r in ok]
     return CacheRow(
         system, cache_staleness(system), tuple(r.samples_per_s for r in ok), speed,
         speed / hybrid.samples_per_s if hybrid and speed and hybrid.samples_per_s else None,
@@ -117,8 +114,8 @@ def _row(system: str, runs: list[Run], base: dict[int, Run], hybrid: CacheRow | 
         1 - pull_bytes / hybrid.pull_bytes if hybrid and pull_bytes is not None and
         hybrid.pull_bytes else None,
         received, _median(_hit_rate(r) for r in ok),
-        _median(p[0] if p else None for p in losses),
-        _median(_loss_change(r, base.get(r.round)) for r in ok))
+        _median(final_loss(r.losses, steps) for r in ok),
+        _median(_loss_change(r, base.get(r.round), steps) for r in ok))
 
 
 def cache_slices(results: Results) -> list[CacheSlice]:
@@ -133,13 +130,14 @@ def cache_slices(results: Results) -> list[CacheSlice]:
         if not any(cache_staleness(s) is not None for s in systems):
             continue
         base = {r.round: r for r in runs if r.system == PARALLAX and r.ok}
-        hybrid = _row(PARALLAX, [r for r in runs if r.system == PARALLAX], base, None) \
-            if base else None
+        ok = tuple(r for r in runs if r.ok)
+        steps = min((len(r.losses) for r in ok if r.losses), default=0)
+        hybrid = _row(PARALLAX, [r for r in runs if r.system == PARALLAX], base, None,
+                      steps) if base else None
         rows = [hybrid] if hybrid else []
-        rows += [_row(s, [r for r in runs if r.system == s], base, hybrid)
+        rows += [_row(s, [r for r in runs if r.system == s], base, hybrid, steps)
                  for s in systems if s != PARALLAX]
-        out.append(CacheSlice((workload, network, workers), tuple(rows),
-                              tuple(r for r in runs if r.ok)))
+        out.append(CacheSlice((workload, network, workers), tuple(rows), ok, steps))
     return out
 
 
@@ -160,7 +158,7 @@ def _table(s: CacheSlice) -> list[str]:
             f"| {_fmt(r.pull_bytes, ',.0f')} | {_fmt(r.bytes_cut, '.0%')} "
             f"| {_fmt(r.pull_requests, '.1f')} | {_fmt(r.received, ',.0f')} "
             f"| {_fmt(r.hit_rate, '.1%')} | {_fmt(r.loss, '.4f')} "
-            f"| {_fmt(None if r.loss_change is None else r.loss_change * 100, '+.2f')}% |")
+            f"| {_fmt(None if r.loss_change is None else r.loss_change * 100, '+.3f')}% |")
     return lines
 
 
@@ -182,7 +180,8 @@ def targets(slices: Sequence[CacheSlice]) -> list[str]:
             parts = [f"{name} {text}: {'met' if v is not None and v >= goal else 'missed'}"
                      for name, v, goal, text in checks]
             loss_ok = r.loss_change is not None and abs(r.loss_change) <= LOSS_TOLERANCE
-            parts.append(f"final loss {_fmt(None if r.loss_change is None else r.loss_change * 100, '+.2f')}% "
+            change = None if r.loss_change is None else r.loss_change * 100
+            parts.append(f"final loss {_fmt(change, '+.3f')}% "
                          f"(target within {LOSS_TOLERANCE:.0%}): "
                          f"{'met' if loss_ok else 'missed'}")
             lines.append(f"- {s.workload} on {s.network}, {s.workers} workers, {r.system}: "
@@ -200,10 +199,13 @@ def section(results: Results, plot_files: Sequence[str] = ()) -> list[str]:
              f"`parallax.RowCache`, staleness S) in the same alternating rounds. Rows, bytes "
              f"and requests pulled are what the servers answered (their Stats, every worker, "
              f"over the timed windows) per worker per step; the hit rate is rank 0's cache; "
-             f"the final loss is rank 0's mean loss over the last {LOSS_TAIL} steps both runs "
-             f"of a round ran (the same batches), against hybrid's of the same round.", ""]
+             f"the final loss is rank 0's mean loss over the last {LOSS_TAIL} of the steps "
+             f"every run of the point ran (the same batches), against hybrid's of the same "
+             f"round.", ""]
     for s in found:
-        lines += [f"### {s.workload} on {s.network}, {s.workers} workers", "", *_table(s), ""]
+        lines += [f"### {s.workload} on {s.network}, {s.workers} workers", "",
+                  f"Final losses over steps {max(1, s.loss_steps - LOSS_TAIL + 1)}-"
+                  f"{s.loss_steps}.", "", *_table(s), ""]
         name = f"{PLOT_PREFIX}{s.stem}.png"
         if name in plot_files:
             lines += [f"![{Path(name).stem}]({name})", ""]
