@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from parallax.client.row_cache import (WAYS, CachingClient, FrequencySketch, RowCache,
-                                       RowStore, id_hashes, split_budget)
+from parallax.client.row_cache import (MIN_CACHE_BYTES, WAYS, CachingClient, FrequencySketch,
+                                       RowCache, RowStore, StepRows, id_hashes, split_budget)
 from parallax.client.table_client import TABLE_CLIENTS, TableClient, table_client
 from parallax.errors import ConfigError
 from parallax.protocol.routing import Partitioner, Runs
@@ -100,7 +100,10 @@ def test_no_row_older_than_the_bound_is_ever_served(staleness):
     stats = cache.stats()
     assert stats.hits > 0 and stats.hits + stats.misses + stats.stale == server.rows + \
         stats.hits
-    if staleness == 0:
+    if staleness == 0:  # rows of an earlier step are dropped as the clock moves: misses
+        assert stats.stale == 0 and isinstance(cache._pools[(DIM, tables[0].dtype)].store,
+                                               StepRows)
+    else:
         assert stats.stale > 0  # rows held from an earlier step were pulled again
 
 
@@ -114,7 +117,24 @@ def test_staleness_zero_serves_rows_of_the_same_step_only():
     assert cache.stats().hits == 10 and server.rows == 10
     server.steps["a"] = 6
     rows = pull(cache, table, ids, [6])[0]
-    assert (rows[:, 1] == 6).all() and server.rows == 20 and cache.stats().stale == 10
+    assert (rows[:, 1] == 6).all() and server.rows == 20 and cache.stats().misses == 20
+
+
+def test_staleness_zero_keeps_each_tables_rows_of_its_own_clock_within_its_share():
+    server = VersionedRows()
+    cache = CachingClient(RowCache(bytes=4 * MIN_CACHE_BYTES, staleness=0), server)
+    tables = [fake_table("a", vocab=30_000), fake_table("b", vocab=100, shards=1)]
+    big, small = np.arange(0, 20_000, 2, dtype=np.int64), np.arange(10, dtype=np.int64)
+    pull(cache, tables, [big, small], [3, 7])
+    store = cache._pools[(DIM, tables[0].dtype)].store
+    held_a = int(store.used[0])
+    assert 0 < held_a < len(big) and store.used[1] == 10  # a: what its share holds
+    got = pull(cache, tables, [big, small], [3, 7])  # an evaluation: the same clocks
+    assert cache.stats().hits == held_a + 10 and server.rows == 2 * len(big) + 10 - held_a
+    np.testing.assert_array_equal(got[0][:, 0], big)
+    pull(cache, tables, [big, small], [4, 7])  # a's clock moved on, b's did not
+    assert cache.stats().hits == held_a + 20
+    assert store.used[0] == held_a and store.clocks[0] == 4  # a kept its new rows instead
 
 
 def test_async_all_hit_pulls_send_nothing_and_sync_ones_still_wait_for_the_step():

@@ -280,7 +280,7 @@ class RowStore:
         newer = self.versions[slots] <= versions
         if not newer.all():
             slots, rows, versions = slots[newer], rows[newer], versions[newer]
-        self.rows[slots] = rows
+        put_rows(self.rows, slots, rows)
         self.versions[slots] = versions
 
     def _admit(self, probe: Probe, rows: np.ndarray, versions: np.ndarray) -> None:
@@ -298,8 +298,8 @@ class RowStore:
         group, rank, order = group[keep], rank[keep], order[keep]
         wins = probe.freq[order] > victim_freq[group, rank]
         won, slots = order[wins], victims[group[wins], rank[wins]]
-        self.keys[slots], self.versions[slots], self.rows[slots] = \
-            probe.hashes[won], versions[won], rows[won]
+        self.keys[slots], self.versions[slots] = probe.hashes[won], versions[won]
+        put_rows(self.rows, slots, rows[won])
         filled = victim_freq[group[wins], rank[wins]] < 0
         self.empty -= np.bincount(probe.segments[won][filled], minlength=len(self.empty))
 
@@ -321,6 +321,100 @@ class RowStore:
         self.empty[segment] = hi - lo
         self.sketch.clear(segment)
         self.writes += 1
+
+
+class StepRows:
+    """The store of a cache of staleness 0, with `RowStore`'s interface: there only rows
+    fetched at a pull's own clock may be served, so each table's segment keeps the rows
+    fetched at its latest clock (up to `slots[k]` of them, appended in fetch order) and
+    drops them all when its clock moves on; no sets, no sketch, no admission. A training
+    step's pull, whose clock is new, costs one comparison per id; a pull at the same clock
+    (an evaluation, the next step's reads after it) searches the segment's sorted hashes."""
+
+    def __init__(self, slots: Sequence[int], dim: int, dtype) -> None:
+        sizes = [max(WAYS, int(n)) for n in slots]
+        self.starts = np.cumsum([0] + sizes).astype(np.int64)
+        self.sizes = np.array(sizes, np.int64)
+        self.used = np.zeros(len(sizes), np.int64)  # rows held per segment
+        self.clocks = np.full(len(sizes), np.iinfo(np.int64).min, np.int64)  # theirs
+        self.keys = _touched(int(self.starts[-1]), np.uint64)
+        self.rows = _touched((int(self.starts[-1]), dim), dtype)
+        self.writes = 0
+        self._sorted: dict[int, np.ndarray] = {}  # segment -> its held slots by hash
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes + self.used.nbytes + self.clocks.nbytes
+
+    @property
+    def held(self) -> int:
+        return int(self.used.sum())
+
+    @property
+    def capacity(self) -> int:
+        return len(self.keys)
+
+    def lookup(self, ids: np.ndarray, segments: np.ndarray, clocks: np.ndarray,
+               staleness: int) -> Probe:
+        """Rows held at the ids' own clocks (`staleness` is 0 here)."""
+        hashes = id_hashes(ids)
+        slots = np.full(len(ids), -1, np.int64)
+        live = (self.clocks[segments] == clocks) & (self.used[segments] > 0)
+        if live.any():
+            for k in np.unique(segments[live]).tolist():
+                mine = np.flatnonzero(live & (segments == k))
+                slots[mine] = self._find(k, hashes[mine])
+        fresh = slots >= 0  # (a probe's sets and frequencies are not used here)
+        return Probe(hashes, segments, slots, slots, slots, fresh, np.zeros_like(fresh))
+
+    def _find(self, segment: int, hashes: np.ndarray) -> np.ndarray:
+        order = self._sorted.get(segment)
+        lo = int(self.starts[segment])
+        if order is None:
+            order = lo + np.argsort(self.keys[lo:lo + int(self.used[segment])], kind="stable")
+            self._sorted[segment] = order
+        at = np.minimum(np.searchsorted(self.keys[order], hashes), len(order) - 1)
+        return np.where(self.keys[order[at]] == hashes, order[at], -1)
+
+    def store(self, probe: Probe, rows: np.ndarray, versions: np.ndarray,
+              seen: int | None = None) -> None:
+        """Rows fetched at `versions`: a segment whose clock moved on starts empty; each
+        keeps what fits of them after those it holds (copied as whole runs: the ids come
+        table by table)."""
+        segments = probe.segments
+        if len(segments):
+            bounds = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1], True])
+            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                self._append(int(segments[lo]), int(versions[lo]), probe.hashes[lo:hi],
+                             rows[lo:hi])
+        self.writes += 1
+        self._sorted.clear()
+
+    def _append(self, segment: int, clock: int, hashes: np.ndarray, rows: np.ndarray) -> None:
+        if self.clocks[segment] != clock:
+            self.clocks[segment], self.used[segment] = clock, 0
+        used = int(self.used[segment])
+        n = min(len(hashes), int(self.sizes[segment]) - used)
+        at = int(self.starts[segment]) + used
+        self.keys[at:at + n] = hashes[:n]
+        self.rows[at:at + n] = rows[:n]
+        self.used[segment] = used + n
+
+    def clear(self, segment: int) -> None:
+        self.used[segment] = 0
+        self.writes += 1
+        self._sorted.pop(segment, None)
+
+
+def put_rows(dest: np.ndarray, at: np.ndarray, rows: np.ndarray) -> None:
+    """`dest[at] = rows` for 2-D rows, each row moved as one item (numpy's 2-D fancy
+    assignment sets a row up element by element: about 3x slower)."""
+    rows = np.ascontiguousarray(rows, dest.dtype)
+    if dest.ndim != 2 or not dest.flags.c_contiguous or not dest.shape[1]:
+        dest[at] = rows
+        return
+    item = np.dtype((np.void, dest.shape[1] * dest.itemsize))
+    dest.view(item).reshape(-1)[at] = rows.view(item).reshape(-1)
 
 
 def _touched(shape, dtype) -> np.ndarray:
@@ -347,7 +441,7 @@ class _Pool:
     `names[k]` in `slots[k]` slots."""
 
     shape: tuple[int, np.dtype]
-    store: RowStore
+    store: RowStore | StepRows
     names: tuple[str, ...]
     slots: tuple[int, ...]
 
@@ -384,7 +478,7 @@ class _Served:
         joined = got[0] if len(got) == 1 else np.concatenate(got)
         if not self.hits:
             return got, joined
-        self.out[~self.probe.fresh] = joined
+        put_rows(self.out, ~self.probe.fresh, joined)
         return self.tables(), joined
 
 
@@ -484,7 +578,8 @@ class CachingClient(TableClient):
         probe = pool.store.lookup(ids, segments, id_clocks, self.config.staleness)
         out = np.empty((len(ids), pool.store.rows.shape[1]), pool.store.rows.dtype)
         if probe.fresh.any():
-            out[probe.fresh] = np.take(pool.store.rows, probe.slots[probe.fresh], axis=0)
+            held = np.take(pool.store.rows, probe.slots[probe.fresh], axis=0)
+            put_rows(out, probe.fresh, held)
         return _Served(pool, ks, lengths, ids, out, probe, id_clocks)
 
     def _count(self, tables, runs: Runs, parts: list[_Served]) -> None:
@@ -522,9 +617,11 @@ class CachingClient(TableClient):
             for part, rows in zip(parts, fetched):
                 if self._pools.get(part.pool.shape) is not part.pool or not len(rows):
                     continue
-                which = ~part.probe.fresh
-                part.pool.store.store(part.probe.subset(which), rows, part.clocks[which],
-                                      part.seen)
+                probe, clocks = part.probe, part.clocks
+                if part.hits:
+                    which = ~probe.fresh
+                    probe, clocks = probe.subset(which), clocks[which]
+                part.pool.store.store(probe, rows, clocks, part.seen)
 
     def _place(self, tables: Sequence[ShardedTable]) -> None:
         """Tables seen for the first time (or made again with another spec) share out the
@@ -546,11 +643,14 @@ class CachingClient(TableClient):
         for shape, layout in members.items():
             old = self._pools.get(shape)
             pools[shape] = old if old is not None and old.same_layout(layout) else \
-                _Pool(shape, RowStore(list(layout.values()), *shape), tuple(layout),
+                _Pool(shape, self._store_kind(list(layout.values()), *shape), tuple(layout),
                       tuple(layout.values()))
         self._pools = pools
         self._where = {name: (pool, k) for pool in pools.values()
                        for k, name in enumerate(pool.names)}
+
+    def _store_kind(self, slots: list[int], dim: int, dtype) -> RowStore | StepRows:
+        return (StepRows if self.config.staleness == 0 else RowStore)(slots, dim, dtype)
 
     def _forget(self, name: str) -> None:
         """One table's rows and share of the budget (shared out again when next seen)."""
