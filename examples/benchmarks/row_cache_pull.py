@@ -50,9 +50,9 @@ def tables_of(spec: workloads.WorkloadSpec) -> list[SimpleNamespace]:
 
 
 def step_ids(spec: workloads.WorkloadSpec, index: int) -> list[np.ndarray]:
-    """Worker 0's unique ids per table of batch `index` (the pool of 16 cycled, as the
+    """Worker 0's unique ids per table of batch `index` (the pool cycled, as the
     benchmark does)."""
-    batch = workloads.local_batch(spec, 0, index % 16)
+    batch = workloads.local_batch(spec, 0, index % workloads.POOL_BATCHES)
     if spec.name == "lm":
         per_table = [batch["context"], np.concatenate([batch["targets"], batch["negatives"]])]
     else:
@@ -81,8 +81,8 @@ def main() -> int:
     args = parser.parse_args()
     spec = workloads.get(args.workload)
     tables = tables_of(spec)
-    batches = [step_ids(spec, i) for i in range(16)]
-    plan = [batches[i % 16] for i in range(args.steps)]
+    batches = [step_ids(spec, i) for i in range(workloads.POOL_BATCHES)]
+    plan = [batches[i % len(batches)] for i in range(args.steps)]
     cache = CachingClient(RowCache(args.mb << 20, args.staleness), Instant())
     direct = Instant()
     timed(cache, tables, plan[:20], 0)  # the stores are made, the sketch starts

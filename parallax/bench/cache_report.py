@@ -15,9 +15,10 @@ from typing import Sequence
 from parallax.bench.figures import figure_row, slug
 from parallax.bench.results import Results, Run
 from parallax.bench.summary import PARALLAX, SYSTEMS, _rank, cache_staleness
+from parallax.bench.workloads import POOL_BATCHES
 
-LOSS_TAIL = 50  # steps: a run's final loss is its mean loss over the last 50 steps both ran
-SMOOTH = 10  # steps of the plotted loss curves' moving average
+SMOOTH = POOL_BATCHES  # steps of the plotted moving average: the batches cycle with it
+LOSS_TAIL = 3 * POOL_BATCHES  # steps: a final loss is the mean over the last 48 common steps
 BYTES_CUT_TARGET = 0.50  # the issue's targets at staleness <= TARGET_STALENESS on ctr: bytes
 SPEEDUP_TARGET = 1.3     # pulled cut by half, throughput 1.3x uncached hybrid's,
 LOSS_TOLERANCE = 0.01    # final loss within 1% of uncached
