@@ -5,8 +5,13 @@ client alone. What is left is the cache's numpy work: lookups, the sketch, admis
 
     .venv/bin/python examples/benchmarks/row_cache_pull.py ctr [--steps 200] [--staleness 4]
         [--mb 64] [--rounds 2] [--profile]
+    .venv/bin/python examples/benchmarks/row_cache_pull.py ctr --ideal [--fresh-batches]
 
-Prints ms per pull for each round, both clients alternating, and the cache's hit rate.
+Prints CPU ms per pull for each round, both clients alternating, and the cache's hit rate.
+--ideal prints instead the hit rate of an unbounded cache at staleness 0, 1, 4 and 16 (a row
+fetched at step j serves steps up to j + staleness, then is fetched again): what any cache
+could save on these ids. --fresh-batches draws every step's batch anew instead of cycling
+the benchmark's pool of workloads.POOL_BATCHES.
 """
 from __future__ import annotations
 
@@ -49,15 +54,34 @@ def tables_of(spec: workloads.WorkloadSpec) -> list[SimpleNamespace]:
             for k, rows in enumerate(spec.table_rows)]
 
 
-def step_ids(spec: workloads.WorkloadSpec, index: int) -> list[np.ndarray]:
-    """Worker 0's unique ids per table of batch `index` (the pool cycled, as the
-    benchmark does)."""
-    batch = workloads.local_batch(spec, 0, index % workloads.POOL_BATCHES)
+def step_ids(spec: workloads.WorkloadSpec, index: int, cycle: bool = True
+             ) -> list[np.ndarray]:
+    """Worker 0's unique ids per table of batch `index`: of the pool cycled, as the
+    benchmark's data does, or (cycle=False) batch `index` itself."""
+    batch = workloads.local_batch(spec, 0, index % workloads.POOL_BATCHES if cycle else index)
     if spec.name == "lm":
         per_table = [batch["context"], np.concatenate([batch["targets"], batch["negatives"]])]
     else:
         per_table = [batch["ids"][:, t] for t in range(len(spec.table_rows))]
     return [np.unique(ids) for ids in per_table]
+
+
+def ideal_hit_rate(batch_ids, staleness: int, steps: int) -> float:
+    """Rows answered by an unbounded cache of `staleness` over the second half of `steps`
+    steps of `batch_ids(step)` (each table's unique ids), as a fraction of rows asked."""
+    fetched: dict[tuple[int, int], int] = {}  # (table, id) -> step it was fetched at
+    hits = asked = 0
+    for step in range(steps):
+        counted = step >= steps // 2
+        for table, ids in enumerate(batch_ids(step)):
+            for i in ids.tolist():
+                last = fetched.get((table, i))
+                if last is not None and step - last <= staleness:
+                    hits += counted
+                else:
+                    fetched[(table, i)] = step
+            asked += len(ids) if counted else 0
+    return hits / asked if asked else 0.0
 
 
 def timed(client: TableClient, tables, batches, first_step: int) -> float:
@@ -78,8 +102,20 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--mb", type=int, default=64, help="RowCache bytes, MiB")
     parser.add_argument("--profile", action="store_true", help="cProfile one cached round")
+    parser.add_argument("--ideal", action="store_true",
+                        help="an unbounded cache's hit rate at staleness 0, 1, 4, 16 instead")
+    parser.add_argument("--fresh-batches", action="store_true",
+                        help="--ideal: a new batch every step, not the cycled pool")
     args = parser.parse_args()
     spec = workloads.get(args.workload)
+    if args.ideal:
+        cycled = [step_ids(spec, i) for i in range(workloads.POOL_BATCHES)]
+        batch_ids = (lambda step: step_ids(spec, step, cycle=False)) if args.fresh_batches \
+            else (lambda step: cycled[step % len(cycled)])
+        for staleness in (0, 1, 4, 16):
+            print(f"{args.workload}: staleness {staleness}: ideal hit rate "
+                  f"{ideal_hit_rate(batch_ids, staleness, args.steps):.1%}", flush=True)
+        return 0
     tables = tables_of(spec)
     batches = [step_ids(spec, i) for i in range(workloads.POOL_BATCHES)]
     plan = [batches[i % len(batches)] for i in range(args.steps)]

@@ -30,7 +30,10 @@ whatever the number of tables: each id is hashed once (`id_hashes`, a bijection 
 so a slot keeps the hash in place of the id) and that hash gives its set and its sketch
 counters; the stale and missed ids are looked up again when their rows arrive (another
 pull may have stored them meanwhile), and only the ids not held compete for slots, all
-sets at once.
+sets at once. At staleness 0 only a pull's own clock's rows may be served, so the stores
+are `StepRows`: each table's rows of its latest clock, dropped when it moves on (a training
+step's pull, at a new clock, then costs next to nothing; an evaluation at the same clock
+is served).
 """
 from __future__ import annotations
 
