@@ -142,6 +142,11 @@ def cache_slices(results: Results) -> list[CacheSlice]:
     return out
 
 
+def _percent(value: float | None) -> float | None:
+    """A fraction rounded to whole percent, -0 as 0 (a cut of -0.02% reads "0%")."""
+    return None if value is None else round(value, 2) + 0.0
+
+
 def _fmt(value: float | None, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -156,7 +161,7 @@ def _table(s: CacheSlice) -> list[str]:
         lines.append(
             f"| {r.system} | {rounds} | {_fmt(r.samples_per_s, ',.0f')} "
             f"| {_fmt(r.speedup, '.2f') + 'x' if r.speedup else '-'} | {_fmt(r.pull_rows, ',.0f')} "
-            f"| {_fmt(r.pull_bytes, ',.0f')} | {_fmt(r.bytes_cut, '.0%')} "
+            f"| {_fmt(r.pull_bytes, ',.0f')} | {_fmt(_percent(r.bytes_cut), '.0%')} "
             f"| {_fmt(r.pull_requests, '.1f')} | {_fmt(r.received, ',.0f')} "
             f"| {_fmt(r.hit_rate, '.1%')} | {_fmt(r.loss, '.4f')} "
             f"| {_fmt(None if r.loss_change is None else r.loss_change * 100, '+.3f')}% |")
@@ -174,7 +179,8 @@ def targets(slices: Sequence[CacheSlice]) -> list[str]:
             continue
         for r in (r for r in s.rows if r.staleness is not None and
                   r.staleness <= TARGET_STALENESS):
-            checks = [("bytes cut", r.bytes_cut, BYTES_CUT_TARGET, f"{_fmt(r.bytes_cut, '.0%')}"
+            checks = [("bytes cut", r.bytes_cut, BYTES_CUT_TARGET,
+                       f"{_fmt(_percent(r.bytes_cut), '.0%')}"
                        f" (target >= {BYTES_CUT_TARGET:.0%})"),
                       ("throughput", r.speedup, SPEEDUP_TARGET,
                        f"{_fmt(r.speedup, '.2f')}x (target >= {SPEEDUP_TARGET}x)")]
