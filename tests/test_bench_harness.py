@@ -186,6 +186,44 @@ def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
     assert all(r["status"] == "ok" and r["worker_bytes_per_step"] is None for r in runs)
 
 
+def test_row_cache_systems_run_in_the_same_rounds_and_staleness_0_trains_as_hybrid(tmp_path):
+    done = _bench(tmp_path, "--workloads", "ctr", "--workers", "1", "--networks", "loopback",
+                  "--systems", "hybrid", "--cache-staleness", "0,4", "--rounds", "1",
+                  "--cache-mb", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r["system"]: r for r in
+            json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
+    assert list(runs) == ["hybrid", "hybrid_cache0", "hybrid_cache4"]
+    assert all(r["status"] == "ok" for r in runs.values())
+    plain, exact, stale = runs.values()
+    assert plain["counters"]["server_pull_rows"] > 0 and "cache_hits" not in plain["counters"]
+    assert exact["cache"] == {"staleness": 0, "mb": 1} and stale["counters"]["cache_hits"] > 0
+    n = min(len(plain["losses"]), len(exact["losses"]))
+    assert n > 5 and plain["losses"][:n] == exact["losses"][:n]  # staleness 0: bit for bit
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Row cache" in report and "| hybrid_cache4 |" in report
+    assert (tmp_path / "out" / "cache_ctr_loopback_w1.png").stat().st_size > 1000
+
+
+def test_row_cache_options_make_systems_and_bad_ones_are_refused():
+    config = config_from(parser().parse_args(["--systems", "hybrid", "--cache-staleness",
+                                              "0,16,4", "--cache-mb", "8"]))
+    assert config.runs == ("hybrid", "hybrid_cache0", "hybrid_cache16", "hybrid_cache4")
+    assert config.cache_mb == 8 and harness.base_system("hybrid_cache16") == "hybrid"
+    assert harness.processes_per_run(harness.BenchConfig(systems=(), workers=(2,),
+                                                         cache_staleness=(1,))) == 4
+    with pytest.raises(ConfigError, match=r"--cache-mb 0 must be >= 1.*--cache-mb 64"):
+        config_from(parser().parse_args(["--cache-mb", "0"]))
+    with pytest.raises(ConfigError, match=r"--cache-staleness values must be integers >= 0"):
+        harness.BenchConfig(cache_staleness=(-1,))
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--cache-staleness", "four"])
+    from parallax.bench.worker import _parser
+    args = _parser().parse_args(["--system", "hybrid", "--workload", "ctr",
+                                 "--cache-staleness", "4", "--cache-mb", "2"])
+    assert (args.cache_staleness, args.cache_mb) == (4, 2)
+
+
 def test_window_arithmetic():
     windows = [{"seconds": 2.0, "steps": 10, "samples": 100, "samples_per_s": 50.0,
                 "cpu_seconds": 4.0, "bytes_sent": {"worker0": 1000.0, "worker1": 3000.0,

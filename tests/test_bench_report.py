@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import struct
 
 import pytest
@@ -470,3 +471,68 @@ def test_results_say_which_horovod_cycle_time_each_system_ran_with():
         "HOROVOD_CYCLE_TIME=2 for every system")
     note = _cycle_time_note({})
     assert "(hybrid, ps, allreduce) 5.0 ms" in note and "default (1 ms)" in note
+
+
+def _cache_run(system, rnd, sps, pull_bytes, loss, hits=0):
+    """ctr at 4 workers: 10 steps a run, so per worker per step = counter / 40."""
+    MODELS.setdefault("ctr", MODELS["lm"])
+    run = _run(system, "ctr", 4, "1gbit", rnd, sps, sent=9000, received=8000)
+    run["losses"] = [loss + 1.0] * 60 + [loss] * 50
+    run["counters"] = {"server_pull_rows": pull_bytes / 16, "server_pull_bytes": pull_bytes,
+                       "server_pull_requests": 80}
+    if system != "hybrid":
+        run["counters"].update(cache_hits=hits, cache_misses=100 - hits, cache_stale=0)
+    return run
+
+
+def _cache_results() -> dict:
+    runs = []
+    for rnd in range(2):
+        runs += [_cache_run("hybrid", rnd, 1000 + rnd, 40_000, 0.5),
+                 _cache_run("hybrid_cache16", rnd, 1600, 8_000, 0.52, hits=80),
+                 _cache_run("hybrid_cache4", rnd, 1400, 16_000, 0.502, hits=60),
+                 _cache_run("hybrid_cache0", rnd, 900, 40_000, 0.5)]
+    raw = _results()
+    raw["runs"] = runs
+    return raw
+
+
+def test_the_row_cache_section_compares_each_staleness_with_hybrid(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(_cache_results()))
+    written = report.write_report(tmp_path / "results.json", tmp_path / "out")
+    text = written["report.md"].read_text()
+    section = text[text.index("## Row cache"):text.index("## Targets")]
+    rows = [line for line in section.splitlines() if line.startswith("| hybrid")]
+    assert [r.split(" | ")[0] for r in rows] == [  # by staleness, not by name
+        "| hybrid", "| hybrid_cache0", "| hybrid_cache4", "| hybrid_cache16"]
+    cells = dict((r.split(" | ")[0][2:], r.split(" | ")) for r in rows)
+    # samples/s, vs hybrid (median 1000.5), rows and bytes pulled per worker-step, cut
+    assert cells["hybrid_cache4"][1:7] == ["1,400, 1,400", "1,400", "1.40x", "25", "400", "60%"]
+    assert cells["hybrid_cache4"][9:12] == ["60.0%", "0.5020", "+0.400% |"]
+    assert "Final losses over steps 63-110." in section
+    assert cells["hybrid"][3] == "-" and cells["hybrid"][7] == "2.0"  # 80 requests / 40
+    assert ("hybrid_cache4: bytes cut 60% (target >= 50%): met; throughput 1.40x (target >= "
+            "1.3x): met; final loss +0.400% (target within 1%): met") in section
+    assert "hybrid_cache0: bytes cut 0% (target >= 50%): missed" in section
+    assert "hybrid_cache16" not in section.split("### Row cache targets")[1]  # > 4: no target
+    png = tmp_path / "out" / "cache_ctr_1gbit_w4.png"
+    assert "![cache_ctr_1gbit_w4](cache_ctr_1gbit_w4.png)" in section
+    assert imread(png).shape[:2] == (420, 1280)
+    assert "cache_ctr" not in text[text.index("## Targets"):]  # shown inline, not again
+
+
+def test_the_final_loss_is_taken_over_the_steps_every_run_ran(tmp_path):
+    from parallax.bench.cache_report import LOSS_TAIL, cache_slices, final_loss
+    long = [1.0] * 100 + [9.0] * 100
+    assert final_loss(long, 100) == 1.0 and final_loss(long[:50], 100) is None
+    ramp = [float(i) for i in range(LOSS_TAIL * 2)]
+    assert final_loss(ramp, len(ramp)) == sum(ramp[LOSS_TAIL:]) / LOSS_TAIL
+    raw = _cache_results()
+    raw["runs"][1]["losses"] = raw["runs"][1]["losses"][:80]  # one short run: all at 80
+    raw["runs"][0]["losses"][79] = 2.0  # hybrid round 0 at step 80 only
+    (tmp_path / "r.json").write_text(json.dumps(raw))
+    rows = {r.system: r for r in cache_slices(report.load(tmp_path / "r.json"))[0].rows}
+    mine = (28 * 1.502 + 20 * 0.502) / 48  # steps 33-80: 28 before the drop, 20 after
+    theirs = [(28 * 1.5 + 19 * 0.5 + 2.0) / 48, (28 * 1.5 + 20 * 0.5) / 48]
+    assert rows["hybrid_cache4"].loss_change == pytest.approx(
+        statistics.median([mine / t - 1 for t in theirs]))

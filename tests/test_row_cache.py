@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from parallax.client.row_cache import (WAYS, CachingClient, FrequencySketch, RowCache,
-                                       RowStore, split_budget)
+from parallax.client.row_cache import (MIN_CACHE_BYTES, WAYS, CachingClient, FrequencySketch,
+                                       RowCache, RowStore, StepRows, id_hashes, split_budget)
 from parallax.client.table_client import TABLE_CLIENTS, TableClient, table_client
 from parallax.errors import ConfigError
 from parallax.protocol.routing import Partitioner, Runs
@@ -100,7 +100,10 @@ def test_no_row_older_than_the_bound_is_ever_served(staleness):
     stats = cache.stats()
     assert stats.hits > 0 and stats.hits + stats.misses + stats.stale == server.rows + \
         stats.hits
-    if staleness == 0:
+    if staleness == 0:  # rows of an earlier step are dropped as the clock moves: misses
+        assert stats.stale == 0 and isinstance(cache._pools[(DIM, tables[0].dtype)].store,
+                                               StepRows)
+    else:
         assert stats.stale > 0  # rows held from an earlier step were pulled again
 
 
@@ -114,7 +117,24 @@ def test_staleness_zero_serves_rows_of_the_same_step_only():
     assert cache.stats().hits == 10 and server.rows == 10
     server.steps["a"] = 6
     rows = pull(cache, table, ids, [6])[0]
-    assert (rows[:, 1] == 6).all() and server.rows == 20 and cache.stats().stale == 10
+    assert (rows[:, 1] == 6).all() and server.rows == 20 and cache.stats().misses == 20
+
+
+def test_staleness_zero_keeps_each_tables_rows_of_its_own_clock_within_its_share():
+    server = VersionedRows()
+    cache = CachingClient(RowCache(bytes=4 * MIN_CACHE_BYTES, staleness=0), server)
+    tables = [fake_table("a", vocab=30_000), fake_table("b", vocab=100, shards=1)]
+    big, small = np.arange(0, 20_000, 2, dtype=np.int64), np.arange(10, dtype=np.int64)
+    pull(cache, tables, [big, small], [3, 7])
+    store = cache._pools[(DIM, tables[0].dtype)].store
+    held_a = int(store.used[0])
+    assert 0 < held_a < len(big) and store.used[1] == 10  # a: what its share holds
+    got = pull(cache, tables, [big, small], [3, 7])  # an evaluation: the same clocks
+    assert cache.stats().hits == held_a + 10 and server.rows == 2 * len(big) + 10 - held_a
+    np.testing.assert_array_equal(got[0][:, 0], big)
+    pull(cache, tables, [big, small], [4, 7])  # a's clock moved on, b's did not
+    assert cache.stats().hits == held_a + 20
+    assert store.used[0] == held_a and store.clocks[0] == 4  # a kept its new rows instead
 
 
 def test_async_all_hit_pulls_send_nothing_and_sync_ones_still_wait_for_the_step():
@@ -141,32 +161,81 @@ def test_memory_stays_within_the_budget_and_flat_as_distinct_ids_grow():
         pull(cache, tables, ids, [step, step])
         held.append(cache.stats().bytes_held)
     assert max(held) <= budget and len(set(held)) == 1
-    arrays = [a for s in cache._stores.values() for a in (s.keys, s.versions, s.rows,
-                                                          s.sketch.counts)]
+    stores = [p.store for p in cache._pools.values()]
+    arrays = [a for s in stores for a in (s.keys, s.versions, s.rows, s.sketch.counts)]
     assert sum(a.nbytes for a in arrays) == held[-1]
 
 
-def test_hot_rows_are_kept_over_a_stream_of_cold_ones():
+def held_ids(store: RowStore, ids: np.ndarray, segment: int = 0) -> np.ndarray:
+    hashes = id_hashes(ids)
+    return store.find(hashes, store.set_of(hashes, np.full(len(ids), segment))) >= 0
+
+
+@pytest.mark.parametrize("tables", [1, 3])
+def test_hot_rows_are_kept_over_a_stream_of_cold_ones(tables):
     rng = np.random.default_rng(0)
-    store = RowStore(512, DIM, np.float32)
+    store = RowStore([512] * tables, DIM, np.float32)
     hot = np.arange(100, dtype=np.int64)
     for step in range(30):
         ids = np.unique(np.concatenate([hot, rng.integers(1000, 10**9, 2000)]))
-        _, fresh, _ = store.lookup(ids, step, 100)
-        store.store(ids[~fresh], np.zeros((int((~fresh).sum()), DIM), np.float32), step)
-    assert (store.find(hot) >= 0).mean() > 0.95  # the hot ids won their sets
-    assert store.held == 512
+        ids, segments = np.tile(ids, tables), np.repeat(np.arange(tables), len(ids))
+        probe = store.lookup(ids, segments, np.full(len(ids), step), 100)
+        missed = ~probe.fresh
+        store.store(probe.subset(missed), np.zeros((int(missed.sum()), DIM), np.float32),
+                    np.full(int(missed.sum()), step))
+    for k in range(tables):  # the hot ids won their sets, in every table's segment
+        assert held_ids(store, hot, k).mean() > 0.95
+    assert store.held == 512 * tables
+
+
+def test_two_tables_of_one_store_keep_their_rows_apart():
+    # the same ids in two tables: each table's rows in its own segment, served its own
+    store = RowStore([64, 64], DIM, np.float32)
+    ids = np.arange(20, dtype=np.int64)
+    both, segments = np.tile(ids, 2), np.repeat([0, 1], 20)
+    probe = store.lookup(both, segments, np.zeros(40, np.int64), 0)
+    rows = np.repeat(np.arange(40, dtype=np.float32)[:, None], DIM, axis=1)
+    store.store(probe, rows, np.zeros(40, np.int64))
+    again = store.lookup(both, segments, np.zeros(40, np.int64), 0)
+    assert again.fresh.all()
+    np.testing.assert_array_equal(store.rows[again.slots][:, 0], np.arange(40))
+    store.clear(0)  # one table forgotten, the other kept
+    after = store.lookup(both, segments, np.zeros(40, np.int64), 0)
+    assert not after.fresh[:20].any() and after.fresh[20:].all()
+
+
+def test_a_refresh_after_another_pull_stored_finds_its_slots_again():
+    # a probe's slots are reused only while nothing was written since it was taken
+    store = RowStore([64], DIM, np.float32)
+    ids, zeros = np.arange(8, dtype=np.int64), np.zeros(8, np.int64)
+    first = store.lookup(ids, zeros, zeros, 0)
+    seen = store.writes
+    store.store(first, np.ones((8, DIM), np.float32), zeros)  # another pull stored them
+    store.store(first, np.full((8, DIM), 2, np.float32), zeros, seen)  # stale slots (-1)
+    assert store.held == 8  # refreshed in place, not admitted twice
+    np.testing.assert_array_equal(store.rows[store.lookup(ids, zeros, zeros, 0).slots],
+                                  np.full((8, DIM), 2, np.float32))
 
 
 def test_sketch_estimates_are_upper_bounds_and_age():
-    sketch = FrequencySketch(64)
+    sketch = FrequencySketch([64, 32])
     ids = np.arange(10, dtype=np.int64)
+    first, second = np.zeros(10, np.int64), np.ones(10, np.int64)
+    cells = sketch.cells(id_hashes(ids), first)
     for _ in range(5):
-        sketch.add(ids)
-    assert (sketch.estimate(ids) >= 5).all()
-    for _ in range(600):  # 10 x 64 accesses in all: every counter halves
-        sketch.add(np.array([1000], np.int64))
-    assert sketch.estimate(ids).max() < 5
+        sketch.add(cells, first)
+    assert (sketch.estimate(cells) >= 5).all()
+    assert sketch.estimate(sketch.cells(id_hashes(ids), second)).max() == 0  # apart
+    one = np.array([1000], np.int64)
+    for _ in range(600):  # 10 x 64 accesses in all: every counter of the segment halves
+        sketch.add(sketch.cells(id_hashes(one), first[:1]), first[:1])
+    assert sketch.estimate(cells).max() < 5
+
+
+def test_id_hashes_are_distinct_for_distinct_ids():
+    ids = np.concatenate([np.arange(-5000, 5000), np.iinfo(np.int64).max - np.arange(100),
+                          np.arange(1, 101) << 40]).astype(np.int64)
+    assert len(np.unique(id_hashes(ids))) == len(ids)
 
 
 def test_the_budget_is_split_in_proportion_and_small_tables_are_held_whole():

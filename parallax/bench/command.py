@@ -3,6 +3,7 @@
     parallax bench                      # the whole comparison (docs/benchmarks.md), ~1-2 h
     parallax bench --size short --workers 1,2 --networks unlimited --rounds 1   # minutes
     parallax bench --cpu-share off,0.25 # shared cores, then 0.25 core per process (root)
+    parallax bench --workloads ctr --systems hybrid --cache-staleness 0,4   # the row cache
     parallax bench --report-only --out DIR   # re-render DIR/results.json
     parallax bench partitions           # partition search vs a shard-count sweep (--help)
 
@@ -39,6 +40,7 @@ def _ints(what: str):
 
 
 _counts = _ints("worker counts")
+_stalenesses = _ints("--cache-staleness values")
 
 
 def _shares(text: str) -> tuple[float | None, ...]:
@@ -89,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
                    help="CFS period of the CPU groups (quota = share x period); a process "
                         "that has used its quota waits up to period x (1 - share), so a "
                         "shorter period smooths synchronous steps (default 100000)")
+    p.add_argument("--cache-staleness", type=_stalenesses, default=defaults.cache_staleness,
+                   metavar="S,...",
+                   help="also run hybrid with a worker row cache (parallax.RowCache) of each "
+                        "staleness, as systems hybrid_cache<S> in the same alternating "
+                        "rounds, e.g. 0,1,4,16 (default: none)")
+    p.add_argument("--cache-mb", type=int, default=defaults.cache_mb,
+                   help="the row cache's memory per worker, MiB (default %(default)s)")
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: render the report of OUT/results.json")
     return p
@@ -114,7 +123,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        networks=args.networks, servers=args.servers, rounds=args.rounds,
                        size=args.size, window=window, run_timeout=args.run_timeout,
                        out_dir=args.out, prefix=args.prefix, cpu_shares=args.cpu_share,
-                       cgroup_root=args.cgroup_root, cpu_period_us=args.cpu_period_us)
+                       cgroup_root=args.cgroup_root, cpu_period_us=args.cpu_period_us,
+                       cache_staleness=args.cache_staleness, cache_mb=args.cache_mb)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""The benchmark's figures: file-name-safe names, and a fresh Agg figure (no pyplot state), for
-every module that draws one (plots, projection, partitions_report)."""
+"""The benchmark's figures: file-name-safe names, and fresh Agg figures (no pyplot state), for
+every module that draws one (plots, projection, partitions_report, cache_report)."""
 from __future__ import annotations
 
 import re
@@ -19,3 +19,10 @@ def figure() -> tuple[Figure, Any]:
     fig = Figure(figsize=(6.4, 4.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
+
+
+def figure_row(columns: int, width: float = 12.8) -> tuple[Figure, Any]:
+    """A fresh Agg figure of `columns` axes side by side, and those axes."""
+    fig = Figure(figsize=(width, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, columns)

@@ -16,6 +16,12 @@ Such a run's network is keyed "1gbit@0.25cpu" in the results, beside a shared-co
 run of the same file; CPU seconds and bytes per step are also kept per process role
 (`roles`), for the step-time model.
 
+Row cache (`cache_staleness`, `--cache-staleness 0,1,4`): one more system per staleness,
+"hybrid_cache<S>", run in the same alternating rounds: hybrid with every worker's
+`parallax.RowCache(cache_mb << 20, S)`. Each parallax run's record also keeps rank 0's loss
+at every step (`losses`) and, over the timed windows, the servers' pull counters and its
+cache's counts (`counters`).
+
 Topologies (hosts are namespaces; "127.0.0.1" on loopback):
   hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
   allreduce        workers only (the plan puts nothing on servers)
@@ -49,12 +55,20 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.client.local_cluster import ready_address
 
 SYSTEMS = summary.SYSTEMS
+CACHED, cache_system, cache_staleness = summary.CACHED, summary.cache_system, \
+    summary.cache_staleness
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "hybrid_tf")  # (only by name: see below)
 SERVED = ("hybrid", "hybrid_tf", "ps", "tf_ps")  # systems with parameter servers
 LOOPBACK = "loopback"
 TF_PORT = 23400          # TF servers and MWMS workers inside namespaces (one per namespace)
 PS_PORT = 7000           # parallax servers inside namespaces
 RENDEZVOUS_PORT = 23399  # Horovod's rendezvous, served by the harness in the root namespace
+DEFAULT_CACHE_MB = 64  # MiB of row cache per worker
+
+
+def base_system(system: str) -> str:
+    """The system whose processes a run starts (a cache system runs hybrid's)."""
+    return "hybrid" if cache_staleness(system) is not None else system
 
 
 @dataclass(frozen=True)
@@ -73,11 +87,26 @@ class BenchConfig:
     cpu_shares: tuple[float | None, ...] = (None,)  # cores per process; None: shared cores
     cgroup_root: str = str(cgroups.CPU_ROOT)
     cpu_period_us: int = cgroups.PERIOD_US
+    cache_staleness: tuple[int, ...] = ()  # one hybrid_cache<S> system each
+    cache_mb: int = DEFAULT_CACHE_MB
+
+    @property
+    def runs(self) -> tuple[str, ...]:
+        """Every system a round runs, in order: `systems`, then the cache systems."""
+        return self.systems + tuple(cache_system(s) for s in self.cache_staleness
+                                    if cache_system(s) not in self.systems)
 
     def __post_init__(self) -> None:
         for system in self.systems:
-            if system not in SYSTEMS:
-                raise ConfigError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
+            if system not in SYSTEMS and cache_staleness(system) is None:
+                raise ConfigError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}"
+                                  f" or {CACHED}<staleness> (e.g. {cache_system(4)})")
+        if any(s < 0 for s in self.cache_staleness):
+            raise ConfigError(f"--cache-staleness values must be integers >= 0 (steps a cached "
+                              f"row may lag), got {self.cache_staleness}")
+        if self.cache_mb < 1:
+            raise ConfigError(f"--cache-mb {self.cache_mb} must be >= 1 (MiB of row cache per "
+                              f"worker), e.g. --cache-mb 64")
         for name in self.workloads:
             workloads.get(name, self.size)  # raises ConfigError for a bad name or size
         if not self.workers or min(self.workers) < 1:
@@ -97,8 +126,9 @@ class BenchConfig:
 
 def processes_per_run(config: BenchConfig) -> int:
     """The most processes one run of the matrix starts: workers, servers, a coordinator."""
-    servers = config.servers if set(SERVED) & set(config.systems) else 0
-    return max(config.workers) + servers + (1 if "tf_ps" in config.systems else 0)
+    bases = {base_system(s) for s in config.runs}
+    servers = config.servers if set(SERVED) & bases else 0
+    return max(config.workers) + servers + (1 if "tf_ps" in bases else 0)
 
 
 @dataclass
@@ -335,9 +365,14 @@ def _wait_ready(proc: Proc, timeout: float) -> str:
 def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
             placement: Placement, log_dir: Path, worker_args: Sequence[str] = ()) -> dict:
     """One run, as a results record (status "failed" with the reason instead of raising).
-    worker_args: more flags for every worker process (parallax.bench.worker's)."""
-    run = Run(system, spec, workers, config.servers, placement, config.window, log_dir,
-              worker_args)
+    worker_args: more flags for every worker process (parallax.bench.worker's); a cache
+    system (`cache_system`) runs hybrid's processes with its cache's flags."""
+    staleness = cache_staleness(system)
+    if staleness is not None:
+        worker_args = [*worker_args, "--cache-staleness", str(staleness),
+                       "--cache-mb", str(config.cache_mb)]
+    run = Run(base_system(system), spec, workers, config.servers, placement, config.window,
+              log_dir, worker_args)
     worker_hosts = [f"worker{i}" for i in range(workers)]
     counters = placement.cluster.counters if placement.cluster else None
     record, error = None, None
@@ -356,13 +391,13 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
         error = f"{type(err).__name__}: {err}"
     result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
-              "servers": config.servers if system in SERVED else 0,
+              "servers": config.servers if base_system(system) in SERVED else 0,
               "batch_per_worker": spec.batch_per_worker,
               "global_batch": spec.batch_per_worker * workers,
               "status": "failed" if record is None else "ok", "error": error, "windows": [],
               "samples_per_s": None, "cpu_seconds_per_sample": None,
               "worker_bytes_per_step": None, "per_process": None, "loss": None,
-              "analytic": analytic(system, spec, workers),
+              "analytic": analytic(base_system(system), spec, workers),
               "traffic_workload": traffic_record(spec, workers)}
     if record is not None:
         try:
@@ -372,6 +407,10 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
             return result
         result.update(summarize_windows(result["windows"], worker_hosts))
         result["loss"] = record.get("loss")
+        result["losses"] = record.get("losses", [])
+        result["counters"] = record.get("counters", {})
+    if staleness is not None:
+        result["cache"] = {"staleness": staleness, "mb": config.cache_mb}
     return result
 
 
@@ -492,7 +531,7 @@ def _run_network(config, network, placement, results, results_path, out, echo) -
         spec = workloads.get(name, config.size)
         for workers in config.workers:
             for rnd in range(config.rounds):
-                for system in config.systems:
+                for system in config.runs:
                     record = _network_record(network, placement.cluster, placement.cpu)
                     log_dir = (out / "logs" /
                                f"{record['name']}-{name}-w{workers}-r{rnd}-{system}")

@@ -50,6 +50,9 @@ class Trainer:
     step: one global step (every worker one local batch); blocks until done, except under
       asynchronous coordinators (TF's ClusterCoordinator), whose `sync` waits for the queue.
     agree_max: a collective maximum over the workers (identity with one worker/coordinator).
+    losses: every step's loss so far (rank 0's local batch), in order: the loss curve.
+    counters: counts that only grow (rows pulled, cache hits...); the run reports how much
+      each grew over the measured windows.
     """
 
     step: Callable[[], object]
@@ -60,16 +63,21 @@ class Trainer:
     sync: Callable[[], None] = lambda: None
     loss: Callable[[], float] = field(default=lambda: float("nan"))
     close: Callable[[], None] = lambda: None
+    losses: Callable[[], list[float]] = list
+    counters: Callable[[], dict[str, float]] = dict
 
 
-def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
+def run_windows(trainer: Trainer, config: WindowConfig,
+                counted: dict[str, float] | None = None) -> list[Window]:
+    """The timed windows; `counted`, when given, receives how much each of the trainer's
+    counters grew over them."""
     for _ in range(config.warmup_steps):
         trainer.step()
     trainer.sync()
     per_step = _calibrate(trainer, config)
     steps = int(trainer.agree_max(float(max(config.min_window_steps,
                                             math.ceil(config.window_seconds / per_step)))))
-    windows = []
+    windows, before = [], trainer.counters() if counted is not None else {}
     for _ in range(config.windows):
         t0 = time.time()
         for _ in range(steps):
@@ -77,6 +85,9 @@ def run_windows(trainer: Trainer, config: WindowConfig) -> list[Window]:
         trainer.sync()
         t1 = time.time()
         windows.append(Window(t0, t1, steps, steps * trainer.global_batch))
+    if counted is not None:
+        after = trainer.counters()
+        counted.update({key: after[key] - before.get(key, 0) for key in after})
     return windows
 
 
@@ -98,11 +109,12 @@ def _calibrate(trainer: Trainer, config: WindowConfig) -> float:
 
 
 def emit(system: str, workload: str, trainer: Trainer, windows: list[Window],
-         out=sys.stdout) -> None:
+         out=sys.stdout, counted: dict[str, float] | None = None) -> None:
     """The line the harness parses: printed by rank 0 (the coordinator under TF PS)."""
     record = {"system": system, "workload": workload, "workers": trainer.workers,
               "global_batch": trainer.global_batch, "loss": trainer.loss(),
-              "windows": [asdict(w) for w in windows]}
+              "windows": [asdict(w) for w in windows], "losses": list(trainer.losses()),
+              "counters": dict(counted or {})}
     print(RESULT_PREFIX + json.dumps(record), file=out, flush=True)
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from parallax.bench import projection
+from parallax.bench import cache_report, projection
 from parallax.bench.results import Meta, Network, Results, Run, load  # noqa: F401 (API)
 from parallax.bench.summary import (  # noqa: F401 (API: what report users read)
     BYTES_TARGET, DENSE_TOLERANCE, PARALLAX, SYSTEMS, WORKLOADS, Row, Slice, _rank,
@@ -203,10 +203,12 @@ def markdown(results: Results, plot_files: Sequence[str] = ()) -> str:
     inline = {key: name for key in dict.fromkeys((p.workload, p.network) for p in found)
               if (name := projection.plot_name(*key, found)) in plot_files}
     lines += projection.section(found, networks, inline)
+    lines += cache_report.section(results, plot_files)
     lines += ["## Targets", ""]
     lines += [f"- {t.workload} on {t.network}, {t.workers} workers: {t.goal}: **{t.verdict}** "
               f"({t.detail})" for t in targets(results)] or ["- not measured: no runs"]
-    others = [f for f in plot_files if f not in inline.values()]
+    others = [f for f in plot_files
+              if f not in inline.values() and not cache_report.is_plot(f)]
     if others:
         lines += ["", "## Plots", "", *(f"![{Path(f).stem}]({f})" for f in others)]
     return "\n".join(lines).rstrip() + "\n"
@@ -217,7 +219,7 @@ def write_report(results_path: str | Path, out_dir: str | Path) -> dict[str, Pat
     results = load(results_path)
     out = Path(out_dir)
     from parallax.bench.plots import plots
-    pngs = plots(results, out)
+    pngs = plots(results, out) + cache_report.plots(results, out)
     written = {p.name: p for p in pngs}
     written["report.md"] = out / "report.md"
     written["report.md"].write_text(markdown(results, [p.name for p in pngs]))

@@ -82,6 +82,8 @@ class Run:
     analytic: StepTraffic | None
     per_process: dict[str, RoleStep] = field(default_factory=dict)
     traffic_workload: Workload | None = None
+    losses: tuple[float, ...] = ()  # rank 0's loss at every step (parallax systems)
+    counters: dict[str, float] = field(default_factory=dict)  # growth over the windows
 
     @property
     def ok(self) -> bool:
@@ -169,6 +171,21 @@ def _traffic_workload(raw: dict, where: str) -> Workload | None:
                     **lists, itemsize=_get(entry, "itemsize", name, ints))
 
 
+def _losses(raw: dict, where: str) -> tuple[float, ...]:
+    values = _optional(raw, "losses", where, (list,)) or []
+    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{where}.losses must be a list of numbers, got {values[:5]!r}...")
+    return tuple(float(v) for v in values)
+
+
+def _counters(raw: dict, where: str) -> dict[str, float]:
+    counters = _optional(raw, "counters", where, (dict,)) or {}
+    for key, value in counters.items():
+        if not isinstance(value, _NUM) or isinstance(value, bool):
+            raise ConfigError(f"{where}.counters.{key} must be a number, got {value!r}")
+    return {key: float(value) for key, value in counters.items()}
+
+
 def _object_at(raw: Any, where: str) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be an object, got {raw!r}")
@@ -191,7 +208,8 @@ def _run(raw: Any, where: str) -> Run:
         _get(raw, "samples_per_s", where, _NUM, True),
         _get(raw, "cpu_seconds_per_sample", where, _NUM, True),
         _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where),
-        _per_process(raw, where), _traffic_workload(raw, where))
+        _per_process(raw, where), _traffic_workload(raw, where),
+        _losses(raw, where), _counters(raw, where))
     if run.ok and run.samples_per_s is None:
         raise ConfigError(f"{where}.samples_per_s is null but the run's status is 'ok'")
     return run

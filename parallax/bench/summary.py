@@ -17,6 +17,7 @@ SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_den
            "hybrid_tf")  # hybrid_tf: hybrid whose dense sums are TensorFlow's collectives
 WORKLOADS = ("lm", "ctr", "dense")
 PARALLAX = "hybrid"
+CACHED = "hybrid_cache"  # + staleness: hybrid with a worker row cache, e.g. hybrid_cache4
 BYTES_TARGET = 1.2      # hybrid's measured bytes within this factor of the analytic minimum
 DENSE_TOLERANCE = 5.0   # percent: on a dense model hybrid is plain all-reduce, like Horovod
 
@@ -80,8 +81,23 @@ def _ratio(a: StepTraffic | None, b: StepTraffic | None) -> float | None:
     return None if a is None or b is None or b.total == 0 else a.total / b.total
 
 
-def _rank(name: str, known: Sequence[str]) -> tuple[int, str]:
-    return (known.index(name) if name in known else len(known), name)
+def cache_system(staleness: int) -> str:
+    return f"{CACHED}{staleness}"
+
+
+def cache_staleness(system: str) -> int | None:
+    """The staleness of a cache system's name ("hybrid_cache4" -> 4), else None."""
+    tail = system.removeprefix(CACHED)
+    return int(tail) if system.startswith(CACHED) and tail.isdigit() else None
+
+
+def _rank(name: str, known: Sequence[str]) -> tuple[int, int, str]:
+    """Known names in `known`'s order, cache systems after hybrid by staleness, then the
+    rest by name."""
+    staleness = cache_staleness(name)
+    if staleness is not None and PARALLAX in known:
+        return (known.index(PARALLAX), 1 + staleness, name)
+    return (known.index(name) if name in known else len(known), 0, name)
 
 
 def summarize(results: Results) -> list[Row]:

@@ -8,6 +8,12 @@ and one coordinator) with its role in the environment:
 Every system trains the same `models.BenchModel` on the same batches with Keras' SGD,
 each worker on its own local batch; rank 0 prints one BENCH_RESULT line.
 
+Row cache (`parallax bench --cache-staleness 0,4`): `--cache-staleness S --cache-mb M` give a
+parallax system's strategy `cache=parallax.RowCache(M << 20, S)`. Rank 0 of a parallax system
+reports, over the timed windows, the servers' pull counters (rows, bytes and requests of
+every worker's pulls, from their Stats) and its own cache's counts (`counters`), and every
+step's loss (`losses`).
+
 Partition benchmark (`parallax bench partitions`), parallax systems only: `--shards N` gives
 every sparse table N shards (capped by its rows); `--search-partitions` lets the strategy's
 partition search (`parallax.PartitionSearch`) choose them: the run steps until the search is
@@ -41,13 +47,15 @@ def _iterator(spec: workloads.WorkloadSpec, rank: int):
 
 
 def parallax_trainer(system: str, spec: workloads.WorkloadSpec, shards: int | None = None,
-                     search=None) -> measure.Trainer:
-    return _parallax_setup(system, spec, shards, search)[0]
+                     search=None, cache=None) -> measure.Trainer:
+    return _parallax_setup(system, spec, shards, search, cache)[0]
 
 
-def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | None, search):
+def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | None, search,
+                    cache=None):
     """(trainer, strategy): with `shards` shards per table (else the default plan), searched
-    by `search` (a parallax.PartitionSearch) when given."""
+    by `search` (a parallax.PartitionSearch) when given, with the row cache `cache` (a
+    parallax.RowCache) when given."""
     import keras
     import tensorflow as tf
 
@@ -59,6 +67,8 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
     options: dict = {"search_partitions": search if search is not None else False}
     if shards is not None:
         options["shards"] = shards
+    if cache is not None:
+        options["cache"] = cache
     tf_collectives = system.endswith("_tf")
     strategy = parallax.ParallaxStrategy(mode=system.removesuffix("_tf"), sync=True,
                                          log_plan=False, **options,
@@ -70,14 +80,14 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
     step_fn = models.train_fn(model, optimizer, 1.0 / strategy.num_replicas_in_sync)
     rank, workers = strategy.worker.rank, strategy.worker.size
     batches = _iterator(spec, rank)
-    last = {"loss": float("nan")}
+    losses: list[float] = []
 
     @tf.function
     def train(batch):
         return strategy.run(step_fn, args=(batch,))
 
     def step():
-        last["loss"] = float(train(next(batches)))
+        losses.append(float(train(next(batches))))
 
     def sync():  # a window ends when its last step's pushes have landed
         for table in strategy.tables.values():
@@ -87,8 +97,32 @@ def _parallax_setup(system: str, spec: workloads.WorkloadSpec, shards: int | Non
                               global_batch=spec.batch_per_worker * workers,
                               agree_max=(_agreed_max(strategy) if tf_collectives
                                          else _horovod_max),
-                              sync=sync, loss=lambda: last["loss"])
+                              sync=sync, loss=lambda: losses[-1] if losses else float("nan"),
+                              losses=lambda: losses, counters=lambda: pull_counters(strategy))
     return trainer, strategy
+
+
+PULL_METHODS = ("Pull", "PullMany")  # the servers' methods that answer rows to workers
+CACHE_COUNTS = ("pulls", "hits", "misses", "stale", "requests_saved", "bytes_saved")
+
+
+def pull_counters(strategy) -> dict[str, float]:
+    """What the job's servers answered to pulls so far (rows, bytes, requests; every
+    worker's, from their Stats) and, with a row cache, this worker's cache's counts."""
+    out = {"server_pull_rows": 0, "server_pull_bytes": 0, "server_pull_requests": 0}
+    plan = strategy.plan
+    names = sorted({v.table for v in plan.on_servers}) if plan is not None else []
+    if names:
+        for reply in strategy.extended.client.stats(names).values():
+            for table in reply.tables:
+                for method in (m for m in table.methods if m.method in PULL_METHODS):
+                    out["server_pull_rows"] += method.rows
+                    out["server_pull_bytes"] += method.bytes
+                    out["server_pull_requests"] += method.requests
+    stats = strategy.cache_stats()
+    if stats is not None:
+        out.update({f"cache_{name}": getattr(stats, name) for name in CACHE_COUNTS})
+    return out
 
 
 def partition_search(args: argparse.Namespace):
@@ -215,10 +249,25 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("min-shards", "max-shards", "steps-per-sample", "warmup-steps"):
         parser.add_argument(f"--search-{name}", type=_positive, default=None,
                             help="passed to parallax.PartitionSearch (its default if unset)")
+    parser.add_argument("--cache-staleness", type=_non_negative, default=None,
+                        help="parallax systems: a worker row cache serving rows at most this "
+                             "many steps stale (parallax.RowCache); none if unset")
+    parser.add_argument("--cache-mb", type=_positive, default=64,
+                        help="the row cache's memory per worker, MiB (with --cache-staleness)")
     parser.add_argument("--search-cache-dir", default=None,
                         help="PartitionSearch.cache_dir: where decisions are kept and reused "
                              "('' keeps none, so the search always runs; default: the tuner's)")
     return parser
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -238,30 +287,41 @@ def main(argv: list[str] | None = None) -> int:
         return tf_peers.serve(args.role)
     spec = workloads.get(args.workload, args.size)
     partitioned = args.shards is not None or args.search_partitions
-    if partitioned and args.system not in PARALLAX_SYSTEMS:
-        raise SystemExit(f"parallax.bench.worker: --shards and --search-partitions apply to "
-                         f"{', '.join(PARALLAX_SYSTEMS)}, not {args.system}")
+    cached = args.cache_staleness is not None
+    if (partitioned or cached) and args.system not in PARALLAX_SYSTEMS:
+        raise SystemExit(f"parallax.bench.worker: --shards, --search-partitions and "
+                         f"--cache-staleness apply to {', '.join(PARALLAX_SYSTEMS)}, not "
+                         f"{args.system}")
     strategy = None
-    if partitioned:
+    if partitioned or cached or args.system in PARALLAX_SYSTEMS:
         search = partition_search(args) if args.search_partitions else None
-        trainer, strategy = _parallax_setup(args.system, spec, args.shards, search)
+        trainer, strategy = _parallax_setup(args.system, spec, args.shards, search,
+                                            _row_cache(args))
     else:
         trainer = trainer_for(args.system, spec)
     config = measure.WindowConfig(args.warmup_steps, args.calibration_steps, args.windows,
                                   args.window_seconds, args.min_window_steps)
+    counted: dict[str, float] = {}
     try:
         if args.search_partitions:
             report = run_search(trainer, strategy, args.search_max_steps)
             if trainer.rank == 0:
                 print(TUNING_PREFIX + json.dumps(report, default=str), flush=True)
-        windows = measure.run_windows(trainer, config)
+        windows = measure.run_windows(trainer, config, counted if trainer.rank == 0 else None)
         if trainer.rank == 0:
-            if strategy is not None:
+            if partitioned:
                 print(PLAN_PREFIX + json.dumps(plan_record(strategy)), flush=True)
-            measure.emit(args.system, args.workload, trainer, windows)
+            measure.emit(args.system, args.workload, trainer, windows, counted=counted)
     finally:
         trainer.close()
     return 0
+
+
+def _row_cache(args: argparse.Namespace):
+    if args.cache_staleness is None:
+        return None
+    import parallax
+    return parallax.RowCache(args.cache_mb << 20, args.cache_staleness)
 
 
 def parse_line(prefix: str, line: str) -> dict | None:

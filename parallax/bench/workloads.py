@@ -23,6 +23,7 @@ from parallax.placement.traffic_model import Workload
 WORKLOADS = ("lm", "ctr", "dense")
 SIZES = ("full", "short")
 ZIPF_A = 1.1
+POOL_BATCHES = 16  # batches per worker made before timing and cycled: losses repeat with it
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ def local_batch(spec: WorkloadSpec, rank: int, index: int) -> dict[str, np.ndarr
             "labels": rng.integers(0, spec.outputs, size=b, dtype=np.int64)}
 
 
-def batch_pool(spec: WorkloadSpec, rank: int, batches: int = 16) -> list[dict[str, np.ndarray]]:
+def batch_pool(spec: WorkloadSpec, rank: int,
+               batches: int = POOL_BATCHES) -> list[dict[str, np.ndarray]]:
     """A few batches made before timing starts and cycled, so data generation costs the
     same (nothing) under every system."""
     return [local_batch(spec, rank, i) for i in range(batches)]
