@@ -40,6 +40,8 @@ TLS_CA_ENV = "PARALLAX_TLS_CA"           # with --secure: the job's CA, certific
 TLS_CERT_ENV = "PARALLAX_TLS_CERT"       # token file (parallax.protocol.security)
 TLS_KEY_ENV = "PARALLAX_TLS_KEY"
 TOKEN_FILE_ENV = "PARALLAX_TOKEN_FILE"
+NATIVE_ENV = "PARALLAX_NATIVE"           # auto | 1 | 0: the compiled data path (parallax.native)
+NATIVE_MODES = ("auto", "1", "0")
 
 # ---- servers -----------------------------------------------------------------------------
 METRICS_IDLE_ENV = "PARALLAX_METRICS_IDLE_S"  # seconds a /metrics connection has (default 5)

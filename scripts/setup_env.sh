@@ -73,7 +73,9 @@ if ! done_stage horovod 0.28.1; then
   mark_stage horovod 0.28.1
 fi
 
-project_key="$(cat "$root/setup.cfg" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
+# the compiled kernels' sources are in the key: a change to them rebuilds the extension
+project_key="$(cat "$root/setup.cfg" "$root/pyproject.toml" "$root/setup.py" \
+  "$root"/parallax/native/src/* | sha256sum | cut -c1-16)"
 if ! done_stage project "$project_key"; then
   log "installing parallax (editable) with its test and benchmark dependencies"
   "${pip[@]}" install --no-build-isolation -e "$root[test,bench]"

@@ -20,7 +20,8 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 
 reqs="$root/requirements/latest.txt"
-key="$(cat "$reqs" "$root/setup.cfg" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
+key="$(cat "$reqs" "$root/setup.cfg" "$root/pyproject.toml" "$root/setup.py" \
+  "$root"/parallax/native/src/* | sha256sum | cut -c1-16)"
 if ! done_stage latest "$key"; then
   log "installing the newest TensorFlow and parallax (about two minutes)"
   "${pip[@]}" install --upgrade pip setuptools wheel

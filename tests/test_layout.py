@@ -23,21 +23,24 @@ ALLOWED = {
     "errors": set(),
     "version": set(),
     "env": {"errors"},
-    "protocol": {"env", "errors", "ps", "version"},
+    "native": {"env", "errors"},  # the compiled data path's loader (parallax.native)
+    "protocol": {"env", "errors", "native", "ps", "version"},
     "runtime": {"env", "errors"},
-    "client": {"env", "errors", "protocol", "ps", "runtime", "version"},
+    "client": {"env", "errors", "native", "protocol", "ps", "runtime", "version"},
     "placement": {"env", "errors", "protocol"},
-    "tf": {"client", "env", "errors", "placement", "protocol", "ps", "runtime", "version"},
+    "tf": {"client", "env", "errors", "native", "placement", "protocol", "ps", "runtime",
+           "version"},
     "launch": {"client", "env", "errors", "protocol", "ps", "runtime", "version"},
     "layers": {"errors", "placement", "protocol", "tf"},  # Keras layers users build models of
     # the package's own __init__, which every import of parallax.* from outside runs: only
     # the low layers at import time (the client and the strategy are loaded when named)
     "parallax": {"errors", "protocol", "runtime", "version"},
-    "bench": {"client", "env", "errors", "launch", "parallax", "placement", "protocol", "ps",
-              "runtime", "tf", "version"},
-    "servers": {"env", "errors", "parallax", "protocol", "ps", "runtime", "version"},
-    "cli": {"bench", "client", "env", "errors", "launch", "protocol", "runtime", "servers",
-            "version"},
+    "bench": {"client", "env", "errors", "launch", "native", "parallax", "placement",
+              "protocol", "ps", "runtime", "tf", "version"},
+    "servers": {"env", "errors", "native", "parallax", "protocol", "ps", "runtime",
+                "version"},
+    "cli": {"bench", "client", "env", "errors", "launch", "native", "protocol", "runtime",
+            "servers", "version"},
 }
 TENSORFLOW = ("tensorflow", "keras", "horovod.tensorflow", "horovod.keras", "tf_keras")
 TF_OUTSIDE_TF = {"parallax.bench.worker", "parallax.bench.tf_peers", "parallax.bench.models"}

@@ -1,0 +1,33 @@
+"""Build of parallax's compiled kernels (parallax.native._kernels); everything else is in
+setup.cfg. The extension is optional: where it cannot be compiled (no C++ compiler, no
+pybind11) the wheel and the editable install still work and parallax runs its pure-Python
+path (parallax.native says which one runs, and PARALLAX_NATIVE selects it)."""
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import Extension, setup
+
+
+def _include() -> list[str]:
+    try:
+        import pybind11
+    except ImportError:  # the build is optional: setuptools reports it and goes on
+        return []
+    return [pybind11.get_include()]
+
+
+# -ffp-contract=off: no fused multiply-add, so every float operation rounds as numpy's does
+# (the pure-Python path is the reference: rows, slots and steps must be bit-identical).
+KERNELS = Extension(
+    "parallax.native._kernels",
+    sources=sorted(glob.glob(os.path.join("parallax", "native", "src", "*.cc"))),
+    include_dirs=_include() + [os.path.join("parallax", "native", "src")],
+    language="c++",
+    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-fast-math",
+                        "-fvisibility=hidden", "-Wall"],
+    optional=True,
+)
+
+setup(ext_modules=[KERNELS])
