@@ -79,6 +79,9 @@ project_key="$(cat "$root/setup.cfg" "$root/pyproject.toml" "$root/setup.py" \
 if ! done_stage project "$project_key"; then
   log "installing parallax (editable) with its test and benchmark dependencies"
   "${pip[@]}" install --no-build-isolation -e "$root[test,bench]"
+  # the compiled kernels are optional (pure Python otherwise): say when they did not build
+  "$venv/bin/python" -c 'from parallax import native; import sys; d = native.describe(); print("[setup] data path:", d); sys.exit(not d.startswith("native"))' \
+    || echo "[setup] warning: parallax's compiled kernels did not build (see the pip output above); the pure-Python data path runs" >&2
   mark_stage project "$project_key"
 fi
 log "environment ready: $venv"
