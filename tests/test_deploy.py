@@ -12,6 +12,7 @@ watcher talks to a fake API server over TLS on loopback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -27,7 +28,7 @@ import yaml
 
 from parallax import cli
 from parallax.env import (GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
-                          RENDEZVOUS_TIMEOUT_ENV, strategy_options)
+                          RENDEZVOUS_TIMEOUT_ENV, TOKEN_FILE_ENV, strategy_options)
 from parallax.errors import ConfigError
 from parallax.launch import k8s
 from parallax.launch.k8s import K8sConfig, render
@@ -335,6 +336,12 @@ CONFIGS = {
         worker_tolerations=("nvidia.com/gpu=present:NoSchedule", "dedicated"),
         server_node_selector=("pool=highmem", "zone="),
         server_tolerations=("highmem:NoExecute",)),
+    "secure-mtls-scraped": K8sConfig(name="sec", image="parallax", command=("t",), workers=2,
+                                     secure=True, service_monitor=True, max_restarts=1,
+                                     metrics_namespaces=("monitoring",),
+                                     metrics_pod_labels=("app=prometheus",)),
+    "insecure-own-shape": K8sConfig(name="open", image="parallax", command=("t",), workers=2,
+                                    insecure=True, max_restarts=1),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
@@ -417,7 +424,8 @@ def test_manifests_are_structurally_valid(key):
         assert [p["containerPort"] for p in server["ports"]] == [
             config.server_port, config.server_port + 1] + ([metrics] if metrics else [])
         assert args[args.index("--data-port") + 1] == str(config.server_port + 1)
-        assert server["readinessProbe"]["grpc"]["port"] == config.server_port
+        probe = server["readinessProbe"]  # TLS (--secure): the kubelet cannot speak gRPC
+        assert probe["tcpSocket" if config.secure else "grpc"]["port"] == config.server_port
         assert tuple(args[6:6 + len(config.server_args)]) == config.server_args
     else:
         assert not any(kind == "StatefulSet" for kind, _ in objs)
@@ -464,7 +472,7 @@ def test_manifests_are_structurally_valid(key):
     else:
         assert not any(k.startswith("HOROVOD_") for k in env)
     # the ConfigMap is mounted where PARALLAX_JOB_CONFIG points
-    (mount,) = worker["volumeMounts"]
+    (mount,) = [m for m in worker["volumeMounts"] if m["name"] == "job-config"]
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == f"{config.name}-config"
     assert env[JOB_CONFIG_ENV] == f"{mount['mountPath']}/job.json"
@@ -565,6 +573,16 @@ def test_bad_configs_are_refused_with_the_value_and_the_fix(changes, words):
         assert word in str(err.value), str(err.value)
 
 
+def _tokens_out(objects: list[dict]) -> list[dict]:
+    """`objects` with each generated Secret's token replaced by its length (a new random
+    token at every render)."""
+    objects = json.loads(json.dumps(objects))
+    for obj in objects:
+        if obj["kind"] == "Secret" and "token" in obj.get("stringData", {}):
+            obj["stringData"]["token"] = len(obj["stringData"]["token"])
+    return objects
+
+
 def test_cli_renders_yaml_to_stdout_and_files(tmp_path):
     argv = ["k8s", "--name", "lm", "--image", "parallax:dev", "--workers", "2", "--servers",
             "2", "--namespace", "team", "--cpu", "1", "--memory", "2Gi",
@@ -574,14 +592,16 @@ def test_cli_renders_yaml_to_stdout_and_files(tmp_path):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     objects = list(yaml.safe_load_all(out.stdout))
-    assert objects == render(K8sConfig(
+    assert _tokens_out(objects) == _tokens_out(render(K8sConfig(
         name="lm", image="parallax:dev", workers=2, servers=2, namespace="team", cpu="1",
         memory="2Gi", plan={"shards": 2},
-        command=("python", "examples/language_model.py", "--epochs", "1")))
+        command=("python", "examples/language_model.py", "--epochs", "1"))))
 
     assert cli.main([*argv[:-5], "-o", str(tmp_path / "m"), *argv[-5:]]) == 0
     files = sorted((tmp_path / "m").glob("*.yaml"))
-    assert [yaml.safe_load(f.read_text()) for f in files] == objects
+    assert _tokens_out([yaml.safe_load(f.read_text()) for f in files]) == _tokens_out(objects)
+    (secret_file,) = [f for f in files if "-secret-" in f.name]
+    assert secret_file.stat().st_mode & 0o777 == 0o600  # the token: its owner's alone
 
     bad = subprocess.run([str(BIN / "parallax"), "k8s", "--name", "LM", "--image", "x", "--",
                           "python", "t.py"], capture_output=True, text=True, timeout=60)
@@ -764,7 +784,13 @@ def test_servers_expose_their_metrics_port_to_the_service_and_prometheus():
     assert {"name": "metrics", "containerPort": 7002} in server["ports"]
     assert {"name": "metrics", "port": 7002, "targetPort": 7002} in \
         objs["Service", "wordlm-ps"]["spec"]["ports"]
+    # a secure job's scrapes need the token: no annotation for Prometheus' pod discovery,
+    # which sends none (--insecure keeps them)
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert "prometheus.io/scrape" not in annotations
+    opened = _by_kind(render(dataclasses.replace(config, insecure=True)))
+    annotations = opened["StatefulSet", "wordlm-ps"]["spec"]["template"]["metadata"][
+        "annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == "7002"
     assert not any(kind == "ServiceMonitor" for kind, _ in objs)  # only when asked
@@ -799,7 +825,9 @@ def test_service_monitor_scrapes_the_servers_metrics_port():
                         for k, v in spec["selector"]["matchLabels"].items())]
     assert [s["metadata"]["name"] for s in services] == ["mon-ps"]  # not the workers'
     (endpoint,) = spec["endpoints"]
-    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s"}
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s",
+                        "authorization": {"type": "Bearer", "credentials": {
+                            "name": "mon-token", "key": "token"}}}  # the job's token
     assert endpoint["port"] in [p["name"] for p in services[0]["spec"]["ports"]]
 
 
@@ -851,7 +879,8 @@ def test_keep_servers_renders_no_watcher_and_no_rights():
     assert not {kind for kind, _ in objs} & {"ServiceAccount", "Role", "RoleBinding"}
     pod = objs["StatefulSet", "kept-ps"]["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["server"]
-    assert "serviceAccountName" not in pod and "volumes" not in pod
+    assert "serviceAccountName" not in pod
+    assert [v["name"] for v in pod["volumes"]] == ["parallax-token"]  # no API token
 
 
 def test_cli_server_flags_reach_the_config():
@@ -1220,7 +1249,7 @@ def test_restarts_keep_the_servers_data_dir_on_a_volume(key):
     args = server["command"]
     data_dir = args[args.index("--data-dir") + 1]
     assert data_dir == (config.data_dir or k8s.DEFAULT_DATA_DIR) == k8s.server_data_dir(config)
-    (mount,) = server["volumeMounts"]
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == "data"]
     assert mount["mountPath"] == data_dir
     assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can write it
     volumes = [v for v in pod.get("volumes", []) if v["name"] == mount["name"]]
@@ -1250,7 +1279,7 @@ def test_without_restart_flags_the_manifests_are_as_before(key):
     if sts and not config.data_volume_size:
         pod = sts["spec"]["template"]["spec"]
         assert "--data-dir" not in _container(sts, "server")["command"]
-        assert "volumeMounts" not in _container(sts, "server")
+        assert "data" not in [m["name"] for m in _container(sts, "server")["volumeMounts"]]
         assert "volumeClaimTemplates" not in sts["spec"]
         assert all(v["name"] != "data" for v in pod.get("volumes", []))
 
@@ -1259,8 +1288,8 @@ def test_data_dir_alone_gets_a_pod_volume_at_that_path():
     config = K8sConfig(name="d", image="x", command=("t",), data_dir="/srv/ps")
     _, job, sts, _ = _objects(config)
     pod = sts["spec"]["template"]["spec"]
-    assert _container(sts, "server")["volumeMounts"] == [{"name": "data",
-                                                          "mountPath": "/srv/ps"}]
+    assert _container(sts, "server")["volumeMounts"][0] == {"name": "data",
+                                                             "mountPath": "/srv/ps"}
     assert pod["volumes"][0] == {"name": "data", "emptyDir": {}}
     assert job["spec"]["backoffLimit"] == 0
 
@@ -1398,7 +1427,15 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
     (container,) = job["spec"]["template"]["spec"]["containers"]
     image = _without_horovod(tmp_path) if collectives == "tensorflow" else {}
     return _two_pods(container, {RENDEZVOUS_ENV: f"localhost:{_free_port()}",
-                                 GANG_TIMEOUT_ENV: "20", **image, **extra_env}, 90)
+                                 GANG_TIMEOUT_ENV: "20", **image, **_mounted_token(tmp_path),
+                                 **extra_env}, 90)
+
+
+def _mounted_token(tmp_path: Path) -> dict[str, str]:
+    """The job's token where this test's 'pods' find it (a pod: the Secret's mount)."""
+    path = tmp_path / "token"
+    path.write_text("the-jobs-token\n")
+    return {TOKEN_FILE_ENV: str(path)}
 
 
 def test_one_tensorflow_worker_with_restarts_needs_no_horovod(tmp_path):
@@ -1410,7 +1447,8 @@ def test_one_tensorflow_worker_with_restarts_needs_no_horovod(tmp_path):
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {**_env(container), "PATH": f"{BIN}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": "0",
-           RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", **_without_horovod(tmp_path)}
+           RENDEZVOUS_ENV: f"127.0.0.1:{_free_port()}", **_without_horovod(tmp_path),
+           **_mounted_token(tmp_path)}
     done = subprocess.run([str(BIN / "parallax"), *container["command"][1:]], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

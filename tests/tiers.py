@@ -34,7 +34,7 @@ TIERS = {
                  "test_hosts.py", "test_tf_collectives.py", "test_row_cache_workers.py"],
     "integration": ["test_examples.py", "test_migration.py", "test_deploy.py", "test_chaos.py",
                     "test_observability.py", "test_logs.py", "test_restarts.py",
-                    "test_tiers.py"],
+                    "test_tiers.py", "test_k8s_security.py"],
 }
 TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 GUARDED = ("tensorflow", "keras", "horovod")  # what a unit-only run may not import

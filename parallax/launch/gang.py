@@ -17,6 +17,11 @@ served beside Horovod's rendezvous store under /parallax/gang):
   aborting  every rank's command has stopped (SIGTERM, then SIGKILL) -> starting, attempt + 1
             (`RestartBudget` logs the cause), or failed once the N restarts are used
 
+Every gang request carries the job's token (`Authorization: Bearer <token>`, the token file
+of PARALLAX_TOKEN_FILE, mounted from the job's Secret): worker 0 answers a request without
+it 401 and one naming a rank outside 0..size-1, a negative attempt or an exit code outside
+0..255 with 400, so no pod of the cluster but the job's own can end, fail or restart it.
+
 The commands get PARALLAX_RESTART_COUNT = the attempt, and resume from their last checkpoint.
 A supervisor that cannot reach worker 0 for `timeout` seconds (its pod is gone) stops its
 command and exits LOST_GANG_EXIT: the Job's podFailurePolicy counts only that exit and
@@ -25,6 +30,7 @@ other failed pod ends the Job (the gang already restarted in place and gave up).
 """
 from __future__ import annotations
 
+import hmac
 import json
 import signal
 import subprocess
@@ -35,7 +41,7 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Mapping
 
-from parallax.env import GANG_TIMEOUT_ENV
+from parallax.env import GANG_TIMEOUT_ENV, TOKEN_FILE_ENV
 from parallax.launch.restarts import Outcome, RestartBudget
 
 GANG_TIMEOUT_S = 60.0
@@ -44,6 +50,17 @@ PATH = "/parallax/gang"
 POLL_S = 0.5
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL
 FINAL = ("done", "failed")
+MAX_EXIT_CODE = 255  # a supervisor reports a signal's death as 128 + its number
+AUTH_HEADER = "Authorization"
+AUTH_SCHEME = "Bearer "
+
+
+class GangRequestError(ValueError):
+    """A gang request that names no rank of this gang, or an attempt or code out of range."""
+
+
+class GangRefused(Exception):
+    """Worker 0 refused this supervisor's request (401: not the job's token; 400)."""
 
 
 class Gang:
@@ -61,7 +78,12 @@ class Gang:
         self.told: set[int] = set()  # ranks that saw the final state
         self._lock = threading.Lock()
 
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise GangRequestError(f"rank {rank!r} is not a rank of this gang (0..{self.size - 1})")
+
     def poll(self, rank: int) -> dict:
+        self._check_rank(rank)
         with self._lock:
             self.seen[rank] = self.clock()
             if self.state in FINAL:
@@ -69,6 +91,9 @@ class Gang:
             return {"attempt": self.attempt, "state": self.state, "code": self.code}
 
     def report(self, rank: int, attempt: int, code: int) -> None:
+        self._check_rank(rank)
+        if attempt < 0:
+            raise GangRequestError(f"attempt {attempt} must be >= 0")
         with self._lock:
             self.seen[rank] = self.clock()
             if attempt == self.attempt and self.state in ("running", "aborting"):
@@ -133,26 +158,56 @@ class Gang:
             self.state, self.code = state, code
 
 
-def handler_class(base: type, gang: Gang) -> type:
-    """`base` (Horovod's RendezvousHandler) answering also GET and PUT under PATH."""
+def _query_ints(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """The integer query parameters `names` of `path`; GangRequestError when one is missing,
+    repeated or not a decimal integer."""
+    pairs = urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query, keep_blank_values=True)
+    values: dict[str, int] = {}
+    for name in names:
+        given = [v for k, v in pairs if k == name]
+        if len(given) != 1 or not given[0].lstrip("-").isdigit() or len(given[0]) > 12:
+            raise GangRequestError(f"the query needs one integer {name}=, not {given!r}")
+        values[name] = int(given[0])
+    return values
+
+
+def handler_class(base: type, gang: Gang, token: str | None = None) -> type:
+    """`base` (Horovod's RendezvousHandler) answering also GET and PUT under PATH; with
+    `token`, only requests that carry it (else 401)."""
+    expected = (AUTH_SCHEME + token).encode() if token else None
 
     class GangHandler(base):
         def do_GET(self):  # noqa: N802 - http.server's naming
             if not self.path.startswith(PATH):
                 return super().do_GET()
-            query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
-            self._json(gang.poll(int(query["rank"])))
+            self._answer(lambda q: gang.poll(q["rank"]), ("rank",))
 
         def do_PUT(self):  # noqa: N802
             if not self.path.startswith(PATH):
                 return super().do_PUT()
-            query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
-            gang.report(int(query["rank"]), int(query["attempt"]), int(query["code"]))
-            self._json({})
+            self._answer(lambda q: gang.report(q["rank"], q["attempt"], self._code(q)) or {},
+                         ("rank", "attempt", "code"))
 
-        def _json(self, value: dict) -> None:
+        @staticmethod
+        def _code(query: dict[str, int]) -> int:
+            if not 0 <= query["code"] <= MAX_EXIT_CODE:
+                raise GangRequestError(f"code {query['code']} is not an exit code "
+                                       f"(0..{MAX_EXIT_CODE})")
+            return query["code"]
+
+        def _answer(self, act: Callable[[dict[str, int]], dict], names: tuple[str, ...]) -> None:
+            given = (self.headers.get(AUTH_HEADER) or "").encode()
+            if expected is not None and not hmac.compare_digest(given, expected):
+                return self._json(401, {"error": "the gang needs the job's token"})
+            try:
+                self._json(200, act(_query_ints(self.path, names)))
+            except GangRequestError as err:
+                self._json(400, {"error": str(err)})
+
+        def _json(self, status: int, value: dict) -> None:
             body = json.dumps(value).encode()
-            self.send_response(200)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -177,21 +232,36 @@ class Supervisor:
     """Runs `command` once per attempt that worker 0 at `url` opens; returns the exit code."""
 
     def __init__(self, url: str, rank: int, command: list[str],
-                 child_env: Callable[[int], Mapping[str, str]], timeout: float = GANG_TIMEOUT_S):
+                 child_env: Callable[[int], Mapping[str, str]], timeout: float = GANG_TIMEOUT_S,
+                 token: str | None = None):
         self.url, self.rank, self.command = url.rstrip("/"), rank, command
         self.child_env, self.timeout = child_env, timeout
+        self.headers = {AUTH_HEADER: AUTH_SCHEME + token} if token else {}
         self.child: subprocess.Popen | None = None
         self.signum: int | None = None
 
     def _call(self, method: str, **query) -> dict | None:
         text = urllib.parse.urlencode({"rank": self.rank, **query})
         request = urllib.request.Request(f"{self.url}{PATH}?{text}", method=method, data=(
-            b"" if method == "PUT" else None))
+            b"" if method == "PUT" else None), headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=5) as reply:
                 return json.loads(reply.read())
+        except urllib.error.HTTPError as err:
+            if 400 <= err.code < 500:
+                raise GangRefused(f"worker 0 refused {method} {PATH} with {err.code} "
+                                  f"({err.read()[:200].decode('utf-8', 'replace')}): "
+                                  f"{self._fix(err.code)}") from None
+            return None
         except (OSError, ValueError):
             return None
+
+    @staticmethod
+    def _fix(status: int) -> str:
+        if status == 401:
+            return (f"this pod's {TOKEN_FILE_ENV} does not hold the job's token; every "
+                    f"worker pod must mount the same Secret")
+        return "a parallax version mismatch between the worker pods? use one image"
 
     def _await_open(self, after: int) -> dict | None:
         """The next attempt's status once it runs (or the final one); None: worker 0 lost."""
@@ -209,6 +279,15 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        except GangRefused as err:
+            if self.child is not None:
+                self._stop_child()
+            print(f"parallax k8s worker {self.rank}: {err}", flush=True)
+            return 1
+
+    def _run(self) -> int:
         attempt = -1
         while True:
             status = self._await_open(attempt)

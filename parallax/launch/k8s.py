@@ -83,28 +83,29 @@ import yaml
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV,
                           MODE_ENV, PLAN_KEYS, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
-                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_RANK_ENV,
-                          WORKERS_ENV)
+                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV, TOKEN_FILE_ENV,
+                          WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError
 from parallax.launch import gang
+from parallax.launch import k8s_security as secure
+from parallax.launch.k8s_labels import (  # noqa: F401 - LABEL_*: part of this module's API
+    _SUBDOMAIN, LABEL_JOB, LABEL_ROLE, key_problem, parse_selector, value_problem)
+from parallax.launch.k8s_labels import labels as _labels
+from parallax.launch.k8s_labels import meta as _meta
 from parallax.launch.restarts import RestartBudget
+from parallax.protocol.security import read_token
 from parallax.runtime import logs
 
 CONFIG_DIR = "/etc/parallax"
 CONFIG_FILE = "job.json"
-LABEL_JOB = "parallax.io/job"
-LABEL_ROLE = "parallax.io/role"
 MAX_NAME = 40  # leaves room for "-worker-<index>" and StatefulSet revision hashes (63 max)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
-_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DEFAULT_DATA_DIR = "/var/lib/parallax"  # the servers' data dir when restarts need one
-IMAGE_UID = 10001                       # the Dockerfile's USER: owns the data volume
+IMAGE_UID = secure.IMAGE_UID            # the Dockerfile's USER: owns the data volume
 GPU_RESOURCE = "nvidia.com/gpu"         # the NVIDIA device plugin's extended resource
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-# label keys and values (nodeSelector, tolerations, ServiceMonitor labels): name parts
-_NAME_PART = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9,
              "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18, "Ki": 2 ** 10, "Mi": 2 ** 20,
              "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
@@ -155,6 +156,11 @@ class K8sConfig:
     server_node_selector: tuple[str, ...] = ()
     worker_tolerations: tuple[str, ...] = ()    # "KEY=VALUE[:EFFECT]" or "KEY[:EFFECT]"
     server_tolerations: tuple[str, ...] = ()
+    insecure: bool = False                # today's open shape: no token, TLS or NetworkPolicy
+    token_secret: str | None = None       # an existing Secret (key "token") instead of a new one
+    secure: bool = False                  # mutual TLS too (certificates made at render time)
+    metrics_namespaces: tuple[str, ...] = ()  # namespaces whose pods may scrape /metrics
+    metrics_pod_labels: tuple[str, ...] = ()  # "KEY=VALUE": pods here that may scrape it
 
 
 def _label(value: str, what: str, fix: str) -> None:
@@ -230,6 +236,7 @@ def validate(config: K8sConfig) -> None:
         if arg.split("=", 1)[0] == "--data-dir":
             raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
                               f"--data-dir (mounted on its volume); give that instead")
+    _validate_security(config)
     _validate_resources(config)
     _validate_scheduling(config)
     _validate_metrics(config)
@@ -238,6 +245,39 @@ def validate(config: K8sConfig) -> None:
     if config.collectives == "tensorflow" and config.plan.get("local_aggregation"):
         raise ConfigError("--plan local_aggregation with --collectives tensorflow: local "
                           "aggregation gathers gradients through Horovod; drop one of them")
+
+
+SECURITY_ARGS = ("--token-file", "--tls-cert", "--tls-key", "--tls-client-ca",
+                 "--health-without-token")
+
+
+def _validate_security(config: K8sConfig) -> None:
+    for name in ("metrics_namespaces", "metrics_pod_labels"):
+        value = getattr(config, name)
+        if isinstance(value, str) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
+    opened = [flag for flag, given in (
+        ("--secure", config.secure), ("--token-secret", config.token_secret),
+        ("--metrics-namespace", config.metrics_namespaces),
+        ("--metrics-pod-label", config.metrics_pod_labels)) if given]
+    if config.insecure and opened:
+        raise ConfigError(f"--insecure renders no token, TLS or NetworkPolicy, and {opened[0]} "
+                          f"configures them: drop one of the two")
+    if config.token_secret is not None and (len(config.token_secret) > 253 or not
+                                            _SUBDOMAIN.match(config.token_secret)):
+        raise ConfigError(f"--token-secret {config.token_secret!r} is not a Secret name (a "
+                          f"lower-case DNS name), e.g. --token-secret parallax-token")
+    if config.secure and not config.servers:
+        raise ConfigError("--secure makes TLS certificates for the parameter servers, and "
+                          "--servers is 0: drop --secure (the token still guards the gang)")
+    for ns in config.metrics_namespaces:
+        _label(ns, "--metrics-namespace", "e.g. --metrics-namespace monitoring")
+    for text in config.metrics_pod_labels:
+        parse_selector(text, "--metrics-pod-label")
+    for arg in config.server_args:
+        if not config.insecure and arg.split("=", 1)[0] in SECURITY_ARGS:
+            raise ConfigError(f"--server-arg {arg!r}: the manifests set the servers' token "
+                              f"and TLS (--token-secret, --secure); drop it")
 
 
 # Resources: "--cpu" and friends for every pod, "--server-cpu" and friends for the servers.
@@ -284,36 +324,6 @@ def _validate_resources(config: K8sConfig) -> None:
                           f"one worker pod per GPU (--workers), or --gpus 0")
 
 
-# Labels: keys and values of nodeSelector, tolerations and ServiceMonitor labels.
-
-def _key_problem(key: str) -> str | None:
-    prefix, slash, name = key.rpartition("/")
-    if slash and (len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
-        return f"the key's prefix {prefix!r} is not a lower-case DNS name"
-    if len(name) > 63 or not _NAME_PART.match(name):
-        return (f"the key {key!r} is not a label key (an optional DNS prefix and '/', then at "
-                f"most 63 letters, digits, '-', '_' or '.', starting and ending with a letter "
-                f"or digit)")
-    return None
-
-
-def _value_problem(value: str) -> str | None:
-    if value and (len(value) > 63 or not _NAME_PART.match(value)):
-        return (f"the value {value!r} is not a label value (empty, or at most 63 letters, "
-                f"digits, '-', '_' or '.', starting and ending with a letter or digit)")
-    return None
-
-
-def parse_selector(text: str, flag: str) -> tuple[str, str]:
-    """"KEY=VALUE" as (key, value); ConfigError names the flag, the text and the form."""
-    key, equals, value = text.partition("=")
-    problem = "no '='" if not equals else _key_problem(key) or _value_problem(value)
-    if problem:
-        raise ConfigError(f"{flag} {text!r}: {problem}; the form is KEY=VALUE, e.g. {flag} "
-                          f"cloud.google.com/gke-nodepool=pool-1")
-    return key, value
-
-
 # Scheduling: nodeSelector and tolerations, per role.
 
 def parse_toleration(text: str, flag: str) -> dict[str, str]:
@@ -321,7 +331,7 @@ def parse_toleration(text: str, flag: str) -> dict[str, str]:
     as a toleration; without an effect it tolerates every effect of the taint."""
     rest, colon, effect = text.partition(":")
     key, equals, value = rest.partition("=")
-    problem = _key_problem(key) or (_value_problem(value) if equals else None)
+    problem = key_problem(key) or (value_problem(value) if equals else None)
     if colon and effect not in EFFECTS:
         problem = f"the effect {effect!r} is not one of {', '.join(EFFECTS)}"
     if problem:
@@ -479,14 +489,6 @@ def job_config(config: K8sConfig) -> dict[str, Any]:
     }
 
 
-def _labels(config: K8sConfig, role: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "parallax", LABEL_JOB: config.name, LABEL_ROLE: role}
-
-
-def _meta(config: K8sConfig, name: str, role: str) -> dict[str, Any]:
-    return {"name": name, "namespace": config.namespace, "labels": _labels(config, role)}
-
-
 def _headless_service(config: K8sConfig, name: str, role: str,
                       ports: list[tuple[str, int]]) -> dict[str, Any]:
     """Stable DNS names for the pods of `role` (clusterIP None), ready or not."""
@@ -554,6 +556,7 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
     if config.max_restarts:
         env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
         env[MAX_RESTARTS_ENV] = str(config.max_restarts)
+    env.update(secure.worker_env(config))
     return env
 
 
@@ -565,6 +568,8 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         "metadata": _meta(config, f"{config.name}-config", "config"),
         "data": {CONFIG_FILE: json.dumps(job_config(config), indent=2, sort_keys=True)},
     }]
+    objects += secure.secret_objects(config)
+    objects += secure.network_policies(config, server_metrics_port(config))
     if config.servers:
         ports = [("grpc", config.server_port)]
         if server_metrics_port(config):
@@ -583,13 +588,13 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
 
 
 def _server_container(config: K8sConfig) -> dict[str, Any]:
-    probe = {"grpc": {"port": config.server_port}, "periodSeconds": 5, "failureThreshold": 3}
+    probe = {**secure.server_probe(config), "periodSeconds": 5, "failureThreshold": 3}
     data_dir = server_data_dir(config)
     metrics = server_metrics_port(config)
     server = {
         "name": "server", "image": config.image, "imagePullPolicy": config.image_pull_policy,
         "command": ["parallax", "server", "--host", "0.0.0.0", "--port",
-                    str(config.server_port), *config.server_args,
+                    str(config.server_port), *config.server_args, *secure.server_args(config),
                     "--data-port", str(config.server_port + 1),  # the data plane
                     *(["--metrics-host", "0.0.0.0", "--metrics-port", str(metrics)]
                       if metrics else []),
@@ -627,7 +632,8 @@ def _server_set(config: K8sConfig) -> dict[str, Any]:
                            "containers": [_server_container(config)], "volumes": [],
                            **_placement(config, "ps")}
     annotations = {"kubectl.kubernetes.io/default-container": "server"}
-    if server_metrics_port(config):  # for a Prometheus that discovers pods by annotation
+    if server_metrics_port(config) and config.insecure:  # a Prometheus that finds pods by
+        # annotation sends no token: a secure job's metrics are scraped by ServiceMonitor
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
                             "prometheus.io/port": str(server_metrics_port(config))})
     spec: dict[str, Any] = {
@@ -646,6 +652,8 @@ def _server_set(config: K8sConfig) -> dict[str, Any]:
             pod["volumes"].append({"name": "data", "emptyDir": {}})
     if not config.keep_servers:
         _add_watcher(config, pod)
+    secure.mount_credentials(config, pod, pod["containers"][0], "server")
+    secure.restrict(config, pod)
     if not pod["volumes"]:
         del pod["volumes"]
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -705,7 +713,7 @@ def _service_monitor(config: K8sConfig) -> dict[str, Any]:
             "spec": {"selector": {"matchLabels": _labels(config, "ps")},
                      "namespaceSelector": {"matchNames": [config.namespace]},
                      "endpoints": [{"port": "metrics", "path": "/metrics",
-                                    "interval": "30s"}]}}
+                                    "interval": "30s", **secure.scrape_auth(config)}]}}
 
 
 def _worker_job(config: K8sConfig) -> dict[str, Any]:
@@ -738,6 +746,11 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
                      **_placement(config, "worker")},
         },
     }
+    pod = spec["template"]["spec"]
+    if not config.insecure:
+        pod["automountServiceAccountToken"] = False  # workers need no API access
+    secure.mount_credentials(config, pod, worker, "client")
+    secure.restrict(config, pod)
     if config.max_restarts:
         spec["podFailurePolicy"] = _failure_policy()
     return {"apiVersion": "batch/v1", "kind": "Job",
@@ -781,8 +794,10 @@ def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _text)
 
 
-def dump(objects: list[dict[str, Any]]) -> str:
-    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+def dump(objects: list[dict[str, Any]], note: str | None = None) -> str:
+    """The objects as one YAML stream; `note`, if any, as a comment at its top."""
+    text = yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+    return f"# {note}\n{text}" if note else text
 
 
 # ---------------------------------------------------------------------------------------
@@ -971,11 +986,12 @@ def _host_plan(size: int):
 
 
 def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=None,
-                     horovod: bool = True):
+                     horovod: bool = True, token: str | None = None):
     """Horovod's rendezvous server on a fixed port, initialised with one slot per host
     named worker-<rank> (as horovodrun does with its host plan); with a `gang.Gang` it also
-    answers the gang's requests. Without `horovod` (TensorFlow's collectives) it serves only
-    the gang. Returns the server; call .shutdown() and .server_close() to stop it."""
+    answers the gang's requests (with `token`, only those carrying it). Without `horovod`
+    (TensorFlow's collectives) it serves only the gang. Returns the server; call
+    .shutdown() and .server_close() to stop it."""
     import http.server
 
     if horovod:
@@ -983,7 +999,7 @@ def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=No
         base = RendezvousHandler
     else:
         base = _QuietHandler
-    handler = base if coordinator is None else gang.handler_class(base, coordinator)
+    handler = base if coordinator is None else gang.handler_class(base, coordinator, token)
     if horovod:
         httpd = RendezvousHTTPServer((host, port), handler, 0)
         httpd.init(_host_plan(size))
@@ -1032,14 +1048,15 @@ def _rank(environ: Mapping[str, str], size: int) -> int | None:
     return rank
 
 
-def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None):
+def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None,
+          token: str | None = None):
     """Rank 0 serves the rendezvous, the others wait for it: (server or None, the address
     to reach it at, its port). Raises OSError or ConfigError."""
     host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
     port = int(port_text)
     if rank == 0:
         return start_rendezvous(port, size, coordinator=coordinator,
-                                horovod=size > 1 and not _tensorflow(environ)), \
+                                horovod=size > 1 and not _tensorflow(environ), token=token), \
             "127.0.0.1", port
     timeout = float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300"))
     return None, _wait_for(host, port, timeout), port
@@ -1106,8 +1123,9 @@ def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
         addresses = environ.get(ADDRESSES_ENV)
         if not addresses:
             return
+        from parallax.client.connection import client_options_from_env
         from parallax.client.ps_client import PSClient
-        with PSClient(addresses.split(",")) as client:
+        with PSClient(addresses.split(","), client_options_from_env(environ=environ)) as client:
             client.wait_ready(timeout)
             dropped = client.delete_tables(f"{environ[RUN_ID_ENV]}.")
         if dropped:
@@ -1117,17 +1135,33 @@ def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
     return start
 
 
+def _gang_token(environ: Mapping[str, str], rank: int) -> str | None:
+    """The job's token (the file PARALLAX_TOKEN_FILE names, mounted from its Secret), which
+    every gang request carries; None, with a warning, for a job rendered --insecure."""
+    if environ.get(TOKEN_FILE_ENV):
+        return read_token(environ[TOKEN_FILE_ENV])
+    if rank == 0:
+        _say(f"no {TOKEN_FILE_ENV}: the gang at the rendezvous port accepts requests from "
+             f"any pod (rendered with --insecure)")
+    return None
+
+
 def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int,
                max_restarts: int) -> int:
     """Run `command` under the gang's supervision (parallax.launch.gang): every rank's command
     restarts together after any failure, at most `max_restarts` times."""
     timeout = float(environ.get(GANG_TIMEOUT_ENV, gang.GANG_TIMEOUT_S))
+    try:
+        token = _gang_token(environ, rank)
+    except ConfigError as err:
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 2
     coordinator = None
     if rank == 0:
         coordinator = gang.Gang(size, RestartBudget(max_restarts, say=_say), lambda _: None,
                                 timeout, say=_say)
     try:
-        server, address, port = _join(environ, rank, size, coordinator)
+        server, address, port = _join(environ, rank, size, coordinator, token)
     except (OSError, ConfigError) as err:  # worker 0 not there: the Job may recreate pods
         print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
         return 1 if rank == 0 else gang.LOST_GANG_EXIT
@@ -1143,7 +1177,7 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
                                    environ.get("HOROVOD_GLOO_IFACE", "eth0")))
         return env
     code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
-                           timeout).run()
+                           timeout, token).run()
     if coordinator is not None:  # let the others read the final state before leaving
         deadline = time.monotonic() + timeout
         while not coordinator.everyone_told() and time.monotonic() < deadline:
@@ -1169,6 +1203,8 @@ def _parser() -> argparse.ArgumentParser:
     _job_options(p.add_argument_group("job"))
     _resource_options(p.add_argument_group("resources and scheduling"))
     _server_options(p.add_argument_group("servers"))
+    _security_options(p.add_argument_group("security (default: a token on every port, a "
+                                            "NetworkPolicy, restricted pods)"))
     p.add_argument("-o", "--output-dir", metavar="DIR",
                    help="write one YAML file per object here (default: all to stdout)")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -1266,6 +1302,26 @@ def _server_options(g) -> None:
                         "selects ServiceMonitors by, e.g. release=prometheus")
 
 
+def _security_options(g) -> None:
+    g.add_argument("--token-secret", metavar="NAME",
+                   help="an existing Secret whose key \"token\" is the job's token (default: "
+                        "a generated Secret JOB-token in the manifests)")
+    g.add_argument("--secure", action="store_true",
+                   help="mutual TLS on the servers' ports too: a CA and certificates made "
+                        f"now (valid {secure.CERT_DAYS} days) in Secrets JOB-tls-server and "
+                        "JOB-tls-client")
+    g.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
+                   help="pods of this namespace may scrape the servers' metrics port "
+                        "(repeatable; e.g. monitoring); with the token, as the "
+                        "ServiceMonitor sends it")
+    g.add_argument("--metrics-pod-label", action="append", default=[], metavar="KEY=VALUE",
+                   help="pods of the job's namespace with this label may scrape the "
+                        "servers' metrics port (repeatable)")
+    g.add_argument("--insecure", action="store_true",
+                   help="render the open shape: no token, TLS, NetworkPolicy or restricted "
+                        "pods; any pod in the cluster can reach the servers and the gang")
+
+
 def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
     args = logs.parse(_parser(), argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -1290,17 +1346,25 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         worker_tolerations=tuple(args.worker_toleration),
         server_tolerations=tuple(args.server_toleration), keep_servers=args.keep_servers,
         metrics_port=args.metrics_port, service_monitor=args.service_monitor,
-        service_monitor_labels=tuple(args.service_monitor_label))
+        service_monitor_labels=tuple(args.service_monitor_label), insecure=args.insecure,
+        token_secret=args.token_secret, secure=args.secure,
+        metrics_namespaces=tuple(args.metrics_namespace),
+        metrics_pod_labels=tuple(args.metrics_pod_label))
     return config, args.output_dir
 
 
-def write(objects: list[dict[str, Any]], directory: str) -> list[Path]:
+def write(objects: list[dict[str, Any]], directory: str,
+          note: str | None = None) -> list[Path]:
+    """One YAML file per object in `directory`; a Secret's file is readable by its owner only."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, obj in enumerate(objects):
         path = out / f"{i:02d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
-        path.write_text(dump([obj]))
+        if obj["kind"] == "Secret":
+            path.unlink(missing_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        path.write_text(dump([obj], note))
         paths.append(path)
     return paths
 
@@ -1317,11 +1381,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"parallax k8s: {err}", file=sys.stderr)
         return 2
+    note = secure.INSECURE_NOTE if config.insecure else None
+    if note:
+        print(f"parallax k8s: warning: {note}", file=sys.stderr)
     if output_dir:
-        for path in write(objects, output_dir):
+        for path in write(objects, output_dir, note):
             print(path, file=sys.stderr)
     else:
-        sys.stdout.write(dump(objects))
+        sys.stdout.write(dump(objects, note))
     return 0
 
 

@@ -91,16 +91,24 @@ def _denying_handler(handler, message: str):
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # what a kubelet's gRPC probe calls
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Rejects every RPC (every service, generic handlers included) that does not carry the
-    cluster token, with UNAUTHENTICATED; the comparison takes constant time."""
+    cluster token, with UNAUTHENTICATED; the comparison takes constant time. `open_methods`
+    (full method names, e.g. HEALTH_CHECK for `parallax server --health-without-token`)
+    answer without it."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, open_methods: Sequence[str] = ()) -> None:
         if not token:
             raise ConfigError("the cluster token is empty; put a token in the token file")
         self._expected = (TOKEN_SCHEME + token).encode()
+        self._open = frozenset(open_methods)
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in self._open:
+            return continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER)
         if given is not None and hmac.compare_digest(
                 given.encode() if isinstance(given, str) else given, self._expected):
@@ -247,8 +255,8 @@ def _key_pem(key) -> bytes:
                              serialization.NoEncryption())
 
 
-def _sign(subject: str, key, issuer, issuer_key, extensions: list):
-    """A certificate for `key`'s public half, CN=`subject`, valid from now for CERT_DAYS days,
+def _sign(subject: str, key, issuer, issuer_key, extensions: list, days: int = CERT_DAYS):
+    """A certificate for `key`'s public half, CN=`subject`, valid from now for `days` days,
     with `extensions` ((extension, critical) pairs) and the subject and authority key
     identifiers, signed with ECDSA-SHA256 by `issuer_key` (`issuer`: its certificate, None
     for a self-signed one)."""
@@ -264,7 +272,7 @@ def _sign(subject: str, key, issuer, issuer_key, extensions: list):
     builder = (x509.CertificateBuilder()
                .subject_name(name).issuer_name(name if issuer is None else issuer.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=CERT_DAYS)))
+               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days)))
     for extension, critical in [*extensions, (ski, False), (aki, False)]:
         builder = builder.add_extension(extension, critical)
     return builder.sign(issuer_key, hashes.SHA256())
@@ -275,7 +283,7 @@ def _new_key():
     return ec.generate_private_key(ec.SECP256R1())  # P-256
 
 
-def _make_ca():
+def _make_ca(days: int = CERT_DAYS):
     """The job's CA: a P-256 key (kept in memory only) and its self-signed certificate."""
     from cryptography import x509
     key = _new_key()
@@ -284,11 +292,13 @@ def _make_ca():
                           key_cert_sign=True, crl_sign=True, encipher_only=False,
                           decipher_only=False)
     cert = _sign("parallax-job-ca", key, None, key,
-                 [(x509.BasicConstraints(ca=True, path_length=None), True), (usage, True)])
+                 [(x509.BasicConstraints(ca=True, path_length=None), True), (usage, True)],
+                 days)
     return cert, key
 
 
-def _issue(directory: Path, name: str, ca, ca_key, sans: list) -> tuple[Path, Path]:
+def _issue(directory: Path, name: str, ca, ca_key, sans: list,
+           days: int = CERT_DAYS) -> tuple[Path, Path]:
     """A P-256 key and a certificate for it (CN=parallax-<name>, serverAuth for "server",
     clientAuth for "client", `sans` if any) signed by the job's CA, written as <name>.pem
     and <name>.key (0600)."""
@@ -302,7 +312,7 @@ def _issue(directory: Path, name: str, ca, ca_key, sans: list) -> tuple[Path, Pa
     if sans:
         extensions.append((x509.SubjectAlternativeName(sans), False))
     key = _new_key()
-    cert = _sign(f"parallax-{name}", key, ca, ca_key, extensions)
+    cert = _sign(f"parallax-{name}", key, ca, ca_key, extensions, days)
     key_path, cert_path = directory / f"{name}.key", directory / f"{name}.pem"
     _write_atomic(key_path, _key_pem(key), 0o600)
     _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
@@ -310,31 +320,34 @@ def _issue(directory: Path, name: str, ca, ca_key, sans: list) -> tuple[Path, Pa
 
 
 def generate_job_credentials(directory: str | os.PathLike,
-                             hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> JobCredentials:
+                             hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+                             days: int = CERT_DAYS) -> JobCredentials:
     """A fresh CA, a server certificate for `hosts` (IP or DNS names) and a client
-    certificate, both signed by it, and a random token, written to `directory` (created
-    mode 0700; keys and token 0600; each file written whole, then renamed into place). The
-    CA's key never leaves memory: once this returns, no more certificates can be signed.
+    certificate, both signed by it and valid for `days`, and a random token, written to
+    `directory` (created mode 0700; keys and token 0600; each file written whole, then
+    renamed into place). The CA's key never leaves memory: once this returns, no more
+    certificates can be signed.
     Made with the `cryptography` package (no `openssl` command needed)."""
     from cryptography.hazmat.primitives import serialization
     directory = Path(directory)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     sans = _subject_alt_names(hosts)
-    ca, ca_key = _make_ca()
+    ca, ca_key = _make_ca(days)
     ca_cert = directory / "ca.pem"
     _write_atomic(ca_cert, ca.public_bytes(serialization.Encoding.PEM), 0o644)
-    server_cert, server_key = _issue(directory, "server", ca, ca_key, sans)
-    client_cert, client_key = _issue(directory, "client", ca, ca_key, [])
+    server_cert, server_key = _issue(directory, "server", ca, ca_key, sans, days)
+    client_cert, client_key = _issue(directory, "client", ca, ca_key, [], days)
     token_file = directory / "token"
     _write_atomic(token_file, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
     return JobCredentials(ca_cert, server_cert, server_key, client_cert, client_key, token_file)
 
 
 @contextlib.contextmanager
-def temporary_job_credentials(hosts: Sequence[str]) -> Iterator[JobCredentials]:
+def temporary_job_credentials(hosts: Sequence[str],
+                              days: int = CERT_DAYS) -> Iterator[JobCredentials]:
     """Credentials in a private temporary directory, removed on exit."""
     directory = tempfile.mkdtemp(prefix="parallax-credentials-")
     try:
-        yield generate_job_credentials(directory, hosts)
+        yield generate_job_credentials(directory, hosts, days)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -47,6 +47,7 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # mutual TLS: client certificates signed by this CA
     token_file: Path | None = None     # every RPC must carry this cluster token
+    health_without_token: bool = False  # but grpc.health.v1 Check (a kubelet's gRPC probe)
     metrics_port: int | None = None  # Prometheus GET /metrics (0: a free port; None: off)
     metrics_host: str = "127.0.0.1"  # where /metrics listens: loopback unless asked
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
@@ -92,7 +93,9 @@ class RunningServer:
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
-            interceptors=[security.TokenInterceptor(token)] if token else None)
+            interceptors=[security.TokenInterceptor(token, [security.HEALTH_CHECK] if
+                                                    config.health_without_token else [])]
+            if token else None)
         self.service = ParameterServerService(config.data_dir, limit,
                                               memory_budget(config.memory_mb), config.threads)
         add_to_server(self.service, self.server, self.wait_pool)
@@ -178,6 +181,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     parser.add_argument("--token-file", type=Path, default=None,
                         help="file holding the cluster token that every RPC must carry "
                              "(authorization: Bearer <token>)")
+    parser.add_argument("--health-without-token", action="store_true",
+                        help="with --token-file: answer grpc.health.v1 Check (SERVING or "
+                             "not, nothing else) without the token, for probes that cannot "
+                             "send it (a kubelet's gRPC probe; parallax k8s sets it)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http(s)://METRICS_HOST:PORT/metrics "
                              "(0: any free port; default: no metrics endpoint); with "
@@ -216,10 +223,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         parser.error(f"{given} needs {missing} too (the certificate and its private key)")
     if args.tls_client_ca is not None and args.tls_cert is None:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    if args.health_without_token and args.token_file is None:
+        parser.error("--health-without-token exempts health checks from --token-file: give "
+                     "--token-file too, or drop it (without a token every RPC is open)")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
     return ServerConfig(tls_cert=args.tls_cert, tls_key=args.tls_key,
                         tls_client_ca=args.tls_client_ca, token_file=args.token_file,
+                        health_without_token=args.health_without_token,
                         host=args.host, port=args.port, data_dir=args.data_dir,
                         max_message_mb=args.max_message_mb, threads=args.threads,
                         reserved_threads=args.reserved_threads,
