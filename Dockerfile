@@ -4,7 +4,9 @@
 #   deps     (builder)  compilers + the venv /opt/venv: requirements/base.txt, Horovod built
 #                       against it, then setup.cfg's runtime requirements. Only those manifests
 #                       are copied, so a source change never rebuilds Horovod.
-#   runtime  (default)  BASE + wordnet-base + the venv + the source, parallax installed
+#   kernels  (builder)  deps + parallax's compiled data path (setup.py, parallax/native/src):
+#                       only its sources are copied, so a Python change never rebuilds it
+#   runtime  (default)  BASE + wordnet-base + the venv + the source + the kernels, parallax installed
 #                       (editable, offline, no compiler) as uid 10001. No g++, no sshd, no test
 #                       or benchmark extras.
 #   ssh                 runtime + openssh client and server, for `parallax run --hosts` across
@@ -71,6 +73,16 @@ RUN --mount=type=secret,id=pipconf --mount=type=secret,id=pipca \
  && rm -rf /opt/venv/lib/python3*/site-packages/tensorflow/include
 
 
+FROM deps AS kernels
+# parallax.native._kernels: C++ (pybind11 from requirements/base.txt), built in place as
+# `make env` builds it; setup.py reads setup.cfg's metadata (the version, the README)
+COPY setup.py README.md LICENSE ./
+COPY parallax/version.py parallax/version.py
+COPY parallax/native/src parallax/native/src
+RUN /opt/venv/bin/python setup.py -q build_ext --inplace \
+ && ls parallax/native/_kernels*.so
+
+
 FROM ${BASE} AS runtime-base
 # wordnet-base: the corpus of examples/language_model.py (`parallax demo`, compose's worker)
 RUN apt-get update \
@@ -83,13 +95,15 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 WORKDIR /opt/parallax
 # the source, then parallax itself: editable, as `make env` does (`parallax demo` and compose
 # run examples/ from here), offline and without dependencies (the venv has them all)
-COPY setup.cfg pyproject.toml README.md LICENSE ./
+COPY setup.cfg setup.py pyproject.toml README.md LICENSE ./
 COPY servers servers
 COPY parallax parallax
 COPY examples examples
+COPY --from=kernels /opt/parallax/parallax/native/ parallax/native/
 RUN pip install --no-index --no-deps --no-build-isolation --no-cache-dir \
       --disable-pip-version-check -q -e . \
- && pip check && parallax --version
+ && pip check && parallax --version \
+ && python -c "from parallax import native; print(native.describe()); assert native.kernels()"
 USER 10001
 # 7000: parameter server (gRPC); 7001: its data plane (--data-port); 7002: its Prometheus
 # metrics (--metrics-port); 7070: Horovod gloo rendezvous of `parallax k8s` worker 0
