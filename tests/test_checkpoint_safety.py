@@ -258,6 +258,52 @@ def test_a_server_killed_during_commit_loses_no_complete_checkpoint(two_servers,
             assert _restored(client, "p", good[0]) == {"A": (1, good[0]), "B": (1, good[0])}
 
 
+def _stagings(directory) -> list[str]:
+    return sorted(p.name for p in directory.rglob(".staging-*"))
+
+
+def test_a_save_killed_midway_leaves_no_staging_behind(tmp_path):
+    """Issue 29, item 11: server 1 killed -9 as its save's files are staged (before the
+    commit) left `.staging-<name>` forever: later saves never removed it. Now the next
+    complete save removes it, and a server starting removes the stagings older than a
+    complete checkpoint beside them."""
+    servers = _Servers(tmp_path, shared=False)
+    try:
+        client = servers.client()
+        _train_and_save(client, "p", range(1), keep=3)
+        call = client.servers[1].call
+
+        def dying(method, request, *args, **kwargs):
+            if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
+                servers.kill(1)
+            return call(method, request, *args, **kwargs)
+
+        client.servers[1].call = dying
+        with pytest.raises(ServerError, match="UNAVAILABLE"):
+            client.save("p", keep=3)
+        client.close()
+        killed = _stagings(servers.dirs[1])
+        assert len(killed) == 1, killed  # the defect's state: the staged files are left
+        servers.restart(1)  # newer than every complete checkpoint: it may be a live save
+        assert _stagings(servers.dirs[1]) == killed
+        with servers.client() as client:
+            _restored(client, "p")  # (server 1 came back empty)
+            _train_and_save(client, "p", range(1, 2), keep=3)
+        assert _stagings(servers.dirs[1]) == [], "the next complete save removes it"
+
+        # a staging older than a complete checkpoint beside it (a killed save that a later
+        # one overtook): removed when the server starts
+        old = servers.dirs[1] / "p" / killed[0]
+        (old / "A").mkdir(parents=True)
+        (old / "A" / "shard-0.json").write_text("{}")
+        servers.kill(1)
+        servers.restart(1)
+        assert _stagings(servers.dirs[1]) == []
+        assert len(list((servers.dirs[1] / "p").glob("ckpt-*"))) == 2  # the checkpoints stay
+    finally:
+        servers.close()
+
+
 _DIES_MID_COMMIT = """
 import os, signal, sys
 from parallax.client import PSClient

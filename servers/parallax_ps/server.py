@@ -26,7 +26,7 @@ from parallax.errors import ConfigError
 from parallax.protocol import security
 from parallax.runtime import lifeline, logs
 from parallax.runtime.malloc_tuning import reuse_freed_memory
-from parallax_ps import metrics
+from parallax_ps import metrics, versions
 from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
@@ -80,6 +80,8 @@ class RunningServer:
     def __init__(self, config: ServerConfig) -> None:
         if config.data_dir is not None:
             config.data_dir.mkdir(parents=True, exist_ok=True)
+            for stale in versions.sweep_stale(config.data_dir):
+                log.info("removed %s, left by a save that can no longer commit", stale)
         self.config = config
         limit = config.max_message_bytes
         token = security.read_token(config.token_file) if config.token_file else None

@@ -246,19 +246,48 @@ def _remove(path: Path) -> None:
 
 def _prune(root: Path, keep: int) -> None:
     """Once `keep` checkpoints are complete, remove everything older than the oldest of the
-    newest `keep`: complete checkpoints, ones only some servers committed, and stagings
-    (which could never commit now), plus deletions a crash interrupted. Nothing newer is
-    touched: it may be another save in progress."""
+    newest `keep`: complete checkpoints and ones only some servers committed; and, whatever
+    `keep`, the stagings older than the newest complete checkpoint (a save killed midway:
+    none can commit now, `_check_newest`), plus deletions a crash interrupted. Nothing newer
+    is touched: it may be another save in progress."""
     done = complete_names(root)
     if len(done) >= keep:
         oldest = done[-keep]
         for entry in root.iterdir():
-            label = entry.name[len(STAGING):] if entry.name.startswith(STAGING) else entry.name
-            if is_name(label) and label < oldest:
+            if is_name(entry.name) and entry.name < oldest:
                 _remove(entry)
+    _sweep(root, done[-1] if done else None)
+
+
+def _sweep(root: Path, newest: str | None) -> list[Path]:
+    """Remove the stagings of `root` older than checkpoint `newest` and interrupted
+    deletions; returns what was removed."""
+    removed = []
     for entry in root.iterdir():
-        if entry.name.startswith(DELETING):
+        label = entry.name[len(STAGING):]
+        if newest and entry.name.startswith(STAGING) and is_name(label) and label < newest:
+            _remove(entry)
+            removed.append(entry)
+        elif entry.name.startswith(DELETING):
             shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def sweep_stale(data_dir: Path) -> list[Path]:
+    """At a server's start: under every checkpoint path of `data_dir`, the stagings older
+    than the newest complete checkpoint beside them (saves killed midway, whose owner is
+    gone: none can commit now) and deletions a crash interrupted. A staging newer than every
+    complete checkpoint may be a live save of a server sharing the directory: it stays until
+    a newer save completes (`_prune`)."""
+    roots = {p.parent for pattern in (f"{STAGING}*", f"{DELETING}*")
+             for p in data_dir.rglob(pattern) if p.is_dir()}
+    removed = []
+    for root in sorted(roots):
+        with locked(root):
+            done = complete_names(root)
+            removed += _sweep(root, done[-1] if done else None)
+    return removed
 
 
 def abort(root: Path, name: str) -> None:
