@@ -521,3 +521,30 @@ def test_adagrad_follows_the_dense_update_where_keras_sparse_update_does_not(
     np.testing.assert_allclose(ours, dense, rtol=0, atol=1e-6)
     gap = np.abs(mirrored - dense).max()
     assert (gap > 1e-5) if repeats else (gap < 1e-6), gap  # (1.9e-4 with repeats here)
+
+
+class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """The TF Transformer tutorial's kind of schedule: __call__ only, no get_config()."""
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32) + 1.0
+        return 0.5 * tf.math.minimum(step / 4.0, 4.0 / step)
+
+
+def test_a_learning_rate_schedule_without_get_config_trains_as_in_keras(make_strategy):
+    """Issue 29, item 6: reading the optimizer's config serialized the schedule, which
+    raised NotImplementedError at the first step. The servers now get the schedule's rate
+    of each step, as Keras applies it: the losses equal plain Keras' step for step."""
+    x, y = data(n=96)
+
+    def fit(strategy):
+        with strategy.scope():
+            model = embedding_model()
+            model.compile(optimizer=keras.optimizers.SGD(_WarmupSchedule()), loss="mse")
+        return model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                         verbose=0).history["loss"]
+
+    plain = fit(tf.distribute.get_strategy())
+    ours = fit(make_strategy())
+    np.testing.assert_allclose(ours, plain, rtol=1e-5)
+    assert plain[-1] < plain[0]

@@ -301,14 +301,18 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
             f"workers, all-reduced and updated by {keras_name} there: "
             f"ParallaxStrategy(placement={placement!r}) for these tables, or "
             f"ParallaxStrategy(mode='allreduce') for every variable")
-    config = optimizer.get_config()
+    # the optimizer's attributes, not get_config(): that serializes a learning-rate schedule,
+    # and a schedule without get_config() (the TF Transformer tutorial's CustomSchedule)
+    # raises NotImplementedError; the rate is read per step, where the update is applied
     for unsupported in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
-        if config.get(unsupported):
-            raise ConfigError(f"Keras optimizer option {unsupported}={config[unsupported]!r} is "
-                              f"not applied on the parameter servers; remove it or clip on "
-                              f"the worker before pushing")
+        if getattr(optimizer, unsupported, None):
+            raise ConfigError(f"Keras optimizer option {unsupported}="
+                              f"{getattr(optimizer, unsupported)!r} is not applied on the "
+                              f"parameter servers; remove it or clip on the worker before "
+                              f"pushing")
     cls = _OPTIMIZERS[name]
-    values = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+    values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(cls)
+              if f.name != "learning_rate" and hasattr(optimizer, f.name)}
     values["learning_rate"] = float(optimizer.learning_rate.numpy()
                                     if hasattr(optimizer.learning_rate, "numpy")
                                     else optimizer.learning_rate)
