@@ -234,23 +234,29 @@ def _restored(client, path: str, checkpoint: str = "") -> dict[str, tuple[int, s
     return {s.table: (s.step, s.checkpoint) for s in client.restore(path, checkpoint=checkpoint)}
 
 
-@pytest.mark.parametrize("keep", [1, 2])
-def test_a_server_killed_during_commit_loses_no_complete_checkpoint(two_servers, keep):
-    """Server 1 is killed -9 as the client commits on it, after server 0 committed: every
-    checkpoint complete before stays restorable, on every server, even with keep=1."""
-    client = two_servers.client()
-    good = _train_and_save(client, "p", range(2), keep)
+def _save_killing_server_1_at_commit(servers: _Servers, client: PSClient, keep: int) -> None:
+    """A save of "p" during which server 1 is killed -9 as the client commits on it (its
+    shards staged, after server 0 committed); closes `client`."""
     call = client.servers[1].call
 
     def dying(method, request, *args, **kwargs):
         if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
-            two_servers.kill(1)
+            servers.kill(1)
         return call(method, request, *args, **kwargs)
 
     client.servers[1].call = dying
     with pytest.raises(ServerError, match="UNAVAILABLE"):
         client.save("p", keep=keep)
     client.close()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_server_killed_during_commit_loses_no_complete_checkpoint(two_servers, keep):
+    """Server 1 is killed -9 as the client commits on it, after server 0 committed: every
+    checkpoint complete before stays restorable, on every server, even with keep=1."""
+    client = two_servers.client()
+    good = _train_and_save(client, "p", range(2), keep)
+    _save_killing_server_1_at_commit(two_servers, client, keep)
     two_servers.restart(1)
     with two_servers.client() as client:
         assert _restored(client, "p") == {"A": (2, good[-1]), "B": (2, good[-1])}
@@ -271,17 +277,7 @@ def test_a_save_killed_midway_leaves_no_staging_behind(tmp_path):
     try:
         client = servers.client()
         _train_and_save(client, "p", range(1), keep=3)
-        call = client.servers[1].call
-
-        def dying(method, request, *args, **kwargs):
-            if method == "Save" and request.phase == ps_pb2.SAVE_COMMIT:
-                servers.kill(1)
-            return call(method, request, *args, **kwargs)
-
-        client.servers[1].call = dying
-        with pytest.raises(ServerError, match="UNAVAILABLE"):
-            client.save("p", keep=3)
-        client.close()
+        _save_killing_server_1_at_commit(servers, client, keep=3)
         killed = _stagings(servers.dirs[1])
         assert len(killed) == 1, killed  # the defect's state: the staged files are left
         servers.restart(1)  # newer than every complete checkpoint: it may be a live save
