@@ -321,7 +321,8 @@ CONFIGS = {
                               keep_servers=True, server_port=9000, metrics_port=0),
     "monitored-pvc": K8sConfig(name="mon", image="parallax", command=("python", "t.py"),
                                workers=2, service_monitor=True, data_volume_size="1Gi",
-                               service_monitor_labels=("release=prometheus",)),
+                               service_monitor_labels=("release=prometheus",),
+                               metrics_namespaces=("monitoring",)),
     "tensorflow-3x2": K8sConfig(name="tf21", image="parallax:tf-2.21", command=("python", "t.py"),
                                 workers=3, servers=2, collectives="tensorflow",
                                 collective_port=7090),
@@ -886,7 +887,8 @@ def test_keep_servers_renders_no_watcher_and_no_rights():
 def test_cli_server_flags_reach_the_config():
     config, _ = k8s.config_from_args([
         "--name", "r", "--image", "x", "--keep-servers", "--metrics-port", "9100",
-        "--service-monitor", "--service-monitor-label", "release=p", "--", "python", "t.py"])
+        "--service-monitor", "--service-monitor-label", "release=p", "--metrics-namespace",
+        "monitoring", "--", "python", "t.py"])
     assert (config.keep_servers, config.metrics_port, config.service_monitor,
             config.service_monitor_labels) == (True, 9100, True, ("release=p",))
     default, _ = k8s.config_from_args(["--name", "r", "--image", "x", "--", "t"])

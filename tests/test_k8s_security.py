@@ -110,7 +110,7 @@ def _start_gang(tmp_path: Path) -> tuple[dict[int, subprocess.Popen], int, Path]
            f"127.0.0.1:{port}", GANG_TIMEOUT_ENV: "20", "RELEASE": str(release),
            TOKEN_FILE_ENV: str(tmp_path / "token"),
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
-    assert env[TOKEN_FILE_ENV] and container["env"]  # the manifests point at the mount
+    assert _env(container)[TOKEN_FILE_ENV] == secure.token_file()  # the Secret's mount
     argv = [str(BIN / "parallax"), "k8s", "worker", "--", sys.executable,
             str(tmp_path / "probe.py")]
     pods = {i: subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
@@ -151,7 +151,9 @@ def test_strangers_cannot_end_fail_or_restart_the_gang(tmp_path):
         for query in ("rank=1000&attempt=0&code=0", "rank=-1&attempt=0&code=0",
                       "rank=1&attempt=-1&code=0", "rank=1&attempt=0&code=300",
                       "rank=1&attempt=0", "rank=x&attempt=0&code=0",
-                      "rank=1&rank=0&attempt=0&code=0"):
+                      "rank=1&rank=0&attempt=0&code=0", "rank=--1&attempt=0&code=0",
+                      "rank=%C2%B2&attempt=0&code=0", "rank=%D9%A1&attempt=0&code=0",
+                      "rank=1&attempt=0&code=" + "9" * 40):
             status, body = _gang_request(port, "PUT", query, TOKEN)
             assert status == 400 and body["error"], (query, body)
         time.sleep(3 * gang.POLL_S)
@@ -262,11 +264,23 @@ def test_the_rendered_servers_refuse_every_port_to_a_caller_without_the_token(tm
             with pytest.raises(urllib.error.HTTPError) as info:
                 urllib.request.urlopen(request, timeout=10)
             assert info.value.code == 401
-        # only the kubelet's probe answers without the token, and only SERVING
+        # only the kubelet's probe answers without the token, and only SERVING: not Watch,
+        # not reflection, not a look-alike name
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                next(health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            for method in ("/grpc.health.v1.Health/Check/", "/grpc.health.v1.health/Check",
+                           "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
+                call = channel.unary_unary(method, request_serializer=bytes,
+                                           response_deserializer=bytes)
+                with pytest.raises(grpc.RpcError) as info:
+                    call(b"", timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
         with PSClient([address], ClientOptions(token=server["token"], timeout=10)) as owner:
             np.testing.assert_array_equal(owner.table(spec).pull([1]), np.zeros((1, 2)))
     finally:
@@ -381,7 +395,7 @@ def test_only_the_jobs_pods_and_the_named_scrapers_get_in():
     monitor = objs["ServiceMonitor", "ctr-ps"]["spec"]["endpoints"][0]
     assert monitor["authorization"]["credentials"] == {"name": "ctr-token", "key": "token"}
     plain = _by_kind(render(dataclasses.replace(CONFIG, metrics_namespaces=(),
-                                                metrics_pod_labels=())))
+                                                metrics_pod_labels=(), service_monitor=False)))
     assert ("NetworkPolicy", "ctr") in plain and ("NetworkPolicy", "ctr-metrics") not in plain
 
 
@@ -434,6 +448,11 @@ def test_insecure_renders_the_open_shape_and_says_so(tmp_path, capsys):
     ({"server_args": ("--token-file=/x",)}, ["--server-arg '--token-file=/x'",
                                              "--token-secret"]),
     ({"server_args": ("--health-without-token",)}, ["--server-arg"]),
+    ({"service_monitor": True}, ["--service-monitor", "NetworkPolicy",
+                                 "--metrics-namespace NS"]),
+    ({"metrics_namespaces": ("m",), "servers": 0, "mode": "allreduce"},
+     ["--metrics-namespace", "--servers is 0"]),
+    ({"metrics_pod_labels": ("app=p",), "metrics_port": 0}, ["--metrics-port is 0"]),
 ])
 def test_bad_security_settings_are_refused_with_the_fix(changes, words):
     fields = dict(name="job", image="parallax", command=("python", "t.py"), workers=2)
@@ -453,7 +472,55 @@ def test_cli_security_flags_reach_the_config():
     assert config.metrics_pod_labels == ("app=prom",)
 
 
-def test_a_server_refuses_health_without_token_alone():
+def test_a_server_refuses_health_without_token_alone(capsys):
     from parallax_ps.server import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--health-without-token"])
+    assert "give --token-file too" in capsys.readouterr().err
+
+
+def test_a_token_is_printable_ascii(tmp_path):
+    from parallax.protocol.security import read_token
+    path = tmp_path / "token"
+    for bad in ("caf\u00e9", "10\u20ac", "two words"):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            read_token(path)
+
+
+@pytest.mark.multiprocess
+def test_the_rendezvous_store_bounds_what_a_stranger_can_cost(capfd):
+    """Horovod's store (gloo cannot send a token; the NetworkPolicy guards it): no file of
+    the working directory is served, a value and the store are capped, and peers that hang
+    up early leave no traceback."""
+    from parallax.launch import rendezvous
+    port = _free_port()
+    server = k8s.start_rendezvous(port, 2, "127.0.0.1")
+    base = f"http://127.0.0.1:{port}"
+
+    def put(path: str, body: bytes) -> int:
+        request = urllib.request.Request(base + path, data=body, method="PUT")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status
+        except urllib.error.HTTPError as err:
+            return err.code
+    try:
+        head = urllib.request.Request(f"{base}/README.md", method="HEAD")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(head, timeout=10)
+        assert info.value.code == 405
+        assert put("/global/0", b"10.0.0.1:1234") == 200  # what a rank stores
+        assert put("/global/1", b"x" * (rendezvous.MAX_VALUE_BYTES + 1)) == 413
+        for i in range(rendezvous.MAX_STORE_BYTES // rendezvous.MAX_VALUE_BYTES - 1):
+            assert put(f"/junk/{i}", b"x" * rendezvous.MAX_VALUE_BYTES) == 200
+        assert put("/junk/last", b"x" * rendezvous.MAX_VALUE_BYTES) == 507
+        for _ in range(50):  # hang up before the answer
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET /global/0 HTTP/1.1\r\nHost: x\r\n\r\n")
+        with urllib.request.urlopen(f"{base}/global/0", timeout=10) as reply:
+            assert reply.read() == b"10.0.0.1:1234"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err

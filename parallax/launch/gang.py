@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -50,6 +51,7 @@ PATH = "/parallax/gang"
 POLL_S = 0.5
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL
 FINAL = ("done", "failed")
+_INTEGER = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only (str.isdigit takes "²" and "١")
 MAX_EXIT_CODE = 255  # a supervisor reports a signal's death as 128 + its number
 AUTH_HEADER = "Authorization"
 AUTH_SCHEME = "Bearer "
@@ -165,7 +167,7 @@ def _query_ints(path: str, names: tuple[str, ...]) -> dict[str, int]:
     values: dict[str, int] = {}
     for name in names:
         given = [v for k, v in pairs if k == name]
-        if len(given) != 1 or not given[0].lstrip("-").isdigit() or len(given[0]) > 12:
+        if len(given) != 1 or not _INTEGER.fullmatch(given[0]):
             raise GangRequestError(f"the query needs one integer {name}=, not {given!r}")
         values[name] = int(given[0])
     return values

@@ -3,6 +3,10 @@
 `render(K8sConfig(...))` returns the objects of one job, in the order to apply them:
 
   ConfigMap       JOB-config   job.json: mode, sync, sizes, server addresses, plan overrides
+  Secret          JOB-token    the job's token (not with --token-secret or --insecure); with
+  Secret          JOB-tls-*    --secure the servers' and the workers' TLS files
+  NetworkPolicy   JOB          only the job's pods reach the job's pods (not with --insecure);
+  NetworkPolicy   JOB-metrics  with --metrics-namespace/--metrics-pod-label, those scrape too
   ServiceAccount  JOB-ps       with a Role and a RoleBinding: the servers' job watcher may
   Role            JOB-ps       get the Job JOB-worker and delete the StatefulSet JOB-ps,
   RoleBinding     JOB-ps       nothing else (not with --keep-servers)
@@ -11,11 +15,15 @@
                                metrics port
   StatefulSet     JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
                                ready when grpc.health.v1 says SERVING (the kubelet's gRPC
-                               probe), beside a `parallax k8s watch-job` container
+                               probe; a TCP probe with --secure), beside a `parallax k8s
+                               watch-job` container
   ServiceMonitor  JOB-ps       with --service-monitor: the Prometheus Operator scrapes them
   Service         JOB-workers  headless: DNS names for the worker pods (the Job's subdomain)
   Job             JOB-worker   indexed (completionMode: Indexed, parallelism = completions =
                                N), each pod runs `parallax k8s worker -- COMMAND`
+
+Secure by default (parallax.launch.k8s_security): the token on every server port and on the
+gang, mounted as a file; restricted pods; `--insecure` renders none of it and says so.
 
 The servers' lifetime is the Job's. A StatefulSet cannot be owned by the Job at render time
 (an ownerReference needs the Job's uid, known once it exists), its pods restart whatever
@@ -60,7 +68,6 @@ server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import logging
 import os
@@ -88,6 +95,8 @@ from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_R
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch import k8s_security as secure
+from parallax.launch.rendezvous import host_plan as _host_plan
+from parallax.launch.rendezvous import horovod_env, start_rendezvous  # noqa: F401 - API
 from parallax.launch.k8s_labels import (  # noqa: F401 - LABEL_*: part of this module's API
     _SUBDOMAIN, LABEL_JOB, LABEL_ROLE, key_problem, parse_selector, value_problem)
 from parallax.launch.k8s_labels import labels as _labels
@@ -240,6 +249,7 @@ def validate(config: K8sConfig) -> None:
     _validate_resources(config)
     _validate_scheduling(config)
     _validate_metrics(config)
+    _validate_scrapers(config)
     _validate_restarts(config)
     _validate_plan(config.plan)
     if config.collectives == "tensorflow" and config.plan.get("local_aggregation"):
@@ -278,6 +288,23 @@ def _validate_security(config: K8sConfig) -> None:
         if not config.insecure and arg.split("=", 1)[0] in SECURITY_ARGS:
             raise ConfigError(f"--server-arg {arg!r}: the manifests set the servers' token "
                               f"and TLS (--token-secret, --secure); drop it")
+
+
+def _validate_scrapers(config: K8sConfig) -> None:
+    """Who may scrape the servers' metrics: named where there is something to scrape, and
+    named when a ServiceMonitor must reach it through the job's NetworkPolicy."""
+    named = config.metrics_namespaces or config.metrics_pod_labels
+    if named and not (config.servers and server_metrics_port(config)):
+        raise ConfigError("--metrics-namespace/--metrics-pod-label admit scrapes of the "
+                          "servers' metrics port, and " + ("--servers is 0" if not
+                                                           config.servers else
+                                                           "--metrics-port is 0")
+                          + ": drop them, or give servers a metrics port")
+    if config.service_monitor and not config.insecure and not named:
+        raise ConfigError("--service-monitor: the job's NetworkPolicy admits only the job's "
+                          "own pods, so Prometheus could not scrape; say where it runs: "
+                          "--metrics-namespace NS (e.g. monitoring) or --metrics-pod-label "
+                          "KEY=VALUE (a Prometheus in the job's namespace)")
 
 
 # Resources: "--cpu" and friends for every pod, "--server-cpu" and friends for the servers.
@@ -963,64 +990,6 @@ def watch_main(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------
 # Worker bootstrap (`parallax k8s worker -- COMMAND`), run inside each worker pod.
-
-def horovod_env(rank: int, size: int, rendezvous_host: str, rendezvous_port: int,
-                iface: str) -> dict[str, str]:
-    """What `horovodrun --gloo` gives a rank whose host has one slot (gloo_run.py)."""
-    return {
-        "HOROVOD_HOSTNAME": f"worker-{rank}",
-        "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
-        "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
-        "HOROVOD_CROSS_RANK": str(rank), "HOROVOD_CROSS_SIZE": str(size),
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_host,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": iface,
-    }
-
-
-def _host_plan(size: int):
-    """horovodrun's host plan for `size` hosts named worker-<rank> with one slot each."""
-    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
-    return get_host_assignments([HostInfo(f"worker-{r}", 1) for r in range(size)], size)
-
-
-def start_rendezvous(port: int, size: int, host: str = "0.0.0.0", coordinator=None,
-                     horovod: bool = True, token: str | None = None):
-    """Horovod's rendezvous server on a fixed port, initialised with one slot per host
-    named worker-<rank> (as horovodrun does with its host plan); with a `gang.Gang` it also
-    answers the gang's requests (with `token`, only those carrying it). Without `horovod`
-    (TensorFlow's collectives) it serves only the gang. Returns the server; call
-    .shutdown() and .server_close() to stop it."""
-    import http.server
-
-    if horovod:
-        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-        base = RendezvousHandler
-    else:
-        base = _QuietHandler
-    handler = base if coordinator is None else gang.handler_class(base, coordinator, token)
-    if horovod:
-        httpd = RendezvousHTTPServer((host, port), handler, 0)
-        httpd.init(_host_plan(size))
-    else:
-        httpd = http.server.ThreadingHTTPServer((host, port), handler)
-    threading.Thread(target=httpd.serve_forever, name="rendezvous", daemon=True).start()
-    return httpd
-
-
-class _QuietHandler(http.server.BaseHTTPRequestHandler):
-    """The gang's server without Horovod: no line per request (each rank polls twice a
-    second, as Horovod's handler is silent too), 404 for any other path."""
-
-    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
-        pass
-
-    def do_GET(self):  # noqa: N802
-        self.send_error(404)
-
-    do_PUT = do_GET
-
 
 def _wait_for(host: str, port: int, timeout: float) -> str:
     """Resolve host and wait until host:port accepts connections; returns its address."""

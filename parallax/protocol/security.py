@@ -64,9 +64,9 @@ def read_pem(path: str | os.PathLike, what: str) -> bytes:
 
 def read_token(path: str | os.PathLike) -> str:
     token = read_file(path, "token file").decode("utf-8", "replace").strip()
-    if any(c.isspace() or not c.isprintable() for c in token):
-        raise ConfigError(f"token file {str(path)!r} must hold one token: printable "
-                          f"characters without spaces")
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
+        raise ConfigError(f"token file {str(path)!r} must hold one token: printable ASCII "
+                          f"characters without spaces (it travels in HTTP and gRPC headers)")
     return token
 
 
