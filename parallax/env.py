@@ -31,6 +31,8 @@ TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, ne
 WORKERS_ENV = "PARALLAX_WORKERS"         # without Horovod: every worker's host:port for
 WORKER_RANK_ENV = "PARALLAX_WORKER_RANK"  # TensorFlow's collectives, and this one's index
 COLLECTIVES = ("auto", "horovod", "tensorflow")  # ParallaxStrategy(collectives=...)
+TF_HEARTBEAT_ENV = "PARALLAX_TF_HEARTBEAT_S"  # TensorFlow's collectives: seconds a silent
+TF_HEARTBEAT_S = 60.0                    # (paused) worker may be before the job fails
 PLAN_CACHE_ENV = "PARALLAX_PLAN_CACHE"   # where the partition search keeps its decisions
 
 # ---- every process parallax starts -------------------------------------------------------
@@ -64,6 +66,22 @@ WORKER_CYCLE_TIME_MS = 5.0  # a worker's cycle where neither is set (Horovod's: 
 RUN_MODES = ("hybrid", "ps", "allreduce")
 SYNC_MODES = ("sync", "async")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+
+
+def tf_heartbeat_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """PARALLAX_TF_HEARTBEAT_S (default TF_HEARTBEAT_S): how long TensorFlow's coordination
+    service waits for a worker's heartbeat before it fails every worker's collectives."""
+    text = (os.environ if environ is None else environ).get(TF_HEARTBEAT_ENV, "")
+    if not text:
+        return TF_HEARTBEAT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1 <= value <= 86400:
+        raise ConfigError(f"{TF_HEARTBEAT_ENV}={text!r} must be a number of seconds in "
+                          f"1-86400 (default {TF_HEARTBEAT_S:g})")
+    return value
 
 
 def is_run_id(text: str) -> bool:

@@ -247,3 +247,45 @@ def test_a_tf_config_that_cannot_name_this_worker_is_refused(tf_config, message)
     assert collective_workers({"TF_CONFIG": json.dumps(
         {"cluster": {"worker": ["h:1", "h:2"], "ps": ["p:1"]},
          "task": {"type": "ps", "index": 0}})}) is None  # a ps task takes no part
+
+
+PAUSED = """
+import os, pathlib, signal, sys, time
+import tensorflow as tf
+from parallax.tf.collectives import make_collectives
+w = make_collectives("tensorflow")
+r = w.info.rank
+pidfile = pathlib.Path(sys.argv[1])
+w.allreduce_sum([tf.constant(1.0)])  # both are up
+if r == 1:  # a long pause (GC, a debugger, SIGSTOP): no heartbeat
+    pidfile.with_suffix(".tmp").write_text(str(os.getpid()))
+    pidfile.with_suffix(".tmp").rename(pidfile)
+    os.kill(os.getpid(), signal.SIGSTOP)
+else:
+    while not pidfile.exists():
+        time.sleep(0.1)
+    time.sleep(float(sys.argv[2]))
+    os.kill(int(pidfile.read_text()), signal.SIGCONT)
+(total,) = w.allreduce_sum([tf.constant(float(r + 1))])
+print("RESULT", r, float(total.numpy()), flush=True)
+"""
+
+
+def test_a_worker_paused_past_tensorflows_heartbeat_default_does_not_fail_the_job(tmp_path):
+    """Issue 29, item 14: TensorFlow's coordination service failed every worker's
+    collectives once one was silent for 10 s (its default heartbeat timeout). The timeout is
+    PARALLAX_TF_HEARTBEAT_S, 60 s by default: a worker paused 15 s carries on."""
+    script = tmp_path / "paused.py"
+    script.write_text(PAUSED)
+    output = _ok(_two_workers([sys.executable, str(script), str(tmp_path / "pid"), "15"]))
+    assert sorted(line.split("RESULT ", 1)[1] for line in output.splitlines()
+                  if "RESULT " in line) == ["0 3.0", "1 3.0"], output
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "1e9", "nan"])
+def test_a_bad_heartbeat_setting_names_the_variable(value):
+    from parallax.env import TF_HEARTBEAT_ENV, tf_heartbeat_seconds
+    with pytest.raises(ConfigError, match=f"{TF_HEARTBEAT_ENV}=.*1-86400"):
+        tf_heartbeat_seconds({TF_HEARTBEAT_ENV: value})
+    assert tf_heartbeat_seconds({TF_HEARTBEAT_ENV: "120"}) == 120.0
+    assert tf_heartbeat_seconds({}) == 60.0

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from parallax.client.cluster import parse_addresses
-from parallax.env import TF_CONFIG_ENV, WORKER_RANK_ENV, WORKERS_ENV
+from parallax.env import TF_CONFIG_ENV, WORKER_RANK_ENV, WORKERS_ENV, tf_heartbeat_seconds
 from parallax.errors import ConfigError
 from parallax.tf.worker_info import WorkerInfo
 
@@ -198,6 +198,7 @@ def _start_collective_service(addresses: Sequence[str], rank: int) -> None:
                           "as for MultiWorkerMirroredStrategy") from None
     ctx.configure_coordination_service(
         service_type="standalone", service_leader=leader,
+        heartbeat_timeout_in_ms=int(tf_heartbeat_seconds() * 1000),
         coordinated_jobs=[_coordination_protos(context).CoordinatedJob(
             name=_JOB, num_tasks=len(addresses))])
     config = copy.deepcopy(ctx.config)
