@@ -74,9 +74,10 @@ def test_duplicate_sums_add_in_numpys_order(runs):
     same_bits(summed, expected)
 
 
-def test_a_sync_steps_chunks_sum_and_divide_as_concatenated():
+@pytest.mark.parametrize("repeats", [False, True], ids=["unique", "repeating"])
+def test_a_sync_steps_chunks_sum_and_divide_as_concatenated(repeats):
     rng = np.random.default_rng(3)
-    chunks = [(np.sort(rng.choice(500, 200, replace=False)),
+    chunks = [(np.sort(rng.choice(500, 200, replace=repeats)),
                rng.standard_normal((200, 7)).astype(np.float32)) for _ in range(4)]
     unique, summed = KERNELS.aggregate([c[0] for c in chunks], [c[1] for c in chunks], 4.0)
     ids, total = routing.sum_duplicates(np.concatenate([c[0] for c in chunks]),

@@ -106,6 +106,21 @@ void sum_runs(const std::vector<std::pair<int64_t, int64_t>>& order,
   }
 }
 
+// Sort (id, position) pairs, the same order as a stable sort by id (positions differ): each
+// chunk's pairs merged into those before it when every chunk is in order already.
+void in_order(std::vector<std::pair<int64_t, int64_t>>& order,
+              const std::vector<ssize_t>& counts, bool chunks_sorted) {
+  if (!chunks_sorted) {
+    std::sort(order.begin(), order.end());
+    return;
+  }
+  ssize_t done = 0;
+  for (ssize_t count : counts) {
+    std::inplace_merge(order.begin(), order.begin() + done, order.begin() + done + count);
+    done += count;
+  }
+}
+
 // (sorted unique ids, per-id sums [/ divisor]) of the chunks' rows, concatenated in order.
 py::tuple aggregate(const py::list& ids, const py::list& grads, float divisor) {
   std::vector<py::object> keep;
@@ -117,15 +132,15 @@ py::tuple aggregate(const py::list& ids, const py::list& grads, float divisor) {
   {
     py::gil_scoped_release released;
     ssize_t at = 0;
-    bool increasing = true;
+    bool chunks_sorted = true;  // each chunk's ids in order (what clients send)
     for (size_t k = 0; k < in.ids.size(); ++k) {
       for (ssize_t i = 0; i < in.counts[k]; ++i, ++at) {
         order[at] = {in.ids[k][i], at};
         src[at] = in.grads[k] + i * dim;
-        increasing = increasing && (at == 0 || order[at].first > order[at - 1].first);
+        chunks_sorted = chunks_sorted && (i == 0 || in.ids[k][i] >= in.ids[k][i - 1]);
       }
     }
-    if (!increasing) std::sort(order.begin(), order.end());  // = stable: positions differ
+    in_order(order, in.counts, chunks_sorted);
     for (size_t i = 0; i < order.size(); ++i) {
       unique_count += (i == 0 || order[i].first != order[i - 1].first);
     }
