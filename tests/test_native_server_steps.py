@@ -131,3 +131,45 @@ def test_steps_answers_and_tables_are_the_same_bytes_on_both_paths(run_on):
         assert native_tables[key] == state, f"{key} differs"
     for (name, _), (*_, step) in numpy_tables.items():  # every good push was applied
         assert step == (STEPS * WORKERS if name == "async" else STEPS), name
+
+
+def _overflows() -> tuple[list, tuple]:
+    """A float16 table pushed past float16's range (its pulls refused OUT_OF_RANGE) and an
+    update past float32's (refused, nothing changed): the refusals and the final state."""
+    spec = TableSpec("narrow", 4, vocabulary_size=50, num_workers=1, sync_mode="async",
+                     optimizer=SGD(1.0), wire_dtype="float16")
+    service = ParameterServerService(None, 64 << 20)
+    service.CreateTable(ps_pb2.CreateTableRequest(spec=spec.to_proto()), _Context(0))
+    push, pull = request_deserializer("PushManyPacked"), request_deserializer("PullManyPacked")
+    ids, answers = np.arange(0, 50, 3), []
+
+    def call(method, request):
+        try:
+            answers.append(_encoded(getattr(service, method)(request, _Context(5))))
+        except _Refused as refused:
+            answers.append((refused.code, refused.message))
+    for step, (scale, lr) in enumerate([(1e4, 0.0), (3e4, 0.0), (3e38, 1e3), (4e4, 0.0)]):
+        grads = np.full((len(ids), 4), -scale, np.float32)
+
+        def fill(i, out_ids, out_grads, grads=grads):
+            out_ids[...], out_grads[...] = ids, grads
+        call("PushManyPacked", push(PushManyParts(
+            [(bulk_codec.PushHeader("narrow", 0, step, 0, lr, 0, 1, 0), len(ids), 4,
+              np.dtype(np.float32))], fill).packed()))
+        call("PullManyPacked", pull(PullManyParts(["narrow"], [0], [0], [ids]).packed()))
+    return answers, _state(service.shard("narrow", 0))
+
+
+def test_overflow_refusals_are_the_same_on_both_paths(monkeypatch):
+    runs = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(NATIVE_ENV, value)
+        native_path.reselect()
+        runs.append(_overflows())
+    monkeypatch.delenv(NATIVE_ENV)
+    native_path.reselect()
+    (numpy_answers, numpy_state), (native_answers, native_state) = runs
+    codes = [a[0].name for a in numpy_answers if isinstance(a, tuple)]
+    assert "OUT_OF_RANGE" in codes and "INVALID_ARGUMENT" in codes, numpy_answers
+    assert native_answers == numpy_answers
+    assert native_state == numpy_state
