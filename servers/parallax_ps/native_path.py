@@ -87,7 +87,7 @@ def update(optimizer, values: np.ndarray, slots: dict[str, np.ndarray], rows: np
     if constants is None:
         return None
     kind, consts = constants
-    names = list(slots)
+    names = optimizer.slot_names  # the order each kernel reads its slots in
     w, new_slots, finite = module.update(kind, consts, values,
                                          [slots[n] for n in names], rows,
                                          np.ascontiguousarray(grads))
