@@ -4,7 +4,9 @@ Why compiled: a step's requests carry one part per table shard (13 on each of ct
 servers), and each part's work is a dozen numpy calls on a few kilobytes (checks, duplicate
 sums, the optimizer's element-wise steps, the wire dtype's encoding), so the server's CPU went
 to calling numpy, not to arithmetic (examples/benchmarks/server_handlers.py --profile). Each
-kernel here does one of those dozens-of-calls pieces in one call, with the GIL released. C++
+kernel here does one of those dozens-of-calls pieces in one call, with the GIL released
+when its work is over 256 KiB (below that, giving the GIL up to the data plane's other
+threads and waiting to take it back costs more than the work). C++
 with pybind11: it reads numpy arrays without copies, builds with the compiler every Linux box
 has, and the worker side builds its kernels the same way (one extension, module.cc).
 

@@ -32,6 +32,27 @@ inline void* writable(py::array& out, ssize_t itemsize, const char* what) {
   return out.mutable_data();
 }
 
+// Work on fewer bytes than this keeps the GIL: with other threads waiting for it, giving it
+// up and taking it back costs a switch (microseconds, up to the 5 ms switch interval of
+// waiting) where the work itself takes a few microseconds.
+constexpr ssize_t kReleaseGilBytes = 256 * 1024;
+
+// Releases the GIL for its lifetime when `bytes` of work are worth it.
+class MaybeReleased {
+ public:
+  explicit MaybeReleased(ssize_t bytes) {
+    if (bytes >= kReleaseGilBytes) state_ = PyEval_SaveThread();
+  }
+  ~MaybeReleased() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  MaybeReleased(const MaybeReleased&) = delete;
+  MaybeReleased& operator=(const MaybeReleased&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
 inline uint32_t bits_of(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);

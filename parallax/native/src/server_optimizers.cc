@@ -175,7 +175,7 @@ py::tuple update(int kind, const std::vector<float>& consts, const In<float>& va
   }
   bool finite = true;
   {
-    py::gil_scoped_release released;
+    MaybeReleased released(n * dim * 4 * static_cast<ssize_t>(2 + 2 * sp.size()));
     float* slot_rows[3] = {nullptr, nullptr, nullptr};
     for (size_t k = 0; k < sp.size(); ++k) slot_rows[k] = sp[k];
     kLoops[kind](consts.data(), wp, slot_rows, grads.data(), n * dim);

@@ -35,7 +35,7 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
   const int64_t* r = rows.data();
   int64_t overflow = -1;
   {
-    py::gil_scoped_release released;
+    MaybeReleased released(n * dim * 6);
     for (ssize_t i = 0; i < n; ++i) {
       const float* row = src + r[i] * dim;
       if (wire == kFloat32) {
@@ -58,7 +58,7 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
 template <typename T>
 bool all_finite_of(const T* data, ssize_t size) {
   bool finite = true;
-  py::gil_scoped_release released;
+  MaybeReleased released(size * static_cast<ssize_t>(sizeof(T)));
   for (ssize_t i = 0; i < size; ++i) finite &= std::isfinite(data[i]);
   return finite;
 }
@@ -82,7 +82,7 @@ int64_t first_foreign(const In<int64_t>& ids, int64_t vocab, int64_t shard_count
                       int64_t shard, bool range, int64_t block) {
   const int64_t* p = ids.data();
   const ssize_t n = ids.size();
-  py::gil_scoped_release released;
+  MaybeReleased released(n * 8);
   for (ssize_t i = 0; i < n; ++i) {
     const int64_t id = p[i];
     if (id < 0 || id >= vocab) return i;

@@ -130,7 +130,7 @@ py::tuple aggregate(const py::list& ids, const py::list& grads, float divisor) {
   std::vector<std::pair<int64_t, int64_t>> order(in.total);
   ssize_t unique_count = 0;
   {
-    py::gil_scoped_release released;
+    MaybeReleased released(in.total * 16);
     ssize_t at = 0;
     bool chunks_sorted = true;  // each chunk's ids in order (what clients send)
     for (size_t k = 0; k < in.ids.size(); ++k) {
@@ -150,7 +150,7 @@ py::tuple aggregate(const py::list& ids, const py::list& grads, float divisor) {
   int64_t* u = unique.mutable_data();
   float* s = summed.mutable_data();
   {
-    py::gil_scoped_release released;
+    MaybeReleased released(in.total * dim * 4 * 2);
     sum_runs(order, src, dim, u, s);
     if (divisor > 0.0f) {
       for (ssize_t i = 0; i < unique_count * dim; ++i) s[i] = s[i] / divisor;
