@@ -16,6 +16,7 @@ traceback and exits 0. A failure names the case (its index and what was done) to
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -30,7 +31,9 @@ import wire_fuzz
 from conftest import Snapshot
 from parallax.client import ClientOptions, PSClient, ServerConnection
 from parallax.client.dataplane import DataPlaneClient
+from parallax import native
 from parallax.client.local_cluster import LocalCluster
+from parallax.env import NATIVE_ENV
 from parallax.protocol import dataplane, packed_codec
 from parallax.protocol.specs import SGD, TableSpec
 from parallax.ps.v1 import ps_pb2
@@ -179,10 +182,29 @@ def _prime(client: PSClient) -> None:
                       step, worker=worker)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = previous
+
+
+@pytest.fixture(scope="module", params=["1", "0"], ids=["native", "python"])
+def server(request, tmp_path_factory):
+    """A fuzzed server on each data path: the compiled kernels (where built) and numpy."""
+    if request.param == "1" and native.kernels() is None:
+        pytest.skip(f"compiled kernels: {native.describe()}")
     data_dir = tmp_path_factory.mktemp("fuzz-data")
-    with LocalCluster(1, data_dir=data_dir, extra_args=SERVER_ARGS) as cluster:
+    with contextlib.ExitStack() as stack:
+        with _environment(NATIVE_ENV, request.param):  # the server process inherits it
+            cluster = stack.enter_context(LocalCluster(1, data_dir=data_dir,
+                                                       extra_args=SERVER_ARGS))
         with PSClient(cluster.addresses, ClientOptions(timeout=30)) as client:
             _prime(client)
             client.save(wire_fuzz.BASE_CHECKPOINT, list(wire_fuzz.VICTIMS))

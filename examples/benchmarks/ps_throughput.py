@@ -36,6 +36,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -55,7 +56,9 @@ from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
 from parallax.client import ClientOptions, PSClient, ShardedTable
+from parallax import native
 from parallax.client.local_cluster import LocalCluster
+from parallax.env import NATIVE_ENV
 from parallax.errors import ParallaxError
 from parallax.protocol.specs import SGD, TableSpec
 from parallax.runtime.malloc_tuning import reuse_freed_memory
@@ -85,6 +88,7 @@ class Settings:
     budget_s: float = 2.0   # per configuration: stop repeating (after MIN_REPS) past this
     seed: int = 0
     out: str = "bench-results/ps_throughput.json"
+    paths: tuple[str, ...] = ("",)  # PARALLAX_NATIVE of the server, each in turn ("": as set)
 
 
 QUICK = Settings(ids=(16384, 65536), shards=(1, 4), reps=3, budget_s=0.5)
@@ -107,6 +111,7 @@ class Result:
     echo_mb_per_s: float
     echo_ratio: float
     error: str | None = None
+    path: str = ""  # the server's data path (parallax.native.describe())
 
 
 # ---- measurement -------------------------------------------------------------------------
@@ -221,14 +226,39 @@ def run_table(clients: Sequence[PSClient], dim: int, shards: int, settings: Sett
         clients[0].delete_table(created)
 
 
+@contextlib.contextmanager
+def _native(path: str):
+    """PARALLAX_NATIVE=`path` meanwhile ("": as it is); a server started now inherits it."""
+    previous = os.environ.get(NATIVE_ENV)
+    if path:
+        os.environ[NATIVE_ENV] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(NATIVE_ENV, None)
+        else:
+            os.environ[NATIVE_ENV] = previous
+
+
 def run(settings: Settings, report: Callable[[Result], None]) -> None:
     too_big = [n for n in settings.ids if n > settings.vocab]
     if too_big:
         raise SystemExit(f"--ids {too_big} exceed --vocab {settings.vocab}; raise --vocab")
+    for path in settings.paths:  # the same ids and gradients on each path
+        with _native(path):
+            label = native.describe().split(" ")[0]
+        run_path(settings, path, lambda r, label=label: report(replace(r, path=label)))
+
+
+def run_path(settings: Settings, path: str, report: Callable[[Result], None]) -> None:
+    """Every configuration against one server started with PARALLAX_NATIVE=`path`."""
     server_mb = 256
     rng = np.random.default_rng(settings.seed)
-    with LocalCluster(1, extra_args=["--max-message-mb", str(server_mb)],
-                      echo=None) as cluster:
+    with contextlib.ExitStack() as stack:
+        with _native(path):
+            cluster = stack.enter_context(LocalCluster(
+                1, extra_args=["--max-message-mb", str(server_mb)], echo=None))
         options = [ClientOptions(channels_per_server=c, chunk_mb=m)
                    for c in settings.channels for m in settings.chunk_mb]
         clients = [PSClient(cluster.addresses, o) for o in options]
@@ -242,11 +272,13 @@ def run(settings: Settings, report: Callable[[Result], None]) -> None:
                 client.close()
             for echo in _ECHO_CLIENTS.values():
                 echo.close()
+            _ECHO_CLIENTS.clear()
 
 
 # ---- output ------------------------------------------------------------------------------
 
-COLUMNS = [("op", 11, "{}"), ("dim", 4, "{}"), ("ids", 7, "{}"), ("shards", 6, "{}"),
+COLUMNS = [("path", 6, "{}"), ("op", 11, "{}"), ("dim", 4, "{}"), ("ids", 7, "{}"),
+           ("shards", 6, "{}"),
            ("ch", 3, "{}"), ("chunkMB", 7, "{}"), ("MB/req", 7, "{:.1f}"), ("reps", 4, "{}"),
            ("ms", 9, "{:.2f}"), ("Mrows/s", 8, "{:.3f}"), ("MB/s", 8, "{:.1f}"),
            ("memcpyMB/s", 10, "{:.0f}"), ("ratio", 6, "{:.3f}"), ("echoMB/s", 8, "{:.0f}"),
@@ -258,7 +290,7 @@ def header() -> str:
 
 
 def row(r: Result) -> str:
-    values = [r.op, r.dim, r.ids, r.shards, r.channels, r.chunk_mb,
+    values = [r.path, r.op, r.dim, r.ids, r.shards, r.channels, r.chunk_mb,
               r.ids * r.dim * 4 / MB, r.reps, r.median_s * 1e3, r.rows_per_s / 1e6,
               r.mb_per_s, r.memcpy_mb_per_s, r.ratio, r.echo_mb_per_s, r.echo_ratio]
     cells = [fmt.format(v).rjust(width) for (_, width, fmt), v in zip(COLUMNS, values)]
@@ -298,11 +330,13 @@ def machine_info() -> dict[str, object]:
 
 
 def peaks(results: Sequence[Result]) -> dict[str, dict[str, object]]:
-    """Best MB/s per op, with its configuration."""
+    """Best MB/s per op (and data path, where several ran), with its configuration."""
     best: dict[str, dict[str, object]] = {}
+    several = len({r.path for r in results}) > 1
     for r in results:
-        if r.error is None and r.mb_per_s > best.get(r.op, {}).get("mb_per_s", -1.0):
-            best[r.op] = asdict(r)
+        key = f"{r.op} {r.path}" if several else r.op
+        if r.error is None and r.mb_per_s > best.get(key, {}).get("mb_per_s", -1.0):
+            best[key] = asdict(r)
     return best
 
 
@@ -359,6 +393,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                         f"(at least {MIN_REPS} reps are run; default 2)")
     p.add_argument("--seed", type=int, help="ids and gradients seed")
     p.add_argument("--out", help="JSON output path (default bench-results/ps_throughput.json)")
+    p.add_argument("--paths", type=lambda t: tuple(v.strip() for v in t.split(",")),
+                   help="the server's PARALLAX_NATIVE values to measure in turn, side by side "
+                        "(e.g. 1,0: compiled kernels, then numpy; default: as set)")
     args = vars(p.parse_args(argv))
     base = QUICK if args.pop("quick") else Settings()
     return replace(base, **{k: v for k, v in args.items() if v is not None})
@@ -380,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run(settings, report)
     seconds = time.perf_counter() - start
     for op, best in peaks(results).items():
-        print(f"peak {op:11s}: {best['mb_per_s']:8.1f} MB/s  ({best['rows_per_s'] / 1e6:.3f} "
+        print(f"peak {op:18s}: {best['mb_per_s']:8.1f} MB/s  ({best['rows_per_s'] / 1e6:.3f} "
               f"Mrows/s, ratio {best['ratio']:.3f} to memcpy, {best['echo_ratio']:.2f} of raw "
               f"gRPC echo) at dim={best['dim']} ids={best['ids']} shards={best['shards']} "
               f"channels={best['channels']} chunk_mb={best['chunk_mb']}")

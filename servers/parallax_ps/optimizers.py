@@ -52,6 +52,12 @@ class ServerOptimizer:
         self._update: Callable = update() if isinstance(update, type) else update  # own state
         self.slot_names: tuple[str, ...] = slot_names(spec)
 
+    @property
+    def state(self):
+        """The update's own state where it keeps one (Nadam's u_product), else the update
+        function; the compiled kernels' constants advance it as the numpy path does."""
+        return self._update
+
     def slot_initial_value(self, name: str) -> float:
         return slot_initial_value(self.spec, name)
 

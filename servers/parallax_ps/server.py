@@ -21,12 +21,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from parallax import native
 from parallax.env import READY_PREFIX
 from parallax.errors import ConfigError
 from parallax.protocol import security
 from parallax.runtime import lifeline, logs
 from parallax.runtime.malloc_tuning import reuse_freed_memory
-from parallax_ps import metrics, versions
+from parallax_ps import metrics, native_path, versions
 from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
@@ -253,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(config.log_level, server=True)
     reuse_freed_memory()
     try:
+        native_path.kernels()  # PARALLAX_NATIVE=1 without the build stops here, named
+        log.info("data path: %s", native.describe())
         server = RunningServer(config)
     except (OSError, ConfigError) as exc:
         print(f"parallax server: {exc}", file=sys.stderr)

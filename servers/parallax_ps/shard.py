@@ -28,6 +28,7 @@ from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import Partitioner, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
+from parallax_ps import native_path
 from parallax_ps.admission import SKETCH_BYTES, needs_sketch
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
@@ -64,8 +65,11 @@ def _sum_is_finite(values: np.ndarray) -> bool:
 
 
 def _all_finite(values: np.ndarray) -> bool:
-    """Exact, with one summing pass first: the element-wise check runs only when the sum is
-    not finite (a NaN/Inf, or an overflowed sum)."""
+    """Exact: the compiled kernel, or one summing pass first and the element-wise check only
+    when the sum is not finite (a NaN/Inf, or an overflowed sum)."""
+    compiled = native_path.all_finite(values)
+    if compiled is not None:
+        return compiled
     return _sum_is_finite(values) or bool(np.isfinite(values).all())
 
 
@@ -142,6 +146,8 @@ class TableShard:
         if len(ids) == 0:
             return ids
         if not self.spec.hashed_keys:
+            if native_path.owns_all(ids, self.partitioner, self.shard_index):
+                return ids  # else the checks below say which id is wrong
             vocab = self.spec.vocabulary_size
             bad = out_of_range(ids, vocab)
             if bad is not None:
@@ -308,6 +314,8 @@ class TableShard:
         """The values of storage `rows`, into `out` when given, narrowed to the wire dtype
         when `out` has it. Validated ids: mode="clip" never clips (it spares take a copy)."""
         values = self.storage.values
+        if out is not None and native_path.gather(values, rows, out):
+            return out  # else (a float16 overflow, no kernels) numpy's path, which refuses
         if out is None or out.dtype == values.dtype:
             return np.take(values, rows, axis=0, out=out, mode="clip")
         return self._encoded(np.take(values, rows, axis=0, mode="clip"), out)
@@ -416,9 +424,14 @@ class TableShard:
         """(rows, new values, new slots) of one batch, not written yet; refused when a value
         or slot would not be finite."""
         rows = self.storage.locate(ids, create=True)
-        values, slots = self.optimizer.updated(self.storage.values, self.storage.slots, rows,
-                                               grads, self.steps.step, lr)
-        if not self.spec.allow_non_finite:
+        compiled = native_path.update(self.optimizer, self.storage.values, self.storage.slots,
+                                      rows, grads, self.steps.step, lr)
+        if compiled is None:
+            values, slots = self.optimizer.updated(self.storage.values, self.storage.slots,
+                                                   rows, grads, self.steps.step, lr)
+        else:
+            values, slots, finite = compiled
+        if not self.spec.allow_non_finite and (compiled is None or not finite):
             self._check_finite(ids, lr, values, slots)
         return rows, values, slots
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from parallax.protocol.routing import sum_duplicates
 from parallax_ps.errors import RequestError, invalid, precondition
+from parallax_ps.native_path import aggregate, sum_duplicates
 
 Batch = tuple[np.ndarray, np.ndarray]  # (ids, grads)
 ASYNC_HISTORY = 64  # async steps per worker whose chunks are remembered to refuse repeats
@@ -164,13 +164,11 @@ class StepState:
         sends) are applied chunk by chunk, avoiding a copy the size of the whole push."""
         chunks = [push.chunks[c] for _, push in sorted(self.pushes.items())
                   for c in sorted(push.chunks)]
-        ids = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
-        if self.num_workers == 1 and (len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))):
-            return chunks
-        unique, summed = sum_duplicates(ids, np.concatenate([c[1] for c in chunks]))
-        if self.mean:
-            summed = summed / summed.dtype.type(self.num_workers)
-        return [(unique, summed)]
+        if self.num_workers == 1:
+            ids = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
+            if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
+                return chunks
+        return [aggregate(chunks, self.num_workers if self.mean else 0)]
 
     def reset(self, step: int) -> None:
         """Forget every push (after a restore) and continue from `step`."""

@@ -3,13 +3,16 @@
 // (tables, steps, checkpoints). See parallax/native/__init__.py for how it is chosen.
 #include <pybind11/pybind11.h>
 
+#include "server_kernels.h"
+
 namespace py = pybind11;
 
 // The kernels' ABI: parallax.native refuses a module whose number differs from its own
 // (a stale build left in the tree after the Python side changed).
-constexpr int kAbi = 1;
+constexpr int kAbi = 2;
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "parallax's compiled data path (see parallax.native)";
   m.attr("ABI") = kAbi;
+  parallax_server::register_server(m);
 }
