@@ -226,7 +226,7 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     assert per_process["worker"]["cpu_seconds"] > 0 and per_process["server"]["cpu_seconds"] > 0
     assert per_process["server"]["bytes_sent"] is None  # no link of its own
     assert isolated["traffic_workload"]["workers"] == 2
-    assert any(n.startswith("100mbit@0.25cpu: each process in its own CPU group of 0.25 core")
+    assert any(n.startswith("100mbit@0.25cpu: each host in its own CPU group of 0.25 core")
                for n in results["meta"]["notes"])
     assert any(n.startswith("Horovod's cycle time: ") for n in results["meta"]["notes"])
     report = (tmp_path / "out" / "report.md").read_text()

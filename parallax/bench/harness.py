@@ -518,9 +518,9 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
     return results_path
 
 
-ISOLATION_NOTE = ("{key}: each process in its own CPU group of {share:g} core (cgroup v1 "
+ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
-                  "(rate x {share:g}, latency / {share:g}): each process stands for one core "
+                  "(rate x {share:g}, latency / {share:g}): each host stands for one core "
                   "with a {link} link, slowed {slow:g}x")
 
 
