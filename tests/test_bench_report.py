@@ -570,12 +570,13 @@ def test_rows_carry_hosts_and_cores_and_the_report_gives_samples_per_core(tmp_pa
     text = written["report.md"].read_text()
     colocated = text[text.index("### lm on 1gbit@0.25cpu:colocated"):
                      text.index("### lm on 1gbit@0.25cpu:dedicated")]
+    dedicated = text[text.index("### lm on 1gbit@0.25cpu:dedicated"):]
     assert "0.25 core per host; servers inside worker hosts (equal hardware))" in colocated
     # system, hosts, cores, samples/s, samples/s per core, hybrid / this per core
     assert "| hybrid | 4 | 1 | 4,000 | 4,000 | 1.00x |" in colocated
     assert "| horovod | 4 | 1 | 3,000 | 3,000 | 1.33x |" in colocated
     assert "Bytes per worker host link (its co-located server's bytes included)" in colocated
-    dedicated = text[text.index("### lm on 1gbit@0.25cpu:dedicated"):]
+    assert "(target ≤" not in colocated and "(target ≤ 1.2x: met)" in dedicated
     assert "a host per process (servers on hosts of their own))" in dedicated
     assert "| hybrid | 6 | 1.5 | 4,500 | 3,000 | 1.00x |" in dedicated
     assert "| horovod | 4 | 1 | 3,000 | 3,000 | 1.00x |" in dedicated

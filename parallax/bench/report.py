@@ -116,12 +116,14 @@ def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
-def _traffic_cells(row: Row) -> list[str]:
+def _traffic_cells(row: Row, colocated: bool = False) -> list[str]:
+    """A row's bytes beside its model; no target verdict where a host link carries a
+    co-located server's bytes too (`_bytes_target`)."""
     def both(t: StepTraffic | None, missing: str) -> list[str]:
         return [missing] * 2 if t is None else [human_bytes(t.sent), human_bytes(t.received)]
 
     vs_min = _x(row.vs_minimum)
-    if row.system == PARALLAX and row.vs_minimum is not None:
+    if row.system == PARALLAX and row.vs_minimum is not None and not colocated:
         vs_min += f" (target ≤ {BYTES_TARGET:g}x: {_verdict(row.vs_minimum <= BYTES_TARGET)})"
     ratio = _x(row.vs_analytic) if row.measured else "not measured"
     return [row.system, *both(row.measured, "not measured"), *both(row.analytic, "no model"),
@@ -158,7 +160,8 @@ def _slice_section(s: Slice, network: Network) -> list[str]:
     lines += [f"Bytes {link} per step at {w} workers (median over ok rounds):", ""]
     lines += _table(["system", "sent", "received", "analytic sent", "analytic received",
                      "measured / analytic", "measured / minimum"],
-                    (_traffic_cells(r) for p in s.systems if (r := s.get(p, w))))
+                    (_traffic_cells(r, network.placement == "colocated")
+                     for p in s.systems if (r := s.get(p, w))))
     lines += ["CPU seconds per sample (all processes of a run, median over ok rounds):", ""]
 
     def cpu(row: Row | None) -> str:
