@@ -266,7 +266,7 @@ def test_row_cache_systems_run_in_the_same_rounds_and_staleness_0_trains_as_hybr
     assert n > 5 and plain["losses"][:n] == exact["losses"][:n]  # staleness 0: bit for bit
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Row cache" in report and "| hybrid_cache4 |" in report
-    assert (tmp_path / "out" / "cache_ctr_loopback_w1.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "cache_ctr_loopback-colocated_w1.png").stat().st_size > 1000
 
 
 def test_row_cache_options_make_systems_and_bad_ones_are_refused():
