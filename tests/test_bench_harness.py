@@ -422,7 +422,7 @@ def test_colocated_topology_places_server_i_on_host_i_mod_w():
     # at 0.125 core, 8 colocated hosts take 1 core in all; dedicated ones 1.375 (tf_ps)
     eight = dict(workers=(8,), systems=("hybrid", "horovod", "tf_ps"))
     assert harness.BenchConfig(**eight, cpu_shares=(0.125,)).placements == ("colocated",)
-    with pytest.raises(ConfigError, match=r"--cpu-share 0.125 for 11 processes is 1.375 "):
+    with pytest.raises(ConfigError, match=r"0.125 for 11 hosts \(CPU groups\) is 1.375 "):
         cgroups.check_total(0.125, harness.hosts_per_run(
             harness.BenchConfig(**eight, placements=("dedicated",))), cores=1)
     assert harness.TF_PORT_OFFSET == {"worker": 0, "ps": 1, "chief": 2}  # one host, 3 jobs
