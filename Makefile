@@ -30,7 +30,7 @@ wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, tra
 bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
 	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
 
-compare: env       ## parallax vs TF PS and Horovod, shared and isolated cores (root; ~45 min)
+compare: env       ## parallax vs TF PS and Horovod: equal hardware first, then dedicated servers, the paper's link ratio, shared cores (root; ~70 min)
 	bash scripts/compare.sh bench-results/compare
 
 image:             ## container image: podman build (local debootstrap base) + smoke test (root; 5-10 min cold)

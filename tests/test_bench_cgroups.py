@@ -191,11 +191,15 @@ def test_too_many_cores_in_total_are_refused_with_the_numbers():
     from parallax.bench.harness import BenchConfig
     with pytest.raises(ConfigError) as err:
         cgroups.check_total(0.5, 7, cores=2)
-    assert "0.5 for 7 processes is 3.5 cores, more than this machine's 2" in str(err.value)
+    assert "0.5 for 7 hosts (CPU groups) is 3.5 cores, more than this machine's 2" \
+        in str(err.value)
     assert "--cpu-share <= 0.286" in str(err.value)
     cgroups.check_total(0.25, 7, cores=2)  # 1.75 cores: fine
     cores = os.cpu_count() or 1
-    with pytest.raises(ConfigError, match="for 7 processes"):  # 4 + 2 servers + chief
+    with pytest.raises(ConfigError, match="for 7 hosts"):  # 4 + 2 servers + chief
+        BenchConfig(workers=(1, 4), servers=2, cpu_shares=(None, float(cores)),
+                    placements=("colocated", "dedicated"))
+    with pytest.raises(ConfigError, match="for 4 hosts"):  # servers inside worker hosts
         BenchConfig(workers=(1, 4), servers=2, cpu_shares=(None, float(cores)))
 
 

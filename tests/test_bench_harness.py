@@ -51,7 +51,7 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
     prefix = _prefix()
     done = _bench(tmp_path, "--workloads", "lm", "--workers", "2", "--networks", "unlimited",
                   "--systems", "hybrid,horovod,mwms,tf_ps,hybrid_tf", "--rounds", "1",
-                  "--prefix", prefix)
+                  "--prefix", prefix, "--placement", "dedicated")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "out"
     results = json.loads((out / "results.json").read_text())
@@ -61,7 +61,12 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
         assert run["status"] == "ok", f"{system}: {run['error']}"
         assert run["samples_per_s"] > 0 and run["cpu_seconds_per_sample"] > 0
         assert len(run["windows"]) == 2
-        assert run["network"]["name"] == "unlimited"
+        assert run["network"]["name"] == "unlimited:dedicated"
+        assert run["network"]["placement"] == run["placement"] == "dedicated"
+    # A host per process: workers, servers, TF's coordinator; shared cores: no core count.
+    assert {s: (r["hosts"], r["cores"]) for s, r in runs.items()} == {
+        "hybrid": (4, None), "hybrid_tf": (4, None), "horovod": (2, None), "mwms": (2, None),
+        "tf_ps": (5, None)}
     spec = workloads.get("lm", "short")
     hybrid = runs["hybrid"]
     measured = hybrid["worker_bytes_per_step"]
@@ -84,10 +89,29 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
         assert 0.75 <= ratio <= 1.33, (way, ratio)
     assert hybrid["global_batch"] == 2 * spec.batch_per_worker
     report = (out / "report.md").read_text()
-    assert "lm on unlimited" in report and "| hybrid |" in report
-    assert (out / "throughput_lm_unlimited.png").stat().st_size > 1000
+    assert "lm on unlimited:dedicated" in report and "| hybrid | 4 | shared |" in report
+    assert (out / "throughput_lm_unlimited-dedicated.png").stat().st_size > 1000
     assert _namespaces(prefix) == []
     assert marked_processes(tmp_path.name) == {}
+
+
+def test_tf_ps_runs_colocated_with_three_jobs_on_one_host(tmp_path):
+    """Equal hardware for TF's ParameterServerStrategy: its ps tasks and its coordinator
+    inside the workers' hosts (each job on its own port there), 2 hosts in all."""
+    prefix = _prefix()
+    done = _bench(tmp_path, "--workloads", "lm", "--workers", "2", "--networks", "unlimited",
+                  "--systems", "tf_ps", "--rounds", "1", "--prefix", prefix)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [run] = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert run["status"] == "ok", run["error"]
+    assert (run["placement"], run["hosts"], run["cores"]) == ("colocated", 2, None)
+    assert set(run["per_process"]) == {"worker", "server", "chief"}
+    assert all(set(w["bytes_sent"]) == {"worker0", "worker1"} for w in run["windows"])
+    logs = sorted(p.name for p in (tmp_path / "out" / "logs").glob("*/*.log"))
+    assert logs == ["chief-chief.log", "ps0-ps.log", "ps1-ps.log", "worker0-worker.log",
+                    "worker1-worker.log"]
+    assert "[2 hosts]" in done.stdout
+    assert _namespaces(prefix) == [] and marked_processes(tmp_path.name) == {}
 
 
 def test_failed_run_is_recorded_and_everything_is_cleaned_up(tmp_path):
@@ -104,7 +128,41 @@ def test_failed_run_is_recorded_and_everything_is_cleaned_up(tmp_path):
     assert marked_processes(tmp_path.name) == {}
 
 
+def _host(pid: int, prefix: str) -> tuple[str, str]:
+    """(namespace, CPU group) process pid runs in, read from /proc/<pid>/ns/net (matched
+    against /run/netns) and /proc/<pid>/cgroup (the cpu controller's line)."""
+    inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+    namespace = next((ns for ns in _namespaces(prefix)
+                      if os.stat(f"/run/netns/{ns}").st_ino == inode), "root")
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    group = next(line.rpartition(":")[2] for line in lines
+                 if "cpu" in line.split(":")[1].split(","))
+    return namespace, group
+
+
+def _python_processes(mark: str, module: str) -> list[int]:
+    """The marked processes that are `python -m module` by now (not the `sh` or `ip netns
+    exec` in front of them, whose command lines name the module too)."""
+    return [pid for pid, cmd in marked_processes(mark).items()
+            if cmd.startswith(sys.executable) and f"-m {module} " in cmd]
+
+
+def _hosts_once_started(mark: str, prefix: str, bench: subprocess.Popen) -> dict[str, tuple]:
+    """Process name (from the log its stdout goes to: logs/<run>/<name>-<role>.log) ->
+    (namespace, CPU group), once both workers have started."""
+    deadline = time.monotonic() + 120
+    while len(_python_processes(mark, "parallax.bench.worker")) < 2:
+        assert time.monotonic() < deadline and bench.poll() is None, "no workers started"
+        time.sleep(0.5)
+    pids = _python_processes(mark, "parallax_ps") + _python_processes(mark,
+                                                                      "parallax.bench.worker")
+    return {Path(os.readlink(f"/proc/{pid}/fd/1")).name.split("-")[0]: _host(pid, prefix)
+            for pid in pids}
+
+
 def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
+    """Also: colocated (the default), each server runs inside a worker's host (server i in
+    worker i's namespace and CPU group), and there are no other hosts."""
     prefix = _prefix()
     out = tmp_path / "out"
     bench = subprocess.Popen(
@@ -114,14 +172,12 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", MARK: tmp_path.name})
     try:
-        deadline = time.monotonic() + 120
-        while not any("parallax.bench.worker" in c
-                      for c in marked_processes(tmp_path.name).values()):
-            assert time.monotonic() < deadline and bench.poll() is None, "no worker started"
-            time.sleep(0.5)
-        assert _namespaces(prefix)
+        hosts = _hosts_once_started(tmp_path.name, prefix, bench)
+        assert hosts == {f"{name}{i}": (f"{prefix}-worker{i}", f"/{prefix}-worker{i}")
+                         for name in ("ps", "worker") for i in range(2)}
+        assert sorted(_namespaces(prefix)) == [f"{prefix}-worker0", f"{prefix}-worker1"]
         assert _groups(prefix) == [f"{cgroups.CPU_ROOT}/{prefix}-{h}"
-                                   for h in ("ps0", "ps1", "worker0", "worker1")]
+                                   for h in ("worker0", "worker1")]
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 128 + signal.SIGTERM
     finally:
@@ -138,8 +194,9 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
 
 def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     """`--cpu-share off,0.25`: a shared-core and an isolated setting in one results file;
-    the isolated one's links at 100 Mbit/s x 0.25, no process above its quarter core, CPU
-    and bytes per step per role recorded, the step-time model fitted, nothing left."""
+    the isolated one's links at 100 Mbit/s x 0.25, no host (a worker and its co-located
+    server: colocated is the default) above its quarter core, hosts and cores on every run,
+    CPU per step per role recorded, the step-time model fitted, nothing left."""
     assert cgroups.available() is None, cgroups.available()
     prefix = _prefix()
     done = _bench(tmp_path, "--workloads", "lm", "--workers", "1,2", "--networks", "100mbit",
@@ -148,9 +205,11 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     runs = results["runs"]
-    assert [(r["network"]["name"], r["workers"], r["status"]) for r in runs] == [
-        ("100mbit", 1, "ok"), ("100mbit", 2, "ok"),
-        ("100mbit@0.25cpu", 1, "ok"), ("100mbit@0.25cpu", 2, "ok")]
+    assert [(r["network"]["name"], r["workers"], r["status"], r["hosts"], r["cores"])
+            for r in runs] == [
+        ("100mbit:colocated", 1, "ok", 1, None), ("100mbit:colocated", 2, "ok", 2, None),
+        ("100mbit@0.25cpu:colocated", 1, "ok", 1, 0.25),
+        ("100mbit@0.25cpu:colocated", 2, "ok", 2, 0.5)]
     isolated = runs[3]
     assert {k: isolated["network"][k] for k in ("rate_mbit", "cpu_share", "cpu_quota_us",
                                                "nominal_rate_mbit")} == {
@@ -158,18 +217,23 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     assert "cpu_share" not in runs[1]["network"] and runs[1]["network"]["rate_mbit"] == 100.0
     for window in isolated["windows"]:
         rates = {h: c / window["seconds"] for h, c in window["cpu_seconds_by_host"].items()}
-        assert set(rates) == {"worker0", "worker1", "ps0", "ps1"}
-        assert max(rates.values()) <= 0.3, rates
+        assert set(rates) == {"worker0", "worker1", "ps0", "ps1"}  # CPU: per process
+        hosts = [rates[f"worker{i}"] + rates[f"ps{i}"] for i in range(2)]
+        assert max(hosts) <= 0.3, rates
+        assert set(window["bytes_sent"]) == {"worker0", "worker1"}  # bytes: per host link
     per_process = isolated["per_process"]
     assert (per_process["worker"]["processes"], per_process["server"]["processes"]) == (2, 2)
-    assert per_process["worker"]["cpu_seconds"] > 0 and per_process["server"]["bytes_sent"] > 0
+    assert per_process["worker"]["cpu_seconds"] > 0 and per_process["server"]["cpu_seconds"] > 0
+    assert per_process["server"]["bytes_sent"] is None  # no link of its own
     assert isolated["traffic_workload"]["workers"] == 2
-    assert any(n.startswith("100mbit@0.25cpu: each process in its own CPU group of 0.25 core")
+    assert any(n.startswith("100mbit@0.25cpu: each host in its own CPU group of 0.25 core")
                for n in results["meta"]["notes"])
     assert any(n.startswith("Horovod's cycle time: ") for n in results["meta"]["notes"])
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "### lm on 100mbit (" in report and "### lm on 100mbit@0.25cpu (25 Mbit/s" in report
-    assert "### lm, fitted on 100mbit@0.25cpu" in report and "| hybrid | " in report
+    assert "### lm on 100mbit:colocated (" in report
+    assert "### lm on 100mbit@0.25cpu:colocated (25 Mbit/s" in report
+    assert "| hybrid | 2 | 0.5 | " in report  # hosts, cores at 2 workers
+    assert "### lm, fitted on 100mbit@0.25cpu:colocated" in report and "| hybrid | " in report
     assert (tmp_path / "out" / "projection_lm.png").stat().st_size > 1000
     assert _groups(prefix) == [] and _namespaces(prefix) == []
     assert marked_processes(tmp_path.name) == {}
@@ -202,7 +266,7 @@ def test_row_cache_systems_run_in_the_same_rounds_and_staleness_0_trains_as_hybr
     assert n > 5 and plain["losses"][:n] == exact["losses"][:n]  # staleness 0: bit for bit
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Row cache" in report and "| hybrid_cache4 |" in report
-    assert (tmp_path / "out" / "cache_ctr_loopback_w1.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "cache_ctr_loopback-colocated_w1.png").stat().st_size > 1000
 
 
 def test_row_cache_options_make_systems_and_bad_ones_are_refused():
@@ -210,8 +274,11 @@ def test_row_cache_options_make_systems_and_bad_ones_are_refused():
                                               "0,16,4", "--cache-mb", "8"]))
     assert config.runs == ("hybrid", "hybrid_cache0", "hybrid_cache16", "hybrid_cache4")
     assert config.cache_mb == 8 and harness.base_system("hybrid_cache16") == "hybrid"
-    assert harness.processes_per_run(harness.BenchConfig(systems=(), workers=(2,),
-                                                         cache_staleness=(1,))) == 4
+    assert harness.hosts_per_run(harness.BenchConfig(systems=(), workers=(2,),
+                                                     cache_staleness=(1,))) == 2
+    assert harness.hosts_per_run(harness.BenchConfig(systems=(), workers=(2,),
+                                                     cache_staleness=(1,),
+                                                     placements=("dedicated",))) == 4
     with pytest.raises(ConfigError, match=r"--cache-mb 0 must be >= 1.*--cache-mb 64"):
         config_from(parser().parse_args(["--cache-mb", "0"]))
     with pytest.raises(ConfigError, match=r"--cache-staleness values must be integers >= 0"):
@@ -311,8 +378,13 @@ def test_bad_configurations_are_refused_with_the_value():
         config_from(parser().parse_args(["--workers", "0,2"]))
     with pytest.raises(SystemExit):
         parser().parse_args(["--workers", "two"])
-    assert harness.cluster_hosts(harness.BenchConfig(workers=(1, 4), servers=2)) == [
+    config = harness.BenchConfig(workers=(1, 4), servers=2)
+    assert harness.cluster_hosts(config, "dedicated") == [
         "chief", "worker0", "worker1", "worker2", "worker3", "ps0", "ps1"]
+    assert harness.cluster_hosts(config, "colocated") == [
+        "worker0", "worker1", "worker2", "worker3"]
+    with pytest.raises(ConfigError, match="placement 'nearby' is not known: choose colocated"):
+        config_from(parser().parse_args(["--placement", "colocated,nearby"]))
 
 
 def test_result_lines_are_found_among_other_output():
@@ -329,3 +401,44 @@ def test_the_bench_command_line_does_not_import_tensorflow():
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_colocated_topology_places_server_i_on_host_i_mod_w():
+    """Equal hardware: every system on W hosts; dedicated: a host per process."""
+    from parallax.bench import topology
+    placed = topology.processes("tf_ps", 2, 3, "colocated")
+    assert [(p.name, p.role, p.host) for p in placed] == [
+        ("ps0", "ps", "worker0"), ("ps1", "ps", "worker1"), ("ps2", "ps", "worker0"),
+        ("worker0", "worker", "worker0"), ("worker1", "worker", "worker1"),
+        ("chief", "chief", "worker0")]
+    hosts = {(s, p): topology.hosts(s, 4, 2, p) for s in ("hybrid", "horovod", "tf_ps", "mwms")
+             for p in topology.PLACEMENTS}
+    assert {k: len(v) for k, v in hosts.items()} == {
+        ("hybrid", "colocated"): 4, ("hybrid", "dedicated"): 6,
+        ("horovod", "colocated"): 4, ("horovod", "dedicated"): 4,
+        ("tf_ps", "colocated"): 4, ("tf_ps", "dedicated"): 7,
+        ("mwms", "colocated"): 4, ("mwms", "dedicated"): 4}
+    assert topology.cores(6, 0.25) == 1.5 and topology.cores(4, None) is None
+    # at 0.125 core, 8 colocated hosts take 1 core in all; dedicated ones 1.375 (tf_ps)
+    eight = dict(workers=(8,), systems=("hybrid", "horovod", "tf_ps"))
+    assert harness.BenchConfig(**eight, cpu_shares=(0.125,)).placements == ("colocated",)
+    with pytest.raises(ConfigError, match=r"0.125 for 11 hosts \(CPU groups\) is 1.375 "):
+        cgroups.check_total(0.125, harness.hosts_per_run(
+            harness.BenchConfig(**eight, placements=("dedicated",))), cores=1)
+    assert harness.TF_PORT_OFFSET == {"worker": 0, "ps": 1, "chief": 2}  # one host, 3 jobs
+
+
+def test_link_profiles_name_a_network_and_say_why():
+    from parallax.bench import link_profiles
+    paper = link_profiles.get("paper")
+    assert paper.network == "167mbit"  # 100 Gbit/s / 6 GPUs / (a GPU ~ 100 cores)
+    assert link_profiles.PAPER_MBIT_PER_CORE == round(100_000 / 6 / 100)
+    config = config_from(parser().parse_args(["--link-profile", "core,paper"]))
+    assert config.networks == ("1gbit", "167mbit")
+    assert "Gbit/s per 6 GPUs" in link_profiles.note(paper)
+    with pytest.raises(ConfigError, match="link profile 'gpu' is not known: choose from "
+                                          "core, paper"):
+        config_from(parser().parse_args(["--link-profile", "gpu"]))
+    with pytest.raises(SystemExit):  # one or the other
+        parser().parse_args(["--link-profile", "paper", "--networks", "1gbit"])
+    assert parser().parse_args(["--colocate"]).placement == ("colocated",)

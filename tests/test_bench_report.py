@@ -3,6 +3,7 @@ from a small synthetic results file whose every number is known."""
 from __future__ import annotations
 
 import copy
+import re
 import json
 import statistics
 import struct
@@ -373,7 +374,7 @@ def test_shared_and_isolated_runs_have_their_own_tables(tmp_path):
     assert "### lm on 1gbit (1000 Mbit/s, 0.1 ms latency, not emulated; processes share " \
            "the machine's cores)" in text
     assert "### lm on 1gbit@0.25cpu (250 Mbit/s = 1000 Mbit/s x 0.25, 0 ms latency, not " \
-           "emulated; 0.25 core per process)" in text
+           "emulated; 0.25 core per host)" in text
     rows = report.summarize(_write(tmp_path, _isolated_results()))
     assert {r.network for r in rows if r.workload == "lm"} == {"1gbit", "loopback",
                                                                "1gbit@0.25cpu"}
@@ -536,3 +537,100 @@ def test_the_final_loss_is_taken_over_the_steps_every_run_ran(tmp_path):
     theirs = [(28 * 1.5 + 19 * 0.5 + 2.0) / 48, (28 * 1.5 + 20 * 0.5) / 48]
     assert rows["hybrid_cache4"].loss_change == pytest.approx(
         statistics.median([mine / t - 1 for t in theirs]))
+
+
+# --- equal hardware: placements, hosts and cores; the held-out projection -----------------
+
+def _placed_run(system, placement, rnd, sps, hosts, sent):
+    """4 workers at 0.25 core a host, on the colocated or the dedicated setting."""
+    run = _run(system, "lm", 4, "1gbit", rnd, sps, sent=sent, received=sent)
+    run["network"] = {**ISOLATED, "name": f"1gbit@0.25cpu:{placement}", "placement": placement}
+    run.update(placement=placement, hosts=hosts, cores=hosts * 0.25)
+    return run
+
+
+def _placed_results() -> dict:
+    raw = _results()
+    raw["runs"] = [run for rnd in range(2) for run in (
+        _placed_run("hybrid", "colocated", rnd, 4000, 4, 1500),
+        _placed_run("horovod", "colocated", rnd, 3000, 4, 4000),
+        _placed_run("hybrid", "dedicated", rnd, 4500, 6, 1800),
+        _placed_run("horovod", "dedicated", rnd, 3000, 4, 4000))]
+    shared = _placed_run("hybrid", "colocated", 0, 5000, 4, 1500)
+    shared.update(cores=None)
+    shared["network"] = {**NETWORKS["1gbit"], "name": "1gbit:colocated",
+                         "placement": "colocated"}
+    raw["runs"].append(shared)
+    return raw
+
+
+def test_rows_carry_hosts_and_cores_and_the_report_gives_samples_per_core(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(_placed_results()))
+    written = report.write_report(tmp_path / "results.json", tmp_path / "out")
+    text = written["report.md"].read_text()
+    colocated = text[text.index("### lm on 1gbit@0.25cpu:colocated"):
+                     text.index("### lm on 1gbit@0.25cpu:dedicated")]
+    dedicated = text[text.index("### lm on 1gbit@0.25cpu:dedicated"):]
+    assert "0.25 core per host; servers inside worker hosts (equal hardware))" in colocated
+    # system, hosts, cores, samples/s, samples/s per core, hybrid / this per core
+    assert "| hybrid | 4 | 1 | 4,000 | 4,000 | 1.00x |" in colocated
+    assert "| horovod | 4 | 1 | 3,000 | 3,000 | 1.33x |" in colocated
+    assert "Bytes per worker host link (its co-located server's bytes included)" in colocated
+    assert "(target ≤" not in colocated and "(target ≤ 1.2x: met)" in dedicated
+    assert "a host per process (servers on hosts of their own))" in dedicated
+    assert "| hybrid | 6 | 1.5 | 4,500 | 3,000 | 1.00x |" in dedicated
+    assert "| horovod | 4 | 1 | 3,000 | 3,000 | 1.00x |" in dedicated
+    # the shared-core table pairs with the isolated one of the same placement only
+    assert "### lm: 1gbit:colocated against 1gbit@0.25cpu:colocated, 4 workers" in text
+    assert "against 1gbit@0.25cpu:dedicated" not in text
+    assert ("1gbit@0.25cpu:colocated, 4 workers: hybrid bytes within 1.2x of the analytic "
+            "minimum: **not measured** (servers share the worker hosts' links") in text
+    assert ("1gbit@0.25cpu:dedicated, 4 workers: hybrid bytes within 1.2x of the analytic "
+            "minimum: **met** (1.03x") in text  # a worker's own link: checked as before
+    rows = json.loads(written["summary.json"].read_text())["rows"]
+    placed = {(r["network"], r["system"]): r for r in rows}
+    assert {k: placed[("1gbit@0.25cpu:dedicated", "hybrid")][k]
+            for k in ("hosts", "cores", "samples_per_s_per_core")} == {
+        "hosts": 6, "cores": 1.5, "samples_per_s_per_core": 3000.0}
+    assert placed[("1gbit:colocated", "hybrid")]["cores"] is None
+    assert placed[("1gbit:colocated", "hybrid")]["samples_per_s_per_core"] is None
+    assert all("hosts" in r and "cores" in r for r in rows)  # older runs: None
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("hosts", 0, "runs[0].hosts must be >= 1"), ("cores", -1, "runs[0].cores must be > 0"),
+    ("hosts", 1.5, "runs[0].hosts must be int or null")])
+def test_hosts_and_cores_are_checked(tmp_path, key, value, words):
+    raw = _placed_results()
+    raw["runs"][0][key] = value
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        _write(tmp_path, raw)
+    raw = _placed_results()
+    raw["runs"][0]["network"]["placement"] = "nearby"
+    with pytest.raises(ConfigError, match="placement must be 'colocated' or 'dedicated'"):
+        _write(tmp_path, raw)
+
+
+def test_the_model_fitted_on_1_to_4_workers_reports_its_error_at_8_held_out(tmp_path):
+    raw = _isolated_results(worker_counts=(1, 2, 4, 8))
+    for run in raw["runs"]:  # the measured 8 is 25% slower than the model says
+        if run["workers"] == 8 and "per_process" in run:
+            run["samples_per_s"] /= 1.25
+    (tmp_path / "results.json").write_text(json.dumps(raw))
+    results = report.load(tmp_path / "results.json")
+    held = projection.projections(results)
+    assert [(p.fit.workers, p.held_out, p.fit_max_workers) for p in held] == [
+        ((1, 2, 4), ((8, pytest.approx(0.2)),), 4)] * 3  # |1 - 1.25| / 1.25
+    for p in held:  # fitted on 1-4 only: the truth, exactly
+        assert p.fit.mean_error < 1e-9 and p.fit.model.scale == pytest.approx(
+            TRUTH[p.system].scale)
+    everything = projection.projections(results, fit_max_workers=None)
+    assert all(p.fit.workers == (1, 2, 4, 8) and p.held_out == () for p in everything)
+    assert all(p.fit.mean_error > 0.01 for p in everything)
+    written = report.write_report(tmp_path / "results.json", tmp_path / "out")
+    summary = json.loads(written["summary.json"].read_text())["projections"]
+    assert [(s["workers_fitted"], s["held_out_errors"], s["fit_max_workers"])
+            for s in summary] == [([1, 2, 4], {"8": pytest.approx(0.2)}, 4)] * 3
+    assert "| 20.0% at 8 |" in written["report.md"].read_text()
+    with pytest.raises(ConfigError, match="fit_max_workers 0 must be >= 1"):
+        projection.projections(results, fit_max_workers=0)

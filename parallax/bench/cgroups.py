@@ -85,17 +85,17 @@ def parse_share(text: str) -> float | None:
     return share
 
 
-def check_total(share: float, processes: int, cores: int | None = None) -> None:
-    """Refuse a share whose groups cannot all get it at once: processes x share > cores."""
+def check_total(share: float, hosts: int, cores: int | None = None) -> None:
+    """Refuse a share whose groups cannot all get it at once: hosts x share > cores."""
     if cores is None:
         cores = os.cpu_count() or 1
-    total = share * processes
+    total = share * hosts
     if total > cores + 1e-9:
         raise ConfigError(
-            f"--cpu-share {share:g} for {processes} processes is {total:g} cores, more than "
-            f"this machine's {cores}: the groups could not all get their share at once, so "
-            f"the runs would not be isolated. Use --cpu-share <= {cores / processes:.3g}, "
-            f"or fewer --workers or --servers")
+            f"--cpu-share {share:g} for {hosts} hosts (CPU groups) is {total:g} cores, more "
+            f"than this machine's {cores}: the groups could not all get their share at once, "
+            f"so the runs would not be isolated. Use --cpu-share <= {cores / hosts:.3g}, "
+            f"fewer --workers or --servers, or --placement colocated")
 
 
 def network_key(network: str, share: float | None) -> str:

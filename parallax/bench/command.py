@@ -2,7 +2,9 @@
 
     parallax bench                      # the whole comparison (docs/benchmarks.md), ~1-2 h
     parallax bench --size short --workers 1,2 --networks unlimited --rounds 1   # minutes
-    parallax bench --cpu-share off,0.25 # shared cores, then 0.25 core per process (root)
+    parallax bench --cpu-share off,0.25 # shared cores, then 0.25 core per host (root)
+    parallax bench --placement colocated,dedicated   # equal hardware, then a host each
+    parallax bench --link-profile core,paper --cpu-share 0.25   # two compute:network ratios
     parallax bench --workloads ctr --systems hybrid --cache-staleness 0,4   # the row cache
     parallax bench --report-only --out DIR   # re-render DIR/results.json
     parallax bench partitions           # partition search vs a shard-count sweep (--help)
@@ -17,7 +19,7 @@ import shlex
 import signal
 import sys
 
-from parallax.bench import cgroups, measure, workloads
+from parallax.bench import cgroups, link_profiles, measure, topology, workloads
 from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
 from parallax.errors import ConfigError
 from parallax.runtime import logs
@@ -52,6 +54,10 @@ def _shares(text: str) -> tuple[float | None, ...]:
 _shard_counts = _ints("shard counts")
 
 
+def _profiles_text() -> str:
+    return ", ".join(f"{n} ({p.network})" for n, p in link_profiles.PROFILES.items())
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="parallax bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,12 +69,25 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {','.join(SYSTEMS)}")
     p.add_argument("--workers", type=_counts, default=defaults.workers,
                    help="worker counts, e.g. 1,2,4")
-    p.add_argument("--networks", type=_names, default=defaults.networks,
-                   help=f"emulated links (each process in its own network namespace, root "
-                        f"only): unlimited, 1gbit, 10gbit, 100mbit, 1gbit+0.1ms; or "
-                        f"{LOOPBACK} (no namespaces, no byte counts)")
+    links = p.add_mutually_exclusive_group()
+    links.add_argument("--networks", type=_names, default=defaults.networks,
+                       help=f"emulated links (each host in its own network namespace, "
+                            f"root only): unlimited, 1gbit, 10gbit, 100mbit, 1gbit+0.1ms; or "
+                            f"{LOOPBACK} (no namespaces, no byte counts)")
+    links.add_argument("--link-profile", type=_names, default=(), metavar="NAMES",
+                       help=f"instead of --networks: named compute-to-network ratios, from "
+                            f"{_profiles_text()} per core (derived in docs/benchmarks.md), "
+                            f"e.g. core,paper")
     p.add_argument("--servers", type=int, default=defaults.servers,
                    help="parameter servers for hybrid, ps and tf_ps")
+    p.add_argument("--placement", type=_names, default=defaults.placements, metavar="NAMES",
+                   help=f"where servers run: {topology.COLOCATED} (default; equal hardware: "
+                        f"W hosts for every system, server i inside worker i mod W's host, "
+                        f"TF's coordinator in worker 0's) or {topology.DEDICATED} (a host, CPU "
+                        f"group and link per process); comma-separated settings run one "
+                        f"after the other into the same results")
+    p.add_argument("--colocate", dest="placement", action="store_const",
+                   const=(topology.COLOCATED,), help="the same as --placement colocated")
     p.add_argument("--rounds", type=int, default=defaults.rounds,
                    help="times each system runs per configuration, alternating systems")
     _measure_options(p, defaults.size, window)
@@ -119,12 +138,16 @@ def _measure_options(p: argparse.ArgumentParser, size: str, window) -> None:
 def config_from(args: argparse.Namespace) -> BenchConfig:
     window = measure.WindowConfig(warmup_steps=args.warmup_steps, windows=args.windows,
                                   window_seconds=args.window_seconds)
+    networks = args.networks
+    if args.link_profile:
+        networks = tuple(link_profiles.get(n).network for n in args.link_profile)
     return BenchConfig(workloads=args.workloads, systems=args.systems, workers=args.workers,
-                       networks=args.networks, servers=args.servers, rounds=args.rounds,
+                       networks=networks, servers=args.servers, rounds=args.rounds,
                        size=args.size, window=window, run_timeout=args.run_timeout,
                        out_dir=args.out, prefix=args.prefix, cpu_shares=args.cpu_share,
                        cgroup_root=args.cgroup_root, cpu_period_us=args.cpu_period_us,
-                       cache_staleness=args.cache_staleness, cache_mb=args.cache_mb)
+                       cache_staleness=args.cache_staleness, cache_mb=args.cache_mb,
+                       placements=args.placement)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             results = f"{args.out}/results.json"
         else:
             config = config_from(args)
-            results = run_benchmark(config, "parallax bench " + shlex.join(argv))
+            notes = [link_profiles.note(link_profiles.get(n)) for n in args.link_profile]
+            results = run_benchmark(config, "parallax bench " + shlex.join(argv), notes=notes)
         written = report.write_report(results, args.out)
     except ConfigError as err:
         print(f"parallax bench: {err}", file=sys.stderr)

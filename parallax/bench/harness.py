@@ -22,12 +22,21 @@ Row cache (`cache_staleness`, `--cache-staleness 0,1,4`): one more system per st
 at every step (`losses`) and, over the timed windows, the servers' pull counters and its
 cache's counts (`counters`).
 
-Topologies (hosts are namespaces; "127.0.0.1" on loopback):
+Topologies (processes; "127.0.0.1" on loopback):
   hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
   allreduce        workers only (the plan puts nothing on servers)
   horovod[_dense]  workers only (Horovod gloo ranks)
   mwms             workers only (TF_CONFIG, ring collectives)
   tf_ps            coordinator `chief` + TF servers worker0..W-1 and ps0..S-1
+
+Placement (`placements`, `--placement colocated,dedicated`; `topology`): which host (a
+namespace, a CPU group, a link) each process runs on. `colocated`, the default, gives every
+system the same W hosts (server i inside worker i mod W's host, TF's coordinator inside
+worker 0's); `dedicated` gives every process a host of its own. Each setting's network is
+keyed with its placement ("1gbit@0.25cpu:colocated"), and every run records `hosts` (the
+emulated machines it used) and `cores` (the cores they were held to in all; None on shared
+cores). Per-process CPU stays keyed by process name (`cpu_seconds_by_host`: worker0, ps0,
+chief), bytes by host link.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from pathlib import Path
 from typing import Sequence
 
 from parallax.launch import k8s
-from parallax.bench import cgroups, measure, summary, workloads
+from parallax.bench import cgroups, measure, summary, topology, workloads
 from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (API)
                                     traffic_record, window_metrics)
 from parallax.bench.cgroups import CpuGroups
@@ -58,9 +67,11 @@ SYSTEMS = summary.SYSTEMS
 CACHED, cache_system, cache_staleness = summary.CACHED, summary.cache_system, \
     summary.cache_staleness
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "hybrid_tf")  # (only by name: see below)
-SERVED = ("hybrid", "hybrid_tf", "ps", "tf_ps")  # systems with parameter servers
+SERVED = topology.SERVED  # systems with parameter servers
 LOOPBACK = "loopback"
-TF_PORT = 23400          # TF servers and MWMS workers inside namespaces (one per namespace)
+TF_PORT = 23400          # TF servers and MWMS workers inside namespaces
+# A TF job's port inside a namespace: a colocated host holds a worker, a ps and the chief.
+TF_PORT_OFFSET = {"worker": 0, "ps": 1, "chief": 2}
 PS_PORT = 7000           # parallax servers inside namespaces
 RENDEZVOUS_PORT = 23399  # Horovod's rendezvous, served by the harness in the root namespace
 DEFAULT_CACHE_MB = 64  # MiB of row cache per worker
@@ -89,6 +100,7 @@ class BenchConfig:
     cpu_period_us: int = cgroups.PERIOD_US
     cache_staleness: tuple[int, ...] = ()  # one hybrid_cache<S> system each
     cache_mb: int = DEFAULT_CACHE_MB
+    placements: tuple[str, ...] = (topology.COLOCATED,)  # equal hardware first
 
     @property
     def runs(self) -> tuple[str, ...]:
@@ -117,23 +129,27 @@ class BenchConfig:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
         if not self.cpu_shares:
             raise ConfigError("cpu_shares must name at least one setting, e.g. (None,)")
+        if not self.placements:
+            raise ConfigError(f"placements must name at least one of {topology.PLACEMENTS}")
+        for placement in self.placements:
+            topology.check_placement(placement)
         if not 1000 <= self.cpu_period_us <= 1_000_000:
             raise ConfigError(f"--cpu-period-us {self.cpu_period_us} must be in [1000, 1000000]")
         for share in self.cpu_shares:
             if share is not None:
-                cgroups.check_total(share, processes_per_run(self))
+                cgroups.check_total(share, hosts_per_run(self))
 
 
-def processes_per_run(config: BenchConfig) -> int:
-    """The most processes one run of the matrix starts: workers, servers, a coordinator."""
-    bases = {base_system(s) for s in config.runs}
-    servers = config.servers if set(SERVED) & bases else 0
-    return max(config.workers) + servers + (1 if "tf_ps" in bases else 0)
+def hosts_per_run(config: BenchConfig) -> int:
+    """The most hosts (CPU groups) one run of the matrix uses at once, over its placements."""
+    return max((len(topology.hosts(base_system(s), max(config.workers), config.servers, p))
+                for s in config.runs for p in config.placements), default=max(config.workers))
 
 
 @dataclass
 class Proc:
-    host: str
+    name: str  # worker<i>, ps<i>, chief: whose CPU the sampler charges
+    host: str  # the host it runs on (its namespace and CPU group)
     role: str
     popen: subprocess.Popen
     log: Path
@@ -146,13 +162,19 @@ class Proc:
 
 
 class Placement:
-    """Where the processes of a run live: namespaces of an emulated cluster, or loopback;
-    each in its own CPU group when `cpu` is given (groups made at spawn, removed by
-    release() after every run)."""
+    """Where the processes of a run live: hosts that are namespaces of an emulated cluster,
+    or loopback; each host in its own CPU group when `cpu` is given (groups made at spawn,
+    removed by release() after every run). `placement` (`topology`) maps a process to its
+    host: dedicated (a host per process) or colocated (servers inside worker hosts)."""
 
-    def __init__(self, cluster: EmulatedCluster | None, cpu: CpuGroups | None = None) -> None:
+    def __init__(self, cluster: EmulatedCluster | None, cpu: CpuGroups | None = None,
+                 placement: str = topology.DEDICATED) -> None:
         self.cluster = cluster
         self.cpu = cpu
+        self.placement = topology.check_placement(placement)
+
+    def host_of(self, name: str, workers: int) -> str:
+        return topology.host_of(name, workers, self.placement)
 
     def address(self, host: str) -> str:
         return self.cluster.address(host) if self.cluster else "127.0.0.1"
@@ -184,10 +206,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_hosts(config: BenchConfig) -> list[str]:
-    """Every namespace any run may need: the coordinator, the most workers, the servers."""
-    return (["chief"] + [f"worker{i}" for i in range(max(config.workers))]
-            + [f"ps{i}" for i in range(config.servers)])
+def cluster_hosts(config: BenchConfig, placement: str = topology.DEDICATED) -> list[str]:
+    """Every namespace any run of a placement may need (`topology.cluster_hosts`)."""
+    return topology.cluster_hosts(max(config.workers), config.servers, placement)
 
 
 class Run:
@@ -207,21 +228,30 @@ class Run:
         return [p.popen.pid for p in self.procs]
 
     def pid_hosts(self) -> dict[int, str]:
-        return {p.popen.pid: p.host for p in self.procs}
+        """pid -> process name (worker0, ps0, chief), the label its CPU is charged to."""
+        return {p.popen.pid: p.name for p in self.procs}
 
     def _worker_argv(self, role: str = "worker") -> list[str]:
         return [sys.executable, "-u", "-m", "parallax.bench.worker", "--system", self.system,
                 "--workload", self.spec.name, "--size", self.spec.size, "--role", role,
                 *self.window.args(), *self.worker_args]
 
-    def _spawn(self, host: str, role: str, argv: list[str], env: dict[str, str]) -> Proc:
-        log = self.log_dir / f"{host}-{role}.log"
+    def _address(self, name: str) -> str:
+        return self.place.address(self.place.host_of(name, self.workers))
+
+    def _tf_address(self, name: str, job: str) -> str:
+        return f"{self._address(name)}:{self.place.port(TF_PORT + TF_PORT_OFFSET[job])}"
+
+    def _spawn(self, name: str, role: str, argv: list[str], env: dict[str, str]) -> Proc:
+        """Start process `name` on its host (`Placement.host_of`); log NAME-ROLE.log."""
+        host = self.place.host_of(name, self.workers)
+        log = self.log_dir / f"{name}-{role}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **env}
         with open(log, "w") as out:
             popen = subprocess.Popen(self.place.prefix(host) + argv, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=full_env, start_new_session=True)
-        proc = Proc(host, role, popen, log)
+        proc = Proc(name, host, role, popen, log)
         self.procs.append(proc)
         return proc
 
@@ -254,16 +284,15 @@ class Run:
     def _start_parallax_servers(self, timeout: float = 120.0) -> list[str]:
         procs = []
         for i in range(self.servers):
-            host = f"ps{i}"
             argv = [sys.executable, "-u", "-m", "parallax_ps", "--host",
-                    self.place.address(host), "--port", "0"]
-            procs.append(self._spawn(host, "server", argv, {}))
+                    self._address(f"ps{i}"), "--port", "0"]
+            procs.append(self._spawn(f"ps{i}", "server", argv, {}))
         return [_wait_ready(proc, timeout) for proc in procs]
 
     def _start_tf_collectives(self, env: dict[str, str]) -> list[Proc]:
         """parallax's workers on TensorFlow's collectives, as its TensorFlow launch backend
         starts them (PARALLAX_WORKERS, PARALLAX_WORKER_RANK)."""
-        addresses = ",".join(f"{self.place.address(f'worker{i}')}:{self.place.port(TF_PORT)}"
+        addresses = ",".join(self._tf_address(f"worker{i}", "worker")
                              for i in range(self.workers))
         return [self._spawn(f"worker{i}", "worker", self._worker_argv(),
                             {**env, WORKERS_ENV: addresses, WORKER_RANK_ENV: str(i)}
@@ -275,23 +304,22 @@ class Run:
                                          "task": {"type": task, "index": index}})}
 
     def _start_mwms(self) -> list[Proc]:
-        addresses = [f"{self.place.address(f'worker{i}')}:{self.place.port(TF_PORT)}"
-                     for i in range(self.workers)]
+        addresses = [self._tf_address(f"worker{i}", "worker") for i in range(self.workers)]
         cluster = {"worker": addresses}
         return [self._spawn(f"worker{i}", "worker", self._worker_argv(),
                             self._tf_config(cluster, "worker", i))
                 for i in range(self.workers)]
 
     def _start_tf_ps(self) -> list[Proc]:
-        def addresses(names: list[str]) -> list[str]:
-            return [f"{self.place.address(n)}:{self.place.port(TF_PORT)}" for n in names]
+        def addresses(names: list[str], job: str) -> list[str]:
+            return [self._tf_address(n, job) for n in names]
         workers = [f"worker{i}" for i in range(self.workers)]
         servers = [f"ps{i}" for i in range(self.servers)]
-        cluster = {"chief": addresses(["chief"]), "worker": addresses(workers),
-                   "ps": addresses(servers)}
+        cluster = {"chief": addresses(["chief"], "chief"),
+                   "worker": addresses(workers, "worker"), "ps": addresses(servers, "ps")}
         for job, names in (("ps", servers), ("worker", workers)):
-            for i, host in enumerate(names):
-                self._spawn(host, job, self._worker_argv(job), self._tf_config(cluster, job, i))
+            for i, name in enumerate(names):
+                self._spawn(name, job, self._worker_argv(job), self._tf_config(cluster, job, i))
         return [self._spawn("chief", "chief", self._worker_argv("chief"),
                             self._tf_config(cluster, "chief", 0))]
 
@@ -306,20 +334,20 @@ class Run:
                     continue
                 pending.remove(proc)
                 if code != 0:
-                    return None, f"{proc.host} ({proc.role}) exited {code}:\n{proc.tail()}"
+                    return None, f"{proc.name} ({proc.role}) exited {code}:\n{proc.tail()}"
             for proc in self.procs:  # a server or TF server that dies ends the run too
                 if proc not in waited and proc.popen.poll() is not None:
-                    return None, (f"{proc.host} ({proc.role}) died with exit code "
+                    return None, (f"{proc.name} ({proc.role}) died with exit code "
                                   f"{proc.popen.returncode}:\n{proc.tail()}")
             if time.monotonic() > deadline:
-                return None, (f"timed out after {timeout:.0f} s; {pending[0].host} still "
+                return None, (f"timed out after {timeout:.0f} s; {pending[0].name} still "
                               f"running:\n{pending[0].tail()}")
             time.sleep(0.2)
         for line in waited[0].log.read_text(errors="replace").splitlines():
             record = measure.parse_result(line)
             if record is not None:
                 return record, None
-        return None, f"{waited[0].host} printed no {measure.RESULT_PREFIX.strip()} line"
+        return None, f"{waited[0].name} printed no {measure.RESULT_PREFIX.strip()} line"
 
     def stop(self, grace: float = 10.0) -> None:
         """TERM, then KILL after `grace`, to each process's whole session (they were started
@@ -358,8 +386,8 @@ def _wait_ready(proc: Proc, timeout: float) -> str:
         if proc.popen.poll() is not None:
             break
         time.sleep(0.1)
-    raise ParallaxError(f"parameter server on {proc.host} did not become ready within "
-                        f"{timeout:.0f} s (exit code {proc.popen.poll()}):\n{proc.tail()}")
+    raise ParallaxError(f"parameter server {proc.name} on {proc.host} did not become ready "
+                        f"within {timeout:.0f} s (exit code {proc.popen.poll()}):\n{proc.tail()}")
 
 
 def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: BenchConfig,
@@ -390,8 +418,14 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
                     placement.release()
     except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
         error = f"{type(err).__name__}: {err}"
+    hosts = len(topology.hosts(base_system(system), workers, config.servers,
+                               placement.placement))
+    if placement.cluster is None and placement.cpu is None:
+        hosts = 1  # loopback on shared cores: one machine
     result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
               "servers": config.servers if base_system(system) in SERVED else 0,
+              "placement": placement.placement, "hosts": hosts,
+              "cores": topology.cores(hosts, placement.cpu.share if placement.cpu else None),
               "batch_per_worker": spec.batch_per_worker,
               "global_batch": spec.batch_per_worker * workers,
               "status": "failed" if record is None else "ok", "error": error, "windows": [],
@@ -415,13 +449,17 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
 
 
 def _network_record(name: str, cluster: EmulatedCluster | None,
-                    cpu: CpuGroups | None = None) -> dict:
-    """The results' network: its key (name, with "@<share>cpu" when isolated), the links'
-    effective rate and latency, and the CPU share with the link as asked for (nominal)."""
+                    cpu: CpuGroups | None = None, placement: str | None = None) -> dict:
+    """The results' network: its key (name, with "@<share>cpu" when isolated and
+    ":<placement>" when one is given), the links' effective rate and latency, the placement,
+    and the CPU share with the link as asked for (nominal)."""
     share = cpu.share if cpu else None
     nominal = LinkSpec() if cluster is None else LinkSpec.parse(name)
-    record = {"name": cgroups.network_key(LOOPBACK if cluster is None else nominal.name, share),
+    key = cgroups.network_key(LOOPBACK if cluster is None else nominal.name, share)
+    record = {"name": key if placement is None else f"{key}:{placement}",
               "rate_mbit": None, "latency_ms": 0.0, "latency_emulated": False}
+    if placement is not None:
+        record["placement"] = placement
     if cluster is not None:
         link = cluster.link
         record.update(rate_mbit=link.rate_mbit, latency_ms=link.latency_ms,
@@ -453,15 +491,17 @@ def _cycle_time_note(environ) -> str:
             f"{HOROVOD_CYCLE_TIME_ENV} to give every system one")
 
 
-def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Path:
-    """Every run of the matrix; returns the results JSON path (rewritten after every run)."""
+def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
+                  notes: Sequence[str] = ()) -> Path:
+    """Every run of the matrix; returns the results JSON path (rewritten after every run).
+    notes: more lines for the results' meta.notes (e.g. which link profile ran)."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": _git_commit(), "command": command,
                         "machine": f"{os.cpu_count()} cores, {_memory_gib():.0f} GiB RAM",
-                        "notes": []},
+                        "notes": list(notes)},
                "runs": []}
     if "tf_ps" in config.systems:
         results["meta"]["notes"].append(
@@ -472,13 +512,15 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout) -> Pa
     _prepare_cpu_groups(config, results["meta"]["notes"], echo)
     for network in config.networks:
         for share in config.cpu_shares:
-            _run_setting(config, network, share, results, results_path, echo)
+            for placement in config.placements:
+                _run_setting(config, network, share, placement, results, results_path,
+                             echo)
     return results_path
 
 
-ISOLATION_NOTE = ("{key}: each process in its own CPU group of {share:g} core (cgroup v1 "
+ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
-                  "(rate x {share:g}, latency / {share:g}): each process stands for one core "
+                  "(rate x {share:g}, latency / {share:g}): each host stands for one core "
                   "with a {link} link, slowed {slow:g}x")
 
 
@@ -494,10 +536,10 @@ def _prepare_cpu_groups(config: BenchConfig, notes: list[str], echo) -> None:
         print(f"removed CPU groups left by an earlier run: {', '.join(removed)}", file=echo)
 
 
-def _run_setting(config: BenchConfig, network: str, share: float | None, results: dict,
-                 results_path: Path, echo) -> None:
-    """Every run of one network at one CPU share: the cluster (links scaled by the share)
-    up, the runs, the cluster and the CPU groups down, whatever happens."""
+def _run_setting(config: BenchConfig, network: str, share: float | None, placement: str,
+                 results: dict, results_path: Path, echo) -> None:
+    """Every run of one network at one CPU share and placement: the cluster (links scaled by
+    the share) up, the runs, the cluster and the CPU groups down, whatever happens."""
     cluster, key = None, cgroups.network_key(network, share)
     cpu = None if share is None else CpuGroups(share, config.prefix, config.cgroup_root,
                                                config.cpu_period_us)
@@ -505,20 +547,32 @@ def _run_setting(config: BenchConfig, network: str, share: float | None, results
     try:
         if network != LOOPBACK:
             link = cgroups.scaled_link(LinkSpec.parse(network), share)
-            cluster = EmulatedCluster(cluster_hosts(config), link, prefix=config.prefix).up()
+            cluster = EmulatedCluster(cluster_hosts(config, placement), link,
+                                      prefix=config.prefix).up()
             if not cluster.latency_emulated and cluster.link.latency_ms > 0:
                 _note(notes, f"{key}: latency not emulated ({cluster.latency_note})")
         if cpu is not None:
             _note(notes, ISOLATION_NOTE.format(key=key, share=share, quota=cpu.quota_us,
                                                period=cpu.period_us, link=network,
                                                slow=1 / share))
-        _run_network(config, network, Placement(cluster, cpu), results, results_path,
-                     Path(config.out_dir), echo)
+        _note(notes, PLACEMENT_NOTES[placement])
+        _run_network(config, network, Placement(cluster, cpu, placement), results,
+                     results_path, Path(config.out_dir), echo)
     finally:
         if cluster is not None:
             cluster.down()
         if cpu is not None:
             cpu.remove_all()
+
+
+PLACEMENT_NOTES = {
+    topology.COLOCATED: (":colocated: equal hardware: every system runs on W hosts (one per "
+                         "worker); parameter servers run inside worker hosts (server i on "
+                         "host i mod W) and TF's coordinator inside worker 0's; a host's "
+                         "bytes are its worker's and its server's together"),
+    topology.DEDICATED: (":dedicated: every process is a host of its own (namespace, CPU "
+                         "group, link): systems with servers or a coordinator use more "
+                         "hosts and cores than Horovod (see each row's hosts and cores)")}
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -532,7 +586,8 @@ def _run_network(config, network, placement, results, results_path, out, echo) -
         for workers in config.workers:
             for rnd in range(config.rounds):
                 for system in config.runs:
-                    record = _network_record(network, placement.cluster, placement.cpu)
+                    record = _network_record(network, placement.cluster, placement.cpu,
+                                             placement.placement)
                     log_dir = (out / "logs" /
                                f"{record['name']}-{name}-w{workers}-r{rnd}-{system}")
                     started = time.monotonic()
@@ -554,8 +609,9 @@ def echo_failure(head: str, result: dict, elapsed: float, echo) -> bool:
 
 
 def _echo_run(result: dict, elapsed: float, echo) -> None:
+    cores = "" if result["cores"] is None else f" {result['cores']:g} cores"
     head = (f"{result['network']['name']:>13} {result['workload']:<5} W={result['workers']} "
-            f"r{result['round']} {result['system']:<13}")
+            f"r{result['round']} {result['system']:<13} [{result['hosts']} hosts{cores}]")
     if echo_failure(head, result, elapsed, echo):
         return
     traffic = result["worker_bytes_per_step"]

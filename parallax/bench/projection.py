@@ -10,6 +10,11 @@ slowed 1/share; the projection gives every process one core (cores=1) and a 10 o
 link. Servers (hybrid, tf_ps) grow with the workers at the measured ratio of the largest
 measured point (4 workers, 2 servers: one server per 2 workers), never below the count
 measured, as the Parallax paper runs a server on every machine; Horovod has none.
+
+Held out (`fit_max_workers`, default 4): when a system was measured past 4 workers (e.g. 2, 4
+and 8), the model is fitted on the points at <= 4 workers only and its error at each larger
+count is reported (`held_out`), so a measured 8 checks a projection made from 1-4; the
+projection is then that model's. With fewer than 2 counts at <= 4, everything is fitted.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, ex
 
 SYSTEMS = ("hybrid", "horovod", "tf_ps")
 WORKERS = (8, 16, 32, 64)
+FIT_MAX_WORKERS = 4  # fit on points at <= this many workers; larger ones are held out
 LINKS_GBIT = (10.0, 25.0)
 _MODEL = {"hybrid": "hybrid", "tf_ps": "ps", "horovod": "allreduce"}
 TERM_NAMES = {"worker_cpu": "worker CPU", "server_cpu": "server CPU",
@@ -47,6 +53,30 @@ class SystemProjection:
     min_servers: int
     projections: tuple[Projection, ...]
     analytic_bytes: Callable[[int], float]
+    held_out: tuple[tuple[int, float], ...] = ()  # (workers, |model - measured| / measured)
+    fit_max_workers: int | None = None
+
+
+def held_out_errors(fit: StepFit, points: list[StepPoint]) -> tuple[tuple[int, float], ...]:
+    """The fitted model's relative step-time error at each point, by worker count."""
+    return tuple((p.workers, abs(fit.model.step_seconds(
+        p.workers, p.servers, p.cores, p.link_bytes_per_s, p.analytic_bytes)
+        - p.step_seconds) / p.step_seconds) for p in points)
+
+
+def split_points(points: list[StepPoint], fit_max_workers: int | None
+                 ) -> tuple[list[StepPoint], list[StepPoint]]:
+    """(fitted, held out): points past fit_max_workers are held out, unless that leaves
+    fewer than 2 worker counts to fit (then nothing is)."""
+    if fit_max_workers is None:
+        return points, []
+    if fit_max_workers < 1:
+        raise ConfigError(f"fit_max_workers {fit_max_workers} must be >= 1 worker (or None: "
+                          f"fit every point)")
+    fitted = [p for p in points if p.workers <= fit_max_workers]
+    if len({p.workers for p in fitted}) < 2:
+        return points, []
+    return fitted, [p for p in points if p.workers > fit_max_workers]
 
 
 def _median(values) -> float | None:
@@ -89,7 +119,8 @@ def _point(runs: list[Run], analytic: Callable[[int], float]) -> StepPoint | Non
         server_bytes=_role(runs, "server", "link_bytes") or 0.0)
 
 
-def _fit_system(system: str, runs: list[Run]) -> SystemProjection | None:
+def _fit_system(system: str, runs: list[Run],
+                fit_max_workers: int | None = FIT_MAX_WORKERS) -> SystemProjection | None:
     analytic = _analytic(system, runs[0])
     if analytic is None:
         return None
@@ -99,7 +130,8 @@ def _fit_system(system: str, runs: list[Run]) -> SystemProjection | None:
     points = [p for w in sorted(by_workers) if (p := _point(by_workers[w], analytic))]
     if len({p.workers for p in points}) < 2:
         return None
-    fit = fit_step_model(points)
+    fitted, held = split_points(points, fit_max_workers)
+    fit = fit_step_model(fitted)
     largest = points[-1]
     per_server = largest.workers / largest.servers if largest.servers else None
     batch = runs[0].batch_per_worker
@@ -107,17 +139,20 @@ def _fit_system(system: str, runs: list[Run]) -> SystemProjection | None:
                             tuple(points), batch, per_server, largest.servers,
                             tuple(project(fit.model, analytic, batch, WORKERS, LINKS_GBIT,
                                           per_server, min_servers=largest.servers)),
-                            analytic)
+                            analytic, held_out_errors(fit, held),
+                            fit_max_workers if held else None)
 
 
-def projections(results: Results) -> list[SystemProjection]:
-    """Every (workload, isolated network, system) with enough points, in results order."""
+def projections(results: Results, fit_max_workers: int | None = FIT_MAX_WORKERS
+                ) -> list[SystemProjection]:
+    """Every (workload, isolated network, system) with enough points, in results order;
+    points past fit_max_workers held out of the fit (`split_points`)."""
     groups: dict[tuple[str, str, str], list[Run]] = {}
     for run in results.runs:
         if run.ok and run.network.isolated and run.system in SYSTEMS and run.per_process:
             groups.setdefault((run.workload, run.network.name, run.system), []).append(run)
     order = sorted(groups, key=lambda k: SYSTEMS.index(k[2]))
-    found = [_fit_system(key[2], groups[key]) for key in order]
+    found = [_fit_system(key[2], groups[key], fit_max_workers) for key in order]
     return [p for p in found if p is not None]
 
 
@@ -129,9 +164,10 @@ def _fit_rows(found: list[SystemProjection]) -> list[list[str]]:
     rows = []
     for p in found:
         m, counts = p.fit.model, ",".join(str(w) for w in p.fit.workers)
+        held = ", ".join(f"{_pct(e)} at {w}" for w, e in p.held_out) or "none"
         rows.append([p.system, m.form, f"{m.scale:.3g}", counts, _pct(p.fit.mean_error),
                      _pct(p.fit.max_error), _pct(p.fit.other_form_error),
-                     _pct(p.fit.holdout_error)])
+                     _pct(p.fit.holdout_error), held])
     return rows
 
 
@@ -190,7 +226,8 @@ def section(found: list[SystemProjection], networks: dict[str, Network],
         lines += [f"### {key[0]}, fitted on {networks[key[1]].describe()}", ""]
         lines += _table(["system", "form", "scale", "workers fitted", "mean error",
                          "max error", "other form's mean error",
-                         "error at the largest count, fitted without it"], _fit_rows(part))
+                         "error at the largest count, fitted without it",
+                         "error at held-out counts (not fitted)"], _fit_rows(part))
         lines += ["Fitted components (ms of CPU per step; worker link bytes = ratio x "
                   "analytic):", ""]
         lines += _table(["system", "worker CPU (ms)", "server CPU per worker (ms)",
@@ -256,6 +293,8 @@ def summary(p: SystemProjection) -> dict:
             "model": asdict(p.fit.model), "mean_error": p.fit.mean_error,
             "max_error": p.fit.max_error, "other_form_error": p.fit.other_form_error,
             "holdout_error": p.fit.holdout_error, "workers_fitted": list(p.fit.workers),
+            "held_out_errors": {str(w): e for w, e in p.held_out},
+            "fit_max_workers": p.fit_max_workers,
             "workers_per_server": p.workers_per_server, "min_servers": p.min_servers,
             "points": [asdict(q) for q in p.points],
             "projections": [asdict(q) for q in p.projections]}

@@ -66,9 +66,13 @@ def _speed_target(s: Slice) -> Target:
                   detail + (f"; no ok rounds: {', '.join(failed)}" if failed else ""))
 
 
-def _bytes_target(s: Slice) -> Target:
+def _bytes_target(s: Slice, colocated: bool = False) -> Target:
     w = s.workers[-1]
     goal = f"hybrid bytes within {BYTES_TARGET:g}x of the analytic minimum"
+    if colocated:
+        return Target(s.workload, s.network, w, goal, "not measured",
+                      "servers share the worker hosts' links (a host's bytes are its "
+                      "worker's and its server's); see the dedicated setting")
     row = s.get(PARALLAX, w)
     if row is None or row.vs_minimum is None or row.minimum is None or row.measured is None:
         return Target(s.workload, s.network, w, goal, "not measured",
@@ -79,7 +83,9 @@ def _bytes_target(s: Slice) -> Target:
 
 
 def targets(results: Results) -> list[Target]:
-    return [t for s in slices(summarize(results)) for t in (_speed_target(s), _bytes_target(s))]
+    colocated = {r.network.name for r in results.runs if r.network.placement == "colocated"}
+    return [t for s in slices(summarize(results))
+            for t in (_speed_target(s), _bytes_target(s, s.network in colocated))]
 
 
 def human_bytes(n: float) -> str:
@@ -110,16 +116,31 @@ def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
-def _traffic_cells(row: Row) -> list[str]:
+def _traffic_cells(row: Row, colocated: bool = False) -> list[str]:
+    """A row's bytes beside its model; no target verdict where a host link carries a
+    co-located server's bytes too (`_bytes_target`)."""
     def both(t: StepTraffic | None, missing: str) -> list[str]:
         return [missing] * 2 if t is None else [human_bytes(t.sent), human_bytes(t.received)]
 
     vs_min = _x(row.vs_minimum)
-    if row.system == PARALLAX and row.vs_minimum is not None:
+    if row.system == PARALLAX and row.vs_minimum is not None and not colocated:
         vs_min += f" (target ≤ {BYTES_TARGET:g}x: {_verdict(row.vs_minimum <= BYTES_TARGET)})"
     ratio = _x(row.vs_analytic) if row.measured else "not measured"
     return [row.system, *both(row.measured, "not measured"), *both(row.analytic, "no model"),
             ratio, vs_min if row.measured else "not measured"]
+
+
+def _hardware_cells(s: Slice, system: str, w: int) -> list[str]:
+    """hosts, cores, samples/s, samples/s per core and hybrid's per-core ratio to it."""
+    row, mine = s.get(system, w), s.get(PARALLAX, w)
+    if row is None:
+        return [system, "n/a", "n/a", "n/a", "n/a", "n/a"]
+    per_core = row.samples_per_s_per_core
+    ratio = (mine.samples_per_s_per_core / per_core
+             if mine and mine.samples_per_s_per_core and per_core else None)
+    return [system, "n/a" if row.hosts is None else str(row.hosts),
+            "shared" if row.cores is None else f"{row.cores:g}", _throughput_cell(row),
+            "n/a" if per_core is None else f"{per_core:,.0f}", _x(ratio)]
 
 
 def _slice_section(s: Slice, network: Network) -> list[str]:
@@ -130,10 +151,17 @@ def _slice_section(s: Slice, network: Network) -> list[str]:
     lines += _table(["system", *cols, f"hybrid / this ({w} workers)"],
                     ([p, *(_throughput_cell(s.get(p, n)) for n in s.workers), _x(s.speedup(p))]
                      for p in s.systems))
-    lines += [f"Bytes per worker per step at {w} workers (median over ok rounds):", ""]
+    lines += [f"Hardware at {w} workers (hosts: emulated machines; cores: what their "
+              f"processes were held to in all):", ""]
+    lines += _table(["system", "hosts", "cores", "samples/s", "samples/s per core",
+                     "hybrid / this, per core"], (_hardware_cells(s, p, w) for p in s.systems))
+    link = ("per worker host link (its co-located server's bytes included)"
+            if network.placement == "colocated" else "per worker")
+    lines += [f"Bytes {link} per step at {w} workers (median over ok rounds):", ""]
     lines += _table(["system", "sent", "received", "analytic sent", "analytic received",
                      "measured / analytic", "measured / minimum"],
-                    (_traffic_cells(r) for p in s.systems if (r := s.get(p, w))))
+                    (_traffic_cells(r, network.placement == "colocated")
+                     for p in s.systems if (r := s.get(p, w))))
     lines += ["CPU seconds per sample (all processes of a run, median over ok rounds):", ""]
 
     def cpu(row: Row | None) -> str:
@@ -147,10 +175,11 @@ def _slice_section(s: Slice, network: Network) -> list[str]:
 
 
 def _isolation_pairs(networks: dict[str, Network]) -> list[tuple[str, str]]:
-    """(shared key, isolated key) of the same link: "1gbit" and "1gbit@0.25cpu"."""
-    return [(n.name.rpartition("@")[0], n.name) for n in networks.values()
-            if n.isolated and n.name.rpartition("@")[0] in networks
-            and not networks[n.name.rpartition("@")[0]].isolated]
+    """(shared key, isolated key) of the same link and placement: "1gbit" and
+    "1gbit@0.25cpu", or "1gbit:colocated" and "1gbit@0.25cpu:colocated"."""
+    return [(shared.name, n.name) for n in networks.values() if n.isolated
+            for shared in networks.values()
+            if not shared.isolated and (shared.link, shared.placement) == (n.link, n.placement)]
 
 
 def _isolation_section(rows: list[Row], networks: dict[str, Network]) -> list[str]:
@@ -225,7 +254,8 @@ def write_report(results_path: str | Path, out_dir: str | Path) -> dict[str, Pat
     written["report.md"].write_text(markdown(results, [p.name for p in pngs]))
     written["summary.json"] = out / "summary.json"
     summary = {"source": str(results_path), "meta": asdict(results.meta),
-               "rows": [asdict(r) for r in summarize(results)],
+               "rows": [{**asdict(r), "samples_per_s_per_core": r.samples_per_s_per_core}
+                        for r in summarize(results)],
                "targets": [asdict(t) for t in targets(results)],
                "projections": [projection.summary(p)
                                for p in projection.projections(results)]}

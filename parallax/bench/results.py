@@ -25,10 +25,17 @@ class Network:
     latency_emulated: bool
     cpu_share: float | None = None
     nominal_rate_mbit: float | None = None
+    placement: str | None = None  # colocated or dedicated; None: older files (dedicated)
 
     @property
     def isolated(self) -> bool:
         return self.cpu_share is not None
+
+    @property
+    def link(self) -> str:
+        """The link as asked for, without share or placement: "1gbit@0.25cpu:colocated" ->
+        "1gbit"."""
+        return self.name.partition(":")[0].partition("@")[0]
 
     def describe(self) -> str:
         rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit:g} Mbit/s"
@@ -38,9 +45,13 @@ class Network:
             emulated = "emulated" if self.latency_emulated else "not emulated"
             rate += f", {self.latency_ms:g} ms latency, {emulated}"
         if self.isolated:
-            rate += f"; {self.cpu_share:g} core per process"
-        elif self.name != "loopback":
+            rate += f"; {self.cpu_share:g} core per host"
+        elif self.link != "loopback":
             rate += "; processes share the machine's cores"
+        if self.placement == "colocated":
+            rate += "; servers inside worker hosts (equal hardware)"
+        elif self.placement == "dedicated":
+            rate += "; a host per process (servers on hosts of their own)"
         return f"{self.name} ({rate})"
 
 
@@ -84,6 +95,8 @@ class Run:
     traffic_workload: Workload | None = None
     losses: tuple[float, ...] = ()  # rank 0's loss at every step (parallax systems)
     counters: dict[str, float] = field(default_factory=dict)  # growth over the windows
+    hosts: int | None = None    # emulated machines the run used (None: older files)
+    cores: float | None = None  # cores its processes were held to in all; None: shared
 
     @property
     def ok(self) -> bool:
@@ -138,10 +151,14 @@ def _network(raw: dict, where: str) -> Network:
     share = _optional(raw, "cpu_share", where, _NUM)
     if share is not None and share <= 0:
         raise ConfigError(f"{where}.cpu_share must be > 0 cores, got {share!r}")
+    placement = _optional(raw, "placement", where, (str,))
+    if placement not in (None, "colocated", "dedicated"):
+        raise ConfigError(f"{where}.placement must be 'colocated' or 'dedicated', got "
+                          f"{placement!r}")
     return Network(_get(raw, "name", where, (str,)), _get(raw, "rate_mbit", where, _NUM, True),
                    _get(raw, "latency_ms", where, _NUM, True),
                    _get(raw, "latency_emulated", where, (bool,)), share,
-                   _optional(raw, "nominal_rate_mbit", where, _NUM))
+                   _optional(raw, "nominal_rate_mbit", where, _NUM), placement)
 
 
 def _per_process(raw: dict, where: str) -> dict[str, RoleStep]:
@@ -186,6 +203,18 @@ def _counters(raw: dict, where: str) -> dict[str, float]:
     return {key: float(value) for key, value in counters.items()}
 
 
+def _hardware(raw: dict, where: str) -> tuple[int | None, float | None]:
+    """(hosts, cores): both optional; hosts >= 1, cores > 0 where given."""
+    hosts = _optional(raw, "hosts", where, (int,))
+    cores = _optional(raw, "cores", where, _NUM)
+    if hosts is not None and hosts < 1:
+        raise ConfigError(f"{where}.hosts must be >= 1 emulated machines, got {hosts!r}")
+    if cores is not None and cores <= 0:
+        raise ConfigError(f"{where}.cores must be > 0 (or null on shared cores), got "
+                          f"{cores!r}")
+    return hosts, None if cores is None else float(cores)
+
+
 def _object_at(raw: Any, where: str) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be an object, got {raw!r}")
@@ -209,7 +238,7 @@ def _run(raw: Any, where: str) -> Run:
         _get(raw, "cpu_seconds_per_sample", where, _NUM, True),
         _traffic(raw, "worker_bytes_per_step", where), _traffic(raw, "analytic", where),
         _per_process(raw, where), _traffic_workload(raw, where),
-        _losses(raw, where), _counters(raw, where))
+        _losses(raw, where), _counters(raw, where), *_hardware(raw, where))
     if run.ok and run.samples_per_s is None:
         raise ConfigError(f"{where}.samples_per_s is null but the run's status is 'ok'")
     return run

@@ -64,6 +64,14 @@ class Row:
     minimum: StepTraffic | None     # the analytic minimum: hybrid's model at the same point
     vs_analytic: float | None       # measured total / analytic total
     vs_minimum: float | None        # measured total / minimum total
+    hosts: int | None = None        # emulated machines a run used (None: older results)
+    cores: float | None = None      # cores its processes were held to; None: shared cores
+
+    @property
+    def samples_per_s_per_core(self) -> float | None:
+        if self.samples_per_s is None or not self.cores:
+            return None
+        return self.samples_per_s / self.cores
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -114,9 +122,11 @@ def summarize(results: Results) -> list[Row]:
         ok = [r for r in groups[key] if r.ok]
         measured = _median_traffic(r.worker_bytes_per_step for r in ok)
         minimum = analytic.get(key[:3] + (PARALLAX,))
+        first = groups[key][0]
         rows.append(Row(*key, len(ok), len(groups[key]), _median(r.samples_per_s for r in ok),
                         _median(r.cpu_seconds_per_sample for r in ok), measured, analytic[key],
-                        minimum, _ratio(measured, analytic[key]), _ratio(measured, minimum)))
+                        minimum, _ratio(measured, analytic[key]), _ratio(measured, minimum),
+                        first.hosts, first.cores))
     return rows
 
 
