@@ -438,3 +438,13 @@ def test_clients_from_before_packed_frames_still_use_the_data_plane(servers):
     with PSClient(servers.addresses) as client:
         reply = client.servers[0].stub().DataPlane(ps_pb2.DataPlaneRequest(), timeout=10)
     assert (reply.version, reply.packed) == (1, True) and reply.port
+
+
+@pytest.mark.parametrize("given", [0.0, float("nan"), float("inf"), -5.0, 1e12])
+def test_a_frames_deadline_is_held_to_the_servers_maximum(given):
+    """Issue 29, item 13: a frame whose deadline was NaN, inf, negative, 0 or huge waited
+    (a pull for its step) without a server-side bound; now at most MAX_DEADLINE_S."""
+    from parallax_ps.dataplane import MAX_DEADLINE_S, _Context
+    remaining = _Context(given).time_remaining()
+    assert 0 < remaining <= MAX_DEADLINE_S
+    assert _Context(2.0).time_remaining() <= 2.0  # a sensible deadline is kept

@@ -456,3 +456,39 @@ def test_hashed_growth_counts_keys_index_and_capacity(small_server):
         per_row = 4 + 8 + 1 + 16  # value, key, changed flag, sorted index entry
         assert 1_000_000 <= held <= (64 * MB) // per_row, held
         client.delete_table(table)
+
+
+def test_a_request_of_more_parts_than_a_step_needs_is_refused_before_any_work():
+    """Issue 29, item 12: a 2.2 MB PullMany of 100,000 one-id parts cost the server 7.7 s
+    of CPU (minutes at the message limit, past the health check's 30 s). A step needs one
+    part per table shard: a request over 4 per shard held is refused at once, over gRPC
+    and the data plane, and creates no row."""
+    from parallax.client.dataplane import DataPlaneClient
+    from parallax.protocol import packed_codec
+    with LocalCluster(1) as cluster, PSClient(cluster.addresses) as client:
+        client.create_table(TableSpec(name="keys", hashed_keys=True, dim=4))
+        stub = client.servers[0].stub()
+        pull = ps_pb2.PullManyRequest()
+        for i in range(100_000):
+            part = pull.parts.add(table="keys", shard_index=0)
+            wire.encode(np.array([i], np.int64), part.ids)
+        t0 = time.monotonic()
+        _refused(lambda: stub.PullMany(pull, timeout=60), grpc.StatusCode.INVALID_ARGUMENT,
+                 "carries 100000 parts", "at most 4 per table shard", "fewer, larger parts")
+        assert time.monotonic() - t0 < 5
+        host, _ = cluster.addresses[0].rsplit(":", 1)
+        plane = DataPlaneClient(host, client.servers[0]._data_plane().port, ClientOptions())
+        try:
+            body = packed_codec.encode_pull_many(["keys"] * 100_000, [0] * 100_000,
+                                                 [0] * 100_000,
+                                                 [np.array([i], np.int64) for i in range(100_000)])
+            t0 = time.monotonic()
+            _refused(lambda: plane.call("PullMany", body, 60.0, packed=True),
+                     grpc.StatusCode.INVALID_ARGUMENT, "carries 100000 parts")
+            assert time.monotonic() - t0 < 5
+        finally:
+            plane.close()
+        assert _tables_held(client) == [("keys", 0)]
+        few = ps_pb2.PullManyRequest(parts=pull.parts[:4])  # what the cap leaves: fine
+        assert len(stub.PullMany(few, timeout=60)) == 4
+        assert _tables_held(client) == [("keys", 4)]

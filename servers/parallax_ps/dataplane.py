@@ -40,6 +40,8 @@ HELLO_TIMEOUT_S = 10.0  # for the TLS handshake and the hello, in all
 FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came, and each
 #                         write of an answer
 IDLE_TIMEOUT_S = 600.0  # a greeted connection with no request this long is closed
+MAX_DEADLINE_S = 3600.0  # the longest a request may wait (a pull for its step): a frame's
+#                          deadline of 0 (none), NaN, inf, negative or longer gets this
 _ACCEPT_RETRY_S = 0.1   # after a failed accept (out of file descriptors, memory)
 _DECODE = {name: request_deserializer(name) for name in dataplane.METHODS.values()}
 
@@ -56,10 +58,12 @@ class _Context:
     """What the handlers use of a gRPC ServicerContext: the deadline and abort."""
 
     def __init__(self, deadline_s: float) -> None:
-        self._deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
+        if not 0 < deadline_s <= MAX_DEADLINE_S:  # (False for NaN too)
+            deadline_s = MAX_DEADLINE_S
+        self._deadline = time.monotonic() + deadline_s
 
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
 
     def abort(self, code: grpc.StatusCode, message: str):
         raise _Refused(code, message)

@@ -40,6 +40,7 @@ from parallax_ps.steps import chunk_total
 log = logging.getLogger("parallax_ps")
 SERVICE_NAME = "parallax.ps.v1.ParameterServer"
 WAITING_METHODS = frozenset({"Pull", "PullMany", "WaitStep", "Barrier", "InitRows"})
+MAX_PARTS_PER_SHARD = 4  # parts of one PullMany/PushMany, per table shard held
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -360,8 +361,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     PushManyPacked = PushMany  # the request was read by packed_codec: the same parts
 
     def _shards_of_parts(self, parts, method: str) -> list[TableShard]:
+        """The shard of each part; a request of more parts than a step can need (one per
+        table shard held, give or take its chunks) is refused before any part's work."""
         if not parts:
             raise invalid(f"{method} carries no parts; send at least one")
+        with self._lock:
+            limit = MAX_PARTS_PER_SHARD * max(1, len(self._shards))
+        if len(parts) > limit:
+            raise invalid(f"{method} carries {len(parts)} parts, and this server takes at most "
+                          f"{MAX_PARTS_PER_SHARD} per table shard it holds ({limit}): a step "
+                          f"needs one part per table shard; send fewer, larger parts")
         return [self.shard(part.table, part.shard_index) for part in parts]
 
     @_rpc("WaitStep")
