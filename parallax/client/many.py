@@ -187,6 +187,17 @@ def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndar
     if not tables:
         return PendingPull(tables, [], [], [])
     runs = checked if checked is not None else _checked_runs(tables, unique_ids)
+    from parallax.client import native_many  # (it builds on this module)
+    compiled = native_many.start_pull(tables, runs, min_steps, now)
+    if compiled is not None:
+        return compiled
+    orders, grouped, parts = pull_parts(tables, runs, min_steps)
+    return _start_pull(tables, grouped, orders, parts, min_steps, now)
+
+
+def pull_parts(tables: Sequence[ShardedTable], runs: Runs, min_steps: Sequence[int]
+               ) -> tuple[list, list, list[PullPart]]:
+    """(orders, grouped ids, parts) of a pull: each table's layout and its parts."""
     orders, grouped, parts = [], [], []
     for k, table in enumerate(tables):
         order, offsets, ids = _pull_layout(runs, k)
@@ -197,7 +208,7 @@ def start_pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndar
         for shard, lo, hi, _, _ in table.slices(offsets):
             if hi > lo or min_steps[k] > 0:
                 parts.append(PullPart(k, shard, lo, hi, (hi - lo) * row_bytes + fields))
-    return _start_pull(tables, grouped, orders, parts, min_steps, now)
+    return orders, grouped, parts
 
 
 def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.ndarray]:
@@ -233,20 +244,28 @@ def _wait_request(tables, parts, min_steps) -> PullManyParts | None:
 
 
 def _start_pull(tables, grouped, orders, parts, min_steps, now: bool) -> "PendingPull":
-    options = tables[0].shards[0].options
-    servers = _by_server(tables, parts)
-    requests = []
-    for conn, server_parts in servers.values():
-        packed = _packed(server_parts, _request_limit(options))
+    waits, requests = pull_requests(tables, grouped, parts, min_steps)
+    for conn, server_parts, wait in waits:
+        _answer(conn, "PullMany", wait, None, _Names(tables, server_parts))
+    return PendingPull(tables, grouped, orders, _in_flight(requests, "PullMany", now))
+
+
+def pull_requests(tables, grouped, parts, min_steps) -> tuple[list, list]:
+    """(waits, requests), each (conn, parts, request): the requests of a pull, and the
+    empty requests to wait with first. Several requests to one server: one empty request
+    waits first, then the pulls do not wait, so that a worker holds at most one waiting
+    server thread."""
+    limit = _request_limit(tables[0].shards[0].options)
+    waits, requests = [], []
+    for conn, server_parts in _by_server(tables, parts).values():
+        packed = _packed(server_parts, limit)
         if len(packed) > 1:
-            # Several requests to one server: wait with one empty request first, then pull
-            # without waiting, so that a worker holds at most one waiting server thread.
             wait = _wait_request(tables, server_parts, min_steps)
             if wait is not None:
-                _answer(conn, "PullMany", wait, None, _Names(tables, server_parts))
+                waits.append((conn, server_parts, wait))
         requests += [(conn, chunk, _pull_request(tables, grouped, chunk, min_steps,
                                                  len(packed) == 1)) for chunk in packed]
-    return PendingPull(tables, grouped, orders, _in_flight(requests, "PullMany", now))
+    return waits, requests
 
 
 class PendingPull:
@@ -267,25 +286,31 @@ class PendingPull:
         try:
             for conn, chunk, request, future in self.calls:
                 answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
-                if len(answer) != len(chunk):
-                    raise ServerError(f"PullMany on server {conn.address} answered "
-                                      f"{len(answer)} parts for {len(chunk)} asked; is the "
-                                      f"server a compatible parallax version?",
-                                      address=conn.address, table=None,
-                                      code=grpc.StatusCode.INTERNAL)
-                for part, (values, _) in zip(chunk, answer):
-                    order = orders[part.index]
-                    target = rows[part.index]
-                    if values.dtype != target.dtype:  # a wire dtype's rows
-                        values = wire_dtypes.to_float32(values)
-                    if order is None:
-                        target[part.lo:part.hi] = values
-                    else:
-                        target[order[part.lo:part.hi]] = values
+                land_pull_answer(conn, chunk, answer, rows, orders)
         except BaseException:
             self.abandon()  # the calls not read yet (the others have let go already)
             raise
         return rows
+
+
+def land_pull_answer(conn: ServerConnection, chunk: list, answer, rows: list[np.ndarray],
+                     orders: list) -> None:
+    """Each part's rows of one PullMany answer into its table's rows (`orders[k]`: where
+    table k's layout rows go, None: in order)."""
+    if len(answer) != len(chunk):
+        raise ServerError(f"PullMany on server {conn.address} answered {len(answer)} parts "
+                          f"for {len(chunk)} asked; is the server a compatible parallax "
+                          f"version?", address=conn.address, table=None,
+                          code=grpc.StatusCode.INTERNAL)
+    for part, (values, _) in zip(chunk, answer):
+        order = orders[part.index]
+        target = rows[part.index]
+        if values.dtype != target.dtype:  # a wire dtype's rows
+            values = wire_dtypes.to_float32(values)
+        if order is None:
+            target[part.lo:part.hi] = values
+        else:
+            target[order[part.lo:part.hi]] = values
 
 
 class _Names:
@@ -327,8 +352,20 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     runs = checked if checked is not None else _checked_runs(tables, ids)
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
+    from parallax.client import native_many  # (it builds on this module)
+    compiled = native_many.start_push(tables, runs, grads, steps, worker, learning_rates, now)
+    if compiled is not None:
+        return compiled
+    plans, narrow, parts = push_parts(tables, runs, grads)
+    return _start_push(tables, plans, (grads, narrow), parts, steps, worker, learning_rates,
+                       now)
+
+
+def push_parts(tables: Sequence[ShardedTable], runs: Runs, grads: Sequence[np.ndarray]
+               ) -> tuple[list, list, list[PushPart]]:
+    """(routing plans, narrowed sums or None, parts) of a push, per table; narrowed before
+    anything is sent: a gradient beyond its wire dtype sends nothing."""
     plans = runs.push_routings()
-    # narrowed before anything is sent: a gradient beyond its wire dtype sends nothing
     narrow = [t.narrowed(t.summed(p, g)) if t.wire else None
               for t, p, g in zip(tables, plans, grads)]
     parts = []
@@ -338,8 +375,7 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
         for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
             parts.append(PushPart(k, shard, lo, hi, chunk, chunks,
                                   (hi - lo) * row_bytes + fields))
-    return _start_push(tables, plans, (grads, narrow), parts, steps, worker, learning_rates,
-                       now)
+    return plans, narrow, parts
 
 
 def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
@@ -366,15 +402,21 @@ def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
 
 def _start_push(tables, plans, grads, parts, steps, worker, learning_rates, now: bool
                 ) -> "PendingPush":
-    options = tables[0].shards[0].options
+    requests = push_requests(tables, plans, grads, parts, steps, worker, learning_rates, now)
+    return PendingPush(tables, _in_flight(requests, "PushMany", now))
+
+
+def push_requests(tables, plans, grads, parts, steps, worker, learning_rates, now: bool
+                  ) -> list:
+    """(conn, parts, request) of each request of a push (`now`: encoded now, so that the
+    gradients may be reused once this returns)."""
+    limit = _request_limit(tables[0].shards[0].options)
     requests = []
     for conn, server_parts in _by_server(tables, parts).values():
-        for chunk in _packed(server_parts, _request_limit(options)):
+        for chunk in _packed(server_parts, limit):
             request = _push_request(tables, plans, grads, chunk, steps, worker, learning_rates)
-            if now:  # encoded now: the gradients may be reused once this returns
-                request = request.settled()
-            requests.append((conn, chunk, request))
-    return PendingPush(tables, _in_flight(requests, "PushMany", now))
+            requests.append((conn, chunk, request.settled() if now else request))
+    return requests
 
 
 class PendingPush:
