@@ -21,6 +21,37 @@ struct Flat {
   std::vector<int64_t> order, unique, first, bounds;
 };
 
+int bit_length(uint64_t v) {
+  int bits = 0;
+  while (v) ++bits, v >>= 1;
+  return bits;
+}
+
+// keys sorted by (shard, id, position): as one packed uint64 each when shard, id and
+// position fit together (the usual case, as routing.grouped_order does), else as triples.
+void sort_keys(std::vector<Key>* keys, int64_t shards, std::vector<uint64_t>* packed) {
+  int64_t low = 0, high = 0;
+  for (const Key& k : *keys) low = std::min(low, k.id), high = std::max(high, k.id);
+  int pos_bits = std::max(1, bit_length(keys->size())), id_bits = bit_length(high);
+  int shard_bits = bit_length(static_cast<uint64_t>(shards));
+  if (low < 0 || pos_bits + id_bits + shard_bits > 64) {
+    std::sort(keys->begin(), keys->end());
+    return;
+  }
+  packed->clear();
+  for (size_t i = 0; i < keys->size(); ++i) {
+    const Key& k = (*keys)[i];
+    packed->push_back((static_cast<uint64_t>(k.shard) << (id_bits + pos_bits)) |
+                      (static_cast<uint64_t>(k.id) << pos_bits) | i);
+  }
+  std::sort(packed->begin(), packed->end());
+  std::vector<Key> sorted;
+  sorted.reserve(keys->size());
+  uint64_t mask = (uint64_t{1} << pos_bits) - 1;
+  for (uint64_t v : *packed) sorted.push_back((*keys)[v & mask]);
+  keys->swap(sorted);
+}
+
 // One table's ids sorted by (shard, id, position) into `flat`; false if an id routes
 // outside the table's shards (an id nobody checked: the numpy path decides then).
 bool route_table(const int64_t* ids, const Tables& t, size_t k, std::vector<Key>* keys,
@@ -32,7 +63,8 @@ bool route_table(const int64_t* ids, const Tables& t, size_t k, std::vector<Key>
     if (shard < 0 || shard >= shards) return false;
     keys->push_back(Key{shard, ids[i], i});
   }
-  std::sort(keys->begin(), keys->end());
+  std::vector<uint64_t> packed;
+  sort_keys(keys, shards, &packed);
   int64_t u_lo = static_cast<int64_t>(flat->unique.size());
   for (size_t i = 0; i < keys->size(); ++i) {
     const Key& key = (*keys)[i];
