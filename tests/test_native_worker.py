@@ -171,3 +171,22 @@ def test_a_training_step_pulls_and_pushes_natively_with_numpys_rows(cluster, tab
             results.append(pull_many(tabs, [np.arange(300)] * 2, [3, 3]))
     for mine, numpys in zip(*results):
         assert mine.tobytes() == numpys.tobytes()
+
+
+def test_answers_over_grpc_land_through_the_numpy_scatter(cluster, client, tables,
+                                                          monkeypatch):
+    """Without the data plane the answers come decoded (gRPC): the compiled requests' rows
+    land through the numpy path's scatter, in the compiled layout, as numpy's own."""
+    rng = np.random.default_rng(9)
+    ids = [_ids(t, rng, 40, unique=True) for t in tables]
+    with PSClient(cluster.addresses, ClientOptions(timeout=20, data_plane=False)) as grpc_only:
+        again = [grpc_only.table(t.spec, [client.servers.index(c) for c in t.shards])
+                 for t in tables]
+        runs = _checked_runs(again, ids)
+        runs.expect_push = True  # the compiled layout (a push routing), not numpy's
+        before = native_many.ran["pull"]
+        compiled = pull_many(again, ids, [0] * len(again), checked=runs)
+        assert native_many.ran["pull"] == before + 1
+    _python(monkeypatch)
+    for mine, numpys in zip(compiled, pull_many(tables, ids, [0] * len(tables))):
+        assert mine.tobytes() == numpys.tobytes()

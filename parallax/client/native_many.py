@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from parallax import native
-from parallax.client import many
+from parallax.client import many_calls
 from parallax.client.table import ShardedTable
 from parallax.protocol import wire, wire_dtypes
 from parallax.protocol.packed_codec import EncodedPullMany, EncodedPushMany, RawAnswer
@@ -70,7 +70,7 @@ class _TableSet:
                          thresholds=np.array([t.wire.overflows_at if t.wire else np.inf
                                               for t in tables], np.float32))
         self.native = all(t.dtype == _F32 for t in tables) and all(w in _NARROW for w in wires)
-        self.limit = many._request_limit(tables[0].shards[0].options)
+        self.limit = many_calls._request_limit(tables[0].shards[0].options)
 
 
 def _int64(values) -> np.ndarray:
@@ -91,7 +91,7 @@ def _table_set(tables: Sequence[ShardedTable]) -> _TableSet | None:
     return found if found.native else None
 
 
-class _IndexNames(many._Names):
+class _IndexNames(many_calls._Names):
     """The tables of a request's parts, for error messages (`parts[:, 0]`: table indices)."""
 
     def _sorted(self) -> list[str]:
@@ -107,7 +107,7 @@ def start_pull(tables: Sequence[ShardedTable], runs: Runs, min_steps: Sequence[i
         return None
     found, positions, requests = planned
     ran["pull"] += 1
-    return NativePull(found, runs, positions, many._in_flight(requests, "PullMany", now))
+    return NativePull(found, runs, positions, many_calls._in_flight(requests, "PullMany", now))
 
 
 def pull_requests(tables: Sequence[ShardedTable], runs: Runs, min_steps: Sequence[int]
@@ -141,7 +141,7 @@ class NativePull:
         self.found, self.runs, self.positions, self.calls = found, runs, positions, calls
 
     def abandon(self) -> None:
-        many._abandon(self.calls)
+        many_calls._abandon(self.calls)
 
     def result(self) -> list[np.ndarray]:
         """Rows for each table's ids, in their order."""
@@ -153,7 +153,7 @@ class NativePull:
                 zip(bases.tolist(), sizes.tolist(), self.found.dims.tolist())]
         try:
             for conn, parts, request, future in self.calls:
-                answer = many._answer(conn, "PullMany", request, future,
+                answer = many_calls._answer(conn, "PullMany", request, future,
                                       _IndexNames(tables, parts))
                 if not (isinstance(answer, RawAnswer) and native.kernels().pull_scatter(
                         answer.body, parts, self.positions, starts, self.found.dims, bases,
@@ -171,8 +171,9 @@ class NativePull:
             answer = answer.decoded()
         starts = self.runs.starts
         orders = [self.positions[lo:hi] for lo, hi in zip(starts, starts[1:])]
-        chunk = [many.PullPart(int(k), 0, int(lo), int(hi), 0) for k, lo, hi in parts.tolist()]
-        many.land_pull_answer(conn, chunk, answer, rows, orders)
+        chunk = [many_calls.PullPart(int(k), 0, int(lo), int(hi), 0)
+                 for k, lo, hi in parts.tolist()]
+        many_calls.land_pull_answer(conn, chunk, answer, rows, orders)
 
 
 _CODES = _int64([wire.dtype_code(np.float32), wire.dtype_code(np.float16),
@@ -195,7 +196,7 @@ def start_push(tables: Sequence[ShardedTable], runs: Runs, grads: Sequence[np.nd
     if requests is None:
         return None
     ran["push"] += 1
-    return NativePush(tables, many._in_flight(requests, "PushMany", now))
+    return NativePush(tables, many_calls._in_flight(requests, "PushMany", now))
 
 
 def push_requests(tables: Sequence[ShardedTable], runs: Runs, grads: Sequence[np.ndarray],
@@ -225,22 +226,22 @@ class NativePush:
         self.tables, self.calls = tables, calls
 
     def abandon(self) -> None:
-        many._abandon(self.calls)
+        many_calls._abandon(self.calls)
 
     def result(self) -> list[bool]:
         """Per table, True if this push closed the step on every one of its shards."""
         closed: list[set[int]] = [set() for _ in self.tables]
         try:
             for conn, parts, request, future in self.calls:
-                reply = many._answer(conn, "PushMany", request, future,
+                reply = many_calls._answer(conn, "PushMany", request, future,
                                      _IndexNames(self.tables, parts),
-                                     done_on_retry=many._DONE_ON_RETRY)
+                                     done_on_retry=many_calls._DONE_ON_RETRY)
                 if reply is None:  # a retry found the first attempt landed
                     continue
                 for (k, shard), answer in zip(parts.tolist(), reply.parts):
                     if answer.applied:
                         closed[k].add(shard)
         except BaseException:
-            many._abandon(self.calls)
+            many_calls._abandon(self.calls)
             raise
         return [len(c) == t.spec.shard_count for c, t in zip(closed, self.tables)]
