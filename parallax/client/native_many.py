@@ -64,7 +64,8 @@ class _TableSet:
         self.row_bytes = _int64([max(t.spec.dim * t.dtype.itemsize, 8) for t in tables])
         wires = [t.wire.name if t.wire else None for t in tables]
         self.push = dict(self.layout, names=self.names, dims=self.dims,
-                         sessions=_int64([t.session for t in tables]),
+                         sessions=np.asarray([t.session for t in tables],  # u64 bits
+                                             np.uint64).view(np.int64),
                          narrow=_int64([_NARROW.get(w, -1) for w in wires]),
                          codes=_int64([wire.dtype_code(t.push_dtype) for t in tables]),
                          thresholds=np.array([t.wire.overflows_at if t.wire else np.inf
