@@ -120,13 +120,14 @@ def pull_requests(tables: Sequence[ShardedTable], runs: Runs, min_steps: Sequenc
         return None
     flat = runs.flat_routing(kernels.route) if runs.expect_push else None
     empty = np.empty(0, np.int64)
+    order, unique, bounds = (flat.order, flat.unique, flat.bounds) if flat is not None else \
+        (empty, empty, empty)
     layout = found.layout
     planned = kernels.pull_plan(
         runs.ids, _int64(runs.starts), layout["shard_counts"], layout["kinds"],
-        layout["blocks"], flat is not None, *(flat[:2] if flat else (empty, empty)),
-        flat.bounds if flat else empty, layout["chunk_rows"], found.row_bytes,
-        layout["name_at"], found.names, layout["server_of"], layout["shard_base"],
-        _int64(min_steps), found.limit)
+        layout["blocks"], flat is not None, order, unique, bounds, layout["chunk_rows"],
+        found.row_bytes, layout["name_at"], found.names, layout["server_of"],
+        layout["shard_base"], _int64(min_steps), found.limit)
     if planned is None:
         return None
     servers, bodies, parts, positions = planned
