@@ -45,6 +45,7 @@ inline int64_t shard_of(int64_t id, int64_t kind, int64_t count, int64_t block) 
   if (kind == kHashed) return static_cast<int64_t>(mix64(static_cast<uint64_t>(id)) %
                                                    static_cast<uint64_t>(count));
   if (kind == kRange) return floor_div(id, block);
+  if (id >= 0 && (count & (count - 1)) == 0) return id & (count - 1);  // 1, 2, 4... shards
   return id - floor_div(id, count) * count;
 }
 
