@@ -27,58 +27,62 @@ int bit_length(uint64_t v) {
   return bits;
 }
 
-// keys sorted by (shard, id, position): as one packed uint64 each when shard, id and
-// position fit together (the usual case, as routing.grouped_order does), else as triples.
-void sort_keys(std::vector<Key>* keys, int64_t shards, std::vector<uint64_t>* packed) {
-  int64_t low = 0, high = 0;
-  for (const Key& k : *keys) low = std::min(low, k.id), high = std::max(high, k.id);
-  int pos_bits = std::max(1, bit_length(keys->size())), id_bits = bit_length(high);
-  int shard_bits = bit_length(static_cast<uint64_t>(shards));
-  if (low < 0 || pos_bits + id_bits + shard_bits > 64) {
-    std::sort(keys->begin(), keys->end());
-    return;
+// Rows j = 0..n-1 of a table's ids in sorted (shard, id, position) order into `flat`:
+// the order, where each (shard, id) run starts, where each shard starts.
+template <typename Shard, typename Id, typename Pos>
+void emit(size_t n, int64_t lo, int64_t shards, Shard shard, Id id, Pos pos, Flat* flat) {
+  size_t u_lo = flat->unique.size();
+  for (size_t j = 0; j < n; ++j) {
+    flat->order[lo + j] = pos(j);
+    if (j == 0 || id(j) != id(j - 1) || shard(j) != shard(j - 1)) {
+      flat->unique.push_back(id(j));
+      flat->first.push_back(lo + static_cast<int64_t>(j));
+    }
   }
-  packed->clear();
-  for (size_t i = 0; i < keys->size(); ++i) {
-    const Key& k = (*keys)[i];
-    packed->push_back((static_cast<uint64_t>(k.shard) << (id_bits + pos_bits)) |
-                      (static_cast<uint64_t>(k.id) << pos_bits) | i);
+  size_t u = u_lo;  // where each shard's unique ids start (and where the last ends)
+  for (int64_t s = 0; s <= shards; ++s) {
+    while (u < flat->unique.size() && shard(static_cast<size_t>(flat->first[u] - lo)) < s) ++u;
+    flat->bounds.push_back(static_cast<int64_t>(u));
   }
-  std::sort(packed->begin(), packed->end());
-  std::vector<Key> sorted;
-  sorted.reserve(keys->size());
-  uint64_t mask = (uint64_t{1} << pos_bits) - 1;
-  for (uint64_t v : *packed) sorted.push_back((*keys)[v & mask]);
-  keys->swap(sorted);
 }
 
-// One table's ids sorted by (shard, id, position) into `flat`; false if an id routes
-// outside the table's shards (an id nobody checked: the numpy path decides then).
+// One table's ids sorted by (shard, id, position) into `flat`: as one packed uint64 each
+// when shard, id and position fit together (the usual case, as routing.grouped_order
+// does; one small array, sorted), else as triples. False if an id routes outside the
+// table's shards (an id nobody checked: the numpy path decides then).
 bool route_table(const int64_t* ids, const Tables& t, size_t k, std::vector<Key>* keys,
-                 Flat* flat) {
+                 std::vector<uint64_t>* packed, Flat* flat) {
   int64_t lo = t.starts[k], hi = t.starts[k + 1], shards = t.shard_counts[k];
+  size_t n = static_cast<size_t>(hi - lo);
+  int64_t low = 0, high = 0;
+  for (int64_t i = lo; i < hi; ++i) low = std::min(low, ids[i]), high = std::max(high, ids[i]);
+  int pos_bits = std::max(1, bit_length(n)), id_bits = bit_length(static_cast<uint64_t>(high));
+  int shift = id_bits + pos_bits;
+  bool pack = low >= 0 && shift + bit_length(static_cast<uint64_t>(shards)) <= 64;
   keys->clear();
+  packed->clear();
   for (int64_t i = lo; i < hi; ++i) {
     int64_t shard = shard_of(ids[i], t.kinds[k], shards, t.blocks[k]);
     if (shard < 0 || shard >= shards) return false;
-    keys->push_back(Key{shard, ids[i], i});
+    if (pack)
+      packed->push_back((static_cast<uint64_t>(shard) << shift) |
+                        (static_cast<uint64_t>(ids[i]) << pos_bits) |
+                        static_cast<uint64_t>(i - lo));
+    else
+      keys->push_back(Key{shard, ids[i], i});
   }
-  std::vector<uint64_t> packed;
-  sort_keys(keys, shards, &packed);
-  int64_t u_lo = static_cast<int64_t>(flat->unique.size());
-  for (size_t i = 0; i < keys->size(); ++i) {
-    const Key& key = (*keys)[i];
-    flat->order[lo + i] = key.pos;
-    if (i == 0 || key.id != (*keys)[i - 1].id || key.shard != (*keys)[i - 1].shard) {
-      flat->unique.push_back(key.id);
-      flat->first.push_back(lo + static_cast<int64_t>(i));
-    }
-  }
-  // where each shard's unique ids start (and where the last ends), absolute
-  size_t u = static_cast<size_t>(u_lo);
-  for (int64_t s = 0; s <= shards; ++s) {
-    while (u < flat->unique.size() && (*keys)[flat->first[u] - lo].shard < s) ++u;
-    flat->bounds.push_back(static_cast<int64_t>(u));
+  if (pack) {
+    std::sort(packed->begin(), packed->end());
+    const uint64_t* v = packed->data();
+    uint64_t mask = (uint64_t{1} << pos_bits) - 1;
+    emit(n, lo, shards, [=](size_t j) { return static_cast<int64_t>(v[j] >> shift); },
+         [=](size_t j) { return ids[lo + static_cast<int64_t>(v[j] & mask)]; },
+         [=](size_t j) { return lo + static_cast<int64_t>(v[j] & mask); }, flat);
+  } else {
+    std::sort(keys->begin(), keys->end());
+    const Key* key = keys->data();
+    emit(n, lo, shards, [=](size_t j) { return key[j].shard; },
+         [=](size_t j) { return key[j].id; }, [=](size_t j) { return key[j].pos; }, flat);
   }
   return true;
 }
@@ -105,7 +109,9 @@ py::object route(Int64s ids, Int64s starts, Int64s shard_counts, Int64s kinds, I
     py::gil_scoped_release release;
     flat.order.resize(static_cast<size_t>(ids.size()));
     std::vector<Key> keys;
-    for (size_t k = 0; k < count && ok; ++k) ok = route_table(ids.data(), t, k, &keys, &flat);
+    std::vector<uint64_t> packed;
+    for (size_t k = 0; k < count && ok; ++k)
+      ok = route_table(ids.data(), t, k, &keys, &packed, &flat);
   }
   if (!ok) return py::none();
   return py::make_tuple(to_array(flat.order), to_array(flat.unique), to_array(flat.first),
