@@ -64,6 +64,20 @@ def test_the_compiled_route_is_numpys():
             np.testing.assert_array_equal(mine, numpys, err_msg=f"trial {trial}")
 
 
+def test_a_groups_ids_join_as_numpy_joins_them():
+    """step_traffic._table_ids: members' ids plus their offsets, and the first bad member."""
+    rng = np.random.default_rng(2)
+    rows = np.array([50, 7, 300, 1])
+    offsets = np.cumsum(rows) - rows
+    for trial in range(30):
+        ids = [rng.integers(0, r + (trial % 3 == 0), rng.integers(0, 20)) for r in rows]
+        joined, bad = native.kernels().join_ids(ids, rows, offsets)
+        np.testing.assert_array_equal(joined, np.concatenate(ids) + np.repeat(
+            offsets, [len(i) for i in ids]))
+        outside = [k for k, (i, r) in enumerate(zip(ids, rows)) if len(i) and i.max() >= r]
+        assert bad == (outside[0] if outside else -1)
+
+
 @pytest.mark.parametrize("expect_push", [True, False])
 def test_pull_requests_are_byte_for_byte_numpys(tables, expect_push):
     rng = np.random.default_rng(7)

@@ -83,5 +83,6 @@ py::bytes new_bytes(size_t size, char** data);
 void register_route(py::module_& m);
 void register_pull(py::module_& m);
 void register_push(py::module_& m);
+void register_merge(py::module_& m);
 
 }  // namespace parallax_worker

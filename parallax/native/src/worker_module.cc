@@ -5,4 +5,5 @@ void register_worker(pybind11::module_& m) {
   parallax_worker::register_route(m);
   parallax_worker::register_pull(m);
   parallax_worker::register_push(m);
+  parallax_worker::register_merge(m);
 }
