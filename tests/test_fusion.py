@@ -288,7 +288,8 @@ def test_fused_training_equals_the_per_table_path(make_strategy, model_kwargs):
     assert report(fused_strategy, "table0/embeddings").fused
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="parallax's compiled kernels not built")
+@pytest.mark.skipif(native.kernels() is None,
+                    reason=f"compiled kernels not in use: {native.describe()}")
 @pytest.mark.parametrize("model_kwargs", [{}, {"shared": True}], ids=["plain", "shared"])
 def test_the_compiled_and_numpy_data_paths_train_bit_for_bit_alike(make_strategy, monkeypatch,
                                                                    model_kwargs):

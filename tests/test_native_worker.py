@@ -16,7 +16,8 @@ from parallax.protocol.routing import Partitioner, Runs
 from parallax.protocol.specs import SGD, Initializer, TableSpec
 from parallax.protocol.wire_dtypes import WireOverflowError
 
-pytestmark = pytest.mark.skipif(native.kernels() is None, reason="kernels not built")
+pytestmark = pytest.mark.skipif(native.kernels() is None,
+                                reason=f"compiled kernels not in use: {native.describe()}")
 
 # (suffix, spec fields, placement): one to three shards, MOD, RANGE, hashed keys, dim 1,
 # both compressed wire dtypes; every table float32 (the kernels' rows)

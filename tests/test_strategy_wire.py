@@ -73,7 +73,8 @@ def test_narrow_wire_trains_within_a_small_bound_of_float32(train, wire_dtype):
                                   if "sparse" in line)
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="parallax's compiled kernels not built")
+@pytest.mark.skipif(native.kernels() is None,
+                    reason=f"compiled kernels not in use: {native.describe()}")
 @pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
 def test_the_compiled_and_numpy_paths_narrow_alike(train, monkeypatch, wire_dtype):
     runs = []
