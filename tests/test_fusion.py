@@ -13,6 +13,9 @@ import pytest
 import tensorflow as tf
 
 import parallax
+from parallax import native
+from parallax.client import native_many
+from parallax.env import NATIVE_ENV
 from parallax.tf.variables import remote_of
 
 _ids = itertools.count()
@@ -283,6 +286,28 @@ def test_fused_training_equals_the_per_table_path(make_strategy, model_kwargs):
     else:
         assert last.fused
     assert report(fused_strategy, "table0/embeddings").fused
+
+
+@pytest.mark.skipif(native.kernels() is None,
+                    reason=f"compiled kernels not in use: {native.describe()}")
+@pytest.mark.parametrize("model_kwargs", [{}, {"shared": True}], ids=["plain", "shared"])
+def test_the_compiled_and_numpy_data_paths_train_bit_for_bit_alike(make_strategy, monkeypatch,
+                                                                   model_kwargs):
+    """PARALLAX_NATIVE=1 and 0 on the same model and data: the same losses and weights (a
+    shared table pushes duplicate ids: their sums too)."""
+    runs = []
+    for path in ("1", "0"):
+        monkeypatch.setenv(NATIVE_ENV, path)
+        before = dict(native_many.ran)
+        strategy = make_strategy()
+        model, loss = train_fit(strategy, **model_kwargs)
+        runs.append((loss, weights_of(strategy, model)))
+        made = {k: native_many.ran[k] - before.get(k, 0) for k in ("pull", "push")}
+        assert (made["pull"] > 0 and made["push"] > 0) == (path == "1"), made
+    (loss, weights), (numpy_loss, numpy_weights) = runs
+    assert loss == numpy_loss
+    for a, b in zip(weights, numpy_weights):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import parallax
+from parallax import native
 from parallax.errors import ConfigError, ParallaxError
 from parallax.tf.variables import ParallaxVariable
 
@@ -73,7 +74,9 @@ def test_fit_evaluate_predict_and_the_plan(make_strategy, capsys):
     assert (kernel.kind, kernel.placement) == ("dense", "allreduce")
     assert "MatMul" in kernel.reason
     assert table.bytes == VOCAB * DIM * 4 and table.shape == (VOCAB, DIM)
-    assert capsys.readouterr().err.count("parallax plan (hybrid") == 1  # logged once
+    logged = capsys.readouterr().err
+    assert logged.count("parallax plan (hybrid") == 1  # logged once
+    assert f"worker data path: {native.describe()}" in logged  # native, or python and why
     assert model.evaluate(x, y, verbose=0) == pytest.approx(losses[-1], rel=0.5)
     assert model.predict(x[:5], verbose=0).shape == (5, 1)
     traffic = strategy.tables["embedding/embeddings"].traffic

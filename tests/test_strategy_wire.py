@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import parallax
+from parallax import native
+from parallax.env import NATIVE_ENV
 from parallax.errors import ConfigError
 
 _ids = itertools.count()
@@ -69,6 +71,20 @@ def test_narrow_wire_trains_within_a_small_bound_of_float32(train, wire_dtype):
     head, *lines = strategy.plan.format().splitlines()[1:]
     assert "wire" in head and all(wire_dtype in line for line in lines
                                   if "sparse" in line)
+
+
+@pytest.mark.skipif(native.kernels() is None,
+                    reason=f"compiled kernels not in use: {native.describe()}")
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
+def test_the_compiled_and_numpy_paths_narrow_alike(train, monkeypatch, wire_dtype):
+    runs = []
+    for path in ("1", "0"):
+        monkeypatch.setenv(NATIVE_ENV, path)
+        runs.append(train(wire_dtype=wire_dtype)[1:])
+    (loss, weights), (numpy_loss, numpy_weights) = runs
+    np.testing.assert_array_equal(loss, numpy_loss)
+    for a, b in zip(weights, numpy_weights):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_mapping_names_variables_and_bad_values_are_refused(train):

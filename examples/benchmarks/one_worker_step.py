@@ -6,6 +6,10 @@ A quick check of the one-worker row of `make compare` (hybrid against parallax's
 mode) while working on the sparse path; `parallax bench` remains the reference.
 
     .venv/bin/python examples/benchmarks/one_worker_step.py hybrid ctr [--steps 200] [--rounds 2]
+
+`--paths native,python` times both worker data paths (PARALLAX_NATIVE=1 and 0) in turn in
+each round, in one process on one model, and splits out the worker CPU spent inside the
+fused pull and push ops (their threads' CPU).
 """
 from __future__ import annotations
 
@@ -19,6 +23,24 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import psutil  # noqa: E402
 
 from parallax.bench import worker, workloads  # noqa: E402
+from parallax.env import NATIVE_ENV  # noqa: E402
+from parallax.tf import step_traffic  # noqa: E402
+
+PATHS = {"native": "1", "python": "0", "auto": "auto"}  # --paths: PARALLAX_NATIVE of each
+_FUSED_CPU = {"pull": 0.0, "push": 0.0}  # thread CPU seconds inside the fused ops
+
+
+def _timed(cls, key: str) -> None:
+    """Count the thread CPU spent inside `cls.__call__` (a fused op's numpy body)."""
+    original = cls.__call__
+
+    def call(self, *args):
+        start = time.thread_time()
+        try:
+            return original(self, *args)
+        finally:
+            _FUSED_CPU[key] += time.thread_time() - start
+    cls.__call__ = call
 
 
 def _servers_cpu_s() -> float:
@@ -32,21 +54,40 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--paths", default="auto",
+                        help="worker data paths to alternate in each round: native, python, "
+                             "auto (comma-separated)")
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    if any(p not in PATHS for p in paths):
+        parser.error(f"--paths {args.paths!r}: each must be one of {', '.join(PATHS)}")
+    _timed(step_traffic.FusedPull, "pull")
+    _timed(step_traffic.FusedPush, "push")
     trainer = worker.parallax_trainer(args.mode, workloads.get(args.workload))
-    for _ in range(args.warmup):
-        trainer.step()
-    trainer.sync()
-    for _ in range(args.rounds):
-        wall, cpu, servers = time.perf_counter(), time.process_time(), _servers_cpu_s()
-        for _ in range(args.steps):
+    for path in paths:  # each path's first steps (and their tracing) before any timing
+        os.environ[NATIVE_ENV] = PATHS[path]
+        for _ in range(args.warmup):
             trainer.step()
         trainer.sync()
-        per_step = 1e3 / args.steps
-        print(f"{args.mode} {args.workload}: {(time.perf_counter() - wall) * per_step:.2f} "
-              f"ms/step, worker CPU {(time.process_time() - cpu) * per_step:.2f} ms, servers "
-              f"CPU {(_servers_cpu_s() - servers) * per_step:.2f} ms", flush=True)
+    for _ in range(args.rounds):
+        for path in paths:
+            os.environ[NATIVE_ENV] = PATHS[path]
+            _window(trainer, args, path)
     return 0
+
+
+def _window(trainer, args, path: str) -> None:
+    _FUSED_CPU.update(pull=0.0, push=0.0)
+    wall, cpu, servers = time.perf_counter(), time.process_time(), _servers_cpu_s()
+    for _ in range(args.steps):
+        trainer.step()
+    trainer.sync()
+    per_step = 1e3 / args.steps
+    print(f"{args.mode} {args.workload} [{path}]: "
+          f"{(time.perf_counter() - wall) * per_step:.2f} ms/step, worker CPU "
+          f"{(time.process_time() - cpu) * per_step:.2f} ms (fused pull "
+          f"{_FUSED_CPU['pull'] * per_step:.2f}, push {_FUSED_CPU['push'] * per_step:.2f}), "
+          f"servers CPU {(_servers_cpu_s() - servers) * per_step:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":

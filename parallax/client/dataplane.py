@@ -89,8 +89,11 @@ class DataPlaneClient:
             deserialize = lambda body: read(bytes(body))  # noqa: E731
 
         def start(request, timeout: float | None = None) -> Started:
+            # a request encoded by its maker may want its answer as it came (RawAnswer)
+            read = packed_codec.RawAnswer if packed and getattr(request, "raw_answer", False) \
+                else deserialize
             return Started(self, method, serialize(request), timeout or self.options.timeout,
-                           packed, deserialize)
+                           packed, read)
 
         def call(request, timeout: float | None = None):
             return start(request, timeout).result()

@@ -382,6 +382,52 @@ class _SettledPush(PushManyParts):
         ids[...], grads[...] = self._decoded[i].ids, self._decoded[i].grads
 
 
+class EncodedPullMany(PullManyParts):
+    """A PullMany request already encoded (packed), e.g. by the compiled data path; its
+    answer is wanted as it arrived (`raw_answer`: a `RawAnswer`), for the caller to decode."""
+
+    raw_answer = True
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def packed(self) -> bytes:
+        return self._body
+
+    def protobuf(self) -> ps_pb2.PullManyRequest:
+        parts = decode_pull_many(self._body).parts
+        return PullManyParts([p.table for p in parts], [p.shard_index for p in parts],
+                             [p.min_step for p in parts], [p.ids for p in parts]).protobuf()
+
+
+class EncodedPushMany(_SettledPush):
+    """A PushMany request already encoded (packed), e.g. by the compiled data path."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body, self._decoded, self.fill = body, None, self._fill_from_body
+        self._parts: list | None = None
+
+    @property
+    def parts(self) -> list:
+        if self._parts is None:
+            self._parts = [(PushHeader(p.table, p.shard_index, p.step, p.worker,
+                                       p.learning_rate, p.chunk_index, p.chunk_count,
+                                       p.session), *p.grads.shape, p.grads.dtype)
+                           for p in decode_push_many(self._body).parts]
+        return self._parts
+
+
+class RawAnswer:
+    """A PullMany answer's packed body, not decoded (what an `EncodedPullMany` asks for):
+    `decoded()` is what `decode_pull_many_answer` makes of it."""
+
+    def __init__(self, body) -> None:
+        self.body = body
+
+    def decoded(self) -> list[tuple[np.ndarray, int]]:
+        return decode_pull_many_answer(self.body)
+
+
 def _packed_pull(request) -> bytes:
     if isinstance(request, PullManyParts):
         return request.packed()

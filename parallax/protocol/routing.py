@@ -228,6 +228,24 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 
 
 # ---- many tables at once: one pass over every table's ids ------------------------------
+_KINDS = {"mod": 0, "range": 1, "hashed": 2}  # as the compiled `route` numbers them
+
+
+def _kind(p: Partitioner) -> str:
+    return "hashed" if p.hashed else p.partition
+
+
+class FlatRouting(NamedTuple):
+    """The push routing of every run of a `Runs`, flat: what `Runs.push_routings` slices
+    per run, and what the compiled data path (parallax.native) reads as it is."""
+
+    order: np.ndarray   # positions into Runs.ids, grouped by (run, shard), sorted by id
+    unique: np.ndarray  # the first id of each (run, shard, id) group, in that order
+    first: np.ndarray   # where each group starts in `order`
+    bounds: np.ndarray  # per run k, shard_count + 1 entries: where its shards start in
+                        # `unique`, then where its last ends
+
+
 class Runs:
     """Consecutive runs of ids, run k belonging to table k (`partitioners[k]` routes it):
     what a multi-table request plans in one pass of numpy calls, instead of one pass per
@@ -242,6 +260,7 @@ class Runs:
         self._width = max([p.shard_count for p in self.partitioners] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
         self._routings: list[PushRouting] | None = None
+        self._flat: FlatRouting | None = None
         # Set by a training step's pull, whose ids its push sends back: the pull is laid out
         # as their push routing (a sort by id within each shard), which the push then reuses.
         self.expect_push = False
@@ -298,17 +317,16 @@ class Runs:
             return self._table
         return self._table * self._width + self.shards()
 
-    def _all_bounds(self, sorted_keys: np.ndarray) -> list[list[int]]:
-        """Per run k: where each shard of table k starts among `sorted_keys` (sorted
-        `_keys`), and where its last ends; every run's, found in one search."""
+    def _all_bounds(self, sorted_keys: np.ndarray) -> np.ndarray:
+        """Per run k in turn, shard_count + 1 entries: where each shard of table k starts
+        among `sorted_keys` (sorted `_keys`), and where its last ends; found in one search."""
         counts = [p.shard_count + 1 for p in self.partitioners]
         if not counts:
-            return []
+            return np.empty(0, np.int64)
         at = np.cumsum([0] + counts[:-1])
         shift = np.arange(len(counts), dtype=np.int64) * self._width - at
         grid = np.arange(at[-1] + counts[-1], dtype=np.int64) + np.repeat(shift, counts)
-        found = np.searchsorted(sorted_keys, grid).tolist()
-        return [found[a:a + c] for a, c in zip(at.tolist(), counts)]
+        return np.searchsorted(sorted_keys, grid).astype(np.int64, copy=False)
 
     def push_routings(self) -> list["PushRouting"]:
         """Partitioner.route_push of every run: the same rows land in the same places.
@@ -316,10 +334,28 @@ class Runs:
         pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
         sorted within each, from `order`."""
         if self._routings is None:
-            self._routings = self._routed()
+            self._routings = self._routed(self.flat_routing())
         return self._routings
 
-    def _routed(self) -> list["PushRouting"]:
+    def flat_routing(self, kernel=None) -> "FlatRouting":
+        """Every run's push routing as four flat arrays (`FlatRouting`), computed once: by
+        `kernel` (the compiled `route` of parallax.native) when given, else by numpy. Both
+        give the same arrays."""
+        if self._flat is None:
+            flat = None
+            if kernel is not None:
+                counts = [p.shard_count for p in self.partitioners]
+                found = kernel(self.ids, np.asarray(self.starts, np.int64),
+                               np.asarray(counts, np.int64),
+                               np.asarray([_KINDS[_kind(p)] for p in self.partitioners],
+                                          np.int64),
+                               np.asarray([max(1, p.block) if not p.hashed else 1
+                                           for p in self.partitioners], np.int64))
+                flat = FlatRouting(*found) if found is not None else None
+            self._flat = flat if flat is not None else self._numpy_flat()
+        return self._flat
+
+    def _numpy_flat(self) -> "FlatRouting":
         keys = self._keys()
         order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
@@ -328,12 +364,16 @@ class Runs:
             np.not_equal(ids[1:], ids[:-1], out=new[1:])
             new[1:] |= keys[1:] != keys[:-1]
         first = np.flatnonzero(new)
-        unique_ids = ids[first]
-        plans = []
-        for k, bounds in enumerate(self._all_bounds(keys[first])):
+        return FlatRouting(order, ids[first], first, self._all_bounds(keys[first]))
+
+    def _routed(self, flat: "FlatRouting") -> list["PushRouting"]:
+        plans, at = [], 0
+        for k, p in enumerate(self.partitioners):
+            bounds = flat.bounds[at:at + p.shard_count + 1].tolist()
+            at += p.shard_count + 1
             lo, hi = self.starts[k], self.starts[k + 1]
             u_lo, u_hi = bounds[0], bounds[-1]
-            starts = None if u_hi - u_lo == hi - lo else first[u_lo:u_hi] - lo
-            plans.append(PushRouting(unique_ids[u_lo:u_hi], [b - u_lo for b in bounds],
-                                     order[lo:hi] - lo, starts))
+            starts = None if u_hi - u_lo == hi - lo else flat.first[u_lo:u_hi] - lo
+            plans.append(PushRouting(flat.unique[u_lo:u_hi], [b - u_lo for b in bounds],
+                                     flat.order[lo:hi] - lo, starts))
         return plans

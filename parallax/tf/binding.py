@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from parallax import native
 from parallax.client import ClientOptions, PSClient
 from parallax.client.cluster import ClusterSpec
 from parallax.client.connection import client_options_from_env
@@ -275,8 +276,9 @@ def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> 
 
 
 def log_plan(plan: Plan, workers: Workers) -> None:
+    """The plan, and which data path moves its tables' rows (parallax.native)."""
     if workers.info.is_chief:
-        log.info("%s", plan.format())
+        log.info("%s\nworker data path: %s", plan.format(), native.describe())
 
 
 def log_lookups(plan: Plan, workers: Workers) -> None:

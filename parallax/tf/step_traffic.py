@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 import numpy as np
 
+from parallax import native
 from parallax.client.connection import run_in_background
 from parallax.client.table_client import Pending, TableClient, table_client
 from parallax.errors import ConfigError, ServerError
@@ -160,6 +161,13 @@ def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
                lengths: Sequence[int]) -> np.ndarray:
     if len(members) == 1 and members[0].table_rows in (None, members[0].rows):
         return ids[0]  # a table of its own: `checked_runs` checks its ids
+    kernels = native.kernels()
+    if kernels is not None:  # the same, in one compiled pass
+        joined, bad = kernels.join_ids(ids, np.array([m.rows for m in members], np.int64),
+                                       np.array([m.offset for m in members], np.int64))
+        if bad >= 0:
+            members[bad]._check_ids(ids[bad])  # raises, naming the variable and the id
+        return joined
     joined = np.concatenate(ids).astype(np.int64, copy=False)
     limits = np.repeat(np.array([m.rows for m in members], np.int64), lengths)
     bad = (joined < 0) | (joined >= limits)

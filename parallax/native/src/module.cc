@@ -9,10 +9,13 @@ namespace py = pybind11;
 
 // The kernels' ABI: parallax.native refuses a module whose number differs from its own
 // (a stale build left in the tree after the Python side changed).
-constexpr int kAbi = 2;
+constexpr int kAbi = 3;
+
+void register_worker(py::module_& m);  // worker_module.cc: the worker's fused pull and push
 
 PYBIND11_MODULE(_kernels, m) {
   m.doc() = "parallax's compiled data path (see parallax.native)";
   m.attr("ABI") = kAbi;
   parallax_server::register_server(m);
+  register_worker(m);
 }
