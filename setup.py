@@ -10,6 +10,16 @@ import os
 from setuptools import Extension, setup
 
 
+def _compile_in_parallel() -> None:
+    """The kernels' sources compiled side by side, one per core (PARALLAX_BUILD_JOBS caps
+    it): pybind11's helper for distutils, which compiles one extension's files in turn."""
+    try:
+        from pybind11.setup_helpers import ParallelCompile
+    except ImportError:
+        return
+    ParallelCompile("PARALLAX_BUILD_JOBS", default=0).install()
+
+
 def _include() -> list[str]:
     try:
         import pybind11
@@ -32,4 +42,5 @@ KERNELS = Extension(
     optional=True,
 )
 
+_compile_in_parallel()
 setup(ext_modules=[KERNELS])
