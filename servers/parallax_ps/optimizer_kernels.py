@@ -52,13 +52,8 @@ def _adamax(spec: Adamax, lr, step, update) -> tuple[str, list]:
 def _nadam(spec: Nadam, lr, step, update) -> tuple[str, list]:
     """optimizers._Nadam's scalars; its u_product (kept per shard) is advanced as the numpy
     path would advance it."""
-    local_step, decay, beta_1, beta_2 = _F32(step + 1), _F32(0.96), _F32(spec.beta_1), \
-        _F32(spec.beta_2)
-    u_t = beta_1 * (_F32(1) - _F32(0.5) * np.power(decay, local_step))
-    u_t_1 = beta_1 * (_F32(1) - _F32(0.5) * np.power(decay, _F32(step + 2)))
-    u_product_t = update.u_product(spec, step + 1, _F32)
-    u_product_t_1 = u_product_t * u_t_1
-    beta_2_power = np.power(beta_2, local_step)
+    beta_1, beta_2 = _F32(spec.beta_1), _F32(spec.beta_2)
+    u_t, u_t_1, u_product_t, u_product_t_1, beta_2_power = update.scalars(spec, step, _F32)
     return "nadam", [lr, _F32(1) - beta_1, _F32(1) - beta_2, u_t_1, _F32(1) - u_product_t_1,
                      _F32(1) - u_t, _F32(1) - u_product_t, _F32(1) - beta_2_power,
                      _F32(spec.epsilon)]

@@ -180,14 +180,19 @@ class _Nadam:
                 self._steps = steps
         return self._u_product
 
-    def __call__(self, spec: Nadam, w, s, g, lr, step, dt) -> None:
-        local_step, decay, beta_1, beta_2 = dt(step + 1), dt(0.96), dt(spec.beta_1), \
-            dt(spec.beta_2)
+    def scalars(self, spec: Nadam, step, dt) -> tuple:
+        """The step's scalars, in `dt`: u_t, u_t_1, u_product_t, u_product_t_1 and
+        beta_2**(step + 1) (the numpy path and the compiled one's constants alike)."""
+        local_step, decay = dt(step + 1), dt(0.96)
+        beta_1, beta_2 = dt(spec.beta_1), dt(spec.beta_2)
         u_t = beta_1 * (dt(1) - dt(0.5) * np.power(decay, local_step))
         u_t_1 = beta_1 * (dt(1) - dt(0.5) * np.power(decay, dt(step + 2)))
         u_product_t = self.u_product(spec, step + 1, dt)
-        u_product_t_1 = u_product_t * u_t_1
-        beta_2_power = np.power(beta_2, local_step)
+        return u_t, u_t_1, u_product_t, u_product_t * u_t_1, np.power(beta_2, local_step)
+
+    def __call__(self, spec: Nadam, w, s, g, lr, step, dt) -> None:
+        beta_1, beta_2 = dt(spec.beta_1), dt(spec.beta_2)
+        u_t, u_t_1, u_product_t, u_product_t_1, beta_2_power = self.scalars(spec, step, dt)
         m, v = s["momentum"], s["velocity"]
         m += (g - m) * (dt(1) - beta_1)
         v += (np.square(g) - v) * (dt(1) - beta_2)
