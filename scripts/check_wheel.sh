@@ -60,8 +60,9 @@ cd "$work"
 log "$build_cmd"
 eval "$build_cmd" || fail "building the wheel failed (pip's output above); pyproject.toml and setup.cfg define it"
 wheels=(dist/parallax_tf-*.whl)
-[ ${#wheels[@]} = 1 ] && [[ "${wheels[0]}" == *-py3-none-any.whl ]] \
-  || fail "expected one pure wheel dist/parallax_tf-*-py3-none-any.whl, got: $(ls dist)"
+# the compiled kernels (parallax.native) make it a wheel for this interpreter and platform
+[ ${#wheels[@]} = 1 ] && [[ "${wheels[0]}" == *-cp3*-cp3*-linux_*.whl ]] \
+  || fail "expected one wheel dist/parallax_tf-*-cp3X-cp3X-linux_*.whl (with the compiled kernels), got: $(ls dist)"
 wheel="$work/${wheels[0]}"
 log "built ${wheels[0]} ($(du -k "$wheel" | cut -f1) KiB)"
 
@@ -79,6 +80,10 @@ names = set(wheel.namelist())
 expected = {"parallax/ps/v1/ps_pb2.py", "parallax/ps/v1/ps_pb2_grpc.py", "parallax/py.typed",
             "parallax_ps/__main__.py", "parallax/examples/language_model.py",
             "parallax/examples/common.py"}
+if not any(re.fullmatch(r"parallax/native/_kernels\.cpython-3\d+-[^/]+\.so", n) for n in names):
+    print("[wheel-check]   missing: parallax/native/_kernels*.so (the compiled kernels: setup.py "
+          "builds them with a C++ compiler and pybind11)", file=sys.stderr)
+    sys.exit(1)
 for path in open(sys.argv[2]).read().split():
     if path.startswith("parallax/") and re.search(r"(\.pyi?|/py\.typed)$", path):
         expected.add(path)
@@ -118,6 +123,8 @@ for module in (parallax, parallax_ps):
     assert pathlib.Path(sys.argv[1]).resolve() in where.parents, f"{module.__name__} from {where}"
 assert hasattr(parallax, "ParallaxStrategy"), "another project's `parallax` is installed"
 assert importlib.util.find_spec("horovod") is None, "Horovod is installed: the check is for none"
+from parallax import native
+assert native.kernels() is not None, f"the wheel's compiled kernels do not load: {native.describe()}"
 EOF
 
 log "$version_cmd"
