@@ -551,3 +551,25 @@ def test_a_learning_rate_schedule_without_get_config_trains_as_in_keras(make_str
     ours = fit(make_strategy())
     np.testing.assert_allclose(ours, plain, rtol=1e-5)
     assert plain[-1] < plain[0]
+
+
+def test_tf_saved_model_save_inside_local_tables_serves_and_outside_names_the_fix(
+        make_strategy, tmp_path):
+    """Issue 29, item 5: `tf.saved_model.save(model, path)` (the TF tutorials' way) failed
+    with "'SymbolicTensor' object has no attribute 'numpy'" from the servers' tables'
+    restore function, traced by the save. Inside local_tables() it saves and serves; outside
+    it is refused naming local_tables(), as model.export is."""
+    strategy = make_strategy()
+    ids, labels = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    with strategy.local_tables():
+        tf.saved_model.save(model, str(tmp_path / "saved"))
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))
+    served = loaded.signatures["serving_default"](tf.constant(ids[:8]))
+    np.testing.assert_allclose(next(iter(served.values())), model.predict(ids[:8], verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"local_tables\(\)"):
+        tf.saved_model.save(model, str(tmp_path / "refused"))

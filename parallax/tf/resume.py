@@ -73,8 +73,11 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         return {_KEY: tf.constant(text)}
 
     def _restore_from_tensors(self, restored_tensors):
+        if not tf.executing_eagerly():  # tf.saved_model.save tracing the restore function:
+            return tf.no_op()           # a SavedModel holds no server tables to restore
         self.restore(restored_tensors[_KEY].numpy().decode(),
                      _LOADING.get() or "this TensorFlow checkpoint")
+        return None
 
     # ---- Keras files ----
 
