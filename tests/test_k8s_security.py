@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax import SGD, TableSpec
 from parallax.client import ClientOptions, PSClient
-from parallax.env import GANG_TIMEOUT_ENV, RENDEZVOUS_ENV, TOKEN_FILE_ENV
+from parallax.env import GANG_TIMEOUT_ENV, READY_PREFIX, RENDEZVOUS_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ServerError
 from parallax.launch import gang, k8s
 from parallax.launch import k8s_security as secure
@@ -232,11 +233,21 @@ def _rendered_server(tmp_path: Path, config: K8sConfig,
         for mounted, here in mounts.items():
             argv[i] = argv[i].replace(mounted, here)
     proc = subprocess.Popen([str(BIN / argv[0]), *argv[1:]], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    ready = proc.stdout.readline()
-    assert "READY" in ready, ready + proc.stdout.read()
+                            stderr=subprocess.DEVNULL, text=True)  # (its log: stderr)
+    _ready_line(proc)
     return proc, {"grpc": ports["--port"], "metrics": ports["--metrics-port"],
                   "token": secrets[f"{config.name}-token"]["token"], "mounts": mounts}
+
+
+def _ready_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The server's READY line (its first line on stdout), within `timeout`."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if READY_PREFIX not in line:
+        proc.kill()
+        raise AssertionError(f"the rendered server did not say it was ready within "
+                             f"{timeout:g} s: {line!r} (exit {proc.wait()})")
+    return line
 
 
 @pytest.mark.multiprocess
