@@ -360,15 +360,22 @@ def test_big_tables_with_known_initializers_are_drawn_by_the_servers(make_strate
     assert drawn == server_initializer(uniform.embeddings.value, "0:words", 1000)  # same seed
 
 
-def test_export_outside_local_tables_is_refused_and_inside_serves(make_strategy, tmp_path):
-    """A SavedModel traced while the table is on the servers would call back into this
-    process (a py_func) and fail when served elsewhere; export is refused with the fix."""
-    strategy = make_strategy()
+def _fitted_once(strategy):
+    """An embedding model compiled with SGD in `strategy`'s scope, after one epoch: (model,
+    its ids)."""
     ids, labels = data()
     with strategy.scope():
         model = embedding_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    return model, ids
+
+
+def test_export_outside_local_tables_is_refused_and_inside_serves(make_strategy, tmp_path):
+    """A SavedModel traced while the table is on the servers would call back into this
+    process (a py_func) and fail when served elsewhere; export is refused with the fix."""
+    strategy = make_strategy()
+    model, ids = _fitted_once(strategy)
     assert strategy.plan.on_servers
     with pytest.raises(ConfigError, match=r"local_tables\(\)"):
         model.export(str(tmp_path / "refused"))
@@ -560,11 +567,7 @@ def test_tf_saved_model_save_inside_local_tables_serves_and_outside_names_the_fi
     restore function, traced by the save. Inside local_tables() it saves and serves; outside
     it is refused naming local_tables(), as model.export is."""
     strategy = make_strategy()
-    ids, labels = data()
-    with strategy.scope():
-        model = embedding_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    model, ids = _fitted_once(strategy)
     with strategy.local_tables():
         tf.saved_model.save(model, str(tmp_path / "saved"))
     loaded = tf.saved_model.load(str(tmp_path / "saved"))
