@@ -191,7 +191,8 @@ def validate(config: K8sConfig) -> None:
         raise ConfigError(f"--image {config.image!r} must be an image reference without "
                           f"spaces, e.g. registry.example.com/parallax:0.1")
     for name in ("command", "server_args", "worker_node_selector", "server_node_selector",
-                 "worker_tolerations", "server_tolerations", "service_monitor_labels"):
+                 "worker_tolerations", "server_tolerations", "service_monitor_labels",
+                 "metrics_namespaces", "metrics_pod_labels"):
         value = getattr(config, name)
         if isinstance(value, str) or not all(isinstance(a, str) for a in value):
             raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
@@ -262,10 +263,6 @@ SECURITY_ARGS = ("--token-file", "--tls-cert", "--tls-key", "--tls-client-ca",
 
 
 def _validate_security(config: K8sConfig) -> None:
-    for name in ("metrics_namespaces", "metrics_pod_labels"):
-        value = getattr(config, name)
-        if isinstance(value, str) or not all(isinstance(a, str) for a in value):
-            raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")
     opened = [flag for flag, given in (
         ("--secure", config.secure), ("--token-secret", config.token_secret),
         ("--metrics-namespace", config.metrics_namespaces),
