@@ -257,16 +257,21 @@ def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
     assert all(r["status"] == "ok" and r["worker_bytes_per_step"] is None for r in runs)
 
 
-def test_row_cache_systems_run_in_the_same_rounds_and_staleness_0_trains_as_hybrid(tmp_path):
+def test_row_cache_and_numpy_path_systems_run_in_the_same_rounds_and_train_as_hybrid(tmp_path):
     done = _bench(tmp_path, "--workloads", "ctr", "--workers", "1", "--networks", "loopback",
-                  "--systems", "hybrid", "--cache-staleness", "0,4", "--rounds", "1",
+                  "--systems", "hybrid,hybrid_py", "--cache-staleness", "0,4", "--rounds", "1",
                   "--cache-mb", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {r["system"]: r for r in
             json.loads((tmp_path / "out" / "results.json").read_text())["runs"]}
-    assert list(runs) == ["hybrid", "hybrid_cache0", "hybrid_cache4"]
+    assert list(runs) == ["hybrid", "hybrid_py", "hybrid_cache0", "hybrid_cache4"]
     assert all(r["status"] == "ok" for r in runs.values())
-    plain, exact, stale = runs.values()
+    plain, numpy_path, exact, stale = runs.values()
+    # hybrid_py: hybrid's processes on the numpy data path, the same losses bit for bit.
+    assert plain["data_path"].startswith("native") and numpy_path["data_path"] == \
+        "python (selected)"
+    n = min(len(plain["losses"]), len(numpy_path["losses"]))
+    assert n > 5 and plain["losses"][:n] == numpy_path["losses"][:n]
     assert plain["counters"]["server_pull_rows"] > 0 and "cache_hits" not in plain["counters"]
     assert exact["cache"] == {"staleness": 0, "mb": 1} and stale["counters"]["cache_hits"] > 0
     n = min(len(plain["losses"]), len(exact["losses"]))
@@ -281,6 +286,7 @@ def test_row_cache_options_make_systems_and_bad_ones_are_refused():
                                               "0,16,4", "--cache-mb", "8"]))
     assert config.runs == ("hybrid", "hybrid_cache0", "hybrid_cache16", "hybrid_cache4")
     assert config.cache_mb == 8 and harness.base_system("hybrid_cache16") == "hybrid"
+    assert harness.base_system("hybrid_py") == "hybrid" and "hybrid_py" not in harness.BenchConfig().runs
     assert harness.hosts_per_run(harness.BenchConfig(systems=(), workers=(2,),
                                                      cache_staleness=(1,))) == 2
     assert harness.hosts_per_run(harness.BenchConfig(systems=(), workers=(2,),

@@ -24,6 +24,8 @@ cache's counts (`counters`).
 
 Topologies (processes; "127.0.0.1" on loopback):
   hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
+                   (hybrid_py: hybrid's, with PARALLAX_NATIVE=0 in every process: the numpy
+                   data path beside the compiled one, on request)
   allreduce        workers only (the plan puts nothing on servers)
   horovod[_dense]  workers only (Horovod gloo ranks)
   mwms             workers only (TF_CONFIG, ring collectives)
@@ -58,7 +60,7 @@ from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
-from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, RUN_ID_ENV,
+from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, NATIVE_ENV, RUN_ID_ENV,
                           WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.client.local_cluster import ready_address
@@ -66,7 +68,9 @@ from parallax.client.local_cluster import ready_address
 SYSTEMS = summary.SYSTEMS
 CACHED, cache_system, cache_staleness = summary.CACHED, summary.cache_system, \
     summary.cache_staleness
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "hybrid_tf")  # (only by name: see below)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in summary.ON_REQUEST)
+# A variant runs its base system's processes with more environment in every process.
+VARIANTS = {"hybrid_py": ("hybrid", {NATIVE_ENV: "0"})}
 SERVED = topology.SERVED  # systems with parameter servers
 LOOPBACK = "loopback"
 TF_PORT = 23400          # TF servers and MWMS workers inside namespaces
@@ -78,14 +82,17 @@ DEFAULT_CACHE_MB = 64  # MiB of row cache per worker
 
 
 def base_system(system: str) -> str:
-    """The system whose processes a run starts (a cache system runs hybrid's)."""
+    """The system whose processes a run starts (a cache system runs hybrid's, a variant its
+    base's)."""
+    if system in VARIANTS:
+        return VARIANTS[system][0]
     return "hybrid" if cache_staleness(system) is not None else system
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     workloads: tuple[str, ...] = workloads.WORKLOADS
-    systems: tuple[str, ...] = DEFAULT_SYSTEMS  # hybrid_tf compares collectives, on request
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS  # hybrid_tf, hybrid_py: on request
     workers: tuple[int, ...] = (1, 2, 4)
     networks: tuple[str, ...] = ("1gbit+0.1ms",)
     servers: int = 2
@@ -216,8 +223,10 @@ class Run:
 
     def __init__(self, system: str, spec: workloads.WorkloadSpec, workers: int,
                  servers: int, placement: Placement, window: measure.WindowConfig,
-                 log_dir: Path, worker_args: Sequence[str] = ()) -> None:
+                 log_dir: Path, worker_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.system, self.spec, self.workers, self.servers = system, spec, workers, servers
+        self.env = dict(env or {})  # for every process (a variant's, e.g. hybrid_py's)
         self.place, self.window, self.log_dir = placement, window, log_dir
         self.worker_args = list(worker_args)  # more worker.py flags, e.g. --shards 8
         self.procs: list[Proc] = []
@@ -246,7 +255,8 @@ class Run:
         """Start process `name` on its host (`Placement.host_of`); log NAME-ROLE.log."""
         host = self.place.host_of(name, self.workers)
         log = self.log_dir / f"{name}-{role}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                    **self.env, **env}
         with open(log, "w") as out:
             popen = subprocess.Popen(self.place.prefix(host) + argv, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -400,7 +410,7 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
         worker_args = [*worker_args, "--cache-staleness", str(staleness),
                        "--cache-mb", str(config.cache_mb)]
     run = Run(base_system(system), spec, workers, config.servers, placement, config.window,
-              log_dir, worker_args)
+              log_dir, worker_args, VARIANTS.get(system, (system, {}))[1])
     worker_hosts = [f"worker{i}" for i in range(workers)]
     counters = placement.cluster.counters if placement.cluster else None
     record, error = None, None
@@ -443,6 +453,7 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
         result["loss"] = record.get("loss")
         result["losses"] = record.get("losses", [])
         result["counters"] = record.get("counters", {})
+        result["data_path"] = record.get("data_path")
     if staleness is not None:
         result["cache"] = {"staleness": staleness, "mb": config.cache_mb}
     return result

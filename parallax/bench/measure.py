@@ -109,12 +109,14 @@ def _calibrate(trainer: Trainer, config: WindowConfig) -> float:
 
 
 def emit(system: str, workload: str, trainer: Trainer, windows: list[Window],
-         out=sys.stdout, counted: dict[str, float] | None = None) -> None:
-    """The line the harness parses: printed by rank 0 (the coordinator under TF PS)."""
+         out=sys.stdout, counted: dict[str, float] | None = None,
+         data_path: str | None = None) -> None:
+    """The line the harness parses: printed by rank 0 (the coordinator under TF PS);
+    `data_path`: parallax's (`parallax.native.describe()`), None for other systems."""
     record = {"system": system, "workload": workload, "workers": trainer.workers,
               "global_batch": trainer.global_batch, "loss": trainer.loss(),
               "windows": [asdict(w) for w in windows], "losses": list(trainer.losses()),
-              "counters": dict(counted or {})}
+              "counters": dict(counted or {}), "data_path": data_path}
     print(RESULT_PREFIX + json.dumps(record), file=out, flush=True)
 
 

@@ -311,10 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.rank == 0:
             if partitioned:
                 print(PLAN_PREFIX + json.dumps(plan_record(strategy)), flush=True)
-            measure.emit(args.system, args.workload, trainer, windows, counted=counted)
+            measure.emit(args.system, args.workload, trainer, windows, counted=counted,
+                         data_path=_data_path(strategy))
     finally:
         trainer.close()
     return 0
+
+
+def _data_path(strategy) -> str | None:
+    """parallax's data path in this process (compiled or numpy); None for other systems."""
+    if strategy is None:
+        return None
+    from parallax import native
+    return native.describe()
 
 
 def _row_cache(args: argparse.Namespace):
