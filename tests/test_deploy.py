@@ -251,8 +251,8 @@ def test_make_image_builds_and_smoke_tests_with_the_readme():
     for step in ("podman create", "podman mount", "chroot", "--version", "horovod.tensorflow",
                  "demo", "--secret"):
         assert step in script, step
-    readme = (ROOT / "README.md").read_text()
-    assert "make image" in readme and "--target ssh" in readme
+    guide = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "make image" in guide and "--target ssh" in guide
 
 
 # --------------------------------------------------------------------------- compose

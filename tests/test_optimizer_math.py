@@ -160,7 +160,8 @@ def test_every_server_optimizer_has_an_update():
 def test_a_repeated_id_is_updated_with_its_summed_gradient(client, table_name):
     """Adagrad, id 0 three times a step: the servers add the square of the summed gradient
     (Keras' update from a dense gradient); Keras 3 given the raw IndexedSlices adds each
-    occurrence's square instead, and ends elsewhere (README, "Server-side optimizers")."""
+    occurrence's square instead, and ends elsewhere (docs/parameter-server.md, "Server-side
+    optimizers")."""
     ids, grads = np.array([0, 0, 0, 1]), np.array([[0.5], [0.25], [-0.125], [1.0]], np.float32)
     spec = TableSpec(name=table_name, vocabulary_size=4, dim=1,
                      optimizer=optimizer_from_keras(keras.optimizers.Adagrad(0.1)))

@@ -9,7 +9,7 @@ and across workers in sync mode), and the update is Keras' update of that sum --
 computes from a dense gradient. Keras 3's own sparse path (an `IndexedSlices` that repeats an
 id) instead applies some terms once per occurrence: Adagrad adds each occurrence's square to
 the accumulator, and RMSprop, Adam, Adamax, Nadam and Ftrl differ too; SGD and Lion do not
-(README, "Server-side optimizers").
+(docs/parameter-server.md, "Server-side optimizers").
 
 Lazy (sparse) semantics, where they necessarily differ from Keras' dense update:
 - SGD with momentum: Keras decays every row's momentum each step and keeps moving rows the
