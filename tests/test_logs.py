@@ -121,6 +121,39 @@ def test_configure_sets_both_loggers_and_exports_the_level(restore_logging, caps
     assert capsys.readouterr().err == "the plan\n"  # INFO is the bare message, as before
 
 
+ABSL_THEN_PARALLAX = (
+    "import logging, parallax; from absl import logging as absl_logging; "
+    "log = logging.getLogger('parallax.tf'); log.info('before'); "
+    "absl_logging.warning('absl speaks');"  # TF's absl lines: absl calls basicConfig()
+    "log.info('the plan'); log.warning('careful')")
+
+
+def test_each_parallax_line_prints_once_after_absl_configures_the_root_logger():
+    """TensorFlow logs through absl (e.g. when a dataset's auto_shard_policy is set), whose
+    first line calls logging.basicConfig(): a root handler on stderr. Every parallax line
+    then printed twice, ours and the root's; now the root's handler alone prints it."""
+    done = _python(ABSL_THEN_PARALLAX)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "before"  # no root handler yet: ours, INFO as the bare message
+    assert sum("the plan" in line for line in lines) == 1, lines
+    assert sum("careful" in line for line in lines) == 1, lines
+
+
+def test_a_root_handler_elsewhere_does_not_silence_the_terminal(restore_logging, capsys):
+    """A root handler writing to a file (or pytest's capture) leaves ours printing."""
+    import io
+    elsewhere = logging.StreamHandler(io.StringIO())
+    logging.root.addHandler(elsewhere)
+    try:
+        logs.configure("info")
+        logging.getLogger("parallax.test").info("the plan")
+    finally:
+        logging.root.removeHandler(elsewhere)
+    assert capsys.readouterr().err == "the plan\n"
+    assert elsewhere.stream.getvalue() == "the plan\n"
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != LOG_LEVEL_ENV}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -4,8 +4,12 @@ Library code logs to `logging.getLogger("parallax")` (the parameter servers' cod
 `logging.getLogger("parallax_ps")`) and never calls `print()` for a message. Importing
 `parallax` gives the "parallax" logger a handler that writes to stderr, so the plan lines
 and warnings show without any setup, as they did: INFO as the bare message, other levels as
-`parallax: WARNING: message`. Messages still propagate to the root logger; when you configure
-logging yourself, drop ours with `logging.getLogger("parallax").handlers.clear()`.
+`parallax: WARNING: message`. Messages still propagate to the root logger, and a message
+that a handler of the root logger writes to the same terminal (stderr or stdout) is left to
+that handler: once per event, in the application's format. That covers your own
+`logging.basicConfig()` and the one absl makes on TensorFlow's first absl log line (which
+printed every parallax line twice). To send parallax's messages only through your own
+logging, drop ours with `logging.getLogger("parallax").handlers.clear()`.
 
 The level: `--log-level` on every command, else PARALLAX_LOG_LEVEL, else INFO. A command
 exports its level in PARALLAX_LOG_LEVEL, so the servers and workers it starts follow it.
@@ -47,10 +51,16 @@ def env_level(environ=None) -> int:
 
 
 class _Stderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (a test's capture, a redirect)."""
+    """Writes to whatever sys.stderr is at the time (a test's capture, a redirect), unless a
+    handler of the root logger writes the same record to the terminal (`_root_prints`)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
+
+    def filter(self, record: logging.LogRecord):
+        if _root_prints(record):
+            return False
+        return super().filter(record)
 
     @property
     def stream(self):
@@ -69,6 +79,26 @@ class _LibraryFormat(logging.Formatter):
         if record.levelno == logging.INFO:
             return text
         return f"parallax: {record.levelname}: {text}"
+
+
+def _terminal(handler: logging.Handler) -> bool:
+    """Whether a handler writes to this process's stderr or stdout (absl's handler holds
+    its stream one level down)."""
+    stream = getattr(handler, "stream", None)
+    if stream is None and hasattr(handler, "python_handler"):
+        stream = getattr(handler.python_handler, "stream", None)
+    return stream is not None and stream in (sys.stderr, sys.stdout, sys.__stderr__,
+                                             sys.__stdout__)
+
+
+def _root_prints(record: logging.LogRecord) -> bool:
+    """Whether the record also reaches a root handler that writes it to the terminal."""
+    logger = logging.getLogger(record.name)
+    while logger.parent is not None:  # up to the root, as logging propagates
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return any(_terminal(h) and record.levelno >= h.level for h in logging.root.handlers)
 
 
 def _own_handler(logger: logging.Logger) -> logging.Handler | None:
