@@ -50,3 +50,14 @@ def test_the_demo_finds_its_example_in_a_source_checkout():
     from parallax.launch import demo
     assert demo.EXAMPLE.is_file(), demo.PLACES
     assert demo.EXAMPLE.parent in demo.PLACES
+
+
+def test_python_dash_m_parallax_is_the_command(monkeypatch, capsys):
+    """`python -m parallax --version` (no `parallax` script on PATH) runs the command."""
+    import runpy
+    import sys
+    monkeypatch.setattr(sys, "argv", ["parallax", "--version"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("parallax", run_name="__main__")
+    assert done.value.code == 0
+    assert re.match(r"parallax \S+ \(wire protocol parallax\.ps\.v\d+\)", capsys.readouterr().out)
