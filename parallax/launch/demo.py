@@ -40,16 +40,24 @@ def main(argv: list[str] | None = None) -> int:
                           f"{PLACES[0]} (where the wheel puts it) nor {PLACES[1]} (a source "
                           f"checkout): reinstall parallax-tf (its wheel carries the examples), "
                           f"or run from a clone with `make demo`")
-    if args.workers > 1:  # say it in the demo's terms (--workers), before servers start
-        try:
-            find_horovodrun()
-        except ConfigError:
-            raise ConfigError(f"{args.workers} workers need Horovod (horovodrun), which is not "
-                              f"installed: install it with gloo as the README's install section "
-                              f"says (`make demo` does), or train one worker: "
-                              f"parallax demo --workers 1") from None
-    print(f"parallax demo: training {EXAMPLE.name} on {args.workers} workers and "
-          f"{args.servers} parameter servers", flush=True)
+    print(f"parallax demo: training {EXAMPLE.name} on {_count(args.workers, 'worker')} and "
+          f"{_count(args.servers, 'parameter server')}{_collectives(args.workers)}", flush=True)
     command = (sys.executable, str(EXAMPLE), "--epochs", str(args.epochs), *extra)
     return run(LaunchConfig(num_workers=args.workers, num_servers=args.servers,
                             command=command, log_level=args.log_level))
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _collectives(workers: int) -> str:
+    """How several workers will sum dense gradients (as `parallax run` chooses: Horovod where
+    it is installed, else TensorFlow's collectives)."""
+    if workers < 2:
+        return ""
+    try:
+        find_horovodrun()
+    except ConfigError:
+        return " (dense gradients summed by TensorFlow's collectives: Horovod is not installed)"
+    return " (dense gradients summed by Horovod)"
