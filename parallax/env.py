@@ -95,6 +95,19 @@ def check_run_id(run_id: str, source: str) -> str:
     return run_id
 
 
+_PLANNED_TABLE = re.compile(r"[vg]\d+(?:\.|$)")  # after "RUN.": a variable's or a group's
+
+
+def split_run_id(table: str) -> tuple[str, str]:
+    """(run id, table) of a server table a plan named "RUN.v3.embedding" (the variable's
+    table) or "RUN.g0.x2" (a table group's): ("RUN", "v3.embedding"); ("", name) for a name
+    made otherwise (a PSClient user's own). Metrics label a table with both."""
+    head, dot, rest = table.partition(".")
+    if dot and is_run_id(head) and _PLANNED_TABLE.match(rest):
+        return head, rest
+    return "", table
+
+
 def new_run_id() -> str:
     """Time of day plus random hex, e.g. `1130142501-3fa2c1`."""
     return time.strftime("%m%d%H%M%S") + "-" + secrets.token_hex(3)

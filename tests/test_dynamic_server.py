@@ -136,7 +136,7 @@ def test_counters_reach_the_metrics_endpoint():
             text = reply.read().decode()
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines()
                    if line.startswith("parallax_table_"))
-    labels = 'shard="0",table="m"'
+    labels = 'run_id="",shard="0",table="m"'
     counters = entry.dynamic
     assert counters.admitted and counters.evicted_capacity and counters.dropped_gradients
     expected = {

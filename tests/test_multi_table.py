@@ -758,10 +758,11 @@ def test_metrics_and_stats_count_requests_once_and_rows_per_table(metered):
     assert moved("parallax_requests_total", method="PushMany", code="OK") == 1
     assert moved("parallax_requests_total", method="Pull", code="OK") == 0
     assert moved("parallax_request_seconds_count", method="PullMany") == 2
-    assert moved("parallax_rows_total", method="PullMany", table="many_x") == 10
-    assert moved("parallax_rows_total", method="PullMany", table="many_y") == 5
-    assert moved("parallax_rows_total", method="PushMany", table="many_x") == 4
-    assert moved("parallax_rows_total", method="PushMany", table="many_y") == 2  # summed
+    assert moved("parallax_rows_total", method="PullMany", run_id="", table="many_x") == 10
+    assert moved("parallax_rows_total", method="PullMany", run_id="", table="many_y") == 5
+    assert moved("parallax_rows_total", method="PushMany", run_id="", table="many_x") == 4
+    assert moved("parallax_rows_total", method="PushMany", run_id="",
+                 table="many_y") == 2  # summed
     assert moved("parallax_bytes_total", method="PullMany", direction="out") == 15 * dim * 4
     assert moved("parallax_bytes_total", method="PushMany", direction="in") == 6 * dim * 4
     server = {m.method: m for m in stats.methods}

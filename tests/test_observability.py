@@ -85,8 +85,8 @@ def test_metrics_count_requests_rows_bytes_and_latency(metered):
 
     assert moved("parallax_requests_total", method="Pull", code="OK") == 2
     assert moved("parallax_requests_total", method="Push", code="OK") == 1
-    assert moved("parallax_rows_total", method="Pull", table="obs") == 15
-    assert moved("parallax_rows_total", method="Push", table="obs") == 4
+    assert moved("parallax_rows_total", method="Pull", run_id="", table="obs") == 15
+    assert moved("parallax_rows_total", method="Push", run_id="", table="obs") == 4
     assert moved("parallax_bytes_total", method="Pull", direction="out") == 15 * DIM * 4
     assert moved("parallax_bytes_total", method="Push", direction="in") == 4 * DIM * 4
     assert moved("parallax_request_seconds_count", method="Pull") == 2
@@ -97,9 +97,29 @@ def test_metrics_count_requests_rows_bytes_and_latency(metered):
                      and dict(k[1])["method"] == "Pull")
     assert buckets[0][0] == 0.0001 and buckets[-2][0] == 10.0
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
-    assert value(after, "parallax_table_step", table="obs", shard=0) == 1
-    assert value(after, "parallax_step_lag", table="obs", shard=0) == 1  # open step, no push
-    assert value(after, "parallax_tables") >= 1 and value(after, "parallax_up") == 1
+    assert value(after, "parallax_table_step", run_id="", table="obs", shard=0) == 1
+    # the open step's one worker has not pushed it: 1 pending
+    assert value(after, "parallax_table_step_pending_workers", run_id="", table="obs",
+                 shard=0) == 1
+    assert value(after, "parallax_table_shards") >= 1 and value(after, "parallax_up") == 1
+    from parallax.version import PROTOCOL_VERSION, __version__
+    assert value(after, "parallax_build_info", version=__version__,
+                 protocol=f"parallax.ps.v{PROTOCOL_VERSION}") == 1
+
+
+def test_a_planned_tables_run_id_is_a_label_of_its_own(metered):
+    """A plan names its server tables RUN.v<i>.<variable>: the run id is its own label, so
+    the series of one table carry over from job to job (one series per table, not per run)."""
+    cluster, address = metered
+    with PSClient(cluster.addresses) as client:
+        table = client.create_table(TableSpec(name="job-7.v3.embedding", vocabulary_size=100,
+                                              dim=DIM, num_workers=1, optimizer=SGD(0.1)))
+        table.pull(np.arange(6))
+    after = scrape(address)
+    assert value(after, "parallax_rows_total", method="Pull", run_id="job-7",
+                 table="v3.embedding") == 6
+    assert value(after, "parallax_table_rows", run_id="job-7", table="v3.embedding",
+                 shard=0) == 100
 
 
 def test_bad_request_counts_its_code(metered):
@@ -113,7 +133,8 @@ def test_bad_request_counts_its_code(metered):
     key = dict(method="Pull", code="NOT_FOUND")
     assert value(after, "parallax_requests_total", **key) == \
         value(before, "parallax_requests_total", **key) + 1
-    assert value(after, "parallax_rows_total", method="Pull", table="no_such_table") == 0
+    assert value(after, "parallax_rows_total", method="Pull", run_id="",
+                 table="no_such_table") == 0
 
 
 def test_metrics_endpoint_answers_404_elsewhere_and_is_off_by_default(metered):

@@ -228,3 +228,15 @@ def test_a_dynamic_tables_bound_follows_its_shards_without_inflating():
     assert one.resharded(3).resharded(1) == one  # back and forth: no ratchet ...
     assert one.resharded(3) == rows  # ... and back at the planned count, the user's bound
     assert rows.resharded(2).max_rows_per_shard == 450 + 85
+
+
+def test_server_table_names_split_back_into_run_id_and_table():
+    """Metrics label a plan's server tables by run id and table apart (env.split_run_id):
+    the inverse of the names plan.table_name and group_table_name make."""
+    from parallax.env import split_run_id
+    from parallax.placement.plan import group_table_name, table_name
+    assert split_run_id(table_name("1203-3fa2c1", 3, "embedding/embeddings:0")) == (
+        "1203-3fa2c1", "v3.embedding_embeddings")
+    assert split_run_id(group_table_name("job", 0, 2)) == ("job", "g0.x2")
+    for own in ("obs", "many_x", "a.b.c", "job.v"):  # names a PSClient user chose
+        assert split_run_id(own) == ("", own)

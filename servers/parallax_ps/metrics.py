@@ -40,9 +40,10 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
                                             HistogramMetricFamily, Metric)
 from prometheus_client.utils import floatToGoString
 
-from parallax.env import METRICS_IDLE_ENV
+from parallax.env import METRICS_IDLE_ENV, split_run_id
 from parallax.errors import ConfigError
 from parallax.protocol.security import TOKEN_SCHEME
+from parallax.version import PROTOCOL_VERSION, __version__
 
 log = logging.getLogger("parallax_ps")
 
@@ -85,7 +86,16 @@ def _counter(name: str, help_: str, labels: tuple[str, ...], items) -> CounterMe
     return family
 
 
-def _gauge(name: str, help_: str, items, labels: tuple[str, ...] = ("table", "shard")
+SHARD_LABELS = ("run_id", "table", "shard")  # a table shard's series (`_shard_labels`)
+
+
+def _shard_labels(shard) -> tuple[str, str, str]:
+    """A table shard's label values: the run id apart from the table (`split_run_id`), so a
+    dashboard's series of one table carry over from job to job."""
+    return (*split_run_id(shard.spec.name), str(shard.shard_index))
+
+
+def _gauge(name: str, help_: str, items, labels: tuple[str, ...] = SHARD_LABELS
            ) -> GaugeMetricFamily:
     """A gauge family of ((label values...), value) items, by table shard by default."""
     family = GaugeMetricFamily(name, help_, labels=labels)
@@ -102,7 +112,7 @@ class RequestMetrics:
         self._requests: dict[tuple[str, str], int] = {}
         self._latency: dict[str, _Histogram] = {}
         self._bytes: dict[tuple[str, str], int] = {}
-        self._rows: dict[tuple[str, str], int] = {}
+        self._rows: dict[tuple[str, str, str], int] = {}  # (method, run id, table)
 
     def observe(self, method: str, code: str, seconds: float, table: str, rows: int,
                 nbytes: int) -> None:
@@ -118,14 +128,15 @@ class RequestMetrics:
                 key = (method, direction)
                 self._bytes[key] = self._bytes.get(key, 0) + nbytes
             if rows and code == "OK":
-                key = (method, table)
+                key = (method, *split_run_id(table))
                 self._rows[key] = self._rows.get(key, 0) + rows
 
     def add_rows(self, method: str, table: str, rows: int) -> None:
         """Rows of one table moved by a successful multi-table request."""
         if rows:
+            key = (method, *split_run_id(table))
             with self._lock:
-                self._rows[(method, table)] = self._rows.get((method, table), 0) + rows
+                self._rows[key] = self._rows.get(key, 0) + rows
 
     def families(self) -> list[Metric]:
         """The counters and histograms as metric families (a copy taken under the lock)."""
@@ -150,27 +161,27 @@ class RequestMetrics:
                      "received: in).", ("method", "direction"), nbytes),
             _counter("parallax_rows_total",
                      "Rows pulled, pushed, initialised, created, saved or restored by "
-                     "successful RPCs, by method and table.", ("method", "table"), rows)]
+                     "successful RPCs, by method and table.", ("method", "run_id", "table"),
+                     rows)]
 
 
 def dynamic_families(shards: list) -> list[Metric]:
     """Counters of the dynamic table shards' admission and eviction (eviction.Counters)."""
-    counts = [((s.spec.name, str(s.shard_index)), s.dynamic_stats()) for s in shards
-              if s.vocab is not None]
+    counts = [(_shard_labels(s), s.dynamic_stats()) for s in shards if s.vocab is not None]
     return [
         _counter("parallax_table_admitted_total", "Keys a dynamic table shard gave a row.",
-                 ("table", "shard"), [(k, c.admitted) for k, c in counts]),
+                 SHARD_LABELS, [(k, c.admitted) for k, c in counts]),
         _counter("parallax_table_evicted_total", "Rows a dynamic table shard evicted, by "
                  "reason: capacity (max_rows_per_shard, lru/lfu) or ttl (ttl_steps).",
-                 ("table", "shard", "reason"),
+                 (*SHARD_LABELS, "reason"),
                  [(k + (reason,), getattr(c, f"evicted_{reason}")) for k, c in counts
                   for reason in ("capacity", "ttl")]),
         _counter("parallax_table_dropped_gradients_total", "Gradient rows of keys not "
-                 "admitted (no row), dropped by a dynamic table shard.", ("table", "shard"),
+                 "admitted (no row), dropped by a dynamic table shard.", SHARD_LABELS,
                  [(k, c.dropped_gradients) for k, c in counts]),
         _counter("parallax_table_default_rows_total", "Pulled rows a dynamic table shard "
                  "answered with the default (initializer) row: keys without a row.",
-                 ("table", "shard"), [(k, c.default_rows) for k, c in counts])]
+                 SHARD_LABELS, [(k, c.default_rows) for k, c in counts])]
 
 
 def table_families(shards: list) -> list[Metric]:
@@ -178,21 +189,25 @@ def table_families(shards: list) -> list[Metric]:
     steps, lags, rows, sizes = [], [], [], []
     for shard in shards:
         with shard.cond:
-            labels = (shard.spec.name, str(shard.shard_index))
+            labels = _shard_labels(shard)
             steps.append((labels, shard.steps.step))
             if shard.steps.sync:
                 lags.append((labels, shard.steps.num_workers - len(shard.steps.pushed_workers())))
             rows.append((labels, shard.storage.num_rows))
             sizes.append((labels, shard.nbytes))
-    return [*dynamic_families(shards), 
+    build = GaugeMetricFamily("parallax_build_info", "Always 1: the server's parallax version "
+                              "and wire protocol, as labels.", labels=("version", "protocol"))
+    build.add_metric((__version__, f"parallax.ps.v{PROTOCOL_VERSION}"), 1)
+    return [*dynamic_families(shards), build,
         GaugeMetricFamily("parallax_up", "1 while the server is serving.", value=1),
-        GaugeMetricFamily("parallax_tables", "Table shards held by this server.",
+        GaugeMetricFamily("parallax_table_shards", "Table shards held by this server.",
                           value=len(shards)),
         _gauge("parallax_table_step", "Steps applied by a table shard (sync: closed steps; "
                "async: pushes applied).", steps),
-        _gauge("parallax_step_lag", "Sync tables only: workers that have not yet completed "
-               "their push for the open step (num_workers: none has pushed it yet; between 1 "
-               "and num_workers-1 for long: the shard is waiting for stragglers).", lags),
+        _gauge("parallax_table_step_pending_workers", "Sync tables only: workers whose push "
+               "of the open step has not arrived yet (all of them between steps, e.g. on an "
+               "idle job; between 1 and num_workers-1 for long: the shard waits for "
+               "stragglers).", lags),
         _gauge("parallax_table_rows", "Rows held by a table shard.", rows),
         _gauge("parallax_table_bytes", "Bytes of values and optimizer slots held by a table "
                "shard.", sizes)]
