@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -426,6 +427,11 @@ def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
     ({"horovodrun_args": "--verbose"}, "horovodrun_args must be a tuple of strings"),
     ({"command": "train.py"}, "command must be a tuple of strings"),
     ({"mode": "mirrored"}, "--mode 'mirrored' must be one of hybrid, ps, allreduce"),
+    ({"metrics_port": 65535}, "--metrics-port 65535: give 0 (free ports) or a port in 1-65534"),
+    ({"metrics_port": 0, "num_servers": 0, "ps_addresses": ("127.0.0.1:1",)},
+     "--metrics-port applies to the servers this command starts"),
+    ({"metrics_port": 0, "server_args": ("--metrics-port=9100",)},
+     "--metrics-port sets the servers' metrics ports; drop one of them"),
 ])
 def test_bad_config_is_refused_before_anything_starts(fields, words):
     config = LaunchConfig(**{"command": (PROBE,), **fields})
@@ -454,6 +460,61 @@ def test_cli_reports_bad_input(mark, args, code, words):
     assert launcher.wait(30) == code, launcher.output()
     assert words in "\n".join(launcher.err), launcher.output()
     assert not launcher.probes()
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (for two servers' metrics at P and P+1)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+SCRAPE = ("import sys, urllib.request\n"
+          "for port in sys.argv[1:]:\n"
+          "    text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10)"
+          ".read().decode()\n"
+          "    print('SCRAPED', port, 'parallax_up 1.0' in text, flush=True)\n")
+
+
+@pytest.mark.multiprocess
+def test_metrics_ports_are_each_servers_own_and_printed(mark):
+    """--metrics-port P: server i of this machine serves /metrics at P+i (no clash between
+    local servers), and the launcher prints where; 0 picks free ports."""
+    port = _free_port_pair()
+    launcher = Launcher("--servers", "2", "--metrics-port", str(port), "--", sys.executable,
+                        "-c", SCRAPE, str(port), str(port + 1), mark=mark)
+    assert launcher.wait() == 0, launcher.output()
+    assert f"SCRAPED {port} True" in launcher.out and f"SCRAPED {port + 1} True" in \
+        launcher.out, launcher.output()
+    assert (f"parallax run: metrics: server 0 at http://127.0.0.1:{port}/metrics, server 1 "
+            f"at http://127.0.0.1:{port + 1}/metrics") in launcher.err, launcher.output()
+    picked = Launcher("--servers", "2", "--metrics-port", "0", "--", sys.executable, "-c",
+                      "pass", mark=mark)
+    assert picked.wait() == 0, picked.output()
+    line = next(line for line in picked.err if "metrics: " in line)
+    ports = re.findall(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+    assert len(set(ports)) == 2 and "0" not in ports, line
+
+
+@pytest.mark.multiprocess
+def test_a_clash_of_fixed_metrics_ports_names_the_servers_reason(mark):
+    """One fixed port for every server (--server-arg): the second cannot bind, and the
+    launcher says it exited, with the server's own reason, not that it timed out."""
+    port = _free_port_pair()
+    launcher = Launcher("--servers", "2", f"--server-arg=--metrics-port={port}", "--",
+                        sys.executable, "-c", "pass", mark=mark)
+    assert launcher.wait() == 1, launcher.output()
+    err = "\n".join(launcher.err)
+    assert re.search(r"parameter server [01] exited with code 2 before it was ready", err), err
+    assert f"cannot serve metrics on 127.0.0.1:{port} (Address already in use)" in err, err
 
 
 @pytest.mark.multiprocess

@@ -25,13 +25,28 @@ from parallax.runtime import lifeline
 SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
 
 
-def ready_address(line: str) -> str | None:
-    """The address a server's READY line announces (`PARALLAX_SERVER_READY address=H:P
-    pid=N`); None for any other line."""
+_EXIT_AFTER_OUTPUT_S = 5.0  # a server whose output ended is given this long to exit
+
+
+def ready_fields(line: str) -> dict[str, str] | None:
+    """The fields a server's READY line announces (`PARALLAX_SERVER_READY address=H:P
+    pid=N [metrics=H:P]`); None for any other line."""
     if not line.startswith(READY_PREFIX):
         return None
-    fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-    return fields.get("address")
+    return dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+
+
+def ready_address(line: str) -> str | None:
+    """The address a server's READY line announces; None for any other line."""
+    return (ready_fields(line) or {}).get("address")
+
+
+def metrics_args(port: int | None, index: int) -> list[str]:
+    """A server's --metrics-port: none (None), a free port (0), or `port + index` for the
+    index-th server on one machine (so several servers there never ask for the same)."""
+    if port is None:
+        return []
+    return ["--metrics-port", str(port + index if port else 0)]
 
 
 class ServerProcess:
@@ -44,6 +59,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             env=lifeline.child_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
         self.address: str | None = None
+        self.metrics: str | None = None  # host:port of its /metrics, when it serves them
         self._ready = threading.Event()
         self._echo = echo
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -55,7 +71,8 @@ class ServerProcess:
             line = line.rstrip("\n")
             self.lines.append(line)
             if line.startswith(READY_PREFIX) and self.address is None:
-                self.address = ready_address(line)
+                fields = ready_fields(line) or {}
+                self.address, self.metrics = fields.get("address"), fields.get("metrics")
                 self._ready.set()
             elif self._echo is not None:
                 print(f"[ps {self.index}] {line}", file=self._echo, flush=True)
@@ -64,10 +81,18 @@ class ServerProcess:
     def wait_ready(self, timeout: float) -> str:
         if not self._ready.wait(timeout) or self.address is None:
             tail = "\n".join(self.lines[-10:])
-            raise ParallaxError(f"parameter server {self.index} did not start within "
-                                f"{timeout:.0f}s (exit code {self.proc.poll()}); its "
-                                f"output:\n{tail}")
+            code = self._exit_code(ended=self._ready.is_set())
+            what = (f"did not start within {timeout:.0f}s" if code is None else
+                    f"exited with code {code} before it was ready")
+            raise ParallaxError(f"parameter server {self.index} {what}; its output:\n{tail}")
         return self.address
+
+    def _exit_code(self, ended: bool) -> int | None:
+        """The exit code; when its output `ended`, the moment the process takes to exit."""
+        try:
+            return self.proc.wait(_EXIT_AFTER_OUTPUT_S) if ended else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def request_stop(self) -> None:
         """Ask the server to shut down gracefully (SIGTERM); `stop_servers` waits."""
@@ -105,7 +130,8 @@ class LocalCluster:
     def __init__(self, num_servers: int = 2, *, data_dir: str | Path | None = None,
                  host: str = "127.0.0.1", extra_args: list[str] | None = None,
                  echo: IO[str] | None = None, start_timeout: float = 60.0,
-                 command: tuple[str, ...] = SERVER_COMMAND) -> None:
+                 command: tuple[str, ...] = SERVER_COMMAND,
+                 metrics_port: int | None = None) -> None:
         if num_servers < 1:
             raise ParallaxError(f"LocalCluster needs at least 1 server, got {num_servers}")
         self.num_servers = num_servers
@@ -115,6 +141,7 @@ class LocalCluster:
         self.echo = echo
         self.start_timeout = start_timeout
         self.command = list(command)
+        self.metrics_port = metrics_port  # `metrics_args`: None, 0 or the first server's
         self.servers: list[ServerProcess] = []
         self.exit_codes: list[int | None] = []
 
@@ -127,7 +154,8 @@ class LocalCluster:
         if self.data_dir is not None:
             args += ["--data-dir", str(self.data_dir)]
         try:
-            self.servers = [ServerProcess(i, self.command + args, self.echo)
+            self.servers = [ServerProcess(i, self.command + args +
+                                          metrics_args(self.metrics_port, i), self.echo)
                             for i in range(self.num_servers)]
             for server in self.servers:
                 server.wait_ready(self.start_timeout)

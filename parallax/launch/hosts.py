@@ -47,7 +47,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.client.local_cluster import SERVER_COMMAND, ServerProcess, stop_servers
+from parallax.client.local_cluster import (SERVER_COMMAND, ServerProcess, metrics_args,
+                                          stop_servers)
 from parallax.env import WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.runtime import lifeline
@@ -338,8 +339,9 @@ class HostCluster:
 
     def __init__(self, layout: ClusterLayout, *, data_dir: str | None = None,
                  extra_args: list[str] | None = None, echo=None,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, metrics_port: int | None = None) -> None:
         self.layout = layout
+        self.metrics_port = metrics_port  # local_cluster.metrics_args, per host
         self.data_dir = data_dir
         self.extra_args = list(extra_args or [])
         self.echo = echo
@@ -358,7 +360,7 @@ class HostCluster:
                 for i in range(host.servers):
                     port = self.layout.server_port + i if self.layout.server_port else 0
                     args = ["--host", host.host.strip("[]"), "--port", str(port),
-                            *self.extra_args]
+                            *self.extra_args, *self._metrics(host, i)]
                     if data_dir is not None:
                         args += ["--data-dir", data_dir]
                     index = len(self.servers)
@@ -373,6 +375,12 @@ class HostCluster:
             self.stop()
             raise
         return self
+
+    def _metrics(self, host: HostSpec, index: int) -> list[str]:
+        """The i-th server of a host serves /metrics on the host's address (scrapeable from
+        the other hosts; loopback stays loopback)."""
+        args = metrics_args(self.metrics_port, index)
+        return [*args, "--metrics-host", host.host.strip("[]")] if args else []
 
     def stop(self, timeout: float = 15.0) -> list[int | None]:
         self.exit_codes = stop_servers(self.servers, timeout)

@@ -100,6 +100,23 @@ class LaunchConfig:
     log_level: str | None = None          # --log-level (parallax.runtime.logs); None: as it is
     collectives: str = "auto"             # --collectives auto|horovod|tensorflow: the workers'
                                           # launch backend (parallax.launch.backends)
+    metrics_port: int | None = None       # --metrics-port: each started server's /metrics
+                                          # (0: free ports; P: the i-th server of a machine
+                                          # at P+i); None: none
+
+
+def _check_metrics_port(config: LaunchConfig) -> None:
+    """--metrics-port: 0, or a first port that leaves room for every server of a machine."""
+    port = config.metrics_port
+    if port is None:
+        return
+    if config.num_servers == 0:
+        raise ConfigError("--metrics-port applies to the servers this command starts; with "
+                          "--ps-addresses, give each server its own --metrics-port")
+    if not 0 <= port or port + config.num_servers > 65536:
+        raise ConfigError(f"--metrics-port {port}: give 0 (free ports) or a port in 1-"
+                          f"{65536 - config.num_servers} (server i of a machine listens on "
+                          f"PORT+i)")
 
 
 def check_address(address: str, source: str = "--ps-addresses") -> str:
@@ -142,9 +159,14 @@ def validate(config: LaunchConfig) -> list[str]:
                                                       "--tls-client-ca", "--token-file"):
             raise ConfigError(f"--server-arg {arg!r}: --secure sets the servers' credentials; "
                               f"drop one of them")
+        if config.metrics_port is not None and arg.split("=", 1)[0] in ("--metrics-port",
+                                                                          "--metrics-host"):
+            raise ConfigError(f"--server-arg {arg!r}: --metrics-port sets the servers' "
+                              f"metrics ports; drop one of them")
         if arg.split("=", 1)[0] in ("--port", "--data-dir"):
             raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
                               f"the data directory is --data-dir; drop it")
+    _check_metrics_port(config)
     if config.run_id is not None and not is_run_id(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
@@ -515,15 +537,15 @@ def _start_servers(config: LaunchConfig, credentials=None):
         return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
                            extra_args=[*config.server_args, *(credentials.server_args()
                                                               if credentials else [])],
-                           echo=sys.stderr,
-                           start_timeout=config.start_timeout).start()
+                           echo=sys.stderr, start_timeout=config.start_timeout,
+                           metrics_port=config.metrics_port).start()
     from parallax.client.connection import client_options_from_env
     from parallax.client.local_cluster import LocalCluster
     cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
                            extra_args=[*config.server_args, *(credentials.server_args()
                                                               if credentials else [])],
-                           echo=sys.stderr,
-                           start_timeout=config.start_timeout)
+                           echo=sys.stderr, start_timeout=config.start_timeout,
+                           metrics_port=config.metrics_port)
     cluster.start()
     if credentials is not None:  # they serve what the workers will present
         try:
@@ -561,6 +583,11 @@ def _credentials(config: LaunchConfig):
             if copied:
                 from parallax.launch.hosts import remove_directory_from_hosts
                 remove_directory_from_hosts(copied, credentials.ca_cert.parent)
+
+
+def _metrics_url(address: str | None, config: LaunchConfig) -> str:
+    """Where a server's metrics are scraped (HTTPS with --secure, as its gRPC port)."""
+    return f"{'https' if config.secure else 'http'}://{address}/metrics"
 
 
 def _secured(credentials, env: dict[str, str]) -> dict[str, str]:
@@ -671,6 +698,9 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
              f"({where}): {','.join(addresses)}; run id {run_id}"
              + (f"; restart {attempt}" if attempt else ""))
+        if cluster is not None and config.metrics_port is not None:
+            _say("metrics: " + ", ".join(f"server {s.index} at {_metrics_url(s.metrics, config)}"
+                                         for s in cluster.servers))
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
@@ -736,6 +766,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for each server, e.g. --server-arg=--threads=128")
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="each server this command starts serves Prometheus metrics "
+                             "(GET /metrics): 0 for free ports, or PORT for the first server "
+                             "of each machine and PORT+i for its i-th; the addresses are "
+                             "printed when the servers are up (default: no metrics)")
     parser.add_argument("--server-start-timeout", type=float, default=None, metavar="S",
                         help="seconds to wait for the servers to start (default 60)")
     parser.add_argument("--start-timeout", type=float, default=None, metavar="S",
@@ -796,7 +831,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         progress_seconds=args.progress_seconds, health_timeout=args.health_timeout,
         max_restarts=args.max_restarts, restart_delay=args.restart_delay,
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
-        log_level=args.log_level, collectives=args.collectives)
+        log_level=args.log_level, collectives=args.collectives,
+        metrics_port=args.metrics_port)
 
 
 def _split_each(values: list[str]) -> tuple[str, ...]:
