@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import time
 import queue
 import threading
@@ -43,11 +44,19 @@ _HINTS = {
 }
 
 
+def retry_delay(backoff: float, attempt: int, draw=random.random) -> float:
+    """Seconds before retry `attempt` (1, 2, ...): backoff doubled per attempt, times a
+    uniform 50-100% so that the workers a restarted server refused do not all come back in
+    the same instant ("equal jitter")."""
+    return backoff * 2 ** (attempt - 1) * (0.5 + 0.5 * draw())
+
+
 @dataclass(frozen=True)
 class ClientOptions:
     timeout: float = 60.0            # seconds per RPC (sync-mode pulls wait for the step)
     retries: int = 3                 # extra attempts after UNAVAILABLE
-    backoff: float = 0.2             # seconds before the first retry, doubled after each
+    backoff: float = 0.2             # seconds before the first retry, doubled after each,
+                                     # each wait jittered to 50-100% (`retry_delay`)
     channels_per_server: int = 2     # independent HTTP/2 connections, used round-robin
     max_message_mb: int = 64         # hard limit on any message this client sends or accepts
     chunk_mb: int = 4                # bulk requests are split into chunks of about this size:
@@ -254,7 +263,7 @@ class ServerConnection:
                     return None
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries:
                     raise describe(method, self.address, table, err, attempts) from None
-                time.sleep(self.options.backoff * 2 ** (attempts - 1))
+                time.sleep(retry_delay(self.options.backoff, attempts))
 
     def future(self, method: str, request, timeout: float | None = None):
         """Start a unary call without waiting; resolve it with `result`. A data-plane call's
