@@ -441,6 +441,21 @@ def test_colocated_topology_places_server_i_on_host_i_mod_w():
     assert harness.TF_PORT_OFFSET == {"worker": 0, "ps": 1, "chief": 2}  # one host, 3 jobs
 
 
+def test_servers_default_to_one_per_worker_host_when_colocated():
+    """As `parallax run -H` places them (and the Parallax paper ran them): one server on each
+    worker host, so no host carries more of the servers' traffic and work than another;
+    dedicated servers stay 2 hosts of their own; --servers N is N everywhere."""
+    default = harness.BenchConfig()
+    assert default.servers is None
+    assert [harness.servers_for(default, w, "colocated") for w in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert harness.servers_for(default, 8, "dedicated") == harness.DEDICATED_SERVERS == 2
+    given = harness.BenchConfig(servers=3)
+    assert {harness.servers_for(given, 8, p) for p in ("colocated", "dedicated")} == {3}
+    assert harness.hosts_per_run(harness.BenchConfig(workers=(2, 4), systems=("tf_ps",),
+                                                     placements=("dedicated",))) == 7
+    assert config_from(parser().parse_args([])).servers is None
+
+
 def test_link_profiles_name_a_network_and_say_why():
     from parallax.bench import link_profiles
     paper = link_profiles.get("paper")

@@ -20,7 +20,8 @@ import signal
 import sys
 
 from parallax.bench import cgroups, link_profiles, measure, topology, workloads
-from parallax.bench.harness import LOOPBACK, SYSTEMS, BenchConfig, run_benchmark
+from parallax.bench.harness import (DEDICATED_SERVERS, LOOPBACK, SYSTEMS, BenchConfig,
+                                    run_benchmark)
 from parallax.errors import ConfigError
 from parallax.runtime import logs
 
@@ -79,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
                             f"{_profiles_text()} per core (derived in docs/benchmarks.md), "
                             f"e.g. core,paper")
     p.add_argument("--servers", type=int, default=defaults.servers,
-                   help="parameter servers for hybrid, ps and tf_ps")
+                   help="parameter servers for hybrid, ps and tf_ps (default: one per worker "
+                        "host when colocated, as `parallax run -H` places them; "
+                        f"{DEDICATED_SERVERS} when dedicated)")
     p.add_argument("--placement", type=_names, default=defaults.placements, metavar="NAMES",
                    help=f"where servers run: {topology.COLOCATED} (default; equal hardware: "
                         f"W hosts for every system, server i inside worker i mod W's host, "

@@ -34,7 +34,9 @@ Topologies (processes; "127.0.0.1" on loopback):
 Placement (`placements`, `--placement colocated,dedicated`; `topology`): which host (a
 namespace, a CPU group, a link) each process runs on. `colocated`, the default, gives every
 system the same W hosts (server i inside worker i mod W's host, TF's coordinator inside
-worker 0's); `dedicated` gives every process a host of its own. Each setting's network is
+worker 0's), with one server per worker host unless --servers says otherwise (where
+`parallax run -H` puts them: no host carries more of the servers' traffic and work than
+another); `dedicated` gives every process a host of its own (2 servers by default). Each setting's network is
 keyed with its placement ("1gbit@0.25cpu:colocated"), and every run records `hosts` (the
 emulated machines it used) and `cores` (the cores they were held to in all; None on shared
 cores). Per-process CPU stays keyed by process name (`cpu_seconds_by_host`: worker0, ps0,
@@ -79,6 +81,7 @@ TF_PORT_OFFSET = {"worker": 0, "ps": 1, "chief": 2}
 PS_PORT = 7000           # parallax servers inside namespaces
 RENDEZVOUS_PORT = 23399  # Horovod's rendezvous, served by the harness in the root namespace
 DEFAULT_CACHE_MB = 64  # MiB of row cache per worker
+DEDICATED_SERVERS = 2  # servers on hosts of their own, unless --servers says otherwise
 
 
 def base_system(system: str) -> str:
@@ -95,7 +98,7 @@ class BenchConfig:
     systems: tuple[str, ...] = DEFAULT_SYSTEMS  # hybrid_tf, hybrid_py: on request
     workers: tuple[int, ...] = (1, 2, 4)
     networks: tuple[str, ...] = ("1gbit+0.1ms",)
-    servers: int = 2
+    servers: int | None = None  # None: `servers_for`'s default (one per worker host colocated)
     rounds: int = 2
     size: str = "full"
     window: measure.WindowConfig = field(default_factory=measure.WindowConfig)
@@ -130,7 +133,7 @@ class BenchConfig:
             workloads.get(name, self.size)  # raises ConfigError for a bad name or size
         if not self.workers or min(self.workers) < 1:
             raise ConfigError(f"worker counts must be >= 1, got {self.workers}")
-        if self.servers < 1:
+        if self.servers is not None and self.servers < 1:
             raise ConfigError(f"servers must be >= 1, got {self.servers}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
@@ -147,10 +150,20 @@ class BenchConfig:
                 cgroups.check_total(share, hosts_per_run(self))
 
 
+def servers_for(config: BenchConfig, workers: int, placement: str) -> int:
+    """Parameter servers of a run: `config.servers` when given; else one per worker host when
+    colocated (where `parallax run -H` puts them, as the Parallax paper ran them: the traffic
+    and the work are spread over every host), and DEDICATED_SERVERS hosts of their own."""
+    if config.servers is not None:
+        return config.servers
+    return workers if placement == topology.COLOCATED else DEDICATED_SERVERS
+
+
 def hosts_per_run(config: BenchConfig) -> int:
     """The most hosts (CPU groups) one run of the matrix uses at once, over its placements."""
-    return max((len(topology.hosts(base_system(s), max(config.workers), config.servers, p))
-                for s in config.runs for p in config.placements), default=max(config.workers))
+    most = max(config.workers)
+    return max((len(topology.hosts(base_system(s), most, servers_for(config, most, p), p))
+                for s in config.runs for p in config.placements), default=most)
 
 
 @dataclass
@@ -215,7 +228,8 @@ def _free_port() -> int:
 
 def cluster_hosts(config: BenchConfig, placement: str = topology.DEDICATED) -> list[str]:
     """Every namespace any run of a placement may need (`topology.cluster_hosts`)."""
-    return topology.cluster_hosts(max(config.workers), config.servers, placement)
+    most = max(config.workers)
+    return topology.cluster_hosts(most, servers_for(config, most, placement), placement)
 
 
 class Run:
@@ -409,7 +423,8 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     if staleness is not None:
         worker_args = [*worker_args, "--cache-staleness", str(staleness),
                        "--cache-mb", str(config.cache_mb)]
-    run = Run(base_system(system), spec, workers, config.servers, placement, config.window,
+    servers = servers_for(config, workers, placement.placement)
+    run = Run(base_system(system), spec, workers, servers, placement, config.window,
               log_dir, worker_args, VARIANTS.get(system, (system, {}))[1])
     worker_hosts = [f"worker{i}" for i in range(workers)]
     counters = placement.cluster.counters if placement.cluster else None
@@ -428,12 +443,12 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
                     placement.release()
     except Exception as err:  # noqa: BLE001 - one failed run must not end the benchmark
         error = f"{type(err).__name__}: {err}"
-    hosts = len(topology.hosts(base_system(system), workers, config.servers,
+    hosts = len(topology.hosts(base_system(system), workers, servers,
                                placement.placement))
     if placement.cluster is None and placement.cpu is None:
         hosts = 1  # loopback on shared cores: one machine
     result = {"system": system, "workload": spec.name, "size": spec.size, "workers": workers,
-              "servers": config.servers if base_system(system) in SERVED else 0,
+              "servers": servers if base_system(system) in SERVED else 0,
               "placement": placement.placement, "hosts": hosts,
               "cores": topology.cores(hosts, placement.cpu.share if placement.cpu else None),
               "batch_per_worker": spec.batch_per_worker,
