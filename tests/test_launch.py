@@ -383,16 +383,14 @@ def test_workers_argv_passes_horovodrun_args_before_the_program():
     assert (argv, backend.name) == ([sys.executable, PROBE], "single")
 
 
-def test_start_timeout_is_the_servers_and_deprecated(capsys):
+def test_server_start_timeout_and_horovodruns_flag_is_refused_naming_both(capsys):
     assert parse_args(["--server-start-timeout", "5", "t.py"]).start_timeout == 5
     assert parse_args(["t.py"]).start_timeout == 60
     assert capsys.readouterr().err == ""
-    assert parse_args(["--start-timeout", "7", "t.py"]).start_timeout == 7
-    err = capsys.readouterr().err
-    assert "--start-timeout 7 is deprecated" in err and "--server-start-timeout 7" in err
-    assert "--horovodrun-arg=--start-timeout=S" in err
-    with pytest.raises(ConfigError, match="drop --start-timeout"):
-        parse_args(["--start-timeout", "7", "--server-start-timeout", "5", "t.py"])
+    with pytest.raises(ConfigError, match=r"--start-timeout 7: for the servers' start, give "
+                       r"--server-start-timeout 7; for horovodrun's \(the workers'\), "
+                       r"--horovodrun-arg=--start-timeout=7"):
+        parse_args(["--start-timeout", "7", "t.py"])
 
 
 @pytest.mark.parametrize("text, args, words", [

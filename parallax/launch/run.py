@@ -774,8 +774,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--server-start-timeout", type=float, default=None, metavar="S",
                         help="seconds to wait for the servers to start (default 60)")
     parser.add_argument("--start-timeout", type=float, default=None, metavar="S",
-                        help="deprecated: --server-start-timeout (in horovodrun it is the "
-                             "workers' timeout: --horovodrun-arg=--start-timeout=S)")
+                        help="refused, naming the flag meant: --server-start-timeout for the "
+                             "servers, --horovodrun-arg=--start-timeout=S for horovodrun")
     parser.add_argument("--progress-seconds", type=float, default=30.0,
                         help="print the job's progress (tables, steps, rows moved, read from "
                              "the servers) this often; 0: never (default 30)")
@@ -846,17 +846,14 @@ def _hosts_arg(hosts: str | None, hostfile: str | None) -> str | None:
     return hosts if hosts is not None else hostfile
 
 
-def _server_start_timeout(timeout: float | None, deprecated: float | None) -> float:
-    """--server-start-timeout, or the deprecated --start-timeout (with a warning)."""
-    if deprecated is None:
-        return 60.0 if timeout is None else timeout
-    if timeout is not None:
-        raise ConfigError(f"--start-timeout {deprecated:g} and --server-start-timeout "
-                          f"{timeout:g} both given; drop --start-timeout (deprecated)")
-    _say(f"warning: --start-timeout {deprecated:g} is deprecated; it is the servers' start "
-         f"timeout here, --server-start-timeout {deprecated:g} (horovodrun's --start-timeout, "
-         f"for the workers, is --horovodrun-arg=--start-timeout=S)")
-    return deprecated
+def _server_start_timeout(timeout: float | None, horovodruns: float | None) -> float:
+    """--server-start-timeout (default 60). --start-timeout is refused: it is horovodrun's
+    flag (the workers' timeout), once taken here for the servers'."""
+    if horovodruns is not None:
+        raise ConfigError(f"--start-timeout {horovodruns:g}: for the servers' start, give "
+                          f"--server-start-timeout {horovodruns:g}; for horovodrun's (the "
+                          f"workers'), --horovodrun-arg=--start-timeout={horovodruns:g}")
+    return 60.0 if timeout is None else timeout
 
 
 def main(argv: list[str]) -> int:

@@ -17,11 +17,6 @@ from parallax.placement.partitioner.types import (ClusterProfile, CostPrior, Fit
                                                   PartitionPlan, PlannerError, TableCost,
                                                   TablePlacement, TableProfile)
 
-# The names before 2026-12-01 (PartitionPlan was ShardingPlan, PartitionPlanner was Planner),
-# kept for code written against them; not in __all__.
-ShardingPlan = PartitionPlan
-Planner = PartitionPlanner
-
 __all__ = ["ClusterProfile", "CostPrior", "DEFAULT_PROPOSERS", "FitPoint", "GreedyProposer",
            "GridProposer", "Measurement", "ModelFitProposer", "PartitionPlan", "PartitionPlanner",
            "PlannerError", "Proposer", "ServerLoadEstimator", "ShardCountEnumerator",
