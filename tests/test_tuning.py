@@ -84,8 +84,11 @@ def test_decisions_are_saved_per_job_and_bad_files_are_ignored(tmp_path, capsys)
     assert tuning.load_decision(config, plan) is None
     saved = tuning.with_layouts(plan, {"emb": (1, 0, 1)})
     path = tuning.save_decision(config, saved, {"chosen": {"emb": 3}})
+    capsys.readouterr()
     loaded = tuning.load_decision(config, plan)
     assert loaded["layouts"] == {"emb": (1, 0, 1)} and loaded["report"]["chosen"] == {"emb": 3}
+    assert (f"partition decision loaded from {path} (shard counts emb 3): the search is "
+            f"skipped") in capsys.readouterr().err  # applied with a word, not silently
     other, _ = _plan(workers=3)  # another cluster shape: another decision
     assert tuning.load_decision(config, other) is None
     path.write_text(json.dumps({"layouts": {"emb": [0, 7]}}))  # server 7 does not exist

@@ -203,6 +203,9 @@ def load_decision(config: PartitionSearch, plan: Plan) -> dict | None:
     if set(layouts) != names or any(not s or min(s) < 0 or max(s) >= plan.num_servers
                                     for s in layouts.values()):
         return None
+    log.info("partition decision loaded from %s (shard counts %s): the search is skipped; "
+             "delete the file to search again", path,
+             ", ".join(f"{name} {len(servers)}" for name, servers in sorted(layouts.items())))
     return {"layouts": layouts, "report": saved.get("report", {}), "path": str(path)}
 
 
