@@ -27,17 +27,20 @@ import pytest
 import yaml
 
 from parallax import cli
-from parallax.env import (GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
-                          RENDEZVOUS_TIMEOUT_ENV, TOKEN_FILE_ENV, strategy_options)
+from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV,
+                          MAX_RESTARTS_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
+                          TOKEN_FILE_ENV, strategy_options)
 from parallax.errors import ConfigError
 from parallax.launch import k8s
-from parallax.launch.k8s import K8sConfig, render
+from parallax.launch.k8s import MIN_KUBERNETES, K8sConfig, render
 from parallax.launch.run import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-K8S_VERSION = "1.30.0"  # oldest line the manifests target (gRPC probes, Indexed Jobs GA)
+# The oldest release the manifests target (k8s.MIN_KUBERNETES: 1.28's Job schema still
+# required podFailurePolicy rules to name onPodConditions) and the newest with schemas here.
+K8S_VERSIONS = (f"{MIN_KUBERNETES}.0", "1.37.0")
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -483,17 +486,48 @@ def test_manifests_are_structurally_valid(key):
     assert "  job.json: |" in text and '    "run_id": ' in text
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("key", sorted(CONFIGS))
-def test_manifests_pass_the_kubernetes_schemas(key):
-    validate = pytest.importorskip("kubernetes_validate").validate
+def test_manifests_pass_the_kubernetes_schemas(key, version):
+    from kubernetes_validate import validate  # the test extra installs it: never skipped
     for obj in render(CONFIGS[key]):
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: no schema offline (test_service_monitor checks it)
-        validate(obj, K8S_VERSION, strict=True)  # strict: unknown fields are errors
+        validate(obj, version, strict=True)  # strict: unknown fields are errors
+
+
+def test_the_oldest_release_before_the_minimum_refuses_them():
+    """MIN_KUBERNETES is the true minimum: the release before it rejects the Job."""
+    from kubernetes_validate import validate
+    from kubernetes_validate.utils import ValidationError
+    major, minor = MIN_KUBERNETES.split(".")
+    job = next(o for o in render(CONFIGS["restarts-4x2-pvc"]) if o["kind"] == "Job")
+    assert "podFailurePolicy" in job["spec"]
+    with pytest.raises(ValidationError, match="onPodConditions"):
+        validate(job, f"{major}.{int(minor) - 1}.0", strict=True)
+
+
+def test_the_cluster_domain_and_the_server_wait_reach_the_workers():
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], cluster_domain="corp.example",
+                                 server_wait_s=900)
+    job = next(o for o in render(config) if o["kind"] == "Job")
+    (worker,) = [c for c in job["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "worker"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert all(a.split(":")[0].endswith(".svc.corp.example")
+               for a in env[ADDRESSES_ENV].split(",")), env[ADDRESSES_ENV]
+    assert env[CONNECT_TIMEOUT_ENV] == "900"
+    default = next(o for o in render(CONFIGS["hybrid-4x2"]) if o["kind"] == "Job")
+    (worker,) = [c for c in default["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "worker"]
+    assert {e["name"]: e.get("value") for e in worker["env"]}[CONNECT_TIMEOUT_ENV] == "600"
 
 
 @pytest.mark.parametrize("changes, words", [
     ({"workers": 0}, ["--workers 0", "at least 1"]),
+    ({"cluster_domain": "Cluster.Local"}, ["--cluster-domain 'Cluster.Local'", "cluster.local"]),
+    ({"cluster_domain": "a..b"}, ["--cluster-domain 'a..b'"]),
+    ({"server_wait_s": 0}, ["--server-wait 0", "1-86400"]),
     ({"name": "Word_LM"}, ["--name 'Word_LM'", "DNS-1123"]),
     ({"name": "-x"}, ["DNS-1123"]),
     ({"name": "a" * 41}, ["at most 40"]),
@@ -1517,3 +1551,16 @@ def test_fresh_start_drops_only_this_runs_tables(tmp_path):
         k8s._fresh_start(environ, None, 1, 30)(1)
         left = {s.table for reply in client.stats().values() for s in reply.tables}
     assert left == {"run10.v0.emb"}
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon", "90000"])
+def test_a_bad_connect_timeout_names_the_variable_and_the_range(value):
+    from parallax.env import connect_timeout
+    with pytest.raises(ConfigError, match=rf"{CONNECT_TIMEOUT_ENV}='{value}' must be a number "
+                                          r"of seconds in 1-86400 \(default 60\)"):
+        connect_timeout({CONNECT_TIMEOUT_ENV: value})
+
+
+def test_the_connect_timeout_comes_from_the_environment():
+    from parallax.env import connect_timeout
+    assert connect_timeout({}) == 60.0 and connect_timeout({CONNECT_TIMEOUT_ENV: "600"}) == 600

@@ -1,6 +1,8 @@
 """`parallax k8s`: Kubernetes manifests for a parallax job, and the worker pods' bootstrap.
 
-`render(K8sConfig(...))` returns the objects of one job, in the order to apply them:
+`render(K8sConfig(...))` returns the objects of one job, in the order to apply them
+(Kubernetes 1.29 or newer, `MIN_KUBERNETES`: CI validates them against the schemas of
+1.29 and of the newest release kubernetes-validate knows):
 
   ConfigMap       JOB-config   job.json: mode, sync, sizes, server addresses, plan overrides
   Secret          JOB-token    the job's token (not with --token-secret or --insecure); with
@@ -11,7 +13,7 @@
   Role            JOB-ps       get the Job JOB-worker and delete the StatefulSet JOB-ps,
   RoleBinding     JOB-ps       nothing else (not with --keep-servers)
   Service         JOB-ps       headless (clusterIP: None): stable DNS names for the servers,
-                               JOB-ps-<i>.JOB-ps.<ns>.svc.cluster.local:<port>, and their
+                               JOB-ps-<i>.JOB-ps.<ns>.svc.<--cluster-domain>:<port>, and their
                                metrics port
   StatefulSet     JOB-ps       S pods running `parallax server --host 0.0.0.0 --port <port>`,
                                ready when grpc.health.v1 says SERVING (the kubelet's gRPC
@@ -87,7 +89,8 @@ from parallax.launch.k8s_bootstrap import _fresh_start  # noqa: F401 - tests cal
 from parallax.launch.k8s_bootstrap import worker_main
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR, EFFECTS,
                                         GPU_RESOURCE, IMAGE_UID, K8S_COLLECTIVES, MAX_NAME,
-                                        RESOURCE_FIELDS, SECURITY_ARGS, K8sConfig,
+                                        MIN_KUBERNETES, RESOURCE_FIELDS, SECURITY_ARGS,
+                                        SERVER_WAIT_S, K8sConfig,
                                         node_selector, parse_toleration, resource_setting,
                                         server_metrics_port, tolerations, validate)
 from parallax.launch.k8s_labels import LABEL_JOB, LABEL_ROLE, key_problem, parse_selector, \
@@ -142,6 +145,13 @@ def _job_options(g) -> None:
     g.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
     g.add_argument("--namespace", default="default", metavar="NS",
                    help="namespace of every object (default: default)")
+    g.add_argument("--cluster-domain", default="cluster.local", metavar="DOMAIN",
+                   help="the cluster's DNS domain, in the servers' and workers' addresses "
+                        "(default: cluster.local)")
+    g.add_argument("--server-wait", type=float, default=SERVER_WAIT_S, metavar="S",
+                   help="seconds the workers give each server to answer at the first step "
+                        f"(default {SERVER_WAIT_S:g}: a server pod may first wait for its "
+                        "volume or pull its image; watch the StatefulSet JOB-ps)")
     g.add_argument("--workers", type=int, default=1, metavar="N",
                    help="worker pods (default 1)")
     g.add_argument("--servers", type=int, default=2, metavar="S",
@@ -260,6 +270,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
     config = K8sConfig(
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
+        cluster_domain=args.cluster_domain, server_wait_s=args.server_wait,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, plan=plan,
         collectives=args.collectives, collective_port=args.collective_port,
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,

@@ -30,6 +30,10 @@ _SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10 ** 3, "M": 10 ** 6, "G": 10 *
 K8S_COLLECTIVES = ("horovod", "tensorflow")  # no "auto": the image decides, not this machine
 
 
+MIN_KUBERNETES = "1.29"  # the oldest release whose schemas the rendered objects pass (CI)
+SERVER_WAIT_S = 600.0    # a server pod may wait for its volume or pull a large image first
+
+
 @dataclass(frozen=True)
 class K8sConfig:
     name: str                             # job name: a DNS-1123 label, also the run id
@@ -38,6 +42,8 @@ class K8sConfig:
     workers: int = 1
     servers: int = 2                      # 0 only with mode="allreduce"
     namespace: str = "default"
+    cluster_domain: str = "cluster.local"  # the cluster's DNS domain (kubelet --cluster-domain)
+    server_wait_s: float = SERVER_WAIT_S  # how long workers give the servers to come up
     mode: str = "hybrid"                  # hybrid | ps | allreduce
     sync: bool = True
     server_port: int = 7000
@@ -76,6 +82,15 @@ class K8sConfig:
     metrics_pod_labels: tuple[str, ...] = ()  # "KEY=VALUE": pods here that may scrape it
 
 
+def _domain(value: str) -> None:
+    labels = value.split(".") if isinstance(value, str) else [None]
+    if not value or len(value) > 253 or not all(isinstance(v, str) and len(v) <= 63 and
+                                                _DNS_LABEL.match(v) for v in labels):
+        raise ConfigError(f"--cluster-domain {value!r} is not a DNS domain (labels of "
+                          f"lower-case letters, digits and '-', joined by '.'); e.g. "
+                          f"--cluster-domain cluster.local")
+
+
 def _label(value: str, what: str, fix: str) -> None:
     if not isinstance(value, str) or len(value) > 63 or not _DNS_LABEL.match(value):
         raise ConfigError(f"{what} {value!r} is not a DNS-1123 label (lower-case letters, "
@@ -90,6 +105,11 @@ def validate(config: K8sConfig) -> None:
         raise ConfigError(f"--name {config.name!r} has {len(config.name)} characters; at most "
                           f"{MAX_NAME} (pod names add '-worker-<index>'): shorten it")
     _label(config.namespace, "--namespace", "e.g. --namespace default")
+    _domain(config.cluster_domain)
+    if not isinstance(config.server_wait_s, (int, float)) or not \
+            1 <= config.server_wait_s <= 86400:
+        raise ConfigError(f"--server-wait {config.server_wait_s!r} must be seconds in 1-86400 "
+                          f"(default {SERVER_WAIT_S:g}: time for a volume and an image pull)")
     if not isinstance(config.image, str) or not config.image or any(c.isspace()
                                                                   for c in config.image):
         raise ConfigError(f"--image {config.image!r} must be an image reference without "

@@ -8,8 +8,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from parallax.env import (ADDRESSES_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, MODE_ENV,
-                          RENDEZVOUS_ENV, RUN_ID_ENV, SYNC_ENV, WORKERS_ENV)
+from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
+                          MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, RUN_ID_ENV, SYNC_ENV,
+                          WORKERS_ENV)
 from parallax.launch import gang
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR,
@@ -36,7 +37,8 @@ def server_data_dir(config: K8sConfig) -> str | None:
 
 
 def ps_service_host(config: K8sConfig, index: int) -> str:
-    return f"{config.name}-ps-{index}.{config.name}-ps.{config.namespace}.svc.cluster.local"
+    return (f"{config.name}-ps-{index}.{config.name}-ps.{config.namespace}.svc."
+            f"{config.cluster_domain}")
 
 
 def ps_addresses(config: K8sConfig) -> list[str]:
@@ -45,9 +47,9 @@ def ps_addresses(config: K8sConfig) -> list[str]:
 
 def worker_host(config: K8sConfig, index: int) -> str:
     """Worker pod `index`'s stable DNS name: an indexed Job's pod is named <job>-<index>;
-    with `subdomain` it resolves as <job>-<index>.<subdomain>.<namespace>.svc.cluster.local"""
+    with `subdomain` it resolves as <job>-<index>.<subdomain>.<namespace>.svc.<domain>"""
     return (f"{config.name}-worker-{index}.{config.name}-workers.{config.namespace}"
-            f".svc.cluster.local")
+            f".svc.{config.cluster_domain}")
 
 
 def rendezvous_address(config: K8sConfig) -> str:
@@ -118,6 +120,7 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
         MODE_ENV: config.mode,
         SYNC_ENV: "sync" if config.sync else "async",
         JOB_CONFIG_ENV: f"{CONFIG_DIR}/{CONFIG_FILE}",
+        CONNECT_TIMEOUT_ENV: f"{config.server_wait_s:g}",
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }
