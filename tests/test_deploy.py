@@ -1564,3 +1564,104 @@ def test_a_bad_connect_timeout_names_the_variable_and_the_range(value):
 def test_the_connect_timeout_comes_from_the_environment():
     from parallax.env import connect_timeout
     assert connect_timeout({}) == 60.0 and connect_timeout({CONNECT_TIMEOUT_ENV: "600"}) == 600
+
+
+PATCH = """\
+kind: Job
+metadata:
+  name: wordlm-worker
+  labels: {team: ranking}
+  annotations: {owner: "ml-platform"}
+spec:
+  template:
+    spec:
+      serviceAccountName: trainer
+      priorityClassName: high
+      imagePullSecrets: [{name: registry-pull}]
+      volumes: [{name: data, persistentVolumeClaim: {claimName: ctr-data}}]
+      containers:
+      - name: worker
+        env: [{name: WANDB_MODE, value: offline}, {name: TF_CPP_MIN_LOG_LEVEL, value: "1"}]
+        volumeMounts: [{name: data, mountPath: /data, readOnly: true}]
+---
+kind: StatefulSet
+metadata: {name: wordlm-ps}
+spec:
+  template:
+    spec:
+      containers:
+      - name: log-shipper
+        image: fluent/fluent-bit:3.0
+        securityContext:
+          runAsNonRoot: true
+          allowPrivilegeEscalation: false
+          capabilities: {drop: [ALL]}
+          seccompProfile: {type: RuntimeDefault}
+"""
+
+
+def _container(obj: dict, name: str) -> dict:
+    return next(c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def test_patch_files_add_what_real_jobs_need_and_keep_what_was_rendered(tmp_path):
+    """--patch: env, volumes, a service account, pull secrets, labels, a priority class and
+    a sidecar, merged by name into the rendered objects, which still pass the schemas."""
+    from kubernetes_validate import validate
+    (tmp_path / "job.yaml").write_text(PATCH)
+    plain = CONFIGS["hybrid-4x2"]
+    patched = render(dataclasses.replace(plain, patches=(str(tmp_path / "job.yaml"),)))
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render(plain)}
+    after = {(o["kind"], o["metadata"]["name"]): o for o in patched}
+    assert list(before) == list(after)
+    job, was = after[("Job", "wordlm-worker")], before[("Job", "wordlm-worker")]
+    pod = job["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("trainer", "high")
+    assert pod["imagePullSecrets"] == [{"name": "registry-pull"}]
+    assert job["metadata"]["labels"]["team"] == "ranking"
+    assert job["metadata"]["labels"].items() >= was["metadata"]["labels"].items()
+    env = {e["name"]: e.get("value") for e in _container(job, "worker")["env"]}
+    old = {e["name"]: e.get("value") for e in _container(was, "worker")["env"]}
+    assert env == {**old, "WANDB_MODE": "offline", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert _container(job, "worker")["image"] == _container(was, "worker")["image"]
+    servers = after[("StatefulSet", "wordlm-ps")]["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in servers] == [c["name"] for c in before[
+        ("StatefulSet", "wordlm-ps")]["spec"]["template"]["spec"]["containers"]] + [
+        "log-shipper"]
+    for obj in patched:
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            for version in K8S_VERSIONS:
+                validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kind: Job\nmetadata: {name: other-worker}\n", ["no rendered object is Job/other-worker",
+                                                     "Job/wordlm-worker"]),
+    ("- just\n- a list\n", ["a patch must be a mapping"]),
+    ("spec: {}\n", ["names its target with `kind` and `metadata.name`"]),
+    ("kind: Job\nmetadata: {name: [\n", ["cannot read it as YAML"]),
+])
+def test_a_bad_patch_is_refused_naming_the_file_and_the_fix(tmp_path, text, words):
+    (tmp_path / "p.yaml").write_text(text)
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], patches=(str(tmp_path / "p.yaml"),))
+    with pytest.raises(ConfigError) as info:
+        render(config)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert f"--patch {tmp_path / 'p.yaml'}" in str(info.value)
+
+
+def test_a_patch_removes_a_key_with_null_and_replaces_plain_lists():
+    from parallax.launch.k8s_patch import merge
+    base = {"a": {"b": 1, "c": 2}, "args": ["x", "y"], "env": [{"name": "A", "value": "1"}]}
+    assert merge(base, {"a": {"c": None}, "args": ["z"], "env": [{"name": "A", "value": "2"}]}
+                 ) == {"a": {"b": 1}, "args": ["z"], "env": [{"name": "A", "value": "2"}]}
+    assert base["a"] == {"b": 1, "c": 2}  # the rendered objects are not changed in place
+
+
+def test_the_patch_flag_reaches_the_rendered_yaml(tmp_path, capsys):
+    (tmp_path / "job.yaml").write_text(PATCH)
+    assert cli.main(["k8s", "--name", "wordlm", "--image", "img", "--workers", "2",
+                     "--patch", str(tmp_path / "job.yaml"), "--", "python", "t.py"]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    job = next(o for o in objects if o["kind"] == "Job")
+    assert job["spec"]["template"]["spec"]["priorityClassName"] == "high"

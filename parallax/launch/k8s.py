@@ -145,6 +145,11 @@ def _job_options(g) -> None:
     g.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
     g.add_argument("--namespace", default="default", metavar="NS",
                    help="namespace of every object (default: default)")
+    g.add_argument("--patch", action="append", default=[], metavar="FILE",
+                   help="YAML merged into the rendered objects (repeatable): each document "
+                        "names its target by kind and metadata.name; mappings merge, lists of "
+                        "named items (containers, env, volumes) merge by name, other values "
+                        "replace, null removes (parallax.launch.k8s_patch)")
     g.add_argument("--cluster-domain", default="cluster.local", metavar="DOMAIN",
                    help="the cluster's DNS domain, in the servers' and workers' addresses "
                         "(default: cluster.local)")
@@ -285,7 +290,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         service_monitor_labels=tuple(args.service_monitor_label), insecure=args.insecure,
         token_secret=args.token_secret, secure=args.secure,
         metrics_namespaces=tuple(args.metrics_namespace),
-        metrics_pod_labels=tuple(args.metrics_pod_label))
+        metrics_pod_labels=tuple(args.metrics_pod_label), patches=tuple(args.patch))
     return config, args.output_dir
 
 

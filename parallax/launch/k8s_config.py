@@ -80,6 +80,7 @@ class K8sConfig:
     secure: bool = False                  # mutual TLS too (certificates made at render time)
     metrics_namespaces: tuple[str, ...] = ()  # namespaces whose pods may scrape /metrics
     metrics_pod_labels: tuple[str, ...] = ()  # "KEY=VALUE": pods here that may scrape it
+    patches: tuple[str, ...] = ()         # YAML files merged into the objects (k8s_patch)
 
 
 def _domain(value: str) -> None:
@@ -116,7 +117,7 @@ def validate(config: K8sConfig) -> None:
                           f"spaces, e.g. registry.example.com/parallax:0.1")
     for name in ("command", "server_args", "worker_node_selector", "server_node_selector",
                  "worker_tolerations", "server_tolerations", "service_monitor_labels",
-                 "metrics_namespaces", "metrics_pod_labels"):
+                 "metrics_namespaces", "metrics_pod_labels", "patches"):
         value = getattr(config, name)
         if isinstance(value, str) or not all(isinstance(a, str) for a in value):
             raise ConfigError(f"{name} must be a tuple of strings, not {value!r}")

@@ -12,6 +12,7 @@ from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
                           MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, RUN_ID_ENV, SYNC_ENV,
                           WORKERS_ENV)
 from parallax.launch import gang
+from parallax.launch import k8s_patch
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR,
                                         GPU_RESOURCE, IMAGE_UID, K8sConfig, node_selector,
@@ -167,7 +168,8 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
                 _worker_job(config)]
     for obj in objects:
         obj["metadata"]["namespace"] = config.namespace
-    return json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+    objects = json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+    return k8s_patch.apply(objects, k8s_patch.from_files(config.patches))
 
 
 def _server_container(config: K8sConfig) -> dict[str, Any]:
