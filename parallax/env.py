@@ -42,6 +42,9 @@ TLS_CA_ENV = "PARALLAX_TLS_CA"           # with --secure: the job's CA, certific
 TLS_CERT_ENV = "PARALLAX_TLS_CERT"       # token file (parallax.protocol.security)
 TLS_KEY_ENV = "PARALLAX_TLS_KEY"
 TOKEN_FILE_ENV = "PARALLAX_TOKEN_FILE"
+CONNECT_TIMEOUT_ENV = "PARALLAX_CONNECT_TIMEOUT"  # seconds each server has to answer at the
+#                                         first step (ParallaxStrategy's connect_timeout)
+CONNECT_TIMEOUT_S = 60.0                 # its default (`parallax k8s --server-wait` sets more)
 NATIVE_ENV = "PARALLAX_NATIVE"           # auto | 1 | 0: the compiled data path (parallax.native)
 NATIVE_MODES = ("auto", "1", "0")
 
@@ -81,6 +84,22 @@ def tf_heartbeat_seconds(environ: Mapping[str, str] | None = None) -> float:
     if not 1 <= value <= 86400:
         raise ConfigError(f"{TF_HEARTBEAT_ENV}={text!r} must be a number of seconds in "
                           f"1-86400 (default {TF_HEARTBEAT_S:g})")
+    return value
+
+
+def connect_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """PARALLAX_CONNECT_TIMEOUT's seconds (CONNECT_TIMEOUT_S when unset); ConfigError names a
+    bad value."""
+    text = (os.environ if environ is None else environ).get(CONNECT_TIMEOUT_ENV, "")
+    if not text:
+        return CONNECT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1 <= value <= 86400:
+        raise ConfigError(f"{CONNECT_TIMEOUT_ENV}={text!r} must be a number of seconds in "
+                          f"1-86400 (default {CONNECT_TIMEOUT_S:g})")
     return value
 
 

@@ -27,17 +27,20 @@ import pytest
 import yaml
 
 from parallax import cli
-from parallax.env import (GANG_TIMEOUT_ENV, JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
-                          RENDEZVOUS_TIMEOUT_ENV, TOKEN_FILE_ENV, strategy_options)
+from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV,
+                          MAX_RESTARTS_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
+                          TOKEN_FILE_ENV, strategy_options)
 from parallax.errors import ConfigError
 from parallax.launch import k8s
-from parallax.launch.k8s import K8sConfig, render
+from parallax.launch.k8s import MIN_KUBERNETES, K8sConfig, render
 from parallax.launch.run import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-K8S_VERSION = "1.30.0"  # oldest line the manifests target (gRPC probes, Indexed Jobs GA)
+# The oldest release the manifests target (k8s.MIN_KUBERNETES: 1.28's Job schema still
+# required podFailurePolicy rules to name onPodConditions) and the newest with schemas here.
+K8S_VERSIONS = (f"{MIN_KUBERNETES}.0", "1.37.0")
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -483,17 +486,48 @@ def test_manifests_are_structurally_valid(key):
     assert "  job.json: |" in text and '    "run_id": ' in text
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("key", sorted(CONFIGS))
-def test_manifests_pass_the_kubernetes_schemas(key):
-    validate = pytest.importorskip("kubernetes_validate").validate
+def test_manifests_pass_the_kubernetes_schemas(key, version):
+    from kubernetes_validate import validate  # the test extra installs it: never skipped
     for obj in render(CONFIGS[key]):
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: no schema offline (test_service_monitor checks it)
-        validate(obj, K8S_VERSION, strict=True)  # strict: unknown fields are errors
+        validate(obj, version, strict=True)  # strict: unknown fields are errors
+
+
+def test_the_oldest_release_before_the_minimum_refuses_them():
+    """MIN_KUBERNETES is the true minimum: the release before it rejects the Job."""
+    from kubernetes_validate import validate
+    from kubernetes_validate.utils import ValidationError
+    major, minor = MIN_KUBERNETES.split(".")
+    job = next(o for o in render(CONFIGS["restarts-4x2-pvc"]) if o["kind"] == "Job")
+    assert "podFailurePolicy" in job["spec"]
+    with pytest.raises(ValidationError, match="onPodConditions"):
+        validate(job, f"{major}.{int(minor) - 1}.0", strict=True)
+
+
+def test_the_cluster_domain_and_the_server_wait_reach_the_workers():
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], cluster_domain="corp.example",
+                                 server_wait_s=900)
+    job = next(o for o in render(config) if o["kind"] == "Job")
+    (worker,) = [c for c in job["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "worker"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert all(a.split(":")[0].endswith(".svc.corp.example")
+               for a in env[ADDRESSES_ENV].split(",")), env[ADDRESSES_ENV]
+    assert env[CONNECT_TIMEOUT_ENV] == "900"
+    default = next(o for o in render(CONFIGS["hybrid-4x2"]) if o["kind"] == "Job")
+    (worker,) = [c for c in default["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "worker"]
+    assert {e["name"]: e.get("value") for e in worker["env"]}[CONNECT_TIMEOUT_ENV] == "600"
 
 
 @pytest.mark.parametrize("changes, words", [
     ({"workers": 0}, ["--workers 0", "at least 1"]),
+    ({"cluster_domain": "Cluster.Local"}, ["--cluster-domain 'Cluster.Local'", "cluster.local"]),
+    ({"cluster_domain": "a..b"}, ["--cluster-domain 'a..b'"]),
+    ({"server_wait_s": 0}, ["--server-wait 0", "1-86400"]),
     ({"name": "Word_LM"}, ["--name 'Word_LM'", "DNS-1123"]),
     ({"name": "-x"}, ["DNS-1123"]),
     ({"name": "a" * 41}, ["at most 40"]),
@@ -1517,3 +1551,117 @@ def test_fresh_start_drops_only_this_runs_tables(tmp_path):
         k8s._fresh_start(environ, None, 1, 30)(1)
         left = {s.table for reply in client.stats().values() for s in reply.tables}
     assert left == {"run10.v0.emb"}
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon", "90000"])
+def test_a_bad_connect_timeout_names_the_variable_and_the_range(value):
+    from parallax.env import connect_timeout
+    with pytest.raises(ConfigError, match=rf"{CONNECT_TIMEOUT_ENV}='{value}' must be a number "
+                                          r"of seconds in 1-86400 \(default 60\)"):
+        connect_timeout({CONNECT_TIMEOUT_ENV: value})
+
+
+def test_the_connect_timeout_comes_from_the_environment():
+    from parallax.env import connect_timeout
+    assert connect_timeout({}) == 60.0 and connect_timeout({CONNECT_TIMEOUT_ENV: "600"}) == 600
+
+
+PATCH = """\
+kind: Job
+metadata:
+  name: wordlm-worker
+  labels: {team: ranking}
+  annotations: {owner: "ml-platform"}
+spec:
+  template:
+    spec:
+      serviceAccountName: trainer
+      priorityClassName: high
+      imagePullSecrets: [{name: registry-pull}]
+      volumes: [{name: data, persistentVolumeClaim: {claimName: ctr-data}}]
+      containers:
+      - name: worker
+        env: [{name: WANDB_MODE, value: offline}, {name: TF_CPP_MIN_LOG_LEVEL, value: "1"}]
+        volumeMounts: [{name: data, mountPath: /data, readOnly: true}]
+---
+kind: StatefulSet
+metadata: {name: wordlm-ps}
+spec:
+  template:
+    spec:
+      containers:
+      - name: log-shipper
+        image: fluent/fluent-bit:3.0
+        securityContext:
+          runAsNonRoot: true
+          allowPrivilegeEscalation: false
+          capabilities: {drop: [ALL]}
+          seccompProfile: {type: RuntimeDefault}
+"""
+
+
+def _container(obj: dict, name: str) -> dict:
+    return next(c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def test_patch_files_add_what_real_jobs_need_and_keep_what_was_rendered(tmp_path):
+    """--patch: env, volumes, a service account, pull secrets, labels, a priority class and
+    a sidecar, merged by name into the rendered objects, which still pass the schemas."""
+    from kubernetes_validate import validate
+    (tmp_path / "job.yaml").write_text(PATCH)
+    plain = CONFIGS["hybrid-4x2"]
+    patched = render(dataclasses.replace(plain, patches=(str(tmp_path / "job.yaml"),)))
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render(plain)}
+    after = {(o["kind"], o["metadata"]["name"]): o for o in patched}
+    assert list(before) == list(after)
+    job, was = after[("Job", "wordlm-worker")], before[("Job", "wordlm-worker")]
+    pod = job["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("trainer", "high")
+    assert pod["imagePullSecrets"] == [{"name": "registry-pull"}]
+    assert job["metadata"]["labels"]["team"] == "ranking"
+    assert job["metadata"]["labels"].items() >= was["metadata"]["labels"].items()
+    env = {e["name"]: e.get("value") for e in _container(job, "worker")["env"]}
+    old = {e["name"]: e.get("value") for e in _container(was, "worker")["env"]}
+    assert env == {**old, "WANDB_MODE": "offline", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert _container(job, "worker")["image"] == _container(was, "worker")["image"]
+    servers = after[("StatefulSet", "wordlm-ps")]["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in servers] == [c["name"] for c in before[
+        ("StatefulSet", "wordlm-ps")]["spec"]["template"]["spec"]["containers"]] + [
+        "log-shipper"]
+    for obj in patched:
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            for version in K8S_VERSIONS:
+                validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kind: Job\nmetadata: {name: other-worker}\n", ["no rendered object is Job/other-worker",
+                                                     "Job/wordlm-worker"]),
+    ("- just\n- a list\n", ["a patch must be a mapping"]),
+    ("spec: {}\n", ["names its target with `kind` and `metadata.name`"]),
+    ("kind: Job\nmetadata: {name: [\n", ["cannot read it as YAML"]),
+])
+def test_a_bad_patch_is_refused_naming_the_file_and_the_fix(tmp_path, text, words):
+    (tmp_path / "p.yaml").write_text(text)
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], patches=(str(tmp_path / "p.yaml"),))
+    with pytest.raises(ConfigError) as info:
+        render(config)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert f"--patch {tmp_path / 'p.yaml'}" in str(info.value)
+
+
+def test_a_patch_removes_a_key_with_null_and_replaces_plain_lists():
+    from parallax.launch.k8s_patch import merge
+    base = {"a": {"b": 1, "c": 2}, "args": ["x", "y"], "env": [{"name": "A", "value": "1"}]}
+    assert merge(base, {"a": {"c": None}, "args": ["z"], "env": [{"name": "A", "value": "2"}]}
+                 ) == {"a": {"b": 1}, "args": ["z"], "env": [{"name": "A", "value": "2"}]}
+    assert base["a"] == {"b": 1, "c": 2}  # the rendered objects are not changed in place
+
+
+def test_the_patch_flag_reaches_the_rendered_yaml(tmp_path, capsys):
+    (tmp_path / "job.yaml").write_text(PATCH)
+    assert cli.main(["k8s", "--name", "wordlm", "--image", "img", "--workers", "2",
+                     "--patch", str(tmp_path / "job.yaml"), "--", "python", "t.py"]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    job = next(o for o in objects if o["kind"] == "Job")
+    assert job["spec"]["template"]["spec"]["priorityClassName"] == "high"

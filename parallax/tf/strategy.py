@@ -30,6 +30,7 @@ from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses,
 from parallax.client.row_cache import CacheStats, CachingClient, RowCache
 from parallax.client.table_client import DirectClient, table_client
 from parallax.env import ADDRESSES_ENV
+from parallax.env import connect_timeout as env_connect_timeout
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
 from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
@@ -577,7 +578,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
     def __init__(self, mode: str | None = None, *, sync: bool | None = None,
                  ps_addresses=None, run_id: str | None = None, embedded_servers: int = 2,
                  local_aggregation: bool | None = None, placement: dict | None = None,
-                 shards=None, log_plan: bool = True, connect_timeout: float = 60.0,
+                 shards=None, log_plan: bool = True, connect_timeout: float | None = None,
                  fuse: bool = True, group_tables: bool = True, checkpoints_kept: int = 5,
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None,
@@ -651,9 +652,10 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 at INFO on the "parallax" logger when it is made, and how the step's lookups
                 travel once a fused step is traced. False: neither (`strategy.plan` still
                 has the plan; warnings are not affected).
-            connect_timeout: float, seconds, default 60.0: how long each server has, at the
-                first training step, to answer a health check with SERVING; the servers are
-                waited for one after another. A worker that cannot reach one raises
+            connect_timeout: float, seconds, default $PARALLAX_CONNECT_TIMEOUT, else 60.0
+                (`parallax k8s` sets 600 in worker pods: `--server-wait`): how long each
+                server has, at the first training step, to answer a health check with
+                SERVING; the servers are waited for one after another. A worker that cannot reach one raises
                 ServerError (UNAVAILABLE) naming it, the other workers a ParallaxError naming
                 that worker. Not the timeout of each request (`ClientOptions.timeout`).
             fuse: bool, default True: in a traced step (`strategy.run` inside a
@@ -769,6 +771,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                                 checkpoints_kept=checkpoints_kept, collectives=collectives,
                                 wire_dtype=wire_dtype, cache=_checked_cache(cache))
         tuning.check_setting(search_partitions)
+        if connect_timeout is None:
+            connect_timeout = env_connect_timeout()
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
                                           search_partitions))
 

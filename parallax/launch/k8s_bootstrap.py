@@ -1,0 +1,189 @@
+"""Worker bootstrap (`parallax k8s worker -- COMMAND`), run inside each worker pod: the
+Horovod environment horovodrun would give the rank (worker 0 serves the rendezvous), the
+rank of TensorFlow's collectives, or, with --max-restarts, the gang's supervision (the module
+docstring of parallax.launch.k8s describes the whole)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping
+
+from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
+                          RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
+                          TOKEN_FILE_ENV, WORKER_RANK_ENV, WORKERS_ENV)
+from parallax.errors import ConfigError
+from parallax.launch import gang
+from parallax.launch.rendezvous import host_plan as _host_plan
+from parallax.launch.rendezvous import horovod_env, start_rendezvous
+from parallax.launch.restarts import RestartBudget
+from parallax.protocol.security import read_token
+
+
+def _wait_for(host: str, port: int, timeout: float) -> str:
+    """Resolve host and wait until host:port accepts connections; returns its address."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            address = socket.gethostbyname(host)
+            with socket.create_connection((address, port), timeout=2):
+                return address
+        except OSError as err:
+            last = err
+            time.sleep(1)
+    raise ConfigError(f"the Horovod rendezvous at {host}:{port} (served by worker 0) did not "
+                      f"answer within {timeout:.0f} s ({last}); is worker 0 running? raise "
+                      f"{RENDEZVOUS_TIMEOUT_ENV} if pods start slowly")
+
+
+def _rank(environ: Mapping[str, str], size: int) -> int | None:
+    rank = int(environ.get("JOB_COMPLETION_INDEX", environ.get("HOROVOD_RANK", "-1")))
+    if not 0 <= rank < size:
+        print(f"parallax k8s worker: rank {rank} (JOB_COMPLETION_INDEX) is not in 0..{size - 1}",
+              file=sys.stderr)
+        return None
+    return rank
+
+
+def _join(environ: Mapping[str, str], rank: int, size: int, coordinator=None,
+          token: str | None = None):
+    """Rank 0 serves the rendezvous, the others wait for it: (server or None, the address
+    to reach it at, its port). Raises OSError or ConfigError."""
+    host, _, port_text = environ[RENDEZVOUS_ENV].rpartition(":")
+    port = int(port_text)
+    if rank == 0:
+        return start_rendezvous(port, size, coordinator=coordinator,
+                                horovod=size > 1 and not _tensorflow(environ), token=token), \
+            "127.0.0.1", port
+    timeout = float(environ.get(RENDEZVOUS_TIMEOUT_ENV, "300"))
+    return None, _wait_for(host, port, timeout), port
+
+
+def _stop(server) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+def worker_main(command: list[str], environ: Mapping[str, str] | None = None) -> int:
+    environ = dict(os.environ if environ is None else environ)
+    if not command:
+        print("parallax k8s worker: no command; usage: parallax k8s worker -- COMMAND",
+              file=sys.stderr)
+        return 2
+    size = len(environ[WORKERS_ENV].split(",")) if _tensorflow(environ) else \
+        int(environ.get("HOROVOD_SIZE", "1"))
+    max_restarts = int(environ.get(MAX_RESTARTS_ENV, "0"))
+    rank = _rank(environ, size) if size > 1 or max_restarts else 0
+    if rank is None:
+        return 2
+    if _tensorflow(environ):
+        environ[WORKER_RANK_ENV] = str(rank)
+    if max_restarts:
+        return _gang_main(command, environ, rank, size, max_restarts)
+    if size <= 1 or _tensorflow(environ):  # (TensorFlow's workers find each other)
+        os.execvpe(command[0], command, environ)
+    try:
+        server, address, port = _join(environ, rank, size)
+    except (OSError, ConfigError) as err:
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 1
+    environ.update(horovod_env(rank, size, address, port,
+                               environ.get("HOROVOD_GLOO_IFACE", "eth0")))
+    child = subprocess.Popen(command, env=environ)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    _stop(server)
+    return code if code >= 0 else 128 - code
+
+
+def _tensorflow(environ: Mapping[str, str]) -> bool:
+    """Whether the manifests gave this job TensorFlow's collectives (--collectives)."""
+    return bool(environ.get(WORKERS_ENV))
+
+
+def _say(text: str) -> None:
+    print(f"parallax k8s worker 0: {text}", flush=True)
+
+
+def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
+    """Worker 0, before each attempt: a new rendezvous (a fresh gloo context), and none of
+    this run's tables left on the servers, as if they had restarted (the checkpoints on
+    their data volume stay; the workers' scripts restore from them)."""
+    def start(attempt: int) -> None:
+        if size > 1 and not _tensorflow(environ):
+            server.init(_host_plan(size))
+        addresses = environ.get(ADDRESSES_ENV)
+        if not addresses:
+            return
+        from parallax.client.connection import client_options_from_env
+        from parallax.client.ps_client import PSClient
+        with PSClient(addresses.split(","), client_options_from_env(environ=environ)) as client:
+            client.wait_ready(timeout)
+            dropped = client.delete_tables(f"{environ[RUN_ID_ENV]}.")
+        if dropped:
+            _say(f"attempt {attempt}: dropped {len(dropped)} table(s) of run "
+                 f"{environ[RUN_ID_ENV]} from the servers; the workers restore them from "
+                 f"their last checkpoint")
+    return start
+
+
+def _gang_token(environ: Mapping[str, str], rank: int) -> str | None:
+    """The job's token (the file PARALLAX_TOKEN_FILE names, mounted from its Secret), which
+    every gang request carries; None, with a warning, for a job rendered --insecure."""
+    if environ.get(TOKEN_FILE_ENV):
+        return read_token(environ[TOKEN_FILE_ENV])
+    if rank == 0:
+        _say(f"no {TOKEN_FILE_ENV}: the gang at the rendezvous port accepts requests from "
+             f"any pod (rendered with --insecure)")
+    return None
+
+
+def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int,
+               max_restarts: int) -> int:
+    """Run `command` under the gang's supervision (parallax.launch.gang): every rank's command
+    restarts together after any failure, at most `max_restarts` times."""
+    timeout = float(environ.get(GANG_TIMEOUT_ENV, gang.GANG_TIMEOUT_S))
+    try:
+        token = _gang_token(environ, rank)
+    except ConfigError as err:
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 2
+    coordinator = None
+    if rank == 0:
+        coordinator = gang.Gang(size, RestartBudget(max_restarts, say=_say), lambda _: None,
+                                timeout, say=_say)
+    try:
+        server, address, port = _join(environ, rank, size, coordinator, token)
+    except (OSError, ConfigError) as err:  # worker 0 not there: the Job may recreate pods
+        print(f"parallax k8s worker {rank}: {err}", file=sys.stderr)
+        return 1 if rank == 0 else gang.LOST_GANG_EXIT
+    stop = threading.Event()
+    if coordinator is not None:
+        coordinator.on_start = _fresh_start(environ, server, size, timeout)
+        gang.run_steps(coordinator, stop)
+
+    def child_env(attempt: int) -> dict[str, str]:
+        env = dict(environ, **{RESTART_COUNT_ENV: str(attempt)})
+        if size > 1 and not _tensorflow(environ):
+            env.update(horovod_env(rank, size, address, port,
+                                   environ.get("HOROVOD_GLOO_IFACE", "eth0")))
+        return env
+    code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
+                           timeout, token).run()
+    if coordinator is not None:  # let the others read the final state before leaving
+        deadline = time.monotonic() + timeout
+        while not coordinator.everyone_told() and time.monotonic() < deadline:
+            time.sleep(gang.POLL_S)
+    stop.set()
+    _stop(server)
+    return code
