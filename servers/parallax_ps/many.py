@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from parallax.protocol import bulk_codec, wire
+from parallax_ps import inflight
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import quiet_float_errors
 from parallax_ps.shard import ShuttingDown, TableShard
@@ -89,6 +90,28 @@ def check_answer_size(method: str, shards: Sequence[TableShard], ids: Sequence[n
         raise _too_large(method, total, limit, exact=False)
 
 
+def hold_answer(method: str, shards: Sequence[TableShard], ids: Sequence[np.ndarray],
+                deadline: float | None) -> None:
+    """Hold the working memory of a pull's answer (before it is allocated; no lock held)."""
+    id_bytes = sum(i.nbytes for i in ids)
+    answer = sum(len(i) * s.spec.dim * s.answer_dtype().itemsize for s, i in zip(shards, ids))
+    inflight.ensure(inflight.pull_need(id_bytes, answer), deadline,
+                    lambda: f"{method} of {sum(len(i) for i in ids)} rows ({answer} bytes)")
+
+
+def hold_push(method: str, shards: Sequence[TableShard], parts, deadline: float | None) -> None:
+    """Hold the working memory of a push (its rows, decoded as views of the body), and of
+    the sync steps it may close: their buffered gradients are applied under this request
+    (they are claimed by their shards already; their temporaries are not)."""
+    body = sum(p.ids.nbytes + p.grads.nbytes for p in parts)
+    steps = sum(s.steps.buffered_bytes for s in {id(s): s for s in shards}.values())
+    need = inflight.frame_need(method, body + steps) - steps
+    inflight.ensure(need, deadline, lambda: f"{method} of {sum(len(p.grads) for p in parts)} "
+                                            f"rows ({body} bytes)" + (
+                                                f", applying a sync step of {steps} buffered "
+                                                f"bytes with them," if steps else ""))
+
+
 @contextlib.contextmanager
 def exact_answer_size(method: str) -> Iterator[None]:
     """Answer a writer's MessageTooLarge (raised before it allocates) with RESOURCE_EXHAUSTED."""
@@ -135,6 +158,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
             shard.wait_step(part.min_step, deadline)
+    hold_answer("PullMany", shards, ids, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up
             if shard.closed:

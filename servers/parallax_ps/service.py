@@ -29,7 +29,7 @@ from parallax.protocol import bulk_codec, dataplane, packed_codec, wire
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION, __version__
-from parallax_ps import checkpoint, many
+from parallax_ps import checkpoint, inflight, many
 from parallax_ps.barrier import Barriers
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
@@ -93,7 +93,8 @@ def _rpc(method: str):
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
                 _check_decoded(request)
-                response, table, rows, nbytes = fn(self, request, context)
+                with inflight.scope(self.budget):
+                    response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
@@ -115,7 +116,8 @@ def _rpc_many(method: str):
             start = time.perf_counter()
             try:
                 _check_decoded(request)
-                response, per_table = fn(self, request, context)
+                with inflight.scope(self.budget):
+                    response, per_table = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
@@ -197,6 +199,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._lock:
             for shard in self._shards.values():
                 shard.close("the server is shutting down; retry after it restarts")
+
+    @contextlib.contextmanager
+    def admitted(self, method: str, body_bytes: int, deadline: float):
+        """The request scope of a data-plane frame whose body (`body_bytes`, not read yet)
+        is held against --memory-mb first (`inflight.frame_need`): waits for room until
+        `deadline`, or raises RequestError RESOURCE_EXHAUSTED."""
+        with inflight.scope(self.budget) as scope:
+            scope.ensure(inflight.frame_need(method, body_bytes), deadline,
+                         f"{method} of {body_bytes} bytes")
+            yield scope
 
     # ---- tables ----------------------------------------------------------------------------
     @_rpc("CreateTable")
@@ -298,6 +310,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard(request.table, request.shard_index)
         ids = shard.check_ids(wire.decode(request.ids, "ids"))
         many.check_answer_size("Pull", [shard], [ids], self.max_message_bytes)
+        deadline = _deadline(context)
+        if request.min_step > shard.steps.step:  # wait before holding the answer's memory
+            shard.wait_step(request.min_step, deadline)
+        many.hold_answer("Pull", [shard], [ids], deadline)
         writer = None
 
         def allocate(rows: int, step: int) -> np.ndarray:
@@ -308,7 +324,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     max_bytes=self.max_message_bytes)
             return writer.values
 
-        values, _ = shard.pull(ids, request.min_step, _deadline(context), allocate)
+        values, _ = shard.pull(ids, request.min_step, deadline, allocate)
         return writer.data(), request.table, len(values), values.nbytes
 
     @_rpc("Push")
@@ -318,6 +334,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise invalid(request.error)
         shard = self.shard(request.table, request.shard_index)
         grads = request.grads
+        many.hold_push("Push", [shard], [request], _deadline(context))
         step, applied = shard.push(request.step, request.worker, request.ids, grads,
                                    request.learning_rate, request.chunk_index,
                                    chunk_total(request.chunk_count), request.session)
@@ -352,6 +369,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if request.error:
             raise invalid(request.error)
         shards = self._shards_of_parts(request.parts, "PushMany")
+        many.hold_push("PushMany", shards, request.parts, _deadline(context))
         results, per_table = many.push_many(shards, request.parts)
         response = ps_pb2.PushManyResponse()
         for step, applied in results:
