@@ -23,7 +23,7 @@ TIERS = {
                "test_dataplane.py", "test_fuzz.py", "test_hardening.py", "test_load.py",
                "test_multi_table.py", "test_native_worker.py", "test_reshard.py",
                "test_server.py",
-               "test_server_limits.py", "test_server_process.py", "test_units.py",
+               "test_server_limits.py", "test_memory_bound.py", "test_server_process.py", "test_units.py",
                "test_wire_contract.py", "test_security.py", "test_wire_compression.py",
                "test_dynamic_server.py", "test_dynamic_rows.py"],
     "tf": ["test_analysis.py", "test_capacity.py", "test_fusion.py", "test_optimizer_math.py",

@@ -6,8 +6,10 @@ open sync step it buffers. A request that would take the total over the limit is
 RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means no limit.
 
 The same limit bounds the working memory of the requests in flight (`hold`, estimated by
-`parallax_ps.inflight` from a request's size before it is read or its answer allocated):
-a request is let in while the tables and the requests in flight leave room for it, else it
+`parallax_ps.inflight` from a request's size before it is read or its answer allocated),
+together with the process's own baseline (`baseline`: the interpreter, numpy and gRPC,
+resident before any table): a request is let in while the baseline, the tables and the
+requests in flight leave room for it, else it
 waits for room until its deadline; one that cannot fit beside the tables at all is refused
 at once. Tables are checked against the tables alone (a table never fails for a burst of
 requests), so tables plus requests stay within the limit plus the growth of the tables by
@@ -32,8 +34,9 @@ def _mib(nbytes: int) -> str:
 
 
 class MemoryBudget:
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, baseline: int = 0) -> None:
         self.limit = limit_bytes
+        self.baseline = baseline  # counted against requests in flight, not against tables
         self._claims: dict[object, int] = {}
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
@@ -93,22 +96,29 @@ class MemoryBudget:
         """Bytes held by the requests in flight."""
         return self._held
 
-    def hold(self, nbytes: int, deadline: float, what: What) -> None:
-        """Take `nbytes` of working memory for a request in flight (give it back with
-        `unhold`): at once when the tables and the requests in flight leave room, else once
-        they do, until `deadline` (time.monotonic()); RESOURCE_EXHAUSTED at once when it
-        cannot fit beside the tables, or when the deadline passes first."""
+    def hold(self, nbytes: int, deadline: float, what: What, own: int = 0) -> bool:
+        """Take `nbytes` more of working memory for a request in flight that holds `own`
+        already (give it back with `unhold`): at once when the tables and the requests in
+        flight leave room, else once they do, until `deadline` (time.monotonic()); False,
+        holding nothing more, when the deadline passes first; RESOURCE_EXHAUSTED at once
+        when `own + nbytes` cannot fit beside the tables."""
         if not self.limit or nbytes <= 0:
-            return
+            return True
         with self._room:
-            while self._total + self._held + nbytes > self.limit:
-                if self._total + nbytes > self.limit:
-                    self._refuse_request(nbytes, what, waited=False)
+            while self.baseline + self._total + self._held + nbytes > self.limit:
+                if self.baseline + self._total + own + nbytes > self.limit:
+                    self._refuse_request(own + nbytes, what, waited=False)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._refuse_request(nbytes, what, waited=True)
+                    return False
                 self._room.wait(remaining)
             self._held += nbytes
+            return True
+
+    def refuse_waited(self, nbytes: int, what: What) -> None:
+        """RESOURCE_EXHAUSTED: a request that needs `nbytes` found no room by its deadline."""
+        with self._lock:
+            self._refuse_request(nbytes, what, waited=True)
 
     def unhold(self, nbytes: int) -> None:
         if not self.limit or nbytes <= 0:
@@ -119,10 +129,11 @@ class MemoryBudget:
 
     def _refuse_request(self, nbytes: int, what: What, waited: bool) -> None:
         what = what() if callable(what) else what
-        room = max(self.limit - self._total, 0)
-        why = (f"the requests in flight held {_mib(self._held)} of the "
-               f"{_mib(room)} the tables leave until its deadline" if waited else
-               f"the tables hold {_mib(self._total)}, leaving {_mib(room)} for requests")
+        room = max(self.limit - self.baseline - self._total, 0)
+        why = (f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
+               f"for requests until its deadline" if waited else
+               f"its baseline (interpreter, numpy, gRPC) takes {_mib(self.baseline)} and the "
+               f"tables hold {_mib(self._total)}, leaving {_mib(room)} for requests")
         raise RequestError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"{what} needs {_mib(nbytes)} of working memory, but this server may use "

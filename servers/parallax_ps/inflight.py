@@ -11,7 +11,8 @@ scope gives everything back when the request is answered.
 
 The factors were measured on the server process (VmHWM, numpy and compiled kernels): a push
 of B body bytes peaked at about 3.2 B above its tables (the received bytes, their copy, the
-summed gradients and the optimizer's temporaries), a pull of answer A at about 1.1 A.
+summed gradients and the optimizer's temporaries), a pull of answer A at about 1.1 A (and
+one more A over gRPC, which copies the answer after its handler has returned).
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import time
 from typing import Iterator
 
 from parallax_ps.budget import MemoryBudget
-from parallax_ps.errors import RequestError
 
 PUSH_BYTES_PER_BODY_BYTE = 4   # received body, its copy, summed gradients, optimizer temporaries
 PULL_BYTES_PER_ID_BYTE = 3     # received ids, their copy, the rows located for them
@@ -38,8 +38,10 @@ def frame_need(method: str, body_bytes: int) -> int:
     return int(factor * body_bytes)
 
 
-def pull_need(id_bytes: int, answer_bytes: int) -> int:
-    return int(PULL_BYTES_PER_ID_BYTE * id_bytes + PULL_BYTES_PER_ANSWER_BYTE * answer_bytes)
+def pull_need(id_bytes: int, answer_bytes: int, copies: int = 1) -> int:
+    """A pull's bytes: its ids', and its answer's, of which gRPC keeps a copy of its own."""
+    return int(PULL_BYTES_PER_ID_BYTE * id_bytes +
+               (PULL_BYTES_PER_ANSWER_BYTE + copies - 1) * answer_bytes)
 
 
 class Scope:
@@ -48,23 +50,27 @@ class Scope:
     def __init__(self, budget: MemoryBudget) -> None:
         self.budget = budget
         self.held = 0
+        self.floor = 0  # bytes of the received body: held while the request waits for more
+        self.grpc = False  # a gRPC request's (its answer is copied by gRPC)
 
     def ensure(self, nbytes: int, deadline: float | None, what) -> None:
-        """Hold at least `nbytes` in all: the rest at once if there is room, else all of it
-        once there is (until `deadline`), holding nothing while it waits."""
-        more = int(nbytes) - self.held
-        if more <= 0:
+        """Hold at least `nbytes` in all: the rest at once if there is room, else once there
+        is (until `deadline`), holding only `floor` (the received body) while it waits, so
+        requests that hold part of what they need do not wait on each other's estimates."""
+        nbytes = int(nbytes)
+        if nbytes <= self.held:
             return
         if deadline is None:
             deadline = time.monotonic() + NO_DEADLINE_WAIT_S
-        try:
-            self.budget.hold(more, time.monotonic(), what)  # room now: no wait
-        except RequestError:  # wait holding nothing: requests that hold part of what they
-            self.close()      # need never wait on each other
-            self.budget.hold(int(nbytes), deadline, what)
-            self.held = int(nbytes)
-        else:
-            self.held += more
+        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
+            self.held = nbytes
+            return
+        keep = min(self.held, self.floor)
+        self.budget.unhold(self.held - keep)
+        self.held = keep
+        if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
+            self.budget.refuse_waited(nbytes, what)
+        self.held = nbytes
 
     def close(self) -> None:
         self.budget.unhold(self.held)
@@ -72,19 +78,29 @@ class Scope:
 
 
 @contextlib.contextmanager
-def scope(budget: MemoryBudget) -> Iterator[Scope]:
+def scope(budget: MemoryBudget, context=None) -> Iterator[Scope]:
     """This thread's request scope: the open one (the data plane's), else a new one given
-    back on exit."""
+    back on exit, or, for a gRPC `context`, once gRPC has sent the answer (it copies the
+    answer after the handler returns: `add_callback` runs when the RPC ends)."""
     current = getattr(_local, "scope", None)
     if current is not None:
         yield current
         return
     opened = _local.scope = Scope(budget)
+    opened.grpc = context is not None and hasattr(context, "add_callback")
     try:
         yield opened
     finally:
         _local.scope = None
-        opened.close()
+        held, opened.held = opened.held, 0
+        if not (held and opened.grpc and context.add_callback(lambda: budget.unhold(held))):
+            budget.unhold(held)
+
+
+def answer_copies() -> int:
+    """Copies of an answer that live until it is sent: gRPC's own besides ours."""
+    opened = current()
+    return 2 if opened is not None and opened.grpc else 1
 
 
 def current() -> Scope | None:

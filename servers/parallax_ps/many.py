@@ -95,7 +95,7 @@ def hold_answer(method: str, shards: Sequence[TableShard], ids: Sequence[np.ndar
     """Hold the working memory of a pull's answer (before it is allocated; no lock held)."""
     id_bytes = sum(i.nbytes for i in ids)
     answer = sum(len(i) * s.spec.dim * s.answer_dtype().itemsize for s, i in zip(shards, ids))
-    inflight.ensure(inflight.pull_need(id_bytes, answer), deadline,
+    inflight.ensure(inflight.pull_need(id_bytes, answer, inflight.answer_copies()), deadline,
                     lambda: f"{method} of {sum(len(i) for i in ids)} rows ({answer} bytes)")
 
 

@@ -32,6 +32,7 @@ from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
 log = logging.getLogger("parallax_ps")
+MALLOC_ARENAS = 2  # freed buffers are reused across the data plane's threads (malloc_tuning)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,19 @@ def memory_budget(memory_mb: int | None) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS; 0 where /proc has none): at start, the
+    baseline that --memory-mb holds requests in flight to beside the tables."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class RunningServer:
     """A started server; `address` is host:port with the real port when 0 was asked."""
 
@@ -100,7 +114,8 @@ class RunningServer:
                                                     config.health_without_token else [])]
             if token else None)
         self.service = ParameterServerService(config.data_dir, limit,
-                                              memory_budget(config.memory_mb), config.threads)
+                                              memory_budget(config.memory_mb), config.threads,
+                                              resident_bytes())
         add_to_server(self.service, self.server, self.wait_pool)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -252,7 +267,7 @@ def _orphaned(parent: int, stop: threading.Event) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     logs.configure(config.log_level, server=True)
-    reuse_freed_memory()
+    reuse_freed_memory(arenas=MALLOC_ARENAS)
     try:
         native_path.kernels()  # PARALLAX_NATIVE=1 without the build stops here, named
         log.info("data path: %s", native.describe())

@@ -93,7 +93,7 @@ def _rpc(method: str):
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
                 _check_decoded(request)
-                with inflight.scope(self.budget):
+                with inflight.scope(self.budget, context):
                     response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -116,7 +116,7 @@ def _rpc_many(method: str):
             start = time.perf_counter()
             try:
                 _check_decoded(request)
-                with inflight.scope(self.budget):
+                with inflight.scope(self.budget, context):
                     response, per_table = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -153,7 +153,8 @@ def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
-                 memory_bytes: int = 0, wait_threads: int | None = None) -> None:
+                 memory_bytes: int = 0, wait_threads: int | None = None,
+                 baseline_bytes: int = 0) -> None:
         self.data_dir = data_dir
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
@@ -162,7 +163,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_idle_timeout_s = 0
         self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
-        self.budget = MemoryBudget(memory_bytes)
+        self.budget = MemoryBudget(memory_bytes, baseline_bytes)
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -208,6 +209,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with inflight.scope(self.budget) as scope:
             scope.ensure(inflight.frame_need(method, body_bytes), deadline,
                          f"{method} of {body_bytes} bytes")
+            scope.floor = body_bytes
             yield scope
 
     # ---- tables ----------------------------------------------------------------------------
