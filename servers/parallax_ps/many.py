@@ -158,6 +158,8 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
             shard.wait_step(part.min_step, deadline)
+    with held(shards):  # the tables' own limits first: their refusal says more
+        _check_capacity(shards, ids, [0] * len(ids), pull=True)
     hold_answer("PullMany", shards, ids, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up
@@ -212,7 +214,18 @@ def _check_same_rate(shards: Sequence[TableShard], parts: Sequence[bulk_codec.Bu
                           f"and chunks of one step must agree")
 
 
-def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
+def _check_push_held(shards, parts, checked, chunks) -> None:
+    """A push's step-state and capacity checks (the locks of its shards held)."""
+    for shard, part, (_, lr, _), count in zip(shards, parts, checked, chunks):
+        shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
+                               part.session)
+    _check_capacity(shards, [ids for ids, _, _ in checked],
+                    [s.buffered_by(ids, grads, count) for s, (ids, _, grads), count in
+                     zip(shards, checked, chunks)])
+
+
+def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
+              deadline: float | None = None
               ) -> tuple[list[tuple[int, bool]], dict[str, PartCounts]]:
     """Apply every part or none: [(steps applied, completed a step)] per part, and counts."""
     _check_distinct(parts)
@@ -220,13 +233,11 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
                for shard, part in zip(shards, parts)]
     _check_same_rate(shards, parts, [lr for _, lr, _ in checked])
     chunks = [chunk_total(part.chunk_count) for part in parts]
+    with held(shards):  # the tables' own checks first (their refusal says more), then
+        _check_push_held(shards, parts, checked, chunks)  # the working memory (no lock)
+    hold_push("PushMany", shards, parts, deadline)
     with held(shards):
-        for shard, part, (_, lr, _), count in zip(shards, parts, checked, chunks):
-            shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
-                                   part.session)
-        _check_capacity(shards, [ids for ids, _, _ in checked],
-                        [s.buffered_by(ids, grads, count) for s, (ids, _, grads), count in
-                         zip(shards, checked, chunks)])
+        _check_push_held(shards, parts, checked, chunks)
         with quiet_float_errors():
             results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])

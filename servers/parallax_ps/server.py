@@ -212,10 +212,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="address the metrics endpoint binds (default loopback, whatever "
                              "--host is; 0.0.0.0 for every interface)")
     parser.add_argument("--memory-mb", type=int, default=None,
-                        help="memory the tables may use (rows, slots, buffered pushes and "
-                             "InitRows streams): enforced, and reported to clients, which "
-                             "refuse a plan that does not fit (default: the cgroup limit, "
-                             "else RAM)")
+                        help="memory of this server: its tables (rows, slots, buffered "
+                             "pushes and InitRows streams) may use this much, reported to "
+                             "clients, which refuse a plan that does not fit; requests in "
+                             "flight are held to it with the tables and the process's own "
+                             "baseline (the interpreter, numpy and gRPC, ~62 MB, measured at "
+                             "start and counted when it is at most a quarter of the limit): "
+                             "one that does not fit waits for room until its deadline or is "
+                             "refused RESOURCE_EXHAUSTED (default: the cgroup limit, else "
+                             "RAM)")
     parser.add_argument("--data-port", type=int, default=0,
                         help="port of the data plane: PullMany/PushMany (a training step's "
                              "traffic) as frames on plain TCP, or TLS with --tls-cert, with "

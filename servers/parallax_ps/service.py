@@ -155,6 +155,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None,
                  baseline_bytes: int = 0) -> None:
+        """`baseline_bytes`: the process's resident memory before any table, held against
+        the requests in flight when it is at most a quarter of `memory_bytes` (a smaller
+        limit is a test's, whose tables still need requests to reach them)."""
         self.data_dir = data_dir
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
@@ -163,7 +166,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_idle_timeout_s = 0
         self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
-        self.budget = MemoryBudget(memory_bytes, baseline_bytes)
+        self.budget = MemoryBudget(memory_bytes, baseline_bytes
+                                   if memory_bytes >= 4 * baseline_bytes else 0)
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -315,6 +319,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         deadline = _deadline(context)
         if request.min_step > shard.steps.step:  # wait before holding the answer's memory
             shard.wait_step(request.min_step, deadline)
+        if shard.spec.hashed_keys and shard.vocab is None:
+            with shard.cond:  # the table's own limit first: its refusal says more
+                shard.check_capacity(ids)
         many.hold_answer("Pull", [shard], [ids], deadline)
         writer = None
 
@@ -336,10 +343,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise invalid(request.error)
         shard = self.shard(request.table, request.shard_index)
         grads = request.grads
-        many.hold_push("Push", [shard], [request], _deadline(context))
-        step, applied = shard.push(request.step, request.worker, request.ids, grads,
-                                   request.learning_rate, request.chunk_index,
-                                   chunk_total(request.chunk_count), request.session)
+        results, _ = many.push_many([shard], [request], _deadline(context))
+        step, applied = results[0]
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
 
@@ -371,8 +376,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if request.error:
             raise invalid(request.error)
         shards = self._shards_of_parts(request.parts, "PushMany")
-        many.hold_push("PushMany", shards, request.parts, _deadline(context))
-        results, per_table = many.push_many(shards, request.parts)
+        results, per_table = many.push_many(shards, request.parts, _deadline(context))
         response = ps_pb2.PushManyResponse()
         for step, applied in results:
             response.parts.add(step=step, applied=applied)
