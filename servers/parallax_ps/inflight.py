@@ -10,8 +10,9 @@ its step, so a pull waiting for a step never holds the room a push needs to clos
 scope gives everything back when the request is answered.
 
 The factors were measured on the server process (VmHWM, numpy and compiled kernels): a push
-of B body bytes peaked at about 3.2 B above its tables (the received bytes, their copy, the
-summed gradients and the optimizer's temporaries), a pull of answer A at about 1.1 A (and
+of B body bytes that it applied peaked at about 3.2 B above its tables (the received bytes,
+their copy, the summed gradients and the optimizer's temporaries; a sync push that only
+buffers its rows holds its body), a pull of answer A at about 1.1 A (and
 one more A over gRPC, which copies the answer after its handler has returned).
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Iterator
 
 from parallax_ps.budget import MemoryBudget
 
-PUSH_BYTES_PER_BODY_BYTE = 4   # received body, its copy, summed gradients, optimizer temporaries
+RECEIVED_BYTES_PER_BODY_BYTE = 2  # a push's received body and its copy
+APPLY_BYTES_PER_GRADIENT_BYTE = 2  # summed gradients and the optimizer's temporaries
 PULL_BYTES_PER_ID_BYTE = 3     # received ids, their copy, the rows located for them
 PULL_BYTES_PER_ANSWER_BYTE = 1.25  # the answer and gathering temporaries
 NO_DEADLINE_WAIT_S = 60.0      # the longest a request without a deadline waits for room
@@ -32,10 +34,16 @@ _local = threading.local()
 
 
 def frame_need(method: str, body_bytes: int) -> int:
-    """Bytes a request of `method` needs from its body's size alone (a pull's answer is
-    added by `ensure` once its rows are known)."""
-    factor = PUSH_BYTES_PER_BODY_BYTE if method in _PUSHES else PULL_BYTES_PER_ID_BYTE
+    """Bytes a request of `method` needs from its body's size alone: received and copied
+    (what a push applies, or a pull answers, is added by `ensure` once its parts are known)."""
+    factor = RECEIVED_BYTES_PER_BODY_BYTE if method in _PUSHES else PULL_BYTES_PER_ID_BYTE
     return int(factor * body_bytes)
+
+
+def push_need(body_bytes: int, applied_bytes: int) -> int:
+    """A push's bytes: its body, and the optimizer's work on the gradients it applies."""
+    return int(RECEIVED_BYTES_PER_BODY_BYTE * body_bytes +
+               APPLY_BYTES_PER_GRADIENT_BYTE * applied_bytes)
 
 
 def pull_need(id_bytes: int, answer_bytes: int, copies: int = 1) -> int:

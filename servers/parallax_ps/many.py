@@ -99,17 +99,36 @@ def hold_answer(method: str, shards: Sequence[TableShard], ids: Sequence[np.ndar
                     lambda: f"{method} of {sum(len(i) for i in ids)} rows ({answer} bytes)")
 
 
-def hold_push(method: str, shards: Sequence[TableShard], parts, deadline: float | None) -> None:
-    """Hold the working memory of a push (its rows, decoded as views of the body), and of
-    the sync steps it may close: their buffered gradients are applied under this request
-    (they are claimed by their shards already; their temporaries are not)."""
+def _may_close(shard: TableShard, part) -> bool:
+    """Whether this part may apply an update: async, or the last chunk of the last sync push
+    its step waits for (the caller holds the shard's lock)."""
+    steps = shard.steps
+    if not steps.sync:
+        return True
+    mine = steps.pushes.get(part.worker)
+    if (len(mine.chunks) if mine else 0) + 1 < chunk_total(part.chunk_count):
+        return False
+    others = sum(1 for w, p in steps.pushes.items() if w != part.worker and p.whole)
+    return others + 1 >= steps.num_workers
+
+
+def push_need(shards: Sequence[TableShard], parts) -> tuple[int, str]:
+    """(bytes, what) a push needs: its body, and the optimizer's work on the updates it may
+    apply (its rows and the sync steps it may close, whose buffered gradients are claimed
+    by their shards already), less what its shards claim for the rows they buffer; the
+    caller holds the shards' locks."""
     body = sum(p.ids.nbytes + p.grads.nbytes for p in parts)
-    steps = sum(s.steps.buffered_bytes for s in {id(s): s for s in shards}.values())
-    need = inflight.frame_need(method, body + steps) - steps
-    inflight.ensure(need, deadline, lambda: f"{method} of {sum(len(p.grads) for p in parts)} "
-                                            f"rows ({body} bytes)" + (
-                                                f", applying a sync step of {steps} buffered "
-                                                f"bytes with them," if steps else ""))
+    closing = {id(s): s for s, p in zip(shards, parts) if _may_close(s, p)}
+    applied = sum(p.ids.nbytes + p.grads.nbytes for s, p in zip(shards, parts)
+                  if id(s) in closing)
+    buffered = sum(s.buffered_by(p.ids, p.grads, chunk_total(p.chunk_count))
+                   for s, p in zip(shards, parts) if id(s) not in closing)
+    steps = sum(s.steps.buffered_bytes for s in closing.values())
+    need = inflight.push_need(body, applied + steps) - buffered  # (claimed by the tables)
+    rows = sum(len(p.grads) for p in parts)
+    return need, (f"a push of {rows} rows ({body} bytes)" +
+                  (f", applying a sync step of {steps} buffered bytes with them," if steps
+                   else ""))
 
 
 @contextlib.contextmanager
@@ -235,7 +254,8 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
     chunks = [chunk_total(part.chunk_count) for part in parts]
     with held(shards):  # the tables' own checks first (their refusal says more), then
         _check_push_held(shards, parts, checked, chunks)  # the working memory (no lock)
-    hold_push("PushMany", shards, parts, deadline)
+        need, what = push_need(shards, parts)
+    inflight.ensure(need, deadline, what)
     with held(shards):
         _check_push_held(shards, parts, checked, chunks)
         with quiet_float_errors():
