@@ -18,10 +18,12 @@ one more A over gRPC, which copies the answer after its handler has returned).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Iterator
 
+from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax_ps.budget import MemoryBudget
 
 RECEIVED_BYTES_PER_BODY_BYTE = 2  # a push's received body and its copy
@@ -29,6 +31,9 @@ APPLY_BYTES_PER_GRADIENT_BYTE = 2  # summed gradients and the optimizer's tempor
 PULL_BYTES_PER_ID_BYTE = 3     # received ids, their copy, the rows located for them
 PULL_BYTES_PER_ANSWER_BYTE = 1.25  # the answer and gathering temporaries
 NO_DEADLINE_WAIT_S = 60.0      # the longest a request without a deadline waits for room
+TRIM_AT = 0.9                  # of --memory-mb resident: a request's end returns freed pages
+TRIM_MIN_BYTES = 4 << 20       # (after requests that held at least this much)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _PUSHES = ("Push", "PushMany", "PushManyPacked")
 _local = threading.local()
 
@@ -81,8 +86,28 @@ class Scope:
         self.held = nbytes
 
     def close(self) -> None:
-        self.budget.unhold(self.held)
-        self.held = 0
+        held, self.held = self.held, 0
+        release(self.budget, held)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc has none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release(budget: MemoryBudget, nbytes: int) -> None:
+    """Give `nbytes` back; and when the process is near --memory-mb resident, hand the
+    pages its requests freed back to the kernel: the allocator keeps freed buffers for reuse
+    (malloc_tuning), in arenas other threads may not reuse, so bursts of requests on many
+    threads would otherwise leave RSS above what is held."""
+    budget.unhold(nbytes)
+    if nbytes >= TRIM_MIN_BYTES and budget.limit and \
+            resident_bytes() > TRIM_AT * budget.limit:
+        return_freed_memory()
 
 
 @contextlib.contextmanager
@@ -101,8 +126,8 @@ def scope(budget: MemoryBudget, context=None) -> Iterator[Scope]:
     finally:
         _local.scope = None
         held, opened.held = opened.held, 0
-        if not (held and opened.grpc and context.add_callback(lambda: budget.unhold(held))):
-            budget.unhold(held)
+        if not (held and opened.grpc and context.add_callback(lambda: release(budget, held))):
+            release(budget, held)
 
 
 def answer_copies() -> int:

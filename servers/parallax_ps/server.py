@@ -61,18 +61,28 @@ class ServerConfig:
         return self.max_message_mb * 1024 * 1024
 
 
-def memory_budget(memory_mb: int | None) -> int:
-    """Bytes the tables may use: the flag, else this process's cgroup limit (containers),
-    else the machine's RAM."""
+CGROUP_SHARE = 0.75  # of a container's memory limit, when --memory-mb is not given
+
+
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_budget(memory_mb: int | None, cgroup_limits: tuple[str, ...] = CGROUP_LIMITS
+                  ) -> int:
+    """Bytes the server may use (`--memory-mb`): the flag, else CGROUP_SHARE of this
+    process's cgroup limit (a container: the rest is headroom for what the budget does not
+    see, such as gRPC's copies of requests it has not handed over yet and the allocator's
+    free lists, so a server whose tables fill its budget is not OOM-killed by its first large
+    step), else the machine's RAM."""
     if memory_mb is not None:
         return memory_mb << 20
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in cgroup_limits:
         try:
             text = Path(path).read_text().strip()
         except OSError:
             continue
         if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
-            return int(text)
+            return int(int(text) * CGROUP_SHARE)
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -219,8 +229,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "baseline (the interpreter, numpy and gRPC, ~62 MB, measured at "
                              "start and counted when it is at most a quarter of the limit): "
                              "one that does not fit waits for room until its deadline or is "
-                             "refused RESOURCE_EXHAUSTED (default: the cgroup limit, else "
-                             "RAM)")
+                             "refused RESOURCE_EXHAUSTED (default: 3/4 of the cgroup limit, "
+                             "leaving headroom in a container, else RAM)")
     parser.add_argument("--data-port", type=int, default=0,
                         help="port of the data plane: PullMany/PushMany (a training step's "
                              "traffic) as frames on plain TCP, or TLS with --tls-cert, with "
