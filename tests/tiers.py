@@ -27,7 +27,7 @@ TIERS = {
                "test_wire_contract.py", "test_security.py", "test_wire_compression.py",
                "test_dynamic_server.py", "test_dynamic_rows.py"],
     "tf": ["test_analysis.py", "test_capacity.py", "test_fusion.py", "test_optimizer_math.py",
-           "test_remote.py", "test_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py",
+           "test_remote.py", "test_resume.py", "test_embedded_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py",
            "test_strategy_wire.py", "test_row_cache_training.py", "test_dynamic_embedding.py"],
     "parallel": ["test_strategy_equivalence.py", "test_multiprocess.py", "test_multihost.py",
                  "test_launch.py", "test_launcher_edges.py", "test_orphans.py",

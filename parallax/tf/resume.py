@@ -22,9 +22,12 @@ The file also holds the tables' rows (as the variables' values). When the server
 the referenced checkpoint (the file was moved to another job or data directory, the servers
 have no `--data-dir`, or it is older than the newest `checkpoints_kept` saves), restoring
 falls back to those rows, with a warning naming the file and the checkpoint: the optimizer
-slots and step of the tables are then not restored. Servers without `--data-dir` cannot
-write checkpoints: saving then writes the rows only, with a warning; any other failed save
-of the tables (a read-only or full disk, ...) fails the save.
+slots and step of the tables are then not restored. Servers without `--data-dir` (the
+embedded default of `ParallaxStrategy()` outside `parallax run`) cannot write checkpoints:
+saving then reads every table's touched rows, slots and step into the file itself
+(`inline_tables`, after the reference), and restoring writes them back into the tables once
+they hold the file's rows, so that resume is exact too, with no data directory; any other
+failed save of the tables (a read-only or full disk, ...) fails the save.
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ from parallax.tf.binding import on_chief, on_every_worker
 ATTRIBUTE = "parallax_server_tables"
 FORMAT = 1
 _KEY = "reference"
-_ROWS = "tables"   # the tables' rows, slots and steps, when the servers cannot save them
-INLINE = "inline"  # (in the reference: they are in the file)
+INLINE = "inline"  # in the reference: the tables' rows, slots and steps are in the file,
+#                    after it and a NUL byte (the servers could not save them themselves)
 ROWS_KEY = "_rows"  # (in the chief's reference, once restored: those bytes)
 _MARK = "_parallax_tables_attached"
 log = logging.getLogger("parallax")
@@ -74,33 +77,24 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
     # ---- TensorFlow checkpoints ----
 
     def _serialize_to_tensors(self):
-        text, rows = self.saved() if tf.executing_eagerly() else ("{}", b"")  # SavedModel
-        return {_KEY: tf.constant(text),                                 # tracing: none
-                _ROWS: tf.constant(np.frombuffer(rows, dtype=np.uint8))}
+        saved = self.saved() if tf.executing_eagerly() else ("{}", b"")  # SavedModel
+        return {_KEY: tf.constant(_pack(*saved))}                       # tracing: none
 
     def _restore_from_tensors(self, restored_tensors):
         if not tf.executing_eagerly():  # tf.saved_model.save tracing the restore function:
             return tf.no_op()           # a SavedModel holds no server tables to restore
-        rows = restored_tensors.get(_ROWS)
-        self.restore(restored_tensors[_KEY].numpy().decode(),
-                     _LOADING.get() or "this TensorFlow checkpoint",
-                     b"" if rows is None else rows.numpy().tobytes())
+        self.restore(*_unpack(restored_tensors[_KEY].numpy()),
+                     _LOADING.get() or "this TensorFlow checkpoint")
         return None
 
     # ---- Keras files ----
 
     def save_own_variables(self, store) -> None:
-        text, rows = self.saved()
-        store[_KEY] = np.frombuffer(text.encode(), dtype=np.uint8)
-        store[_ROWS] = np.frombuffer(rows, dtype=np.uint8)
+        store[_KEY] = np.frombuffer(_pack(*self.saved()), dtype=np.uint8)
 
     def load_own_variables(self, store) -> None:
-        try:
-            rows = bytes(np.asarray(store[_ROWS], dtype=np.uint8))
-        except (KeyError, ValueError):  # a file saved before the rows travelled in it
-            rows = b""
-        self.restore(bytes(np.asarray(store[_KEY], dtype=np.uint8)).decode(),
-                     _LOADING.get() or "this Keras file", rows)
+        self.restore(*_unpack(bytes(np.asarray(store[_KEY], dtype=np.uint8))),
+                     _LOADING.get() or "this Keras file")
 
     # ---- both ----
 
@@ -148,7 +142,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                                  {r.table.name: r.table.spec for r in tables.values()})
         return {**reference, INLINE: True}, rows
 
-    def restore(self, text: str, source: str = "this checkpoint", rows: bytes = b"") -> None:
+    def restore(self, text: str, rows: bytes = b"", source: str = "this checkpoint") -> None:
         """Load the referenced checkpoint (or the tables' `rows` the file carries) into the
         servers now, or at the first step; `source` names the file in a warning if the
         servers do not have it."""
@@ -205,6 +199,17 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         if not self._warned:
             log.warning("%s", message)
             self._warned = True
+
+
+def _pack(text: str, rows: bytes) -> bytes:
+    """The reference's JSON, then (when the file carries the tables' rows) a NUL byte, which
+    JSON never holds, and the rows: one value, the one a file without rows holds too."""
+    return text.encode() + (b"\0" + rows if rows else b"")
+
+
+def _unpack(value: bytes) -> tuple[str, bytes]:
+    text, _, rows = bytes(value).partition(b"\0")
+    return text.decode(), rows
 
 
 def without_data_dir(err: ServerError) -> bool:
