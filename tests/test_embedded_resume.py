@@ -72,3 +72,48 @@ def test_a_new_process_resumes_exactly_on_the_embedded_servers(runs, case):
 def test_no_warning_that_the_resume_is_not_exact(runs):
     for log in runs["logs"]:
         assert "not exact" not in log and "cannot write checkpoints" not in log, log[-3000:]
+
+
+# ---- Keras files, in this process: two strategies, each with its own embedded servers ----
+
+def _model():
+    import keras
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,), dtype="int64")
+    rows = keras.layers.Embedding(300, 4, name="embedding")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(
+        keras.layers.Flatten()(rows)))
+    model.compile(keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+def _losses(model, steps: int, start: int) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        rng = np.random.default_rng(step)
+        x = rng.integers(0, 300, size=(64, 3))
+        y = rng.normal(size=(64, 1)).astype("float32")
+        losses.append(model.fit(x, y, batch_size=64, epochs=1, verbose=0).history["loss"][0])
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["save_weights", "model.save"])
+def test_a_keras_file_saved_on_embedded_servers_resumes_exactly(tmp_path, kind):
+    """`model.save_weights` / `load_weights` and `model.save` / `keras.models.load_model`:
+    the loaded model's next steps equal the saving model's."""
+    import keras
+
+    import parallax
+    with parallax.ParallaxStrategy(log_plan=False).scope():
+        model = _model()
+    _losses(model, 4, 0)
+    path = tmp_path / ("w.weights.h5" if kind == "save_weights" else "m.keras")
+    model.save_weights(path) if kind == "save_weights" else model.save(path)
+    expected = _losses(model, 3, 4)
+    with parallax.ParallaxStrategy(log_plan=False).scope():
+        if kind == "save_weights":
+            loaded = _model()
+            loaded.load_weights(path)
+        else:
+            loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(_losses(loaded, 3, 4), expected, rtol=0, atol=1e-6)
