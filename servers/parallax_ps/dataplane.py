@@ -240,17 +240,19 @@ class DataPlaneServer:
             try:  # (before the body is read: --memory-mb, waiting for room if need be)
                 admitted.enter_context(self.service.admitted(
                     name, length, _Context(deadline_s).deadline))
-            except RequestError as refused:
+            except RequestError as refused:  # read past the body: the connection stays
+                _skip(sock, length)          # usable, its client on the data plane
                 _refuse(sock, refused.code, refused.message)
-                _drain(sock, length)
-                return False
+                return True
             request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
             with self._lock:
                 self._in_flight += 1
             try:
                 code, body = self._handle(name, request, deadline_s)
+                del request  # (its bytes go before the memory they held is given back)
                 sock.settimeout(FRAME_TIMEOUT_S)  # a client that stopped reading lets go
                 dataplane.send_frame(sock, _response(code, body), body)
+                del body
             finally:
                 with self._idle:
                     self._in_flight -= 1
@@ -308,6 +310,17 @@ def _drain(sock: socket.socket, limit: int) -> None:
             dropped += len(piece)
     except OSError:
         pass
+
+
+def _skip(sock: socket.socket, length: int) -> None:
+    """Read and drop a body of `length` bytes, a piece at a time (no memory grows)."""
+    piece = bytearray(min(length, dataplane.PIECE))
+    with memoryview(piece) as view:
+        while length > 0:
+            got = sock.recv_into(view[:min(length, len(piece))])
+            if not got:
+                raise EOFError(f"connection closed with {length} bytes of a body unread")
+            length -= got
 
 
 def _close(sock: socket.socket) -> None:
