@@ -35,8 +35,12 @@ def _mib(nbytes: int) -> str:
 
 class MemoryBudget:
     def __init__(self, limit_bytes: int, baseline: int = 0) -> None:
+        """`baseline`: the process's resident memory before any table; counted against the
+        requests in flight when it is at most a quarter of the limit (a smaller limit is a
+        test's, whose tables still need requests to reach them)."""
         self.limit = limit_bytes
-        self.baseline = baseline  # counted against requests in flight, not against tables
+        self.resident_baseline = baseline
+        self.baseline = baseline if limit_bytes >= 4 * baseline else 0  # (counted)
         self._claims: dict[object, int] = {}
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
@@ -95,6 +99,11 @@ class MemoryBudget:
     def held(self) -> int:
         """Bytes held by the requests in flight."""
         return self._held
+
+    def accounted(self) -> int:
+        """Resident bytes the budget explains: the baseline, the tables and the requests in
+        flight."""
+        return self.resident_baseline + self._total + self._held
 
     def hold(self, nbytes: int, deadline: float, what: What, own: int = 0) -> bool:
         """Take `nbytes` more of working memory for a request in flight that holds `own`

@@ -31,8 +31,8 @@ APPLY_BYTES_PER_GRADIENT_BYTE = 2  # summed gradients and the optimizer's tempor
 PULL_BYTES_PER_ID_BYTE = 3     # received ids, their copy, the rows located for them
 PULL_BYTES_PER_ANSWER_BYTE = 1.25  # the answer and gathering temporaries
 NO_DEADLINE_WAIT_S = 60.0      # the longest a request without a deadline waits for room
-TRIM_AT = 0.9                  # of --memory-mb resident: a request's end returns freed pages
-TRIM_MIN_BYTES = 4 << 20       # (after requests that held at least this much)
+TRIM_SLACK = 1 / 8             # of --memory-mb resident beyond what the budget explains: a
+TRIM_MIN_BYTES = 4 << 20       # request's end (one that held this much) returns freed pages
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PUSHES = ("Push", "PushMany", "PushManyPacked")
 _local = threading.local()
@@ -100,13 +100,14 @@ def resident_bytes() -> int:
 
 
 def release(budget: MemoryBudget, nbytes: int) -> None:
-    """Give `nbytes` back; and when the process is near --memory-mb resident, hand the
-    pages its requests freed back to the kernel: the allocator keeps freed buffers for reuse
-    (malloc_tuning), in arenas other threads may not reuse, so bursts of requests on many
-    threads would otherwise leave RSS above what is held."""
+    """Give `nbytes` back; and when the process is resident well beyond what the budget
+    explains (`TRIM_SLACK`), hand the pages its requests freed back to the kernel: the
+    allocator keeps freed buffers for reuse (malloc_tuning), in arenas other threads may not
+    reuse, so bursts of requests on many threads would otherwise leave RSS above what is
+    held. (Within the slack, freed buffers stay for the next requests, page faults saved.)"""
     budget.unhold(nbytes)
     if nbytes >= TRIM_MIN_BYTES and budget.limit and \
-            resident_bytes() > TRIM_AT * budget.limit:
+            resident_bytes() > budget.accounted() + TRIM_SLACK * budget.limit:
         return_freed_memory()
 
 

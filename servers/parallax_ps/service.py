@@ -155,9 +155,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None,
                  baseline_bytes: int = 0) -> None:
-        """`baseline_bytes`: the process's resident memory before any table, held against
-        the requests in flight when it is at most a quarter of `memory_bytes` (a smaller
-        limit is a test's, whose tables still need requests to reach them)."""
+        """`baseline_bytes`: the process's resident memory before any table (`MemoryBudget`)."""
         self.data_dir = data_dir
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
@@ -166,8 +164,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_idle_timeout_s = 0
         self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
-        self.budget = MemoryBudget(memory_bytes, baseline_bytes
-                                   if memory_bytes >= 4 * baseline_bytes else 0)
+        self.budget = MemoryBudget(memory_bytes, baseline_bytes)
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
