@@ -103,9 +103,9 @@ def test_a_push_that_does_not_fit_is_refused_before_it_is_read(server):
     with client:
         before = table.pull(np.arange(0, ROWS, 997))
         ids = np.random.default_rng(0).integers(0, ROWS, 2_500_000)
-        with pytest.raises(ServerError, match=r"RESOURCE_EXHAUSTED: .* needs .* MiB of working "
-                                              r"memory, .* may use 256.0 MiB \(--memory-mb\) "
-                                              r"and its baseline .* and the tables hold .* MiB") as info:
+        refused = (r"RESOURCE_EXHAUSTED: .* needs .* MiB of working memory, .* may use "
+                   r"256.0 MiB \(--memory-mb\) and its baseline .* and the tables hold .* MiB")
+        with pytest.raises(ServerError, match=refused) as info:
             push_many([table], [ids], [np.ones((len(ids), DIM), np.float32)],
                       [server["steps"]], 0, [0.1])
         assert "chunk_mb" in str(info.value)

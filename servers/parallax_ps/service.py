@@ -35,7 +35,6 @@ from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
-from parallax_ps.steps import chunk_total
 
 log = logging.getLogger("parallax_ps")
 SERVICE_NAME = "parallax.ps.v1.ParameterServer"
