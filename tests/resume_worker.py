@@ -1,5 +1,6 @@
 """A job that trains, checkpoints through TF's or Keras' own API, and resumes, for
-tests/test_resume.py. Run under `parallax run` (one worker or several).
+tests/test_resume.py (under `parallax run`, one worker or several) and
+tests/test_embedded_resume.py (a plain process: the embedded servers).
 
   custom  the MWMS custom-loop tutorial's shape: `strategy.cluster_resolver` decides the
           chief, which saves into OUT/ckpt with a CheckpointManager; the other workers save
@@ -31,7 +32,8 @@ import parallax  # noqa: E402
 
 VOCAB, DIM, BATCH = 300, 4, 16
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.05),
-              "adagrad": lambda: keras.optimizers.Adagrad(0.3)}
+              "adagrad": lambda: keras.optimizers.Adagrad(0.3),
+              "adam": lambda: keras.optimizers.Adam(0.01)}
 
 
 def data(steps: int):

@@ -46,7 +46,7 @@ def check_compatible(source: ShardedTable, target: ShardedTable) -> None:
                           f"({a.describe_difference(b)})")
 
 
-def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> None:
+def import_page(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> None:
     """Split one exported page by target shard and write the parts concurrently."""
     ids = wire.decode(page.ids, "ids")
     values = wire.decode(page.values, "values")
@@ -75,13 +75,14 @@ def _import_pages(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> No
         conn.result(future, "ImportRows", request, target.name)
 
 
-def _set_step(target: ShardedTable, step: int, slot_names: list[str],
-              restart_changes: bool) -> None:
-    """An empty page to every target shard: shards no row landed on still get the step (and
-    a caught-up table starts counting its changes afresh)."""
+def set_step(target: ShardedTable, step: int | list[int], slot_names: list[str],
+             restart_changes: bool) -> None:
+    """An empty page to every target shard: shards no row landed on still get the step (one
+    for all, or one per shard), and a caught-up table starts counting its changes afresh."""
     dim, dtype = target.spec.dim, np.dtype(target.spec.dtype)
+    steps = step if isinstance(step, list) else [step] * len(target.shards)
     for shard, conn in enumerate(target.shards):
-        request = ps_pb2.ShardRows(table=target.name, shard_index=shard, step=step,
+        request = ps_pb2.ShardRows(table=target.name, shard_index=shard, step=steps[shard],
                                    slot_names=slot_names, restart_changes=restart_changes)
         wire.encode(np.zeros(0, np.int64), request.ids)
         wire.encode(np.zeros((0, dim), dtype), request.values)
@@ -100,7 +101,7 @@ def _move_shard(source: ShardedTable, shard: int, target: ShardedTable, page_row
         step, slot_names = page.step, list(page.slot_names)
         count = page.ids.shape[0] if page.ids.shape else 0
         if count:
-            _import_pages(target, page, page.step)
+            import_page(target, page, page.step)
         rows += count
         nbytes += len(page.values.content) + sum(len(s.content) for s in page.slots)
     return rows, nbytes, step, slot_names
@@ -129,6 +130,6 @@ def move_rows(source: ShardedTable, target: ShardedTable, page_rows: int = 0,
             f"{sorted(steps)}; a push is still landing. Wait for every worker's pushes "
             f"(RemoteTable.wait_for_pushes) first")
     step = steps.pop() or 0
-    _set_step(target, step, moved[0][3], restart_changes=changed_only)
+    set_step(target, step, moved[0][3], restart_changes=changed_only)
     return MoveReport(rows=sum(m[0] for m in moved), bytes=sum(m[1] for m in moved),
                       step=step, seconds=time.perf_counter() - start)

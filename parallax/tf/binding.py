@@ -227,6 +227,8 @@ class TableBinder:
                 unused(table)
             for vp, spec in zip(on_servers, specs):
                 fill(vp, spec, tables[spec.name])
+            if restore is not None and hasattr(restore, "import_rows"):
+                restore.import_rows(tables)  # the rows, slots and steps a file carries
 
         def unused(table) -> None:
             applied = table.wait_step(0)

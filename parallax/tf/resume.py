@@ -22,9 +22,12 @@ The file also holds the tables' rows (as the variables' values). When the server
 the referenced checkpoint (the file was moved to another job or data directory, the servers
 have no `--data-dir`, or it is older than the newest `checkpoints_kept` saves), restoring
 falls back to those rows, with a warning naming the file and the checkpoint: the optimizer
-slots and step of the tables are then not restored. Servers without `--data-dir` cannot
-write checkpoints: saving then writes the rows only, with a warning; any other failed save
-of the tables (a read-only or full disk, ...) fails the save.
+slots and step of the tables are then not restored. Servers without `--data-dir` (the
+embedded default of `ParallaxStrategy()` outside `parallax run`) cannot write checkpoints:
+saving then reads every table's touched rows, slots and step into the file itself
+(`inline_tables`, after the reference), and restoring writes them back into the tables once
+they hold the file's rows, so that resume is exact too, with no data directory; any other
+failed save of the tables (a read-only or full disk, ...) fails the save.
 """
 from __future__ import annotations
 
@@ -44,11 +47,15 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from parallax.errors import ConfigError, ServerError
 from parallax.placement.plan import Plan
 from parallax.protocol.checkpoint_names import NO_DATA_DIR
+from parallax.tf import inline_tables
 from parallax.tf.binding import on_chief, on_every_worker
 
 ATTRIBUTE = "parallax_server_tables"
 FORMAT = 1
 _KEY = "reference"
+INLINE = "inline"  # in the reference: the tables' rows, slots and steps are in the file,
+#                    after it and a NUL byte (the servers could not save them themselves)
+ROWS_KEY = "_rows"  # (in the chief's reference, once restored: those bytes)
 _MARK = "_parallax_tables_attached"
 log = logging.getLogger("parallax")
 # The file being loaded ("Keras file PATH"), while Keras or TF loads one: warnings name it.
@@ -62,6 +69,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         self._strategy_extended = extended
         self.pending: dict | None = None  # restored before the plan: applied when binding
         self._warned = False
+        self._rows = b""  # the tables' rows of the file restored last, when it carries them
 
     def _obj_type(self) -> str:
         return "Loss"  # Keras walks only known kinds; this one adds nothing to skip
@@ -69,38 +77,44 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
     # ---- TensorFlow checkpoints ----
 
     def _serialize_to_tensors(self):
-        text = self.save() if tf.executing_eagerly() else "{}"  # SavedModel tracing: none
-        return {_KEY: tf.constant(text)}
+        saved = self.saved() if tf.executing_eagerly() else ("{}", b"")  # SavedModel
+        return {_KEY: tf.constant(_pack(*saved))}                       # tracing: none
 
     def _restore_from_tensors(self, restored_tensors):
         if not tf.executing_eagerly():  # tf.saved_model.save tracing the restore function:
             return tf.no_op()           # a SavedModel holds no server tables to restore
-        self.restore(restored_tensors[_KEY].numpy().decode(),
+        self.restore(*_unpack(restored_tensors[_KEY].numpy()),
                      _LOADING.get() or "this TensorFlow checkpoint")
         return None
 
     # ---- Keras files ----
 
     def save_own_variables(self, store) -> None:
-        store[_KEY] = np.frombuffer(self.save().encode(), dtype=np.uint8)
+        store[_KEY] = np.frombuffer(_pack(*self.saved()), dtype=np.uint8)
 
     def load_own_variables(self, store) -> None:
-        self.restore(bytes(np.asarray(store[_KEY], dtype=np.uint8)).decode(),
+        self.restore(*_unpack(bytes(np.asarray(store[_KEY], dtype=np.uint8))),
                      _LOADING.get() or "this Keras file")
 
     # ---- both ----
 
     def save(self) -> str:
         """Checkpoint the tables on the servers (chief); the JSON reference to it."""
-        return json.dumps(self._reference(), sort_keys=True)
+        return self.saved()[0]
 
-    def _reference(self) -> dict:
+    def saved(self) -> tuple[str, bytes]:
+        """Checkpoint the tables (chief): (the JSON reference, the tables' rows, slots and
+        steps when the servers cannot checkpoint them: `inline_tables`; else empty)."""
+        reference, rows = self._reference()
+        return json.dumps(reference, sort_keys=True), rows
+
+    def _reference(self) -> tuple[dict, bytes]:
         extended = self._strategy_extended
         if not extended.remotes:
-            return {}  # nothing on the servers (yet)
+            return {}, b""  # nothing on the servers (yet)
         info = extended.workers.info
         if not info.is_chief:
-            return {"format": FORMAT, "worker": info.rank}
+            return {"format": FORMAT, "worker": info.rank}, b""
         tables = tables_by_variable(extended.plan, extended.remotes)
         for remote in tables.values():
             remote.land_pushes()
@@ -112,36 +126,55 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         except ServerError as err:
             if not without_data_dir(err):
                 raise  # a failing disk, ...: the user's save must fail, not lose the slots
-            self._warn_once(f"the parameter servers cannot write checkpoints ({err}); this "
-                            f"checkpoint holds the tables' rows but not their optimizer "
-                            f"slots or step (nor any DynamicEmbedding's rows, which only "
-                            f"the servers' checkpoint holds), so a resume from it is not "
-                            f"exact. Start the "
-                            f"servers with a data directory (parallax run --data-dir DIR)")
-            return {"format": FORMAT, "unsaved": str(err)}
+            return self._inline(tables)  # no data directory: the rows travel in the file
         return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
                                            for i, r in tables.items()},
-                            {r.table.name: r.table.spec for r in tables.values()})
+                            {r.table.name: r.table.spec for r in tables.values()}), b""
 
-    def restore(self, text: str, source: str = "this checkpoint") -> None:
-        """Load the referenced checkpoint into the servers now, or at the first step;
-        `source` names the file in a warning if the servers do not have it."""
+    def _inline(self, tables: dict) -> tuple[dict, bytes]:
+        """The reference and the tables' rows, slots and steps, for servers that cannot
+        write checkpoints (`inline_tables`)."""
+        rows, steps = inline_tables.export_state({r.table.name: r.table
+                                                  for r in tables.values()})
+        saved = [_Saved(name, step) for name, step in steps.items()]
+        reference = reference_to("", saved, {i: (r.label, r.table.name, r.offset)
+                                             for i, r in tables.items()},
+                                 {r.table.name: r.table.spec for r in tables.values()})
+        return {**reference, INLINE: True}, rows
+
+    def restore(self, text: str, rows: bytes = b"", source: str = "this checkpoint") -> None:
+        """Load the referenced checkpoint (or the tables' `rows` the file carries) into the
+        servers now, or at the first step; `source` names the file in a warning if the
+        servers do not have it."""
         reference = _parse(text)
         if not reference:
             return
+        if reference.get(INLINE):
+            if not rows:
+                raise ConfigError(f"{source} refers to the tables' rows it carries, but "
+                                  f"holds none (it was cut short or rewritten); restore "
+                                  f"another checkpoint")
+            self._rows = rows  # the chief's are restored; they never travel to workers
         reference = {**reference, "source": source}  # (the chief's travels to every worker)
         extended = self._strategy_extended
         if extended.plan is None:
             self.pending = reference
             return
-        reference = self.chiefs(reference)
+        reference = self._with_rows(self.chiefs(reference))
         if reference is not None:
             restore_now(extended, reference)
 
     def take_pending(self) -> dict | None:
         """The chief's reference restored before the plan, on every worker (collective)."""
         pending, self.pending = self.pending, None
-        return self.chiefs(pending)
+        return self._with_rows(self.chiefs(pending))
+
+    def _with_rows(self, reference: dict | None) -> dict | None:
+        """The chief's reference with the rows its file carries (`ROWS_KEY`, never sent)."""
+        if reference and reference.get(INLINE) and \
+                self._strategy_extended.workers.info.is_chief:
+            reference = {**reference, ROWS_KEY: self._rows}
+        return reference
 
     def chiefs(self, reference: dict | None) -> dict | None:
         """The chief's reference on every worker (collective: other workers' files hold no
@@ -168,11 +201,31 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
             self._warned = True
 
 
+def _pack(text: str, rows: bytes) -> bytes:
+    """The reference's JSON, then (when the file carries the tables' rows) a NUL byte, which
+    JSON never holds, and the rows: one value, the one a file without rows holds too."""
+    return text.encode() + (b"\0" + rows if rows else b"")
+
+
+def _unpack(value: bytes) -> tuple[str, bytes]:
+    text, _, rows = bytes(value).partition(b"\0")
+    return text.decode(), rows
+
+
 def without_data_dir(err: ServerError) -> bool:
     """Whether `err` is the servers' refusal to save or restore for having no --data-dir
     (FAILED_PRECONDITION whose message starts with `NO_DATA_DIR`), not any other failure."""
     return (err.code == grpc.StatusCode.FAILED_PRECONDITION
             and f"{err.code.name}: {NO_DATA_DIR}" in str(err))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """A table's step, as `reference_to` reads a saved shard (no server checkpoint)."""
+
+    table: str
+    step: int
+    checkpoint: str = ""
 
 
 def reference_to(path: str, shards, tables: dict, specs: dict | None = None) -> dict:
@@ -278,6 +331,8 @@ def restore_into_servers(client, reference: dict, before_plan: bool = True) -> b
     """Chief: load the referenced checkpoint into its tables (created, same names). False,
     with a warning, when the servers do not have it: the tables keep the file's rows."""
     tables = {t["table"]: t["step"] for t in reference["tables"].values()}
+    if reference.get(INLINE):
+        return False  # the file's rows: written after the tables are filled (`import_rows`)
     try:
         shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"])
     except ServerError as err:
@@ -321,6 +376,20 @@ class Resumption:
         self.restored = restore_into_servers(client, self.reference, self.before_plan)
         return self.restored
 
+    def import_rows(self, tables: dict) -> None:
+        """Chief, once the tables ({name: ShardedTable}) hold the file's rows: write the rows,
+        slots and steps the file carries (`inline_tables`), when it carries them."""
+        if not self.reference.get(INLINE):
+            return
+        steps = inline_tables.import_state(self.reference[ROWS_KEY], tables)
+        wrong = sorted((t["table"], t["step"]) for t in self.reference["tables"].values()
+                       if steps.get(t["table"]) != t["step"])
+        if wrong:
+            raise ConfigError(f"the tables' rows in this checkpoint are at steps {steps}, "
+                              f"not the saved {wrong}; it was changed since: restore "
+                              f"another checkpoint")
+        self.restored = True
+
     def continue_steps(self, remotes: dict, workers) -> None:
         """Every worker (collective): continue from the saved step if the chief restored."""
         if workers.broadcast_object(self.restored if workers.info.is_chief else None):
@@ -357,8 +426,11 @@ def restore_now(extended, reference: dict) -> None:
                     "could not land its pushes before a restore")
     resumption = Resumption(reference, before_plan=False)
     extended.table_client.invalidate()  # the rows (and steps) go back to the checkpoint's
-    on_chief(workers, lambda: resumption(extended.client),
-             "failed to restore the tables on the parameter servers")
+
+    def load() -> None:
+        if not resumption(extended.client):
+            resumption.import_rows({r.table.name: r.table for r in tables.values()})
+    on_chief(workers, load, "failed to restore the tables on the parameter servers")
     resumption.continue_steps(tables, workers)
 
 

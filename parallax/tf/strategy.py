@@ -629,8 +629,8 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 names any (see `ps_addresses`): child processes of this one on loopback,
                 started at the first training step if the plan puts a variable on them,
                 stopped when this process exits or dies. They have no data directory, so
-                checkpoints then hold the tables' rows but not their optimizer slots and
-                step (with a warning). Only for one worker: several workers need servers
+                checkpoints then carry the tables' rows, optimizer slots and step themselves
+                (a resume is exact). Only for one worker: several workers need servers
                 named (see Raises).
             local_aggregation: bool or None (default: False). True: the workers of a host
                 all-gather their table gradients and its local rank 0 alone pushes them, so

@@ -4,10 +4,21 @@ Every shard holds a claim: its rows and optimizer slots (a fixed-vocabulary shar
 whole size when it is created, a hashed shard the rows it holds) plus the gradients of the
 open sync step it buffers. A request that would take the total over the limit is refused with
 RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means no limit.
+
+The same limit bounds the working memory of the requests in flight (`hold`, estimated by
+`parallax_ps.inflight` from a request's size before it is read or its answer allocated),
+together with the process's own baseline (`baseline`: the interpreter, numpy and gRPC,
+resident before any table): a request is let in while the baseline, the tables and the
+requests in flight leave room for it, else it
+waits for room until its deadline; one that cannot fit beside the tables at all is refused
+at once. Tables are checked against the tables alone (a table never fails for a burst of
+requests), so tables plus requests stay within the limit plus the growth of the tables by
+the requests in flight.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence, Union
 
 import grpc
@@ -23,11 +34,18 @@ def _mib(nbytes: int) -> str:
 
 
 class MemoryBudget:
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, baseline: int = 0) -> None:
+        """`baseline`: the process's resident memory before any table; counted against the
+        requests in flight when it is at most a quarter of the limit (a smaller limit is a
+        test's, whose tables still need requests to reach them)."""
         self.limit = limit_bytes
+        self.resident_baseline = baseline
+        self.baseline = baseline if limit_bytes >= 4 * baseline else 0  # (counted)
         self._claims: dict[object, int] = {}
         self._total = 0
+        self._held = 0  # working memory of the requests in flight (`hold`)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
 
     def check(self, owner: object, nbytes: int, label: str, what: What) -> None:
         """Raise RESOURCE_EXHAUSTED unless `owner` may hold `nbytes` in all (changes nothing);
@@ -75,8 +93,65 @@ class MemoryBudget:
     def release(self, owner: object) -> None:
         with self._lock:
             self._total -= self._claims.pop(owner, 0)
+            self._room.notify_all()
+
+    @property
+    def held(self) -> int:
+        """Bytes held by the requests in flight."""
+        return self._held
+
+    def accounted(self) -> int:
+        """Resident bytes the budget explains: the baseline, the tables and the requests in
+        flight."""
+        return self.resident_baseline + self._total + self._held
+
+    def hold(self, nbytes: int, deadline: float, what: What, own: int = 0) -> bool:
+        """Take `nbytes` more of working memory for a request in flight that holds `own`
+        already (give it back with `unhold`): at once when the tables and the requests in
+        flight leave room, else once they do, until `deadline` (time.monotonic()); False,
+        holding nothing more, when the deadline passes first; RESOURCE_EXHAUSTED at once
+        when `own + nbytes` cannot fit beside the tables."""
+        if not self.limit or nbytes <= 0:
+            return True
+        with self._room:
+            while self.baseline + self._total + self._held + nbytes > self.limit:
+                if self.baseline + self._total + own + nbytes > self.limit:
+                    self._refuse_request(own + nbytes, what, waited=False)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._room.wait(remaining)
+            self._held += nbytes
+            return True
+
+    def refuse_waited(self, nbytes: int, what: What) -> None:
+        """RESOURCE_EXHAUSTED: a request that needs `nbytes` found no room by its deadline."""
+        with self._lock:
+            self._refuse_request(nbytes, what, waited=True)
+
+    def unhold(self, nbytes: int) -> None:
+        if not self.limit or nbytes <= 0:
+            return
+        with self._room:
+            self._held -= nbytes
+            self._room.notify_all()
+
+    def _refuse_request(self, nbytes: int, what: What, waited: bool) -> None:
+        what = what() if callable(what) else what
+        room = max(self.limit - self.baseline - self._total, 0)
+        why = (f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
+               f"for requests until its deadline" if waited else
+               f"its baseline (interpreter, numpy, gRPC) takes {_mib(self.baseline)} and the "
+               f"tables hold {_mib(self._total)}, leaving {_mib(room)} for requests")
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what} needs {_mib(nbytes)} of working memory, but this server may use "
+            f"{_mib(self.limit)} (--memory-mb) and {why}; send smaller requests "
+            f"(ClientOptions.chunk_mb), fewer at once, or raise --memory-mb")
 
     def _set(self, owner: object, nbytes: int) -> None:
+        if nbytes < self._claims.get(owner, 0):
+            self._room.notify_all()  # (the lock is held) room for waiting requests
         self._total += nbytes - self._claims.get(owner, 0)
         self._claims[owner] = nbytes
 

@@ -17,6 +17,7 @@ the connections once the requests in flight are answered or the grace period is 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
@@ -30,6 +31,7 @@ import grpc
 
 from parallax.protocol import dataplane
 from parallax.protocol.dataplane import FrameError
+from parallax_ps.errors import RequestError
 from parallax_ps.service import ParameterServerService, request_deserializer
 
 log = logging.getLogger("parallax_ps")
@@ -61,6 +63,7 @@ class _Context:
         if not 0 < deadline_s <= MAX_DEADLINE_S:  # (False for NaN too)
             deadline_s = MAX_DEADLINE_S
         self._deadline = time.monotonic() + deadline_s
+        self.deadline = self._deadline
 
     def time_remaining(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
@@ -233,17 +236,27 @@ class DataPlaneServer:
         if name is None or length > self.max_message_bytes:
             self._refuse_frame(sock, name, method, length)
             return False
-        request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
-        with self._lock:
-            self._in_flight += 1
-        try:
-            code, body = self._handle(name, request, deadline_s)
-            sock.settimeout(FRAME_TIMEOUT_S)  # a client that stopped reading lets go of us
-            dataplane.send_frame(sock, _response(code, body), body)
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
+        with contextlib.ExitStack() as admitted:  # its working memory, until answered
+            try:  # (before the body is read: --memory-mb, waiting for room if need be)
+                admitted.enter_context(self.service.admitted(
+                    name, length, _Context(deadline_s).deadline))
+            except RequestError as refused:  # read past the body: the connection stays
+                _skip(sock, length)          # usable, its client on the data plane
+                _refuse(sock, refused.code, refused.message)
+                return True
+            request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
+            with self._lock:
+                self._in_flight += 1
+            try:
+                code, body = self._handle(name, request, deadline_s)
+                del request  # (its bytes go before the memory they held is given back)
+                sock.settimeout(FRAME_TIMEOUT_S)  # a client that stopped reading lets go
+                dataplane.send_frame(sock, _response(code, body), body)
+                del body
+            finally:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
         return True
 
     def _handle(self, name: str, request, deadline_s: float) -> tuple[int, bytes]:
@@ -297,6 +310,17 @@ def _drain(sock: socket.socket, limit: int) -> None:
             dropped += len(piece)
     except OSError:
         pass
+
+
+def _skip(sock: socket.socket, length: int) -> None:
+    """Read and drop a body of `length` bytes, a piece at a time (no memory grows)."""
+    piece = bytearray(min(length, dataplane.PIECE))
+    with memoryview(piece) as view:
+        while length > 0:
+            got = sock.recv_into(view[:min(length, len(piece))])
+            if not got:
+                raise EOFError(f"connection closed with {length} bytes of a body unread")
+            length -= got
 
 
 def _close(sock: socket.socket) -> None:

@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from parallax.protocol import bulk_codec, wire
+from parallax_ps import inflight
 from parallax_ps.errors import RequestError, invalid
 from parallax_ps.optimizers import quiet_float_errors
 from parallax_ps.shard import ShuttingDown, TableShard
@@ -89,6 +90,47 @@ def check_answer_size(method: str, shards: Sequence[TableShard], ids: Sequence[n
         raise _too_large(method, total, limit, exact=False)
 
 
+def hold_answer(method: str, shards: Sequence[TableShard], ids: Sequence[np.ndarray],
+                deadline: float | None) -> None:
+    """Hold the working memory of a pull's answer (before it is allocated; no lock held)."""
+    id_bytes = sum(i.nbytes for i in ids)
+    answer = sum(len(i) * s.spec.dim * s.answer_dtype().itemsize for s, i in zip(shards, ids))
+    inflight.ensure(inflight.pull_need(id_bytes, answer, inflight.answer_copies()), deadline,
+                    lambda: f"{method} of {sum(len(i) for i in ids)} rows ({answer} bytes)")
+
+
+def _may_close(shard: TableShard, part) -> bool:
+    """Whether this part may apply an update: async, or the last chunk of the last sync push
+    its step waits for (the caller holds the shard's lock)."""
+    steps = shard.steps
+    if not steps.sync:
+        return True
+    mine = steps.pushes.get(part.worker)
+    if (len(mine.chunks) if mine else 0) + 1 < chunk_total(part.chunk_count):
+        return False
+    others = sum(1 for w, p in steps.pushes.items() if w != part.worker and p.whole)
+    return others + 1 >= steps.num_workers
+
+
+def push_need(shards: Sequence[TableShard], parts) -> tuple[int, str]:
+    """(bytes, what) a push needs: its body, and the optimizer's work on the updates it may
+    apply (its rows and the sync steps it may close, whose buffered gradients are claimed
+    by their shards already), less what its shards claim for the rows they buffer; the
+    caller holds the shards' locks."""
+    body = sum(p.ids.nbytes + p.grads.nbytes for p in parts)
+    closing = {id(s): s for s, p in zip(shards, parts) if _may_close(s, p)}
+    applied = sum(p.ids.nbytes + p.grads.nbytes for s, p in zip(shards, parts)
+                  if id(s) in closing)
+    buffered = sum(s.buffered_by(p.ids, p.grads, chunk_total(p.chunk_count))
+                   for s, p in zip(shards, parts) if id(s) not in closing)
+    steps = sum(s.steps.buffered_bytes for s in closing.values())
+    need = inflight.push_need(body, applied + steps) - buffered  # (claimed by the tables)
+    rows = sum(len(p.grads) for p in parts)
+    return need, (f"a push of {rows} rows ({body} bytes)" +
+                  (f", applying a sync step of {steps} buffered bytes with them," if steps
+                   else ""))
+
+
 @contextlib.contextmanager
 def exact_answer_size(method: str) -> Iterator[None]:
     """Answer a writer's MessageTooLarge (raised before it allocates) with RESOURCE_EXHAUSTED."""
@@ -135,6 +177,9 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
             shard.wait_step(part.min_step, deadline)
+    with held(shards):  # the tables' own limits first: their refusal says more
+        _check_capacity(shards, ids, [0] * len(ids), pull=True)
+    hold_answer("PullMany", shards, ids, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up
             if shard.closed:
@@ -188,7 +233,18 @@ def _check_same_rate(shards: Sequence[TableShard], parts: Sequence[bulk_codec.Bu
                           f"and chunks of one step must agree")
 
 
-def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
+def _check_push_held(shards, parts, checked, chunks) -> None:
+    """A push's step-state and capacity checks (the locks of its shards held)."""
+    for shard, part, (_, lr, _), count in zip(shards, parts, checked, chunks):
+        shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
+                               part.session)
+    _check_capacity(shards, [ids for ids, _, _ in checked],
+                    [s.buffered_by(ids, grads, count) for s, (ids, _, grads), count in
+                     zip(shards, checked, chunks)])
+
+
+def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
+              deadline: float | None = None
               ) -> tuple[list[tuple[int, bool]], dict[str, PartCounts]]:
     """Apply every part or none: [(steps applied, completed a step)] per part, and counts."""
     _check_distinct(parts)
@@ -196,13 +252,12 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
                for shard, part in zip(shards, parts)]
     _check_same_rate(shards, parts, [lr for _, lr, _ in checked])
     chunks = [chunk_total(part.chunk_count) for part in parts]
+    with held(shards):  # the tables' own checks first (their refusal says more), then
+        _check_push_held(shards, parts, checked, chunks)  # the working memory (no lock)
+        need, what = push_need(shards, parts)
+    inflight.ensure(need, deadline, what)
     with held(shards):
-        for shard, part, (_, lr, _), count in zip(shards, parts, checked, chunks):
-            shard.check_push_state(part.step, part.worker, lr, part.chunk_index, count,
-                                   part.session)
-        _check_capacity(shards, [ids for ids, _, _ in checked],
-                        [s.buffered_by(ids, grads, count) for s, (ids, _, grads), count in
-                         zip(shards, checked, chunks)])
+        _check_push_held(shards, parts, checked, chunks)
         with quiet_float_errors():
             results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])

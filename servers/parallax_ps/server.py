@@ -32,6 +32,7 @@ from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
 log = logging.getLogger("parallax_ps")
+MALLOC_ARENAS = 2  # freed buffers are reused across the data plane's threads (malloc_tuning)
 
 
 @dataclass(frozen=True)
@@ -60,19 +61,42 @@ class ServerConfig:
         return self.max_message_mb * 1024 * 1024
 
 
-def memory_budget(memory_mb: int | None) -> int:
-    """Bytes the tables may use: the flag, else this process's cgroup limit (containers),
-    else the machine's RAM."""
+CGROUP_SHARE = 0.75  # of a container's memory limit, when --memory-mb is not given
+
+
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_budget(memory_mb: int | None, cgroup_limits: tuple[str, ...] = CGROUP_LIMITS
+                  ) -> int:
+    """Bytes the server may use (`--memory-mb`): the flag, else CGROUP_SHARE of this
+    process's cgroup limit (a container: the rest is headroom for what the budget does not
+    see, such as gRPC's copies of requests it has not handed over yet and the allocator's
+    free lists, so a server whose tables fill its budget is not OOM-killed by its first large
+    step), else the machine's RAM."""
     if memory_mb is not None:
         return memory_mb << 20
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in cgroup_limits:
         try:
             text = Path(path).read_text().strip()
         except OSError:
             continue
         if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
-            return int(text)
+            return int(int(text) * CGROUP_SHARE)
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS; 0 where /proc has none): at start, the
+    baseline that --memory-mb holds requests in flight to beside the tables."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class RunningServer:
@@ -100,7 +124,8 @@ class RunningServer:
                                                     config.health_without_token else [])]
             if token else None)
         self.service = ParameterServerService(config.data_dir, limit,
-                                              memory_budget(config.memory_mb), config.threads)
+                                              memory_budget(config.memory_mb), config.threads,
+                                              resident_bytes())
         add_to_server(self.service, self.server, self.wait_pool)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -197,10 +222,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         help="address the metrics endpoint binds (default loopback, whatever "
                              "--host is; 0.0.0.0 for every interface)")
     parser.add_argument("--memory-mb", type=int, default=None,
-                        help="memory the tables may use (rows, slots, buffered pushes and "
-                             "InitRows streams): enforced, and reported to clients, which "
-                             "refuse a plan that does not fit (default: the cgroup limit, "
-                             "else RAM)")
+                        help="memory of this server: its tables (rows, slots, buffered "
+                             "pushes and InitRows streams) may use this much, reported to "
+                             "clients, which refuse a plan that does not fit; requests in "
+                             "flight are held to it with the tables and the process's own "
+                             "baseline (the interpreter, numpy and gRPC, ~62 MB, measured at "
+                             "start and counted when it is at most a quarter of the limit): "
+                             "one that does not fit waits for room until its deadline or is "
+                             "refused RESOURCE_EXHAUSTED (default: 3/4 of the cgroup limit, "
+                             "leaving headroom in a container, else RAM)")
     parser.add_argument("--data-port", type=int, default=0,
                         help="port of the data plane: PullMany/PushMany (a training step's "
                              "traffic) as frames on plain TCP, or TLS with --tls-cert, with "
@@ -252,7 +282,7 @@ def _orphaned(parent: int, stop: threading.Event) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     logs.configure(config.log_level, server=True)
-    reuse_freed_memory()
+    reuse_freed_memory(arenas=MALLOC_ARENAS)
     try:
         native_path.kernels()  # PARALLAX_NATIVE=1 without the build stops here, named
         log.info("data path: %s", native.describe())

@@ -29,13 +29,12 @@ from parallax.protocol import bulk_codec, dataplane, packed_codec, wire
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION, __version__
-from parallax_ps import checkpoint, many
+from parallax_ps import checkpoint, inflight, many
 from parallax_ps.barrier import Barriers
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
-from parallax_ps.steps import chunk_total
 
 log = logging.getLogger("parallax_ps")
 SERVICE_NAME = "parallax.ps.v1.ParameterServer"
@@ -93,7 +92,8 @@ def _rpc(method: str):
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
                 _check_decoded(request)
-                response, table, rows, nbytes = fn(self, request, context)
+                with inflight.scope(self.budget, context):
+                    response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
@@ -115,7 +115,8 @@ def _rpc_many(method: str):
             start = time.perf_counter()
             try:
                 _check_decoded(request)
-                response, per_table = fn(self, request, context)
+                with inflight.scope(self.budget, context):
+                    response, per_table = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
@@ -151,7 +152,9 @@ def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
-                 memory_bytes: int = 0, wait_threads: int | None = None) -> None:
+                 memory_bytes: int = 0, wait_threads: int | None = None,
+                 baseline_bytes: int = 0) -> None:
+        """`baseline_bytes`: the process's resident memory before any table (`MemoryBudget`)."""
         self.data_dir = data_dir
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
@@ -160,7 +163,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_idle_timeout_s = 0
         self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
-        self.budget = MemoryBudget(memory_bytes)
+        self.budget = MemoryBudget(memory_bytes, baseline_bytes)
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -197,6 +200,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         with self._lock:
             for shard in self._shards.values():
                 shard.close("the server is shutting down; retry after it restarts")
+
+    @contextlib.contextmanager
+    def admitted(self, method: str, body_bytes: int, deadline: float):
+        """The request scope of a data-plane frame whose body (`body_bytes`, not read yet)
+        is held against --memory-mb first (`inflight.frame_need`): waits for room until
+        `deadline`, or raises RequestError RESOURCE_EXHAUSTED."""
+        with inflight.scope(self.budget) as scope:
+            scope.ensure(inflight.frame_need(method, body_bytes), deadline,
+                         f"{method} of {body_bytes} bytes")
+            scope.floor = body_bytes
+            yield scope
 
     # ---- tables ----------------------------------------------------------------------------
     @_rpc("CreateTable")
@@ -298,6 +312,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard(request.table, request.shard_index)
         ids = shard.check_ids(wire.decode(request.ids, "ids"))
         many.check_answer_size("Pull", [shard], [ids], self.max_message_bytes)
+        deadline = _deadline(context)
+        if request.min_step > shard.steps.step:  # wait before holding the answer's memory
+            shard.wait_step(request.min_step, deadline)
+        if shard.spec.hashed_keys and shard.vocab is None:
+            with shard.cond:  # the table's own limit first: its refusal says more
+                shard.check_capacity(ids)
+        many.hold_answer("Pull", [shard], [ids], deadline)
         writer = None
 
         def allocate(rows: int, step: int) -> np.ndarray:
@@ -308,7 +329,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     max_bytes=self.max_message_bytes)
             return writer.values
 
-        values, _ = shard.pull(ids, request.min_step, _deadline(context), allocate)
+        values, _ = shard.pull(ids, request.min_step, deadline, allocate)
         return writer.data(), request.table, len(values), values.nbytes
 
     @_rpc("Push")
@@ -318,9 +339,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise invalid(request.error)
         shard = self.shard(request.table, request.shard_index)
         grads = request.grads
-        step, applied = shard.push(request.step, request.worker, request.ids, grads,
-                                   request.learning_rate, request.chunk_index,
-                                   chunk_total(request.chunk_count), request.session)
+        results, _ = many.push_many([shard], [request], _deadline(context))
+        step, applied = results[0]
         return (ps_pb2.PushResponse(step=step, applied=applied), request.table, len(grads),
                 grads.nbytes)
 
@@ -352,7 +372,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if request.error:
             raise invalid(request.error)
         shards = self._shards_of_parts(request.parts, "PushMany")
-        results, per_table = many.push_many(shards, request.parts)
+        results, per_table = many.push_many(shards, request.parts, _deadline(context))
         response = ps_pb2.PushManyResponse()
         for step, applied in results:
             response.parts.add(step=step, applied=applied)

@@ -1,0 +1,148 @@
+"""The working memory of a request in flight, held against `--memory-mb` (`MemoryBudget.hold`)
+from its size alone, before it is read, decoded or its answer allocated.
+
+A request runs in one `scope` (one per thread): the data plane opens it when a frame's
+header has told the body's length, and holds the body's estimate there before reading the
+body (`frame_need`); a gRPC handler opens it on entry (gRPC has read the body by then). In
+the handler, `ensure` raises what the scope holds to what the request needs, once its parts
+are known: a push's rows and their optimizer temporaries, a pull's answer (after any wait for
+its step, so a pull waiting for a step never holds the room a push needs to close it). The
+scope gives everything back when the request is answered.
+
+The factors were measured on the server process (VmHWM, numpy and compiled kernels): a push
+of B body bytes that it applied peaked at about 3.2 B above its tables (the received bytes,
+their copy, the summed gradients and the optimizer's temporaries; a sync push that only
+buffers its rows holds its body), a pull of answer A at about 1.1 A (and
+one more A over gRPC, which copies the answer after its handler has returned).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Iterator
+
+from parallax.runtime.malloc_tuning import return_freed_memory
+from parallax_ps.budget import MemoryBudget
+
+RECEIVED_BYTES_PER_BODY_BYTE = 2  # a push's received body and its copy
+APPLY_BYTES_PER_GRADIENT_BYTE = 2  # summed gradients and the optimizer's temporaries
+PULL_BYTES_PER_ID_BYTE = 3     # received ids, their copy, the rows located for them
+PULL_BYTES_PER_ANSWER_BYTE = 1.25  # the answer and gathering temporaries
+NO_DEADLINE_WAIT_S = 60.0      # the longest a request without a deadline waits for room
+TRIM_SLACK = 1 / 8             # of --memory-mb resident beyond what the budget explains: a
+TRIM_MIN_BYTES = 4 << 20       # request's end (one that held this much) returns freed pages
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PUSHES = ("Push", "PushMany", "PushManyPacked")
+_local = threading.local()
+
+
+def frame_need(method: str, body_bytes: int) -> int:
+    """Bytes a request of `method` needs from its body's size alone: received and copied
+    (what a push applies, or a pull answers, is added by `ensure` once its parts are known)."""
+    factor = RECEIVED_BYTES_PER_BODY_BYTE if method in _PUSHES else PULL_BYTES_PER_ID_BYTE
+    return int(factor * body_bytes)
+
+
+def push_need(body_bytes: int, applied_bytes: int) -> int:
+    """A push's bytes: its body, and the optimizer's work on the gradients it applies."""
+    return int(RECEIVED_BYTES_PER_BODY_BYTE * body_bytes +
+               APPLY_BYTES_PER_GRADIENT_BYTE * applied_bytes)
+
+
+def pull_need(id_bytes: int, answer_bytes: int, copies: int = 1) -> int:
+    """A pull's bytes: its ids', and its answer's, of which gRPC keeps a copy of its own."""
+    return int(PULL_BYTES_PER_ID_BYTE * id_bytes +
+               (PULL_BYTES_PER_ANSWER_BYTE + copies - 1) * answer_bytes)
+
+
+class Scope:
+    """What one request holds of a budget."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.floor = 0  # bytes of the received body: held while the request waits for more
+        self.grpc = False  # a gRPC request's (its answer is copied by gRPC)
+
+    def ensure(self, nbytes: int, deadline: float | None, what) -> None:
+        """Hold at least `nbytes` in all: the rest at once if there is room, else once there
+        is (until `deadline`), holding only `floor` (the received body) while it waits, so
+        requests that hold part of what they need do not wait on each other's estimates."""
+        nbytes = int(nbytes)
+        if nbytes <= self.held:
+            return
+        if deadline is None:
+            deadline = time.monotonic() + NO_DEADLINE_WAIT_S
+        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
+            self.held = nbytes
+            return
+        keep = min(self.held, self.floor)
+        self.budget.unhold(self.held - keep)
+        self.held = keep
+        if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
+            self.budget.refuse_waited(nbytes, what)
+        self.held = nbytes
+
+    def close(self) -> None:
+        held, self.held = self.held, 0
+        release(self.budget, held)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc has none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release(budget: MemoryBudget, nbytes: int) -> None:
+    """Give `nbytes` back; and when the process is resident well beyond what the budget
+    explains (`TRIM_SLACK`), hand the pages its requests freed back to the kernel: the
+    allocator keeps freed buffers for reuse (malloc_tuning), in arenas other threads may not
+    reuse, so bursts of requests on many threads would otherwise leave RSS above what is
+    held. (Within the slack, freed buffers stay for the next requests, page faults saved.)"""
+    budget.unhold(nbytes)
+    if nbytes >= TRIM_MIN_BYTES and budget.limit and \
+            resident_bytes() > budget.accounted() + TRIM_SLACK * budget.limit:
+        return_freed_memory()
+
+
+@contextlib.contextmanager
+def scope(budget: MemoryBudget, context=None) -> Iterator[Scope]:
+    """This thread's request scope: the open one (the data plane's), else a new one given
+    back on exit, or, for a gRPC `context`, once gRPC has sent the answer (it copies the
+    answer after the handler returns: `add_callback` runs when the RPC ends)."""
+    current = getattr(_local, "scope", None)
+    if current is not None:
+        yield current
+        return
+    opened = _local.scope = Scope(budget)
+    opened.grpc = context is not None and hasattr(context, "add_callback")
+    try:
+        yield opened
+    finally:
+        _local.scope = None
+        held, opened.held = opened.held, 0
+        if not (held and opened.grpc and context.add_callback(lambda: release(budget, held))):
+            release(budget, held)
+
+
+def answer_copies() -> int:
+    """Copies of an answer that live until it is sent: gRPC's own besides ours."""
+    opened = current()
+    return 2 if opened is not None and opened.grpc else 1
+
+
+def current() -> Scope | None:
+    return getattr(_local, "scope", None)
+
+
+def ensure(nbytes: int, deadline: float | None, what) -> None:
+    """`Scope.ensure` on this thread's scope (none outside a request: nothing held)."""
+    opened = current()
+    if opened is not None:
+        opened.ensure(nbytes, deadline, what)

@@ -1,0 +1,152 @@
+"""`--memory-mb` bounds the server's memory: tables and requests in flight together (issue 29).
+
+One real server process under `--memory-mb 256` holds a 1M x 16 Adagrad table (128 MiB of
+rows and slots, every row written), then takes the issue's workloads: one PushMany of 2.5M
+rows (180 MB) and six concurrent pulls of 2M ids each (128 MB answers), which do not fit
+beside the table and are refused RESOURCE_EXHAUSTED naming the sizes, plus six concurrent
+pulls that fit one or two at a time, which wait for room and all succeed. Its peak resident
+memory (VmHWM of the process) stays within 1.25x --memory-mb on the data plane (the
+client's default), 1.5x over gRPC. --memory-mb counts the process's own baseline (the
+interpreter, numpy and gRPC, about 62 MB here, resident before any table) against the
+requests in flight. On the commit before, the same workloads peaked at 720 MB (data plane)
+and 785 MB (gRPC), every request answered.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
+from parallax.client.many import pull_many, push_many
+from parallax.errors import ServerError
+from parallax.protocol.specs import Adagrad, TableSpec
+
+LIMIT_MB = 256
+ROWS, DIM = 1_000_000, 16
+BOUND_MB = 1.25 * LIMIT_MB
+# gRPC reads every request's body before a handler can hold it (the data plane holds it from
+# the frame's header): six 16 MB pull requests at once are all resident before the first is
+# refused. The bound there is looser (measured 296-367 MB against the data plane's
+# 222-267 MB).
+GRPC_BOUND_MB = 1.5 * LIMIT_MB
+
+
+def _vm(pid: int, field: str) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.fixture(scope="module", params=["data-plane", "grpc"])
+def server(request):
+    """A server, its table filled (steps of 100k rows), its baseline RSS in MB, and whether
+    the requests below reach it on the data plane or over gRPC."""
+    with LocalCluster(1, extra_args=["--memory-mb", str(LIMIT_MB)]) as cluster, \
+            PSClient(cluster.addresses) as client:
+        pid = cluster.servers[0].proc.pid
+        baseline = _vm(pid, "VmRSS")
+        table = client.create_table(TableSpec(name="big", vocabulary_size=ROWS, dim=DIM,
+                                              optimizer=Adagrad(learning_rate=0.1)))
+        for step, first in enumerate(range(0, ROWS, 100_000)):
+            ids = np.arange(first, first + 100_000)
+            push_many([table], [ids], [np.ones((len(ids), DIM), np.float32)], [step], 0,
+                      [0.1])
+        yield {"cluster": cluster, "pid": pid, "baseline": baseline, "spec": table.spec,
+               "steps": ROWS // 100_000, "plane": request.param == "data-plane"}
+    assert cluster.exit_codes == [0]
+
+
+def _table(server, **options):
+    """A new client of the server and its table, its data plane found already (else calls
+    made at once while one asks where it is go over gRPC)."""
+    client = PSClient(server["cluster"].addresses,
+                      ClientOptions(max_message_mb=256, timeout=120,
+                                    data_plane=server["plane"], **options))
+    table = client.table(server["spec"])
+    pull_many([table], [np.arange(2)], [0])
+    assert (client.servers[0].data_plane is not None) == server["plane"]
+    return client, table
+
+
+def _concurrently(count: int, call) -> list[str]:
+    errors: list[str] = []
+
+    def run(k: int) -> None:
+        try:
+            call(k)
+        except ServerError as err:
+            errors.append(str(err))
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def _report(server, what: str) -> float:
+    peak = _vm(server["pid"], "VmHWM")
+    what += " (data plane)" if server["plane"] else " (gRPC)"
+    print(f"{what}: peak RSS {peak:.0f} MB (baseline {server['baseline']:.0f} MB, "
+          f"--memory-mb {LIMIT_MB}, bound {BOUND_MB:.0f} MB)")
+    return peak
+
+
+def test_a_push_that_does_not_fit_is_refused_before_it_is_read(server):
+    if not server["plane"]:
+        pytest.skip("gRPC reads a body before any handler: the data plane's case")
+    client, table = _table(server, chunk_mb=256)
+    with client:
+        before = table.pull(np.arange(0, ROWS, 997))
+        ids = np.random.default_rng(0).integers(0, ROWS, 2_500_000)
+        refused = (r"RESOURCE_EXHAUSTED: .* needs .* MiB of working memory, .* may use "
+                   r"256.0 MiB \(--memory-mb\) and its baseline .* and the tables hold .* MiB")
+        with pytest.raises(ServerError, match=refused) as info:
+            push_many([table], [ids], [np.ones((len(ids), DIM), np.float32)],
+                      [server["steps"]], 0, [0.1])
+        assert "chunk_mb" in str(info.value)
+        np.testing.assert_array_equal(table.pull(np.arange(0, ROWS, 997)), before)
+    assert _report(server, "PushMany of 2.5M rows") <= BOUND_MB
+
+
+def _bound(server) -> float:
+    return BOUND_MB if server["plane"] else GRPC_BOUND_MB
+
+
+def test_concurrent_pulls_that_do_not_fit_are_refused(server):
+    client, table = _table(server, chunk_mb=256)
+    with client:
+        errors = _concurrently(6, lambda k: pull_many(
+            [table], [np.random.default_rng(k).integers(0, ROWS, 2_000_000)], [0]))
+    assert len(errors) == 6 and all("RESOURCE_EXHAUSTED" in e and "--memory-mb" in e
+                                    for e in errors), errors
+    assert _report(server, "six 2M-id pulls") <= _bound(server)
+
+
+def test_concurrent_pulls_that_fit_one_at_a_time_wait_for_room(server):
+    """Each answer (400k rows, 25.6 MB) fits beside the table; six at once do not: they
+    wait for room and all get their rows."""
+    client, table = _table(server, chunk_mb=256)
+    results = {}
+    with client:
+        errors = _concurrently(6, lambda k: results.setdefault(k, pull_many(
+            [table], [np.arange(k * 100_000, k * 100_000 + 400_000) % ROWS], [0])))
+    assert errors == []
+    assert all(results[k][0].shape == (400_000, DIM) for k in range(6))
+    assert _report(server, "six 400k-id pulls") <= _bound(server)
+
+
+def test_a_containers_default_budget_leaves_headroom_below_its_limit(tmp_path):
+    """Without --memory-mb a server in a container took its whole memory limit as its budget,
+    so tables filling the budget left nothing for a step's requests (OOM-killed)."""
+    from parallax_ps.server import memory_budget
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{4 << 30}\n")
+    assert memory_budget(None, (str(limit),)) == 3 << 30
+    assert memory_budget(512, (str(limit),)) == 512 << 20
+    limit.write_text("max\n")
+    assert memory_budget(None, (str(limit),)) > 0  # no cgroup limit: the machine's RAM
