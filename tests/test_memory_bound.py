@@ -96,9 +96,8 @@ def _report(server, what: str) -> float:
     return peak
 
 
-def test_a_push_that_does_not_fit_is_refused_before_it_is_read(server):
-    if not server["plane"]:
-        pytest.skip("gRPC reads a body before any handler: the data plane's case")
+@pytest.mark.parametrize("server", ["data-plane"], indirect=True)  # gRPC reads a body
+def test_a_push_that_does_not_fit_is_refused_before_it_is_read(server):  # before a handler
     client, table = _table(server, chunk_mb=256)
     with client:
         before = table.pull(np.arange(0, ROWS, 997))
