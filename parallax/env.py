@@ -105,7 +105,7 @@ def connect_timeout(environ: Mapping[str, str] | None = None) -> float:
 
 def is_run_id(text: str) -> bool:
     """Whether `text` may be a run id: 1-48 letters, digits, '_' or '-'."""
-    return bool(_RUN_ID.match(text))
+    return bool(_RUN_ID.fullmatch(text))  # (match's $ would take a trailing newline)
 
 
 def check_run_id(run_id: str, source: str) -> str:

@@ -18,3 +18,12 @@ def test_workers_retrying_together_spread_out():
     waits = [retry_delay(0.2, 1, draw=rng.random) for _ in range(64)]
     assert all(0.1 <= w <= 0.2 for w in waits)
     assert max(waits) - min(waits) > 0.05 and len(set(waits)) == 64
+
+
+def test_workers_that_seed_the_global_random_alike_still_jitter_apart():
+    """Training scripts seed `random` alike on every worker: the jitter has its own draw."""
+    random.seed(1234)
+    first = [retry_delay(0.2, 1) for _ in range(8)]
+    random.seed(1234)
+    second = [retry_delay(0.2, 1) for _ in range(8)]
+    assert first != second

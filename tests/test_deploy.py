@@ -1665,3 +1665,51 @@ def test_the_patch_flag_reaches_the_rendered_yaml(tmp_path, capsys):
     objects = list(yaml.safe_load_all(capsys.readouterr().out))
     job = next(o for o in objects if o["kind"] == "Job")
     assert job["spec"]["template"]["spec"]["priorityClassName"] == "high"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kind: Job\nmetadata: {name: wordlm-worker}\nspec: {template: {spec: {containers: "
+     "[{image: other}]}}}\n", ["`containers` without its `name`"]),
+    ("kind: Job\nmetadata: {name: wordlm-worker, namespace: elsewhere}\n",
+     ["changes metadata.namespace of Job/wordlm-worker"]),
+    ("kind: StatefulSet\nmetadata: {name: wordlm-ps}\nspec: {template: {metadata: "
+     "{labels: null}}}\n", ["changes spec.template.metadata.labels"]),
+    ("kind: Job\nmetadata: {name: wordlm-worker}\nspec: {parallelism: 9, completions: 9}\n",
+     ["changes spec.parallelism", "--workers"]),
+    ("kind: Job\nmetadata: {name: wordlm-worker}\nspec: {template: {spec: {$patch: "
+     "delete}}}\n", ["`$patch`", "not supported"]),
+    ("# nothing but a comment\n---\n", ["no YAML document"]),
+])
+def test_a_patch_that_would_break_the_job_is_refused(tmp_path, text, words):
+    (tmp_path / "p.yaml").write_text(text)
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], patches=(str(tmp_path / "p.yaml"),))
+    with pytest.raises(ConfigError) as info:
+        render(config)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_patched_lists_merge_by_kubernetes_keys_not_only_by_name(tmp_path):
+    """volumeMounts merge by mountPath (a second mount of a volume adds, not moves) and
+    ports by containerPort (an unnamed port adds to the server's named ones)."""
+    (tmp_path / "p.yaml").write_text(
+        "kind: Job\nmetadata: {name: wordlm-worker}\nspec: {template: {spec: {containers: "
+        "[{name: worker, volumeMounts: [{name: job-config, mountPath: /opt/cfg}]}]}}}\n"
+        "---\nkind: StatefulSet\nmetadata: {name: wordlm-ps}\nspec: {template: {spec: "
+        "{containers: [{name: server, ports: [{containerPort: 9100}]}]}}}\n")
+    plain = {(o["kind"], o["metadata"]["name"]): o for o in render(CONFIGS["hybrid-4x2"])}
+    patched = {(o["kind"], o["metadata"]["name"]): o for o in render(dataclasses.replace(
+        CONFIGS["hybrid-4x2"], patches=(str(tmp_path / "p.yaml"),)))}
+    mounts = _container(patched[("Job", "wordlm-worker")], "worker")["volumeMounts"]
+    was = _container(plain[("Job", "wordlm-worker")], "worker")["volumeMounts"]
+    assert mounts == was + [{"name": "job-config", "mountPath": "/opt/cfg"}]
+    ports = _container(patched[("StatefulSet", "wordlm-ps")], "server")["ports"]
+    old = _container(plain[("StatefulSet", "wordlm-ps")], "server")["ports"]
+    assert ports == old + [{"containerPort": 9100}]
+
+
+def test_secure_certificates_cover_the_addresses_under_another_cluster_domain():
+    from parallax.launch import k8s_security
+    from parallax.launch.k8s_render import ps_addresses
+    config = dataclasses.replace(CONFIGS["hybrid-4x2"], cluster_domain="corp.example")
+    names = set(k8s_security.server_names(config))
+    assert all(address.rsplit(":", 1)[0] in names for address in ps_addresses(config))

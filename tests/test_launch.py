@@ -430,6 +430,7 @@ def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
      "--metrics-port applies to the servers this command starts"),
     ({"metrics_port": 0, "server_args": ("--metrics-port=9100",)},
      "--metrics-port sets the servers' metrics ports; drop one of them"),
+    ({"metrics_port": 0, "secure": True}, "--metrics-port with --secure"),
 ])
 def test_bad_config_is_refused_before_anything_starts(fields, words):
     config = LaunchConfig(**{"command": (PROBE,), **fields})
@@ -438,6 +439,21 @@ def test_bad_config_is_refused_before_anything_starts(fields, words):
     assert words in str(info.value)
     with pytest.raises(ConfigError):
         run(config)
+
+
+def test_metrics_ports_are_checked_against_one_machines_servers_and_their_ports(tmp_path):
+    """With a host file, PORT+i is per machine (not per job) and must stay clear of the
+    servers' own ports (server_port+i), or a server would start half-bound."""
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("server_port: 7000\nhosts:\n- {host: localhost, slots: 1, servers: 2}\n"
+                     "- {host: 127.0.0.2, slots: 1, servers: 2}\n")
+    base = {"command": (PROBE,), "hosts": str(hosts), "num_servers": 4}
+    with pytest.raises(ConfigError, match=r"ports 7001-7002 overlap the servers' own ports "
+                                          r"7000-7001"):
+        validate(LaunchConfig(**base, metrics_port=7001))
+    validate(LaunchConfig(**base, metrics_port=65534))  # 2 a machine, not 4 a job
+    with pytest.raises(ConfigError, match=r"a port in 1-65534"):
+        validate(LaunchConfig(**base, metrics_port=65535))
 
 
 @pytest.mark.parametrize("args, code, words", [

@@ -41,6 +41,7 @@ ALLOWED = {
                 "version"},
     "cli": {"bench", "client", "env", "errors", "launch", "native", "protocol", "runtime",
             "servers", "version"},
+    "__main__": {"cli"},  # `python -m parallax`: the command, nothing else
 }
 TENSORFLOW = ("tensorflow", "keras", "horovod.tensorflow", "horovod.keras", "tf_keras")
 TF_OUTSIDE_TF = {"parallax.bench.worker", "parallax.bench.tf_peers", "parallax.bench.models"}

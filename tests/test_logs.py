@@ -231,3 +231,17 @@ def test_per_shard_lines_are_debug_and_the_server_names_the_level(args, env, sho
     assert len(created) == (2 if shown else 0), lines
     assert all(" parallax-ps DEBUG created table" in line for line in created)
     assert any(" parallax-ps INFO shutting down" in line for line in lines), lines
+
+
+def test_a_root_handler_that_filters_parallax_out_does_not_silence_it(restore_logging, capsys):
+    """A root handler on the terminal that drops parallax's records leaves them to ours."""
+    import sys as _sys
+    root = logging.StreamHandler(_sys.stderr)
+    root.addFilter(lambda record: not record.name.startswith("parallax"))
+    logging.root.addHandler(root)
+    try:
+        logs.configure("info")
+        logging.getLogger("parallax.test").info("the plan")
+    finally:
+        logging.root.removeHandler(root)
+    assert capsys.readouterr().err == "the plan\n"

@@ -240,3 +240,9 @@ def test_server_table_names_split_back_into_run_id_and_table():
     assert split_run_id(group_table_name("job", 0, 2)) == ("job", "g0.x2")
     for own in ("obs", "many_x", "a.b.c", "job.v"):  # names a PSClient user chose
         assert split_run_id(own) == ("", own)
+
+
+def test_a_run_id_with_a_trailing_newline_is_not_a_run_id():
+    from parallax.env import is_run_id, split_run_id
+    assert is_run_id("job-1") and not is_run_id("job-1\n")
+    assert split_run_id("job\n.v1.emb") == ("", "job\n.v1.emb")

@@ -44,7 +44,10 @@ _HINTS = {
 }
 
 
-def retry_delay(backoff: float, attempt: int, draw=random.random) -> float:
+_JITTER = random.Random()  # its own generator: training scripts seed the global one alike
+
+
+def retry_delay(backoff: float, attempt: int, draw=_JITTER.random) -> float:
     """Seconds before retry `attempt` (1, 2, ...): backoff doubled per attempt, times a
     uniform 50-100% so that the workers a restarted server refused do not all come back in
     the same instant ("equal jitter")."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from parallax.errors import ConfigError
-from parallax.launch.backends.horovodrun import find_horovodrun
+from parallax.launch.backends.horovodrun import horovod_installed
 from parallax.launch.run import LaunchConfig, run
 from parallax.runtime import logs
 
@@ -52,12 +52,10 @@ def _count(n: int, what: str) -> str:
 
 
 def _collectives(workers: int) -> str:
-    """How several workers will sum dense gradients (as `parallax run` chooses: Horovod where
-    it is installed, else TensorFlow's collectives)."""
+    """How several workers will sum dense gradients, as `parallax run`'s backends choose
+    (`--collectives auto`: Horovod where this Python imports it, else TensorFlow's)."""
     if workers < 2:
         return ""
-    try:
-        find_horovodrun()
-    except ConfigError:
+    if not horovod_installed():
         return " (dense gradients summed by TensorFlow's collectives: Horovod is not installed)"
     return " (dense gradients summed by Horovod)"

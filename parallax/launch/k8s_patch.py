@@ -7,12 +7,16 @@ rendered (e.g. `kind: Job`, `metadata: {name: JOB-worker}`); the rest of the doc
 merged into that object:
 
 - mappings key by key, recursively; a `null` value removes the key;
-- lists of mappings that all carry a `name` (containers, env, volumes, volumeMounts, ports,
-  imagePullSecrets) item by item: an item of a new name is appended, one of a known name is
-  merged into it;
+- the lists Kubernetes merges by a key (`MERGE_KEYS`: containers, initContainers, env,
+  volumes and imagePullSecrets by `name`, volumeMounts by `mountPath`, ports by
+  `containerPort`) item by item: an item of a new key is appended, one of a known key is
+  merged into it; an item without its key is refused (it would replace the list);
 - any other list, and every scalar, replaces what was rendered.
 
-A document whose target was not rendered is refused, naming the objects that were.
+Refused, naming the document: a target that was not rendered (the error names those that
+were); a change of what ties the job together (`FIXED`: an object's kind, name and
+namespace, a workload's selector, its pods' labels, its size); `$`-directives of kubectl's
+strategic merge (`$patch`, `$retainKeys`), which this merge does not implement.
 """
 from __future__ import annotations
 
@@ -27,35 +31,63 @@ from parallax.errors import ConfigError
 Object = dict[str, Any]
 
 
-def _named_items(items: Any) -> bool:
-    return isinstance(items, list) and bool(items) and all(
-        isinstance(item, dict) and "name" in item for item in items)
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name",
+              "volumes": "name", "imagePullSecrets": "name", "volumeMounts": "mountPath",
+              "ports": "containerPort"}  # Kubernetes' patchMergeKey of each merged list
+# What ties a job's objects together, as rendered: a patch may not change these paths.
+FIXED = (("kind",), ("metadata", "name"), ("metadata", "namespace"), ("spec", "selector"),
+         ("spec", "template", "metadata", "labels"), ("spec", "replicas"),
+         ("spec", "parallelism"), ("spec", "completions"), ("spec", "completionMode"))
 
 
-def _merge_lists(base: list, patch: list) -> list:
+def _merge_lists(field: str, base: list, patch: list) -> list:
+    key = MERGE_KEYS[field]
     merged = [copy.deepcopy(item) for item in base]
-    index = {item["name"]: i for i, item in enumerate(merged)}
+    index = {item.get(key): i for i, item in enumerate(merged) if isinstance(item, dict)}
     for item in patch:
-        if item["name"] in index:
-            merged[index[item["name"]]] = merge(merged[index[item["name"]]], item)
+        if not isinstance(item, dict) or key not in item:
+            raise ConfigError(f"an item of `{field}` without its `{key}`: {item!r}; "
+                              f"Kubernetes merges {field} by {key}, so name it (a list "
+                              f"without it would replace the rendered one)")
+        if item[key] in index:
+            merged[index[item[key]]] = merge(merged[index[item[key]]], item)
         else:
             merged.append(copy.deepcopy(item))
     return merged
 
 
-def merge(base: Any, patch: Any) -> Any:
-    """`patch` merged into a copy of `base` (the rules in this module's docstring)."""
+def merge(base: Any, patch: Any, field: str = "") -> Any:
+    """`patch` merged into a copy of `base`, the value of `field` (the rules in this
+    module's docstring)."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for key, value in patch.items():
+            if key.startswith("$"):
+                raise ConfigError(f"`{key}`: kubectl's strategic-merge directives are not "
+                                  f"supported; write the fields to set, or null to remove")
             if value is None:
                 out.pop(key, None)
             else:
-                out[key] = merge(out.get(key), value)
+                out[key] = merge(out.get(key), value, key)
         return out
-    if _named_items(base) and _named_items(patch):
-        return _merge_lists(base, patch)
+    if field in MERGE_KEYS and isinstance(base, list) and isinstance(patch, list):
+        return _merge_lists(field, base, patch)
     return copy.deepcopy(patch)
+
+
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def _check_fixed(before: Object, after: Object, where: str) -> None:
+    for path in FIXED:
+        if _at(before, path) != _at(after, path):
+            raise ConfigError(f"{where}: changes {'.'.join(path)} of {before['kind']}/"
+                              f"{before['metadata']['name']}, which ties the job together; "
+                              f"use parallax k8s's own options (--namespace, --workers, "
+                              f"--servers) instead")
 
 
 def _target(document: Any, where: str) -> tuple[str, str]:
@@ -71,12 +103,16 @@ def _target(document: Any, where: str) -> tuple[str, str]:
 
 
 def load(path: str) -> list[Object]:
-    """The patch documents of a file (empty documents skipped)."""
+    """The patch documents of a file (empty documents skipped; a file of none is refused)."""
     try:
         documents = list(yaml.safe_load_all(Path(path).read_text()))
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"--patch {path}: cannot read it as YAML ({err})") from None
-    return [d for d in documents if d is not None]
+    found = [d for d in documents if d is not None]
+    if not found:
+        raise ConfigError(f"--patch {path}: no YAML document in it (a patch names its "
+                          f"target with kind and metadata.name)")
+    return found
 
 
 def apply(objects: list[Object], patches: Iterable[tuple[str, Object]]) -> list[Object]:
@@ -90,7 +126,12 @@ def apply(objects: list[Object], patches: Iterable[tuple[str, Object]]) -> list[
             raise ConfigError(f"{where}: no rendered object is {target[0]}/{target[1]}; the "
                               f"job has {rendered}")
         i = by_target[target]
-        out[i] = merge(out[i], document)
+        try:
+            patched = merge(out[i], document)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        _check_fixed(out[i], patched, where)
+        out[i] = patched
     return out
 
 

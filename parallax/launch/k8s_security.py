@@ -46,7 +46,6 @@ TOKEN_DIR = "/var/run/secrets/parallax/token"
 TLS_DIR = "/var/run/secrets/parallax/tls"
 SECRET_MODE = 0o440               # owner and group (fsGroup IMAGE_UID) may read
 CERT_DAYS = 365                   # the rendered certificates' validity: re-render yearly
-CLUSTER_DOMAIN = "svc.cluster.local"
 INSECURE_NOTE = ("parallax k8s --insecure: the servers take requests without a token or TLS "
                  "and no NetworkPolicy guards the job; any pod in the cluster can read or "
                  "overwrite its tables and end or restart its workers")
@@ -85,7 +84,7 @@ def server_names(config) -> list[str]:
     names = []
     for i in range(config.servers):
         pod, service = f"{config.name}-ps-{i}", f"{config.name}-ps"
-        names += [f"{pod}.{service}.{config.namespace}.{CLUSTER_DOMAIN}",
+        names += [f"{pod}.{service}.{config.namespace}.svc.{config.cluster_domain}",
                   f"{pod}.{service}.{config.namespace}.svc", f"{pod}.{service}"]
     return names
 

@@ -106,17 +106,35 @@ class LaunchConfig:
 
 
 def _check_metrics_port(config: LaunchConfig) -> None:
-    """--metrics-port: 0, or a first port that leaves room for every server of a machine."""
+    """--metrics-port: 0, or a first port that leaves room for every server of one machine
+    and is clear of the host file's server ports."""
     port = config.metrics_port
     if port is None:
         return
     if config.num_servers == 0:
         raise ConfigError("--metrics-port applies to the servers this command starts; with "
                           "--ps-addresses, give each server its own --metrics-port")
-    if not 0 <= port or port + config.num_servers > 65536:
+    if config.secure:
+        raise ConfigError("--metrics-port with --secure: the endpoints would need the job's "
+                          "client certificate and token, which live in a temporary directory "
+                          "removed at the end; scrape a --secure job's servers with "
+                          "--server-arg=--metrics-port=P and credentials of your own, or "
+                          "drop --secure")
+    per_machine, server_ports = config.num_servers, None
+    if config.hosts is not None:
+        from parallax.launch.hosts import load_hosts
+        layout = load_hosts(config.hosts)
+        per_machine = max(h.servers for h in layout.hosts)
+        if layout.server_port:
+            server_ports = range(layout.server_port, layout.server_port + per_machine)
+    if not 0 <= port or port + per_machine > 65536:
         raise ConfigError(f"--metrics-port {port}: give 0 (free ports) or a port in 1-"
-                          f"{65536 - config.num_servers} (server i of a machine listens on "
-                          f"PORT+i)")
+                          f"{65536 - per_machine} (server i of a machine listens on PORT+i)")
+    if port and server_ports and set(server_ports) & set(range(port, port + per_machine)):
+        raise ConfigError(f"--metrics-port {port}: ports {port}-{port + per_machine - 1} "
+                          f"overlap the servers' own ports {server_ports.start}-"
+                          f"{server_ports.stop - 1} (the host file's server_port); pick "
+                          f"another, or 0 for free ports")
 
 
 def check_address(address: str, source: str = "--ps-addresses") -> str:

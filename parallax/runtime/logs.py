@@ -87,8 +87,9 @@ def _terminal(handler: logging.Handler) -> bool:
     stream = getattr(handler, "stream", None)
     if stream is None and hasattr(handler, "python_handler"):
         stream = getattr(handler.python_handler, "stream", None)
-    return stream is not None and stream in (sys.stderr, sys.stdout, sys.__stderr__,
-                                             sys.__stdout__)
+    if stream is None or getattr(stream, "closed", False):
+        return False
+    return stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
 
 
 def _root_prints(record: logging.LogRecord) -> bool:
@@ -98,7 +99,8 @@ def _root_prints(record: logging.LogRecord) -> bool:
         if not logger.propagate:
             return False
         logger = logger.parent
-    return any(_terminal(h) and record.levelno >= h.level for h in logging.root.handlers)
+    return any(_terminal(h) and record.levelno >= h.level and h.filter(record)
+               for h in logging.root.handlers)
 
 
 def _own_handler(logger: logging.Logger) -> logging.Handler | None:

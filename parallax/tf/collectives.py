@@ -64,8 +64,8 @@ class HorovodWorkers:
             import horovod.tensorflow as hvd
         except ImportError as exc:
             raise ConfigError(f"this worker was launched by horovodrun/mpirun but Horovod "
-                              f"cannot be imported ({exc}); install it with the README's "
-                              f"`make env`") from None
+                              f"cannot be imported ({exc}); install it as docs/install.md says "
+                              f"(or `make env`)") from None
         self.hvd = hvd
         if not hvd.is_initialized() and not _autotuned(os.environ):
             os.environ.setdefault(HOROVOD_CYCLE_TIME_ENV, str(WORKER_CYCLE_TIME_MS))
