@@ -133,6 +133,11 @@ class TensorFlowWorkers:
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         raise ConfigError(LOCAL_AGGREGATION_NEEDS_HOROVOD)
 
+    def allgather_rows(self, tensors: Sequence[Any]) -> list[Any]:
+        """Concatenate each tensor along axis 0 over every worker, in rank order. Row counts
+        may differ (zero included): each is padded to the largest, gathered, and unpadded."""
+        return [self._gather_rows(tf.convert_to_tensor(t)) for t in tensors]
+
     def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
         """Every variable takes rank 0's value (others add zeros to it: exact)."""
         if not variables:
@@ -169,6 +174,14 @@ class TensorFlowWorkers:
         sizes = [tf.size(t) for t in tensors]
         return [tf.reshape(part, tf.shape(t))
                 for part, t in zip(tf.split(summed, sizes), tensors)]
+
+    def _gather_rows(self, tensor: tf.Tensor) -> tf.Tensor:
+        rows = tf.shape(tensor, out_type=tf.int64)[:1]
+        counts = self._gather(rows)
+        most = tf.reduce_max(counts)
+        padding = [[0, most - rows[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
+        every = self._gather(tf.pad(tensor, padding))
+        return tf.boolean_mask(every, tf.reshape(tf.sequence_mask(counts, most), [-1]))
 
     def _gather(self, tensor: tf.Tensor) -> tf.Tensor:
         """Concatenate equal-shaped `tensor`s of every worker along axis 0, in rank order."""

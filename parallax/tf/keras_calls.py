@@ -1,0 +1,211 @@
+"""What parallax does around Keras' `fit`, `evaluate` and `predict` (Keras 3.15, TF backend),
+installed once by the first `ParallaxStrategy` of a process (`install`):
+
+- A model built outside `strategy.scope()` has no `ParallaxVariable`s, and its `fit` outside
+  the scope runs under TF's default strategy: in a job of several workers each would train
+  its own copy on all the data, silently. `fit`, `evaluate` and `predict` refuse it
+  (ConfigError naming the fix) in a job (several workers, or started by `parallax run`);
+  one process started by hand only gets a warning, since it may train plain Keras models
+  beside the strategy. A model built inside but compiled outside (its optimizer made
+  outside) is refused by `fit` before TF's "Mixing different tf.distribute.Strategy objects".
+- `evaluate` or `predict` before the first training step traces functions that read the
+  variables locally; the plan then moves tables to the servers. The plan drops those cached
+  functions (`forget_functions`), so Keras traces them again on their next call.
+- `evaluate` and `predict` (and `fit`'s validation) count every row: their datasets are split
+  with `cover_for_worker` (`covering_rows()` is true while Keras makes their iterator; its
+  training iterator is the one given `class_weight`).
+- Keras' logs are averaged over the workers in each step, except inside Keras' multi-step loop
+  (`steps_per_execution` > 1), where a collective would run again before the last one ended
+  (Horovod refuses a second all-reduce of the same name in flight): there they are averaged
+  once per execution, outside the loop (`average_outside`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
+
+from parallax.env import RUN_ID_ENV
+from parallax.errors import ConfigError
+from parallax.tf.variables import ParallaxVariable, raised_in_op
+
+log = logging.getLogger("parallax")
+_MARK = "_parallax_keras_calls"
+_job: list = [None]                                   # weakref to the latest ParallaxExtended
+_unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
+_averaged_outside = weakref.WeakKeyDictionary()       # model -> weakref(extended)
+_state = threading.local()
+_warned: set[int] = set()
+
+
+def install(extended) -> None:
+    """Remember `extended` as this process's job and patch Keras once."""
+    _job[0] = weakref.ref(extended)
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    if getattr(keras.Model.fit, _MARK, False):
+        return
+    for method in ("fit", "evaluate", "predict"):
+        _patch(keras.Model, method, _guarded(method, getattr(keras.Model, method)))
+    for kind in ("train", "test", "predict"):
+        name = f"make_{kind}_function"
+        _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
+    trainer.TFEpochIterator = _covering_iterator(trainer.TFEpochIterator)
+
+
+def _patch(owner, name: str, replacement) -> None:
+    setattr(replacement, _MARK, True)
+    setattr(owner, name, replacement)
+
+
+# ---- models built (or compiled) outside the scope ----------------------------------------
+
+def _extended_of(model):
+    from parallax.tf.strategy import ParallaxStrategy  # (the strategy imports this module)
+
+    strategy = model.distribute_strategy
+    return strategy.extended if isinstance(strategy, ParallaxStrategy) else None
+
+
+def _outside(variables) -> list[str]:
+    return [getattr(v, "path", v.name) for v in variables
+            if not isinstance(getattr(v, "value", v), ParallaxVariable)]
+
+
+def check_scope(model, method: str) -> None:
+    """Refuse (or, one process started by hand, warn about) a model whose variables the
+    ParallaxStrategy of this process did not create."""
+    if _extended_of(model) is not None:
+        _check_compiled_inside(model, method)
+        return
+    extended = _job[0]() if _job[0] is not None else None
+    foreign = _outside(model.trainable_weights)
+    if extended is None or not foreign:
+        return
+    workers = extended.workers.info.size
+    if workers > 1 or os.environ.get(RUN_ID_ENV):
+        raise ConfigError(
+            f"model {model.name!r} was built outside strategy.scope() (its variables "
+            f"{foreign[:3]} were not created by the ParallaxStrategy), so model.{method}() "
+            f"would run it on this worker alone: each of the {workers} worker(s) would train "
+            f"its own copy on all the data. Build and compile the model inside "
+            f"`with strategy.scope():`")
+    if id(model) not in _warned:
+        _warned.add(id(model))
+        log.warning("parallax: model %r was built outside strategy.scope(), so model.%s() "
+                    "runs without the ParallaxStrategy of this process (plain Keras, this "
+                    "process only); build and compile it inside `with strategy.scope():`",
+                    model.name, method)
+
+
+def _check_compiled_inside(model, method: str) -> None:
+    foreign = _outside(model.trainable_weights)
+    if foreign:
+        raise ConfigError(
+            f"model {model.name!r} belongs to a ParallaxStrategy, but its variables "
+            f"{foreign[:3]} were created outside strategy.scope() (built at a first call "
+            f"outside it?); build it inside `with strategy.scope():`, e.g. by calling it on "
+            f"an example batch there")
+    optimizer = getattr(model, "optimizer", None)
+    iterations = getattr(optimizer, "iterations", None)
+    if method == "fit" and iterations is not None and _outside([iterations]):
+        raise ConfigError(
+            f"model {model.name!r} was built in strategy.scope() but compiled outside it: its "
+            f"optimizer ({type(optimizer).__name__}) was created outside the scope, so its "
+            f"variables are not the strategy's (most optimizers then stop in TF's \"Mixing "
+            f"different tf.distribute.Strategy objects\"). Call model.compile(...) inside "
+            f"`with strategy.scope():`")
+
+
+def _guarded(method: str, original):
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        check_scope(self, method)
+        try:
+            return original(self, *args, **kwargs)
+        except tf.errors.OpError as exc:  # TF wraps a ParallaxError raised by an op
+            raised = raised_in_op(exc)
+            if raised is None:
+                raise
+            raise raised from None
+    return call
+
+
+# ---- functions traced before the plan; logs averaged outside Keras' loop ----------------
+
+def _making(kind: str, original):
+    @functools.wraps(original)
+    def make(self, force=False):
+        made = original(self, force)
+        extended = _extended_of(self)
+        if extended is not None and extended.plan is None and kind != "train":
+            _unplanned[self] = weakref.ref(extended)
+        if kind != "predict":
+            attribute = f"{kind}_function"
+            function = getattr(self, attribute)
+            if function is not None and not getattr(function, _MARK, False):
+                setattr(self, attribute, _averaging(self, function))
+        return made
+    return make
+
+
+def forget_functions(extended) -> None:
+    """The plan was just made: drop the evaluate/predict functions that models of `extended`
+    traced before it (they read variables locally), so Keras traces them again."""
+    for model, owner in list(_unplanned.items()):
+        if owner() is extended:
+            model.test_function = None
+            model.predict_function = None
+            del _unplanned[model]
+
+
+def in_loop() -> bool:
+    """Whether the step being traced runs inside a `tf.while_loop` (Keras' multi-step
+    loop), in its own graph or a graph it is nested in."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if control_flow_util_v2.in_while_loop_defun(graph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def average_outside(model, extended) -> None:
+    """`model`'s logs are averaged after each execution of its Keras function."""
+    _averaged_outside[model] = weakref.ref(extended)
+
+
+def _averaging(model, function):
+    def averaged(iterator):
+        logs = function(iterator)
+        owner = _averaged_outside.get(model)
+        extended = owner() if owner is not None else None
+        return logs if extended is None else extended.average_logs(logs)
+    setattr(averaged, _MARK, True)
+    return averaged
+
+
+# ---- datasets of evaluate and predict cover every row ------------------------------------
+
+def covering_rows() -> bool:
+    """Whether the dataset being distributed is Keras' evaluate or predict iterator's."""
+    return getattr(_state, "covering", False)
+
+
+def _covering_iterator(base):
+    class CoveringIterator(base):
+        def __init__(self, *args, **kwargs):
+            _state.covering = "class_weight" not in kwargs  # only fit's training passes it
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                _state.covering = False
+    CoveringIterator.__name__ = base.__name__
+    CoveringIterator.__qualname__ = base.__qualname__
+    return CoveringIterator
