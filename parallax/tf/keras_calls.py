@@ -98,7 +98,7 @@ def check_scope(model, method: str) -> None:
             f"`with strategy.scope():`")
     if id(model) not in _warned:
         _warned.add(id(model))
-        log.warning("parallax: model %r was built outside strategy.scope(), so model.%s() "
+        log.warning("model %r was built outside strategy.scope(), so model.%s() "
                     "runs without the ParallaxStrategy of this process (plain Keras, this "
                     "process only); build and compile it inside `with strategy.scope():`",
                     model.name, method)

@@ -1,0 +1,106 @@
+"""The Keras habits of issue 29 on one worker or under `parallax run -np N`, each worker
+writing what it got to `<out>/rank<r>.npz` and `<out>/rank<r>.json` (tests/test_keras_traps.py
+compares N workers with one process):
+
+- baseline: `evaluate` and `predict` before `fit`, then `fit` (192 rows, global batch 16:
+  every global batch full, so one process and N workers train alike), then `evaluate` and
+  `predict` again, on 201 rows (a last global batch of 9) and 193 rows (a last global batch
+  of 1: one worker's part is empty).
+- multistep: `fit(validation_data=..., steps_per_execution=4)`, 2 epochs, in a new strategy.
+- outside: a model built and compiled outside `strategy.scope()`, then `fit`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import parallax  # noqa: I001 (the strategy before any other TensorFlow work)
+
+VOCAB, DIM, BATCH = 300, 4, 16
+
+
+def build():
+    import keras
+
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((3,), dtype="int64")
+    h = keras.layers.Embedding(VOCAB, DIM, name="embedding")(inputs)
+    out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(h))
+    return keras.Model(inputs, out)
+
+
+def data(n, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.3, size=(n, 3)) - 1, VOCAB - 1).astype("int64")
+    return ids, (ids.sum(axis=1, keepdims=True) % 7 / 7.0).astype("float32")
+
+
+def compiled(strategy, **compile_args):
+    import keras
+
+    with strategy.scope():
+        model = build()
+        model.compile(keras.optimizers.Adagrad(0.2), loss="mse", metrics=["mae"],
+                      **compile_args)
+    return model
+
+
+def baseline(strategy, arrays: dict, summary: dict) -> None:
+    train, odd, one = data(192, 0), data(201, 1), data(193, 2)
+    model = compiled(strategy)
+    for name, (x, y) in (("odd", odd), ("one", one)):
+        arrays[f"before_{name}_pred"] = model.predict(x, batch_size=BATCH, verbose=0)
+        summary[f"before_{name}_eval"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    model.fit(*train, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for name, (x, y) in (("odd", odd), ("one", one)):
+        arrays[f"{name}_pred"] = model.predict(x, batch_size=BATCH, verbose=0)
+        summary[f"{name}_eval"] = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    summary["table_on_servers"] = strategy.plan.get("embedding/embeddings").placement
+
+
+def multistep(summary: dict) -> None:
+    job = os.environ.get("PARALLAX_RUN_ID")  # the first strategy's tables carry it
+    strategy = parallax.ParallaxStrategy(log_plan=False, run_id=job and f"{job}-m")
+    model = compiled(strategy, steps_per_execution=4)
+    history = model.fit(*data(192, 0), batch_size=BATCH, epochs=2, shuffle=False,
+                        validation_data=data(201, 1), verbose=0)
+    summary["multistep_history"] = history.history
+
+
+def outside(summary: dict) -> None:
+    import keras
+
+    model = build()  # outside the scope
+    model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
+    try:
+        model.fit(*data(192, 0), batch_size=BATCH, epochs=1, verbose=0)
+        summary["outside"] = "trained"
+    except parallax.ParallaxError as exc:
+        summary["outside"] = f"{type(exc).__name__}: {exc}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    strategy = parallax.ParallaxStrategy(log_plan=False)
+    import numpy as np
+
+    arrays: dict = {}
+    summary: dict = {"workers": strategy.num_replicas_in_sync,
+                     "collectives": type(strategy.extended.workers).__name__}
+    baseline(strategy, arrays, summary)
+    multistep(summary)
+    outside(summary)
+    rank = strategy.worker.rank
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), **arrays)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    main()
