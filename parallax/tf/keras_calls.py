@@ -108,10 +108,10 @@ def _check_compiled_inside(model, method: str) -> None:
     foreign = _outside(model.trainable_weights)
     if foreign:
         raise ConfigError(
-            f"model {model.name!r} belongs to a ParallaxStrategy, but its variables "
-            f"{foreign[:3]} were created outside strategy.scope() (built at a first call "
-            f"outside it?); build it inside `with strategy.scope():`, e.g. by calling it on "
-            f"an example batch there")
+            f"model.{method}() runs model {model.name!r} under a ParallaxStrategy, but its "
+            f"variables {foreign[:3]} were created outside strategy.scope(), so parallax "
+            f"cannot place them; build and compile the model inside "
+            f"`with strategy.scope():`")
     optimizer = getattr(model, "optimizer", None)
     iterations = getattr(optimizer, "iterations", None)
     if method == "fit" and iterations is not None and _outside([iterations]):

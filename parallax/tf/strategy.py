@@ -503,7 +503,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             results[i] = value / size if mean and size > 1 else value
         return results
 
-    def _refuse_unplanned_table(self, var, args) -> None:
+    def _refuse_unplanned_table(self, var, fn, args) -> None:
         """A sparse (IndexedSlices) gradient for a variable the plan's step never read (a
         second model's table, built in the same scope before or after the plan): it would
         train as a dense copy on every worker, all-reduced, without a word."""
@@ -515,7 +515,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if planned is not None and (planned.reason != NOT_READ or
                                     self.config.placement.get(planned.name) == "allreduce"):
             return
-        name = planned.name if planned is not None else var.name.split(":")[0]
+        name = planned.name if planned is not None else keras_support.keras_path_of(
+            var, keras_support.keras_optimizer_of(fn)) or var.name.split(":")[0]
         raise ConfigError(
             f"{name!r} gets a sparse gradient (a table), but the plan was made from the first "
             f"training step (the first fit or strategy.run), which did not read it"
@@ -533,7 +534,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return tf.no_op() if group else (tf.no_op(),)
         remote = remote_of(var)
         if remote is None:
-            self._refuse_unplanned_table(var, args)
+            self._refuse_unplanned_table(var, fn, args)
             return super()._update(var, fn, args, kwargs, group)
         if getattr(fn, "__name__", "") != _OPTIMIZER_UPDATE or not args:
             raise ParallaxError(
