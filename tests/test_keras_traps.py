@@ -1,7 +1,7 @@
-"""Issue 29's Keras traps on 2 workers, against one process on the same data: a baseline
-`evaluate`/`predict` before `fit`; `evaluate` and `predict` covering every row (a partial
-last global batch, one worker's part empty) in the input's order; `fit` with
-`validation_data` and `steps_per_execution=4`; a model built outside `strategy.scope()`.
+"""Issue 29's Keras traps on 2 workers, against one process on the same data: `evaluate` and
+`predict` covering every row (a partial last global batch, one worker's part empty) in the
+input's order; a baseline `evaluate`/`predict` before `fit`; `fit` with `validation_data`
+and `steps_per_execution=4`; a model built outside `strategy.scope()`.
 One launch per collectives backend (Horovod, TensorFlow's) and one single process, all
 running tests/keras_traps_worker.py."""
 from __future__ import annotations
@@ -46,33 +46,61 @@ def _load(folder: Path, rank: int) -> tuple[dict, dict]:
     return dict(arrays), json.loads((folder / f"rank{rank}.json").read_text())
 
 
+def _phase(summary: dict, phase: str) -> None:
+    assert f"{phase}_error" not in summary, summary[f"{phase}_error"]
+
+
+def _same_predictions(want: dict, got: dict, keys) -> None:
+    for key in keys:
+        rows = 201 if "odd" in key else 193
+        assert got[key].shape == want[key].shape == (rows, 1), key
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_predict_covers_every_row_in_order_as_one_process(results, backend, rank):
     """201 rows (last global batch 9: parts of 4 and 5) and 193 rows (last global batch 1:
     worker 0's part empty): every worker's predict returns every row, in the input's order,
-    equal to one process's; before fit (traced before the plan) and after."""
-    want, _ = _load(results["one"], 0)
+    equal to one process's."""
+    want, want_summary = _load(results["one"], 0)
     got, summary = _load(results[backend], rank)
+    _phase(want_summary, "rows")
+    _phase(summary, "rows")
     assert summary["workers"] == 2 and summary["table_on_servers"] == "ps"
     assert summary["collectives"] == {"horovod": "HorovodWorkers",
                                       "tensorflow": "TensorFlowWorkers"}[backend]
-    for key in ("before_odd_pred", "before_one_pred", "odd_pred", "one_pred"):
-        rows = 201 if "odd" in key else 193
-        assert got[key].shape == want[key].shape == (rows, 1), key
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    assert np.abs(got["odd_pred"][:193] - got["before_odd_pred"][:193]).max() > 1e-3  # trained
+    _same_predictions(want, got, ("odd_pred", "one_pred"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_evaluate_counts_every_row_as_one_process(results, backend, rank):
-    """Loss and metric of evaluate before and after fit equal one process's on the same rows
-    (no row dropped or counted twice)."""
+    """Loss and metric equal one process's on the same rows (no row dropped or counted
+    twice)."""
     _, want = _load(results["one"], 0)
     _, got = _load(results[backend], rank)
-    for key in ("before_odd_eval", "before_one_eval", "odd_eval", "one_eval"):
+    _phase(want, "rows")
+    _phase(got, "rows")
+    for key in ("odd_eval", "one_eval"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_baseline_evaluate_and_predict_before_fit(results, backend, rank):
+    """Traced before the plan, Keras' evaluate and predict functions are traced again once
+    the table moved to the servers: before and after fit, as one process."""
+    want, want_summary = _load(results["one"], 0)
+    got, summary = _load(results[backend], rank)
+    _phase(want_summary, "baseline")
+    _phase(summary, "baseline")
+    keys = [f"{when}_{name}" for when in ("before", "after") for name in ("odd", "one")]
+    _same_predictions(want, got, [f"{k}_pred" for k in keys])
+    for key in keys:
+        np.testing.assert_allclose(summary[f"{key}_eval"], want_summary[f"{key}_eval"],
+                                   rtol=1e-5, err_msg=key)
+    assert np.abs(got["after_odd_pred"] - got["before_odd_pred"]).max() > 1e-3  # trained
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,7 +108,11 @@ def test_fit_with_validation_and_steps_per_execution(results, backend):
     """steps_per_execution=4 with validation_data on 2 workers trains, validates every row,
     and both workers see one process's history."""
     _, want = _load(results["one"], 0)
-    histories = [_load(results[backend], rank)[1]["multistep_history"] for rank in (0, 1)]
+    _phase(want, "multistep")
+    summaries = [_load(results[backend], rank)[1] for rank in (0, 1)]
+    for summary in summaries:
+        _phase(summary, "multistep")
+    histories = [summary["multistep_history"] for summary in summaries]
     assert histories[0] == histories[1]
     assert sorted(histories[0]) == ["loss", "mae", "val_loss", "val_mae"]
     for key, values in histories[0].items():
