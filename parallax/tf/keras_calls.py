@@ -3,10 +3,10 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
 
 - A model built outside `strategy.scope()` has no `ParallaxVariable`s, and its `fit` outside
   the scope runs under TF's default strategy: in a job of several workers each would train
-  its own copy on all the data, silently. `fit`, `evaluate` and `predict` refuse it
-  (ConfigError naming the fix) in a job (several workers, or started by `parallax run`);
-  one process started by hand only gets a warning, since it may train plain Keras models
-  beside the strategy. A model built inside but compiled outside (its optimizer made
+  its own copy on all the data, silently. In a job (several workers, or started by
+  `parallax run`) its `fit` is refused (ConfigError naming the fix); its `evaluate` and
+  `predict` (right, if not distributed: a serving copy's, a loaded file's) and, in one
+  process started by hand, its `fit` (plain Keras beside the strategy) get a warning. A model built inside but compiled outside (its optimizer made
   outside) is refused by `fit` before TF's "Mixing different tf.distribute.Strategy objects".
 - `evaluate` or `predict` before the first training step traces functions that read the
   variables locally; the plan then moves tables to the servers. The plan drops those cached
@@ -40,7 +40,7 @@ _job: list = [None]                                   # weakref to the latest Pa
 _unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
 _averaged_outside = weakref.WeakKeyDictionary()       # model -> weakref(extended)
 _state = threading.local()
-_warned: set[int] = set()
+_warned: set[tuple[int, str]] = set()
 
 
 def install(extended) -> None:
@@ -89,18 +89,19 @@ def check_scope(model, method: str) -> None:
     if extended is None or not foreign:
         return
     workers = extended.workers.info.size
-    if workers > 1 or os.environ.get(RUN_ID_ENV):
+    if method == "fit" and (workers > 1 or os.environ.get(RUN_ID_ENV)):
         raise ConfigError(
             f"model {model.name!r} was built outside strategy.scope() (its variables "
             f"{foreign[:3]} were not created by the ParallaxStrategy), so model.{method}() "
             f"would run it on this worker alone: each of the {workers} worker(s) would train "
             f"its own copy on all the data. Build and compile the model inside "
             f"`with strategy.scope():`")
-    if id(model) not in _warned:
-        _warned.add(id(model))
-        log.warning("model %r was built outside strategy.scope(), so model.%s() "
-                    "runs without the ParallaxStrategy of this process (plain Keras, this "
-                    "process only); build and compile it inside `with strategy.scope():`",
+    if (id(model), method) not in _warned:
+        _warned.add((id(model), method))
+        log.warning("model %r was built outside strategy.scope(), so model.%s() runs "
+                    "without the ParallaxStrategy of this process (plain Keras, on this "
+                    "worker's own, over all its data); if it is meant to train with the "
+                    "strategy, build and compile it inside `with strategy.scope():`",
                     model.name, method)
 
 
