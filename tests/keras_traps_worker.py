@@ -65,6 +65,7 @@ def rows(strategy, arrays: dict, summary: dict) -> None:
     model = compiled(strategy)
     model.fit(*data(192, 0), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     predict_and_evaluate(model, "", arrays, summary)
+    arrays["on_batch_pred"] = model.predict_on_batch(data(5, 3)[0])  # this worker's alone
     summary["table_on_servers"] = strategy.plan.get("embedding/embeddings").placement
 
 

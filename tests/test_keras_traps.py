@@ -71,6 +71,8 @@ def test_predict_covers_every_row_in_order_as_one_process(results, backend, rank
     assert summary["collectives"] == {"horovod": "HorovodWorkers",
                                       "tensorflow": "TensorFlowWorkers"}[backend]
     _same_predictions(want, got, ("odd_pred", "one_pred"))
+    assert got["on_batch_pred"].shape == (5, 1)  # predict_on_batch: this worker's rows only
+    np.testing.assert_allclose(got["on_batch_pred"], want["on_batch_pred"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

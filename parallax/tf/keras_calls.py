@@ -13,7 +13,9 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
   functions (`forget_functions`), so Keras traces them again on their next call.
 - `evaluate` and `predict` (and `fit`'s validation) count every row: their datasets are split
   with `cover_for_worker` (`covering_rows()` is true while Keras makes their iterator; its
-  training iterator is the one given `class_weight`).
+  training iterator is the one given `class_weight`), and `predict` gathers every worker's
+  rows (a collective: every worker calls it, as under MWMS). `predict_on_batch` predicts
+  this worker's batch alone, with a function of its own (`predicting_on_batch()`).
 - Keras' logs are averaged over the workers in each step, except inside Keras' multi-step loop
   (`steps_per_execution` > 1), where a collective would run again before the last one ended
   (Horovod refuses a second all-reduce of the same name in flight): there they are averaged
@@ -40,6 +42,7 @@ _job: list = [None]                                   # weakref to the latest Pa
 _unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
 _averaged_outside = weakref.WeakKeyDictionary()       # model -> weakref(extended)
 _state = threading.local()
+_BATCH_FUNCTION = "_parallax_batch_predict_function"  # predict_on_batch's own
 _warned: set[tuple[int, str]] = set()
 
 
@@ -53,6 +56,7 @@ def install(extended) -> None:
         return
     for method in ("fit", "evaluate", "predict"):
         _patch(keras.Model, method, _guarded(method, getattr(keras.Model, method)))
+    _patch(keras.Model, "predict_on_batch", _on_batch(keras.Model.predict_on_batch))
     for kind in ("train", "test", "predict"):
         name = f"make_{kind}_function"
         _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
@@ -163,7 +167,33 @@ def forget_functions(extended) -> None:
         if owner() is extended:
             model.test_function = None
             model.predict_function = None
+            object.__setattr__(model, _BATCH_FUNCTION, None)
             del _unplanned[model]
+
+
+def predicting_on_batch() -> bool:
+    """Whether the predict step being traced is `predict_on_batch`'s: this worker's own
+    batch, whose predictions are not gathered (`predict`'s are)."""
+    return getattr(_state, "on_batch", False)
+
+
+def _on_batch(original):
+    """`predict_on_batch` predicts this worker's batch alone (no collective: one worker may
+    call it without the others), with a predict function of its own."""
+    @functools.wraps(original)
+    def predict_on_batch(self, x):
+        if _extended_of(self) is None:
+            return original(self, x)
+        shared = self.predict_function
+        self.predict_function = getattr(self, _BATCH_FUNCTION, None)
+        _state.on_batch = True
+        try:
+            return original(self, x)
+        finally:
+            _state.on_batch = False
+            object.__setattr__(self, _BATCH_FUNCTION, self.predict_function)
+            self.predict_function = shared
+    return predict_on_batch
 
 
 def in_loop() -> bool:

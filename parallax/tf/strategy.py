@@ -225,7 +225,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         """Keras' predictions: every worker's rows, gathered in rank order (the global
         batch, in order). Keras' logs: averaged, in the step, or after each execution of
         Keras' multi-step loop, where a collective in the step could overlap the last."""
-        if keras_support.is_keras_predict_step(fn):
+        if keras_support.is_keras_predict_step(fn) and not keras_calls.predicting_on_batch():
             flat = tf.nest.flatten(result)
             rows = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
             for i, gathered in zip(rows, self.workers.allgather_rows([flat[i] for i in rows])):
