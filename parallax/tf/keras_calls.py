@@ -6,8 +6,9 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
   its own copy on all the data, silently. In a job (several workers, or started by
   `parallax run`) its `fit` is refused (ConfigError naming the fix); its `evaluate` and
   `predict` (right, if not distributed: a serving copy's, a loaded file's) and, in one
-  process started by hand, its `fit` (plain Keras beside the strategy) get a warning. A model built inside but compiled outside (its optimizer made
-  outside) is refused by `fit` before TF's "Mixing different tf.distribute.Strategy objects".
+  process started by hand, its `fit` (plain Keras beside the strategy) get a warning. A
+  model built inside but compiled outside (its optimizer made outside) is refused by `fit`
+  before TF's "Mixing different tf.distribute.Strategy objects".
 - `evaluate` or `predict` before the first training step traces functions that read the
   variables locally; the plan then moves tables to the servers. The plan drops those cached
   functions (`forget_functions`), so Keras traces them again on their next call.

@@ -520,10 +520,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         raise ConfigError(
             f"{name!r} gets a sparse gradient (a table), but the plan was made from the first "
             f"training step (the first fit or strategy.run), which did not read it"
-            f"{' (it was created after that step)' if planned is None else ''}: it would stay "
-            f"on every worker, all-reduced as dense, instead of on the servers. A ParallaxStrategy plans "
-            f"one model: build each model in its own ParallaxStrategy (its own "
-            f"`with strategy.scope():`), or train them in one step (one model holding both)")
+            f"{' (it was created after that step)' if planned is None else ''}: it would "
+            f"stay on every worker, all-reduced as dense, instead of on the servers. A "
+            f"ParallaxStrategy plans one model: build each model in its own ParallaxStrategy "
+            f"(its own `with strategy.scope():`), or train them in one step (one model "
+            f"holding both)")
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
