@@ -6,7 +6,10 @@ The hooks TF and Keras call, and what parallax does in each:
   can later move its rows to the servers.
 - `_call_for_each_replica` (`strategy.run`): before the first training step, trace the step
   once for analysis (updates are observed, not applied), classify variables, make and apply
-  the plan. Afterwards: run the step; tables untouched by a training step get an empty push.
+  the plan. Afterwards: run the step; tables untouched by a training step get an empty push;
+  Keras' logs are averaged and its predictions gathered over the workers (`keras_calls`).
+- `_experimental_distribute_dataset`: each worker's part of every global batch, dropping a
+  partial last one in training, splitting it among the workers for evaluate and predict.
 - `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
   (the servers sum them); everything else goes through one grouped Horovod all-reduce.
 - `_update` (the optimizer's per-variable update): variables on the servers push their
