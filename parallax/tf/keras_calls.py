@@ -40,6 +40,7 @@ from parallax.tf.variables import ParallaxVariable, raised_in_op
 log = logging.getLogger("parallax")
 _MARK = "_parallax_keras_calls"
 _job: list = [None]                                   # weakref to the latest ParallaxExtended
+_installed: weakref.WeakSet = weakref.WeakSet()    # every ParallaxExtended made
 _unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
 _averaged_outside = weakref.WeakKeyDictionary()       # model -> weakref(extended)
 _state = threading.local()
@@ -50,6 +51,7 @@ _warned: set[tuple[int, str]] = set()
 def install(extended) -> None:
     """Remember `extended` as this process's job and patch Keras once."""
     _job[0] = weakref.ref(extended)
+    _installed.add(extended)
     import keras
     from keras.src.backend.tensorflow import trainer
 
@@ -72,10 +74,9 @@ def _patch(owner, name: str, replacement) -> None:
 # ---- models built (or compiled) outside the scope ----------------------------------------
 
 def _extended_of(model):
-    from parallax.tf.strategy import ParallaxStrategy  # (the strategy imports this module)
-
-    strategy = model.distribute_strategy
-    return strategy.extended if isinstance(strategy, ParallaxStrategy) else None
+    """The ParallaxExtended `model` runs under (its own strategy, else the current one)."""
+    extended = getattr(model.distribute_strategy, "extended", None)
+    return extended if extended in _installed else None
 
 
 def _outside(variables) -> list[str]:
