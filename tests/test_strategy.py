@@ -301,18 +301,85 @@ def test_second_job_with_the_same_run_id_changes_nothing(cluster):
     np.testing.assert_array_equal(model.get_weights()[0], trained)
 
 
-def test_function_traced_before_the_plan_says_so(make_strategy):
+def test_evaluate_and_predict_before_fit_work_after_it(make_strategy):
+    """A baseline evaluation before training: the plan (at fit) moves the table to the
+    servers and drops the functions evaluate and predict traced before, so their next calls
+    read the trained rows."""
     strategy = make_strategy()
     x, y = data()
     with strategy.scope():
         model = embedding_model()
         model.compile(keras.optimizers.SGD(0.5), loss="mse")
     early = model.predict(x[:8], verbose=0)  # runs locally, before any plan
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.layers[1].embeddings.value.remote is not None
+    got = model.predict(x[:8], verbose=0)
+    np.testing.assert_allclose(got, model(x[:8]).numpy(), rtol=1e-6)
+    assert not np.allclose(got, early)
+    after = model.evaluate(x, y, verbose=0)
+    assert after == pytest.approx(float(np.mean((model(x).numpy() - y) ** 2)), rel=1e-5)
+    assert after < before
+
+
+def test_a_function_traced_before_the_plan_says_so(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    serve = tf.function(lambda ids: model(ids))
+    serve(tf.constant(x[:8]))  # traced before the plan: reads the table locally
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     with pytest.raises(Exception, match="moved to the parameter servers after this function"):
-        model.predict(x[:8], verbose=0)
-    model.make_predict_function(force=True)
-    assert not np.allclose(model.predict(x[:8], verbose=0), early)
+        serve(tf.constant(x[:8]))
+
+
+def test_a_model_compiled_outside_the_scope_is_refused_naming_the_fix(make_strategy):
+    """Instead of TF's "Mixing different tf.distribute.Strategy objects"."""
+    strategy = make_strategy()
+    x, y = data()
+    with strategy.scope():
+        model = embedding_model()
+    model.compile("adam", loss="mse")
+    with pytest.raises(ConfigError, match=r"compiled outside it: its optimizer \(Adam\).*"
+                                          r"Call model.compile\(...\) inside"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert strategy.plan is None  # refused before anything ran
+
+
+def test_a_model_built_outside_the_scope_and_fit_inside_it_is_refused(make_strategy):
+    strategy = make_strategy()
+    x, y = data()
+    model = embedding_model()
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+        with pytest.raises(ConfigError, match=r"variables \['embedding/embeddings'.*created "
+                                              r"outside strategy.scope\(\)"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_a_model_built_outside_the_scope_is_refused_in_a_launched_job(make_strategy,
+                                                                        monkeypatch, caplog):
+    """Fit outside the scope runs under TF's default strategy: in a job started by
+    `parallax run` (here: its run id in the environment) that is refused; in a process
+    started by hand, with a plain Keras model beside the strategy, it is a warning, as are
+    evaluate and predict in a job (a serving copy's: right, if on each worker alone)."""
+    strategy = make_strategy()  # noqa: F841 (the job: alive while the model is fit)
+    x, y = data()
+    model = embedding_model()
+    model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    with caplog.at_level("WARNING", logger="parallax"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert any("built outside strategy.scope()" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("PARALLAX_RUN_ID", "launched")
+    with pytest.raises(ConfigError, match="built outside strategy.scope\\(\\).*Build and "
+                                          "compile the model inside"):
+        model.fit(x, y, verbose=0)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="parallax"):  # right, if on this worker alone
+        assert model.predict(x[:4], verbose=0).shape == (4, 1)
+    assert any("model.predict() runs without" in r.getMessage() for r in caplog.records)
 
 
 def test_a_second_optimizer_cannot_update_server_tables(make_strategy):
@@ -388,9 +455,10 @@ def test_export_outside_local_tables_is_refused_and_inside_serves(make_strategy,
                                rtol=1e-5, atol=1e-6)
 
 
-def test_a_second_model_in_the_same_scope_is_warned_about(make_strategy, caplog):
+def test_a_second_model_in_the_same_scope_is_warned_about_and_refused(make_strategy, caplog):
     """The plan is made at the first model's first step: a second model's table is not read
-    there, stays a local all-reduced variable, and the log says so, naming it."""
+    there, and the log says so, naming it; training it (or a model built after the plan) is
+    refused, naming the fix, rather than all-reducing its table as dense."""
     strategy = make_strategy()
     ids, labels = data()
     with strategy.scope():
@@ -405,6 +473,15 @@ def test_a_second_model_in_the_same_scope_is_warned_about(make_strategy, caplog)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("second_table" in w and "own ParallaxStrategy" in w for w in warnings), warnings
     assert second.built
+    with strategy.scope():
+        second.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        third = embedding_model()
+        third.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for model, name in ((second, "second_table/embeddings"), (third, "embedding/embeddings")):
+        with pytest.raises(ConfigError, match=f"'[^']*{name}' gets a sparse gradient .*"
+                                              f"own ParallaxStrategy"):
+            model.fit(ids, labels, batch_size=32, epochs=1, verbose=0)
+    assert second.layers[0].embeddings.value.remote is None
 
 
 def test_compile_with_rmsprop_by_name_trains_on_the_servers(make_strategy):

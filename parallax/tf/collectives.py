@@ -2,9 +2,10 @@
 when launched by horovodrun, TensorFlow's own collective ops (`parallax.tf.tf_collectives`)
 when launched without Horovod, identity for a single worker.
 
-The strategy only needs five things from its peers: who am I, sum these gradients (as one
-fused group, in the graph), all-gather sparse gradients (the `allreduce` run mode), copy rank
-0's variables, and exchange small Python objects (plans, to check that workers agree).
+The strategy only needs six things from its peers: who am I, sum these gradients (as one
+fused group, in the graph), all-gather sparse gradients (the `allreduce` run mode), gather
+predictions (`allgather_rows`), copy rank 0's variables, and exchange small Python objects
+(plans, to check that workers agree).
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class SingleWorker:
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         return tensor
 
+    def allgather_rows(self, tensors: Sequence[Any]) -> list[Any]:
+        return list(tensors)
+
     def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
         return None
 
@@ -79,6 +83,11 @@ class HorovodWorkers:
             return []
         return list(self.hvd.grouped_allreduce(list(tensors), op=self.hvd.Sum,
                                                name="parallax_dense"))
+
+    def allgather_rows(self, tensors: Sequence[Any]) -> list[Any]:
+        """Concatenate each tensor along axis 0 over every worker, in rank order (row counts
+        may differ, zero included)."""
+        return [self.hvd.allgather(tf.convert_to_tensor(t)) for t in tensors]
 
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         """Concatenate `tensor` over the workers of this host (local aggregation)."""

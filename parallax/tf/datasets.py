@@ -1,9 +1,15 @@
 """Each worker's share of a dataset batched with the global batch size.
 
-Same contract as MultiWorkerMirroredStrategy's data sharding: the dataset yields global
-batches of B; worker r of W gets, for every global batch, its r-th slice of B/W elements.
-So step i on W workers sees exactly the elements single-process step i sees with batch B,
-which is what makes distributed training comparable with single-process training.
+Training (`shard_for_worker`), the contract of MultiWorkerMirroredStrategy's data sharding:
+the dataset yields global batches of B; worker r of W gets, for every global batch, its r-th
+slice of B/W elements. So step i on W workers sees exactly the elements single-process step
+i sees with batch B, which is what makes distributed training comparable with
+single-process training. A last, partial global batch is dropped.
+
+Evaluation and prediction (`cover_for_worker`): every row counts, so every global batch,
+the partial last one included, is split into W contiguous parts in rank order (sizes
+differing by one at most, some empty when it has fewer than W rows). The workers still run
+the same steps, and their parts, gathered in rank order, are the global batch.
 """
 from __future__ import annotations
 
@@ -49,3 +55,22 @@ def shard_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return local.shard(size, rank).with_options(options)
+
+
+def _part(rank: int, size: int):
+    def part(*element):
+        element = element[0] if len(element) == 1 else element
+        rows = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        lo, hi = rank * rows // size, (rank + 1) * rows // size
+        return tf.nest.map_structure(lambda t: t[lo:hi], element)
+    return part
+
+
+def cover_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
+    """Rows [r*b//W, (r+1)*b//W) of every global batch of b rows, the partial last one
+    included: the W parts, in rank order, are every row once (evaluate, predict)."""
+    if size == 1:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.map(_part(rank, size)).with_options(options)

@@ -140,6 +140,18 @@ def is_keras_logging_step(fn) -> bool:
         isinstance(getattr(fn, "__self__", None), keras.Model)
 
 
+def keras_model_of(fn):
+    """The Keras model whose step `fn` is (a bound train_step / test_step)."""
+    return getattr(inspect.unwrap(fn), "__self__", None)
+
+
+def is_keras_predict_step(fn) -> bool:
+    """Whether `fn` is the step of a Keras model's predict function (its local
+    `one_step_on_data`, which calls predict_step)."""
+    name = getattr(inspect.unwrap(fn), "__qualname__", "")
+    return name.endswith("make_predict_function.<locals>.one_step_on_data")
+
+
 def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:
     """The optimizer's slot variables for `variable` (Keras names them after its path and
     gives them its shape)."""

@@ -6,7 +6,10 @@ The hooks TF and Keras call, and what parallax does in each:
   can later move its rows to the servers.
 - `_call_for_each_replica` (`strategy.run`): before the first training step, trace the step
   once for analysis (updates are observed, not applied), classify variables, make and apply
-  the plan. Afterwards: run the step; tables untouched by a training step get an empty push.
+  the plan. Afterwards: run the step; tables untouched by a training step get an empty push;
+  Keras' logs are averaged and its predictions gathered over the workers (`keras_calls`).
+- `_experimental_distribute_dataset`: each worker's part of every global batch, dropping a
+  partial last one in training, splitting it among the workers for evaluate and predict.
 - `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
   (the servers sum them); everything else goes through one grouped Horovod all-reduce.
 - `_update` (the optimizer's per-variable update): variables on the servers push their
@@ -36,11 +39,11 @@ from parallax.placement import tuning
 from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
 from parallax.placement.tuning import PartitionSearch
 from parallax.runtime.malloc_tuning import reuse_freed_memory
-from parallax.tf import binding, keras_support, resume
+from parallax.tf import binding, keras_calls, keras_support, resume
 from parallax.tf.analysis import NOT_READ, inspect_reads
 from parallax.tf.collectives import WorkerInfo, make_collectives
 from parallax.tf.tf_collectives import LOCAL_AGGREGATION_NEEDS_HOROVOD, TensorFlowWorkers
-from parallax.tf.datasets import shard_for_worker
+from parallax.tf.datasets import cover_for_worker, shard_for_worker
 from parallax.tf.fusion import StepFusion
 from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
                                 owner_of_gradient, set_fusion_of_step)
@@ -157,6 +160,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
         resume.attach_to_keras_optimizers()
         keras_support.make_weight_saves_atomic()
+        keras_calls.install(self)  # fit/evaluate/predict: scope checks, rows, logs
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and _wants_servers(config) and resolve_cluster(
                 config.ps_addresses, config.run_id, start=False).embedded:
@@ -203,8 +207,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         set_fusion_of_step(step)
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
-            if self.workers.info.size > 1 and keras_support.is_keras_logging_step(fn):
-                result = self._average_logs(result)
+            if self.workers.info.size > 1:
+                result = self._across_workers(fn, result)
             set_fusion_of_step(None)  # what follows is the step's own tail, not its lookups
             if step is not None:
                 self._finish_fused(step)
@@ -220,6 +224,23 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             set_fusion_of_step(None)
             self._pushed = None
         return result
+
+    def _across_workers(self, fn, result):
+        """Keras' predictions: every worker's rows, gathered in rank order (the global
+        batch, in order). Keras' logs: averaged, in the step, or after each execution of
+        Keras' multi-step loop, where a collective in the step could overlap the last."""
+        if keras_support.is_keras_predict_step(fn) and not keras_calls.predicting_on_batch():
+            flat = tf.nest.flatten(result)
+            rows = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
+            for i, gathered in zip(rows, self.workers.allgather_rows([flat[i] for i in rows])):
+                flat[i] = gathered
+            return tf.nest.pack_sequence_as(result, flat)
+        if not keras_support.is_keras_logging_step(fn):
+            return result
+        if keras_calls.in_loop():
+            keras_calls.average_outside(keras_support.keras_model_of(fn), self)
+            return result
+        return self.average_logs(result)
 
     def _finish_fused(self, step: StepFusion) -> None:
         """One pull op for the step's grouped lookups, one push op for its tables (those
@@ -373,6 +394,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             keras_support.check_sparse_values_only()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
+        keras_calls.forget_functions(self)  # evaluate/predict traced before: trace again
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
         _warn_unread_tables(infos.values(), self.workers.info.is_chief)
@@ -448,7 +470,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return value
         return total
 
-    def _average_logs(self, logs):
+    def average_logs(self, logs):
         """Keras' per-worker metric values -> their mean over workers (one grouped
         all-reduce of a few scalars per step), identical on every worker."""
         flat = tf.nest.flatten(logs)
@@ -485,6 +507,29 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             results[i] = value / size if mean and size > 1 else value
         return results
 
+    def _refuse_unplanned_table(self, var, fn, args) -> None:
+        """A sparse (IndexedSlices) gradient for a variable the plan's step never read (a
+        second model's table, built in the same scope before or after the plan): it would
+        train as a dense copy on every worker, all-reduced, without a word."""
+        if self.plan is None or not args or not isinstance(args[0], tf.IndexedSlices) or \
+                self.config.mode == "allreduce":
+            return
+        index = getattr(var, "parallax_index", -1)
+        planned = next((v for v in self.plan.variables if v.index == index), None)
+        if planned is not None and (planned.reason != NOT_READ or
+                                    self.config.placement.get(planned.name) == "allreduce"):
+            return
+        name = planned.name if planned is not None else keras_support.keras_path_of(
+            var, keras_support.keras_optimizer_of(fn)) or var.name.split(":")[0]
+        raise ConfigError(
+            f"{name!r} gets a sparse gradient (a table), but the plan was made from the first "
+            f"training step (the first fit or strategy.run), which did not read it"
+            f"{' (it was created after that step)' if planned is None else ''}: it would "
+            f"stay on every worker, all-reduced as dense, instead of on the servers. A "
+            f"ParallaxStrategy plans one model: build each model in its own ParallaxStrategy "
+            f"(its own `with strategy.scope():`), or train them in one step (one model "
+            f"holding both)")
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
 
@@ -494,6 +539,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return tf.no_op() if group else (tf.no_op(),)
         remote = remote_of(var)
         if remote is None:
+            self._refuse_unplanned_table(var, fn, args)
             return super()._update(var, fn, args, kwargs, group)
         if getattr(fn, "__name__", "") != _OPTIMIZER_UPDATE or not args:
             raise ParallaxError(
@@ -520,8 +566,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_dataset(self, dataset, options):
         info = self.workers.info
+        split = cover_for_worker if keras_calls.covering_rows() else shard_for_worker
         return super()._experimental_distribute_dataset(
-            shard_for_worker(dataset, info.rank, info.size), options)
+            split(dataset, info.rank, info.size), options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         info = self.workers.info

@@ -133,6 +133,11 @@ class TensorFlowWorkers:
     def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         raise ConfigError(LOCAL_AGGREGATION_NEEDS_HOROVOD)
 
+    def allgather_rows(self, tensors: Sequence[Any]) -> list[Any]:
+        """Concatenate each tensor along axis 0 over every worker, in rank order. Row counts
+        may differ (zero included): each is padded to the largest, gathered, and unpadded."""
+        return [self._gather_rows(tf.convert_to_tensor(t)) for t in tensors]
+
     def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
         """Every variable takes rank 0's value (others add zeros to it: exact)."""
         if not variables:
@@ -170,13 +175,35 @@ class TensorFlowWorkers:
         return [tf.reshape(part, tf.shape(t))
                 for part, t in zip(tf.split(summed, sizes), tensors)]
 
-    def _gather(self, tensor: tf.Tensor) -> tf.Tensor:
+    def _call_key(self):
+        """An instance key taken when the function runs, not when it is traced (as
+        MultiWorkerMirroredStrategy's): for collectives whose shapes change from call to
+        call, in functions a worker may trace again when another does not (Keras' predict
+        function is traced per input shape, and the workers' parts of a batch differ)."""
+        graph = tf.compat.v1.get_default_graph()
+        while getattr(graph, "is_control_flow_graph", False):
+            graph = graph.outer_graph
+        if tf.executing_eagerly() or not graph.building_function:
+            with tf.device("CPU:0"):
+                return tf.constant(self._key(), tf.int32)
+        with graph.as_default():
+            return graph.capture_call_time_value(self._call_key, tf.TensorSpec([], tf.int32))
+
+    def _gather_rows(self, tensor: tf.Tensor) -> tf.Tensor:
+        rows = tf.shape(tensor, out_type=tf.int64)[:1]
+        counts = self._gather(rows, self._call_key())
+        most = tf.reduce_max(counts)
+        padding = [[0, most - rows[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
+        every = self._gather(tf.pad(tensor, padding), self._call_key())
+        return tf.boolean_mask(every, tf.reshape(tf.sequence_mask(counts, most), [-1]))
+
+    def _gather(self, tensor: tf.Tensor, key=None) -> tf.Tensor:
         """Concatenate equal-shaped `tensor`s of every worker along axis 0, in rank order."""
         with tf.device(self.device):
             return tf.raw_ops.CollectiveGatherV2(
                 input=tensor, group_size=self.size, group_key=_GROUP_KEY,
-                instance_key=self._key(), ordering_token=[], communication_hint="ring",
-                timeout_seconds=COLLECTIVE_TIMEOUT_S)
+                instance_key=self._key() if key is None else key, ordering_token=[],
+                communication_hint="ring", timeout_seconds=COLLECTIVE_TIMEOUT_S)
 
 
 def _start_collective_service(addresses: Sequence[str], rank: int) -> None:

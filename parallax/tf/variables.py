@@ -46,6 +46,17 @@ def _in_analysis() -> bool:
     return getattr(_tracing, "active", False)
 
 
+_raised_in_ops: list = [None]  # the last ParallaxError a traced op raised (TF wraps it)
+
+
+def raised_in_op(exc: Exception) -> ParallaxError | None:
+    """The ParallaxError that a traced op raised, when `exc` is TF's error wrapping it."""
+    error = _raised_in_ops[0]
+    if error is not None and isinstance(exc, tf.errors.OpError) and str(error) in str(exc):
+        return error
+    return None
+
+
 class ParallaxVariable(resource_variable_ops.ResourceVariable):
     """A resource variable that the strategy may bind to rows held by parameter servers."""
 
@@ -118,12 +129,15 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     def _before_local_run(self) -> np.bool_:
         """Runs before a local read traced before the plan: the variable may have moved."""
         if self._parallax_remote is not None:
-            raise ParallaxError(
+            error = ParallaxError(
                 f"variable {self.name!r} moved to the parameter servers after this function "
                 f"was traced (before the first training step made the plan), so it would "
-                f"read an empty local copy; trace the function again (Keras: "
-                f"model.make_predict_function(force=True) / make_test_function(force=True), "
-                f"or call predict/evaluate only after training has started)")
+                f"read an empty local copy; trace the function again (a tf.function: call "
+                f"a new one; Keras' own evaluate/predict functions are traced again by "
+                f"themselves; others: model.make_predict_function(force=True) / "
+                f"make_test_function(force=True))")
+            _raised_in_ops[0] = error
+            raise error
         self.materialize()
         return np.bool_(True)
 

@@ -1,0 +1,244 @@
+"""What parallax does around Keras' `fit`, `evaluate` and `predict` (Keras 3.15, TF backend),
+installed once by the first `ParallaxStrategy` of a process (`install`):
+
+- A model built outside `strategy.scope()` has no `ParallaxVariable`s, and its `fit` outside
+  the scope runs under TF's default strategy: in a job of several workers each would train
+  its own copy on all the data, silently. In a job (several workers, or started by
+  `parallax run`) its `fit` is refused (ConfigError naming the fix); its `evaluate` and
+  `predict` (right, if not distributed: a serving copy's, a loaded file's) and, in one
+  process started by hand, its `fit` (plain Keras beside the strategy) get a warning. A
+  model built inside but compiled outside (its optimizer made outside) is refused by `fit`
+  before TF's "Mixing different tf.distribute.Strategy objects".
+- `evaluate` or `predict` before the first training step traces functions that read the
+  variables locally; the plan then moves tables to the servers. The plan drops those cached
+  functions (`forget_functions`), so Keras traces them again on their next call.
+- `evaluate` and `predict` (and `fit`'s validation) count every row: their datasets are split
+  with `cover_for_worker` (`covering_rows()` is true while Keras makes their iterator; its
+  training iterator is the one given `class_weight`), and `predict` gathers every worker's
+  rows (a collective: every worker calls it, as under MWMS). `predict_on_batch` predicts
+  this worker's batch alone, with a function of its own (`predicting_on_batch()`).
+- Keras' logs are averaged over the workers in each step, except inside Keras' multi-step loop
+  (`steps_per_execution` > 1), where a collective would run again before the last one ended
+  (Horovod refuses a second all-reduce of the same name in flight): there they are averaged
+  once per execution, outside the loop (`average_outside`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
+
+from parallax.env import RUN_ID_ENV
+from parallax.errors import ConfigError
+from parallax.tf.variables import ParallaxVariable, raised_in_op
+
+log = logging.getLogger("parallax")
+_MARK = "_parallax_keras_calls"
+_job: list = [None]                                   # weakref to the latest ParallaxExtended
+_installed: weakref.WeakSet = weakref.WeakSet()    # every ParallaxExtended made
+_unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
+_averaged_outside = weakref.WeakKeyDictionary()       # model -> weakref(extended)
+_state = threading.local()
+_BATCH_FUNCTION = "_parallax_batch_predict_function"  # predict_on_batch's own
+_warned: set[tuple[int, str]] = set()
+
+
+def install(extended) -> None:
+    """Remember `extended` as this process's job and patch Keras once."""
+    _job[0] = weakref.ref(extended)
+    _installed.add(extended)
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    if getattr(keras.Model.fit, _MARK, False):
+        return
+    for method in ("fit", "evaluate", "predict"):
+        _patch(keras.Model, method, _guarded(method, getattr(keras.Model, method)))
+    _patch(keras.Model, "predict_on_batch", _on_batch(keras.Model.predict_on_batch))
+    for kind in ("train", "test", "predict"):
+        name = f"make_{kind}_function"
+        _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
+    trainer.TFEpochIterator = _covering_iterator(trainer.TFEpochIterator)
+
+
+def _patch(owner, name: str, replacement) -> None:
+    setattr(replacement, _MARK, True)
+    setattr(owner, name, replacement)
+
+
+# ---- models built (or compiled) outside the scope ----------------------------------------
+
+def _extended_of(model):
+    """The ParallaxExtended `model` runs under (its own strategy, else the current one)."""
+    extended = getattr(model.distribute_strategy, "extended", None)
+    return extended if extended in _installed else None
+
+
+def _outside(variables) -> list[str]:
+    return [getattr(v, "path", v.name) for v in variables
+            if not isinstance(getattr(v, "value", v), ParallaxVariable)]
+
+
+def check_scope(model, method: str) -> None:
+    """Refuse (or, one process started by hand, warn about) a model whose variables the
+    ParallaxStrategy of this process did not create."""
+    if _extended_of(model) is not None:
+        _check_compiled_inside(model, method)
+        return
+    extended = _job[0]() if _job[0] is not None else None
+    foreign = _outside(model.trainable_weights)
+    if extended is None or not foreign:
+        return
+    workers = extended.workers.info.size
+    if method == "fit" and (workers > 1 or os.environ.get(RUN_ID_ENV)):
+        raise ConfigError(
+            f"model {model.name!r} was built outside strategy.scope() (its variables "
+            f"{foreign[:3]} were not created by the ParallaxStrategy), so model.{method}() "
+            f"would run it on this worker alone: each of the {workers} worker(s) would train "
+            f"its own copy on all the data. Build and compile the model inside "
+            f"`with strategy.scope():`")
+    if (id(model), method) not in _warned:
+        _warned.add((id(model), method))
+        log.warning("model %r was built outside strategy.scope(), so model.%s() runs "
+                    "without the ParallaxStrategy of this process (plain Keras, on this "
+                    "worker's own, over all its data); if it is meant to train with the "
+                    "strategy, build and compile it inside `with strategy.scope():`",
+                    model.name, method)
+
+
+def _check_compiled_inside(model, method: str) -> None:
+    foreign = _outside(model.trainable_weights)
+    if foreign:
+        raise ConfigError(
+            f"model.{method}() runs model {model.name!r} under a ParallaxStrategy, but its "
+            f"variables {foreign[:3]} were created outside strategy.scope(), so parallax "
+            f"cannot place them; build and compile the model inside "
+            f"`with strategy.scope():`")
+    optimizer = getattr(model, "optimizer", None)
+    iterations = getattr(optimizer, "iterations", None)
+    if method == "fit" and iterations is not None and _outside([iterations]):
+        raise ConfigError(
+            f"model {model.name!r} was built in strategy.scope() but compiled outside it: its "
+            f"optimizer ({type(optimizer).__name__}) was created outside the scope, so its "
+            f"variables are not the strategy's (most optimizers then stop in TF's \"Mixing "
+            f"different tf.distribute.Strategy objects\"). Call model.compile(...) inside "
+            f"`with strategy.scope():`")
+
+
+def _guarded(method: str, original):
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        check_scope(self, method)
+        try:
+            return original(self, *args, **kwargs)
+        except tf.errors.OpError as exc:  # TF wraps a ParallaxError raised by an op
+            raised = raised_in_op(exc)
+            if raised is None:
+                raise
+            raise raised from None
+    return call
+
+
+# ---- functions traced before the plan; logs averaged outside Keras' loop ----------------
+
+def _making(kind: str, original):
+    @functools.wraps(original)
+    def make(self, force=False):
+        made = original(self, force)
+        extended = _extended_of(self)
+        if extended is not None and extended.plan is None and kind != "train":
+            _unplanned[self] = weakref.ref(extended)
+        if kind != "predict":
+            attribute = f"{kind}_function"
+            function = getattr(self, attribute)
+            if function is not None and not getattr(function, _MARK, False):
+                setattr(self, attribute, _averaging(self, function))
+        return made
+    return make
+
+
+def forget_functions(extended) -> None:
+    """The plan was just made: drop the evaluate/predict functions that models of `extended`
+    traced before it (they read variables locally), so Keras traces them again."""
+    for model, owner in list(_unplanned.items()):
+        if owner() is extended:
+            model.test_function = None
+            model.predict_function = None
+            object.__setattr__(model, _BATCH_FUNCTION, None)
+            del _unplanned[model]
+
+
+def predicting_on_batch() -> bool:
+    """Whether the predict step being traced is `predict_on_batch`'s: this worker's own
+    batch, whose predictions are not gathered (`predict`'s are)."""
+    return getattr(_state, "on_batch", False)
+
+
+def _on_batch(original):
+    """`predict_on_batch` predicts this worker's batch alone (no collective: one worker may
+    call it without the others), with a predict function of its own."""
+    @functools.wraps(original)
+    def predict_on_batch(self, x):
+        if _extended_of(self) is None:
+            return original(self, x)
+        shared = self.predict_function
+        self.predict_function = getattr(self, _BATCH_FUNCTION, None)
+        _state.on_batch = True
+        try:
+            return original(self, x)
+        finally:
+            _state.on_batch = False
+            object.__setattr__(self, _BATCH_FUNCTION, self.predict_function)
+            self.predict_function = shared
+    return predict_on_batch
+
+
+def in_loop() -> bool:
+    """Whether the step being traced runs inside a `tf.while_loop` (Keras' multi-step
+    loop), in its own graph or a graph it is nested in."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if control_flow_util_v2.in_while_loop_defun(graph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def average_outside(model, extended) -> None:
+    """`model`'s logs are averaged after each execution of its Keras function."""
+    _averaged_outside[model] = weakref.ref(extended)
+
+
+def _averaging(model, function):
+    def averaged(iterator):
+        logs = function(iterator)
+        owner = _averaged_outside.get(model)
+        extended = owner() if owner is not None else None
+        return logs if extended is None else extended.average_logs(logs)
+    setattr(averaged, _MARK, True)
+    return averaged
+
+
+# ---- datasets of evaluate and predict cover every row ------------------------------------
+
+def covering_rows() -> bool:
+    """Whether the dataset being distributed is Keras' evaluate or predict iterator's."""
+    return getattr(_state, "covering", False)
+
+
+def _covering_iterator(base):
+    class CoveringIterator(base):
+        def __init__(self, *args, **kwargs):
+            _state.covering = "class_weight" not in kwargs  # only fit's training passes it
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                _state.covering = False
+    CoveringIterator.__name__ = base.__name__
+    CoveringIterator.__qualname__ = base.__qualname__
+    return CoveringIterator
