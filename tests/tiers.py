@@ -9,6 +9,10 @@
 - `integration`: the command line end to end, containers and manifests, chaos.
 
 `make test` runs every tier. Every test file is listed here once: a new file picks its tier.
+
+Time: each test has a limit (pytest-timeout: pyproject.toml's default, `TIMEOUT_S` for a
+tier, `@pytest.mark.timeout(S)` for a long test), and each tier a budget (`BUDGET_S`: the sum
+of its tests' durations in a run of the whole tier; tests/tier_budget.py checks it).
 """
 from __future__ import annotations
 
@@ -39,6 +43,14 @@ TIERS = {
                     "test_tiers.py", "test_k8s_security.py"],
 }
 TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
+
+# Seconds a whole tier's tests may take together (setup, call and teardown, as --durations
+# counts them); `make test` fails past it, naming the tier's slowest tests. Measured on this
+# project's 2-core machine with other jobs beside it (2026-12-03, see the README's Tests):
+# each budget is at least 1.5x that. PARALLAX_TIER_BUDGET=off or a factor relaxes them.
+BUDGET_S = {"unit": 60, "server": 450, "tf": 900, "parallel": 1500, "integration": 900}
+# A tier's own limit per test, where pyproject.toml's default (300 s) does not fit it.
+TIMEOUT_S = {"unit": 60}
 GUARDED = ("tensorflow", "keras", "horovod")  # what a unit-only run may not import
 
 
