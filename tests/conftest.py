@@ -72,13 +72,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_timeout_set_timer(item, settings):
     if settings.method == "signal":
-        from pytest_timeout import timeout_timer  # the thread method's handler
-        backstop = threading.Timer(settings.timeout + BACKSTOP_S, timeout_timer,
-                                   (item, settings))
+        backstop = threading.Timer(settings.timeout + BACKSTOP_S, _backstop, (item, settings))
         backstop.daemon = True
         item.stash[_BACKSTOP] = backstop
         backstop.start()
     return None  # pytest-timeout's own implementation sets the SIGALRM timer
+
+
+def _backstop(item, settings) -> None:
+    from pytest_timeout import timeout_timer  # the thread method: stacks, then os._exit(1)
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    item.config.get_terminal_writer().line(
+        f"\n{item.nodeid} is still running {BACKSTOP_S} s past its {settings.timeout:g} s "
+        f"limit: SIGALRM could not interrupt it (stuck in C code?); ending the run",
+        red=True)
+    timeout_timer(item, settings)
 
 
 @pytest.hookimpl(optionalhook=True)

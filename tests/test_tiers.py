@@ -2,13 +2,16 @@
 as `make test-fast` needs; its guard fails a unit test that starts a process or imports
 TensorFlow, in a unit-only run and in a run of every tier (where the unit tests run once, not
 again alone); each tier's time budget (tests/tier_budget.py) fails a run that ran the whole
-tier too slowly, and only such a run."""
+tier too slowly, and only such a run; a test past its time limit fails with its fixtures torn
+down, or, where the signal cannot reach it, ends the run (tests/conftest.py)."""
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +177,69 @@ def test_every_tier_has_a_budget():
     assert set(tiers.BUDGET_S) == set(tiers.TIERS)
     assert all(budget > 0 for budget in tiers.BUDGET_S.values())
     assert set(tiers.TIMEOUT_S) <= set(tiers.TIERS)
+
+
+TIMED_TESTS = """
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen(["sleep", "300"])
+    Path("child.pid").write_text(str(proc.pid))
+    yield proc
+    proc.kill()
+    proc.wait()
+    Path("teardown.ran").write_text("yes")
+
+
+@pytest.mark.timeout(1)
+def test_hangs_in_python(child):
+    time.sleep(60)
+
+
+@pytest.mark.timeout(1)
+def test_hangs_where_the_signal_cannot_reach(child):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # as if stuck in C code
+    time.sleep(60)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_test_past_its_limit_fails_its_fixtures_stop_its_processes_and_the_run_goes_on(
+        tmp_path):
+    _tiers_dir(tmp_path, "TIER_OF = {'test_timed.py': 'server'}")
+    (tmp_path / "test_timed.py").write_text(TIMED_TESTS)
+    run = _pytest("test_timed.py", "-k", "python or after", cwd=tmp_path)
+    assert run.returncode == 1, run.stdout[-4000:]
+    assert "1 failed, 1 passed" in run.stdout.splitlines()[-1], run.stdout[-4000:]
+    assert "Timeout (>1.0s)" in run.stdout, run.stdout[-4000:]
+    assert (tmp_path / "teardown.ran").exists()  # the fixture's teardown stopped its child
+    assert not Path(f"/proc/{(tmp_path / 'child.pid').read_text()}").exists()
+
+
+def test_a_test_the_signal_cannot_reach_ends_the_run_at_the_backstop(tmp_path):
+    """The main thread never runs Python again (SIGALRM blocked, as in C code that never
+    returns): the thread backstop prints the stacks and ends the run, BACKSTOP_S later."""
+    _tiers_dir(tmp_path, "TIER_OF = {'test_timed.py': 'server'}")
+    with open(tmp_path / "conftest.py", "a") as conftest:
+        conftest.write("\nBACKSTOP_S = 1\n")
+    (tmp_path / "test_timed.py").write_text(TIMED_TESTS)
+    started = time.monotonic()
+    run = _pytest("test_timed.py", "-k", "reach or after", cwd=tmp_path)
+    assert time.monotonic() - started < 30, run.stdout[-4000:]
+    assert run.returncode == 1, run.stdout[-4000:]
+    assert "SIGALRM could not interrupt it" in run.stdout, run.stdout[-4000:]
+    assert "Timeout" in run.stdout and "time.sleep(60)" in run.stdout, run.stdout[-4000:]
+    assert " passed" not in run.stdout  # the run ended there
+    pid = int((tmp_path / "child.pid").read_text())  # (no teardown ran: this test's to end)
+    if Path(f"/proc/{pid}").exists():
+        os.kill(pid, signal.SIGKILL)
