@@ -45,7 +45,6 @@ def _namespaces(prefix: str) -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
 
 
-@pytest.mark.timeout(600)  # a long benchmark run (~1-2 min on 2 quiet cores)
 def test_short_comparison_in_namespaces_measures_every_system(tmp_path):
     reason = netns.available()
     assert reason is None, f"the benchmark's namespaces need root, ip and tc: {reason}"
@@ -200,7 +199,6 @@ def test_sigterm_stops_every_process_and_deletes_the_namespaces(tmp_path):
     assert left_processes == {}
 
 
-@pytest.mark.timeout(600)  # a long benchmark run (~1-2 min on 2 quiet cores)
 def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     """`--cpu-share off,0.25`: a shared-core and an isolated setting in one results file;
     the isolated one's links at 100 Mbit/s x 0.25, no host (a worker and its co-located
@@ -259,7 +257,6 @@ def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
     assert all(r["status"] == "ok" and r["worker_bytes_per_step"] is None for r in runs)
 
 
-@pytest.mark.timeout(600)  # a long benchmark run (~1-2 min on 2 quiet cores)
 def test_row_cache_systems_run_in_the_same_rounds_and_staleness_0_trains_as_hybrid(tmp_path):
     done = _bench(tmp_path, "--workloads", "ctr", "--workers", "1", "--networks", "loopback",
                   "--systems", "hybrid", "--cache-staleness", "0,4", "--rounds", "1",

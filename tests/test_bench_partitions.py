@@ -24,7 +24,6 @@ def _namespaces(prefix: str) -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
 
 
-@pytest.mark.timeout(600)  # a long benchmark run (~1-2 min on 2 quiet cores)
 def test_tiny_sweep_and_tuned_run_in_namespaces(tmp_path):
     out, prefix = tmp_path / "out", "pxq" + secrets.token_hex(2)
     done = subprocess.run(
