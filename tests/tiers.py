@@ -45,10 +45,12 @@ TIERS = {
 TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 
 # Seconds a whole tier's tests may take together (setup, call and teardown, as --durations
-# counts them); `make test` fails past it, naming the tier's slowest tests. Measured on this
-# project's 2-core machine with other jobs beside it (2026-12-03, see the README's Tests):
-# each budget is at least 1.5x that. PARALLAX_TIER_BUDGET=off or a factor relaxes them.
-BUDGET_S = {"unit": 60, "server": 450, "tf": 900, "parallel": 1500, "integration": 900}
+# counts them); `make test` fails past it, naming the tier's slowest tests. Each is at least
+# 1.5x the time measured on this project's 2-core machine shared with other jobs (load
+# average 6-27, 2026-12-03; the README's Tests has the figures): a loaded CI machine must
+# not fail on them. A tier that grows for good raises its budget here, with its new figure.
+# PARALLAX_TIER_BUDGET=off or a factor relaxes them all.
+BUDGET_S = {"unit": 60, "server": 450, "tf": 1100, "parallel": 3200, "integration": 2100}
 # A tier's own limit per test, where pyproject.toml's default (300 s) does not fit it: a unit
 # test takes milliseconds; a parallel one may run several multi-worker jobs in a module
 # fixture, which the first test to need it pays for (test_strategy_equivalence's took more
