@@ -50,11 +50,11 @@ TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 # average 6-27, 2026-12-03; the README's Tests has the figures): a loaded CI machine must
 # not fail on them. A tier that grows for good raises its budget here, with its new figure.
 # PARALLAX_TIER_BUDGET=off or a factor relaxes them all.
-BUDGET_S = {"unit": 120, "server": 450, "tf": 1100, "parallel": 3200, "integration": 2100}
+BUDGET_S = {"unit": 120, "server": 450, "tf": 1100, "parallel": 4200, "integration": 2100}
 # A tier's own limit per test, where pyproject.toml's default (300 s) does not fit it: a unit
 # test takes milliseconds; a parallel one may run several multi-worker jobs in a module
-# fixture, which the first test to need it pays for (test_strategy_equivalence's took more
-# than 300 s on a loaded machine).
+# fixture, which the first test to need it pays for (test_strategy_equivalence's, 660 s on
+# a loaded machine, has 1800 s of its own).
 TIMEOUT_S = {"unit": 60, "parallel": 900}
 GUARDED = ("tensorflow", "keras", "horovod")  # what a unit-only run may not import
 
