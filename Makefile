@@ -2,6 +2,8 @@
 # (scripts/setup_env.sh is idempotent), then runs.
 VENV ?= .venv
 LATEST_TESTS ?= tests/test_tf_collectives.py tests/test_strategy.py tests/test_launch.py tests/test_resume.py
+# extra pytest arguments of make test / test-latest: CI gives --durations=30 (the slowest tests)
+PYTEST_ARGS ?=
 export PARALLAX_VENV := $(abspath $(VENV))
 
 .PHONY: demo test test-fast test-latest env env-latest bench compare wheel-check image
@@ -9,8 +11,8 @@ export PARALLAX_VENV := $(abspath $(VENV))
 demo: env          ## install everything, then run the main job
 	$(VENV)/bin/parallax demo
 
-test: env          ## install everything, then run the whole test suite (every tier)
-	$(VENV)/bin/python -m pytest
+test: env          ## install everything, then run the whole test suite (every tier, each within its time budget)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: env     ## the unit tier alone: no TensorFlow, no process (seconds; tests/tiers.py)
 	$(VENV)/bin/python -m pytest $$($(VENV)/bin/python tests/tiers.py unit)
@@ -22,7 +24,7 @@ env-latest:        ## the second environment: the newest TensorFlow, no Horovod 
 	bash scripts/setup_env_latest.sh
 
 test-latest: env-latest  ## the strategy, launcher, resume and TF-collectives tests on the newest TensorFlow
-	.venv-latest/bin/python -m pytest -m "not horovod" $(LATEST_TESTS)
+	.venv-latest/bin/python -m pytest -m "not horovod" $(PYTEST_ARGS) $(LATEST_TESTS)
 
 wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, train the quick start
 	bash scripts/check_wheel.sh

@@ -1,6 +1,7 @@
 """Shared fixtures: real parameter-server processes on loopback, and table snapshots; and the
 test tiers (tests/tiers.py): every test is marked with its file's tier, and a run of unit
-tests alone fails a test that imports TensorFlow or starts a process."""
+tests alone fails a test that imports TensorFlow or starts a process; each test has a time
+limit (pytest-timeout) and each tier a time budget (tests/tier_budget.py)."""
 from __future__ import annotations
 
 import importlib.abc
@@ -10,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +21,82 @@ import pytest
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 
+import tiers
+from tier_budget import TierBudget, budget_scale
 from tiers import GUARDED, TIER_OF
 
 _names = itertools.count()
 _DESELECTED = False  # some collected tests were deselected (-m, -k): others' imports loaded
+_BACKSTOP = pytest.StashKey[threading.Timer]()
+_MIXED = pytest.StashKey[bool]()  # the run has other tiers than unit: guard unit tests each
+_UNGUARD = pytest.StashKey[object]()
+BACKSTOP_S = 90  # after a test's time limit: what its teardown may take before the run ends
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(
+        TierBudget(getattr(tiers, "TIERS", {}), getattr(tiers, "BUDGET_S", {}),
+                   budget_scale()), "parallax-tier-budget")
+
+
+def pytest_report_header(config):
+    if not config.pluginmanager.hasplugin("timeout"):
+        return ["pytest-timeout is not installed: no test has a time limit (`make env` "
+                "installs it: setup.cfg's test extra)"]
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    limits = getattr(tiers, "TIMEOUT_S", {})
     for item in items:
         tier = TIER_OF.get(item.path.name)
         if tier is None:
             raise pytest.UsageError(f"{item.path.name} has no tier: add it to tests/tiers.py")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier in limits and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limits[tier]))
+
+
+# Time limits (pytest-timeout; pyproject.toml sets the default, tests/tiers.py TIMEOUT_S a
+# tier's, @pytest.mark.timeout(S) a test's). The method is `signal`: SIGALRM fails the test
+# in the main thread, so its fixtures' teardown still runs (LocalCluster and Popen context
+# managers stop the processes the test started; parallax's own processes also end with
+# their parent, parallax/runtime/lifeline.py) and the rest of the run goes on. `func_only`
+# is off: the limit covers setup and teardown, where a server that never answers would
+# hang too. SIGALRM's handler runs only when the main thread runs Python: a test stuck in
+# C code (a TensorFlow op waiting forever) never sees it. So a `thread` timer is the
+# backstop, BACKSTOP_S later: it prints every thread's stack and ends the whole run
+# (os._exit), which is better than a hang that costs the whole CI job.
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    if settings.method == "signal":
+        backstop = threading.Timer(settings.timeout + BACKSTOP_S, _backstop, (item, settings))
+        backstop.daemon = True
+        item.stash[_BACKSTOP] = backstop
+        backstop.start()
+    return None  # pytest-timeout's own implementation sets the SIGALRM timer
+
+
+def _backstop(item, settings) -> None:
+    from pytest_timeout import timeout_timer  # the thread method: stacks, then os._exit(1)
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    item.config.get_terminal_writer().line(
+        f"\n{item.nodeid} is still running {BACKSTOP_S} s past its {settings.timeout:g} s "
+        f"limit: SIGALRM could not interrupt it (stuck in C code?); ending the run",
+        red=True)
+    timeout_timer(item, settings)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    backstop = item.stash.get(_BACKSTOP, None)
+    if backstop is not None:
+        backstop.cancel()
+    return None
 
 
 def pytest_deselected(items):
@@ -42,14 +107,33 @@ def pytest_deselected(items):
 def pytest_collection_finish(session):
     """A run of unit tests only: no TensorFlow was imported by collecting them (unless other
     files were collected too and deselected), and none may be imported or any process or
-    listening socket started from here on, fixtures of every scope included."""
-    if not session.items or not all(i.get_closest_marker("unit") for i in session.items):
+    listening socket started from here on, fixtures of every scope included. In a run with
+    other tiers too (`make test`), each unit test's setup and call are guarded alike: the
+    unit tier runs once there, not again alone."""
+    if not session.items:
+        return
+    if not all(i.get_closest_marker("unit") for i in session.items):
+        session.config.stash[_MIXED] = True
         return
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in GUARDED)
     if loaded and not _DESELECTED:
         raise pytest.UsageError(f"the unit tests imported {', '.join(loaded[:3])}: a file that "
                                 f"needs TensorFlow belongs to the `tf` tier (tests/tiers.py)")
     _guard_unit_run()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.stash.get(_MIXED, False) and item.get_closest_marker("unit"):
+        item.stash[_UNGUARD] = _guard_unit_run()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item):
+    """Before the teardown: it may end other tiers' session fixtures (their processes)."""
+    undo = item.stash.get(_UNGUARD, None)
+    if undo is not None:
+        undo()
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -67,16 +151,30 @@ def _refused(what: str):
     return refuse
 
 
-def _guard_unit_run() -> None:
-    """For the rest of this (unit-only) session: no TensorFlow, no process, no server socket."""
-    sys.meta_path.insert(0, _Refuse())
+_STARTERS = ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp", "spawnv", "spawnve",
+             "spawnvp", "spawnvpe", "execv", "execve")
+
+
+def _guard_unit_run():
+    """No TensorFlow (where not imported yet), no process, no server socket, until the
+    returned function undoes it (a unit-only session never does)."""
+    finder = _Refuse()
+    saved = [(subprocess.Popen, "__init__"), (socket.socket, "listen")] + [
+        (os, name) for name in _STARTERS if hasattr(os, name)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    sys.meta_path.insert(0, finder)
     started = _refused("started a process")
     subprocess.Popen.__init__ = started
-    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp", "spawnv",
-                 "spawnve", "spawnvp", "spawnvpe", "execv", "execve"):
+    for name in _STARTERS:
         if hasattr(os, name):
             setattr(os, name, started)
     socket.socket.listen = _refused("opened a listening socket")
+
+    def undo() -> None:
+        sys.meta_path.remove(finder)
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    return undo
 
 
 @pytest.fixture(scope="session", autouse=True)

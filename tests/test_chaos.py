@@ -111,6 +111,7 @@ def _restart_causes(launcher: Launcher) -> list[str]:
     return [line for line in launcher.err if line.startswith("parallax run: restart ")]
 
 
+@pytest.mark.timeout(900)  # two training runs, one with 2 restarts (251 s on a loaded machine)
 def test_killed_server_then_killed_worker_end_with_the_uninterrupted_weights(tmp_path, mark):
     chaos = _start(tmp_path, "chaos", mark, STEP_DELAY)
     try:

@@ -153,6 +153,7 @@ def _two_worker_command(script: Path, flags: list[str]) -> list[str]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # 131 s on a loaded machine
 def test_language_model_two_workers(lm_one_worker):
     proc, results = _run(_two_worker_command(EXAMPLES / "language_model.py", LM_FLAGS))
     assert proc.returncode == 0, _explain(proc)

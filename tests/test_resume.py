@@ -69,6 +69,7 @@ def _result(runs, run: str, case: str, phase: str) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.timeout(900)  # the first test to need `runs` trains its three 2-worker jobs
 def test_resumed_training_equals_uninterrupted_training(runs, case):
     full = _result(runs, "full", case, "full")
     stopped = _result(runs, "resumed", case, "stop")
@@ -83,6 +84,7 @@ def test_resumed_training_equals_uninterrupted_training(runs, case):
     assert full["grouped"] and resumed["grouped"]  # its two tables shared one server table
 
 
+@pytest.mark.timeout(900)  # the first test to need `runs` trains its three 2-worker jobs
 def test_cluster_resolver_names_the_chief_and_the_cluster(runs):
     result = _result(runs, "full", "custom-sgd", "full")
     assert result["task"] == ["worker", 0]

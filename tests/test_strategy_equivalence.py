@@ -44,7 +44,9 @@ GROUPED_CASES = ["three-sgd-fit", "three-adagrad-custom-reshard", "three-adagrad
 EXPORT_CASE = "keras-adagrad-fit"
 PLAIN_CASES.append(EXPORT_CASE)
 
-pytestmark = pytest.mark.multiprocess
+# the module fixture `results` runs three jobs (each bounded by _run's own 600 s): 660 s on a
+# machine at load 20-27, paid by the first test to need it
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
 SERVE_WITHOUT_PARALLAX = """
 import sys, numpy as np, keras, tensorflow as tf

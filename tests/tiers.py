@@ -9,6 +9,10 @@
 - `integration`: the command line end to end, containers and manifests, chaos.
 
 `make test` runs every tier. Every test file is listed here once: a new file picks its tier.
+
+Time: each test has a limit (pytest-timeout: pyproject.toml's default, `TIMEOUT_S` for a
+tier, `@pytest.mark.timeout(S)` for a long test), and each tier a budget (`BUDGET_S`: the sum
+of its tests' durations in a run of the whole tier; tests/tier_budget.py checks it).
 """
 from __future__ import annotations
 
@@ -41,6 +45,19 @@ TIERS = {
                     "test_tiers.py", "test_k8s_security.py"],
 }
 TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
+
+# Seconds a whole tier's tests may take together (setup, call and teardown, as --durations
+# counts them); `make test` fails past it, naming the tier's slowest tests. Each is at least
+# 1.5x the time measured on this project's 2-core machine shared with other jobs (load
+# average 6-27, 2026-12-03; the README's Tests has the figures): a loaded CI machine must
+# not fail on them. A tier that grows for good raises its budget here, with its new figure.
+# PARALLAX_TIER_BUDGET=off or a factor relaxes them all.
+BUDGET_S = {"unit": 120, "server": 450, "tf": 1100, "parallel": 4200, "integration": 2100}
+# A tier's own limit per test, where pyproject.toml's default (300 s) does not fit it: a unit
+# test takes milliseconds; a parallel one may run several multi-worker jobs in a module
+# fixture, which the first test to need it pays for (test_strategy_equivalence's, 660 s on
+# a loaded machine, has 1800 s of its own).
+TIMEOUT_S = {"unit": 60, "parallel": 900}
 GUARDED = ("tensorflow", "keras", "horovod")  # what a unit-only run may not import
 
 
