@@ -43,6 +43,18 @@ def _timed(cls, key: str) -> None:
     cls.__call__ = call
 
 
+def _switches() -> int:
+    """This process's context switches so far, voluntary and not, over all its threads."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/status") as status:
+                total += sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
 def _servers_cpu_s() -> float:
     return sum(sum(c.cpu_times()[:2]) for c in psutil.Process().children(recursive=True))
 
@@ -79,6 +91,7 @@ def main() -> int:
 def _window(trainer, args, path: str) -> None:
     _FUSED_CPU.update(pull=0.0, push=0.0)
     wall, cpu, servers = time.perf_counter(), time.process_time(), _servers_cpu_s()
+    switches = _switches()
     for _ in range(args.steps):
         trainer.step()
     trainer.sync()
@@ -87,7 +100,8 @@ def _window(trainer, args, path: str) -> None:
           f"{(time.perf_counter() - wall) * per_step:.2f} ms/step, worker CPU "
           f"{(time.process_time() - cpu) * per_step:.2f} ms (fused pull "
           f"{_FUSED_CPU['pull'] * per_step:.2f}, push {_FUSED_CPU['push'] * per_step:.2f}), "
-          f"servers CPU {(_servers_cpu_s() - servers) * per_step:.2f} ms", flush=True)
+          f"servers CPU {(_servers_cpu_s() - servers) * per_step:.2f} ms, worker context "
+          f"switches {(_switches() - switches) / args.steps:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ watches every lookup of a table on the servers and every update the optimizer ha
 
 Ordering: the fused pull is created last but must run first, so it is stateless to
 TensorFlow (automatic control dependencies would otherwise order it after the step's own
-pushes, which depend on it). It takes a *ticket*: the output of a stateful no-op made when
-the step starts, which automatic control dependencies order after everything stateful traced
-before the step (the previous step's push, where several steps share one graph). The ticket
+pushes, which depend on it). It takes a *ticket*: the output of a stateful op made when the step
+starts (TensorFlow's `Timestamp`: no Python callback; its value is not read), which
+automatic control dependencies order after everything stateful traced before the step (the
+previous step's push, where several steps share one graph). The ticket
 also keeps TensorFlow from treating a pull of constant ids (a whole-variable read) as a
 constant: shape inference and constant folding never run it at trace time.
 """
@@ -59,8 +60,9 @@ class StepFusion:
     def __init__(self, graph, client: TableClient | None = None) -> None:
         self.graph = graph
         self.client = client  # what the fused pull and push send through (None: direct)
-        self.ticket = tf.numpy_function(_step_begins, [], tf.int64, stateful=True,
-                                        name="parallax_step_begins")
+        # a stateful op of TensorFlow's own (no Python callback per step); its value, the
+        # time, is never read
+        self.ticket = tf.raw_ops.Timestamp(name="parallax_step_begins")
         self.reports: list[LookupReport] = []
         self._grouped: list[_Lookup] = []
         self._placeholder_ops: set = set()
@@ -194,13 +196,9 @@ class StepFusion:
                         consumer._update_input(index, rows)  # noqa: SLF001 - the rewrite
 
 
-def _step_begins() -> np.int64:
-    return np.int64(0)
-
-
 def _unfed(remote: RemoteTable):
     """The placeholder's function: never run once rewired (pruned as a stateless op with no
     consumers); if it ever ran, it would hand back no rows rather than stale ones."""
-    def unfed(unique: np.ndarray, ticket: np.int64) -> np.ndarray:
+    def unfed(unique: np.ndarray, ticket: np.float64) -> np.ndarray:
         return np.zeros((0, remote.dim), dtype=remote._np_dtype)  # noqa: SLF001
     return unfed

@@ -146,8 +146,10 @@ class TableIds:
             if len(ks) == 1:
                 out[ks[0]] = values
                 continue
-            for k, part in zip(ks, np.split(values, np.cumsum(lengths)[:-1])):
-                out[k] = part
+            start = 0
+            for k, length in zip(ks, lengths):  # views, as np.split's
+                out[k] = values[start:start + length]
+                start += length
         return out
 
     def join(self, per_member: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -210,8 +212,9 @@ class FusedPull:
         self.client = client or table_client()
         self.runs = 0
 
-    def __call__(self, ticket: np.int64, *uniques: np.ndarray) -> list[np.ndarray]:
-        """ticket: the step's start (parallax.tf.fusion); uniques: each lookup's ids."""
+    def __call__(self, ticket: np.float64, *uniques: np.ndarray) -> list[np.ndarray]:
+        """ticket: the step's start (parallax.tf.fusion; not read); uniques: each lookup's
+        ids."""
         start = time.perf_counter()
         tables: dict[int, RemoteTable] = {}
         for remote in self.remotes:
