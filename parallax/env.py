@@ -71,36 +71,32 @@ SYNC_MODES = ("sync", "async")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 
+def _seconds(environ: Mapping[str, str] | None, name: str, default: float) -> float:
+    """Variable `name`'s seconds, 1-86400 (`default` when unset); ConfigError names a bad
+    value."""
+    text = (os.environ if environ is None else environ).get(name, "")
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1 <= value <= 86400:
+        raise ConfigError(f"{name}={text!r} must be a number of seconds in 1-86400 (default "
+                          f"{default:g})")
+    return value
+
+
 def tf_heartbeat_seconds(environ: Mapping[str, str] | None = None) -> float:
     """PARALLAX_TF_HEARTBEAT_S (default TF_HEARTBEAT_S): how long TensorFlow's coordination
     service waits for a worker's heartbeat before it fails every worker's collectives."""
-    text = (os.environ if environ is None else environ).get(TF_HEARTBEAT_ENV, "")
-    if not text:
-        return TF_HEARTBEAT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 1 <= value <= 86400:
-        raise ConfigError(f"{TF_HEARTBEAT_ENV}={text!r} must be a number of seconds in "
-                          f"1-86400 (default {TF_HEARTBEAT_S:g})")
-    return value
+    return _seconds(environ, TF_HEARTBEAT_ENV, TF_HEARTBEAT_S)
 
 
 def connect_timeout(environ: Mapping[str, str] | None = None) -> float:
-    """PARALLAX_CONNECT_TIMEOUT's seconds (CONNECT_TIMEOUT_S when unset); ConfigError names a
-    bad value."""
-    text = (os.environ if environ is None else environ).get(CONNECT_TIMEOUT_ENV, "")
-    if not text:
-        return CONNECT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 1 <= value <= 86400:
-        raise ConfigError(f"{CONNECT_TIMEOUT_ENV}={text!r} must be a number of seconds in "
-                          f"1-86400 (default {CONNECT_TIMEOUT_S:g})")
-    return value
+    """PARALLAX_CONNECT_TIMEOUT's seconds (CONNECT_TIMEOUT_S when unset): how long each server
+    has to answer at the first step."""
+    return _seconds(environ, CONNECT_TIMEOUT_ENV, CONNECT_TIMEOUT_S)
 
 
 def is_run_id(text: str) -> bool:

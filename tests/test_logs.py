@@ -140,16 +140,21 @@ def test_each_parallax_line_prints_once_after_absl_configures_the_root_logger():
     assert sum("careful" in line for line in lines) == 1, lines
 
 
-def test_a_root_handler_elsewhere_does_not_silence_the_terminal(restore_logging, capsys):
-    """A root handler writing to a file (or pytest's capture) leaves ours printing."""
-    import io
-    elsewhere = logging.StreamHandler(io.StringIO())
-    logging.root.addHandler(elsewhere)
+def _info_beside(root: logging.Handler) -> None:
+    """A parallax INFO line logged with `root` on the root logger."""
+    logging.root.addHandler(root)
     try:
         logs.configure("info")
         logging.getLogger("parallax.test").info("the plan")
     finally:
-        logging.root.removeHandler(elsewhere)
+        logging.root.removeHandler(root)
+
+
+def test_a_root_handler_elsewhere_does_not_silence_the_terminal(restore_logging, capsys):
+    """A root handler writing to a file (or pytest's capture) leaves ours printing."""
+    import io
+    elsewhere = logging.StreamHandler(io.StringIO())
+    _info_beside(elsewhere)
     assert capsys.readouterr().err == "the plan\n"
     assert elsewhere.stream.getvalue() == "the plan\n"
 
@@ -238,10 +243,5 @@ def test_a_root_handler_that_filters_parallax_out_does_not_silence_it(restore_lo
     import sys as _sys
     root = logging.StreamHandler(_sys.stderr)
     root.addFilter(lambda record: not record.name.startswith("parallax"))
-    logging.root.addHandler(root)
-    try:
-        logs.configure("info")
-        logging.getLogger("parallax.test").info("the plan")
-    finally:
-        logging.root.removeHandler(root)
+    _info_beside(root)
     assert capsys.readouterr().err == "the plan\n"
