@@ -103,7 +103,7 @@ def collect(addresses: list[str], options: ClientOptions) -> list[dict]:
 
 
 _COLUMNS = (("table", "table", "{}"), ("shard", "shard", "{}"), ("rows", "rows", "{:,}"),
-            ("dim", "dim", "{}"), ("MB", "bytes", "{:.1f}"), ("step", "step", "{}"),
+            ("dim", "dim", "{}"), ("MiB+slots", "bytes", "{:.1f}"), ("step", "step", "{}"),
             ("pushed", "pushed_workers", "{}"), ("pulls", "pulls", "{:,}"),
             ("pushes", "pushes", "{:,}"), ("rows pulled", "rows_pulled", "{:,}"),
             ("rows pushed", "rows_pushed", "{:,}"), ("errors", "errors", "{:,}"))
@@ -111,8 +111,8 @@ _COLUMNS = (("table", "table", "{}"), ("shard", "shard", "{}"), ("rows", "rows",
 
 def _cell(table: dict, key: str, fmt: str) -> str:
     value = table[key]
-    if key == "bytes":
-        value = value / 1e6
+    if key == "bytes":  # values and optimizer slots, in MiB (the plan's unit)
+        value = value / 2**20
     if key == "pushed_workers":
         value = ",".join(map(str, value)) or "-"
     return fmt.format(value)

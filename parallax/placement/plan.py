@@ -87,7 +87,7 @@ class StrategyConfig:
     embedded_servers: int = 2
     local_aggregation: bool = False
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
-    shards: int | Mapping[str, int] | None = None  # default: one per 64 MB, <= servers
+    shards: int | Mapping[str, int] | None = None  # default: one per 64 MiB, <= servers
     log_plan: bool = True
     fuse: bool = True  # one pull and one push op per traced step (parallax.tf.fusion)
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
@@ -230,8 +230,8 @@ class Plan:
         mb = lambda vs: sum(v.bytes for v in vs) / 2**20  # noqa: E731
         head = (f"parallax plan ({self.mode}, {'sync' if self.sync else 'async'}, "
                 f"{self.num_workers} worker(s), {self.num_servers} server(s)): "
-                f"{len(ps)} variable(s) on the servers ({mb(ps):.1f} MB), "
-                f"{len(rep)} replicated and all-reduced ({mb(rep):.1f} MB)")
+                f"{len(ps)} variable(s) on the servers ({mb(ps):.1f} MiB of values), "
+                f"{len(rep)} replicated and all-reduced ({mb(rep):.1f} MiB)")
         if self.mode == "hybrid" and not ps:
             head += "; no sparse variables: running as pure all-reduce"
         elif self.mode == "hybrid" and not rep:
@@ -244,7 +244,7 @@ class Plan:
         """The plan as a table; a "wire" column when some table's rows travel in another
         dtype than their own."""
         wire = any(v.wire_dtype for v in self.variables)
-        rows = [("variable", "kind", "placement", "shape", "MB", "shards") +
+        rows = [("variable", "kind", "placement", "shape", "MiB", "shards") +
                 (("wire",) if wire else ()) + ("reason",)]
         for v in self.variables:
             rows.append((v.name, v.kind, v.placement, _shape_text(v),
