@@ -41,6 +41,13 @@ def _vm(pid: int, field: str) -> float:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+def _reset_peak(pid: int) -> None:
+    """Start the process's VmHWM afresh at its current RSS (Linux's clear_refs 5), so that
+    each workload's peak is its own, not the table fill's or an earlier test's."""
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+
+
 @pytest.fixture(scope="module", params=["data-plane", "grpc"])
 def server(request):
     """A server, its table filled (steps of 100k rows), its baseline RSS in MB, and whether
@@ -55,6 +62,8 @@ def server(request):
             ids = np.arange(first, first + 100_000)
             push_many([table], [ids], [np.ones((len(ids), DIM), np.float32)], [step], 0,
                       [0.1])
+        print(f"table filled: peak RSS {_vm(pid, 'VmHWM'):.0f} MB, RSS {_vm(pid, 'VmRSS'):.0f}"
+              f" MB (baseline {baseline:.0f} MB)")
         yield {"cluster": cluster, "pid": pid, "baseline": baseline, "spec": table.spec,
                "steps": ROWS // 100_000, "plane": request.param == "data-plane"}
     assert cluster.exit_codes == [0]
@@ -69,6 +78,7 @@ def _table(server, **options):
     table = client.table(server["spec"])
     pull_many([table], [np.arange(2)], [0])
     assert (client.servers[0].data_plane is not None) == server["plane"]
+    _reset_peak(server["pid"])
     return client, table
 
 
@@ -91,8 +101,9 @@ def _concurrently(count: int, call) -> list[str]:
 def _report(server, what: str) -> float:
     peak = _vm(server["pid"], "VmHWM")
     what += " (data plane)" if server["plane"] else " (gRPC)"
-    print(f"{what}: peak RSS {peak:.0f} MB (baseline {server['baseline']:.0f} MB, "
-          f"--memory-mb {LIMIT_MB}, bound {BOUND_MB:.0f} MB)")
+    print(f"{what}: peak RSS {peak:.0f} MB, RSS after {_vm(server['pid'], 'VmRSS'):.0f} MB "
+          f"(baseline {server['baseline']:.0f} MB, --memory-mb {LIMIT_MB}, bound "
+          f"{_bound(server):.0f} MB)")
     return peak
 
 

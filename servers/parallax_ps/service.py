@@ -69,6 +69,35 @@ class Undecodable:
         self.reason = reason
 
 
+class Unread:
+    """A bulk request's bytes as gRPC received them, decoded only once their working memory
+    is held against --memory-mb (`_admitted`): a protobuf parse would copy them first, so
+    six concurrent 16 MB pulls held 2 copies each before the first was refused."""
+    __slots__ = ("raw", "parse")
+
+    def __init__(self, raw: bytes, parse) -> None:
+        self.raw, self.parse = raw, parse
+
+
+def _admitted(method: str, request, context):
+    """The decoded request, once an `Unread` one's working memory (from its size:
+    `inflight.frame_need`) is held in this request's scope (waiting for room until the
+    call's deadline, else RESOURCE_EXHAUSTED); INVALID_ARGUMENT if it does not parse.
+    Unlike a data-plane frame's, its body holds no floor while it waits for its answer's
+    room: six waiting 400k-id pulls each holding 3.2 MB left none of them the room to go
+    on (each waited out its deadline)."""
+    if isinstance(request, Unread):
+        raw, request.raw = request.raw, None
+        remaining = context.time_remaining() if context is not None else None
+        deadline = None if remaining is None else time.monotonic() + remaining
+        inflight.ensure(inflight.frame_need(method, len(raw)), deadline,
+                        f"{method} of {len(raw)} bytes")  # (no floor: see `Scope.floor`)
+        request = request.parse(raw)
+        del raw
+    _check_decoded(request)
+    return request
+
+
 def _tolerant(deserialize, name: str):
     def parse(data: bytes):
         try:
@@ -91,8 +120,8 @@ def _rpc(method: str):
             start = time.perf_counter()
             table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
             try:
-                _check_decoded(request)
                 with inflight.scope(self.budget, context):
+                    request = _admitted(method, request, context)
                     response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -114,8 +143,8 @@ def _rpc_many(method: str):
         def handler(self: "ParameterServerService", request, context):
             start = time.perf_counter()
             try:
-                _check_decoded(request)
                 with inflight.scope(self.budget, context):
+                    request = _admitted(method, request, context)
                     response, per_table = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
@@ -511,6 +540,10 @@ def _on_pool(behavior, pool: futures.ThreadPoolExecutor):
 _SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 _BULK_REQUESTS = {"Push": bulk_codec.decode_push_request,
                   "PushMany": bulk_codec.decode_push_many_request}
+# gRPC hands these methods' request bytes over undecoded (`Unread`): pulls, whose answers
+# are large and whose ids are many (a push is admitted once decoded, its parts and the steps
+# they buffer known: `many.push_need`)
+ADMITTED_BEFORE_DECODING = ("Pull", "PullMany", "PullManyPacked")
 _PACKED_REQUESTS = {"PullManyPacked": (packed_codec.decode_pull_many, "data-plane request"),
                     "PushManyPacked": (packed_codec.decode_push_many, "data-plane request")}
 
@@ -542,9 +575,10 @@ def add_to_server(service: ParameterServerService, server: grpc.Server,
         behavior = getattr(service, method.name)
         if wait_pool is not None and method.name in WAITING_METHODS:
             behavior = _on_pool(behavior, wait_pool)
-        handlers[method.name] = factory(behavior,
-                                        request_deserializer=request_deserializer(
-                                            method.name),
+        parse = request_deserializer(method.name)
+        if method.name in ADMITTED_BEFORE_DECODING:
+            parse = functools.partial(Unread, parse=parse)
+        handlers[method.name] = factory(behavior, request_deserializer=parse,
                                         response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
