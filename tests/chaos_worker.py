@@ -11,12 +11,13 @@ it runs twice). Saving at epoch ends is the only exact mode; every epoch then se
 one does from the restored epoch on.
 
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
-{"chaos": "start", "attempt", "rank", "step", "time", "pid"} when training (re)starts at
-`step` (steps already done), and {"chaos": "step", "attempt", "rank", "step", "time"} after
+{"chaos": "start", "attempt", "rank", "step", "time", "pid", "workers"} when training
+(re)starts at `step` (steps already done; workers: the class that sums the dense gradients), and {"chaos": "step", "attempt", "rank", "step", "time"} after
 each step (steps done; time: time.time()). --step-delay paces the steps so that a kill lands
 inside an epoch. Worker 0 writes
 the final weights (the whole embedding table, pulled from the servers, and the dense layer)
-to --out as an .npz.
+to --out as an .npz. --cache-staleness turns the worker row cache on (`parallax.RowCache`),
+--wire-dtype narrows the rows on the wire (`ParallaxStrategy(wire_dtype=...)`).
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ import parallax  # noqa: E402
 class Progress(keras.callbacks.Callback):
     """Prints where training (re)starts and every step done, as JSON lines."""
 
-    def __init__(self, interval: int, rank: int, delay: float) -> None:
+    def __init__(self, interval: int, rank: int, delay: float, workers: str) -> None:
         super().__init__()
-        self.interval, self.rank, self.delay = interval, rank, delay
+        self.interval, self.rank, self.delay, self.workers = interval, rank, delay, workers
         self.attempt = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
         self.started = False
         self.epoch = 0
@@ -52,7 +53,7 @@ class Progress(keras.callbacks.Callback):
         self.epoch = epoch
         if not self.started:  # BackupAndRestore chose the first epoch
             self.started = True
-            self._say("start", epoch * self.interval, pid=os.getpid())
+            self._say("start", epoch * self.interval, pid=os.getpid(), workers=self.workers)
 
     def on_train_batch_end(self, batch, logs=None):
         self._say("step", self.epoch * self.interval + batch + 1)
@@ -66,14 +67,19 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--backup", required=True, help="BackupAndRestore's directory")
     parser.add_argument("--out", required=True, help="worker 0's final weights (.npz)")
+    parser.add_argument("--cache-staleness", type=int, default=None)
+    parser.add_argument("--wire-dtype", default=None)
     args = parser.parse_args()
-    strategy = parallax.ParallaxStrategy(log_plan=False)
+    cache = None if args.cache_staleness is None else parallax.RowCache(
+        staleness=args.cache_staleness)
+    strategy = parallax.ParallaxStrategy(log_plan=False, cache=cache, wire_dtype=args.wire_dtype)
     ids, labels = data(args.interval)
     with strategy.scope():
         model = build("adagrad")
     rank = strategy.worker.rank
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}")),
-                 Progress(args.interval, rank, args.step_delay)]
+                 Progress(args.interval, rank, args.step_delay,
+                          type(strategy.extended.workers).__name__)]
     model.fit(x=ids, y=labels, batch_size=BATCH, epochs=args.epochs,
               steps_per_epoch=args.interval, shuffle=False, verbose=0, callbacks=callbacks)
     if rank == 0:
