@@ -13,7 +13,8 @@ one does from the restored epoch on.
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
 {"chaos": "start", "attempt", "rank", "step", "time", "pid", "workers"} when training
 (re)starts at `step` (steps already done; workers: the class that sums the dense gradients), and {"chaos": "step", "attempt", "rank", "step", "time"} after
-each step (steps done; time: time.time()). --step-delay paces the steps so that a kill lands
+each step (steps done; time: time.time()), and {"chaos": "end", ..., "cache_hits", "wire"}
+after fit (rows the row cache served, null without one; the tables' wire dtypes). --step-delay paces the steps so that a kill lands
 inside an epoch. Worker 0 writes
 the final weights (the whole embedding table, pulled from the servers, and the dense layer)
 to --out as an .npz. --cache-staleness turns the worker row cache on (`parallax.RowCache`),
@@ -77,11 +78,15 @@ def main() -> None:
     with strategy.scope():
         model = build("adagrad")
     rank = strategy.worker.rank
+    progress = Progress(args.interval, rank, args.step_delay,
+                        type(strategy.extended.workers).__name__)
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}")),
-                 Progress(args.interval, rank, args.step_delay,
-                          type(strategy.extended.workers).__name__)]
+                 progress]
     model.fit(x=ids, y=labels, batch_size=BATCH, epochs=args.epochs,
               steps_per_epoch=args.interval, shuffle=False, verbose=0, callbacks=callbacks)
+    stats = strategy.cache_stats()
+    progress._say("end", args.epochs * args.interval, cache_hits=stats and stats.hits,
+                  wire=sorted({vp.wire_dtype for vp in strategy.plan.on_servers}))
     if rank == 0:
         np.savez(args.out, **{w.path: w.numpy() for w in model.weights})
     sys.stdout.flush()

@@ -303,3 +303,31 @@ def test_kills_mid_save_and_twice_in_a_row_end_with_the_uninterrupted_weights(
     print(f"\nchaos: saves killed: {saves}; every restart resumed at step "
           f"{SAVE_KILL_STEP - INTERVAL}")
     _assert_same_weights(tmp_path / "chaos.npz", uninterrupted())
+
+
+CACHE_AND_WIRE = ("--cache-staleness", "2", "--wire-dtype", "bfloat16")
+
+
+@pytest.mark.timeout(600)
+def test_row_cache_and_bfloat16_wire_through_a_kill_end_with_their_uninterrupted_weights(
+        tmp_path, mark, uninterrupted):
+    """The worker row cache (rows served up to 2 steps stale) and bfloat16 rows on the wire,
+    through a server SIGKILLed mid-epoch and the restart: the same weights as an
+    uninterrupted run with the same settings, within 1e-6. Both runs must have served rows
+    from the cache and sent bfloat16; a save empties the cache, as the restart does."""
+    full = uninterrupted(*CACHE_AND_WIRE)
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, *CACHE_AND_WIRE)
+    try:
+        killed_at = _kill_a_server(chaos, mark)
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 1 and "parameter server" in causes[0], chaos.output()
+    events = _events(chaos)
+    ends = [e for e in events if e["chaos"] == "end"]
+    assert len(ends) == 2 and all(e["attempt"] == 1 for e in ends), ends
+    assert all(e["cache_hits"] > 0 and e["wire"] == ["bfloat16"] for e in ends), ends
+    [failure] = _failures(events, [killed_at])
+    print(f"\nchaos: server killed, row cache and bfloat16 wire: {json.dumps(failure)}")
+    assert failure["resumed_at"] == SERVER_KILL_STEP - SERVER_KILL_STEP % INTERVAL, failure
+    _assert_same_weights(tmp_path / "chaos.npz", full)
