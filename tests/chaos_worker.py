@@ -12,13 +12,14 @@ one does from the restored epoch on.
 
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
 {"chaos": "start", "attempt", "rank", "step", "time", "pid", "workers"} when training
-(re)starts at `step` (steps already done; workers: the class that sums the dense gradients), and {"chaos": "step", "attempt", "rank", "step", "time"} after
-each step (steps done; time: time.time()), and {"chaos": "end", ..., "cache_hits", "wire"}
-after fit (rows the row cache served, null without one; the tables' wire dtypes). --step-delay paces the steps so that a kill lands
-inside an epoch. Worker 0 writes
-the final weights (the whole embedding table, pulled from the servers, and the dense layer)
-to --out as an .npz. --cache-staleness turns the worker row cache on (`parallax.RowCache`),
---wire-dtype narrows the rows on the wire (`ParallaxStrategy(wire_dtype=...)`).
+(re)starts at `step` (steps already done; workers: the class that sums the dense
+gradients), {"chaos": "step", "attempt", "rank", "step", "time"} after each step (steps
+done; time: time.time()), and {"chaos": "end", ..., "cache_hits", "wire"} after fit (rows
+the row cache served, null without one; the tables' wire dtypes). --step-delay paces the
+steps so that a kill lands inside an epoch. Worker 0 writes the final weights (the whole
+embedding table, pulled from the servers, and the dense layer) to --out as an .npz.
+--cache-staleness turns the worker row cache on (`parallax.RowCache`), --wire-dtype narrows
+the rows on the wire (`ParallaxStrategy(wire_dtype=...)`).
 """
 from __future__ import annotations
 
