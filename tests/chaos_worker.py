@@ -16,10 +16,11 @@ Every worker prints one JSON line per event, flushed, for the test to time its k
 gradients), {"chaos": "step", "attempt", "rank", "step", "time"} after each step (steps
 done; time: time.time()), and {"chaos": "end", ..., "cache_hits", "wire"} after fit (rows
 the row cache served, null without one; the tables' wire dtypes). --step-delay paces the
-steps so that a kill lands inside an epoch. Worker 0 writes the final weights (the whole
-embedding table, pulled from the servers, and the dense layer) to --out as an .npz.
---cache-staleness turns the worker row cache on (`parallax.RowCache`), --wire-dtype narrows
-the rows on the wire (`ParallaxStrategy(wire_dtype=...)`).
+steps so that a kill lands inside an epoch (in the first --paced-attempts attempts only).
+Worker 0 writes the final weights (the whole embedding table, pulled from the servers, and
+the dense layer) to --out as an .npz. --cache-staleness turns the worker row cache on
+(`parallax.RowCache`), --wire-dtype narrows the rows on the wire
+(`ParallaxStrategy(wire_dtype=...)`).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=4, help="steps per epoch = per save")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--paced-attempts", type=int, default=1 << 30,
+                        help="--step-delay paces only the first N attempts (those with kills)")
     parser.add_argument("--backup", required=True, help="BackupAndRestore's directory")
     parser.add_argument("--out", required=True, help="worker 0's final weights (.npz)")
     parser.add_argument("--cache-staleness", type=int, default=None)
@@ -79,7 +82,9 @@ def main() -> None:
     with strategy.scope():
         model = build("adagrad")
     rank = strategy.worker.rank
-    progress = Progress(args.interval, rank, args.step_delay,
+    attempt = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
+    progress = Progress(args.interval, rank,
+                        args.step_delay if attempt < args.paced_attempts else 0.0,
                         type(strategy.extended.workers).__name__)
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}")),
                  progress]

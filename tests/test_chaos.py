@@ -38,13 +38,16 @@ STEP_DELAY = 0.3                         # seconds per step in the chaos run
 pytestmark = pytest.mark.multiprocess
 
 
-def _start(tmp: Path, name: str, mark: str, delay: float, *settings: str) -> Launcher:
+def _start(tmp: Path, name: str, mark: str, delay: float, *settings: str,
+           paced: int = EPOCHS) -> Launcher:
     """The job under `parallax run --max-restarts 3`, its servers' data directory
-    TMP/NAME/data, run id NAME; `settings`: more chaos_worker.py arguments."""
+    TMP/NAME/data, run id NAME; `settings`: more chaos_worker.py arguments; steps take
+    `delay` s in the first `paced` attempts (those with kills), no longer after."""
     return Launcher("-np", "2", "--servers", "2", "--max-restarts", "3", "--restart-delay",
                     "0", "--data-dir", str(tmp / name / "data"), "--run-id", name, "--",
                     sys.executable, WORKER, "--interval", str(INTERVAL),
                     "--epochs", str(EPOCHS), "--step-delay", str(delay),
+                    "--paced-attempts", str(paced),
                     "--backup", str(tmp / name / "backup"), "--out", str(tmp / f"{name}.npz"),
                     *settings, mark=mark)
 
@@ -139,7 +142,7 @@ def _restart_causes(launcher: Launcher) -> list[str]:
 @pytest.mark.timeout(900)  # two training runs, one with 2 restarts (251 s on a loaded machine)
 def test_killed_server_then_killed_worker_end_with_the_uninterrupted_weights(tmp_path, mark,
                                                                             uninterrupted):
-    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY)
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, paced=2)
     try:
         kill_times = [_kill_a_server(chaos, mark), _kill_worker_1(chaos, mark)]
     finally:
@@ -276,7 +279,7 @@ def test_kills_mid_save_and_twice_in_a_row_end_with_the_uninterrupted_weights(
     checkpoint is never marked complete, the chief's temporary backup file is left behind
     beside an intact backup, and every rank resumes at the epoch before (a whole interval
     lost). The job must exit 0 with the uninterrupted run's weights, on Horovod."""
-    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY)
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, paced=2)
     root = tmp_path / "chaos" / "data" / "resume" / "chaos"
     try:
         saves = [_kill_mid_save(chaos, root, 0, lambda: _server_pids(mark)[1])]
@@ -316,7 +319,7 @@ def test_row_cache_and_bfloat16_wire_through_a_kill_end_with_their_uninterrupted
     uninterrupted run with the same settings, within 1e-6. Both runs must have served rows
     from the cache and sent bfloat16; a save empties the cache, as the restart does."""
     full = uninterrupted(*CACHE_AND_WIRE)
-    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, *CACHE_AND_WIRE)
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, *CACHE_AND_WIRE, paced=1)
     try:
         killed_at = _kill_a_server(chaos, mark)
     finally:
