@@ -110,6 +110,27 @@ def test_reshard_assign_and_restore_invalidate_the_cache(make_strategy, tmp_path
     assert strategy.cache_stats().hits == stats.hits  # every row pulled again
 
 
+def test_a_save_empties_the_cache_so_a_resume_trains_as_the_run_that_saved(make_strategy,
+                                                                          tmp_path):
+    """At staleness > 0 the rows a step reads depend on what the cache holds. A resumed job
+    (a restart, a restore) starts with none; so must the job that saved, for the resume to
+    train exactly as it: the epoch after a save, then again from that save, end with the same
+    weights and losses."""
+    strategy = make_strategy(cache=parallax.RowCache(staleness=3))
+    model, _ = train(strategy, epochs=1)
+    checkpoint = tf.train.Checkpoint(optimizer=model.optimizer, model=model)
+    path = checkpoint.save(tmp_path / "c")
+    x, y = data()
+    on = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    went_on = weights_of(strategy, model)
+    checkpoint.restore(path)
+    again = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert again.history["loss"] == on.history["loss"]
+    for a, b in zip(went_on, weights_of(strategy, model)):
+        np.testing.assert_array_equal(a, b)
+    assert strategy.cache_stats().hits > 0  # stale rows were served
+
+
 def test_bad_cache_values_are_refused_naming_the_fix():
     with pytest.raises(parallax.ConfigError, match=r"cache must be a parallax.RowCache.*"
                                                    r"RowCache\(bytes=64 << 20"):

@@ -21,6 +21,14 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
   (`steps_per_execution` > 1), where a collective would run again before the last one ended
   (Horovod refuses a second all-reduce of the same name in flight): there they are averaged
   once per execution, outside the loop (`average_outside`).
+- A resumed `fit` starts at the epoch Keras' `BackupAndRestore` read from each worker's own
+  backup, and the workers' backups need not agree: one killed while saving (or whose save of
+  the tables on the servers failed) keeps the epoch before, while another had already written
+  the next. The workers would then run different numbers of steps and the job fail at the
+  first collective one of them no longer joins. Every worker's `fit` starts at the chief's
+  epoch instead (`_chiefs_epoch`, a broadcast once its callbacks began training), as every
+  worker resumes the chief's tables and the chief's dense variables (broadcast at the first
+  step) too.
 """
 from __future__ import annotations
 
@@ -64,6 +72,8 @@ def install(extended) -> None:
         name = f"make_{kind}_function"
         _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
     trainer.TFEpochIterator = _covering_iterator(trainer.TFEpochIterator)
+    from keras.src.callbacks.callback_list import CallbackList
+    _patch(CallbackList, "on_train_begin", _chiefs_epoch(CallbackList.on_train_begin))
 
 
 def _patch(owner, name: str, replacement) -> None:
@@ -229,6 +239,27 @@ def _averaging(model, function):
 def covering_rows() -> bool:
     """Whether the dataset being distributed is Keras' evaluate or predict iterator's."""
     return getattr(_state, "covering", False)
+
+
+def _chiefs_epoch(original):
+    """`CallbackList.on_train_begin`, then (several workers) the chief's `_initial_epoch` on
+    every worker: where `fit` starts, as `BackupAndRestore` restored it on the chief."""
+    @functools.wraps(original)
+    def on_train_begin(self, logs=None):
+        original(self, logs)
+        model = getattr(self, "model", None)
+        extended = _extended_of(model) if model is not None else None
+        if extended is None or extended.workers.info.size < 2:
+            return
+        workers = extended.workers
+        epoch = workers.broadcast_object(model._initial_epoch if workers.info.is_chief
+                                         else None)
+        if epoch != model._initial_epoch:
+            log.warning("worker %d: its backup resumes at epoch %s, the chief's at %s: "
+                        "starting at the chief's (a save was cut short on one of them)",
+                        workers.info.rank, model._initial_epoch, epoch)
+        model._initial_epoch = epoch
+    return on_train_begin
 
 
 def _covering_iterator(base):

@@ -11,7 +11,9 @@ saveable, so both formats find it next to the optimizer's own state.
   their data directory. The file gets a small JSON reference to it: path, checkpoint name,
   and per variable (by creation order in the strategy, as the plan numbers them) its name,
   its table's name and its step. Other workers write no server checkpoint
-  (a file of theirs says so, and restoring it is refused).
+  (a file of theirs says so, and restoring it is refused). Every worker's save also
+  empties its row cache (`ParallaxStrategy(cache=...)`): a job resumed from the save starts
+  with none, and rows served stale from an older cache would make it train otherwise.
 - Restoring it loads that checkpoint into the servers; every worker restores (each may read
   its own file, as Keras' per-worker backups do: all follow the chief's reference). Before
   the first training step (the usual resume: a new process restores, then trains) the
@@ -106,6 +108,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         """Checkpoint the tables (chief): (the JSON reference, the tables' rows, slots and
         steps when the servers cannot checkpoint them: `inline_tables`; else empty)."""
         reference, rows = self._reference()
+        if self._strategy_extended.remotes:
+            self._strategy_extended.table_client.invalidate()  # as a resume from it starts
         return json.dumps(reference, sort_keys=True), rows
 
     def _reference(self) -> tuple[dict, bytes]:
