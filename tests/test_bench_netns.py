@@ -349,7 +349,10 @@ def test_sampler_charges_cpu_and_bytes_to_the_window(prefix):
         assert 0.9 <= usage.cpu_seconds <= 3.0, usage
         assert PAYLOAD <= usage.bytes["b"][0] <= PAYLOAD * 1.1 + 100_000, usage
         assert PAYLOAD <= usage.bytes["a"][1] <= PAYLOAD * 1.1 + 100_000, usage
-        assert before.cpu_seconds == 0 and before.bytes == {"a": (0, 0), "b": (0, 0)}, before
+        # (CPU within 0.05 s of none: on a loaded machine a late sample smears the burner's
+        # start back into the window: 0.013 s seen once in a full run)
+        assert before.cpu_seconds <= 0.05 and before.bytes == {"a": (0, 0), "b": (0, 0)}, \
+            before
         # The burner has exited by t1 + 0.25: its CPU seconds stay counted.
         later = sampler.between(t0, t1 + 0.25)
         assert later.cpu_seconds == pytest.approx(usage.cpu_seconds, abs=0.05), (usage, later)
