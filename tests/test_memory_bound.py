@@ -5,8 +5,9 @@ rows and slots, every row written), then takes the issue's workloads: one PushMa
 rows (180 MB) and six concurrent pulls of 2M ids each (128 MB answers), which do not fit
 beside the table and are refused RESOURCE_EXHAUSTED naming the sizes, plus six concurrent
 pulls that fit one or two at a time, which wait for room and all succeed. Its peak resident
-memory (VmHWM of the process) stays within 1.25x --memory-mb on the data plane (the
-client's default), 1.5x over gRPC. --memory-mb counts the process's own baseline (the
+memory during each workload (VmHWM of the process, reset once the table is filled: the fill's
+own peak is printed) stays within 1.25x --memory-mb on the data plane (the client's default),
+1.5x over gRPC. --memory-mb counts the process's own baseline (the
 interpreter, numpy and gRPC, about 62 MB here, resident before any table) against the
 requests in flight. On the commit before, the same workloads peaked at 720 MB (data plane)
 and 785 MB (gRPC), every request answered.
@@ -29,8 +30,8 @@ ROWS, DIM = 1_000_000, 16
 BOUND_MB = 1.25 * LIMIT_MB
 # gRPC reads every request's body before a handler can hold it (the data plane holds it from
 # the frame's header): six 16 MB pull requests at once are all resident before the first is
-# refused. The bound there is looser (measured 296-367 MB against the data plane's
-# 222-267 MB).
+# refused. The bound there is looser (measured 282-346 MB against the data plane's
+# 204-267 MB).
 GRPC_BOUND_MB = 1.5 * LIMIT_MB
 
 
