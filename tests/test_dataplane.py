@@ -7,6 +7,7 @@ are no requests.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -14,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
+from parallax.client.connection import ServerConnection
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
@@ -106,6 +109,27 @@ def test_a_server_without_a_data_plane_is_served_over_grpc():
         rows = _train(_tables(client, "nodp_"))
         assert all(r.shape == (VOCAB, DIM) for r in rows)
         assert client.servers[0].data_plane is None
+
+
+def test_a_server_that_does_not_know_the_methods_is_named_no_parallax_server(caplog):
+    """Client and server ship together, so an UNIMPLEMENTED answer means the address is not
+    a parallax server of this version: the DataPlane question warns so (and the client stays
+    on gRPC), and a call's error says so."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # no services at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn = ServerConnection(f"127.0.0.1:{port}", ClientOptions(timeout=5))
+    try:
+        with caplog.at_level(logging.WARNING, logger="parallax"):
+            assert conn._data_plane() is None  # asked once, gRPC from then on
+        with pytest.raises(ServerError) as info:
+            conn.call("Stats", ps_pb2.StatsRequest())
+    finally:
+        conn.close()
+        server.stop(0)
+    assert "not a parallax server of this version" in caplog.text, caplog.text
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert "not a parallax server of this version" in str(info.value), str(info.value)
 
 
 @pytest.fixture(scope="module")

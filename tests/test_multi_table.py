@@ -2,9 +2,9 @@
 
 `pull_many` / `push_many` must give exactly what per-table pulls and pushes give, keep each
 table's sync and async semantics, split into several requests per server under small message
-limits, fall back to Pull/Push against a server without the methods, and refuse a bad request
-as a whole: raw requests (generated messages or bulk_codec bytes) are sent through a real
-channel, and "nothing changed" is checked on rows, optimizer slots and step of every table.
+limits, and refuse a bad request as a whole: raw requests (generated messages or bulk_codec
+bytes) are sent through a real channel, and "nothing changed" is checked on rows, optimizer
+slots and step of every table.
 """
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import signal
 import threading
 import time
 import urllib.request
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from conftest import Snapshot, freeze
+from conftest import freeze
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many, start_pull_many, start_push_many
@@ -29,7 +28,7 @@ from parallax.protocol import bulk_codec, wire
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax_ps.service import SERVICE_NAME, ParameterServerService
+from parallax_ps.service import SERVICE_NAME
 
 SMALL = ClientOptions(timeout=30, chunk_mb=1, max_message_mb=2)  # with --max-message-mb 2
 # (suffix, spec fields, placement): shard counts 1-3, dims, dtypes, both servers, MOD and
@@ -638,78 +637,7 @@ def test_hashed_parts_of_one_shard_count_together_against_max_rows(client, snaps
     assert sorted(snapshot(table.name).arrays["ids"]) == [1, 2, 10, 11]
 
 
-# ---- 7: a server without PullMany / PushMany ------------------------------------------------
-def _add_without_many(service: ParameterServerService, server: grpc.Server) -> None:
-    """`parallax_ps.service.add_to_server` as a server from before the multi-table methods
-    would register itself: every method but PullMany and PushMany."""
-    handlers = {}
-    for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
-        if method.name in ("PullMany", "PushMany"):
-            continue
-        deserialize = getattr(ps_pb2, method.input_type.name).FromString
-        serialize = getattr(ps_pb2, method.output_type.name).SerializeToString
-        if method.name == "Pull":
-            serialize = bytes
-        if method.name == "Push":
-            deserialize = bulk_codec.decode_push_request
-        factory = (grpc.stream_unary_rpc_method_handler if method.client_streaming
-                   else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = factory(getattr(service, method.name),
-                                        request_deserializer=deserialize,
-                                        response_serializer=serialize)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-@pytest.fixture(scope="module")
-def old_server(data_dir):
-    limit = 8 << 20
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_receive_message_length", limit),
-                                  ("grpc.max_send_message_length", limit)])
-    service = ParameterServerService(data_dir, limit)
-    _add_without_many(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    service.close()
-    server.stop(0).wait()
-
-
-def test_server_without_the_methods_gets_pulls_and_pushes_part_by_part(
-        old_server, cluster, client, data_dir, table_name):
-    options = ClientOptions(timeout=20, max_message_mb=4, chunk_mb=1)
-    layouts = [(dict(shard_count=2, optimizer=Adagrad(learning_rate=0.1)), [0, 1]),
-               (dict(shard_count=3, dim=3, dtype="float64", partition="range",
-                     optimizer=Adam(learning_rate=0.01)), [0, 0, 1]),
-               (dict(hashed_keys=True, vocabulary_size=0, shard_count=1), [0]),
-               (dict(vocabulary_size=100_000, dim=16, shard_count=1), [0])]  # several MB
-    with PSClient([old_server, cluster.addresses[1]], options) as mixed, \
-            PSClient([cluster.addresses[0], cluster.addresses[1]], options) as full:
-        fallback = [mixed.create_table(_spec(f"{table_name}_old{k}", **f), p)
-                    for k, (f, p) in enumerate(layouts)]
-        reference = [full.create_table(_spec(f"{table_name}_new{k}", **f), p)
-                     for k, (f, p) in enumerate(layouts)]
-        rng = np.random.default_rng(6)
-        unique = [_unique(t, rng, n) for t, n in zip(fallback, (300, 200, 50, 60_000))]
-        for step in range(3):
-            waits = [step] * 4
-            got, want = pull_many(fallback, unique, waits), pull_many(reference, unique, waits)
-            for a, b in zip(got, want):
-                np.testing.assert_array_equal(a, b)
-            ids = [rng.choice(u, size=len(u) + 10) for u in unique]
-            grads = _grads(fallback, ids, rng)
-            assert push_many(fallback, ids, grads, [step] * 4, 0, [0.0] * 4) == \
-                push_many(reference, ids, grads, [step] * 4, 0, [0.0] * 4) == [True] * 4
-        assert [s.multi_table for s in mixed.servers] == [False, True]
-        assert all(s.multi_table for s in full.servers)
-        for a, b in zip(fallback, reference):
-            Snapshot(mixed, data_dir, a.name).assert_equal(Snapshot(full, data_dir, b.name))
-        old_stats = {m.method: m.requests for m in mixed.stats()[old_server].methods}
-        assert "PullMany" not in old_stats and old_stats["Pull"] > 0 and old_stats["Push"] > 0
-
-
-# ---- 8: metrics -----------------------------------------------------------------------------
+# ---- 7: metrics -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def metered():
     with LocalCluster(1, extra_args=["--metrics-port", "0"]) as cluster:
@@ -817,25 +745,18 @@ def _wait_for_step(client, name: str, step: int, seconds: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("multi_table", [True, False])
-def test_a_started_push_lands_before_anyone_reads_its_answer(client, table_name, multi_table):
+def test_a_started_push_lands_before_anyone_reads_its_answer(client, table_name):
     """start_push_many sends now: the server applies the step although nobody asked for the
-    answer yet, over the data plane and for a server that only knows single-table pushes
-    (its parts go out on an RPC thread); the gradients may be overwritten at once."""
+    answer yet; the gradients may be overwritten at once."""
     table = client.create_table(_spec(table_name, shard_count=1, num_workers=1),
                                 placement=[0])
-    if not multi_table:
-        client.servers[0].multi_table = False  # as after an older server's UNIMPLEMENTED
-    try:
-        ids, grads = np.array([1, 2, 3]), np.ones((3, table.spec.dim), np.float32)
-        start = table.pull_unique(ids)
-        pending = start_push_many([table], [ids], [grads], [0], 0, [0.0])
-        grads[...] = np.nan  # TensorFlow reuses a numpy_function's buffers once it returns
-        _wait_for_step(client, table_name, 1)
-        assert pending.result() == [True]
-        np.testing.assert_allclose(table.pull_unique(ids), start - 1.0, rtol=1e-6)  # SGD(1.0)
-    finally:
-        client.servers[0].multi_table = True
+    ids, grads = np.array([1, 2, 3]), np.ones((3, table.spec.dim), np.float32)
+    start = table.pull_unique(ids)
+    pending = start_push_many([table], [ids], [grads], [0], 0, [0.0])
+    grads[...] = np.nan  # TensorFlow reuses a numpy_function's buffers once it returns
+    _wait_for_step(client, table_name, 1)
+    assert pending.result() == [True]
+    np.testing.assert_allclose(table.pull_unique(ids), start - 1.0, rtol=1e-6)  # SGD(1.0)
 
 
 def test_a_started_pull_abandoned_lets_go_of_its_connection(client, table_name):

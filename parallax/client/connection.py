@@ -27,6 +27,7 @@ from parallax.env import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol import bulk_codec, dataplane, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
+from parallax.version import PROTOCOL_VERSION
 
 log = logging.getLogger("parallax")
 PLANE_RETRY_S = 30.0  # after a data port could not be reached: gRPC until then
@@ -41,6 +42,10 @@ _HINTS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the message exceeds a size limit; lower "  # gRPC's
                                         "ClientOptions.max_message_mb or raise the server's "
                                         "--max-message-mb",
+    grpc.StatusCode.UNIMPLEMENTED: "the server does not know this method: it is not a "
+                                   "parallax server of this version (wire protocol "
+                                   f"parallax.ps.v{PROTOCOL_VERSION}, see `parallax "
+                                   "version` on both sides)",
 }
 
 
@@ -232,8 +237,6 @@ class ServerConnection:
                           for i in range(max(1, options.channels_per_server))]
         self._stubs = [_stub(c) for c in self._channels]
         self._next = itertools.cycle(range(len(self._stubs)))
-        self.multi_table = True  # False once the server answered PullMany/PushMany
-                                 # UNIMPLEMENTED (an older server): then table by table
         self._plane: DataPlaneClient | None = None
         # when to ask the server (again) where its data plane listens: now, later (after a
         # data port that could not be reached), or never (gRPC only, or settled)
@@ -340,10 +343,8 @@ class ServerConnection:
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return None, 0.0  # the call itself will say what is wrong
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older server: quietly gRPC
-                log.warning("server %s did not say where its data plane is (%s: %s); using "
-                            "gRPC for PullMany/PushMany", self.address, err.code().name,
-                            err.details())
+            log.warning("%s; using gRPC for PullMany/PushMany",
+                        describe("DataPlane", self.address, None, err))
             return None, math.inf
         if not reply.port or reply.version != dataplane.VERSION:
             return None, math.inf

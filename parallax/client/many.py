@@ -6,8 +6,7 @@ server into PullMany / PushMany requests of about `ClientOptions.chunk_mb` (one 
 server for a typical step) and send them all at once. A table's semantics are unchanged:
 sync pulls wait for `min_step` on every shard of the table (an empty part where no id falls),
 every shard gets a push part (empty ones close the step too), large parts are split into
-chunks. A server without these methods (UNIMPLEMENTED: an older server) gets the same parts
-as single-table Pull and Push requests from then on.
+chunks.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from parallax.client.many_calls import (_DONE_ON_RETRY, _PART_FIELDS_BYTES, PullPart,
-                                        PushPart, _abandon, _answer, _by_server, _in_flight,
+                                        PushPart, _abandon, _by_server, _in_flight,
                                         _Names, _packed, _request_limit, land_pull_answer)
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError
@@ -117,7 +116,7 @@ def _wait_request(tables, parts, min_steps) -> PullManyParts | None:
 def _start_pull(tables, grouped, orders, parts, min_steps, now: bool) -> "PendingPull":
     waits, requests = pull_requests(tables, grouped, parts, min_steps)
     for conn, server_parts, wait in waits:
-        _answer(conn, "PullMany", wait, None, _Names(tables, server_parts))
+        conn.result(None, "PullMany", wait, _Names(tables, server_parts))
     return PendingPull(tables, grouped, orders, _in_flight(requests, "PullMany", now))
 
 
@@ -156,7 +155,7 @@ class PendingPull:
                 for t, g in zip(tables, self.grouped)]
         try:
             for conn, chunk, request, future in self.calls:
-                answer = _answer(conn, "PullMany", request, future, _Names(tables, chunk))
+                answer = conn.result(future, "PullMany", request, _Names(tables, chunk))
                 land_pull_answer(conn, chunk, answer, rows, orders)
         except BaseException:
             self.abandon()  # the calls not read yet (the others have let go already)
@@ -267,8 +266,8 @@ class PendingPush:
         closed: list[set[int]] = [set() for _ in self.tables]
         try:
             for conn, chunk, request, future in self.calls:
-                reply = _answer(conn, "PushMany", request, future, _Names(self.tables, chunk),
-                                done_on_retry=_DONE_ON_RETRY)
+                reply = conn.result(future, "PushMany", request, _Names(self.tables, chunk),
+                                    done_on_retry=_DONE_ON_RETRY)
                 if reply is None:  # a retry found the first attempt landed
                     continue
                 for part, answer in zip(chunk, reply.parts):

@@ -1,7 +1,7 @@
 """How a multi-table request travels (`parallax.client.many` and its compiled path,
 `parallax.client.native_many`): parts grouped by server and packed into requests of about
 `ClientOptions.chunk_mb`, started so that one hand-off less is made per call, answered with
-retries, and asked part by part of a server without the multi-table methods.
+retries.
 """
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from typing import NamedTuple, Sequence
 import grpc
 import numpy as np
 
-from parallax.client.connection import ServerConnection, run_in_background
-from parallax.client.table import ShardedTable, start_call
+from parallax.client.connection import ServerConnection
+from parallax.client.table import ShardedTable
 from parallax.errors import ServerError
-from parallax.protocol import bulk_codec, wire_dtypes
-from parallax.protocol.packed_codec import PullManyParts, PushManyParts
-from parallax.ps.v1 import ps_pb2
+from parallax.protocol import wire_dtypes
 
 _DONE_ON_RETRY = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
 # A request (and a pull's answer) must fit the message limit with its headers: requests are
@@ -75,33 +73,15 @@ def _request_limit(options) -> int:
     return max(1, options.chunk_bytes - _REQUEST_HEADROOM)
 
 
-def _start(conn: ServerConnection, method: str, request, calls: int):
-    return start_call(conn, method, request, calls) if conn.multi_table else None
-
-
 def _in_flight(requests: list, method: str, now: bool = False) -> list:
     """(conn, parts, request, future) of every request: all but the last start now (a
     data-plane request is sent from this thread, any other call runs on an RPC thread); the
     last comes first in the list with no future, so that it is made on the calling thread
     while the others are in flight (one thread hand-off less per call). `now`: the last
     starts now too (for calls whose answers are read later)."""
-    if now:  # a server without multi-table methods gets its parts now, on an RPC thread
-        return [(conn, chunk, request, _start(conn, method, request, 2) if conn.multi_table
-                 else _Legacy(run_in_background(_LEGACY[method], conn, request)))
-                for conn, chunk, request in requests]
-    started = [(conn, chunk, request, _start(conn, method, request, 2))
-               for conn, chunk, request in requests[:-1]]
-    return [(*requests[-1], None)] + started if requests else []
-
-
-class _Legacy:
-    """Parts of a multi-table request made one by one (an older server), already started."""
-
-    def __init__(self, future) -> None:
-        self.future = future
-
-    def result(self):
-        return self.future.result()
+    started = [(conn, chunk, request, conn.future(method, request))
+               for conn, chunk, request in (requests if now else requests[:-1])]
+    return started if now or not requests else [(*requests[-1], None)] + started
 
 
 def _abandon(calls: list) -> None:
@@ -109,42 +89,6 @@ def _abandon(calls: list) -> None:
     for *_, future in calls:
         if hasattr(future, "abandon"):
             future.abandon()
-
-
-def _answer(conn: ServerConnection, method: str, request, future, names: str, **kwargs):
-    """The answer to a multi-table call (started or not); a server that does not know the
-    method is asked part by part, now and from then on."""
-    if isinstance(future, _Legacy):
-        return future.result()
-    if conn.multi_table:
-        try:
-            return conn.result(future, method, request, names, **kwargs)
-        except ServerError as err:
-            if err.code != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            conn.multi_table = False
-    return _LEGACY[method](conn, request, names)
-
-
-def _legacy_pull(conn: ServerConnection, request: PullManyParts, names=None) -> list:
-    return [conn.call("Pull", ps_pb2.PullRequest(table=p.table, shard_index=p.shard_index,
-                                                 ids=p.ids, min_step=p.min_step), p.table)
-            for p in request.protobuf().parts]
-
-
-def _legacy_push(conn: ServerConnection, request: PushManyParts, names=None):
-    reply = ps_pb2.PushManyResponse()
-    for p in bulk_codec.decode_push_many_request(request.protobuf()).parts:
-        data = bulk_codec.encode_push_request(p.table, p.shard_index, p.step, p.worker, p.ids,
-                                              p.grads, p.learning_rate, p.chunk_index,
-                                              p.chunk_count, p.session)
-        answer = conn.call("Push", data, p.table, done_on_retry=_DONE_ON_RETRY)
-        reply.parts.add(step=answer.step if answer else 0, applied=bool(answer and
-                                                                        answer.applied))
-    return reply
-
-
-_LEGACY = {"PullMany": _legacy_pull, "PushMany": _legacy_push}
 
 
 def land_pull_answer(conn: ServerConnection, chunk: list, answer, rows: list[np.ndarray],

@@ -155,8 +155,7 @@ class NativePull:
                 zip(bases.tolist(), sizes.tolist(), self.found.dims.tolist())]
         try:
             for conn, parts, request, future in self.calls:
-                answer = many_calls._answer(conn, "PullMany", request, future,
-                                      _IndexNames(tables, parts))
+                answer = conn.result(future, "PullMany", request, _IndexNames(tables, parts))
                 if not (isinstance(answer, RawAnswer) and native.kernels().pull_scatter(
                         answer.body, parts, self.positions, starts, self.found.dims, bases,
                         flat, _f16_table(), _CODES)):
@@ -235,9 +234,8 @@ class NativePush:
         closed: list[set[int]] = [set() for _ in self.tables]
         try:
             for conn, parts, request, future in self.calls:
-                reply = many_calls._answer(conn, "PushMany", request, future,
-                                     _IndexNames(self.tables, parts),
-                                     done_on_retry=many_calls._DONE_ON_RETRY)
+                reply = conn.result(future, "PushMany", request, _IndexNames(self.tables, parts),
+                                    done_on_retry=many_calls._DONE_ON_RETRY)
                 if reply is None:  # a retry found the first attempt landed
                     continue
                 for (k, shard), answer in zip(parts.tolist(), reply.parts):
