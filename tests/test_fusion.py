@@ -124,9 +124,9 @@ def test_a_registered_table_client_carries_every_fused_pull_and_push(make_strate
     class Counting(DirectClient):
         name = "counting"
 
-        def start_pull(self, tables, min_steps, runs):
+        def start_pull(self, tables, min_steps, runs, clocks):
             calls.append(("pull", len(tables)))
-            return super().start_pull(tables, min_steps, runs)
+            return super().start_pull(tables, min_steps, runs, clocks)
 
         def start_push(self, tables, grads, steps, worker, learning_rates, runs):
             calls.append(("push", len(tables)))

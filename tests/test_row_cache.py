@@ -36,7 +36,7 @@ class VersionedRows(TableClient):
         self.steps: dict[str, int] = {}  # the "server" step of each table
         self.requests, self.rows, self.waits = 0, 0, 0
 
-    def start_pull(self, tables, min_steps, runs, clocks=None):
+    def start_pull(self, tables, min_steps, runs, clocks):
         self.requests += 1
         self.waits += sum(1 for m in min_steps if m > 0)
         out = []

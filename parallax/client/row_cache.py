@@ -525,7 +525,6 @@ class CachingClient(TableClient):
     """`DirectClient` behind a worker's hot-row cache (see the module docstring)."""
 
     name = "row_cache"
-    wants_clocks = True
 
     def __init__(self, config: RowCache | None = None,
                  direct: TableClient | None = None) -> None:
@@ -540,8 +539,8 @@ class CachingClient(TableClient):
         self._generation = 0  # invalidations so far: a pull in flight across one stores nothing
         self._counts = {f.name: 0 for f in fields(CacheStats) if f.name in _COUNTED}
 
-    def start_pull(self, tables, min_steps, runs, clocks=None):
-        clocks = np.asarray(list(min_steps if clocks is None else clocks), np.int64)
+    def start_pull(self, tables, min_steps, runs, clocks):
+        clocks = np.asarray(list(clocks), np.int64)
         with self._lock:
             parts = [self._served(pool, ks, tables, runs, clocks)
                      for pool, ks in self._by_pool(tables)]
@@ -557,7 +556,7 @@ class CachingClient(TableClient):
             generation = self._generation
         every = not any(part.hits for part in parts)
         asked = runs if every else Runs(runs.partitioners, missing)
-        pending = self.direct.start_pull(tables, min_steps, asked)
+        pending = self.direct.start_pull(tables, min_steps, asked, clocks)
         return _Filling(self, parts, pending, generation)
 
     def _by_pool(self, tables: Sequence[ShardedTable]) -> list[tuple[_Pool, list[int]]]:

@@ -10,7 +10,7 @@ hits from its rows, pulls the misses and the rows older than its staleness bound
 
     class CachingClient(TableClient):
         name = "row_cache"
-        def start_pull(self, tables, min_steps, runs, clocks=None): ...
+        def start_pull(self, tables, min_steps, runs, clocks): ...
         def start_push(self, tables, grads, steps, worker, learning_rates, runs): ...
         def invalidate(self, tables=None): ...
 """
@@ -42,15 +42,13 @@ class TableClient(abc.ABC):
     against the tables' rows (`parallax.tf.step_traffic.checked_runs`): unique ids for a
     pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
     as of at least that many applied steps (sync training). `clocks[k]`: the steps this
-    worker has pushed to table k, in either mode (what a cache counts staleness in), passed
-    only to a client whose `wants_clocks` is True (one written before it keeps working)."""
+    worker has pushed to table k, in either mode (what a cache counts staleness in)."""
 
     name: ClassVar[str] = ""
-    wants_clocks: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start_pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
-                   runs: Runs, clocks: Sequence[int] | None = None) -> Pending:
+                   runs: Runs, clocks: Sequence[int]) -> Pending:
         """The pull in flight; its `result()` is the rows of each table's ids, in order."""
 
     @abc.abstractmethod
@@ -61,7 +59,7 @@ class TableClient(abc.ABC):
         per table, whether this push closed the step on every shard."""
 
     def pull(self, tables: Sequence[ShardedTable], min_steps: Sequence[int],
-             runs: Runs, clocks: Sequence[int] | None = None) -> list[np.ndarray]:
+             runs: Runs, clocks: Sequence[int]) -> list[np.ndarray]:
         """`start_pull`, waited for (async training's pulls and pushes)."""
         return self.start_pull(tables, min_steps, runs, clocks).result()
 
@@ -81,7 +79,7 @@ class DirectClient(TableClient):
 
     name = "direct"
 
-    def start_pull(self, tables, min_steps, runs, clocks=None):
+    def start_pull(self, tables, min_steps, runs, clocks):
         return start_pull_many(tables, (), min_steps, checked=runs)
 
     def start_push(self, tables, grads, steps, worker, learning_rates, runs):

@@ -96,11 +96,11 @@ def _pull_after_pushes(client: TableClient, remotes: Sequence[RemoteTable], runs
     updates). `runs`: the tables' ids, checked (`checked_runs`). The tables' steps pushed
     are the client's clocks (a row cache's staleness)."""
     tables = [r.table for r in remotes]
-    clocks = [[r.steps_pushed for r in remotes]] if client.wants_clocks else []
+    clocks = [r.steps_pushed for r in remotes]
     if not all(r.sync for r in remotes):
         land_pushes_of(remotes)
-        return client.pull(tables, [r.min_step() for r in remotes], runs, *clocks)
-    pulling = client.start_pull(tables, [r.min_step() for r in remotes], runs, *clocks)
+        return client.pull(tables, [r.min_step() for r in remotes], runs, clocks)
+    pulling = client.start_pull(tables, [r.min_step() for r in remotes], runs, clocks)
     try:
         land_pushes_of(remotes)  # raises a failed push's error now
     except BaseException:
