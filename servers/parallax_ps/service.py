@@ -118,10 +118,12 @@ def _rpc(method: str):
         @functools.wraps(fn)
         def handler(self: "ParameterServerService", request, context):
             start = time.perf_counter()
-            table = getattr(request, "table", "") if not hasattr(request, "__next__") else ""
+            table = ""
             try:
                 with inflight.scope(self.budget, context):
                     request = _admitted(method, request, context)
+                    if not hasattr(request, "__next__"):
+                        table = getattr(request, "table", "")
                     response, table, rows, nbytes = fn(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
