@@ -227,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "clients, which refuse a plan that does not fit; requests in "
                              "flight are held to it with the tables and the process's own "
                              "baseline (the interpreter, numpy and gRPC, ~62 MB, measured at "
-                             "start and counted when it is at most a quarter of the limit): "
+                             "start and counted when it is at most half the limit): "
                              "one that does not fit waits for room until its deadline or is "
                              "refused RESOURCE_EXHAUSTED (default: 3/4 of the cgroup limit, "
                              "leaving headroom in a container, else RAM)")
