@@ -39,7 +39,8 @@ LATENCIES = {  # histogram -> its help
     "pull": "Wall time of a step's fused pull on the worker: every table's rows from every "
             "server (a sync pull waits there for the previous step to be applied).",
     "push": "Wall time of a step's fused push on the worker: sending every table's gradients "
-            "and reading the answers (not the step in between).",
+            "and reading the answers (not the step in between; a sync push is counted once "
+            "the next step's pull has read its answers).",
 }
 
 
@@ -157,3 +158,9 @@ def serve(port: int, rank: int, local_rank: int, size: int,
     sys.stderr.flush()
     log.debug("worker %d serves its metrics at http://%s/metrics", rank, address)
     return server
+
+
+def stop() -> None:
+    """Close this process's endpoint, if it serves one (a later `serve` starts another)."""
+    while _served:
+        _served.pop().stop()
