@@ -13,6 +13,8 @@ Workers learn where the servers are from the environment (the contract the strat
                          with --secure: the job's credentials (see parallax.protocol.security)
   PARALLAX_MODE          hybrid, ps or allreduce (only when --mode is given)
   PARALLAX_SYNC          sync or async (only when --async, or sync=... in the API, is given)
+  PARALLAX_WORKER_METRICS_PORT  with --metrics-port: the workers' /metrics (0: free ports,
+                         else the first port after the machine's servers', + local rank)
 
 and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
 worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
