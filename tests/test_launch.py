@@ -395,9 +395,9 @@ def test_server_start_timeout_and_horovodruns_flag_is_refused_naming_both(capsys
 
 
 @pytest.mark.parametrize("text, args, words", [
-    ("127.0.0.1: 0\n", ["-np", "2"], "-np 2: "),
-    ("127.0.0.1: 0\n", ["--servers", "2"], "--servers 2 with --hosts"),
-    ("a: 0\na: 1\n", [], "line 2: host 'a' is listed again"),
+    ("127.0.0.1 slots=1\n", ["-np", "2"], "-np 2: "),
+    ("127.0.0.1 slots=1\n", ["--servers", "2"], "--servers 2 with --hosts"),
+    ("a\na slots=2\n", [], "line 2: host 'a' is listed again"),
 ])
 def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
     hosts = tmp_path / "hosts.txt"

@@ -821,12 +821,12 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "--collectives)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
                         help="horovodrun's host:N,host2:M (N workers and one server on each "
-                             "host), or a host file (`host: 0,1` lines, the GPU ids, or YAML "
-                             "with hosts/slots/servers): servers and workers there, over ssh "
-                             "for other hosts")
+                             "host), or a host file (horovodrun's `host slots=N` lines, or YAML "
+                             "with hosts/slots/servers/gpus): servers and workers there, over "
+                             "ssh for other hosts")
     parser.add_argument("--hostfile", default=None, metavar="FILE",
-                        help="horovodrun's host file (`host slots=N` lines; parallax's formats "
-                             "work too); like --hosts FILE")
+                        help="horovodrun's host file (`host slots=N` lines; parallax's YAML "
+                             "works too); like --hosts FILE")
     parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for horovodrun, e.g. "
                              "--horovodrun-arg=--start-timeout=120 (repeatable)")
