@@ -210,6 +210,21 @@ def test_a_workers_endpoint_needs_the_token_as_the_servers_do(tmp_path, monkeypa
         worker_metrics.stop()
 
 
+def test_a_worker_that_cannot_bind_its_port_names_the_fix():
+    import socket
+
+    from parallax.client import worker_metrics
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127.0.0.1:{port} "
+                                          rf"\(Address already in use\); worker 0: give another "
+                                          rf"first port .* or 0 for free ports"):
+            worker_metrics.serve(port, rank=0, local_rank=0, size=1)
+    worker_metrics.stop()  # (nothing was started)
+
+
 WORKER = str(ROOT / "tests" / "chaos_worker.py")
 
 
@@ -255,7 +270,8 @@ def test_each_worker_of_a_job_serves_its_metrics_while_it_trains(tmp_path):
     Keras fit with a row cache), each counts steps, times its fused pulls and pushes, and
     counts its rows by run id and table and its cache's hits and misses."""
     job = _Job("-np", "2", "--servers", "1", "--metrics-port", "0", "--run-id", "wm1",
-               "--progress-seconds", "0", "--", sys.executable, WORKER, "--epochs", "3",
+               "--progress-seconds", "0", "--data-dir", str(tmp_path / "data"),  # its saves
+               "--", sys.executable, WORKER, "--epochs", "3",
                "--interval", "4", "--step-delay", "1.5", "--cache-staleness", "2",
                "--backup", str(tmp_path / "backup"), "--out", str(tmp_path / "out.npz"))
     try:

@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from parallax.env import (TOKEN_FILE_ENV, WORKER_METRICS_HOST_ENV, split_run_id,
-                          worker_metrics_line)
+from parallax.env import (TOKEN_FILE_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
+                          split_run_id, worker_metrics_line)
 from parallax.protocol.metrics_endpoint import Histogram, MetricsServer, counter, cumulative
 from parallax.protocol.security import read_token
 
@@ -149,7 +149,10 @@ def serve(port: int, rank: int, local_rank: int, size: int,
     host = host or os.environ.get(WORKER_METRICS_HOST_ENV) or "127.0.0.1"
     token_file = os.environ.get(TOKEN_FILE_ENV)
     server = MetricsServer(host, port + local_rank if port else 0, WORKER_METRICS.families,
-                           read_token(token_file) if token_file else None)
+                           read_token(token_file) if token_file else None,
+                           fix=f"worker {rank}: give another first port (ParallaxStrategy("
+                               f"metrics_port=), {WORKER_METRICS_PORT_ENV} or `parallax run "
+                               f"--metrics-port`), or 0 for free ports")
     _served.append(server)
     address = server.address
     if address.startswith(("0.0.0.0:", "[::]:")):  # every interface: name this machine

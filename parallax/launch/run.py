@@ -112,7 +112,7 @@ class LaunchConfig:
 
 def _check_metrics_port(config: LaunchConfig) -> None:
     """--metrics-port: 0, or a first port that leaves room for every server and worker of
-    one machine (`metrics_ports`) and is clear of the host file's server ports."""
+    one machine (`_per_machine`) and is clear of the host file's server ports."""
     port = config.metrics_port
     if port is None:
         return

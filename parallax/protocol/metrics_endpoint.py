@@ -252,7 +252,8 @@ class MetricsServer:
     it; with `tls`, the endpoint is HTTPS."""
 
     def __init__(self, host: str, port: int, render: Callable[[], Iterable[Metric]],
-                 token: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+                 token: str | None = None, tls: ssl.SSLContext | None = None,
+                 fix: str = "pick another --metrics-port or --metrics-host") -> None:
         bind = host.strip("[]")
         self.registry = registry(render)
         handler = _handler(self.registry, token, _idle_seconds())
@@ -260,7 +261,7 @@ class MetricsServer:
             self.httpd = _Server((bind, port), handler, tls)
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); "
-                          f"pick another --metrics-port or --metrics-host") from None
+                          f"{fix}") from None
         shown = f"[{bind}]" if ":" in bind else bind
         self.address = f"{shown}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,

@@ -28,10 +28,9 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
-from parallax.client import ClientOptions
+from parallax.client import ClientOptions, worker_metrics
 from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
 from parallax.client.row_cache import CacheStats, CachingClient, RowCache
-from parallax.client import worker_metrics
 from parallax.client.table_client import DirectClient, table_client
 from parallax.client.worker_metrics import WORKER_METRICS
 from parallax.env import ADDRESSES_ENV, worker_metrics_port
