@@ -34,6 +34,11 @@ COLLECTIVES = ("auto", "horovod", "tensorflow")  # ParallaxStrategy(collectives=
 TF_HEARTBEAT_ENV = "PARALLAX_TF_HEARTBEAT_S"  # TensorFlow's collectives: seconds a silent
 TF_HEARTBEAT_S = 60.0                    # (paused) worker may be before the job fails
 PLAN_CACHE_ENV = "PARALLAX_PLAN_CACHE"   # where the partition search keeps its decisions
+WORKER_METRICS_PORT_ENV = "PARALLAX_WORKER_METRICS_PORT"  # a worker's /metrics: 0 a free
+#                                         port, P: the worker of local rank i at P+i
+WORKER_METRICS_HOST_ENV = "PARALLAX_WORKER_METRICS_HOST"  # what it binds (127.0.0.1)
+WORKER_METRICS_PREFIX = "PARALLAX_WORKER_METRICS"  # the stderr line a worker prints once it
+#                                         serves them: rank=R address=H:P (`parallax run`)
 
 # ---- every process parallax starts -------------------------------------------------------
 LOG_LEVEL_ENV = "PARALLAX_LOG_LEVEL"     # debug|info|warning|error|critical (--log-level)
@@ -97,6 +102,33 @@ def connect_timeout(environ: Mapping[str, str] | None = None) -> float:
     """PARALLAX_CONNECT_TIMEOUT's seconds (CONNECT_TIMEOUT_S when unset): how long each server
     has to answer at the first step."""
     return _seconds(environ, CONNECT_TIMEOUT_ENV, CONNECT_TIMEOUT_S)
+
+
+def worker_metrics_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """PARALLAX_WORKER_METRICS_PORT: None (unset or empty: no endpoint), 0 (a free port) or
+    the first port of a machine's workers; ConfigError names a bad value."""
+    text = (os.environ if environ is None else environ).get(WORKER_METRICS_PORT_ENV, "")
+    if not text.strip():
+        return None
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise ConfigError(f"{WORKER_METRICS_PORT_ENV}={text!r} must be 0 (a free port) or a "
+                          f"port in 1-65535 (the worker of local rank i listens on it + i)")
+    return int(text)
+
+
+def worker_metrics_line(rank: int, address: str) -> str:
+    """The line a worker prints once its /metrics listens (`parse_worker_metrics_line`)."""
+    return f"{WORKER_METRICS_PREFIX} rank={rank} address={address}"
+
+
+def parse_worker_metrics_line(line: str) -> tuple[int, str] | None:
+    """(rank, host:port) of a worker's metrics line, found anywhere in `line` (horovodrun
+    prefixes its workers' lines); None for any other line."""
+    _, found, rest = line.partition(WORKER_METRICS_PREFIX + " ")
+    fields = dict(f.split("=", 1) for f in rest.split() if "=" in f) if found else {}
+    if not fields.get("rank", "").isdigit() or "address" not in fields:
+        return None
+    return int(fields["rank"]), fields["address"]
 
 
 def is_run_id(text: str) -> bool:

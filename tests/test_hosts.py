@@ -1,5 +1,6 @@
-"""Host files (parallax/launch/hosts.py): every format (parallax's lines, YAML, horovodrun's host
-file and host string), the layout they give, their errors, and the slot ids as GPUs."""
+"""Host files (parallax/launch/hosts.py): every format (horovodrun's host file and host string,
+YAML, and parallax's deprecated `host: ids` lines), the layout they give, their errors, and
+the GPU ids."""
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ from parallax.launch.hosts import (ClusterLayout, HostSpec, _gpus, is_local, loa
                                    parse_host_string, parse_hosts, with_devices)
 
 
-def test_parallax_format_keeps_slot_ids_and_gives_one_server_per_host():
-    layout = parse_hosts("# cluster\n10.0.0.1: 0,1,2\n\nroot@worker-b: 3  # one GPU\nhost-c\n")
+def test_yaml_gpus_keep_the_ids_and_give_one_server_per_host():
+    layout = parse_hosts("# cluster\nhosts:\n- {host: 10.0.0.1, gpus: [0, 1, 2]}\n"
+                         "- {host: worker-b, ssh_user: root, gpus: [3]}  # one GPU\n- host-c\n")
     assert layout == ClusterLayout((HostSpec("10.0.0.1", 3, 1, gpus=(0, 1, 2)),
                                     HostSpec("worker-b", 1, 1, "root", gpus=(3,)),
                                     HostSpec("host-c", 1, 1)), 7000)
@@ -27,6 +29,25 @@ def test_parallax_format_keeps_slot_ids_and_gives_one_server_per_host():
     assert layout.horovod_hosts(4) == "10.0.0.1:3,worker-b:1"
     assert layout.server_addresses() == ["10.0.0.1:7000", "worker-b:7000", "host-c:7000"]
     assert layout.hosts[1].ssh_target == "root@worker-b"
+
+
+def test_the_deprecated_lines_still_work_and_say_what_to_write(caplog):
+    """`host: ids` lines give what their YAML gives, with one warning (per file) that spells
+    that YAML; a file of bare host names is horovodrun's (one slot each), and not warned."""
+    text = "# cluster\n10.0.0.1: 0,1,2\n\nroot@worker-b: 3  # one GPU\nhost-c\n"
+    with caplog.at_level("WARNING", logger="parallax"):
+        layout = parse_hosts(text, "old.txt")
+        assert parse_hosts(text, "old.txt") == layout  # warned once
+    warned = [r.getMessage() for r in caplog.records]
+    yaml = ("hosts: [{host: 10.0.0.1, gpus: [0, 1, 2]}, {host: worker-b, ssh_user: root, "
+            "gpus: [3]}, {host: host-c}]")
+    assert warned == [f"old.txt: `host: 0,1` lines are deprecated (they still work); write "
+                      f"Horovod's `host slots=N` lines, or, to keep the GPU ids, YAML: {yaml}"]
+    assert parse_hosts(yaml) == layout
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="parallax"):
+        assert parse_hosts("a\n[::1]\n").hosts == (HostSpec("a"), HostSpec("[::1]"))
+    assert not caplog.records
 
 
 def test_yaml_format_with_defaults_and_overrides():
@@ -58,14 +79,21 @@ def test_yaml_flow_form_and_load_from_file(tmp_path):
     ("a: 0,x\n", "line 1: 'a: 0,x' should be `host: 0,1,2`"),
     ("a:\n", "line 1: 'a:' should be `host: 0,1,2`"),
     ("a: 0,0\n", "repeat one"),
-    ("# nothing\n", "no hosts"),
-    ("bad host: 0\n", "line 1: 'bad host' is not a host name"),
+    ("# nothing\n", "no hosts; list at least one (e.g. `localhost slots=1`"),
+    ("bad host: 0\n", "line 1: 'bad host: 0' should be `host slots=N`"),
+    ("bad!host slots=1\n", "line 1: 'bad!host' is not a host name"),
+    ("bad!host: 0\n", "line 1: 'bad!host' is not a host name"),
     ("hosts:\n  - {host: a, slots: 0}\n", "line 2: slots 0 must be a whole number >= 1"),
     ("hosts:\n  - {host: a}\n  - {host: a}\n", "line 3: host 'a' is listed again"),
     ("server_port: 70000\nhosts: [a]\n", "line 1: server_port 70000 is not a port; give a "
                                          "number in 1-65535"),
     ("hosts:\n  - host: a\n    ssh_port: x\n", "line 3: ssh_port 'x' is not a port"),
-    ("hosts:\n  - {host: a, gpus: 2}\n", "line 2: unknown host key 'gpus'"),
+    ("hosts:\n  - {host: a, gpus: 2}\n", "line 2: gpus 2 must be a list of GPU ids, e.g. "
+                                         "[0, 1]"),
+    ("hosts:\n  - {host: a, gpus: [1, 1]}\n", "gpus [1, 1] repeat an id"),
+    ("hosts:\n  - {host: a, gpus: [0, 1], slots: 3}\n", "slots 3 but 2 gpus: one worker runs "
+                                                       "per GPU id"),
+    ("hosts:\n  - {host: a, colour: red}\n", "line 2: unknown host key 'colour'"),
     ("hosts:\n  - {slots: 2}\n", "line 2: this host has no `host:`"),
     ("hosts: a\n", "line 1: `hosts` must be a list"),
     ("hosts: [\n", "not valid YAML"),
@@ -120,7 +148,7 @@ def test_horovodrun_host_string_one_server_each_at_a_free_port():
 def test_a_host_string_is_read_as_a_file_only_when_that_file_exists(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_hosts("localhost:2").hosts == (HostSpec("localhost", 2, 1),)
-    Path("localhost:2").write_text("worker-a: 0\n")
+    Path("localhost:2").write_text("worker-a slots=1\n")
     assert load_hosts("localhost:2").hosts[0].host == "worker-a"
     with pytest.raises(ConfigError, match=r"--hosts a:2,b: cannot read it .*host:slots"):
         load_hosts("a:2,b")
@@ -134,8 +162,12 @@ def test_horovodrun_hostfile_format():
     assert layout.server_port == 7000
 
 
-def test_slot_ids_become_each_workers_cuda_visible_devices():
-    layout = parse_hosts("localhost: 2,3\nworker-b: 0\n192.0.2.1: 5,6\n")
+GPU_HOSTS = "hosts: [{host: localhost, gpus: [2, 3]}, {host: worker-b, gpus: [0]}, " \
+            "{host: 192.0.2.1, gpus: [5, 6]}]"
+
+
+def test_gpu_ids_become_each_workers_cuda_visible_devices():
+    layout = parse_hosts(GPU_HOSTS)
     assert layout.hosts[0].gpus == (2, 3)
     program = ["python", "train.py"]
     argv = with_devices(layout, 3, program)
@@ -150,10 +182,11 @@ def test_slot_ids_become_each_workers_cuda_visible_devices():
     assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
-def test_slot_ids_of_the_tensorflow_supervisors_workers_follow_their_host_and_local_rank():
+def test_gpu_ids_of_the_tensorflow_supervisors_workers_follow_their_host_and_local_rank():
     """Without Horovod a worker finds its host and local rank in PARALLAX_WORKERS (the
     supervisor maps "localhost" to 127.0.0.1, and names an ssh host by its address)."""
-    layout = parse_hosts("localhost: 2,3\ncarol@192.0.2.1: 5,6\n")
+    layout = parse_hosts("hosts: [{host: localhost, gpus: [2, 3]}, "
+                         "{host: 192.0.2.1, ssh_user: carol, gpus: [5, 6]}]")
     argv = with_devices(layout, 4, ["prog"])[4:]
     workers = "127.0.0.1:1,127.0.0.1:2,192.0.2.1:3,192.0.2.1:4"
     for rank, device in enumerate(["2", "3", "5", "6"]):
@@ -173,13 +206,13 @@ def test_the_gpus_wrapper_execs_the_program_with_its_device():
 
 
 def test_horovodrun_argv_for_a_layout():
-    layout = parse_hosts("localhost: 0,1\ncarol@192.0.2.1: 0\n")
+    layout = parse_hosts("localhost slots=2\ncarol@192.0.2.1\n")
     argv = horovodrun_argv(layout, 3, ["prog"], "/bin/horovodrun", ("--verbose",))
     assert argv == ["/bin/horovodrun", "-np", "3", "-H", "localhost:2,carol@192.0.2.1:1",
                     "--gloo", "--verbose", "prog"]
     assert choose(layout, 1) is BACKENDS["single"]
     assert choose(layout, 2) is BACKENDS["horovodrun"]
-    remote_first = parse_hosts("carol@192.0.2.1: 0\nlocalhost: 0\n")
+    remote_first = parse_hosts("carol@192.0.2.1\nlocalhost\n")
     assert choose(remote_first, 1) is BACKENDS["horovodrun"]  # one worker, over ssh
 
 

@@ -24,7 +24,8 @@ import pytest
 import parallax
 from parallax.client.local_cluster import LocalCluster
 from parallax.errors import ConfigError
-from parallax.launch.run import LaunchConfig, parse_args, run, validate, workers_argv
+from parallax.launch.run import (LaunchConfig, parse_args, run, validate, worker_metrics_env,
+                                 workers_argv)
 
 PARALLAX = str(Path(sys.executable).parent / "parallax")
 PROBE = str(Path(__file__).parent / "launch_probe.py")
@@ -394,9 +395,9 @@ def test_server_start_timeout_and_horovodruns_flag_is_refused_naming_both(capsys
 
 
 @pytest.mark.parametrize("text, args, words", [
-    ("127.0.0.1: 0\n", ["-np", "2"], "-np 2: "),
-    ("127.0.0.1: 0\n", ["--servers", "2"], "--servers 2 with --hosts"),
-    ("a: 0\na: 1\n", [], "line 2: host 'a' is listed again"),
+    ("127.0.0.1 slots=1\n", ["-np", "2"], "-np 2: "),
+    ("127.0.0.1 slots=1\n", ["--servers", "2"], "--servers 2 with --hosts"),
+    ("a\na slots=2\n", [], "line 2: host 'a' is listed again"),
 ])
 def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
     hosts = tmp_path / "hosts.txt"
@@ -425,9 +426,9 @@ def test_bad_hosts_input_is_refused(mark, tmp_path, text, args, words):
     ({"horovodrun_args": "--verbose"}, "horovodrun_args must be a tuple of strings"),
     ({"command": "train.py"}, "command must be a tuple of strings"),
     ({"mode": "mirrored"}, "--mode 'mirrored' must be one of hybrid, ps, allreduce"),
-    ({"metrics_port": 65535}, "--metrics-port 65535: give 0 (free ports) or a port in 1-65534"),
-    ({"metrics_port": 0, "num_servers": 0, "ps_addresses": ("127.0.0.1:1",)},
-     "--metrics-port applies to the servers this command starts"),
+    ({"metrics_port": 65534}, "--metrics-port 65534: give 0 (free ports) or a port in 1-65533 "
+                              "(server i of a machine listens on PORT+i, then its worker of "
+                              "local rank j on PORT+2+j)"),
     ({"metrics_port": 0, "server_args": ("--metrics-port=9100",)},
      "--metrics-port sets the servers' metrics ports; drop one of them"),
     ({"metrics_port": 0, "secure": True}, "--metrics-port with --secure"),
@@ -442,18 +443,39 @@ def test_bad_config_is_refused_before_anything_starts(fields, words):
 
 
 def test_metrics_ports_are_checked_against_one_machines_servers_and_their_ports(tmp_path):
-    """With a host file, PORT+i is per machine (not per job) and must stay clear of the
-    servers' own ports (server_port+i), or a server would start half-bound."""
+    """With a host file, PORT+i is per machine (not per job: its servers, then its workers)
+    and must stay clear of the servers' own ports (server_port+i), or a server would start
+    half-bound."""
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("server_port: 7000\nhosts:\n- {host: localhost, slots: 1, servers: 2}\n"
                      "- {host: 127.0.0.2, slots: 1, servers: 2}\n")
     base = {"command": (PROBE,), "hosts": str(hosts), "num_servers": 4}
-    with pytest.raises(ConfigError, match=r"ports 7001-7002 overlap the servers' own ports "
+    with pytest.raises(ConfigError, match=r"ports 7001-7003 overlap the servers' own ports "
                                           r"7000-7001"):
         validate(LaunchConfig(**base, metrics_port=7001))
-    validate(LaunchConfig(**base, metrics_port=65534))  # 2 a machine, not 4 a job
-    with pytest.raises(ConfigError, match=r"a port in 1-65534"):
-        validate(LaunchConfig(**base, metrics_port=65535))
+    validate(LaunchConfig(**base, metrics_port=65533))  # 3 a machine, not 6 a job
+    with pytest.raises(ConfigError, match=r"a port in 1-65533"):
+        validate(LaunchConfig(**base, metrics_port=65534))
+
+
+def test_worker_metrics_ports_follow_the_servers_of_their_machine(tmp_path):
+    """The workers get the port after their machine's servers (local rank j adds j), free
+    ones with 0, every interface only where workers run on other hosts; with --ps-addresses
+    the workers alone serve metrics, from PORT."""
+    def env(**fields):
+        config = LaunchConfig(**{"command": (PROBE,), **fields})
+        validate(config)
+        return worker_metrics_env(config)
+    assert env() == {}
+    assert env(metrics_port=9100) == {"PARALLAX_WORKER_METRICS_PORT": "9102"}
+    assert env(metrics_port=0, num_workers=2) == {"PARALLAX_WORKER_METRICS_PORT": "0"}
+    assert env(metrics_port=9100, num_servers=0, ps_addresses=("127.0.0.1:1",)) == {
+        "PARALLAX_WORKER_METRICS_PORT": "9100"}
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n- {host: localhost, slots: 2, servers: 1}\n"
+                     "- {host: 10.9.9.9, slots: 2, servers: 1}\n")
+    assert env(metrics_port=9100, hosts=str(hosts), num_servers=2) == {
+        "PARALLAX_WORKER_METRICS_PORT": "9101", "PARALLAX_WORKER_METRICS_HOST": "0.0.0.0"}
 
 
 @pytest.mark.parametrize("args, code, words", [

@@ -29,7 +29,13 @@ BLAS = (b"[1]<stderr>:2026-12-01 06:40:08.851910: E external/local_xla/xla/strea
         b"factory for plugin cuBLAS when one has already been registered")
 DRIVERS = (b"2026-12-01 06:43:59.060657: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:32] "
            b"Could not find cuda drivers on your machine, GPU will not be used.")
-NOISE = [FFT, DNN, BLAS, DRIVERS]
+# TensorFlow's collectives, as a 2-worker `parallax run --collectives tensorflow` printed them
+ABSL = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+SERVER = (b"[1]<stderr>:I0000 00:00:1796321534.628742   28074 grpc_server_lib.cc:464] Started "
+          b"server with target: grpc://localhost:54155")
+AGENT = (b"[0]<stderr>:I0000 00:00:1796321535.030241   28073 coordination_service_agent.cc:310]"
+         b" Coordination agent has successfully connected.")
+NOISE = [FFT, DNN, BLAS, DRIVERS, ABSL, b"[0]<stderr>:" + ABSL, SERVER, AGENT]
 KEPT = [
     b"Epoch 1/3",
     b"[0]<stdout>:loss 0.25",
@@ -41,7 +47,9 @@ KEPT = [
     FFT.replace(b"plugin cuFFT", b"plugin cuDNN"),  # mismatched plugin: not the known line
     FFT + b" (and more)",
     FFT.split(b"] ", 1)[1],  # the text without TensorFlow's header: a program's own line
-    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    ABSL + b" (and more)",
+    b"WARNING: All log messages are ours",
+    SERVER.split(b"] ", 1)[1],  # the text without TensorFlow's header
     b"E0000 is not a header",
 ]
 
@@ -65,7 +73,8 @@ def _filtered(stream: bytes, size: int) -> bytes:
 
 @pytest.mark.parametrize("size", [1, 3, 7, 64, 100_000])
 def test_the_filter_drops_exactly_the_known_lines_however_the_stream_is_cut(size):
-    lines = [NOISE[0], KEPT[0], NOISE[1], NOISE[2], *KEPT[1:], NOISE[3], b"", b"last"]
+    lines = [NOISE[0], KEPT[0], NOISE[1], NOISE[2], *KEPT[1:], NOISE[3], *NOISE[4:], b"",
+             b"last"]
     stream = b"\n".join(lines) + b"\n\rpartial progress 3/10"
     expected = b"\n".join(line for line in lines if line not in NOISE) + \
         b"\n\rpartial progress 3/10"
@@ -77,6 +86,8 @@ def test_a_partial_line_passes_at_once_unless_it_may_be_tensorflows():
     assert noise.feed(b"Epoch 1/3 [===") == b"Epoch 1/3 [==="  # a progress bar: no wait
     assert noise.feed(b"===]\n2026-12-01 06:40") == b"===]\n"  # held: may be noise
     assert noise.feed(b":08.8: I x.cc:1] fine\n") == b"2026-12-01 06:40:08.8: I x.cc:1] fine\n"
+    assert noise.feed(b"[1]<stderr>:WARN") == b""  # absl's preamble may follow
+    assert noise.feed(ABSL[4:] + b"\nWARNING: mine") == b"WARNING: mine"
 
 
 @pytest.mark.parametrize("text, level", [("debug", logging.DEBUG), ("INFO", logging.INFO),

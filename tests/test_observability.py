@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -183,6 +185,119 @@ def test_metrics_servers_in_one_process_keep_their_own_registries():
     assert value(b, "parallax_test_b") == 1 and ("parallax_test_a", frozenset()) not in b
     assert value(a, "process_cpu_seconds_total") > 0 and value(b, "process_cpu_seconds_total")
     assert not [m for m in REGISTRY.collect() if m.name.startswith("parallax_")]
+
+
+def test_a_workers_endpoint_needs_the_token_as_the_servers_do(tmp_path, monkeypatch):
+    """A worker given PARALLAX_TOKEN_FILE (a --secure job's, or the user's own) answers a
+    scrape without `Authorization: Bearer <token>` with 401, as a server does; it announces
+    its address in the line `parallax run` collects."""
+    from parallax.client import worker_metrics
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("PARALLAX_TOKEN_FILE", str(token))
+    server = worker_metrics.serve(0, rank=0, local_rank=0, size=1)
+    try:
+        url = f"http://{server.address}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 401
+        asked = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(asked, timeout=10) as reply:
+            text = reply.read().decode()
+        assert "# TYPE parallax_worker_steps_total counter" in text, text
+        assert "parallax_worker_rank 0.0" in text and "process_cpu_seconds_total" in text
+    finally:
+        worker_metrics.stop()
+
+
+def test_a_worker_that_cannot_bind_its_port_names_the_fix():
+    import socket
+
+    from parallax.client import worker_metrics
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127.0.0.1:{port} "
+                                          rf"\(Address already in use\); worker 0: give another "
+                                          rf"first port .* or 0 for free ports"):
+            worker_metrics.serve(port, rank=0, local_rank=0, size=1)
+    worker_metrics.stop()  # (nothing was started)
+
+
+WORKER = str(ROOT / "tests" / "chaos_worker.py")
+
+
+class _Job:
+    """`parallax run` in the background, its stderr read line by line as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "parallax.cli", "run", *args],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.err.extend(self.proc.stderr),
+                                        daemon=True)
+        self._reader.start()
+
+    def line(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = next((line for line in list(self.err) if line.startswith(prefix)), None)
+            if found:
+                return found
+            time.sleep(0.2)
+        raise AssertionError(f"no line {prefix!r}:\n" + "".join(self.err[-40:]))
+
+
+def _scraped_while(job: _Job, address: str, timeout: float = 120) -> dict:
+    """The worker's metrics once it has counted two steps (the job still running): a sync
+    push's time is known when its answers are read, by the next step's pull."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = scrape(address)
+        if value(samples, "parallax_worker_steps_total") >= 2:
+            return samples
+        assert job.proc.poll() is None, "".join(job.err[-40:])
+        time.sleep(0.5)
+    raise AssertionError(f"worker at {address} counted under 2 steps in {timeout} s")
+
+
+@pytest.mark.timeout(600)
+def test_each_worker_of_a_job_serves_its_metrics_while_it_trains(tmp_path):
+    """`parallax run -np 2 --metrics-port 0`: each worker serves its own /metrics at a free
+    port, which the launcher prints once both serve; scraped while they train (a paced
+    Keras fit with a row cache), each counts steps, times its fused pulls and pushes, and
+    counts its rows by run id and table and its cache's hits and misses."""
+    job = _Job("-np", "2", "--servers", "1", "--metrics-port", "0", "--run-id", "wm1",
+               "--progress-seconds", "0", "--data-dir", str(tmp_path / "data"),  # its saves
+               "--", sys.executable, WORKER, "--epochs", "3",
+               "--interval", "4", "--step-delay", "1.5", "--cache-staleness", "2",
+               "--backup", str(tmp_path / "backup"), "--out", str(tmp_path / "out.npz"))
+    try:
+        line = job.line("parallax run: metrics: worker", timeout=240)
+        addresses = re.findall(r"worker (\d) at http://(127\.0\.0\.1:\d+)/metrics", line)
+        assert [rank for rank, _ in addresses] == ["0", "1"], line
+        for rank, address in addresses:
+            samples = _scraped_while(job, address)
+            assert value(samples, "parallax_worker_rank") == int(rank)
+            assert value(samples, "parallax_worker_size") == 2
+            for name in ("step", "pull", "push"):
+                assert value(samples, f"parallax_worker_{name}_seconds_count") > 0, name
+                assert value(samples, f"parallax_worker_{name}_seconds_bucket", le="+Inf") > 0
+            rows = {dict(labels)["table"]: v for (name, labels), v in samples.items()
+                    if name == "parallax_worker_rows_total" and
+                    dict(labels).get("direction") == "in" and dict(labels)["run_id"] == "wm1"}
+            assert rows and all(v > 0 for v in rows.values()), samples
+            assert value(samples, "parallax_worker_bytes_total", direction="out",
+                         run_id="wm1", table=next(iter(rows))) > 0
+            assert ("parallax_worker_row_cache_hits_total", frozenset()) in samples
+            assert value(samples, "parallax_worker_row_cache_misses_total") > 0
+        assert job.proc.wait(240) == 0, "".join(job.err[-40:])
+    finally:
+        if job.proc.poll() is None:
+            job.proc.terminate()
+            job.proc.wait(30)
 
 
 def test_status_reports_tables_and_exit_codes():

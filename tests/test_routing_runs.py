@@ -163,3 +163,19 @@ def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
                 assert (np.diff(part) > 0).all()
     assert (runs._routings is not None) == (expect_push and any(p.shard_count > 1
                                                               for p in PARTITIONERS))
+
+
+def test_one_64_bit_hash_in_the_tree():
+    """splitmix64 is written once in Python (`routing.finalise64`, and `mix64` over it) and
+    once in the compiled kernels, which mirror it: its known first output from seed 0, and
+    no other module spelling its multipliers."""
+    from pathlib import Path
+
+    from parallax.protocol.routing import finalise64, mix64
+    assert mix64(np.array([0], np.uint64))[0] == 0xE220A8397B1DCDAF  # splitmix64(0)'s first
+    assert finalise64(np.uint64(0x9E3779B97F4A7C15)) == 0xE220A8397B1DCDAF
+    root = Path(__file__).resolve().parents[1]
+    spelled = sorted(str(p.relative_to(root)) for top in ("parallax", "servers")
+                     for p in (root / top).rglob("*") if p.suffix in (".py", ".h", ".cc")
+                     and "bf58476d1ce4e5b9" in p.read_text().lower())
+    assert spelled == ["parallax/native/src/worker_kernels.h", "parallax/protocol/routing.py"]

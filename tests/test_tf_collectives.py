@@ -289,3 +289,51 @@ def test_a_bad_heartbeat_setting_names_the_variable(value):
         tf_heartbeat_seconds({TF_HEARTBEAT_ENV: value})
     assert tf_heartbeat_seconds({TF_HEARTBEAT_ENV: "120"}) == 120.0
     assert tf_heartbeat_seconds({}) == 60.0
+
+
+QUIET_FIT = """
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras, numpy as np, tensorflow as tf
+import parallax
+
+strategy = parallax.ParallaxStrategy(log_plan=False)
+rows = 70  # 4 full global batches of 16, and a partial one of 6
+ids = np.arange(rows, dtype="int64").reshape(-1, 1) % 50
+labels = np.ones((rows, 1), "float32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1,), dtype="int64"), keras.layers.Embedding(50, 4),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+
+class Steps(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        print(json.dumps({"rank": strategy.worker.rank, "steps": self.batches}), flush=True)
+
+model.fit(ids, labels, batch_size=16, epochs=2, verbose=0, callbacks=[Steps()])
+data = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(16)  # of known length, 5
+model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[Steps()])
+"""
+
+
+def test_a_fit_that_drops_a_partial_batch_prints_nothing_of_tensorflows_or_keras(tmp_path):
+    """Two workers over TensorFlow's collectives fit arrays, then a dataset of known length,
+    whose last global batch is partial: each epoch runs the 4 full ones, and the job's
+    output has neither TensorFlow's start-up lines (the workers' servers and coordination
+    agents, absl's preamble), nor tf.data's note that parallax turned auto-sharding off,
+    nor Keras' "Your input ran out of data" (the dropped batch is parallax's doing)."""
+    script = tmp_path / "quiet_fit.py"
+    script.write_text(QUIET_FIT)
+    output = _ok(_two_workers([sys.executable, str(script)], "--progress-seconds", "0"))
+    steps = sorted((r["rank"], r["steps"]) for r in map(json.loads, (
+        line.split(":", 1)[1] for line in output.splitlines() if '"steps"' in line)))
+    assert steps == [(rank, 4) for rank in (0, 1) for _ in range(4)], output
+    for words in ("ran out of data", "auto_shard_policy", "Started server with target",
+                  "Coordination agent", "absl::InitializeLog", "WARNING"):
+        assert words not in output, output

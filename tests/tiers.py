@@ -23,7 +23,7 @@ TIERS = {
              "test_bulk_codec.py", "test_cli_help.py", "test_wire_dtypes.py",
              "test_dynamic_vocab.py", "test_native.py",
              "test_native_server.py", "test_native_server_steps.py", "test_docs.py",
-             "test_client_retries.py"],
+             "test_client_retries.py", "test_worker_metrics.py"],
     "server": ["test_bad_input.py", "test_checkpoint.py", "test_checkpoint_safety.py",
                "test_dataplane.py", "test_fuzz.py", "test_hardening.py", "test_load.py",
                "test_multi_table.py", "test_native_worker.py", "test_reshard.py",

@@ -23,6 +23,7 @@ import numpy as np
 
 from parallax.client.many import start_pull_many, start_push_many
 from parallax.client.table import ShardedTable
+from parallax.client.worker_metrics import WORKER_METRICS
 from parallax.errors import ConfigError
 from parallax.protocol.routing import Runs
 
@@ -80,9 +81,11 @@ class DirectClient(TableClient):
     name = "direct"
 
     def start_pull(self, tables, min_steps, runs, clocks):
+        WORKER_METRICS.moved("in", tables, runs.lengths)  # what the servers are asked for
         return start_pull_many(tables, (), min_steps, checked=runs)
 
     def start_push(self, tables, grads, steps, worker, learning_rates, runs):
+        WORKER_METRICS.moved("out", tables, runs.lengths)  # before duplicates are summed
         return start_push_many(tables, (), grads, steps, worker, learning_rates, checked=runs)
 
 

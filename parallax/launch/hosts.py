@@ -1,17 +1,10 @@
 """Host files for `parallax run --hosts FILE`: where the workers and parameter servers run.
 
-Three formats, told apart by their content:
+Horovod's forms, and one of parallax's:
 
-Parallax's own, one host per line, the numbers being the host's GPU (slot) ids; their count is
-the number of workers on that host, and each worker there gets one of them as its
-CUDA_VISIBLE_DEVICES (the worker of local rank i the i-th id); one parameter server per host;
-`#` comments and blank lines are ignored, `user@host` sets the ssh user:
-
-    10.0.0.1: 0,1,2,3
-    worker-b: 2,3
-
-horovodrun's (`--hostfile`), `host slots=N` lines (N workers, default 1; one server per
-host; CUDA_VISIBLE_DEVICES is left as it is):
+horovodrun's host file (`--hostfile`, or `--hosts FILE`), `host slots=N` lines (N workers,
+default 1; one server per host; `user@host` sets the ssh user; CUDA_VISIBLE_DEVICES is left as
+it is):
 
     10.0.0.1 slots=4
     worker-b slots=2
@@ -19,17 +12,23 @@ host; CUDA_VISIBLE_DEVICES is left as it is):
 A host string instead of a file (`-H`, or `--hosts` when no such file exists) is horovodrun's
 `host:N,host2:M`: N and M workers, one server per host, its port any free one (announced).
 
-YAML, a mapping with a `hosts` list (`slots` workers and `servers` parameter servers per host,
-default 1 each) and optional `server_port` (the first server port on each host, default 7000;
-a host's servers use consecutive ports from it), `ssh_user`/`ssh_port` for every host, and
-`network_interface`, the interface(s) Horovod's workers talk over (horovodrun
---network-interfaces; default: Horovod's choice among the interfaces all hosts have):
+YAML, parallax's form, for what Horovod's cannot say: a mapping with a `hosts` list (`slots`
+workers and `servers` parameter servers per host, default 1 each; `gpus`, the host's GPU ids,
+one worker each, the worker of local rank i getting the i-th as its CUDA_VISIBLE_DEVICES,
+`slots` then defaulting to their count) and optional `server_port` (the first server port
+on each host, default 7000; a host's servers use consecutive ports from it),
+`ssh_user`/`ssh_port` for every host, and `network_interface`, the interface(s) Horovod's
+workers talk over (horovodrun --network-interfaces; default: Horovod's choice among the
+interfaces all hosts have):
 
     server_port: 7000
     ssh_user: root
     hosts:
-      - {host: 10.0.0.1, slots: 2, servers: 1}
+      - {host: 10.0.0.1, gpus: [0, 1]}
       - {host: 10.0.0.2, slots: 2, servers: 1, ssh_port: 2222}
+
+Deprecated, still read (with a warning that gives the file as YAML): parallax's earlier
+`host: 0,1,2` lines, the host's GPU ids (YAML's `gpus`).
 
 Run as `python -m parallax.launch.hosts serve SERVER_ARGV...` it is the wrapper the launcher starts
 over ssh: it runs the server and stops it (SIGTERM, then SIGKILL) when its standard input
@@ -38,6 +37,7 @@ closes, which happens when the launcher's ssh client ends, so no server outlives
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -53,10 +53,12 @@ from parallax.env import WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError, ParallaxError
 from parallax.runtime import lifeline
 
+log = logging.getLogger("parallax")
+
 DEFAULT_SERVER_PORT = 7000
 _HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_HOST_KEYS = {"host", "slots", "servers", "ssh_user", "ssh_port"}
+_HOST_KEYS = {"host", "slots", "servers", "ssh_user", "ssh_port", "gpus"}
 _TOP_KEYS = {"hosts", "server_port", "ssh_user", "ssh_port", "network_interface"}
 
 
@@ -67,7 +69,7 @@ class HostSpec:
     servers: int = 1               # parameter servers on this host
     ssh_user: str | None = None    # None: ssh's default (the current user or ~/.ssh/config)
     ssh_port: int | None = None    # None: ssh's default (22 or ~/.ssh/config)
-    gpus: tuple[int, ...] = ()     # the slot ids of parallax's format: CUDA_VISIBLE_DEVICES
+    gpus: tuple[int, ...] = ()     # GPU ids (YAML's gpus), one a worker: CUDA_VISIBLE_DEVICES
 
     @property
     def ssh_target(self) -> str:
@@ -118,12 +120,41 @@ def load_hosts(path: str | Path) -> ClusterLayout:
     return parse_hosts(text, str(path))
 
 
+# a line of parallax's deprecated form: `host:` (an IPv6 address in brackets), then ids
+_GPU_LINE = re.compile(r"^\s*(?:\[[^\]]*\]|[^\s:#\[]+)\s*:", re.MULTILINE)
+
+
 def parse_hosts(text: str, source: str = "<hosts>") -> ClusterLayout:
+    """YAML, else horovodrun's host file; a file of `host: ids` lines is read as before, with
+    a deprecation warning (once per file) that gives it as YAML."""
     if re.search(r"^hosts\s*:", text, re.MULTILINE) or re.match(r"\s*\{", text):
         return _parse_yaml(text, source)
-    if re.search(r"^[^#:]*\sslots\s*=", text, re.MULTILINE):
+    if re.search(r"^[^#:]*\sslots\s*=", text, re.MULTILINE) or not _GPU_LINE.search(text):
         return _parse_hostfile(text, source)
-    return _parse_lines(text, source)
+    layout = _parse_lines(text, source)
+    _warn_gpu_lines(layout, source)
+    return layout
+
+
+_warned_sources: set[str] = set()
+
+
+def _warn_gpu_lines(layout: ClusterLayout, source: str) -> None:
+    if source in _warned_sources:
+        return
+    _warned_sources.add(source)
+    log.warning("%s: `host: 0,1` lines are deprecated (they still work); write Horovod's "
+                "`host slots=N` lines, or, to keep the GPU ids, YAML: %s", source,
+                as_yaml(layout))
+
+
+def as_yaml(layout: ClusterLayout) -> str:
+    """The layout as one line of the YAML form (what a deprecated host file becomes)."""
+    def host(h: HostSpec) -> str:
+        fields = [f"host: {h.host}"] + ([f"ssh_user: {h.ssh_user}"] if h.ssh_user else []) + \
+            ([f"gpus: [{', '.join(map(str, h.gpus))}]"] if h.gpus else [])
+        return "{" + ", ".join(fields) + "}"
+    return "hosts: [" + ", ".join(host(h) for h in layout.hosts) + "]"
 
 
 _HOST_STRING = re.compile(r"^[^,:\s/]+:\d+(,[^,:\s/]+:\d+)*$")
@@ -188,8 +219,8 @@ def _host(name: str, slots: int, where: str, gpus: tuple[int, ...] = ()) -> Host
 def _layout(hosts: list[tuple[HostSpec, str]], server_port: int, source: str,
             network_interface: str | None = None) -> ClusterLayout:
     if not hosts:
-        raise ConfigError(f"{source}: no hosts; list at least one (e.g. `localhost: 0`, or "
-                          f"`hosts: [{{host: localhost, slots: 1}}]` in YAML)")
+        raise ConfigError(f"{source}: no hosts; list at least one (e.g. `localhost slots=1`, "
+                          f"or `hosts: [{{host: localhost, slots: 1}}]` in YAML)")
     seen: dict[str, str] = {}
     for spec, where in hosts:
         if spec.host in seen:
@@ -291,7 +322,11 @@ def _parse_yaml(text: str, source: str) -> ClusterLayout:
             fields[key.value] = (value(node), line(node))
         if "host" not in fields:
             raise ConfigError(f"{where}: this host has no `host:` (its name or address)")
-        slots, slots_at = fields.get("slots", (1, where))
+        gpus = _yaml_gpus(*fields.get("gpus", ([], where)))
+        slots, slots_at = fields.get("slots", (len(gpus) or 1, where))
+        if gpus and slots != len(gpus):
+            raise ConfigError(f"{slots_at}: slots {slots!r} but {len(gpus)} gpus: one worker "
+                              f"runs per GPU id; drop slots, or list {slots!r} ids")
         servers, servers_at = fields.get("servers", (1, where))
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ConfigError(f"{slots_at}: slots {slots!r} must be a whole number >= 1 (the "
@@ -305,8 +340,18 @@ def _parse_yaml(text: str, source: str) -> ClusterLayout:
         if "ssh_user" in fields:
             user = _check_user(fields["ssh_user"][0], fields["ssh_user"][1])
         hosts.append((HostSpec(_check_host(str(fields["host"][0]), fields["host"][1]), slots,
-                               servers, user, ssh_port), where))
+                               servers, user, ssh_port, gpus=gpus), where))
     return _layout(hosts, server_port, source, nic)
+
+
+def _yaml_gpus(ids, where: str) -> tuple[int, ...]:
+    """A YAML host's `gpus`: distinct GPU ids (whole numbers >= 0), one worker each."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                            and i >= 0 for i in ids):
+        raise ConfigError(f"{where}: gpus {ids!r} must be a list of GPU ids, e.g. [0, 1]")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{where}: gpus {ids!r} repeat an id; list each once")
+    return tuple(ids)
 
 
 def is_local(host: str) -> bool:

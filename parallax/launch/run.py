@@ -13,6 +13,8 @@ Workers learn where the servers are from the environment (the contract the strat
                          with --secure: the job's credentials (see parallax.protocol.security)
   PARALLAX_MODE          hybrid, ps or allreduce (only when --mode is given)
   PARALLAX_SYNC          sync or async (only when --async, or sync=... in the API, is given)
+  PARALLAX_WORKER_METRICS_PORT  with --metrics-port: the workers' /metrics (0: free ports,
+                         else the first port after the machine's servers', + local rank)
 
 and their rank and size from Horovod (HOROVOD_RANK, HOROVOD_SIZE, ...; absent with one
 worker). The job's exit code is the first non-zero worker exit code, else 0; a server that
@@ -49,7 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          RUN_MODES, SYNC_ENV, is_run_id, new_run_id)
+                          RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
+                          WORKER_METRICS_PREFIX, is_run_id, new_run_id,
+                          parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -100,41 +104,90 @@ class LaunchConfig:
     log_level: str | None = None          # --log-level (parallax.runtime.logs); None: as it is
     collectives: str = "auto"             # --collectives auto|horovod|tensorflow: the workers'
                                           # launch backend (parallax.launch.backends)
-    metrics_port: int | None = None       # --metrics-port: each started server's /metrics
-                                          # (0: free ports; P: the i-th server of a machine
-                                          # at P+i); None: none
+    metrics_port: int | None = None       # --metrics-port: each started server's and each
+                                          # worker's /metrics (0: free ports; P: the i-th
+                                          # server of a machine at P+i, then its workers);
+                                          # None: none
 
 
 def _check_metrics_port(config: LaunchConfig) -> None:
-    """--metrics-port: 0, or a first port that leaves room for every server of one machine
-    and is clear of the host file's server ports."""
+    """--metrics-port: 0, or a first port that leaves room for every server and worker of
+    one machine (`_per_machine`) and is clear of the host file's server ports."""
     port = config.metrics_port
     if port is None:
         return
-    if config.num_servers == 0:
-        raise ConfigError("--metrics-port applies to the servers this command starts; with "
-                          "--ps-addresses, give each server its own --metrics-port")
     if config.secure:
         raise ConfigError("--metrics-port with --secure: the endpoints would need the job's "
                           "client certificate and token, which live in a temporary directory "
                           "removed at the end; scrape a --secure job's servers with "
                           "--server-arg=--metrics-port=P and credentials of your own, or "
                           "drop --secure")
-    per_machine, server_ports = config.num_servers, None
-    if config.hosts is not None:
-        from parallax.launch.hosts import load_hosts
-        layout = load_hosts(config.hosts)
-        per_machine = max(h.servers for h in layout.hosts)
-        if layout.server_port:
-            server_ports = range(layout.server_port, layout.server_port + per_machine)
-    if not 0 <= port or port + per_machine > 65536:
+    servers, workers = _per_machine(config)
+    if not 0 <= port or port + servers + workers > 65536:
         raise ConfigError(f"--metrics-port {port}: give 0 (free ports) or a port in 1-"
-                          f"{65536 - per_machine} (server i of a machine listens on PORT+i)")
-    if port and server_ports and set(server_ports) & set(range(port, port + per_machine)):
-        raise ConfigError(f"--metrics-port {port}: ports {port}-{port + per_machine - 1} "
+                          f"{65536 - servers - workers} (server i of a machine listens on "
+                          f"PORT+i, then its worker of local rank j on PORT+{servers}+j)")
+    server_ports = _host_file_server_ports(config, servers)
+    if port and server_ports and set(server_ports) & set(range(port, port + servers + workers)):
+        raise ConfigError(f"--metrics-port {port}: ports {port}-{port + servers + workers - 1} "
                           f"overlap the servers' own ports {server_ports.start}-"
                           f"{server_ports.stop - 1} (the host file's server_port); pick "
                           f"another, or 0 for free ports")
+
+
+def _per_machine(config: LaunchConfig) -> tuple[int, int]:
+    """(servers this command starts, workers) on the busiest machine, for metrics ports."""
+    if config.hosts is None:
+        return config.num_servers, config.num_workers
+    from parallax.launch.hosts import load_hosts
+    layout = load_hosts(config.hosts)
+    servers = max(h.servers for h in layout.hosts) if config.num_servers else 0
+    return servers, max(h.slots for h in layout.hosts)
+
+
+def _host_file_server_ports(config: LaunchConfig, servers: int) -> range | None:
+    if config.hosts is None or not config.num_servers:
+        return None
+    from parallax.launch.hosts import load_hosts
+    first = load_hosts(config.hosts).server_port
+    return range(first, first + servers) if first else None
+
+
+def worker_metrics_env(config: LaunchConfig) -> dict[str, str]:
+    """What tells each worker to serve /metrics (`parallax.client.worker_metrics`): free
+    ports with --metrics-port 0, else the first port after the servers' of a machine (the
+    worker of local rank j at it + j); on several hosts every interface, since a worker
+    cannot tell which of the host file's names is its own. {} without --metrics-port."""
+    if config.metrics_port is None:
+        return {}
+    servers, _ = _per_machine(config)
+    env = {WORKER_METRICS_PORT_ENV: str(config.metrics_port + servers
+                                        if config.metrics_port else 0)}
+    if config.hosts is not None:
+        from parallax.launch.hosts import is_local, load_hosts
+        if not all(is_local(h.host) for h in load_hosts(config.hosts).hosts):
+            env[WORKER_METRICS_HOST_ENV] = "0.0.0.0"
+    return env
+
+
+class _WorkerMetrics:
+    """The workers' metrics lines (`parse_worker_metrics_line`), collected from their output;
+    once every worker has announced its endpoint, the launcher prints them in one line."""
+
+    def __init__(self, workers: int, scheme: str) -> None:
+        self.workers, self.scheme = workers, scheme
+        self.addresses: dict[int, str] = {}
+
+    def note(self, line: bytes) -> None:
+        if WORKER_METRICS_PREFIX.encode() not in line:
+            return
+        found = parse_worker_metrics_line(line.decode(errors="replace"))
+        if found is None or found[0] in self.addresses:
+            return
+        self.addresses[found[0]] = found[1]
+        if len(self.addresses) == self.workers:
+            _say("metrics: " + ", ".join(f"worker {rank} at {self.scheme}://{address}/metrics"
+                                         for rank, address in sorted(self.addresses.items())))
 
 
 def check_address(address: str, source: str = "--ps-addresses") -> str:
@@ -285,12 +338,14 @@ class _Job:
     """The workers' process (the command, or horovodrun) in its own process group, so that
     signals reach it once, from the launcher, and leftovers in the group can be killed."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], backend: WorkerBackend) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], backend: WorkerBackend,
+                 metrics: _WorkerMetrics | None = None) -> None:
         # the wrapper leads the job's group and ends all of it if the launcher dies: the
         # command's children (a shell's, horovodrun's) are no orphans either
         argv = lifeline.dying_with(argv, os.getpid(), reap_group=True)
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {}  # before exec
         self.backend = backend
+        self.metrics = metrics  # collects the workers' metrics lines (--metrics-port)
         self.first_failure: tuple[int, int] | None = None  # (rank, code) from the backend
         self.last_lines: dict[int, deque] = {}  # rank -> its last lines, for the report
         # stderr always goes through the launcher (TensorFlow's start-up noise is dropped);
@@ -315,6 +370,8 @@ class _Job:
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
+                if self.metrics is not None:
+                    self.metrics.note(text)
                 failure = self.backend.failure(text)
                 if failure is not None and self.first_failure is None:
                     self.first_failure = failure  # (the other stream's pump never unsets it)
@@ -722,7 +779,9 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
-        job = _Job(argv, env, backend)
+        env.update(worker_metrics_env(config))
+        job = _Job(argv, env, backend, _WorkerMetrics(config.num_workers, "http")
+                   if config.metrics_port is not None else None)
         signals.attach(job)
         progress = _progress(config, addresses, run_id, env)
         health = _HealthWatch(addresses, config.health_timeout,
@@ -762,12 +821,12 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "--collectives)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
                         help="horovodrun's host:N,host2:M (N workers and one server on each "
-                             "host), or a host file (`host: 0,1` lines, the GPU ids, or YAML "
-                             "with hosts/slots/servers): servers and workers there, over ssh "
-                             "for other hosts")
+                             "host), or a host file (horovodrun's `host slots=N` lines, or YAML "
+                             "with hosts/slots/servers/gpus): servers and workers there, over "
+                             "ssh for other hosts")
     parser.add_argument("--hostfile", default=None, metavar="FILE",
-                        help="horovodrun's host file (`host slots=N` lines; parallax's formats "
-                             "work too); like --hosts FILE")
+                        help="horovodrun's host file (`host slots=N` lines; parallax's YAML "
+                             "works too); like --hosts FILE")
     parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for horovodrun, e.g. "
                              "--horovodrun-arg=--start-timeout=120 (repeatable)")
@@ -785,10 +844,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                         help="extra argument(s) for each server, e.g. --server-arg=--threads=128")
     parser.add_argument("--data-dir", default=None, help="the servers' checkpoint directory")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="each server this command starts serves Prometheus metrics "
-                             "(GET /metrics): 0 for free ports, or PORT for the first server "
-                             "of each machine and PORT+i for its i-th; the addresses are "
-                             "printed when the servers are up (default: no metrics)")
+                        help="each server this command starts and each worker serve "
+                             "Prometheus metrics (GET /metrics): 0 for free ports, or PORT for "
+                             "the first server of each machine, PORT+i for its i-th, then its "
+                             "workers by local rank; the addresses are printed when the "
+                             "servers are up and when every worker serves (default: none)")
     parser.add_argument("--server-start-timeout", type=float, default=None, metavar="S",
                         help="seconds to wait for the servers to start (default 60)")
     parser.add_argument("--start-timeout", type=float, default=None, metavar="S",

@@ -16,17 +16,31 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fast, well-spread bijection on uint64 (vectorised)."""
-    z = np.asarray(x).astype(np.uint64, copy=True)
+def _finalise(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place on a uint64 array of our own; returns it."""
     with np.errstate(over="ignore"):
-        z += _GOLDEN
         z ^= z >> np.uint64(30)
         z *= _M1
         z ^= z >> np.uint64(27)
         z *= _M2
         z ^= z >> np.uint64(31)
     return z
+
+
+def finalise64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of uint64 values (wrapping arithmetic): a well-spread bijection,
+    the one 64-bit hash of parallax (`mix64` adds splitmix's increment first; the servers'
+    admission sketch hashes with it as it is; the compiled kernels mirror `mix64`)."""
+    return _finalise(np.array(x, dtype=np.uint64, copy=True))
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's step: `finalise64(x + 0x9E3779B97F4A7C15)` (vectorised): shards of hashed
+    keys, initial values."""
+    z = np.asarray(x).astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += _GOLDEN
+    return _finalise(z)
 
 
 def stable_order(keys: np.ndarray, bound: int) -> np.ndarray:

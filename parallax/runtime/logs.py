@@ -16,8 +16,10 @@ exports its level in PARALLAX_LOG_LEVEL, so the servers and workers it starts fo
 Per-shard lines ("created table ... shard N") are DEBUG.
 
 `worker_noise(line)` tells TensorFlow's known start-up lines that TF_CPP_MIN_LOG_LEVEL=2 does
-not hide (cuFFT/cuDNN/cuBLAS "Unable to register", "Could not find cuda drivers"); the
-launcher drops exactly those from the workers' output (`NoiseFilter`).
+not hide (cuFFT/cuDNN/cuBLAS "Unable to register", "Could not find cuda drivers", and with
+TensorFlow's collectives each worker's "Started server with target", "Coordination agent
+has successfully connected" and absl's "All log messages before absl::InitializeLog()"
+preamble); the launcher drops exactly those from the workers' output (`NoiseFilter`).
 """
 from __future__ import annotations
 
@@ -176,14 +178,29 @@ _TF_HEADER = (rb"(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [EWI] "  # TF's own log
               rb"|[EWI]\d{4} [\d:]+\.\d+ +\d+ )"           # absl's
               rb"\S+\.cc:\d+\] ")
 _NOISE = re.compile(
-    rb"^" + _RANK_PREFIX + _TF_HEADER +
+    rb"^" + _RANK_PREFIX + rb"(?:" + _TF_HEADER +
     rb"(?:Unable to register (cuFFT|cuDNN|cuBLAS) factory: Attempting to register factory "
     rb"for plugin \1 when one has already been registered"
-    rb"|Could not find cuda drivers on your machine, GPU will not be used\.)\r?$")
+    rb"|Could not find cuda drivers on your machine, GPU will not be used\."
+    # TensorFlow's collectives (`--collectives tensorflow`): each worker's server and its
+    # coordination agent say they started, the first line of the process's absl log
+    rb"|Started server with target: grpc://\S+"
+    rb"|Coordination agent has successfully connected\.)"
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    rb"STDERR)\r?$")
+_ABSL_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog()"
 # a partial line that may still become one of them: held until its newline
 _MAYBE_NOISE = re.compile(rb"^\[\d*(?:\]<?[a-z]*>?:?)?$"  # a part of horovodrun's prefix
                           rb"|^" + _RANK_PREFIX +
                           rb"(?:\d{1,4}$|\d{4}-|[EWI]\d{0,4}$|[EWI]\d{4} )")
+
+
+def _maybe_noise(held: bytes) -> bool:
+    """Whether a partial line may still become a known one (then it waits for its newline)."""
+    if _MAYBE_NOISE.match(held):
+        return True
+    text = re.sub(rb"^" + _RANK_PREFIX, b"", held)
+    return len(text) > 1 and _ABSL_PREAMBLE.startswith(text[:len(_ABSL_PREAMBLE)])
 
 
 def worker_noise(line: bytes) -> bool:
@@ -213,7 +230,7 @@ class NoiseFilter:
             self._held += piece
             if complete and worker_noise(self._held[:-1]):
                 self._held = b""
-            elif complete or not _MAYBE_NOISE.match(self._held):
+            elif complete or not _maybe_noise(self._held):
                 out.append(self._held)
                 self._passing, self._held = not complete, b""
         return b"".join(out)

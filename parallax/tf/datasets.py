@@ -13,6 +13,9 @@ the same steps, and their parts, gathered in rank order, are the global batch.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import tensorflow as tf
 
 from parallax.errors import ConfigError
@@ -52,9 +55,7 @@ def shard_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.
         raise ConfigError(f"global batch size {batch} is not divisible by the {size} workers;"
                           f" use a multiple of {size} (e.g. {batch - batch % size or size})")
     local = dataset.filter(_full(batch)).rebatch(batch // size)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return local.shard(size, rank).with_options(options)
+    return _unsharded(local.shard(size, rank))
 
 
 def _part(rank: int, size: int):
@@ -71,6 +72,35 @@ def cover_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.
     included: the W parts, in rank order, are every row once (evaluate, predict)."""
     if size == 1:
         return dataset
+    return _unsharded(dataset.map(_part(rank, size)))
+
+
+class _OurOptionChange(logging.Filter):
+    """Drops tf.data's "Changing the value of option auto_shard_policy" record: parallax's
+    own change, not the user's (Keras gives the datasets it makes of arrays the DATA
+    policy)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Changing the value of option") and
+                    record.args and record.args[0] == "auto_shard_policy")
+
+
+@contextlib.contextmanager
+def _quiet_option_change():
+    absl = logging.getLogger("absl")  # tf.data's options log through absl's logger
+    quiet = _OurOptionChange()
+    absl.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl.removeFilter(quiet)
+
+
+def _unsharded(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`dataset` with tf.data's auto-sharding off: each worker's part is parallax's. tf.data
+    logs a warning on every worker when that overrides a policy the dataset had; that one
+    line is dropped (`_OurOptionChange`), any other of tf.data's stays."""
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.map(_part(rank, size)).with_options(options)
+    with _quiet_option_change():
+        return dataset.with_options(options)

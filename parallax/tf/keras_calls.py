@@ -21,6 +21,12 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
   (`steps_per_execution` > 1), where a collective would run again before the last one ended
   (Horovod refuses a second all-reduce of the same name in flight): there they are averaged
   once per execution, outside the loop (`average_outside`).
+- `fit`'s training data, split by `datasets.shard_for_worker`, loses a last, partial global
+  batch (every worker must run the same steps). Keras counted it, and would warn on every
+  worker, every epoch, that "Your input ran out of data": the training iterator counts one
+  batch less instead (arrays say when; a dataset of known length is learned from at the
+  end of its first epoch, where that one warning is dropped). Keras' other such warnings
+  (a `steps_per_epoch` the data cannot feed) stay.
 - A resumed `fit` starts at the epoch Keras' `BackupAndRestore` read from each worker's own
   backup, and the workers' backups need not agree: one killed while saving (or whose save of
   the tables on the servers failed) keeps the epoch before, while another had already written
@@ -270,6 +276,45 @@ def _covering_iterator(base):
                 super().__init__(*args, **kwargs)
             finally:
                 _state.covering = False
+            self._parallax_drops = "class_weight" in kwargs and _several_workers(
+                self._distribute_strategy)
+            self._parallax_full: int | None = None  # full batches, once learned
+            self._count_full_batches()
+
+        def reset(self):
+            super().reset()
+            self._count_full_batches()
+
+        def _count_full_batches(self) -> None:
+            """Keras' count of training batches, less a last, partial global batch, which
+            every worker drops (`datasets.shard_for_worker`): counted, it would end every
+            epoch with "Your input ran out of data" on every worker. Arrays say whether
+            there is one; a dataset of known length is learned from at its first end."""
+            if not getattr(self, "_parallax_drops", False) or not self._num_batches:
+                return
+            if self.data_adapter.has_partial_batch:
+                self._parallax_full = self.data_adapter.num_batches - 1
+            if self._parallax_full is not None:
+                self._num_batches = self._parallax_full
+
+        def _interrupted_warning(self):
+            """Keras' warning, unless the data ran out at the very batch parallax dropped:
+            the last of a dataset of known length (then the count is one less from now)."""
+            known = self.data_adapter.num_batches
+            if self._parallax_drops and self.steps_per_epoch is None and known and \
+                    self._parallax_full is None and \
+                    self._steps_seen - self.steps_per_execution < known <= self._steps_seen:
+                self._parallax_full = self._num_batches = known - 1
+                log.debug("the last global batch of the training data is partial: every "
+                          "worker drops it (%d steps an epoch)", known - 1)
+                return
+            super()._interrupted_warning()
     CoveringIterator.__name__ = base.__name__
     CoveringIterator.__qualname__ = base.__qualname__
     return CoveringIterator
+
+
+def _several_workers(strategy) -> bool:
+    """Whether `strategy` is a parallax job's of several workers."""
+    extended = getattr(strategy, "extended", None)
+    return extended in _installed and extended.workers.info.size > 1

@@ -24,6 +24,7 @@ import numpy as np
 from parallax import native
 from parallax.client.connection import run_in_background
 from parallax.client.table_client import Pending, TableClient, table_client
+from parallax.client.worker_metrics import WORKER_METRICS
 from parallax.errors import ConfigError, ServerError
 from parallax.protocol.routing import Runs
 
@@ -187,6 +188,7 @@ class StepRouting:
 
     def __init__(self) -> None:
         self.pulled: Runs | None = None
+        self.began: float | None = None  # the step's start (time.time()), for its duration
 
     def runs_for(self, remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
         """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
@@ -213,8 +215,8 @@ class FusedPull:
         self.runs = 0
 
     def __call__(self, ticket: np.float64, *uniques: np.ndarray) -> list[np.ndarray]:
-        """ticket: the step's start (parallax.tf.fusion; not read); uniques: each lookup's
-        ids."""
+        """ticket: the step's start, as time.time() (parallax.tf.fusion: read only for the
+        step's duration in the worker's metrics); uniques: each lookup's ids."""
         start = time.perf_counter()
         tables: dict[int, RemoteTable] = {}
         for remote in self.remotes:
@@ -238,8 +240,10 @@ class FusedPull:
         if self.routing is not None:
             runs.expect_push = True
             self.routing.pulled = runs
+            self.routing.began = float(ticket) if ticket > 0 else None  # (0: a test's)
         rows = laid_out.split(_pull_after_pushes(self.client, laid_out.heads, runs))
         seconds = time.perf_counter() - start
+        WORKER_METRICS.observe("pull", seconds)
         for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
         by_table = {key: rows[k] for k, key in enumerate(order)}
@@ -301,17 +305,17 @@ class FusedPush:
             rates.append(_rate(flat, members, ids))
             sending.append(head)
         self.runs += 1
-        if not sending:
-            return np.int64(0)
-        if self.sync:  # sent now; the answers are read by the next pull (`Landing`)
+        if sending and self.sync:  # sent now; the answers are read by the next pull (`Landing`)
             start = time.perf_counter()
             pending = self.client.start_push([r.table for r in sending], grads, steps,
                                              sending[0].worker, rates, runs)
             landing = Landing(pending, sending, runs.lengths, time.perf_counter() - start)
             for remote in sending:
                 remote.track_push(landing)
-        else:
+        elif sending:
             self._send(sending, runs, grads, steps, rates)
+        began, self.routing.began = self.routing.began, None
+        WORKER_METRICS.step(None if began is None else time.time() - began)
         return np.int64(len(sending))
 
     def _send(self, remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
@@ -331,6 +335,8 @@ def _rate(flat, members: Sequence[int], ids: Sequence[np.ndarray]) -> float:
 
 
 def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:
-    """A fused push's wall time, shared out to its tables in proportion to their rows."""
+    """A fused push's wall time, shared out to its tables in proportion to their rows (and
+    whole to the worker's metrics)."""
+    WORKER_METRICS.observe("push", seconds)
     for remote, share in zip(remotes, _shares(sizes)):
         remote.add_push_seconds(seconds * share)

@@ -28,11 +28,12 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
-from parallax.client import ClientOptions
+from parallax.client import ClientOptions, worker_metrics
 from parallax.client.cluster import ClusterSpec, mode_from_env, parse_addresses, resolve_cluster
 from parallax.client.row_cache import CacheStats, CachingClient, RowCache
 from parallax.client.table_client import DirectClient, table_client
-from parallax.env import ADDRESSES_ENV
+from parallax.client.worker_metrics import WORKER_METRICS
+from parallax.env import ADDRESSES_ENV, worker_metrics_port
 from parallax.env import connect_timeout as env_connect_timeout
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
@@ -132,7 +133,8 @@ def _why_servers(config: StrategyConfig) -> str:
 
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
-                 connect_timeout: float, search_partitions="auto") -> None:
+                 connect_timeout: float, search_partitions="auto",
+                 metrics_port: int | None = None) -> None:
         self.config = config
         self._search_setting = search_partitions
         self.tuner: PartitionTuner | None = None
@@ -170,6 +172,17 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 f"{ADDRESSES_ENV}), pass ps_addresses=... to ParallaxStrategy, or describe "
                 f"them as TF_CONFIG's \"ps\" tasks")
         reuse_freed_memory()
+        if metrics_port is not None:
+            self._serve_metrics(metrics_port)
+
+    def _serve_metrics(self, port: int) -> None:
+        """This worker's /metrics (`parallax.client.worker_metrics`), its row cache's counters
+        included."""
+        info = self.workers.info
+        client = self.table_client
+        WORKER_METRICS.cache_stats = client.stats if isinstance(client, CachingClient) \
+            else None
+        worker_metrics.serve(port, info.rank, info.local_rank, info.size)
 
     # ---- variables ----
 
@@ -630,7 +643,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                  client_options: ClientOptions | None = None,
                  search_partitions: bool | str | PartitionSearch | None = None,
                  collectives: str = "auto", wire_dtype=None,
-                 cache: RowCache | None = None) -> None:
+                 cache: RowCache | None = None, metrics_port: int | None = None) -> None:
         """Configure the strategy. Nothing is placed and no server is contacted here: the
         first training step (`fit`, or the first `strategy.run` whose step updates
         variables) makes the plan and checks what needs the model or the servers. Every
@@ -773,6 +786,14 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 misses and older rows are pulled, every gradient is pushed as before
                 (`parallax.client.row_cache`; `strategy.cache_stats()` counts it). With
                 staleness 0 training is exactly that without a cache.
+            metrics_port: int or None (default). The worker serves its own Prometheus
+                metrics (`parallax_worker_*`: steps, step, pull and push seconds, rows and
+                bytes per table, row cache hits and misses, its rank) at
+                http://127.0.0.1:PORT/metrics: 0 a free port, P the worker of local rank i
+                at P+i; None: `PARALLAX_WORKER_METRICS_PORT` (`parallax run
+                --metrics-port` sets it), else no endpoint. The address is printed on stderr
+                (`PARALLAX_WORKER_METRICS rank=R address=H:P`); with PARALLAX_TOKEN_FILE a
+                scrape must carry the token (docs/observability.md).
 
         Raises:
             ConfigError: `mode` (or `PARALLAX_MODE`) is not "hybrid", "ps" or "allreduce";
@@ -820,8 +841,14 @@ class ParallaxStrategy(distribute_lib.Strategy):
         tuning.check_setting(search_partitions)
         if connect_timeout is None:
             connect_timeout = env_connect_timeout()
+        if metrics_port is None:
+            metrics_port = worker_metrics_port()
+        elif isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or \
+                not 0 <= metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={metrics_port!r} must be None, 0 (a free port) "
+                              f"or a port in 1-65535")
         super().__init__(ParallaxExtended(self, config, client_options, connect_timeout,
-                                          search_partitions))
+                                          search_partitions, metrics_port))
 
     @property
     def plan(self) -> Plan | None:

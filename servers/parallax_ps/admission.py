@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from parallax.protocol.routing import finalise64
 from parallax.protocol.specs import TableSpec
 
 SKETCH_DEPTH = 4  # hash rows of the count-min sketch
@@ -26,17 +27,10 @@ _SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
 _DRAW_SEED = np.uint64(0xD6E8FEB86659FD93)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 (wrapping arithmetic): a well-spread hash."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def draws(keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """A uniform number in [0, 1) for each (key, sighting count): a pure function of both."""
     with np.errstate(over="ignore"):
-        h = _mix(_mix(keys.astype(np.int64).view(np.uint64) ^ _DRAW_SEED)
+        h = finalise64(finalise64(keys.astype(np.int64).view(np.uint64) ^ _DRAW_SEED)
                  + counts.astype(np.uint64))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
@@ -58,7 +52,8 @@ class Sketch:
         """[depth, n] column of each key in each hash row."""
         k = keys.astype(np.int64).view(np.uint64)
         with np.errstate(over="ignore"):
-            return (_mix(k[None, :] ^ _SEEDS[:, None]) % np.uint64(SKETCH_WIDTH)).astype(np.intp)
+            cells = finalise64(k[None, :] ^ _SEEDS[:, None]) % np.uint64(SKETCH_WIDTH)
+        return cells.astype(np.intp)
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Sightings recorded for each key (an over-estimate under collisions)."""
