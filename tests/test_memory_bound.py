@@ -175,3 +175,52 @@ def test_the_baseline_counts_up_to_half_the_limit():
     assert MemoryBudget(256 * mib, 73 * mib).baseline == 73 * mib
     assert MemoryBudget(256 * mib, 61 * mib).baseline == 61 * mib
     assert MemoryBudget(64 * mib, 61 * mib).baseline == 0  # a test's tiny limit
+
+
+def test_a_far_deadline_waits_for_room_without_overflowing():
+    """gRPC gives a call without a deadline ~9.2e18 s remaining; one wait that long raised
+    OverflowError (answered INTERNAL, with a logged traceback) once the budget was full."""
+    import time
+    from parallax_ps.budget import MemoryBudget
+    budget = MemoryBudget(100, 0)
+    assert budget.hold(80, time.monotonic() + 1, "first")
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(
+        budget.hold(50, time.monotonic() + 9.2e18, "second")))
+    waiter.start()
+    time.sleep(0.2)
+    budget.unhold(80)
+    waiter.join(10)
+    assert got == [True]
+
+
+def test_a_grpc_pull_waiting_for_its_step_holds_no_memory():
+    """A sync pull over gRPC holds its ids' room (from its size) only while it is decoded:
+    waiting for its step it holds nothing, so the push that closes the step finds room."""
+    import time
+    from concurrent import futures
+    import grpc
+    from parallax.protocol import wire
+    from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
+    from parallax_ps.service import ParameterServerService, add_to_server
+    service = ParameterServerService(None, 64 << 20, memory_bytes=256 << 20)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        spec = TableSpec(name="sync", vocabulary_size=1000, dim=4, num_workers=2)
+        stub.CreateTable(ps_pb2.CreateTableRequest(spec=spec.to_proto(), shard_index=0))
+        idle = service.budget.accounted()
+        request = ps_pb2.PullManyRequest()
+        part = request.parts.add(table="sync", shard_index=0, min_step=1)
+        wire.encode(np.arange(1000, dtype=np.int64), part.ids)
+        waiting = stub.PullMany.future(request, timeout=30)
+        time.sleep(0.5)  # decoded, and waiting for step 1
+        assert not waiting.done()
+        assert service.budget.accounted() == idle
+        waiting.cancel()
+    finally:
+        server.stop(0).wait()
+        service.close()

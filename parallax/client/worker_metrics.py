@@ -27,6 +27,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFam
 
 from parallax.env import (TOKEN_FILE_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
                           split_run_id, worker_metrics_line)
+from parallax.errors import ConfigError
 from parallax.protocol.metrics_endpoint import Histogram, MetricsServer, counter, cumulative
 from parallax.protocol.security import read_token
 
@@ -146,6 +147,10 @@ def serve(port: int, rank: int, local_rank: int, size: int,
     WORKER_METRICS.rank, WORKER_METRICS.size = rank, size
     if _served:
         return _served[0]
+    if port and not 0 < port + local_rank <= 65535:
+        raise ConfigError(f"worker {rank}: metrics port {port} + local rank {local_rank} is "
+                          f"not a TCP port (1-65535); give a lower first port, or 0 for "
+                          f"free ports")
     host = host or os.environ.get(WORKER_METRICS_HOST_ENV) or "127.0.0.1"
     token_file = os.environ.get(TOKEN_FILE_ENV)
     server = MetricsServer(host, port + local_rank if port else 0, WORKER_METRICS.families,

@@ -292,7 +292,11 @@ def _covering_iterator(base):
             there is one; a dataset of known length is learned from at its first end."""
             if not getattr(self, "_parallax_drops", False) or not self._num_batches:
                 return
-            if self.data_adapter.has_partial_batch:
+            try:
+                partial = self.data_adapter.has_partial_batch
+            except NotImplementedError:  # a keras.utils.PyDataset's adapter cannot say
+                partial = None
+            if partial:
                 self._parallax_full = self.data_adapter.num_batches - 1
             if self._parallax_full is not None:
                 self._num_batches = self._parallax_full

@@ -26,6 +26,7 @@ import grpc
 from parallax_ps.errors import RequestError
 
 _MIB = 1 << 20
+MAX_WAIT_S = 1.0  # one wait for room at most (then the condition is checked again)
 What = Union[str, Callable[[], str]]  # what is being held; a callable is formatted on refusal
 
 
@@ -124,7 +125,7 @@ class MemoryBudget:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._room.wait(remaining)
+                self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
             self._held += nbytes
             return True
 

@@ -146,3 +146,12 @@ def ensure(nbytes: int, deadline: float | None, what) -> None:
     opened = current()
     if opened is not None:
         opened.ensure(nbytes, deadline, what)
+
+
+def give_back_held() -> None:
+    """Give back what this thread's request holds, its scope staying open (a request whose
+    next hold comes after a wait it must not hold room through)."""
+    opened = current()
+    if opened is not None and opened.held:
+        held, opened.held = opened.held, 0
+        opened.budget.unhold(held)

@@ -42,11 +42,15 @@ WAITING_METHODS = frozenset({"Pull", "PullMany", "WaitStep", "Barrier", "InitRow
 MAX_PARTS_PER_SHARD = 4  # parts of one PullMany/PushMany, per table shard held
 
 
+NO_DEADLINE_S = 10.0 ** 9  # gRPC's time_remaining() of a call without a deadline: ~9.2e18
+
+
 def _deadline(context: grpc.ServicerContext) -> float | None:
     """When a waiting request gives up: a little before the caller's own deadline, so the
-    caller gets the server's explanation (who has not pushed) rather than a bare timeout."""
+    caller gets the server's explanation (who has not pushed) rather than a bare timeout;
+    None for a call without one (gRPC says ~9.2e18 s, which no wait accepts)."""
     remaining = context.time_remaining()
-    if remaining is None:
+    if remaining is None or remaining > NO_DEADLINE_S:
         return None
     return time.monotonic() + remaining - min(0.25, 0.1 * remaining)
 
@@ -85,15 +89,18 @@ def _admitted(method: str, request, context):
     call's deadline, else RESOURCE_EXHAUSTED); INVALID_ARGUMENT if it does not parse.
     Unlike a data-plane frame's, its body holds no floor while it waits for its answer's
     room: six waiting 400k-id pulls each holding 3.2 MB left none of them the room to go
-    on (each waited out its deadline)."""
+    on (each waited out its deadline). Once decoded it holds nothing until its answer's
+    room is taken (`many.hold_answer`), after any wait for its step: sync pulls waiting
+    for a step while holding their ids' room could leave the push that closes the step
+    none."""
     if isinstance(request, Unread):
         raw, request.raw = request.raw, None
-        remaining = context.time_remaining() if context is not None else None
-        deadline = None if remaining is None else time.monotonic() + remaining
-        inflight.ensure(inflight.frame_need(method, len(raw)), deadline,
+        inflight.ensure(inflight.frame_need(method, len(raw)),
+                        _deadline(context) if context is not None else None,
                         f"{method} of {len(raw)} bytes")  # (no floor: see `Scope.floor`)
         request = request.parse(raw)
         del raw
+        inflight.give_back_held()  # decoded: nothing is held while it waits for its step
     _check_decoded(request)
     return request
 
