@@ -99,7 +99,8 @@ class WorkerMetrics:
             latency = [(n, list(h.counts), h.sum) for n, h in self._latency.items()]
             moved = sorted(self._moved.items())
         out: list[Metric] = [counter("parallax_worker_steps_total", "Fused training steps "
-                                     "this worker ran (steps that pushed to the servers).",
+                                     "this worker ran (traced steps with a fused push, "
+                                     "whether or not it sent rows).",
                                      (), [((), steps)])]
         for name, counts, total in latency:
             family = HistogramMetricFamily(f"parallax_worker_{name}_seconds", LATENCIES[name])
