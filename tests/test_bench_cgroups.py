@@ -224,3 +224,24 @@ def test_network_record_states_share_and_effective_rate(prefix):
         "cpu_period_us": 100000, "cpu_quota_us": 25000, "nominal_rate_mbit": 1000.0,
         "nominal_latency_ms": 0.0}
     assert _network_record("loopback", None)["name"] == "loopback"
+
+
+def test_deferred_groups_start_unlimited_until_throttled(prefix):
+    """A run's start-up is not measured: deferred groups start with no quota; throttle() holds
+    every group made, and every later one, to the share; remove_all() starts the next run's
+    groups unlimited again (read back from the kernel's files)."""
+    def quota(host):
+        return int((groups.path(host) / "cpu.cfs_quota_us").read_text())
+
+    with CpuGroups(0.25, prefix, deferred=True) as groups:
+        groups.create("w0")
+        assert quota("w0") == cgroups.UNLIMITED
+        groups.throttle()
+        groups.create("w1")
+        assert (quota("w0"), quota("w1")) == (25_000, 25_000)
+        groups.remove_all()
+        groups.create("w0")
+        assert quota("w0") == cgroups.UNLIMITED
+    with CpuGroups(0.25, prefix) as groups:  # not deferred: the quota from the start
+        groups.create("w0")
+        assert quota("w0") == 25_000

@@ -2,12 +2,14 @@
 processes in real namespaces) and its arithmetic."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -242,6 +244,10 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
     assert "| hybrid | 2 | 0.5 | " in report  # hosts, cores at 2 workers
     assert "### lm, fitted on 100mbit@0.25cpu:colocated" in report and "| hybrid | " in report
     assert (tmp_path / "out" / "projection_lm.png").stat().st_size > 1000
+    # Start-up ran unthrottled: each isolated run's hosts were throttled at its gate.
+    gates = sorted(p.parent.name for p in (tmp_path / "out" / "logs").glob("*/throttled"))
+    assert gates == ["100mbit@0.25cpu:colocated-lm-w1-r0-hybrid",
+                     "100mbit@0.25cpu:colocated-lm-w2-r0-hybrid"], gates
     assert _groups(prefix) == [] and _namespaces(prefix) == []
     assert marked_processes(tmp_path.name) == {}
 
@@ -372,6 +378,30 @@ def test_calibration_stops_when_the_slowest_worker_says_so():
     per_window = windows[0].steps
     assert per_window == int(agreed[1] + 100.0) and per_window >= config.min_window_steps
     assert len(steps) == 2 + 3 + 2 * per_window
+
+
+def test_the_gate_comes_after_the_first_warmup_step():
+    """The harness throttles CPU once every process has taken its first step (its tracing is
+    start-up): the gate runs after exactly one step, and the rest of the warm-up after it."""
+    steps, gated = [], []
+    trainer = measure.Trainer(step=lambda: steps.append(1), rank=0, workers=1, global_batch=8)
+    config = measure.WindowConfig(warmup_steps=3, calibration_steps=1, windows=1,
+                                  window_seconds=0.0, min_window_steps=1)
+    measure.run_windows(trainer, config, gate=lambda: gated.append(len(steps)))
+    assert gated == [1] and len(steps) == 3 + 1 + 1
+
+
+def test_wait_for_gate_says_started_then_waits_for_the_file(tmp_path):
+    gate, out = tmp_path / "throttled", io.StringIO()
+    threading.Timer(0.3, gate.touch).start()
+    t0 = time.monotonic()
+    measure.wait_for_gate(str(gate), timeout=30, out=out)
+    assert time.monotonic() - t0 >= 0.25
+    assert out.getvalue() == measure.READY_LINE + "\n"
+    with pytest.raises(TimeoutError, match="did not create .*missing"):
+        measure.wait_for_gate(str(tmp_path / "missing"), timeout=0.1, out=out)
+    measure.wait_for_gate(None, out=out)  # no harness gate: returns at once, prints nothing
+    assert out.getvalue().count(measure.READY_LINE) == 2
 
 
 def test_window_config_round_trips_through_worker_flags():

@@ -37,6 +37,7 @@ from parallax.errors import ConfigError, ParallaxError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000          # the kernel's default CFS period
+UNLIMITED = -1               # cpu.cfs_quota_us: no quota
 MIN_SHARE = 0.01             # quota >= 1 ms per 100 ms period (the kernel's minimum)
 KILL_GRACE_S = 2.0
 SHARED = ("off", "shared", "none")  # --cpu-share words for "no isolation"
@@ -176,7 +177,8 @@ class CpuGroups:
     lets a group win that competition; the benchmark leaves it at the default."""
 
     def __init__(self, share: float, prefix: str = "pxb", root: Path | str = CPU_ROOT,
-                 period_us: int = PERIOD_US, weight: int | None = None) -> None:
+                 period_us: int = PERIOD_US, weight: int | None = None,
+                 deferred: bool = False) -> None:
         if not share >= MIN_SHARE:
             raise ConfigError(f"CPU share {share!r} must be >= {MIN_SHARE} cores")
         if not 1000 <= period_us <= 1_000_000:
@@ -188,6 +190,8 @@ class CpuGroups:
         self.share, self.prefix, self.root = share, prefix, Path(root)
         self.period_us, self.weight = period_us, weight
         self.quota_us = max(1000, round(share * period_us))
+        self.deferred = deferred  # groups start unlimited until throttle(), each run
+        self.throttled = not deferred
         self._made: list[str] = []
 
     def __enter__(self) -> CpuGroups:
@@ -213,7 +217,8 @@ class CpuGroups:
         try:
             path.mkdir(exist_ok=True)
             (path / "cpu.cfs_period_us").write_text(str(self.period_us))
-            (path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            (path / "cpu.cfs_quota_us").write_text(
+                str(self.quota_us if self.throttled else UNLIMITED))
             if self.weight is not None:
                 (path / "cpu.shares").write_text(str(self.weight))
         except OSError as err:
@@ -222,6 +227,18 @@ class CpuGroups:
             if host not in self._made:
                 self._made.append(host)
         return path
+
+    def throttle(self) -> None:
+        """Hold every group made so far, and every later one, to its quota (deferred groups
+        start unlimited: a run's start-up is not what the benchmark measures)."""
+        self.throttled = True
+        for host in self._made:
+            path = self.path(host)
+            try:
+                (path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            except OSError as err:
+                raise CgroupError(f"cannot set the quota of CPU group {path}: "
+                                  f"{err.strerror}") from err
 
     def exec_prefix(self, host: str) -> list[str]:
         """Put this in front of a command (before `ip netns exec`) to run it in the group."""
@@ -239,7 +256,9 @@ class CpuGroups:
         return _group_pids(self.path(host))
 
     def remove_all(self) -> None:
-        """Kill what is left in every group made, and remove the groups. Idempotent."""
+        """Kill what is left in every group made, and remove the groups (deferred groups of
+        the next run start unlimited again). Idempotent."""
+        self.throttled = not self.deferred
         try:
             for host in list(self._made):
                 _remove_group(self.path(host))

@@ -246,6 +246,11 @@ class Run:
         self.procs: list[Proc] = []
         self.rendezvous = None
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.gate = None  # with deferred CPU groups: created once every host is throttled
+        if placement.cpu is not None and placement.cpu.deferred:
+            self.gate = log_dir / "throttled"
+            self.gate.unlink(missing_ok=True)
+            self.env[measure.GATE_ENV] = str(self.gate)
 
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self.procs]
@@ -359,6 +364,7 @@ class Run:
                 pending.remove(proc)
                 if code != 0:
                     return None, f"{proc.name} ({proc.role}) exited {code}:\n{proc.tail()}"
+            self._throttle_once_started(waited)
             for proc in self.procs:  # a server or TF server that dies ends the run too
                 if proc not in waited and proc.popen.poll() is not None:
                     return None, (f"{proc.name} ({proc.role}) died with exit code "
@@ -372,6 +378,15 @@ class Run:
             if record is not None:
                 return record, None
         return None, f"{waited[0].name} printed no {measure.RESULT_PREFIX.strip()} line"
+
+    def _throttle_once_started(self, waited: list[Proc]) -> None:
+        """Once every process that steps has taken its first step (start-up done: imports,
+        tables, tracing), hold every host to its quota and let them go on."""
+        if self.gate is None or self.gate.exists():
+            return
+        if all(measure.READY_LINE in p.log.read_text(errors="replace") for p in waited):
+            self.place.cpu.throttle()
+            self.gate.touch()
 
     def stop(self, grace: float = 10.0) -> None:
         """TERM, then KILL after `grace`, to each process's whole session (they were started
@@ -547,7 +562,9 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
 ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
                   "(rate x {share:g}, latency / {share:g}): each host stands for one core "
-                  "with a {link} link, slowed {slow:g}x")
+                  "with a {link} link, slowed {slow:g}x; the quotas apply from each run's "
+                  "second warm-up step on (start-up, the first step's tracing included, runs "
+                  "unthrottled: it is not measured)")
 
 
 def _prepare_cpu_groups(config: BenchConfig, notes: list[str], echo) -> None:
@@ -568,7 +585,7 @@ def _run_setting(config: BenchConfig, network: str, share: float | None, placeme
     the share) up, the runs, the cluster and the CPU groups down, whatever happens."""
     cluster, key = None, cgroups.network_key(network, share)
     cpu = None if share is None else CpuGroups(share, config.prefix, config.cgroup_root,
-                                               config.cpu_period_us)
+                                               config.cpu_period_us, deferred=True)
     notes = results["meta"]["notes"]
     try:
         if network != LOOPBACK:

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 RESULT_PREFIX = "BENCH_RESULT "
+READY_LINE = "BENCH_STARTED"   # printed after the first step, before the gate is waited for
+GATE_ENV = "PARALLAX_BENCH_GATE"  # a file the harness creates once every host is throttled
+GATE_TIMEOUT_S = 900.0
+GATE_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,31 @@ class Trainer:
     counters: Callable[[], dict[str, float]] = dict
 
 
+def wait_for_gate(path: str | None, timeout: float = GATE_TIMEOUT_S, out=sys.stdout) -> None:
+    """Under a harness that throttles CPU after start-up (`GATE_ENV` set): say so, then wait
+    until it has created `path` (every host held to its quota); nothing without a path."""
+    if not path:
+        return
+    print(READY_LINE, file=out, flush=True)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the benchmark harness did not create {path} within "
+                               f"{timeout:.0f} s of this process's first step")
+        time.sleep(GATE_POLL_S)
+
+
 def run_windows(trainer: Trainer, config: WindowConfig,
-                counted: dict[str, float] | None = None) -> list[Window]:
+                counted: dict[str, float] | None = None,
+                gate: Callable[[], None] = lambda: None) -> list[Window]:
     """The timed windows; `counted`, when given, receives how much each of the trainer's
-    counters grew over them."""
-    for _ in range(config.warmup_steps):
+    counters grew over them. `gate` runs after the first warm-up step (its tracing and first
+    pulls are start-up): the harness throttles CPU there (`wait_for_gate`)."""
+    if config.warmup_steps:
+        trainer.step()
+        trainer.sync()
+    gate()
+    for _ in range(config.warmup_steps - 1):
         trainer.step()
     trainer.sync()
     per_step = _calibrate(trainer, config)

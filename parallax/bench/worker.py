@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             report = run_search(trainer, strategy, args.search_max_steps)
             if trainer.rank == 0:
                 print(TUNING_PREFIX + json.dumps(report, default=str), flush=True)
-        windows = measure.run_windows(trainer, config, counted if trainer.rank == 0 else None)
+        gate = os.environ.get(measure.GATE_ENV)
+        windows = measure.run_windows(trainer, config, counted if trainer.rank == 0 else None,
+                                      lambda: measure.wait_for_gate(gate))
         if trainer.rank == 0:
             if partitioned:
                 print(PLAN_PREFIX + json.dumps(plan_record(strategy)), flush=True)
