@@ -70,6 +70,9 @@ HOROVOD_CYCLE_TIME_ENV = "HOROVOD_CYCLE_TIME"  # ms; horovodrun --cycle-time-ms 
 HOROVOD_AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"      # > 0: Horovod tunes the cycle time itself
 WORKER_CYCLE_TIME_MS = 5.0  # a worker's cycle where neither is set (Horovod's: 1 ms)
 
+# ---- TensorFlow's, read once when its runtime starts (its thread pools' sizes) -----------
+TF_THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+
 # ---- modes and run ids -------------------------------------------------------------------
 RUN_MODES = ("hybrid", "ps", "allreduce")
 SYNC_MODES = ("sync", "async")

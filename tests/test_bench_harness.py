@@ -391,6 +391,22 @@ def test_the_gate_comes_after_the_first_warmup_step():
     assert gated == [1] and len(steps) == 3 + 1 + 1
 
 
+def test_isolated_hosts_size_tensorflow_pools_for_their_core_and_gate_start_up(tmp_path,
+                                                                           monkeypatch):
+    """Every process of a CPU-isolated run gets TF pools for the one core its host stands
+    for (a setting from the environment wins) and the gate's path; shared cores get neither."""
+    spec = workloads.get("lm", "short")
+    window = measure.WindowConfig()
+    cpu = cgroups.CpuGroups(0.25, deferred=True)
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")
+    run = harness.Run("horovod", spec, 2, 0, harness.Placement(None, cpu), window,
+                      tmp_path / "a")
+    assert (run.env["TF_NUM_INTEROP_THREADS"], run.env["TF_NUM_INTRAOP_THREADS"]) == ("1", "3")
+    assert run.env[measure.GATE_ENV] == str(tmp_path / "a" / "throttled")
+    shared = harness.Run("horovod", spec, 2, 0, harness.Placement(None), window, tmp_path / "b")
+    assert shared.env == {} and shared.gate is None
+
+
 def test_wait_for_gate_says_started_then_waits_for_the_file(tmp_path):
     gate, out = tmp_path / "throttled", io.StringIO()
     threading.Timer(0.3, gate.touch).start()

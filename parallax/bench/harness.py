@@ -63,7 +63,7 @@ from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
 from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, NATIVE_ENV, RUN_ID_ENV,
-                          WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
+                          TF_THREAD_ENVS, WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.client.local_cluster import ready_address
 
@@ -246,6 +246,9 @@ class Run:
         self.procs: list[Proc] = []
         self.rendezvous = None
         log_dir.mkdir(parents=True, exist_ok=True)
+        if placement.cpu is not None:  # TensorFlow sizes its pools by the visible cores
+            for name in TF_THREAD_ENVS:
+                self.env.setdefault(name, os.environ.get(name, str(HOST_CORES)))
         self.gate = None  # with deferred CPU groups: created once every host is throttled
         if placement.cpu is not None and placement.cpu.deferred:
             self.gate = log_dir / "throttled"
@@ -559,12 +562,19 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
     return results_path
 
 
+# The cores one CPU-isolated host stands for: its processes' TensorFlow thread pools get as
+# many threads (TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS) as on such a machine, not
+# one per core of the machine that emulates it; threads beyond a host's cores spin and
+# switch inside its quota (hybrid ctr, one worker at 0.5 core: 105 context switches and
+# 19.3 ms of worker CPU per step with 2 + 2 threads, 8 and 13.5 ms with 1 + 1).
+HOST_CORES = 1
 ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
                   "(rate x {share:g}, latency / {share:g}): each host stands for one core "
                   "with a {link} link, slowed {slow:g}x; the quotas apply from each run's "
                   "second warm-up step on (start-up, the first step's tracing included, runs "
-                  "unthrottled: it is not measured)")
+                  "unthrottled: it is not measured); every process's TensorFlow thread "
+                  "pools sized for the one core a host stands for")
 
 
 def _prepare_cpu_groups(config: BenchConfig, notes: list[str], echo) -> None:
