@@ -39,6 +39,7 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
 from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
 from parallax.placement.tuning import PartitionSearch
+from parallax.runtime.cpu_quota import size_tf_pools
 from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax.tf import binding, keras_calls, keras_support, resume
 from parallax.tf.analysis import NOT_READ, inspect_reads
@@ -131,10 +132,19 @@ def _why_servers(config: StrategyConfig) -> str:
     return f" (placement puts {named} on them)"
 
 
+def _size_tf_pools() -> None:
+    """TensorFlow's thread pools sized to this container's CPU quota (`cpu_quota`)."""
+    sized = size_tf_pools(tf)
+    if sized is not None:
+        applied, said = sized
+        (log.info if applied else log.warning)(said)
+
+
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
                  connect_timeout: float, search_partitions="auto",
                  metrics_port: int | None = None) -> None:
+        _size_tf_pools()  # before any op starts TensorFlow's runtime
         self.config = config
         self._search_setting = search_partitions
         self.tuner: PartitionTuner | None = None
