@@ -43,4 +43,5 @@ KERNELS = Extension(
 )
 
 _compile_in_parallel()
-setup(ext_modules=[KERNELS])
+# PEP 639's License-Expression (setuptools >= 77; setup.cfg has no key for it)
+setup(ext_modules=[KERNELS], license_expression="Apache-2.0")

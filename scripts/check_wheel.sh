@@ -25,7 +25,7 @@ fail() {
 # The README's install commands, run below exactly as written there (from the directory that
 # holds the clone, ./parallax). A change to either side must be made to both.
 build_cmd='pip wheel --no-deps -w dist ./parallax'
-install_cmd='pip install "$(ls dist/parallax_tf-*.whl)[tf]"'
+install_cmd='pip install "$(ls dist/parallax_tf-*.whl)[tf]" -c parallax/requirements/base.txt'
 version_cmd='parallax --version'
 demo_cmd='parallax demo --workers 1'
 for cmd in "$build_cmd" "$install_cmd" "$version_cmd" "$demo_cmd"; do

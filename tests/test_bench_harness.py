@@ -403,6 +403,9 @@ def test_isolated_hosts_size_tensorflow_pools_for_their_core_and_gate_start_up(t
                       tmp_path / "a")
     assert (run.env["TF_NUM_INTEROP_THREADS"], run.env["TF_NUM_INTRAOP_THREADS"]) == ("1", "3")
     assert run.env[measure.GATE_ENV] == str(tmp_path / "a" / "throttled")
+    tf_ps = harness.Run("tf_ps", spec, 2, 2, harness.Placement(None, cpu), window,
+                        tmp_path / "c")  # TF's PS deadlocks on one inter-op thread
+    assert (tf_ps.env["TF_NUM_INTEROP_THREADS"], tf_ps.env["TF_NUM_INTRAOP_THREADS"]) == ("2", "3")
     shared = harness.Run("horovod", spec, 2, 0, harness.Placement(None), window, tmp_path / "b")
     assert shared.env == {} and shared.gate is None
 

@@ -247,8 +247,10 @@ class Run:
         self.rendezvous = None
         log_dir.mkdir(parents=True, exist_ok=True)
         if placement.cpu is not None:  # TensorFlow sizes its pools by the visible cores
-            for name in TF_THREAD_ENVS:
-                self.env.setdefault(name, os.environ.get(name, str(HOST_CORES)))
+            threads = {name: str(HOST_CORES) for name in TF_THREAD_ENVS}
+            threads.update(FEWEST_THREADS.get(self.system, {}))
+            for name, count in threads.items():
+                self.env.setdefault(name, os.environ.get(name, count))
         self.gate = None  # with deferred CPU groups: created once every host is throttled
         if placement.cpu is not None and placement.cpu.deferred:
             self.gate = log_dir / "throttled"
@@ -568,6 +570,9 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
 # switch inside its quota (hybrid ctr, one worker at 0.5 core: 105 context switches and
 # 19.3 ms of worker CPU per step with 2 + 2 threads, 8 and 13.5 ms with 1 + 1).
 HOST_CORES = 1
+# Where a system cannot run on one thread: TF's ParameterServerStrategy deadlocked with one
+# inter-op thread (the chief stuck before its first step, its CPU time frozen for minutes).
+FEWEST_THREADS = {"tf_ps": {TF_THREAD_ENVS[0]: "2"}}
 ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
                   "(rate x {share:g}, latency / {share:g}): each host stands for one core "
