@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 from setuptools import Extension, setup
 
@@ -43,5 +44,22 @@ KERNELS = Extension(
 )
 
 _compile_in_parallel()
+# A link into the source tree ("[text](docs/x.md)"): the project has no public home whose
+# address could make it absolute, so on an index page it names the file instead of breaking.
+_RELATIVE_LINK = re.compile(r"!?\[([^\]]+)\]\((?!https?://|mailto:|#)([^)\s]+)\)")
+
+
+def long_description(readme: str = "README.md") -> str:
+    """The README for the package index: its links into the source tree as file names."""
+    with open(readme, encoding="utf-8") as f:
+        return _RELATIVE_LINK.sub(_as_file_name, f.read())
+
+
+def _as_file_name(link: re.Match) -> str:
+    text, path = link.group(1), link.group(2)
+    return f"`{path}`" if text.strip("`") == path else f"{text} (`{path}` in the source)"
+
+
 # PEP 639's License-Expression (setuptools >= 77; setup.cfg has no key for it)
-setup(ext_modules=[KERNELS], license_expression="Apache-2.0")
+setup(ext_modules=[KERNELS], license_expression="Apache-2.0",
+      long_description=long_description(), long_description_content_type="text/markdown")

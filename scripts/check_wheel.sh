@@ -99,6 +99,14 @@ if "LICENSE" not in info and "licenses/LICENSE" not in info:
 if not re.search(r"^parallax = parallax\.cli:main$",
                  wheel.read(info["entry_points.txt"]).decode(), re.M):
     problems.append("missing: the console script parallax = parallax.cli:main")
+metadata = wheel.read(info["METADATA"]).decode()
+if not re.search(r"^License-Expression: Apache-2\.0$", metadata, re.M):
+    problems.append("METADATA has no License-Expression: Apache-2.0 (setup.py; setuptools >= 77)")
+description = metadata.split("\n\n", 1)[-1]
+relative = re.findall(r"\]\((?!https?://|mailto:|#)[^)]+\)", description)
+if "# parallax" not in description or relative:
+    problems.append(f"the long description (the README) is missing or links into the source "
+                    f"tree, which an index page cannot follow: {relative[:3]}")
 tops = sorted({n.split("/")[0] for n in names} - {n.split("/")[0] for n in info.values()})
 if tops != ["parallax", "parallax_ps"]:
     problems.append(f"top-level entries {tops}, expected parallax and parallax_ps only")
