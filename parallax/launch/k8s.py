@@ -88,7 +88,8 @@ from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_bootstrap import _fresh_start  # noqa: F401 - tests call it here
 from parallax.launch.k8s_bootstrap import worker_main
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR, EFFECTS,
-                                        GPU_RESOURCE, IMAGE_UID, K8S_COLLECTIVES, MAX_NAME,
+                                        FORMATS, GPU_RESOURCE, IMAGE_UID, JOBSET_API,
+                                        K8S_COLLECTIVES, MAX_NAME, MIN_JOBSET,
                                         MIN_KUBERNETES, RESOURCE_FIELDS, SECURITY_ARGS,
                                         SERVER_WAIT_S, K8sConfig,
                                         node_selector, parse_toleration, resource_setting,
@@ -106,8 +107,9 @@ from parallax.launch.rendezvous import horovod_env, start_rendezvous
 from parallax.runtime import logs
 
 __all__ = [
-    "CONFIG_DIR", "CONFIG_FILE", "DEFAULT_DATA_DIR", "EFFECTS", "GPU_RESOURCE", "IMAGE_UID",
-    "K8S_COLLECTIVES", "LABEL_JOB", "LABEL_ROLE", "MAX_NAME", "RESOURCE_FIELDS",
+    "CONFIG_DIR", "CONFIG_FILE", "DEFAULT_DATA_DIR", "EFFECTS", "FORMATS", "GPU_RESOURCE",
+    "IMAGE_UID", "JOBSET_API", "K8S_COLLECTIVES", "LABEL_JOB", "LABEL_ROLE", "MAX_NAME",
+    "MIN_JOBSET", "RESOURCE_FIELDS",
     "SECURITY_ARGS", "SERVICE_ACCOUNT_DIR", "WATCHER", "WATCH_POLL_S", "JobWatch",
     "K8sConfig", "KubeAPI", "collective_addresses", "config_from_args", "dump",
     "horovod_env", "job_config", "job_finished", "key_problem", "main", "node_selector",
@@ -126,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
               "       parallax k8s watch-job ...                 (inside a server pod)",
         description="Render the Kubernetes manifests of a parallax job (parameter servers "
                     "as a StatefulSet with a headless Service, ending with the job; workers "
-                    "as an indexed Job; a ConfigMap with the job config) to stdout, or to "
-                    "files in -o DIR.")
+                    "as an indexed Job; a ConfigMap with the job config; or, with --format "
+                    "jobset, both as one JobSet) to stdout, or to files in -o DIR.")
     _job_options(p.add_argument_group("job"))
     _resource_options(p.add_argument_group("resources and scheduling"))
     _server_options(p.add_argument_group("servers"))
@@ -143,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
 def _job_options(g) -> None:
     g.add_argument("--name", required=True, help="job name (DNS-1123 label); also the run id")
     g.add_argument("--image", required=True, help="image built from parallax's Dockerfile")
+    g.add_argument("--format", choices=FORMATS, default="job",
+                   help="job (default): the servers as a StatefulSet ended by a watcher, the "
+                        "workers as an indexed Job, on any cluster; jobset: one JobSet "
+                        f"({JOBSET_API}, the JobSet controller {MIN_JOBSET} or newer) whose "
+                        "status is the job's, no watcher and no Role to create")
     g.add_argument("--namespace", default="default", metavar="NS",
                    help="namespace of every object (default: default)")
     g.add_argument("--patch", action="append", default=[], metavar="FILE",
@@ -290,7 +297,8 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         service_monitor_labels=tuple(args.service_monitor_label), insecure=args.insecure,
         token_secret=args.token_secret, secure=args.secure,
         metrics_namespaces=tuple(args.metrics_namespace),
-        metrics_pod_labels=tuple(args.metrics_pod_label), patches=tuple(args.patch))
+        metrics_pod_labels=tuple(args.metrics_pod_label), patches=tuple(args.patch),
+        format=args.format)
     return config, args.output_dir
 
 

@@ -28,6 +28,11 @@ _SUFFIXES = {"": 1, "m": Decimal("0.001"), "k": 10 ** 3, "M": 10 ** 6, "G": 10 *
              "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18, "Ki": 2 ** 10, "Mi": 2 ** 20,
              "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
 K8S_COLLECTIVES = ("horovod", "tensorflow")  # no "auto": the image decides, not this machine
+# --format: "job" (a StatefulSet and an indexed Job, no controller beyond a stock cluster's)
+# or "jobset" (one JobSet, for clusters running the JobSet controller, MIN_JOBSET or newer)
+FORMATS = ("job", "jobset")
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+MIN_JOBSET = "v0.8.0"  # dependsOn (v0.8.0), failurePolicy.restartStrategy (v0.7.0), rules (v0.6.0)
 
 
 MIN_KUBERNETES = "1.29"  # the oldest release whose schemas the rendered objects pass (CI)
@@ -81,6 +86,7 @@ class K8sConfig:
     metrics_namespaces: tuple[str, ...] = ()  # namespaces whose pods may scrape /metrics
     metrics_pod_labels: tuple[str, ...] = ()  # "KEY=VALUE": pods here that may scrape it
     patches: tuple[str, ...] = ()         # YAML files merged into the objects (k8s_patch)
+    format: str = "job"                   # job | jobset: the workload's shape (FORMATS)
 
 
 def _domain(value: str) -> None:
@@ -101,6 +107,10 @@ def _label(value: str, what: str, fix: str) -> None:
 
 def validate(config: K8sConfig) -> None:
     """Raise ConfigError naming the first bad field and the fix."""
+    if config.format not in FORMATS:
+        raise ConfigError(f"--format {config.format!r} must be one of {', '.join(FORMATS)} "
+                          f"(job: the default, any cluster; jobset: a cluster running the "
+                          f"JobSet controller {MIN_JOBSET} or newer)")
     _label(config.name, "--name", "e.g. --name wordlm-1")
     if len(config.name) > MAX_NAME:
         raise ConfigError(f"--name {config.name!r} has {len(config.name)} characters; at most "
@@ -178,6 +188,7 @@ def validate(config: K8sConfig) -> None:
     _validate_scrapers(config)
     _validate_restarts(config)
     _validate_plan(config.plan)
+    _validate_jobset(config)
     if config.collectives == "tensorflow" and config.plan.get("local_aggregation"):
         raise ConfigError("--plan local_aggregation with --collectives tensorflow: local "
                           "aggregation gathers gradients through Horovod; drop one of them")
@@ -366,6 +377,28 @@ def _validate_restarts(config: K8sConfig) -> None:
     if config.servers == 0 and (config.data_dir or config.data_volume_size):
         raise ConfigError("--data-dir and --data-volume-size are for the parameter servers, "
                           "and --servers is 0: drop them or give --servers 1 or more")
+
+
+def _validate_jobset(config: K8sConfig) -> None:
+    """What a JobSet cannot express the way --format job does: refused, with the way out."""
+    if config.format != "jobset":
+        return
+    if config.keep_servers:
+        raise ConfigError("--keep-servers with --format jobset: the JobSet owns its servers "
+                          "and deletes them when the workers complete or it fails; give "
+                          "--format job --keep-servers for servers that outlive the job")
+    if config.data_volume_size:
+        raise ConfigError(f"--data-volume-size {config.data_volume_size} with --format jobset: "
+                          f"a claim per server is a StatefulSet's volumeClaimTemplates, which "
+                          f"a JobSet has not (its volumeClaimPolicies share one claim among "
+                          f"all pods); give --format job, or mount a volume of your own at "
+                          f"--data-dir with --patch")
+    if config.service_monitor:
+        raise ConfigError("--service-monitor with --format jobset: the ServiceMonitor selects "
+                          "the servers' Service JOB-ps, and a JobSet's pods have only the "
+                          "JobSet's own headless Service, without ports; give --format job, "
+                          "or scrape the pods labelled parallax.io/role=ps with a PodMonitor "
+                          "of your own (--metrics-namespace lets it in)")
 
 
 def _validate_plan(plan: Mapping[str, Any]) -> None:

@@ -23,6 +23,24 @@ def meta(config, name: str, role: str) -> dict[str, Any]:
     return {"name": name, "namespace": config.namespace, "labels": labels(config, role)}
 
 
+def pod_host(config, role: str, index: int) -> str:
+    """Pod `index` of `role` ("ps" or "worker") as <hostname>.<subdomain>, the stable name
+    its headless Service gives it (append .<namespace>.svc[.<domain>]). --format job: an
+    indexed Job's or a StatefulSet's pod <name>-<index> under the role's own Service;
+    --format jobset: <jobset>-<replicated job>-<job index>-<pod index> under the JobSet's
+    Service (named after it: network.subdomain), one Job per replicated job (index 0)."""
+    if config.format == "jobset":
+        return f"{config.name}-{role}-0-{index}.{subdomain(config, role)}"
+    return f"{config.name}-{role}-{index}.{subdomain(config, role)}"
+
+
+def subdomain(config, role: str) -> str:
+    """The headless Service whose DNS names the pods of `role` get (pod_host)."""
+    if config.format == "jobset":
+        return config.name
+    return f"{config.name}-ps" if role == "ps" else f"{config.name}-workers"
+
+
 def key_problem(key: str) -> str | None:
     prefix, slash, name = key.rpartition("/")
     if slash and (len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):

@@ -12,7 +12,7 @@ from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
                           MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, RUN_ID_ENV, SYNC_ENV,
                           WORKERS_ENV)
 from parallax.launch import gang
-from parallax.launch import k8s_patch
+from parallax.launch import k8s_jobset, k8s_patch
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR,
                                         GPU_RESOURCE, IMAGE_UID, K8sConfig, node_selector,
@@ -20,7 +20,7 @@ from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DI
                                         validate)
 from parallax.launch.k8s_labels import labels as _labels
 from parallax.launch.k8s_labels import meta as _meta
-from parallax.launch.k8s_labels import parse_selector
+from parallax.launch.k8s_labels import parse_selector, pod_host, subdomain
 from parallax.launch.k8s_watch import SERVICE_ACCOUNT_DIR
 
 WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch-job`:
@@ -38,8 +38,8 @@ def server_data_dir(config: K8sConfig) -> str | None:
 
 
 def ps_service_host(config: K8sConfig, index: int) -> str:
-    return (f"{config.name}-ps-{index}.{config.name}-ps.{config.namespace}.svc."
-            f"{config.cluster_domain}")
+    """Server pod `index`'s stable DNS name (k8s_labels.pod_host, in the cluster's domain)."""
+    return f"{pod_host(config, 'ps', index)}.{config.namespace}.svc.{config.cluster_domain}"
 
 
 def ps_addresses(config: K8sConfig) -> list[str]:
@@ -49,8 +49,7 @@ def ps_addresses(config: K8sConfig) -> list[str]:
 def worker_host(config: K8sConfig, index: int) -> str:
     """Worker pod `index`'s stable DNS name: an indexed Job's pod is named <job>-<index>;
     with `subdomain` it resolves as <job>-<index>.<subdomain>.<namespace>.svc.<domain>"""
-    return (f"{config.name}-worker-{index}.{config.name}-workers.{config.namespace}"
-            f".svc.{config.cluster_domain}")
+    return f"{pod_host(config, 'worker', index)}.{config.namespace}.svc.{config.cluster_domain}"
 
 
 def rendezvous_address(config: K8sConfig) -> str:
@@ -154,6 +153,17 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
     }]
     objects += secure.secret_objects(config)
     objects += secure.network_policies(config, server_metrics_port(config))
+    objects += _jobset_objects(config) if config.format == "jobset" else _job_objects(config)
+    for obj in objects:
+        obj["metadata"]["namespace"] = config.namespace
+    objects = json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
+    return k8s_patch.apply(objects, k8s_patch.from_files(config.patches))
+
+
+def _job_objects(config: K8sConfig) -> list[dict[str, Any]]:
+    """--format job: the servers' StatefulSet (and its watcher's rights), the worker Job,
+    and a headless Service for each."""
+    objects: list[dict[str, Any]] = []
     if config.servers:
         ports = [("grpc", config.server_port)]
         if server_metrics_port(config):
@@ -162,14 +172,17 @@ def render(config: K8sConfig) -> list[dict[str, Any]]:
         objects += [_headless_service(config, f"{config.name}-ps", "ps", ports),
                     _server_set(config)]
         objects += [_service_monitor(config)] if config.service_monitor else []
-    objects += [_headless_service(config, f"{config.name}-workers", "worker",
-                                  worker_ports(config) or [("rendezvous",
-                                                            config.rendezvous_port)]),
-                _worker_job(config)]
-    for obj in objects:
-        obj["metadata"]["namespace"] = config.namespace
-    objects = json.loads(json.dumps(objects))  # no shared sub-objects (no YAML anchors)
-    return k8s_patch.apply(objects, k8s_patch.from_files(config.patches))
+    return objects + [_headless_service(config, f"{config.name}-workers", "worker",
+                                        worker_ports(config) or [("rendezvous",
+                                                                  config.rendezvous_port)]),
+                      _worker_job(config)]
+
+
+def _jobset_objects(config: K8sConfig) -> list[dict[str, Any]]:
+    """--format jobset: one JobSet holding the servers' Job and the workers' Job."""
+    specs = {"ps": _server_job_spec(config)} if config.servers else {}
+    specs["worker"] = _worker_spec(config)
+    return [k8s_jobset.jobset(config, specs, _meta(config, config.name, "jobset"))]
 
 
 def _server_container(config: K8sConfig) -> dict[str, Any]:
@@ -207,42 +220,64 @@ def _data_claim(config: K8sConfig) -> dict[str, Any]:
     return {"metadata": {"name": "data", "labels": _labels(config, "ps")}, "spec": spec}
 
 
-def _server_set(config: K8sConfig) -> dict[str, Any]:
-    """The servers: a StatefulSet (stable names; pods restart by themselves, restartPolicy
-    Always) whose data dir is a PersistentVolumeClaim per pod (--data-volume-size), kept when
-    the watcher deletes the StatefulSet, or an emptyDir (survives container restarts, not a
-    pod's move to another node)."""
-    ps_labels = _labels(config, "ps")
-    pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": "Always",
+def _server_template(config: K8sConfig, restart_policy: str) -> dict[str, Any]:
+    """The server pods' template: restartPolicy Always in a StatefulSet, OnFailure in a
+    JobSet's Job; the data dir on an emptyDir (survives container restarts, not a pod's move
+    to another node) unless a claim per pod is mounted there (--data-volume-size); with
+    --format job, the job watcher beside the server (not with --keep-servers)."""
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": 30, "restartPolicy": restart_policy,
                            "containers": [_server_container(config)], "volumes": [],
                            **_placement(config, "ps")}
+    if config.format == "jobset":
+        pod["subdomain"] = subdomain(config, "ps")
     annotations = {"kubectl.kubernetes.io/default-container": "server"}
     if server_metrics_port(config) and config.insecure:  # a Prometheus that finds pods by
         # annotation sends no token: a secure job's metrics are scraped by ServiceMonitor
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
                             "prometheus.io/port": str(server_metrics_port(config))})
-    spec: dict[str, Any] = {
-        "serviceName": f"{config.name}-ps", "replicas": config.servers,
-        "podManagementPolicy": "Parallel", "selector": {"matchLabels": ps_labels},
-        "template": {"metadata": {"labels": ps_labels, "annotations": annotations},
-                     "spec": pod},
-    }
     if server_data_dir(config):
         pod["securityContext"] = {"fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}
-        if config.data_volume_size:
-            spec["volumeClaimTemplates"] = [_data_claim(config)]
-            spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Retain",
-                                                            "whenScaled": "Retain"}
-        else:
+        if not config.data_volume_size:
             pod["volumes"].append({"name": "data", "emptyDir": {}})
-    if not config.keep_servers:
+    if config.format == "job" and not config.keep_servers:
         _add_watcher(config, pod)
+    elif config.format == "jobset" and not config.insecure:
+        pod["automountServiceAccountToken"] = False  # no watcher: no API access at all
     secure.mount_credentials(config, pod, pod["containers"][0], "server")
     secure.restrict(config, pod)
     if not pod["volumes"]:
         del pod["volumes"]
+    return {"metadata": {"labels": _labels(config, "ps"), "annotations": annotations},
+            "spec": pod}
+
+
+def _server_set(config: K8sConfig) -> dict[str, Any]:
+    """The servers: a StatefulSet (stable names; pods restart by themselves, restartPolicy
+    Always) whose data dir is a PersistentVolumeClaim per pod (--data-volume-size), kept when
+    the watcher deletes the StatefulSet, or an emptyDir."""
+    ps_labels = _labels(config, "ps")
+    spec: dict[str, Any] = {
+        "serviceName": f"{config.name}-ps", "replicas": config.servers,
+        "podManagementPolicy": "Parallel", "selector": {"matchLabels": ps_labels},
+        "template": _server_template(config, "Always"),
+    }
+    if server_data_dir(config) and config.data_volume_size:
+        spec["volumeClaimTemplates"] = [_data_claim(config)]
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Retain",
+                                                        "whenScaled": "Retain"}
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": _meta(config, f"{config.name}-ps", "ps"), "spec": spec}
+
+
+def _server_job_spec(config: K8sConfig) -> dict[str, Any]:
+    """The servers in a JobSet: an indexed Job of S pods (stable names from the JobSet's
+    Service). A server container that fails restarts in place (restartPolicy OnFailure, its
+    emptyDir kept), at most --max-restarts times (backoffLimit); after that the Job fails
+    and the JobSet's failurePolicy decides. They never complete by themselves: the JobSet
+    deletes them once the workers have completed (its successPolicy) or it failed."""
+    return {"completionMode": "Indexed", "completions": config.servers,
+            "parallelism": config.servers, "backoffLimit": config.max_restarts,
+            "template": _server_template(config, "OnFailure")}
 
 
 def _add_watcher(config: K8sConfig, pod: dict[str, Any]) -> None:
@@ -302,11 +337,20 @@ def _service_monitor(config: K8sConfig) -> dict[str, Any]:
 
 
 def _worker_job(config: K8sConfig) -> dict[str, Any]:
-    """The workers: an indexed Job, one pod per rank, each running `parallax k8s worker`.
-    Without restarts one failed rank fails the Job (backoffLimit 0: Horovod cannot re-admit
-    a rank). With --max-restarts N the pods restart their commands together, in place
-    (parallax.launch.gang); the Job's backoff only recreates the pods when that gang lost worker 0
-    or a pod was disrupted (see _failure_policy)."""
+    """The workers: an indexed Job, one pod per rank, each running `parallax k8s worker`
+    (_worker_spec)."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(config, f"{config.name}-worker", "worker"),
+            "spec": _worker_spec(config)}
+
+
+def _worker_spec(config: K8sConfig) -> dict[str, Any]:
+    """The workers' indexed Job spec. Without restarts one failed rank fails the Job
+    (backoffLimit 0: Horovod cannot re-admit a rank). With --max-restarts N the pods restart
+    their commands together, in place (parallax.launch.gang); with --format job the Job's
+    backoff recreates the pods when that gang lost worker 0 or a pod was disrupted (see
+    _failure_policy), with --format jobset such a Job fails (backoffLimit 0) and the JobSet
+    restarts as a whole (k8s_jobset)."""
     worker = {
         "name": "worker", "image": config.image, "imagePullPolicy": config.image_pull_policy,
         "command": ["parallax", "k8s", "worker", "--", *config.command],
@@ -318,13 +362,14 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
         worker["ports"] = [{"name": n, "containerPort": p} for n, p in ports]
     if _resources(config, "worker"):
         worker["resources"] = _resources(config, "worker")
+    backoff = 0 if config.format == "jobset" else config.max_restarts * config.workers
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": config.workers, "parallelism": config.workers,
-        "backoffLimit": config.max_restarts * config.workers,
+        "backoffLimit": backoff,
         "template": {
             "metadata": {"labels": _labels(config, "worker")},
-            "spec": {"subdomain": f"{config.name}-workers", "restartPolicy": "Never",
+            "spec": {"subdomain": subdomain(config, "worker"), "restartPolicy": "Never",
                      "containers": [worker],
                      "volumes": [{"name": "job-config",
                                   "configMap": {"name": f"{config.name}-config"}}],
@@ -338,8 +383,7 @@ def _worker_job(config: K8sConfig) -> dict[str, Any]:
     secure.restrict(config, pod)
     if config.max_restarts:
         spec["podFailurePolicy"] = _failure_policy()
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": _meta(config, f"{config.name}-worker", "worker"), "spec": spec}
+    return spec
 
 
 def worker_ports(config: K8sConfig) -> list[tuple[str, int]]:

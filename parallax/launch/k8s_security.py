@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.env import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
-from parallax.launch.k8s_labels import LABEL_JOB, labels, meta, parse_selector
+from parallax.launch.k8s_labels import LABEL_JOB, labels, meta, parse_selector, pod_host
 from parallax.protocol import security
 
 IMAGE_UID = 10001                 # the Dockerfile's USER: owns the data volume
@@ -83,9 +83,9 @@ def server_names(config) -> list[str]:
     """The DNS names a server's certificate covers: each server pod's, long and short."""
     names = []
     for i in range(config.servers):
-        pod, service = f"{config.name}-ps-{i}", f"{config.name}-ps"
-        names += [f"{pod}.{service}.{config.namespace}.svc.{config.cluster_domain}",
-                  f"{pod}.{service}.{config.namespace}.svc", f"{pod}.{service}"]
+        host = pod_host(config, "ps", i)
+        names += [f"{host}.{config.namespace}.svc.{config.cluster_domain}",
+                  f"{host}.{config.namespace}.svc", host]
     return names
 
 
