@@ -9,7 +9,7 @@ merged into that object:
 - mappings key by key, recursively; a `null` value removes the key;
 - the lists Kubernetes merges by a key (`MERGE_KEYS`: containers, initContainers, env,
   volumes and imagePullSecrets by `name`, volumeMounts by `mountPath`, ports by
-  `containerPort`) item by item: an item of a new key is appended, one of a known key is
+  `containerPort`; a JobSet's replicatedJobs by `name`) item by item: an item of a new key is appended, one of a known key is
   merged into it; an item without its key is refused (it would replace the list);
 - any other list, and every scalar, replaces what was rendered.
 
@@ -33,7 +33,8 @@ Object = dict[str, Any]
 
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name",
               "volumes": "name", "imagePullSecrets": "name", "volumeMounts": "mountPath",
-              "ports": "containerPort"}  # Kubernetes' patchMergeKey of each merged list
+              "ports": "containerPort",  # Kubernetes' patchMergeKey of each merged list,
+              "replicatedJobs": "name"}  # and the JobSet's (--format jobset)
 # What ties a job's objects together, as rendered: a patch may not change these paths.
 FIXED = (("kind",), ("metadata", "name"), ("metadata", "namespace"), ("spec", "selector"),
          ("spec", "template", "metadata", "labels"), ("spec", "replicas"),
