@@ -24,18 +24,32 @@
   Job             JOB-worker   indexed (completionMode: Indexed, parallelism = completions =
                                N), each pod runs `parallax k8s worker -- COMMAND`
 
+With --format jobset (clusters running the JobSet controller, MIN_JOBSET or newer;
+parallax.launch.k8s_jobset) the ConfigMap, the Secrets and the NetworkPolicies stay, and one
+object replaces the rest (no ServiceAccount, Role, RoleBinding, watcher or Service of ours):
+
+  JobSet          JOB          jobset.x-k8s.io/v1alpha2: replicated job `ps`, an indexed Job
+                               of S servers (restartPolicy OnFailure), and `worker`, the
+                               indexed Job of N workers, created once the servers are Ready
+                               (dependsOn); the JobSet's own headless Service JOB names
+                               their pods JOB-ps-0-<i>.JOB and JOB-worker-0-<i>.JOB (.<ns>.svc
+                               .<--cluster-domain>); it completes when the workers have
+                               (successPolicy), deleting the servers, and restarts as a whole
+                               (failurePolicy maxRestarts = --max-restarts)
+
 Secure by default (parallax.launch.k8s_security): the token on every server port and on the
 gang, mounted as a file; restricted pods; `--insecure` renders none of it and says so.
 
 The servers' lifetime is the Job's. A StatefulSet cannot be owned by the Job at render time
 (an ownerReference needs the Job's uid, known once it exists), its pods restart whatever
 their exit code (restartPolicy Always: a server cannot just exit), and a JobSet needs a
-controller a stock cluster lacks. So each server pod runs a small second container, `parallax
-k8s watch-job`: with its own service account token (the server container gets none) it polls
-the Job through the API server (HTTPS, no kubectl) and, once the Job has finished (Complete or
-Failed) or was deleted, deletes the StatefulSet; its pods stop gracefully, the claims of
---data-volume-size stay (persistentVolumeClaimRetentionPolicy Retain). Nothing depends on a
-worker being alive at the end.
+controller a stock cluster lacks (--format jobset, where it has one). So each server pod
+runs a small second container, `parallax k8s watch-job`: with its own service account token
+(the server container gets none) it polls the Job through the API server (HTTPS, no kubectl)
+and, once the Job has finished (Complete or Failed) or was deleted, deletes the StatefulSet;
+its pods stop gracefully, the claims of --data-volume-size stay
+(persistentVolumeClaimRetentionPolicy Retain). Nothing depends on a worker being alive at the
+end.
 
 How N worker pods become one Horovod (gloo) job without ssh. `horovodrun --gloo` does two
 things: it serves a rendezvous (Horovod's `RendezvousServer`, an HTTP key-value store the
@@ -68,8 +82,9 @@ or lost worker 0. The servers keep checkpoints in --data-dir on a PersistentVolu
 server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across attempts.
 
 The modules, one role each: k8s_config (K8sConfig and its validation), k8s_render (the
-objects and their YAML), k8s_watch (the servers' job watcher), k8s_bootstrap (the worker
-pods' bootstrap), k8s_security and k8s_labels; this one is the command line, and re-exports
+objects and their YAML), k8s_jobset (the JobSet of --format jobset), k8s_watch (the servers'
+job watcher), k8s_bootstrap (the worker pods' bootstrap), k8s_patch, k8s_security and
+k8s_labels; this one is the command line, and re-exports
 what the others define so that `from parallax.launch.k8s import ...` keeps working.
 """
 from __future__ import annotations

@@ -9,8 +9,9 @@ merged into that object:
 - mappings key by key, recursively; a `null` value removes the key;
 - the lists Kubernetes merges by a key (`MERGE_KEYS`: containers, initContainers, env,
   volumes and imagePullSecrets by `name`, volumeMounts by `mountPath`, ports by
-  `containerPort`; a JobSet's replicatedJobs by `name`) item by item: an item of a new key is appended, one of a known key is
-  merged into it; an item without its key is refused (it would replace the list);
+  `containerPort`; a JobSet's replicatedJobs by `name`) item by item: an item of a new
+  key is appended, one of a known key is merged into it; an item without its key is
+  refused (it would replace the list);
 - any other list, and every scalar, replaces what was rendered.
 
 Refused, naming the document: a target that was not rendered (the error names those that
