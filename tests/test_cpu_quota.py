@@ -35,6 +35,13 @@ def test_v2_reads_cpu_max_from_the_group_up_and_takes_the_smallest(tmp_path):
     assert quota_cores(proc, fs) == 0.5
 
 
+def test_v2_inside_a_cgroup_namespace_reads_the_mount_root(tmp_path):
+    """containerd on cgroup v2: the container's own group is the mount's root, named `/`."""
+    fs = tmp_path / "fs"
+    _group(fs, "", cpu__max="200000 100000")
+    assert quota_cores(_proc(tmp_path, "0::/\n"), fs) == 2.0
+
+
 def test_v2_without_a_quota_anywhere_is_none(tmp_path):
     fs = tmp_path / "fs"
     _group(fs, "user.slice", cpu__max="max 100000")
@@ -67,8 +74,8 @@ def test_unreadable_or_strange_files_give_no_quota(tmp_path):
 
 
 @pytest.mark.parametrize("quota, visible, threads", [
-    (None, 8, None), (0.125, 2, 1), (0.5, 2, 1), (1.0, 2, 1), (1.5, 8, 2), (2.0, 2, None),
-    (4.0, 2, None), (3.0000001, 32, 4)])
+    (None, 8, None), (0.125, 2, (2, 1)), (0.5, 2, (2, 1)), (1.0, 2, (2, 1)), (1.5, 8, (2, 2)),
+    (2.0, 2, None), (4.0, 2, None), (3.0000001, 32, (4, 4)), (6.0, 8, (6, 6))])
 def test_pools_get_ceil_quota_threads_where_that_is_fewer_than_the_cores(quota, visible,
                                                                          threads):
     assert pool_threads(quota, visible) == threads

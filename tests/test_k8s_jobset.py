@@ -28,6 +28,7 @@ from cryptography import x509
 
 from parallax.errors import ConfigError
 from parallax.launch import k8s
+from parallax.launch import k8s_render
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s import MIN_KUBERNETES, K8sConfig, render
 
@@ -151,7 +152,8 @@ def test_the_job_is_one_jobset_with_no_watcher_rights_or_services_of_ours():
         assert pod["automountServiceAccountToken"] is False  # no API access in any pod
     servers = replicated["ps"]["template"]["spec"]
     assert servers["template"]["spec"]["restartPolicy"] == "OnFailure"
-    assert servers["backoffLimit"] == CONFIG.max_restarts
+    assert servers["backoffLimit"] == max(CONFIG.max_restarts,
+                                          k8s_render.SERVER_RESTARTS * CONFIG.servers)
     assert [c["name"] for c in servers["template"]["spec"]["containers"]] == ["server"]
     assert replicated["worker"]["dependsOn"] == [{"name": "ps", "status": "Ready"}]
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True

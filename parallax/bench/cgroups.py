@@ -258,7 +258,6 @@ class CpuGroups:
     def remove_all(self) -> None:
         """Kill what is left in every group made, and remove the groups (deferred groups of
         the next run start unlimited again). Idempotent."""
-        self.throttled = not self.deferred
         try:
             for host in list(self._made):
                 _remove_group(self.path(host))
@@ -266,3 +265,4 @@ class CpuGroups:
         finally:
             if not self._made:
                 _LIVE.discard(self)
+                self.throttled = not self.deferred  # (a group left keeps its quota)

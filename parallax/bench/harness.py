@@ -571,8 +571,9 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
 # 19.3 ms of worker CPU per step with 2 + 2 threads, 8 and 13.5 ms with 1 + 1).
 HOST_CORES = 1
 # Where a system cannot run on one thread: TF's ParameterServerStrategy deadlocked with one
-# inter-op thread (the chief stuck before its first step, its CPU time frozen for minutes).
-FEWEST_THREADS = {"tf_ps": {TF_THREAD_ENVS[0]: "2"}}
+# inter-op thread (the chief stuck before its first step, its CPU time frozen for minutes);
+# the systems on TensorFlow's own collectives share its runtime and were not run on one.
+FEWEST_THREADS = {system: {TF_THREAD_ENVS[0]: "2"} for system in ("tf_ps", "mwms", "hybrid_tf")}
 ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
                   "(rate x {share:g}, latency / {share:g}): each host stands for one core "

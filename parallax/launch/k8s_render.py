@@ -269,14 +269,22 @@ def _server_set(config: K8sConfig) -> dict[str, Any]:
             "metadata": _meta(config, f"{config.name}-ps", "ps"), "spec": spec}
 
 
+# --format jobset: in-place restarts a server's Job allows per server before it fails (a
+# StatefulSet's pods, --format job, restart without limit; one OOM kill must not end a job
+# rendered with the default --max-restarts 0)
+SERVER_RESTARTS = 10
+
+
 def _server_job_spec(config: K8sConfig) -> dict[str, Any]:
     """The servers in a JobSet: an indexed Job of S pods (stable names from the JobSet's
     Service). A server container that fails restarts in place (restartPolicy OnFailure, its
-    emptyDir kept), at most --max-restarts times (backoffLimit); after that the Job fails
-    and the JobSet's failurePolicy decides. They never complete by themselves: the JobSet
-    deletes them once the workers have completed (its successPolicy) or it failed."""
+    emptyDir kept), as a StatefulSet's would, up to SERVER_RESTARTS times a server
+    (backoffLimit, at least --max-restarts; only a crash loop uses them up); after that the
+    Job fails and the JobSet's failurePolicy decides. They never complete by themselves: the
+    JobSet deletes them once the workers have completed (its successPolicy) or it failed."""
+    backoff = max(config.max_restarts, SERVER_RESTARTS * config.servers)
     return {"completionMode": "Indexed", "completions": config.servers,
-            "parallelism": config.servers, "backoffLimit": config.max_restarts,
+            "parallelism": config.servers, "backoffLimit": backoff,
             "template": _server_template(config, "OnFailure")}
 
 

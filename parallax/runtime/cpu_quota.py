@@ -7,13 +7,15 @@ container is throttled to. Measured here (hybrid ctr, one worker held to 0.5 cor
 2 + 2 threads spent 19.3 ms of worker CPU and 105 context switches per step (55.8 ms a
 step); 1 + 1 threads 13.5 ms and 8 (38.5 ms a step). So the strategy gives each pool
 ceil(quota) threads where that is fewer than the visible cores, as Go's automaxprocs and
-the JVM's container support do, and says so on the "parallax" logger. Setting
-TF_NUM_INTEROP_THREADS or TF_NUM_INTRAOP_THREADS (0: TensorFlow's own default) leaves the
-pools to you.
+the JVM's container support do (at least MIN_INTER_OP inter-op threads), and says so on the
+"parallax" logger. Setting TF_NUM_INTEROP_THREADS or TF_NUM_INTRAOP_THREADS (0: TensorFlow's
+own default), or either pool with tf.config.threading before the strategy, leaves the pools
+to you.
 
 cgroup v2 (`cpu.max`) and v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`) are read from the
-process's group up through its ancestors (a pod's limit sits above its container's); the
-smallest quota found applies.
+process's group up through the ancestors it can see; the smallest quota found applies.
+Inside a private cgroup namespace (containerd's default on cgroup v2: /proc/self/cgroup says
+`0::/`) that is the container's own limit only; a limit set on the pod alone is not seen.
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ from parallax.env import TF_THREAD_ENVS
 CGROUP_FS = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 _V1_MOUNTS = ("cpu,cpuacct", "cpuacct,cpu", "cpu")
+# TensorFlow's distributed runtime can wait on an inter-op thread for another op: its
+# ParameterServerStrategy deadlocked on one (the benchmark's chief, before its first step).
+MIN_INTER_OP = 2
 
 
 def _read(path: Path) -> str | None:
@@ -88,13 +93,16 @@ def quota_cores(proc_cgroup: Path = PROC_CGROUP, fs: Path = CGROUP_FS) -> float 
     return min(quotas, default=None)
 
 
-def pool_threads(quota: float | None, visible: int) -> int | None:
-    """Threads for each TensorFlow pool under `quota` cores, or None where TensorFlow's own
-    choice (one per visible core) is already no more than the quota allows."""
+def pool_threads(quota: float | None, visible: int) -> tuple[int, int] | None:
+    """(inter-op, intra-op) threads under `quota` cores: ceil(quota) each, never fewer than
+    MIN_INTER_OP inter-op threads (nor more than the visible cores); None where TensorFlow's
+    own choice (one per visible core) is already no more than the quota allows."""
     if quota is None:
         return None
-    threads = max(1, math.ceil(quota - 1e-9))
-    return threads if threads < visible else None
+    intra = max(1, math.ceil(quota - 1e-9))
+    if intra >= visible:
+        return None
+    return min(visible, max(MIN_INTER_OP, intra)), intra
 
 
 def _visible_cores() -> int:
@@ -106,24 +114,32 @@ def _visible_cores() -> int:
 
 def size_tf_pools(tf, environ: Mapping[str, str] = os.environ,
                   quota: float | None = None) -> tuple[bool, str] | None:
-    """Give TensorFlow's pools ceil(quota) threads where the quota is below the visible cores
-    and the environment does not choose: (whether it could, what was done or why not), for
+    """Give TensorFlow's pools `pool_threads` where the quota is below the visible cores and
+    neither the environment nor the program (tf.config.threading) chose: (whether it could, what was done or why not), for
     the log, or None where nothing applies. `quota`: the cgroups' (read when None)."""
     if any(name in environ for name in TF_THREAD_ENVS):
         return None
     quota = quota_cores() if quota is None else quota
     visible = _visible_cores()
     threads = pool_threads(quota, visible)
-    if threads is None:
+    if threads is None or _chosen_in_program(tf):
         return None
+    inter, intra = threads
     why = (f"this process's CPU quota is {quota:g} cores of the {visible} it may run on; "
            f"set {' or '.join(TF_THREAD_ENVS)} to choose (0: TensorFlow's default)")
     try:
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
     except RuntimeError:  # TensorFlow's runtime started before the strategy was made
         return False, (f"TensorFlow's thread pools were made before the strategy, with one "
                        f"thread per visible core: {why}, or make the strategy before running "
                        f"any op")
-    return True, (f"TensorFlow thread pools: {threads} inter-op and {threads} intra-op "
+    return True, (f"TensorFlow thread pools: {inter} inter-op and {intra} intra-op "
                   f"threads ({why})")
+
+
+def _chosen_in_program(tf) -> bool:
+    """Whether the program set a pool's size itself (tf.config.threading) already."""
+    threading = tf.config.threading
+    return bool(threading.get_inter_op_parallelism_threads() or
+                threading.get_intra_op_parallelism_threads())
