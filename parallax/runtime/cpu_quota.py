@@ -115,8 +115,9 @@ def _visible_cores() -> int:
 def size_tf_pools(tf, environ: Mapping[str, str] = os.environ,
                   quota: float | None = None) -> tuple[bool, str] | None:
     """Give TensorFlow's pools `pool_threads` where the quota is below the visible cores and
-    neither the environment nor the program (tf.config.threading) chose: (whether it could, what was done or why not), for
-    the log, or None where nothing applies. `quota`: the cgroups' (read when None)."""
+    neither the environment nor the program (tf.config.threading) chose: (whether it could,
+    what was done or why not), for the log, or None where nothing applies. `quota`: the
+    cgroups' (read when None)."""
     if any(name in environ for name in TF_THREAD_ENVS):
         return None
     quota = quota_cores() if quota is None else quota
