@@ -65,6 +65,7 @@ from parallax.bench.sampler import ResourceSampler
 from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, NATIVE_ENV, RUN_ID_ENV,
                           TF_THREAD_ENVS, WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError, ParallaxError
+from parallax.runtime.cpu_quota import MIN_INTER_OP
 from parallax.client.local_cluster import ready_address
 
 SYSTEMS = summary.SYSTEMS
@@ -571,9 +572,10 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
 # 19.3 ms of worker CPU per step with 2 + 2 threads, 8 and 13.5 ms with 1 + 1).
 HOST_CORES = 1
 # Where a system cannot run on one thread: TF's ParameterServerStrategy deadlocked with one
-# inter-op thread (the chief stuck before its first step, its CPU time frozen for minutes);
-# the systems on TensorFlow's own collectives share its runtime and were not run on one.
-FEWEST_THREADS = {system: {TF_THREAD_ENVS[0]: "2"} for system in ("tf_ps", "mwms", "hybrid_tf")}
+# inter-op thread (cpu_quota.MIN_INTER_OP, which the strategy keeps to as well); the systems
+# on TensorFlow's own collectives share its runtime and were not run on one.
+FEWEST_THREADS = {system: {TF_THREAD_ENVS[0]: str(MIN_INTER_OP)}
+                  for system in ("tf_ps", "mwms", "hybrid_tf")}
 ISOLATION_NOTE = ("{key}: each host in its own CPU group of {share:g} core (cgroup v1 "
                   "quota {quota} us per {period} us), links scaled by the same factor "
                   "(rate x {share:g}, latency / {share:g}): each host stands for one core "
