@@ -110,7 +110,7 @@ def test_bad_pull_is_rejected(table, snapshot):
 
 
 def test_client_rejects_out_of_range_ids_before_sending(table):
-    with pytest.raises(ValueError, match=r"id 100 is outside the vocabulary \[0, 100\)"):
+    with pytest.raises(ValueError, match=r"has 100 rows: id 100 is out of range \[0, 100\)"):
         table.pull([1, 100])
 
 

@@ -317,7 +317,7 @@ def test_a_push_of_the_pulled_ids_reuses_the_pulls_routing(make_strategy, monkey
     (one id check and one sort per step, not two). A table read by two lookups pushes
     other ids than its merged pull and is routed afresh (the training is the per-table
     path's either way: test_fused_training_equals_the_per_table_path)."""
-    from parallax.tf import step_traffic
+    from parallax.client import step as step_traffic
     strategy = make_strategy()
     model, _ = train_fit(strategy, epochs=1, shared=shared)
     made = []

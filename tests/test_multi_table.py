@@ -790,7 +790,7 @@ class _Pushing:
 def test_landing_a_started_push_is_bounded_by_the_callers_timeout():
     """A fused push whose server hangs does not hold `land_pushes_of(timeout=...)` (the exit
     drain) past that timeout, although its own call's deadline is longer."""
-    from parallax.tf.step_traffic import Landing, land_pushes_of
+    from parallax.client.table_rows import Landing, land_pushes_of
     with LocalCluster(1) as hung, \
             PSClient(hung.addresses, ClientOptions(timeout=20, retries=0)) as c:
         table = c.create_table(_spec("hung", shard_count=1, num_workers=2))

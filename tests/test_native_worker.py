@@ -66,7 +66,7 @@ def test_the_compiled_route_is_numpys():
 
 
 def test_a_groups_ids_join_as_numpy_joins_them():
-    """step_traffic._table_ids: members' ids plus their offsets, and the first bad member."""
+    """parallax.client.step._table_ids: members' ids plus their offsets, and the first bad member."""
     rng = np.random.default_rng(2)
     rows = np.array([50, 7, 300, 1])
     offsets = np.cumsum(rows) - rows

@@ -31,7 +31,7 @@ TIERS = {
                "test_server.py",
                "test_server_limits.py", "test_memory_bound.py", "test_server_process.py", "test_units.py",
                "test_wire_contract.py", "test_security.py", "test_wire_compression.py",
-               "test_dynamic_server.py", "test_dynamic_rows.py"],
+               "test_dynamic_server.py", "test_dynamic_rows.py", "test_step_core.py"],
     "tf": ["test_analysis.py", "test_capacity.py", "test_fusion.py", "test_optimizer_math.py",
            "test_remote.py", "test_resume.py", "test_embedded_resume.py", "test_strategy.py", "test_strategy_memory.py", "test_tuning.py",
            "test_strategy_wire.py", "test_row_cache_training.py", "test_dynamic_embedding.py"],

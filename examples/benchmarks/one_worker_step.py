@@ -24,7 +24,7 @@ import psutil  # noqa: E402
 
 from parallax.bench import worker, workloads  # noqa: E402
 from parallax.env import NATIVE_ENV  # noqa: E402
-from parallax.tf import step_traffic  # noqa: E402
+from parallax.client import step as step_traffic  # noqa: E402
 
 PATHS = {"native": "1", "python": "0", "auto": "auto"}  # --paths: PARALLAX_NATIVE of each
 _FUSED_CPU = {"pull": 0.0, "push": 0.0}  # thread CPU seconds inside the fused ops

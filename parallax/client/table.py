@@ -52,10 +52,7 @@ class ShardedTable:
             raise ConfigError(f"table {self.name!r}: ids must be integers, got {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
         if not self.spec.hashed_keys:
-            bad = out_of_range(ids, self.spec.vocabulary_size)
-            if bad is not None:
-                raise ConfigError(f"table {self.name!r}: id {ids[bad[0]]} is outside the "
-                                  f"vocabulary [0, {self.spec.vocabulary_size})")
+            check_id_range(f"table {self.name!r}", ids, self.spec.vocabulary_size)
         return ids
 
     def slices(self, offsets: np.ndarray) -> Iterator[tuple[int, int, int, int, int]]:
@@ -274,3 +271,13 @@ def start_call(conn, method: str, request, calls: int):
     """A call started now when others will overlap it; a lone call is made when its result
     is asked for (no hand-off to another thread)."""
     return conn.future(method, request) if calls > 1 else None
+
+
+def check_id_range(what: str, ids: np.ndarray, rows: int) -> None:
+    """Raise, naming `what` (a table or a variable) and the first bad id, if an id is
+    outside [0, rows): the worker's one id check and its one message."""
+    bad = out_of_range(ids, rows)
+    if bad is not None:
+        raise ConfigError(f"{what} has {rows} rows: id {int(ids[bad[0]])} is out of range "
+                          f"[0, {rows}) ({len(bad)} bad ids in this batch); check the "
+                          f"vocabulary size of the layer and the input ids")

@@ -1,7 +1,7 @@
 """The table client: what a fused training step asks of the parameter servers (extension
 point `TABLE_CLIENTS`).
 
-A fused step makes one multi-table pull and one multi-table push (`parallax.tf.step_traffic`)
+A fused step makes one multi-table pull and one multi-table push (`parallax.client.step`)
 through a `TableClient`. `DirectClient` sends both to the servers as they are
 (`parallax.client.many`). A worker-side row cache would be another `TableClient`: it answers
 hits from its rows, pulls the misses and the rows older than its staleness bound through
@@ -40,7 +40,7 @@ class TableClient(abc.ABC):
     """Pulls and pushes of several tables at once, for one worker.
 
     `runs`: every table's ids as `Runs` over the tables' partitioners, already checked
-    against the tables' rows (`parallax.tf.step_traffic.checked_runs`): unique ids for a
+    against the tables' rows (`parallax.client.step.checked_runs`): unique ids for a
     pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
     as of at least that many applied steps (sync training). `clocks[k]`: the steps this
     worker has pushed to table k, in either mode (what a cache counts staleness in)."""

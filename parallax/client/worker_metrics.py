@@ -2,7 +2,7 @@
 happens and served by the same endpoint as the servers' (`parallax.protocol.metrics_endpoint`).
 
 `WORKER_METRICS` is the process's one `WorkerMetrics`: the fused pull and push of a step
-(`parallax.tf.step_traffic`) report their wall time and the step's, `DirectClient` the rows
+(`parallax.client.step`) report their wall time and the step's, `DirectClient` the rows
 and bytes each request carries (what really travels: a row cache's hits never reach it).
 That is a few additions under one lock per step, per table at most, never per row; the
 metric families are built at scrape time. The row cache's counters are read from its own

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import tensorflow as tf
 
-from parallax.tf.step_traffic import FusedPull, FusedPush, StepRouting
+from parallax.client.step import FusedPull, FusedPush, StepRouting
 
 if TYPE_CHECKING:
     from parallax.client.table_client import TableClient
@@ -200,5 +200,5 @@ def _unfed(remote: RemoteTable):
     """The placeholder's function: never run once rewired (pruned as a stateless op with no
     consumers); if it ever ran, it would hand back no rows rather than stale ones."""
     def unfed(unique: np.ndarray, ticket: np.float64) -> np.ndarray:
-        return np.zeros((0, remote.dim), dtype=remote._np_dtype)  # noqa: SLF001
+        return remote.empty_rows()
     return unfed

@@ -1,94 +1,35 @@
 """The numpy side of a fused step: one pull for every grouped lookup of the step, one push
-for every table, each a single multi-table request per server (`parallax.client.many`).
+for every table, each a single multi-table request per server (`parallax.client.many`), with
+no TensorFlow: TensorFlow's step calls them from its two ops (`parallax.tf.fusion`), and
+tests and other front ends can call them with numpy arrays.
 
-`FusedPull` runs inside the step's fused pull op: every table's ids are checked in one pass,
-lookups of the same table are merged and deduplicated, then every table's rows come back
-from one multi-table pull, which leaves beside the previous step's push
-(`_pull_after_pushes`). `FusedPush` runs inside the step's push op: every table's push is
-checked and counted (`RemoteTable.prepare_push`), then one multi-table push sends them all.
-For sync tables its requests leave from the op's own thread and their answers are read by
-the next pull of any of the tables (`Landing`): on the data plane a step hands nothing to
-another thread. Wall time is shared out to the tables in proportion to their rows, for the
-partition search's per-table figures.
+`FusedPull` takes every grouped lookup's unique ids: every table's ids are checked in one
+pass, lookups of the same table are merged and deduplicated, then every table's rows come
+back from one multi-table pull, which leaves beside the previous step's push
+(`_pull_after_pushes`). `FusedPush` takes every table's ids, gradient rows and learning
+rate: every push is checked and counted (`TableRows.prepare_push`), then one multi-table
+push sends them all. For sync tables its requests leave from the caller's thread and their
+answers are read by the next pull of any of the tables (`Landing`): on the data plane a
+step hands nothing to another thread. Wall time is shared out to the tables in proportion
+to their rows, for the partition search's per-table figures.
 """
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-import grpc
 import numpy as np
 
 from parallax import native
-from parallax.client.connection import run_in_background
-from parallax.client.table_client import Pending, TableClient, table_client
+from parallax.client.table_client import TableClient, table_client
+from parallax.client.table_rows import (Landing, TableRows, account_push, land_pushes_of,
+                                        shares)
 from parallax.client.worker_metrics import WORKER_METRICS
-from parallax.errors import ConfigError, ServerError
+from parallax.errors import ConfigError
 from parallax.protocol.routing import Runs
 
-if TYPE_CHECKING:
-    from parallax.tf.remote import RemoteTable
 
-
-class Landing:
-    """A fused push in flight whose requests left from the step's own thread: its answers
-    are read, once, by the first thread that waits for it (`result`), so it needs no thread
-    of its own. It stands where a `concurrent.futures.Future` stands for other pushes."""
-
-    def __init__(self, pending: Pending, remotes: Sequence[RemoteTable], sizes,
-                 send_seconds: float) -> None:
-        self._pending, self._remotes, self._sizes = pending, remotes, sizes
-        self._send_seconds = send_seconds  # the push's time on the worker: sending it, plus
-        self._lock = threading.Lock()      # reading its answers (not the step in between)
-        self._done, self._value, self._error = False, None, None
-
-    def result(self, timeout: float | None = None) -> list[bool]:
-        with self._lock:
-            if not self._done:
-                start = time.perf_counter()
-                try:
-                    self._value = self._pending.result()
-                except BaseException as err:  # noqa: BLE001 - raised to every waiter
-                    self._error = err
-                self._done = True
-                _account_push(self._remotes, self._sizes,
-                              self._send_seconds + time.perf_counter() - start)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def land_pushes_of(tables: Sequence[RemoteTable], timeout: float | None = None) -> None:
-    """Block until these tables' pushes in flight have landed (a fused push is in flight for
-    every table it carries: it is waited for once); raise the first error, once every push
-    taken here was waited for. A `Landing` is read on this thread, or, given a `timeout`,
-    on an RPC thread so that the timeout bounds it too."""
-    in_flight = {id(f): (f, t) for t in tables for f in t.take_in_flight()}
-    if not in_flight:
-        return
-    waits = {key: run_in_background(f.result) if timeout is not None and
-             isinstance(f, Landing) else f for key, (f, _) in in_flight.items()}
-    futures = [f for f in waits.values() if not isinstance(f, Landing)]
-    _, not_done = futures_wait(futures, timeout=timeout)
-    if not_done:
-        labels = sorted({in_flight[key][1].label for key, f in waits.items()
-                         if f in not_done})
-        raise ServerError(f"{len(not_done)} push(es) to {', '.join(map(repr, labels))} did "
-                          f"not land within {timeout:.0f} s", address="", table=labels[0],
-                          code=grpc.StatusCode.DEADLINE_EXCEEDED)
-    first = None
-    for future in waits.values():
-        try:
-            future.result()
-        except Exception as err:  # noqa: BLE001 - the others are read before it is raised
-            first = first or err
-    if first is not None:
-        raise first
-
-
-def _pull_after_pushes(client: TableClient, remotes: Sequence[RemoteTable], runs: Runs
+def _pull_after_pushes(client: TableClient, remotes: Sequence[TableRows], runs: Runs
                        ) -> list[np.ndarray]:
     """The rows, read after this worker's pushes in flight. Sync tables: the pull leaves at
     once, beside the step's push, since the servers hold it until that step is applied
@@ -110,14 +51,14 @@ def _pull_after_pushes(client: TableClient, remotes: Sequence[RemoteTable], runs
     return pulling.result()
 
 
-def checked_runs(remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+def checked_runs(remotes: Sequence[TableRows], ids: Sequence[np.ndarray]) -> Runs:
     """Every table's ids in range, checked in one pass (the first table with a bad id says
     which), as the `Runs` that `pull_many` and `push_many` route them by. `remotes`: one
     variable per server table (a table group's ids are checked by `TableIds`)."""
     runs = Runs([r.table.partitioner for r in remotes], ids)
     bad = runs.first_outside([r.table_rows for r in remotes])
     if bad is not None:
-        remotes[bad]._check_ids(runs.run(bad))  # raises, naming the variable and the id
+        remotes[bad].check_ids(runs.run(bad))  # raises, naming the variable and the id
         raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
                           f"own check let through")
     return runs
@@ -129,7 +70,7 @@ class TableIds:
     where its rows start, and concatenated in offset order), so a request carries one part
     per table, not one per variable. Other variables' ids are their table's as they are."""
 
-    def __init__(self, members: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> None:
+    def __init__(self, members: Sequence[TableRows], ids: Sequence[np.ndarray]) -> None:
         tables: dict[int, list[int]] = {}
         for k, member in enumerate(members):
             tables.setdefault(id(member.pushes), []).append(k)
@@ -160,7 +101,7 @@ class TableIds:
                 np.concatenate([per_member[k] for k in ks]) for ks in self.groups]
 
 
-def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
+def _table_ids(members: Sequence[TableRows], ids: Sequence[np.ndarray],
                lengths: Sequence[int]) -> np.ndarray:
     if len(members) == 1 and members[0].table_rows in (None, members[0].rows):
         return ids[0]  # a table of its own: `checked_runs` checks its ids
@@ -169,14 +110,14 @@ def _table_ids(members: Sequence[RemoteTable], ids: Sequence[np.ndarray],
         joined, bad = kernels.join_ids(ids, np.array([m.rows for m in members], np.int64),
                                        np.array([m.offset for m in members], np.int64))
         if bad >= 0:
-            members[bad]._check_ids(ids[bad])  # raises, naming the variable and the id
+            members[bad].check_ids(ids[bad])  # raises, naming the variable and the id
         return joined
     joined = np.concatenate(ids).astype(np.int64, copy=False)
     limits = np.repeat(np.array([m.rows for m in members], np.int64), lengths)
     bad = (joined < 0) | (joined >= limits)
     if bad.any():
         k = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(bad)), side="right"))
-        members[k]._check_ids(ids[k])  # raises, naming the variable and the id
+        members[k].check_ids(ids[k])  # raises, naming the variable and the id
     return joined + np.repeat(np.array([m.offset for m in members], np.int64), lengths)
 
 
@@ -190,7 +131,7 @@ class StepRouting:
         self.pulled: Runs | None = None
         self.began: float | None = None  # the step's start (time.time()), for its duration
 
-    def runs_for(self, remotes: Sequence[RemoteTable], ids: Sequence[np.ndarray]) -> Runs:
+    def runs_for(self, remotes: Sequence[TableRows], ids: Sequence[np.ndarray]) -> Runs:
         """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
         pulled = self.pulled
         if pulled is not None and pulled.same_ids([r.table.partitioner for r in remotes],
@@ -199,15 +140,10 @@ class StepRouting:
         return checked_runs(remotes, ids)
 
 
-def _shares(sizes: Sequence[int]) -> list[float]:
-    total = sum(sizes)
-    return [(s / total) if total else 1.0 / max(1, len(sizes)) for s in sizes]
-
-
 class FusedPull:
     """Pulls the rows of several lookups (each a table and its unique ids) at once."""
 
-    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None,
+    def __init__(self, remotes: Sequence[TableRows], routing: StepRouting | None = None,
                  client: TableClient | None = None) -> None:
         self.remotes = list(remotes)  # one per lookup; a table may appear more than once
         self.routing = routing  # the step's push's (None: no push follows, e.g. evaluation)
@@ -218,7 +154,7 @@ class FusedPull:
         """ticket: the step's start, as time.time() (parallax.tf.fusion: read only for the
         step's duration in the worker's metrics); uniques: each lookup's ids."""
         start = time.perf_counter()
-        tables: dict[int, RemoteTable] = {}
+        tables: dict[int, TableRows] = {}
         for remote in self.remotes:
             tables.setdefault(id(remote), remote)
         merged = {key: [] for key in tables}
@@ -244,14 +180,14 @@ class FusedPull:
         rows = laid_out.split(_pull_after_pushes(self.client, laid_out.heads, runs))
         seconds = time.perf_counter() - start
         WORKER_METRICS.observe("pull", seconds)
-        for key, u, share in zip(order, ids, _shares([len(u) for u in ids])):
+        for key, u, share in zip(order, ids, shares([len(u) for u in ids])):
             tables[key].after_pull(u, seconds * share)
         by_table = {key: rows[k] for k, key in enumerate(order)}
         taken: dict[int, int] = {}
         out = []
         for remote in self.remotes:
             key = id(remote)
-            table_rows = by_table[key].astype(remote._np_dtype, copy=False)
+            table_rows = by_table[key].astype(remote.np_dtype, copy=False)
             if key in inverses:
                 part = taken.get(key, 0)
                 taken[key] = part + 1
@@ -264,7 +200,7 @@ class FusedPull:
 class FusedPush:
     """Pushes every table's gradient of one step in one request per server."""
 
-    def __init__(self, remotes: Sequence[RemoteTable], routing: StepRouting | None = None,
+    def __init__(self, remotes: Sequence[TableRows], routing: StepRouting | None = None,
                  client: TableClient | None = None) -> None:
         self.remotes = list(remotes)
         self.routing = routing or StepRouting()
@@ -318,13 +254,13 @@ class FusedPush:
         WORKER_METRICS.step(None if began is None else time.time() - began)
         return np.int64(len(sending))
 
-    def _send(self, remotes: list[RemoteTable], runs: Runs, grads, steps, rates) -> list[bool]:
+    def _send(self, remotes: list[TableRows], runs: Runs, grads, steps, rates) -> list[bool]:
         start = time.perf_counter()
         try:
             return self.client.push([r.table for r in remotes], grads, steps,
                                     remotes[0].worker, rates, runs)
         finally:
-            _account_push(remotes, runs.lengths, time.perf_counter() - start)
+            account_push(remotes, runs.lengths, time.perf_counter() - start)
 
 
 def _rate(flat, members: Sequence[int], ids: Sequence[np.ndarray]) -> float:
@@ -332,11 +268,3 @@ def _rate(flat, members: Sequence[int], ids: Sequence[np.ndarray]) -> float:
     not update sends none, and rate 0.0: "the table's own"), else the first's."""
     sent = next((i for i in members if len(ids[i])), members[0])
     return float(flat[3 * sent + 2])
-
-
-def _account_push(remotes: Sequence[RemoteTable], sizes: Sequence[int], seconds: float) -> None:
-    """A fused push's wall time, shared out to its tables in proportion to their rows (and
-    whole to the worker's metrics)."""
-    WORKER_METRICS.observe("push", seconds)
-    for remote, share in zip(remotes, _shares(sizes)):
-        remote.add_push_seconds(seconds * share)
