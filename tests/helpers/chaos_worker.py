@@ -1,4 +1,4 @@
-"""A Keras `fit` job for tests/test_chaos.py: Adagrad on an embedding table (on the
+"""A Keras `fit` job for tests/integration/test_chaos.py: Adagrad on an embedding table (on the
 servers) and a dense layer (all-reduced), with `BackupAndRestore` saving every epoch, run
 under `parallax run --max-restarts N` while the test kills processes.
 

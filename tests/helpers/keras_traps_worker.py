@@ -1,6 +1,6 @@
 """The Keras habits of issue 29 on one worker or under `parallax run -np N`, each worker
-writing what it got to `<out>/rank<r>.npz` and `<out>/rank<r>.json` (tests/test_keras_traps.py
-compares N workers with one process):
+writing what it got to `<out>/rank<r>.npz` and `<out>/rank<r>.json`
+(tests/parallel/test_keras_traps.py compares N workers with one process):
 
 - rows: `fit` (192 rows, global batch 16: every global batch full, so one process and N
   workers train alike), then `predict` and `evaluate` on 201 rows (a last global batch of 9)

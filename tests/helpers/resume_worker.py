@@ -1,6 +1,6 @@
 """A job that trains, checkpoints through TF's or Keras' own API, and resumes, for
-tests/test_resume.py (under `parallax run`, one worker or several) and
-tests/test_embedded_resume.py (a plain process: the embedded servers).
+tests/tf/test_resume.py (under `parallax run`, one worker or several) and
+tests/tf/test_embedded_resume.py (a plain process: the embedded servers).
 
   custom  the MWMS custom-loop tutorial's shape: `strategy.cluster_resolver` decides the
           chief, which saves into OUT/ckpt with a CheckpointManager; the other workers save

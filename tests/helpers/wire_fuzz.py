@@ -1,4 +1,4 @@
-"""Request generators of the wire fuzzer (tests/test_fuzz.py): every RPC of ParameterServer.
+"""Request generators of the wire fuzzer (tests/server/test_fuzz.py): every RPC of ParameterServer.
 
 Each method has a `Strategy`: `valid` builds a correct request (aimed at a sandbox table, or
 one that only reads), `attack` a structurally valid but adversarial one. `cases` turns them

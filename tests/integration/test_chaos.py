@@ -1,4 +1,4 @@
-"""Chaos: a 2-worker, 2-server Keras `fit` job (tests/chaos_worker.py, `BackupAndRestore`
+"""Chaos: a 2-worker, 2-server Keras `fit` job (tests/helpers/chaos_worker.py, `BackupAndRestore`
 every epoch of INTERVAL steps) under `parallax run --max-restarts 3` loses a parameter
 server to SIGKILL mid-epoch, is restarted, then loses worker rank 1 to SIGKILL mid-epoch,
 and is restarted again. It must exit 0 with the same final weights (the whole embedding

@@ -28,7 +28,7 @@ code after the migration trains exactly as the code before it.
   need it, since the 2-worker "after" runs already equal the one-worker reference.
 
 Every snippet, launcher and helper process carries the test's LAUNCH_TEST_MARK
-(tests/test_launch.py): after each test no process with it may be left. Every exit code is
+(tests/parallel/test_launch.py): after each test no process with it may be left. Every exit code is
 checked, the `parallax server` of the TF_CONFIG test's LocalCluster included.
 """
 from __future__ import annotations

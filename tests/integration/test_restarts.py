@@ -3,7 +3,8 @@ is restarted whole, at most N times, with PARALLAX_RESTART_COUNT telling the wor
 attempt they are; a clean exit and the user's own signals are never restarted.
 
 The policy itself (`parallax.launch.restarts`) is tested without processes; the rest through the CLI
-with real servers and workers (tests/launch_probe.py), with test_launch's orphan check.
+with real servers and workers (tests/helpers/launch_probe.py), with the orphan check of
+tests/helpers/launching.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 input's order; a baseline `evaluate`/`predict` before `fit`; `fit` with `validation_data`
 and `steps_per_execution=4`; a model built outside `strategy.scope()`.
 One launch per collectives backend (Horovod, TensorFlow's) and one single process, all
-running tests/keras_traps_worker.py."""
+running tests/helpers/keras_traps_worker.py."""
 from __future__ import annotations
 
 import json

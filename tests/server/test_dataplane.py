@@ -2,7 +2,7 @@
 data port, against real servers. The same requests give the same answers as over gRPC; TLS,
 mutual TLS and the token guard it as they guard gRPC; a server without it, or whose data
 port cannot be reached, is served over gRPC; a waiting pull holds only its own connection.
-The fuzzer (tests/test_fuzz.py) sends it every fuzz case of both methods, and frames that
+The fuzzer (tests/server/test_fuzz.py) sends it every fuzz case of both methods, and frames that
 are no requests.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Wire fuzzer: every RPC of ParameterServer, hit with mutated, truncated, random and
-structurally valid but hostile requests (tests/wire_fuzz.py), against a real server process.
+structurally valid but hostile requests (tests/helpers/wire_fuzz.py), against a real server process.
 
 PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
 server's data port, parallax.protocol.dataplane; and in parallax.protocol.packed_codec's
@@ -259,7 +259,8 @@ def fuzz_run(server) -> FuzzRun:
 def test_every_rpc_has_a_fuzz_strategy():
     missing = set(wire_fuzz.METHODS) - set(wire_fuzz.STRATEGIES)
     stale = set(wire_fuzz.STRATEGIES) - set(wire_fuzz.METHODS)
-    assert not missing, f"RPCs without a fuzz strategy in tests/wire_fuzz.py: {sorted(missing)}"
+    assert not missing, (f"RPCs without a fuzz strategy in tests/helpers/wire_fuzz.py: "
+                         f"{sorted(missing)}")
     assert not stale, f"fuzz strategies for RPCs the proto no longer has: {sorted(stale)}"
 
 

@@ -2,7 +2,7 @@
 (no `parallax run`), whose servers have no data directory.
 
 Each case trains 60 steps three ways, every phase a fresh process with fresh embedded
-servers (tests/resume_worker.py run directly):
+servers (tests/helpers/resume_worker.py run directly):
 - full:   60 steps without a stop;
 - stop:   30 steps, checkpointed (a CheckpointManager in the MWMS custom-loop tutorial's
           shape, or Keras BackupAndRestore, which saves and loads `.weights.h5` files), then

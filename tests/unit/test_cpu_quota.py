@@ -1,6 +1,6 @@
 """The CPU quota of a process's cgroups (parallax.runtime.cpu_quota), read from directory
 trees laid out as the kernel's cgroup v1 and v2 filesystems are, with their files' formats;
-tests/test_cpu_quota_process.py runs the strategy in a real cgroup."""
+tests/parallel/test_cpu_quota_process.py runs the strategy in a real cgroup."""
 from __future__ import annotations
 
 from pathlib import Path

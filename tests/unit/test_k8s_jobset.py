@@ -32,7 +32,7 @@ from parallax.launch import k8s_render
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s import MIN_KUBERNETES, K8sConfig, render
 
-K8S_VERSIONS = (f"{MIN_KUBERNETES}.0", "1.37.0")  # as tests/test_deploy.py
+K8S_VERSIONS = (f"{MIN_KUBERNETES}.0", "1.37.0")  # as tests/integration/test_deploy.py
 CONFIG = K8sConfig(name="ctr", image="parallax", command=("python", "t.py"), workers=3,
                    servers=2, namespace="ml", max_restarts=2, format="jobset",
                    metrics_namespaces=("monitoring",))

@@ -1,7 +1,7 @@
 """A worker's own metrics (`parallax.client.worker_metrics`) without processes or sockets: the
 families a scrape would read, their names, types and labels, fed the way a step feeds
 them; and the environment contract `parallax run --metrics-port` passes them by.
-(tests/test_observability.py serves them over HTTP and scrapes a 2-worker job.)"""
+(tests/integration/test_observability.py serves them over HTTP and scrapes a 2-worker job.)"""
 from __future__ import annotations
 
 import numpy as np
