@@ -1,7 +1,7 @@
 # The two commands of the README's quick start. Each installs whatever is missing first
 # (scripts/setup_env.sh is idempotent), then runs.
 VENV ?= .venv
-LATEST_TESTS ?= tests/test_tf_collectives.py tests/test_strategy.py tests/test_launch.py tests/test_resume.py
+LATEST_TESTS ?= tests/parallel/test_tf_collectives.py tests/tf/test_strategy.py tests/parallel/test_launch.py tests/tf/test_resume.py
 # extra pytest arguments of make test / test-latest: CI gives --durations=30 (the slowest tests)
 PYTEST_ARGS ?=
 export PARALLAX_VENV := $(abspath $(VENV))
@@ -14,8 +14,8 @@ demo: env          ## install everything, then run the main job
 test: env          ## install everything, then run the whole test suite (every tier, each within its time budget)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test-fast: env     ## the unit tier alone: no TensorFlow, no process (seconds; tests/tiers.py)
-	$(VENV)/bin/python -m pytest $$($(VENV)/bin/python tests/tiers.py unit)
+test-fast: env     ## the unit tier alone (tests/unit): no TensorFlow, no process (seconds; tests/tiers.py)
+	$(VENV)/bin/python -m pytest tests/unit
 
 env:
 	bash scripts/setup_env.sh

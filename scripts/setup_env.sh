@@ -28,14 +28,15 @@ if [ ! -f /usr/share/wordnet/data.noun ]; then
   fi
 fi
 
-# sshd for tests/test_multihost.py (two network namespaces, each a "host" with its own sshd):
+# sshd for tests/parallel/test_multihost.py (two network namespaces, each a "host" with its own
+# sshd):
 # installed when missing if we are root with apt-get; otherwise that test fails saying so.
 if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    log "installing Debian's openssh-server (sshd for tests/test_multihost.py)"
+    log "installing Debian's openssh-server (sshd for tests/parallel/test_multihost.py)"
     ssh_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openssh-server; }
     ssh_install || { apt-get update && ssh_install; } \
-      || echo "[setup] warning: could not install openssh-server; tests/test_multihost.py needs sshd" >&2
+      || echo "[setup] warning: could not install openssh-server; tests/parallel/test_multihost.py needs sshd" >&2
   fi
 fi
 

@@ -1,5 +1,6 @@
 """Shared fixtures: real parameter-server processes on loopback, and table snapshots; and the
-test tiers (tests/tiers.py): every test is marked with its file's tier, and a run of unit
+test tiers (tests/tiers.py): every test is marked with its file's tier (the folder it is in),
+and a run of unit
 tests alone fails a test that imports TensorFlow or starts a process; each test has a time
 limit (pytest-timeout) and each tier a time budget (tests/tier_budget.py)."""
 from __future__ import annotations
@@ -23,7 +24,7 @@ from parallax.client.local_cluster import LocalCluster
 
 import tiers
 from tier_budget import TierBudget, budget_scale
-from tiers import GUARDED, TIER_OF
+from tiers import GUARDED, tier_of
 
 _names = itertools.count()
 _DESELECTED = False  # some collected tests were deselected (-m, -k): others' imports loaded
@@ -35,8 +36,8 @@ BACKSTOP_S = 90  # after a test's time limit: what its teardown may take before 
 
 def pytest_configure(config):
     config.pluginmanager.register(
-        TierBudget(getattr(tiers, "TIERS", {}), getattr(tiers, "BUDGET_S", {}),
-                   budget_scale()), "parallax-tier-budget")
+        TierBudget({tier: tiers.files(tier) for tier in tiers.TIERS}, tier_of,
+                   getattr(tiers, "BUDGET_S", {}), budget_scale()), "parallax-tier-budget")
 
 
 def pytest_report_header(config):
@@ -50,9 +51,12 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     limits = getattr(tiers, "TIMEOUT_S", {})
     for item in items:
-        tier = TIER_OF.get(item.path.name)
+        tier = tier_of(item.path)
         if tier is None:
-            raise pytest.UsageError(f"{item.path.name} has no tier: add it to tests/tiers.py")
+            folders = ", ".join(f"tests/{t}/" for t in tiers.TIERS)
+            raise pytest.UsageError(
+                f"{item.path} is in no tier folder: a test file belongs in one of {folders} "
+                f"(tests/tiers.py; helpers that are not tests go to tests/helpers/)")
         item.add_marker(getattr(pytest.mark, tier))
         if tier in limits and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limits[tier]))
@@ -118,7 +122,7 @@ def pytest_collection_finish(session):
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in GUARDED)
     if loaded and not _DESELECTED:
         raise pytest.UsageError(f"the unit tests imported {', '.join(loaded[:3])}: a file that "
-                                f"needs TensorFlow belongs to the `tf` tier (tests/tiers.py)")
+                                f"needs TensorFlow belongs to the `tf` tier (tests/tf/)")
     _guard_unit_run()
 
 
@@ -140,14 +144,15 @@ class _Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in GUARDED:
             raise ImportError(f"a unit test imported {name}: move its file to the `tf` tier "
-                              f"(tests/tiers.py)")
+                              f"(tests/tf/)")
         return None
 
 
 def _refused(what: str):
     def refuse(*args, **kwargs):
         raise AssertionError(f"a unit test {what}: move its file to the `server`, `parallel` "
-                             f"or `integration` tier (tests/tiers.py)")
+                             f"or `integration` tier (tests/server/, tests/parallel/, "
+                             f"tests/integration/)")
     return refuse
 
 

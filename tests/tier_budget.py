@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -44,31 +45,41 @@ class TierBudget:
     """The pytest plugin: sums durations per tier, finds the tiers that ran whole, and fails
     the session when one of them is over its (scaled) budget."""
 
-    def __init__(self, tiers: dict[str, list[str]], budgets: dict[str, float],
-                 scale: float | None) -> None:
-        self.tiers, self.budgets, self.scale = tiers, budgets, scale
-        self.tier_of = {name: tier for tier, names in tiers.items() for name in names}
+    def __init__(self, tiers: dict[str, list[Path]], tier_of: Callable[[Path], str | None],
+                 budgets: dict[str, float], scale: float | None) -> None:
+        """`tiers`: each tier's test files; `tier_of`: a test file's tier (tests/tiers.py)."""
+        self.tiers = {tier: {Path(f).resolve() for f in files} for tier, files in tiers.items()}
+        self.tier_of, self.budgets, self.scale = tier_of, budgets, scale
+        self.root = Path.cwd()  # node ids are relative to the rootdir (pytest_configure)
+        self._tier_of_file: dict[str, str | None] = {}  # node id's file part -> its tier
         self.seconds: dict[str, float] = defaultdict(float)
         self.per_test: dict[str, float] = defaultdict(float)
-        self.modules: set[str] = set()       # test files collected (a skipped module too)
-        self.narrowed: set[str] = set()      # files given with ::, or with tests deselected
+        self.modules: set[Path] = set()      # test files collected (a skipped module too)
+        self.narrowed: set[Path] = set()     # files given with ::, or with tests deselected
         self.pending: dict[str, set[str]] = defaultdict(set)  # tier -> tests not finished
         self.over: list[tuple[str, float, float]] = []
 
+    def _file(self, nodeid: str) -> Path:
+        return (self.root / nodeid.split("::")[0]).resolve()
+
     def _tier(self, nodeid: str) -> str | None:
-        return self.tier_of.get(Path(nodeid.split("::")[0]).name)
+        file = nodeid.split("::")[0]
+        if file not in self._tier_of_file:
+            self._tier_of_file[file] = self.tier_of(self._file(file))
+        return self._tier_of_file[file]
 
     def pytest_configure(self, config) -> None:
-        for arg in config.args:
+        self.root = config.rootpath
+        for arg in config.args:  # relative to the invocation directory, as given
             if "::" in arg:
-                self.narrowed.add(Path(arg.split("::")[0]).name)
+                self.narrowed.add((config.invocation_params.dir / arg.split("::")[0]).resolve())
 
     def pytest_collectreport(self, report) -> None:
         if report.nodeid.endswith(".py") and "::" not in report.nodeid:
-            self.modules.add(Path(report.nodeid).name)
+            self.modules.add(self._file(report.nodeid))
 
     def pytest_deselected(self, items) -> None:
-        self.narrowed.update(item.path.name for item in items)
+        self.narrowed.update(item.path.resolve() for item in items)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session) -> None:
@@ -87,8 +98,8 @@ class TierBudget:
             self.pending[tier].discard(report.nodeid)
 
     def whole(self, tier: str) -> bool:
-        names = set(self.tiers[tier])
-        return (names <= self.modules and not names & self.narrowed
+        files = self.tiers[tier]
+        return (files <= self.modules and not files & self.narrowed
                 and not self.pending[tier])
 
     def pytest_sessionfinish(self, session) -> None:

@@ -1,6 +1,6 @@
 """Stand-ins for your own model and data in the migration guide's snippets
 (docs/migration.md): a tiny embedding model and a fixed synthetic data set, the same in
-every snippet, so that the snippets' losses can be compared (tests/test_migration.py).
+every snippet, so that the snippets' losses can be compared (tests/integration/test_migration.py).
 
 `build_model()` makes the same initial weights on every call (a fixed Keras seed), and
 `load_data()` the same examples, so a run of any snippet, on one worker or several, trains

@@ -15,7 +15,7 @@ ShardedVariable is dispatched (tensorflow/python/distribute/sharded_variable.py)
 `embedding_lookup(shard_list, ids, "div")`, which partitions the ids and gathers each part
 with `sparse_read` colocated with its shard; a single (unsharded) table is gathered the same
 way. Only the looked-up rows travel to the worker, and the gradients are IndexedSlices whose
-`scatter_sub` runs on the shard's ps (tests/test_bench_peers.py checks the placement).
+`scatter_sub` runs on the shard's ps (tests/parallel/test_bench_peers.py checks the placement).
 """
 from __future__ import annotations
 

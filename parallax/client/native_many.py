@@ -6,7 +6,7 @@ one packed PullMany body per server in one kernel call (`pull_plan`); `NativePul
 scatters each packed answer's rows into the tables' rows in one call per answer
 (`pull_scatter`). `start_push` sums every table's gradient rows per id, narrows them to the
 tables' wire dtypes and encodes the PushMany bodies in one call (`push_encode`). The bytes
-on the wire and the rows are bit for bit the numpy path's (tests/test_native_worker.py).
+on the wire and the rows are bit for bit the numpy path's (tests/server/test_native_worker.py).
 
 Each returns None where the numpy path is to run instead: no compiled kernels
 (PARALLAX_NATIVE=0, or not built), a table whose rows are not float32, a pull that needs

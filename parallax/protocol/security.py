@@ -11,7 +11,7 @@ reads the token from a file only, never from its environment (visible in /proc).
 client certificates and token in Python, with the `cryptography` package (no `openssl`
 command); the CA's key never touches the disk.
 
-Workers (the strategy, `tests/launch_probe.py`) build their client options from:
+Workers (the strategy, `tests/helpers/launch_probe.py`) build their client options from:
   PARALLAX_TLS_CA      CA certificate that signed the servers' certificates (TLS on)
   PARALLAX_TLS_CERT    client certificate, for servers with --tls-client-ca
   PARALLAX_TLS_KEY     its private key

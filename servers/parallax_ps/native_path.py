@@ -17,7 +17,7 @@ reference: every kernel repeats its float operations in numpy's order (C++ compi
 fused multiply-add), so rows, slots and steps are bit-identical, and a kernel refuses
 nothing itself: where a check fails (an id out of range, a non-finite value, a wire dtype
 overflow) the numpy code runs again to raise its own error, before any state has changed.
-Float64 tables and Ftrl (numpy's power function) stay in numpy. tests/test_native_server.py
+Float64 tables and Ftrl (numpy's power function) stay in numpy. tests/unit/test_native_server.py
 and test_native_server_steps.py run both paths and compare bytes; the fuzzer hits both.
 """
 from __future__ import annotations

@@ -1,0 +1,336 @@
+"""Chaos: a 2-worker, 2-server Keras `fit` job (tests/helpers/chaos_worker.py, `BackupAndRestore`
+every epoch of INTERVAL steps) under `parallax run --max-restarts 3` loses a parameter
+server to SIGKILL mid-epoch, is restarted, then loses worker rank 1 to SIGKILL mid-epoch,
+and is restarted again. It must exit 0 with the same final weights (the whole embedding
+table, pulled from the servers, and the dense layer) as an uninterrupted run of the same
+script, within 1e-6.
+
+The kills are timed by the steps the workers print, and the victims are found among the
+launcher's descendants (test_launch's LAUNCH_TEST_MARK). Measured and printed per failure
+(run with -s to see it): the steps redone after the restart (the last step the killed
+attempt printed minus the step the next one resumed at; at most one checkpoint interval),
+the seconds from the kill to the restarted workers resuming, and to their first step.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import struct
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launching import Launcher, mark, marked_processes, wait_gone  # noqa: F401 (fixture)
+
+WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "chaos_worker.py")
+INTERVAL, EPOCHS = 4, 8                  # a checkpoint every 4 steps; 32 steps in all
+SERVER_KILL_STEP, WORKER_KILL_STEP = 6, 18  # both two steps into an epoch
+SAVE_KILL_STEP = 8                       # kills during the save at the end of step 8
+STEP_DELAY = 0.3                         # seconds per step in the chaos run
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _start(tmp: Path, name: str, mark: str, delay: float, *settings: str,
+           paced: int = EPOCHS) -> Launcher:
+    """The job under `parallax run --max-restarts 3`, its servers' data directory
+    TMP/NAME/data, run id NAME; `settings`: more chaos_worker.py arguments; steps take
+    `delay` s in the first `paced` attempts (those with kills), no longer after."""
+    return Launcher("-np", "2", "--servers", "2", "--max-restarts", "3", "--restart-delay",
+                    "0", "--data-dir", str(tmp / name / "data"), "--run-id", name, "--",
+                    sys.executable, WORKER, "--interval", str(INTERVAL),
+                    "--epochs", str(EPOCHS), "--step-delay", str(delay),
+                    "--paced-attempts", str(paced),
+                    "--backup", str(tmp / name / "backup"), "--out", str(tmp / f"{name}.npz"),
+                    *settings, mark=mark)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights (.npz) of an uninterrupted run with the given chaos_worker.py
+    settings, run once per module and settings."""
+    runs: dict[tuple, Path] = {}
+
+    def weights(*settings: str) -> Path:
+        if settings not in runs:
+            tmp, mark = tmp_path_factory.mktemp("full"), uuid.uuid4().hex
+            full = _start(tmp, "full", mark, 0.0, *settings)
+            _run_to_end(full, mark)
+            assert not _restart_causes(full), full.output()
+            runs[settings] = tmp / "full.npz"
+        return runs[settings]
+    return weights
+
+
+def _events(launcher: Launcher) -> list[dict]:
+    return [json.loads(line[line.index('{"chaos"'):])
+            for line in list(launcher.out) if '{"chaos"' in line]
+
+
+def _wait_for(launcher: Launcher, what: str, match, timeout: float = 90.0) -> dict:
+    """The first event `match` accepts, once the workers printed it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = next((e for e in _events(launcher) if match(e)), None)
+        if found is not None:
+            return found
+        assert launcher.proc.poll() is None, f"job ended before {what}:\n{launcher.output()}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout}s:\n{launcher.output()}"
+        time.sleep(0.02)
+
+
+def _kill(pid: int) -> float:
+    os.kill(pid, signal.SIGKILL)
+    return time.time()
+
+
+def _kill_a_server(launcher: Launcher, mark: str) -> float:
+    _wait_for(launcher, f"step {SERVER_KILL_STEP}",
+              lambda e: e["attempt"] == 0 and e["step"] >= SERVER_KILL_STEP)
+    servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
+    assert len(servers) == 2, marked_processes(mark)
+    return _kill(servers[1])
+
+
+def _kill_worker_1(launcher: Launcher, mark: str) -> float:
+    start = _wait_for(launcher, "worker 1 restarted",
+                      lambda e: e["chaos"] == "start" and e["attempt"] == 1 and e["rank"] == 1)
+    _wait_for(launcher, f"step {WORKER_KILL_STEP}",
+              lambda e: e["attempt"] == 1 and e["step"] >= WORKER_KILL_STEP)
+    processes = marked_processes(mark)
+    assert "chaos_worker.py" in processes.get(start["pid"], ""), (start, processes)
+    return _kill(start["pid"])
+
+
+def _run_to_end(launcher: Launcher, mark: str, timeout: float = 150.0) -> None:
+    try:
+        code = launcher.wait(timeout)
+    finally:
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()  # its servers and workers follow it (lifeline)
+    assert code == 0, launcher.output()
+    assert not wait_gone(mark), f"left behind: {marked_processes(mark)}"
+
+
+def _failures(events: list[dict], kill_times: list[float]) -> list[dict]:
+    """Per failure k: steps redone and seconds to recover, from attempt k's last step and
+    attempt k+1's start and first step."""
+    measured = []
+    for attempt, killed_at in enumerate(kill_times):
+        done = max(e["step"] for e in events if e["attempt"] == attempt)
+        later = [e for e in events if e["attempt"] == attempt + 1]
+        start = min(e["step"] for e in later if e["chaos"] == "start")
+        measured.append({
+            "last_step": done, "resumed_at": start, "steps_lost": done - start,
+            "to_resume_s": max(e["time"] for e in later if e["chaos"] == "start") - killed_at,
+            "to_first_step_s": min(e["time"] for e in later if e["chaos"] == "step")
+            - killed_at})
+    return measured
+
+
+def _restart_causes(launcher: Launcher) -> list[str]:
+    return [line for line in launcher.err if line.startswith("parallax run: restart ")]
+
+
+@pytest.mark.timeout(900)  # two training runs, one with 2 restarts (251 s on a loaded machine)
+def test_killed_server_then_killed_worker_end_with_the_uninterrupted_weights(tmp_path, mark,
+                                                                            uninterrupted):
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, paced=2)
+    try:
+        kill_times = [_kill_a_server(chaos, mark), _kill_worker_1(chaos, mark)]
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 2, chaos.output()
+    assert "parameter server" in causes[0] and "-9" in causes[0], causes
+    assert "worker rank 1" in causes[1], causes
+
+    events = _events(chaos)
+    assert max(e["step"] for e in events if e["attempt"] == 2) == INTERVAL * EPOCHS
+    failures = _failures(events, kill_times)
+    for kind, failure in zip(["server killed", "worker killed"], failures):
+        print(f"\nchaos: {kind}: {json.dumps(failure)}")
+        assert failure["resumed_at"] % INTERVAL == 0, failure
+        assert 0 <= failure["steps_lost"] <= INTERVAL, failure
+
+    _assert_same_weights(tmp_path / "chaos.npz", uninterrupted())
+
+
+def _assert_same_weights(chaos: Path, full: Path) -> None:
+    """The whole table and the dense layer of both runs, within 1e-6."""
+    with np.load(chaos) as got, np.load(full) as want:
+        assert sorted(got.files) == sorted(want.files)
+        assert any(got[k].shape == (300, 4) for k in got.files), got.files  # the table
+        for key in want.files:
+            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+class Created:
+    """inotify (Linux): the names created in, or moved into, one directory, as they come, so
+    that a kill can follow a file system event within a scheduling delay, not a poll's."""
+
+    IN_CREATE, IN_MOVED_TO = 0x100, 0x80
+
+    def __init__(self, directory: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        added = self._libc.inotify_add_watch(self.fd, os.fsencode(directory),
+                                             self.IN_CREATE | self.IN_MOVED_TO)
+        assert added >= 0, (directory, os.strerror(ctypes.get_errno()))
+        self._names: list[str] = []
+
+    def __enter__(self) -> "Created":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    def next(self, prefix: str, timeout: float) -> str:
+        """The next name that starts with `prefix`."""
+        deadline = time.monotonic() + timeout
+        while not any(n.startswith(prefix) for n in self._names):
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([self.fd], [], [], left)[0], \
+                f"nothing named {prefix}* created in {timeout}s"
+            self._names += _event_names(os.read(self.fd, 65536))
+        found = next(n for n in self._names if n.startswith(prefix))
+        self._names = self._names[self._names.index(found) + 1:]
+        return found
+
+
+def _event_names(data: bytes) -> list[str]:
+    """The names in a read of inotify events (struct inotify_event: wd, mask, cookie, len,
+    then len bytes of NUL-padded name)."""
+    names, offset = [], 0
+    while offset < len(data):
+        _, _, _, size = struct.unpack_from("iIII", data, offset)
+        offset += 16
+        names.append(data[offset:offset + size].rstrip(b"\0").decode())
+        offset += size
+    return names
+
+
+def _kill_mid_save(launcher: Launcher, root: Path, attempt: int, victim) -> str:
+    """SIGKILL process `victim()` the moment the servers' next checkpoint of `root` (their
+    resume/<run id> directory) gets its staging directory, the first thing a save writes,
+    once `attempt` printed step SAVE_KILL_STEP - 2; the checkpoint's name."""
+    _wait_for(launcher, f"step {SAVE_KILL_STEP - 2} of attempt {attempt}",
+              lambda e: e["attempt"] == attempt and e["step"] >= SAVE_KILL_STEP - 2)
+    pid = victim()
+    with Created(root) as created:
+        staging = created.next(".staging-", timeout=60)
+        _kill(pid)
+    return staging[len(".staging-"):]
+
+
+def _wait_for_restart(launcher: Launcher, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_restart_causes(launcher)) < count:
+        assert time.monotonic() < deadline, f"no restart {count}:\n{launcher.output()}"
+        time.sleep(0.02)
+
+
+def _start_of(launcher: Launcher, attempt: int, rank: int) -> dict:
+    return _wait_for(launcher, f"worker {rank} of attempt {attempt} started",
+                     lambda e: e["chaos"] == "start" and e["attempt"] == attempt
+                     and e["rank"] == rank)
+
+
+def _server_pids(mark: str) -> list[int]:
+    servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
+    assert len(servers) == 2, marked_processes(mark)
+    return servers
+
+
+def _assert_not_completed(launcher: Launcher, root: Path, checkpoint: str,
+                          restarts: int) -> None:
+    """Once the launcher restarts the job, the checkpoint whose save was killed is not
+    complete (not restorable): the kill landed inside the save."""
+    _wait_for_restart(launcher, restarts)
+    assert not (root / checkpoint / "COMPLETE").exists(), (checkpoint, sorted(os.listdir(root)))
+
+
+def _resumed_together(launcher: Launcher, attempt: int) -> dict[int, dict]:
+    """{rank: its start event} in `attempt`; both ranks resumed at the epoch before the
+    killed save (each has a backup of its own: they must agree)."""
+    starts = {rank: _start_of(launcher, attempt, rank) for rank in (0, 1)}
+    resumed = {rank: e["step"] for rank, e in starts.items()}
+    before = SAVE_KILL_STEP - INTERVAL
+    assert resumed == {0: before, 1: before}, f"attempt {attempt} resumed at steps {resumed}"
+    return starts
+
+
+@pytest.mark.timeout(600)
+def test_kills_mid_save_and_twice_in_a_row_end_with_the_uninterrupted_weights(
+        tmp_path, mark, uninterrupted):
+    """Three failures, the last two back to back: (1) a server SIGKILLed while the
+    checkpoint of epoch SAVE_KILL_STEP / INTERVAL is being saved (its staging directory was
+    just created), (2) after the restart, worker 0 (the chief, which has the servers save
+    and writes its Keras backup meanwhile) SIGKILLed the same way, (3) worker 1 SIGKILLed as
+    the next attempt starts, before its first step. Each save must count as not made: the
+    checkpoint is never marked complete, the chief's temporary backup file is left behind
+    beside an intact backup, and every rank resumes at the epoch before (a whole interval
+    lost). The job must exit 0 with the uninterrupted run's weights, on Horovod."""
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, paced=2)
+    root = tmp_path / "chaos" / "data" / "resume" / "chaos"
+    try:
+        saves = [_kill_mid_save(chaos, root, 0, lambda: _server_pids(mark)[1])]
+        _assert_not_completed(chaos, root, saves[0], restarts=1)
+        chief = _resumed_together(chaos, 1)[0]["pid"]
+        saves.append(_kill_mid_save(chaos, root, 1, lambda: chief))
+        _assert_not_completed(chaos, root, saves[1], restarts=2)
+        backup = tmp_path / "chaos" / "backup" / "worker-0"
+        assert (backup / f".latest.parallax-{chief}.weights.h5").exists(), \
+            sorted(os.listdir(backup))  # the chief died writing its backup
+        _kill(_resumed_together(chaos, 2)[1]["pid"])
+        _resumed_together(chaos, 3)
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 3, chaos.output()
+    assert "parameter server" in causes[0] and "-9" in causes[0], causes
+    assert "worker rank 0" in causes[1] and "worker rank 1" in causes[2], causes
+
+    events = _events(chaos)
+    assert {e["workers"] for e in events if e["chaos"] == "start"} == {"HorovodWorkers"}
+    assert not [e for e in events if e["attempt"] == 2 and e["chaos"] == "step"], events
+    assert max(e["step"] for e in events if e["attempt"] == 3) == INTERVAL * EPOCHS
+    print(f"\nchaos: saves killed: {saves}; every restart resumed at step "
+          f"{SAVE_KILL_STEP - INTERVAL}")
+    _assert_same_weights(tmp_path / "chaos.npz", uninterrupted())
+
+
+CACHE_AND_WIRE = ("--cache-staleness", "2", "--wire-dtype", "bfloat16")
+
+
+@pytest.mark.timeout(600)
+def test_row_cache_and_bfloat16_wire_through_a_kill_end_with_their_uninterrupted_weights(
+        tmp_path, mark, uninterrupted):
+    """The worker row cache (rows served up to 2 steps stale) and bfloat16 rows on the wire,
+    through a server SIGKILLed mid-epoch and the restart: the same weights as an
+    uninterrupted run with the same settings, within 1e-6. Both runs must have served rows
+    from the cache and sent bfloat16; a save empties the cache, as the restart does."""
+    full = uninterrupted(*CACHE_AND_WIRE)
+    chaos = _start(tmp_path, "chaos", mark, STEP_DELAY, *CACHE_AND_WIRE, paced=1)
+    try:
+        killed_at = _kill_a_server(chaos, mark)
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 1 and "parameter server" in causes[0], chaos.output()
+    events = _events(chaos)
+    ends = [e for e in events if e["chaos"] == "end"]
+    assert len(ends) == 2 and all(e["attempt"] == 1 for e in ends), ends
+    assert all(e["cache_hits"] > 0 and e["wire"] == ["bfloat16"] for e in ends), ends
+    [failure] = _failures(events, [killed_at])
+    print(f"\nchaos: server killed, row cache and bfloat16 wire: {json.dumps(failure)}")
+    assert failure["resumed_at"] == SERVER_KILL_STEP - SERVER_KILL_STEP % INTERVAL, failure
+    _assert_same_weights(tmp_path / "chaos.npz", full)
