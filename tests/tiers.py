@@ -19,7 +19,7 @@ from __future__ import annotations
 TIERS = {
     "unit": ["test_layout.py", "test_packed_codec.py", "test_plan.py", "test_routing_runs.py",
              "test_row_cache.py",
-             "test_traffic_model.py", "test_bench_report.py", "test_partitioner.py",
+             "test_traffic_model.py", "test_bench_report.py", "test_planner.py",
              "test_bulk_codec.py", "test_cli_help.py", "test_wire_dtypes.py",
              "test_dynamic_vocab.py", "test_native.py",
              "test_native_server.py", "test_native_server_steps.py", "test_docs.py",

@@ -1,4 +1,4 @@
-"""Value types of the partitioner: what it is told (table and cluster profiles, measurements),
+"""Value types of the planner: what it is told (table and cluster profiles, measurements),
 what it models (a table's cost curve), what it answers (a partition plan) and its one error.
 
 All frozen; mappings are stored as `FrozenMap`, so every value here is hashable and can be
