@@ -105,7 +105,7 @@ class RemoteTable:
         self.offset = offset
         self.keyed = keyed
         self.table_rows = None if keyed else offset + self.rows if pushes is None else \
-            table.partitioner.vocabulary_size  # the server table's (a group's: all members')
+            table.router.vocabulary_size  # the server table's (a group's: all members')
         self.sync = sync
         self.worker = worker  # this worker's index among those that push
         self.sends_pushes = sends_pushes  # False on non-root workers under local aggregation
