@@ -210,6 +210,21 @@ def test_cli_reports_a_parallax_error_in_one_line(error, code, capsys, monkeypat
     assert err == f"parallax status: error: {error}\n"
 
 
+def test_an_internal_error_says_it_is_a_bug_and_keeps_its_traceback(monkeypatch):
+    """A broken invariant is no user's mistake: the message asks for a report, and the CLI
+    lets the traceback through (a one-line error would lose what the report needs)."""
+    from parallax import InternalError, cli
+    error = InternalError("table 'a' has an id out of range that its own check let through")
+    assert isinstance(error, ParallaxError) and not isinstance(error, ConfigError)
+    assert "bug in parallax" in str(error) and "report" in str(error)
+
+    def fails(argv):
+        raise error
+    monkeypatch.setitem(cli.COMMANDS, "status", (fails, "fails"))
+    with pytest.raises(InternalError):
+        cli.main(["status"])
+
+
 # ---- TF_CONFIG as a cluster description ------------------------------------------------
 def _tf_config(task: dict, ps=("10.0.0.5:7000", "10.0.0.6:7000")) -> str:
     import json

@@ -18,7 +18,7 @@ from parallax.client.many_calls import (_DONE_ON_RETRY, _PART_FIELDS_BYTES, Pull
                                         PushPart, _abandon, _by_server, _in_flight,
                                         _Names, _packed, _request_limit, land_pull_answer)
 from parallax.client.table import ShardedTable
-from parallax.errors import ConfigError
+from parallax.errors import InternalError
 from parallax.protocol import bulk_codec
 from parallax.protocol.packed_codec import PullManyParts, PushManyParts
 from parallax.protocol.routing import Runs
@@ -35,8 +35,8 @@ def _checked_runs(tables: Sequence[ShardedTable], ids: Sequence) -> Runs:
                               for t in tables])
     if bad is not None:
         tables[bad].checked_ids(runs.run(bad))  # raises, naming the table and the id
-        raise ConfigError(f"internal: table {tables[bad].name!r} has an id out of range that "
-                          f"its own check let through")
+        raise InternalError(f"table {tables[bad].name!r} has an id out of range that its own "
+                            f"check let through")
     return runs
 
 
