@@ -1,6 +1,7 @@
 """The `parallax` command: `parallax run ...`, `parallax server ...`, `parallax demo ...`,
 `parallax version` (or `--version`). A ParallaxError from a command is one line on stderr
-(exit 2 for a configuration mistake, 1 otherwise), not a traceback."""
+(exit 2 for a configuration mistake, 1 otherwise), not a traceback; an InternalError (a bug
+in parallax) keeps its traceback, which a report needs."""
 from __future__ import annotations
 
 import sys
