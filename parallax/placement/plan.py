@@ -16,7 +16,7 @@ from parallax.errors import ConfigError
 from parallax.protocol.specs import bound_for
 from parallax.protocol.wire_dtypes import WIRE_DTYPES
 from parallax.placement.planner.placer import place
-from parallax.placement.planner.types import ClusterProfile, TableProfile
+from parallax.placement.planner.types import ClusterProfile, TableProfile, by_name
 
 # A table is split into shards of at least this size by default. Every shard costs each
 # worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
@@ -203,11 +203,7 @@ class Plan:
         return tuple(v for v in self.variables if v.placement == "allreduce")
 
     def get(self, name: str) -> VariablePlan:
-        for v in self.variables:
-            if v.name == name:
-                return v
-        raise KeyError(f"no variable {name!r} in the plan; known: "
-                       f"{', '.join(v.name for v in self.variables)}")
+        return by_name(self.variables, name, "variable")
 
     def signature(self) -> tuple:
         """What every worker must agree on."""

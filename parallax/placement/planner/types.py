@@ -48,6 +48,17 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if abs(nbytes) >= 2**20 else f"{nbytes:.0f} B"
 
 
+def by_name(items: Iterable[Any], name: str, what: str) -> Any:
+    """The item of `items` called `name` (a plan's table or variable); a KeyError naming
+    the ones it has otherwise, so a typo shows its fix."""
+    items = tuple(items)
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"no {what} {name!r} in the plan; known: "
+                   f"{', '.join(i.name for i in items)}")
+
+
 def _finite(value: float, minimum: float, what: str) -> float:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
         raise ConfigError(f"{what} must be a finite number >= {minimum}, got {value!r}")
@@ -241,11 +252,7 @@ class PartitionPlan:
         return {t.name: t.shards for t in self.tables}
 
     def get(self, name: str) -> TablePlacement:
-        for t in self.tables:
-            if t.name == name:
-                return t
-        raise KeyError(f"no table {name!r} in the plan; known: "
-                       f"{', '.join(t.name for t in self.tables)}")
+        return by_name(self.tables, name, "table")
 
     def to_json(self) -> str:
         return json.dumps({
