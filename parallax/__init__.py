@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from parallax.errors import ConfigError, ParallaxError, ServerError
+from parallax.errors import ConfigError, InternalError, ParallaxError, ServerError
 from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam,
                                      RMSprop, TableSpec)
 from parallax.runtime.logs import install as _install_logging
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from parallax.tf.strategy import ParallaxStrategy
 
 __all__ = ["Adagrad", "Adam", "Adamax", "CacheStats", "ClientOptions", "ConfigError", "Ftrl",
-           "Initializer", "Lion", "Nadam", "PSClient", "ParallaxError", "ParallaxStrategy",
-           "PartitionSearch", "RMSprop", "RowCache", "SGD", "ServerError", "ShardedTable",
-           "TableSpec", "__version__"]
+           "Initializer", "InternalError", "Lion", "Nadam", "PSClient", "ParallaxError",
+           "ParallaxStrategy", "PartitionSearch", "RMSprop", "RowCache", "SGD", "ServerError",
+           "ShardedTable", "TableSpec", "__version__"]
 
 _install_logging()  # the "parallax" logger writes to stderr (parallax.runtime.logs)
 

@@ -1,11 +1,12 @@
 """The `parallax` command: `parallax run ...`, `parallax server ...`, `parallax demo ...`,
 `parallax version` (or `--version`). A ParallaxError from a command is one line on stderr
-(exit 2 for a configuration mistake, 1 otherwise), not a traceback."""
+(exit 2 for a configuration mistake, 1 otherwise), not a traceback; an InternalError (a bug
+in parallax) keeps its traceback, which a report needs."""
 from __future__ import annotations
 
 import sys
 
-from parallax.errors import ConfigError, ParallaxError
+from parallax.errors import ConfigError, InternalError, ParallaxError
 from parallax.version import PROTOCOL_VERSION, __version__
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     handler, _ = COMMANDS[argv[0]]
     try:
         return handler(argv[1:])
+    except InternalError:  # a bug in parallax: its traceback is what the report needs
+        raise
     except ParallaxError as exc:  # a user's mistake or a job's failure: one line, no traceback
         print(f"parallax {argv[0]}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -10,6 +10,16 @@ class ConfigError(ParallaxError, ValueError):
     """A spec, argument or configuration value is invalid; the message names it and the fix."""
 
 
+class InternalError(ParallaxError, RuntimeError):
+    """An invariant parallax keeps broke: a bug in parallax, not in the caller's code or
+    configuration, so no fix of theirs helps; the message says so and asks for a report."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message} (a bug in parallax, not in your code or configuration: "
+                         f"please report it with this traceback and `parallax version`'s "
+                         f"output)")
+
+
 class ServerError(ParallaxError):
     """An RPC to a parameter server failed; carries the server address, table and gRPC code."""
 

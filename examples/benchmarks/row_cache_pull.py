@@ -27,7 +27,7 @@ import numpy as np
 from parallax.bench import workloads
 from parallax.client.row_cache import CachingClient, RowCache
 from parallax.client.table_client import TableClient
-from parallax.protocol.routing import Partitioner, Runs
+from parallax.protocol.routing import Runs, ShardRouter
 
 SHARDS = 2  # shards per table, as two servers would hold them
 
@@ -50,7 +50,7 @@ def tables_of(spec: workloads.WorkloadSpec) -> list[SimpleNamespace]:
     return [SimpleNamespace(name=f"table_{k}", dtype=np.dtype(np.float32),
                             spec=SimpleNamespace(dim=spec.table_dim, vocabulary_size=rows,
                                                  hashed_keys=False),
-                            partitioner=Partitioner(min(SHARDS, rows), rows, "mod"))
+                            router=ShardRouter(min(SHARDS, rows), rows, "mod"))
             for k, rows in enumerate(spec.table_rows)]
 
 
@@ -89,7 +89,7 @@ def timed(client: TableClient, tables, batches, first_step: int) -> float:
     start = time.process_time()
     for i, ids in enumerate(batches):
         step = first_step + i
-        runs = Runs([t.partitioner for t in tables], ids)
+        runs = Runs([t.router for t in tables], ids)
         client.start_pull(tables, [step] * len(tables), runs, [step] * len(tables)).result()
     return (time.process_time() - start) / len(batches)
 

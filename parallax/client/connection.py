@@ -350,7 +350,7 @@ class ServerConnection:
             return None, math.inf
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
                                 self.options, reply.server_id, reply.max_message_bytes,
-                                reply.idle_timeout_s, reply.packed)
+                                reply.idle_timeout_s)
         try:
             plane.check()
         except grpc.RpcError as err:

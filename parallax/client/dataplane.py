@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from parallax.protocol import bulk_codec, dataplane, packed_codec
+from parallax.protocol import dataplane, packed_codec
 from parallax.protocol.dataplane import FrameError
 
 CONNECT_TIMEOUT_S = 5.0
@@ -64,10 +64,8 @@ class DataPlaneClient:
     `idle_timeout_s` (0: unknown)."""
 
     def __init__(self, host: str, port: int, options, server_id: int = 0,
-                 max_message_bytes: int = 0, idle_timeout_s: float = 0,
-                 packed: bool = False) -> None:
+                 max_message_bytes: int = 0, idle_timeout_s: float = 0) -> None:
         self.host, self.port, self.options, self.server_id = host, port, options, server_id
-        self.packed = packed  # the server reads packed_codec's layout (methods 3 and 4)
         self.where = f"{host}:{port}"
         self._limit = min(options.max_message_bytes, max_message_bytes or 1 << 62)
         self._reuse_s = idle_timeout_s / 2 if idle_timeout_s else 60.0
@@ -78,37 +76,30 @@ class DataPlaneClient:
         self._closed = False
 
     def invoker(self, method: str, started: bool = False):
-        """`method` called like the gRPC stub's: packed (parallax.protocol.packed_codec) for a
-        server that reads it, else the gRPC messages' bytes. `started`: the callable sends the
+        """`method` (one of `dataplane.SERVED`) called like the gRPC stub's, its request and
+        answer in parallax.protocol.packed_codec's layout. `started`: the callable sends the
         request and returns a `Started` call, whose `result()` reads the answer."""
-        packed = self.packed and method in dataplane.PACKED
-        if packed:
-            serialize, deserialize = packed_codec.CLIENT_CODECS[method]
-        else:  # gRPC's codecs, which read bytes
-            serialize, read = bulk_codec.CLIENT_CODECS[method]
-            deserialize = lambda body: read(bytes(body))  # noqa: E731
+        serialize, deserialize = packed_codec.CLIENT_CODECS[method]
 
         def start(request, timeout: float | None = None) -> Started:
             # a request encoded by its maker may want its answer as it came (RawAnswer)
-            read = packed_codec.RawAnswer if packed and getattr(request, "raw_answer", False) \
+            read = packed_codec.RawAnswer if getattr(request, "raw_answer", False) \
                 else deserialize
             return Started(self, method, serialize(request), timeout or self.options.timeout,
-                           packed, read)
+                           read)
 
         def call(request, timeout: float | None = None):
             return start(request, timeout).result()
         return start if started else call
 
-    def call(self, method: str, body: bytes, timeout: float, packed: bool = False
-             ) -> bytearray:
-        """The response body of one request (`packed`: the body is in packed_codec's
-        layout); raises DataPlaneError."""
-        return self.finish(self.send(method, body, timeout, packed), method, timeout)
+    def call(self, method: str, body: bytes, timeout: float) -> bytearray:
+        """The response body of one request (`body`: in packed_codec's layout); raises
+        DataPlaneError."""
+        return self.finish(self.send(method, body, timeout), method, timeout)
 
-    def send(self, method: str, body: bytes, timeout: float, packed: bool = False
-             ) -> socket.socket:
-        """Send one request on a connection of its own, which `finish` reads the answer
-        from; raises DataPlaneError."""
+    def send(self, method: str, body: bytes, timeout: float) -> socket.socket:
+        """Send one request (`method`: gRPC's name, `body` packed) on a connection of its
+        own, which `finish` reads the answer from; raises DataPlaneError."""
         if len(body) > self._limit:  # as gRPC's send limit, or the server, would say
             raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"{method} of {len(body)} bytes is over the message limit of "
@@ -117,7 +108,7 @@ class DataPlaneClient:
         sock = self._take()
         try:
             sock.settimeout(timeout + REPLY_MARGIN_S)
-            code = dataplane.CODES[dataplane.PACKED[method] if packed else method]
+            code = dataplane.CODES[dataplane.PACKED[method]]
             header = dataplane.REQUEST.pack(dataplane.MAGIC, code, float(timeout), len(body))
             _send(sock, header, body)
         except socket.timeout:
@@ -228,7 +219,7 @@ class Started:
     raised by `result`, so a caller retries it as it retries any other failure."""
 
     def __init__(self, plane: DataPlaneClient, method: str, body: bytes, timeout: float,
-                 packed: bool, deserialize) -> None:
+                 deserialize) -> None:
         self._plane, self._method, self._timeout = plane, method, timeout
         self._deserialize = deserialize
         self._lock = threading.Lock()
@@ -237,7 +228,7 @@ class Started:
         self._error: BaseException | None = None
         self._done, self._value = False, None
         try:
-            self._sock = plane.send(method, body, timeout, packed)
+            self._sock = plane.send(method, body, timeout)
         except grpc.RpcError as err:
             self._error, self._done = err, True
 

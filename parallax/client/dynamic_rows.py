@@ -38,7 +38,7 @@ def export_rows(table: "ShardedTable", keys=None, top_n: int | None = None) -> R
     _check(table, top_n)
     wanted = None if keys is None else np.unique(table.checked_ids(keys))
     shards = range(table.spec.shard_count) if wanted is None else \
-        np.unique(table.partitioner.shard_of(wanted)).tolist()
+        np.unique(table.router.shard_of(wanted)).tolist()
     picked = _Picked(table, top_n)
     steps: dict[int, int] = {}
     for shard in shards:

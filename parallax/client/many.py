@@ -18,7 +18,7 @@ from parallax.client.many_calls import (_DONE_ON_RETRY, _PART_FIELDS_BYTES, Pull
                                         PushPart, _abandon, _by_server, _in_flight,
                                         _Names, _packed, _request_limit, land_pull_answer)
 from parallax.client.table import ShardedTable
-from parallax.errors import ConfigError
+from parallax.errors import InternalError
 from parallax.protocol import bulk_codec
 from parallax.protocol.packed_codec import PullManyParts, PushManyParts
 from parallax.protocol.routing import Runs
@@ -30,13 +30,13 @@ def _checked_runs(tables: Sequence[ShardedTable], ids: Sequence) -> Runs:
     for table, array in zip(tables, arrays):
         if array.dtype.kind not in "iu":
             table.checked_ids(array)  # raises, naming the table
-    runs = Runs([t.partitioner for t in tables], [a.reshape(-1) for a in arrays])
+    runs = Runs([t.router for t in tables], [a.reshape(-1) for a in arrays])
     bad = runs.first_outside([None if t.spec.hashed_keys else t.spec.vocabulary_size
                               for t in tables])
     if bad is not None:
         tables[bad].checked_ids(runs.run(bad))  # raises, naming the table and the id
-        raise ConfigError(f"internal: table {tables[bad].name!r} has an id out of range that "
-                          f"its own check let through")
+        raise InternalError(f"table {tables[bad].name!r} has an id out of range that its own "
+                            f"check let through")
     return runs
 
 
@@ -45,7 +45,7 @@ def pull_many(tables: Sequence[ShardedTable], unique_ids: Sequence[np.ndarray],
               min_steps: Sequence[int], checked: Runs | None = None) -> list[np.ndarray]:
     """Rows for each table's unique ids, in their order; `min_steps[k] > 0` waits until every
     shard of table k applied that many steps. `checked`: the ids as `Runs` over the tables'
-    partitioners, already range-checked by the caller (then `unique_ids` is not read)."""
+    routers, already range-checked by the caller (then `unique_ids` is not read)."""
     return start_pull_many(tables, unique_ids, min_steps, checked, now=False).result()
 
 
@@ -83,17 +83,17 @@ def pull_parts(tables: Sequence[ShardedTable], runs: Runs, min_steps: Sequence[i
 
 def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.ndarray]:
     """(order, offsets, ids[order]) of table k's pull: its ids as they are for a table in
-    one shard, else by shard, in their order (`Partitioner.shard_order`); when a push of the
+    one shard, else by shard, in their order (`ShardRouter.shard_order`); when a push of the
     same ids follows (`runs.expect_push`), distinct ids are laid out by their push routing
     instead (sorted within each shard), which the push then finds made."""
     ids = runs.run(k)
-    if runs.partitioners[k].shard_count == 1:
+    if runs.routers[k].shard_count == 1:
         return None, [0, len(ids)], ids
     if runs.expect_push:
         plan = runs.push_routings()[k]
         if plan.starts is None:
             return plan.order, plan.offsets, plan.ids
-    order, offsets = runs.partitioners[k].shard_order(ids)
+    order, offsets = runs.routers[k].shard_order(ids)
     return order, list(offsets), ids[order]
 
 

@@ -54,8 +54,8 @@ class _TableSet:
         self.dims = _int64([t.spec.dim for t in tables])
         self.layout = {
             "shard_counts": _int64([t.spec.shard_count for t in tables]),
-            "kinds": _int64([_KINDS[_kind(t.partitioner)] for t in tables]),
-            "blocks": _int64([1 if t.partitioner.hashed else max(1, t.partitioner.block)
+            "kinds": _int64([_KINDS[_kind(t.router)] for t in tables]),
+            "blocks": _int64([1 if t.router.hashed else max(1, t.router.block)
                               for t in tables]),
             "chunk_rows": _int64([t.chunk_rows for t in tables]),
             "name_at": _int64(np.cumsum([0] + [len(n) for n in names])),

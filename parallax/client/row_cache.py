@@ -555,7 +555,7 @@ class CachingClient(TableClient):
                 return _Ready(self._answered(len(tables), parts))
             generation = self._generation
         every = not any(part.hits for part in parts)
-        asked = runs if every else Runs(runs.partitioners, missing)
+        asked = runs if every else Runs(runs.routers, missing)
         pending = self.direct.start_pull(tables, min_steps, asked, clocks)
         return _Filling(self, parts, pending, generation)
 

@@ -2,7 +2,7 @@
 placement, between steps.
 
 The source is read shard by shard, page by page (ExportRows); each page is split by the
-target's partitioner and written to the owning target shards (ImportRows), all pages of one
+target's router and written to the owning target shards (ImportRows), all pages of one
 source page in flight at once. Only touched rows travel: an untouched row of a
 fixed-vocabulary table is its initial value, the same on any shard count. A dynamic
 table's rows carry their use history (uses, last_used), so LRU, LFU and TTL decide after
@@ -52,7 +52,7 @@ def import_page(target: ShardedTable, page: ps_pb2.ShardRows, step: int) -> None
     values = wire.decode(page.values, "values")
     slots = [wire.decode(t, "slot") for t in page.slots]
     history = [wire.decode(getattr(page, f), f) for f in HISTORY if page.HasField(f)]
-    order, offsets = target.partitioner.shard_order(ids)
+    order, offsets = target.router.shard_order(ids)
     if order is not None:
         ids, values = ids[order], values[order]
         slots, history = [s[order] for s in slots], [h[order] for h in history]

@@ -55,7 +55,7 @@ def checked_runs(remotes: Sequence[TableRows], ids: Sequence[np.ndarray]) -> Run
     """Every table's ids in range, checked in one pass (the first table with a bad id says
     which), as the `Runs` that `pull_many` and `push_many` route them by. `remotes`: one
     variable per server table (a table group's ids are checked by `TableIds`)."""
-    runs = Runs([r.table.partitioner for r in remotes], ids)
+    runs = Runs([r.table.router for r in remotes], ids)
     bad = runs.first_outside([r.table_rows for r in remotes])
     if bad is not None:
         remotes[bad].check_ids(runs.run(bad))  # raises, naming the variable and the id
@@ -134,8 +134,7 @@ class StepRouting:
     def runs_for(self, remotes: Sequence[TableRows], ids: Sequence[np.ndarray]) -> Runs:
         """`checked_runs(remotes, ids)`, or the pull's `Runs` of the very same ids."""
         pulled = self.pulled
-        if pulled is not None and pulled.same_ids([r.table.partitioner for r in remotes],
-                                                  ids):
+        if pulled is not None and pulled.same_ids([r.table.router for r in remotes], ids):
             return pulled
         return checked_runs(remotes, ids)
 

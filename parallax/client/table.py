@@ -21,7 +21,7 @@ from parallax.client import dynamic_rows
 from parallax.client.connection import ServerConnection
 from parallax.errors import ConfigError
 from parallax.protocol import bulk_codec, wire, wire_dtypes
-from parallax.protocol.routing import Partitioner, dedup, out_of_range
+from parallax.protocol.routing import ShardRouter, dedup, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
 
@@ -35,7 +35,7 @@ class ShardedTable:
         self.spec = spec
         self.shards = list(shards)
         self.session = session  # sent with pushes: async retries are recognised per session
-        self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
+        self.router = ShardRouter(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.dtype = np.dtype(spec.dtype)
         self.wire = wire_dtypes.get(spec.wire_dtype) if spec.wire_dtype else None
         self.push_dtype = self.wire.storage if self.wire else self.dtype  # gradients sent
@@ -132,7 +132,7 @@ class ShardedTable:
 
     def _pull_in_order(self, unique: np.ndarray, min_step: int,
                        full_precision: bool = False) -> np.ndarray:
-        order, offsets = self.partitioner.shard_order(unique)
+        order, offsets = self.router.shard_order(unique)
         grouped = unique if order is None else unique[order]
         return self._pull_grouped(grouped, offsets, min_step, order, full_precision)
 
@@ -156,7 +156,7 @@ class ShardedTable:
         """
         ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        plan = self.partitioner.route_push(ids)
+        plan = self.router.route_push(ids)
         narrow = self.narrowed(self.summed(plan, grads)) if self.wire else None
         calls = []
         slices = list(self.slices(plan.offsets))
@@ -200,7 +200,7 @@ class ShardedTable:
         """Set rows to explicit values, streamed to each shard in message-sized chunks."""
         ids = self.checked_ids(ids)
         values = np.asarray(values, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        order, offsets = self.partitioner.shard_order(ids)
+        order, offsets = self.router.shard_order(ids)
         if order is not None:
             ids, values = ids[order], values[order]
         total = 0

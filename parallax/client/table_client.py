@@ -39,7 +39,7 @@ class Pending(Protocol):
 class TableClient(abc.ABC):
     """Pulls and pushes of several tables at once, for one worker.
 
-    `runs`: every table's ids as `Runs` over the tables' partitioners, already checked
+    `runs`: every table's ids as `Runs` over the tables' routers, already checked
     against the tables' rows (`parallax.client.step.checked_runs`): unique ids for a
     pull, the ids of the gradient rows for a push. `min_steps[k] > 0`: the rows of table k
     as of at least that many applied steps (sync training). `clocks[k]`: the steps this

@@ -48,7 +48,7 @@ class TableTraffic:
     pulled_rows: int = 0
     pushes: int = 0
     pushed_rows: int = 0
-    pull_seconds: float = 0.0  # wall time of pulls (waits included), for the partitioner
+    pull_seconds: float = 0.0  # wall time of pulls (waits included), for the planner
     push_seconds: float = 0.0  # wall time of push RPCs, in the background or not
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -87,7 +87,7 @@ class TableRows:
         self.offset = offset
         self.keyed = keyed
         self.table_rows = None if keyed else offset + self.rows if pushes is None else \
-            table.partitioner.vocabulary_size  # the server table's (a group's: all members')
+            table.router.vocabulary_size  # the server table's (a group's: all members')
         self.sync = sync
         self.worker = worker  # this worker's index among those that push
         self.sends_pushes = sends_pushes  # False on non-root workers under local aggregation

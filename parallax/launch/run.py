@@ -29,7 +29,7 @@ start-up lines (`parallax.runtime.logs.worker_noise`).
 horovodrun's habits work: `-H host:N,...` (or `--hosts host:N,...`), `--hostfile FILE`
 (`host slots=N` lines) and `--horovodrun-arg=ARG` for any other horovodrun flag. The
 servers' start timeout is `--server-start-timeout`; `--start-timeout`, which is the workers'
-in horovodrun, still means the servers' here, with a warning (deprecated).
+in horovodrun, is refused with an error naming both (it once meant the servers' here).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from parallax.placement.partitioner.types import PlannerError, size_text
+from parallax.placement.planner.types import PlannerError, size_text
 from parallax.placement.plan import Plan, dtype_bytes
 from parallax.protocol.specs import TableSpec, slot_names
 

@@ -1,4 +1,4 @@
-"""The placement's on-disk caches (the partitioner's plans, the partition search's
+"""The placement's on-disk caches (the planner's plans, the partition search's
 decisions): a file named by the sha256 of what its content depends on, written atomically so
 that a crash or a full disk leaves the previous file or none, never half of one."""
 from __future__ import annotations

@@ -15,8 +15,8 @@ from parallax.env import COLLECTIVES, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.protocol.specs import bound_for
 from parallax.protocol.wire_dtypes import WIRE_DTYPES
-from parallax.placement.partitioner.placer import place
-from parallax.placement.partitioner.types import ClusterProfile, TableProfile
+from parallax.placement.planner.placer import place
+from parallax.placement.planner.types import ClusterProfile, TableProfile, by_name
 
 # A table is split into shards of at least this size by default. Every shard costs each
 # worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
@@ -203,11 +203,7 @@ class Plan:
         return tuple(v for v in self.variables if v.placement == "allreduce")
 
     def get(self, name: str) -> VariablePlan:
-        for v in self.variables:
-            if v.name == name:
-                return v
-        raise KeyError(f"no variable {name!r} in the plan; known: "
-                       f"{', '.join(v.name for v in self.variables)}")
+        return by_name(self.variables, name, "variable")
 
     def signature(self) -> tuple:
         """What every worker must agree on."""
@@ -398,7 +394,7 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
                  keep: Mapping[int, tuple[int, ...]] | None = None
                  ) -> dict[int, tuple[int, ...]]:
     """Server of every shard of the variables on parameter servers (index -> servers), by
-    the one placer, `parallax.placement.partitioner.place`, with nothing measured yet: whole
+    the one placer, `parallax.placement.planner.place`, with nothing measured yet: whole
     tables by bytes, the biggest first, each shard onto the least-loaded server its table does
     not use yet (lowest index on ties). The variables of a table group are placed as their
     one table. Deterministic: every worker computes the same placement from the same plan.

@@ -4,7 +4,7 @@ to sample in which order, and the saved decision.
 The search runs while the job trains. It measures the starting plan, then one shared shard
 count after another (1, 2, 4, ...: the Parallax paper's sweep, stopped as soon as the step
 time climbs past the best by `stop_ratio`, since the cost curve b/n + a(n-1) + c has one
-minimum), then the per-table plan the partitioner's fitted cost model proposes. The best
+minimum), then the per-table plan the planner's fitted cost model proposes. The best
 *measured* layout wins, so a poor fit can cost a sample but never the decision. The
 decision is saved under a key of the model, optimizer layout and cluster shape, and the
 next run of the same job starts with it instead of searching.
@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 from parallax.env import PLAN_CACHE_ENV
 from parallax.errors import ConfigError
 from parallax.placement.json_cache import cache_path, write_atomically
-from parallax.placement.partitioner import Measurement
+from parallax.placement.planner import Measurement
 from parallax.placement.plan import Plan, StrategyConfig
 
 log = logging.getLogger("parallax")

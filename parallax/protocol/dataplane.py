@@ -8,20 +8,18 @@ methods of the step also travel here; everything else (tables, checkpoints, heal
 and these two methods for a client or server without the data plane) stays on gRPC, which
 also tells the client where the data plane listens (the `DataPlane` RPC).
 
-Methods 1 and 2 carry exactly the gRPC messages (`PullManyRequest`, `PushManyRequest` and
-their responses, encoded and decoded by the same code). Methods 3 and 4 carry the same
-requests in `parallax.protocol.packed_codec`'s layout, which costs a few numpy calls a request
-instead of tens of microseconds a part; a client uses them with a server whose DataPlane answer says
-`packed` (older servers leave it unset, and older clients ignore it). Either way a request
-means the same and the server answers it with the same handler; only the encoding differs.
+Methods 3 and 4 carry PullMany and PushMany in `parallax.protocol.packed_codec`'s layout,
+which costs a few numpy calls a request instead of the protobuf messages' tens of
+microseconds a part; a request means what its gRPC twin means and the server answers it
+with the same handler. Methods 1 and 2 (the protobuf messages as frames) are retired: client
+and server ship in one wheel, and a frame naming them gets the unknown-method error.
 
 A connection (TCP, or TLS with the gRPC port's certificates) starts with a hello frame that
 carries the cluster token (empty without one); the server answers OK with its 8-byte id (the
 `server_id` of its DataPlane answer: a client checks it is talking to the server it asked),
 or an error and closes. Then each request frame gets one response frame, in order:
 
-    request:  magic b"PXD1", method (u8: 1 PullMany, 2 PushMany, 3 and 4 the same
-              packed), 3 zero bytes,
+    request:  magic b"PXD1", method (u8: 3 PullMany, 4 PushMany, packed), 3 zero bytes,
               deadline in seconds from now (f64; 0: none), body length (u64), body
     response: magic b"PXD1", status (u8: a gRPC status code, 0 OK), 3 zero bytes,
               body length (u64), body (the response message, or a UTF-8 error message)
@@ -37,11 +35,11 @@ import struct
 import time
 
 MAGIC = b"PXD1"
-VERSION = 1  # the framing; a server that also reads packed bodies says so (`packed`)
+VERSION = 1  # the framing (the DataPlane answer's `packed` is always true)
 HELLO = 0
-METHODS = {1: "PullMany", 2: "PushMany", 3: "PullManyPacked", 4: "PushManyPacked"}
+METHODS = {3: "PullManyPacked", 4: "PushManyPacked"}  # 1 and 2, protobuf bodies: retired
 CODES = {name: code for code, name in METHODS.items()}
-PACKED = {"PullMany": "PullManyPacked", "PushMany": "PushManyPacked"}  # announced: packed
+PACKED = {"PullMany": "PullManyPacked", "PushMany": "PushManyPacked"}  # gRPC's: the plane's
 SERVED = tuple(PACKED)  # the gRPC methods the data plane also carries
 REQUEST = struct.Struct("<4sB3xdQ")   # magic, method, deadline (s), body length
 RESPONSE = struct.Struct("<4sB3xQ")   # magic, status code, body length

@@ -5,8 +5,8 @@ The gRPC methods keep protobuf (`bulk_codec`): any protobuf peer can still talk 
 On the data plane both sides are parallax, and a step's request carries one part per table
 shard (52 for a 26-table model on 2 servers): laying out or reading protobuf costs tens of
 microseconds a part in Python, where a record array costs a few numpy calls a request
-(`examples/benchmarks/request_cost.py` measures both). A server announces it in its
-`DataPlane` answer (`packed`); older servers get protobuf frames.
+(`examples/benchmarks/request_cost.py` measures both). The data plane carries only this
+layout (its `DataPlane` answer's `packed` is always true).
 
 Layouts (little-endian; every row block starts 16-byte aligned within the body):
 

@@ -79,7 +79,7 @@ def grouped_order(keys: np.ndarray, bound: int, ids: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Partitioner:
+class ShardRouter:
     """Maps global ids to (shard, local row) for one table."""
 
     shard_count: int
@@ -233,7 +233,7 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     """(sorted unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows.
 
     Sorted unique input is returned as is (no copy)."""
-    plan = Partitioner(1).route_push(ids)
+    plan = ShardRouter(1).route_push(ids)
     if plan.order is None:
         return plan.ids, values  # already unique and sorted (what the client sends)
     summed = np.empty((len(plan.ids),) + values.shape[1:], dtype=values.dtype)
@@ -245,7 +245,7 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 _KINDS = {"mod": 0, "range": 1, "hashed": 2}  # as the compiled `route` numbers them
 
 
-def _kind(p: Partitioner) -> str:
+def _kind(p: ShardRouter) -> str:
     return "hashed" if p.hashed else p.partition
 
 
@@ -261,17 +261,17 @@ class FlatRouting(NamedTuple):
 
 
 class Runs:
-    """Consecutive runs of ids, run k belonging to table k (`partitioners[k]` routes it):
+    """Consecutive runs of ids, run k belonging to table k (`routers[k]` routes it):
     what a multi-table request plans in one pass of numpy calls, instead of one pass per
     table. `ids`: every run's int64 ids in turn; `starts[k]:starts[k + 1]` is run k."""
 
-    def __init__(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> None:
-        self.partitioners = list(partitioners)
+    def __init__(self, routers: Sequence[ShardRouter], runs: Sequence[np.ndarray]) -> None:
+        self.routers = list(routers)
         self.lengths = [len(r) for r in runs]
         self.starts = np.cumsum([0] + self.lengths).tolist()
         self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) if runs \
             else np.empty(0, np.int64)
-        self._width = max([p.shard_count for p in self.partitioners] + [1])
+        self._width = max([p.shard_count for p in self.routers] + [1])
         self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
         self._routings: list[PushRouting] | None = None
         self._flat: FlatRouting | None = None
@@ -279,11 +279,11 @@ class Runs:
         # as their push routing (a sort by id within each shard), which the push then reuses.
         self.expect_push = False
 
-    def same_ids(self, partitioners: Sequence[Partitioner], runs: Sequence[np.ndarray]) -> bool:
-        """Whether these runs are exactly this object's (same partitioners, same ids in the
+    def same_ids(self, routers: Sequence[ShardRouter], runs: Sequence[np.ndarray]) -> bool:
+        """Whether these runs are exactly this object's (same routers, same ids in the
         same order): a push of the ids a pull just routed can reuse its routing."""
-        return len(partitioners) == len(self.partitioners) and \
-            all(a is b or a == b for a, b in zip(partitioners, self.partitioners)) and \
+        return len(routers) == len(self.routers) and \
+            all(a is b or a == b for a, b in zip(routers, self.routers)) and \
             [len(r) for r in runs] == self.lengths and \
             (not runs or bool(np.array_equal(np.concatenate(runs), self.ids)))
 
@@ -307,21 +307,21 @@ class Runs:
         return np.asarray(values, dtype=np.int64)[self._table]
 
     def shards(self) -> np.ndarray:
-        """Partitioner.shard_of of every id, by its run's partitioner."""
-        kinds = {("hashed" if p.hashed else p.partition) for p in self.partitioners}
+        """ShardRouter.shard_of of every id, by its run's router."""
+        kinds = {("hashed" if p.hashed else p.partition) for p in self.routers}
         out = None
         for kind in sorted(kinds):
             if kind == "hashed":
-                count = self._per_id([p.shard_count for p in self.partitioners])
+                count = self._per_id([p.shard_count for p in self.routers])
                 shards = (mix64(self.ids.view(np.uint64)) % count.view(np.uint64)).view(np.int64)
             elif kind == "range":
-                shards = self.ids // self._per_id([max(1, p.block) for p in self.partitioners])
+                shards = self.ids // self._per_id([max(1, p.block) for p in self.routers])
             else:
-                shards = self.ids % self._per_id([p.shard_count for p in self.partitioners])
+                shards = self.ids % self._per_id([p.shard_count for p in self.routers])
             if len(kinds) == 1:
                 return shards
             mine = self._per_id([("hashed" if p.hashed else p.partition) == kind
-                                 for p in self.partitioners]).astype(bool)
+                                 for p in self.routers]).astype(bool)
             out = np.where(mine, shards, 0 if out is None else out)
         return out if out is not None else np.empty(0, np.int64)
 
@@ -334,7 +334,7 @@ class Runs:
     def _all_bounds(self, sorted_keys: np.ndarray) -> np.ndarray:
         """Per run k in turn, shard_count + 1 entries: where each shard of table k starts
         among `sorted_keys` (sorted `_keys`), and where its last ends; found in one search."""
-        counts = [p.shard_count + 1 for p in self.partitioners]
+        counts = [p.shard_count + 1 for p in self.routers]
         if not counts:
             return np.empty(0, np.int64)
         at = np.cumsum([0] + counts[:-1])
@@ -343,7 +343,7 @@ class Runs:
         return np.searchsorted(sorted_keys, grid).astype(np.int64, copy=False)
 
     def push_routings(self) -> list["PushRouting"]:
-        """Partitioner.route_push of every run: the same rows land in the same places.
+        """ShardRouter.route_push of every run: the same rows land in the same places.
         Computed once (a `Runs` is not changed after it is made). A run of distinct ids (a
         pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
         sorted within each, from `order`."""
@@ -358,20 +358,19 @@ class Runs:
         if self._flat is None:
             flat = None
             if kernel is not None:
-                counts = [p.shard_count for p in self.partitioners]
+                counts = [p.shard_count for p in self.routers]
                 found = kernel(self.ids, np.asarray(self.starts, np.int64),
                                np.asarray(counts, np.int64),
-                               np.asarray([_KINDS[_kind(p)] for p in self.partitioners],
-                                          np.int64),
+                               np.asarray([_KINDS[_kind(p)] for p in self.routers], np.int64),
                                np.asarray([max(1, p.block) if not p.hashed else 1
-                                           for p in self.partitioners], np.int64))
+                                           for p in self.routers], np.int64))
                 flat = FlatRouting(*found) if found is not None else None
             self._flat = flat if flat is not None else self._numpy_flat()
         return self._flat
 
     def _numpy_flat(self) -> "FlatRouting":
         keys = self._keys()
-        order = grouped_order(keys, len(self.partitioners) * self._width, self.ids)
+        order = grouped_order(keys, len(self.routers) * self._width, self.ids)
         ids, keys = self.ids[order], keys[order]
         new = np.ones(len(ids), dtype=bool)  # where a (table, shard, id) run starts
         if len(ids) > 1:
@@ -382,7 +381,7 @@ class Runs:
 
     def _routed(self, flat: "FlatRouting") -> list["PushRouting"]:
         plans, at = [], 0
-        for k, p in enumerate(self.partitioners):
+        for k, p in enumerate(self.routers):
             bounds = flat.bounds[at:at + p.shard_count + 1].tolist()
             at += p.shard_count + 1
             lo, hi = self.starts[k], self.starts[k + 1]

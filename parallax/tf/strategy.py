@@ -11,7 +11,8 @@ The hooks TF and Keras call, and what parallax does in each:
 - `_experimental_distribute_dataset`: each worker's part of every global batch, dropping a
   partial last one in training, splitting it among the workers for evaluate and predict.
 - `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
-  (the servers sum them); everything else goes through one grouped Horovod all-reduce.
+  (the servers sum them); everything else goes through one grouped all-reduce of the
+  collectives backend (Horovod, or TensorFlow's collective ops: `collectives=`).
 - `_update` (the optimizer's per-variable update): variables on the servers push their
   gradient there; replicated variables are updated locally, identically on every worker.
 """
@@ -629,7 +630,7 @@ def _checked_cache(cache) -> RowCache | None:
 
 class ParallaxStrategy(distribute_lib.Strategy):
     """Drop-in for `MultiWorkerMirroredStrategy`: sparse tables on parameter servers, dense
-    variables all-reduced with Horovod.
+    variables all-reduced by Horovod or TensorFlow's collectives (`collectives=`).
 
     Example (one worker with embedded servers, or N workers under `parallax run -np N`):
 
@@ -668,11 +669,12 @@ class ParallaxStrategy(distribute_lib.Strategy):
             mode: str or None (default). "hybrid": the variables the plan finds sparse (every
                 read a row gather on axis 0, gradient `IndexedSlices`) live on the parameter
                 servers; every other trainable variable is kept on every worker and its
-                gradients are summed by one grouped Horovod all-reduce per step. "ps": every
-                trainable variable on the servers (dense ones pulled whole at every step).
-                "allreduce": every variable on every worker, sparse gradients all-gathered by
-                Horovod, no servers. None: `PARALLAX_MODE` (`parallax run --mode`) when set
-                and not empty, else "hybrid". The only argument that may be positional.
+                gradients are summed by one grouped all-reduce per step (`collectives`). "ps":
+                every trainable variable on the servers (dense ones pulled whole at every
+                step). "allreduce": every variable on every worker, sparse gradients
+                all-gathered by the collectives, no servers. None: `PARALLAX_MODE` (`parallax
+                run --mode`) when set and not empty, else "hybrid". The only argument that
+                may be positional.
             sync: bool or None (default). True: a table shard applies one update per step,
                 from the sum of every worker's push, and a worker's pull waits until the
                 servers applied every step it pushed, so all workers read the same rows.

@@ -16,8 +16,8 @@ from typing import Mapping
 
 import numpy as np
 
-from parallax.placement.partitioner import (ClusterProfile, Measurement, PartitionPlanner,
-                                            ShardCountEnumerator, TableProfile, fit_report, place)
+from parallax.placement.planner import (ClusterProfile, Measurement, PartitionPlanner,
+                                        ShardCountEnumerator, TableProfile, fit_report, place)
 from parallax.placement.tuning import PartitionSearch, counts_text, next_uniform, save_decision
 from parallax.tf.resharding import Layout
 

@@ -265,7 +265,7 @@ def _check_rows(shard: TableShard, ids: np.ndarray) -> None:
     if len(np.unique(ids)) != len(ids):
         raise data_loss(f"checkpoint of table {spec.name!r} holds some row id twice")
     if not spec.hashed_keys:
-        expected = shard.partitioner.global_ids(shard.shard_index)
+        expected = shard.router.global_ids(shard.shard_index)
         if len(ids) != len(expected) or not np.array_equal(np.sort(ids), expected):
             raise data_loss(f"checkpoint of table {spec.name!r} does not cover shard "
                             f"{shard.shard_index}'s {len(expected)} rows exactly "
@@ -295,7 +295,7 @@ def load_for_shard(shard: TableShard, directory: Path,
     masks = []
     for part, (path, rows) in zip(parts, files):  # the ids first: what this shard keeps
         ids = _part_arrays(path, rows, ["ids"], spec)["ids"]
-        mine = shard.partitioner.shard_of(ids) == shard.shard_index
+        mine = shard.router.shard_of(ids) == shard.shard_index
         if len(parts) < part["shard_count"] and not mine.all():  # its own part only
             raise data_loss(f"checkpoint {directory}: shard {shard.shard_index} of table "
                             f"{spec.name!r} was saved partitioned otherwise; restore it with "

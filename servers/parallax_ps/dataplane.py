@@ -274,7 +274,9 @@ class DataPlaneServer:
         closing (so it reads the answer rather than a broken pipe)."""
         if name is None:
             _refuse(sock, grpc.StatusCode.INVALID_ARGUMENT,
-                    f"unknown data-plane method {method}")
+                    f"unknown data-plane method {method} (this server serves "
+                    f"{sorted(dataplane.METHODS)}: PullMany and PushMany in packed_codec's "
+                    f"layout); use a client of this server's parallax version")
         else:
             _refuse(sock, grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{name} of {length} bytes is over the server's message limit of "

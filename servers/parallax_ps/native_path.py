@@ -115,14 +115,14 @@ def all_finite(values: np.ndarray) -> bool | None:
     return module.all_finite(values)
 
 
-def owns_all(ids: np.ndarray, partitioner, shard: int) -> bool | None:
+def owns_all(ids: np.ndarray, router, shard: int) -> bool | None:
     """Whether every (int64) id is in a fixed vocabulary and shard `shard`'s under
-    `partitioner`; None where the numpy path must say (no kernels)."""
+    `router`; None where the numpy path must say (no kernels)."""
     module = kernels()
     if module is None or ids.dtype != np.int64:
         return None
-    return module.first_foreign(ids, partitioner.vocabulary_size, partitioner.shard_count, shard,
-                                partitioner.partition == "range",
-                                max(1, partitioner.block)) < 0
+    return module.first_foreign(ids, router.vocabulary_size, router.shard_count, shard,
+                                router.partition == "range",
+                                max(1, router.block)) < 0
 
 

@@ -199,7 +199,6 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_port = 0  # set by the server once its data plane listens
         self.data_server_id = 0
         self.data_idle_timeout_s = 0
-        self.packed_data_plane = True  # announced: the data plane reads packed_codec
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes, baseline_bytes)
         self.stats = ServerStats()
@@ -402,7 +401,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                         server_id=self.data_server_id,
                                         max_message_bytes=self.max_message_bytes,
                                         idle_timeout_s=self.data_idle_timeout_s,
-                                        packed=self.packed_data_plane), "", 0, 0
+                                        packed=True), "", 0, 0
 
     @_rpc_many("PushMany")
     def PushMany(self, request: bulk_codec.BulkPushMany, context):

@@ -25,7 +25,7 @@ import numpy as np
 
 from parallax.protocol import wire, wire_dtypes
 from parallax.protocol.initial_values import initial_rows
-from parallax.protocol.routing import Partitioner, out_of_range
+from parallax.protocol.routing import ShardRouter, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
 from parallax_ps import native_path
@@ -103,13 +103,13 @@ class TableShard:
         self.spec = spec
         self.shard_index = shard_index
         self.label = f"table {spec.name!r} shard {shard_index}"
-        self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
+        self.router = ShardRouter(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.optimizer = ServerOptimizer(spec.optimizer)
         self.budget = budget or MemoryBudget(0)
         self._max_value = float(np.finfo(spec.dtype).max)  # largest finite learning rate
         self.row_bytes = spec.dim * np.dtype(spec.dtype).itemsize * \
             (1 + len(self.optimizer.slot_names))
-        rows = 0 if spec.hashed_keys else self.partitioner.shard_size(shard_index)
+        rows = 0 if spec.hashed_keys else self.router.shard_size(shard_index)
         fixed = SKETCH_BYTES if needs_sketch(spec) else 0  # the admission sketch's counters
         self.budget.claim(self, rows * self.row_bytes + fixed, self.label,
                           f"creating {rows} rows of dim {spec.dim} ({self.row_bytes} bytes a "
@@ -146,7 +146,7 @@ class TableShard:
         if len(ids) == 0:
             return ids
         if not self.spec.hashed_keys:
-            if native_path.owns_all(ids, self.partitioner, self.shard_index):
+            if native_path.owns_all(ids, self.router, self.shard_index):
                 return ids  # else the checks below say which id is wrong
             vocab = self.spec.vocabulary_size
             bad = out_of_range(ids, vocab)
@@ -155,12 +155,12 @@ class TableShard:
                               f"the vocabulary [0, {vocab}); {len(bad)} ids are out of range")
             if self.spec.shard_count == 1:
                 return ids  # every id in the vocabulary is this shard's
-        owner = self.partitioner.shard_of(ids)
+        owner = self.router.shard_of(ids)
         wrong = np.flatnonzero(owner != self.shard_index)
         if len(wrong):
             raise invalid(f"{self.label}: id {ids[wrong[0]]} belongs to shard "
                           f"{owner[wrong[0]]} of {self.spec.shard_count}, not this one; "
-                          f"route ids with parallax.protocol.routing.Partitioner")
+                          f"route ids with parallax.protocol.routing.ShardRouter")
         return ids
 
     def check_rows(self, values: np.ndarray, n: int, field: str) -> None:

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from parallax.protocol.initial_values import initial_rows
-from parallax.protocol.routing import Partitioner
+from parallax.protocol.routing import ShardRouter
 from parallax.protocol.specs import TableSpec
 from parallax_ps.optimizers import ServerOptimizer, Slots
 
@@ -33,10 +33,10 @@ class FixedRows:
 
     def __init__(self, spec: TableSpec, shard: int, optimizer: ServerOptimizer) -> None:
         self.spec = spec
-        self.partitioner = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition)
+        self.router = ShardRouter(spec.shard_count, spec.vocabulary_size, spec.partition)
         self.shard = shard
         self.optimizer = optimizer
-        rows = self.partitioner.shard_size(shard)
+        rows = self.router.shard_size(shard)
         self.values = np.zeros((rows, spec.dim), dtype=spec.dtype)
         self.slots: Slots = {name: np.zeros((rows, spec.dim), dtype=spec.dtype)
                              for name in optimizer.slot_names}
@@ -52,10 +52,10 @@ class FixedRows:
         return self.num_rows * row_bytes
 
     def row_ids(self) -> np.ndarray:
-        return self.partitioner.global_ids(self.shard)
+        return self.router.global_ids(self.shard)
 
     def ids_of(self, rows: np.ndarray) -> np.ndarray:
-        return self.partitioner.global_ids_of(rows, self.shard)
+        return self.router.global_ids_of(rows, self.shard)
 
     def _ensure(self, rows: np.ndarray) -> None:
         """Give rows that were never touched their initial values (and slot values)."""
@@ -64,7 +64,7 @@ class FixedRows:
             return
         fresh = np.unique(fresh)
         if self.spec.initializer.kind != "zeros":
-            ids = self.partitioner.global_ids_of(fresh, self.shard)
+            ids = self.router.global_ids_of(fresh, self.shard)
             self.values[fresh] = initial_rows(self.spec.initializer, ids, self.spec.dim,
                                               self.spec.dtype)
         for name, slot in self.slots.items():
@@ -74,7 +74,7 @@ class FixedRows:
         self._ready[fresh] = True
 
     def locate(self, ids: np.ndarray, create: bool = False) -> np.ndarray:
-        rows = self.partitioner.local_rows(ids, self.shard)
+        rows = self.router.local_rows(ids, self.shard)
         self._ensure(rows)
         return rows
 
@@ -98,7 +98,7 @@ class FixedRows:
 
     def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Slots) -> None:
         """Set rows and their slots (ids owned by this shard); other rows are unchanged."""
-        rows = self.partitioner.local_rows(ids, self.shard)
+        rows = self.router.local_rows(ids, self.shard)
         self.values[rows] = values
         for name, slot in self.slots.items():
             slot[rows] = slots[name]

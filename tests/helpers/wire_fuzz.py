@@ -19,7 +19,7 @@ from google.protobuf import descriptor as _descriptor
 
 from parallax.protocol import wire
 from parallax.protocol.checkpoint_names import new_name
-from parallax.protocol.routing import Partitioner
+from parallax.protocol.routing import ShardRouter
 from parallax.protocol.specs import SGD, Adagrad, Adam, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
 
@@ -97,7 +97,7 @@ def owned_ids(rng, spec: TableSpec, shard: int, n: int) -> np.ndarray:
         if spec.name in VICTIMS:
             return rng.permutation(HASHED_KEYS)[:n]
         return rng.integers(-(2**40), 2**40, size=n)
-    ids = Partitioner(spec.shard_count, spec.vocabulary_size, spec.partition).global_ids(shard)
+    ids = ShardRouter(spec.shard_count, spec.vocabulary_size, spec.partition).global_ids(shard)
     return rng.choice(ids, size=min(n, len(ids)), replace=False)
 
 

@@ -27,7 +27,7 @@ from parallax.client.dataplane import DataPlaneClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
 from parallax.errors import ServerError
-from parallax.protocol import dataplane, wire
+from parallax.protocol import dataplane, packed_codec
 from parallax.protocol.bulk_codec import PushHeader
 from parallax.protocol.packed_codec import PushManyParts
 from parallax.protocol.security import generate_job_credentials, read_token
@@ -255,7 +255,8 @@ def test_a_declared_length_costs_no_memory_until_the_bytes_arrive():
             sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0.0, 0))
             dataplane.read_header(sock, dataplane.RESPONSE)
             dataplane.recv_exact(sock, 8)
-            sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, 2, 0.0, 250 << 20))
+            push = dataplane.CODES["PushManyPacked"]
+            sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, push, 0.0, 250 << 20))
             socks.append(sock)
         time.sleep(1.0)
         assert server.rss_mb() - before < 64, (before, server.rss_mb())
@@ -400,37 +401,36 @@ def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
     with LocalCluster(1) as cluster:
         small = ClientOptions(max_message_mb=1, retries=0)
         with PSClient(cluster.addresses, small) as client:
-            table = client.create_table(TableSpec(name="big", vocabulary_size=40_000, dim=16))
-            request = ps_pb2.PullManyRequest()
-            wire.encode(np.arange(40_000), request.parts.add(table="big").ids)
+            client.create_table(TableSpec(name="big", vocabulary_size=40_000, dim=16))
+            body = packed_codec.encode_pull_many(["big"], [0], [0], [np.arange(40_000)])
             plane = client.servers[0]._data_plane()
             with pytest.raises(grpc.RpcError) as info:
-                plane.call("PullMany", request.SerializeToString(), 10.0)
+                plane.call("PullMany", body, 10.0)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             assert not getattr(info.value, "transport", True)
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_packed_frames_only_for_a_server_that_reads_them(in_process, monkeypatch, packed):
-    """A server whose DataPlane answer says `packed` gets packed_codec frames (methods 3 and
-    4), one that does not (an older server) the protobuf ones (1 and 2); the training is the
-    same as over gRPC either way."""
-    in_process.service.packed_data_plane = packed  # False: what an older server announces
-    sent = []
-    original = DataPlaneClient.send
-
-    def send(self, method, body, timeout, packed=False):
-        sent.append(packed)
-        return original(self, method, body, timeout, packed)
-    monkeypatch.setattr(DataPlaneClient, "send", send)
-    with PSClient([in_process.address]) as fast, \
-            PSClient([in_process.address], ClientOptions(data_plane=False)) as slow:
-        over_plane = _train(_tables(fast, f"p{int(packed)}_"))
-        over_grpc = _train(_tables(slow, f"p{int(packed)}_grpc_"))
-        assert fast.servers[0].data_plane is not None
-    assert sent and set(sent) == {packed}
-    for a, b in zip(over_plane, over_grpc):
-        np.testing.assert_array_equal(a, b)
+@pytest.mark.parametrize("method", [1, 2])
+def test_a_retired_protobuf_frame_is_an_unknown_method_and_the_plane_serves_on(in_process,
+                                                                              method):
+    """Methods 1 and 2 (PullMany and PushMany as protobuf bytes) are retired: a frame naming
+    one is answered with the unknown-method error, its connection closed, and packed frames
+    (3 and 4) keep being served."""
+    sock = _hello(f"127.0.0.1:{in_process.data_plane.port}")
+    try:
+        dataplane.read_header(sock, dataplane.RESPONSE)
+        dataplane.recv_exact(sock, dataplane.SERVER_ID.size)
+        body = ps_pb2.PullManyRequest().SerializeToString() + b"\x00" * 8
+        sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, method, 10.0, len(body)) + body)
+        status, length = dataplane.read_header(sock, dataplane.RESPONSE)
+        details = dataplane.recv_exact(sock, length).decode()
+    finally:
+        sock.close()
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0], details
+    assert f"unknown data-plane method {method}" in details and "[3, 4]" in details
+    with PSClient([in_process.address]) as client:
+        _train(_tables(client, f"retired{method}_"), steps=1)
+        assert client.servers[0].data_plane is not None
 
 
 def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
@@ -445,7 +445,7 @@ def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
                                  lambda i, ids, g: (ids.__setitem__(..., [0, 2]),
                                                     g.__setitem__(..., 1.0))).packed()
             with pytest.raises(grpc.RpcError) as err:
-                plane.call("PushMany", body[:-4], 10.0, packed=True)
+                plane.call("PushMany", body[:-4], 10.0)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "malformed data-plane request: packed PushManyRequest" in err.value.details()
         finally:
@@ -455,10 +455,10 @@ def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
             np.testing.assert_array_equal(a, b)
 
 
-def test_clients_from_before_packed_frames_still_use_the_data_plane(servers):
-    """Such clients take the data plane only from a server announcing framing version 1; the
-    packed layout is a separate flag (a server announcing version 2 sent them to gRPC for
-    good: a reviewer's finding)."""
+def test_the_data_plane_answer_is_unchanged_on_the_wire(servers):
+    """Framing version 1 and `packed` (now always true), as every release has announced them
+    since packed frames came (a version 2 sent clients to gRPC for good: a reviewer's
+    finding)."""
     with PSClient(servers.addresses) as client:
         reply = client.servers[0].stub().DataPlane(ps_pb2.DataPlaneRequest(), timeout=10)
     assert (reply.version, reply.packed) == (1, True) and reply.port

@@ -1,11 +1,11 @@
 """Wire fuzzer: every RPC of ParameterServer, hit with mutated, truncated, random and
 structurally valid but hostile requests (tests/helpers/wire_fuzz.py), against a real server process.
 
-PullMany and PushMany cases go to the data plane too (the same bytes as frames on the
-server's data port, parallax.protocol.dataplane; and in parallax.protocol.packed_codec's
-layout, as is and with hostile headers, lengths and counts), and frames that are no requests
-at all (bad magic, unknown methods, lengths past the limit, truncated bodies, wrong tokens)
-must be refused or dropped without harm.
+PullMany and PushMany cases go to the data plane too (as frames on the server's data port,
+parallax.protocol.dataplane, in parallax.protocol.packed_codec's layout, as is and with
+hostile headers, lengths and counts), and frames that are no requests at all (bad magic,
+unknown or retired methods, lengths past the limit, truncated bodies, wrong tokens) must be
+refused or dropped without harm.
 
 A fixed seed and a bounded count keep it reproducible and quick enough for CI. Afterwards:
 no request got INTERNAL or UNKNOWN (every refusal names a specific code), no request aimed at
@@ -94,22 +94,12 @@ def send(channel: grpc.Channel, case: wire_fuzz.Case) -> Outcome:
     return Outcome(grpc.StatusCode.OK, response=response)
 
 
-def send_frame(plane: DataPlaneClient, case: wire_fuzz.Case) -> Outcome:
-    """The case's bytes as a data-plane frame (a fresh connection after any refusal)."""
-    timeout = 0.3 if case.method in WAITING_METHODS else 10.0
-    try:
-        return Outcome(grpc.StatusCode.OK, response=bytes(plane.call(case.method, case.payload,
-                                                                     timeout)))
-    except grpc.RpcError as err:
-        return Outcome(err.code(), err.details() or "")
-
-
 def send_packed(plane: DataPlaneClient, method: str, body: bytes) -> Outcome:
-    """`body` as a packed (version 2) frame of `method`."""
+    """`body` as a data-plane frame of `method` (packed: the plane's only layout; a fresh
+    connection after any refusal)."""
     timeout = 0.3 if method in WAITING_METHODS else 10.0
     try:
-        return Outcome(grpc.StatusCode.OK, response=bytes(plane.call(method, body, timeout,
-                                                                     packed=True)))
+        return Outcome(grpc.StatusCode.OK, response=bytes(plane.call(method, body, timeout)))
     except grpc.RpcError as err:
         return Outcome(err.code(), err.details() or "")
 
@@ -236,7 +226,6 @@ def fuzz_run(server) -> FuzzRun:
         sent = time.monotonic()
         outcomes = [("", send(server.channel, case))]
         if case.method in dataplane.SERVED:
-            outcomes.append((" (data plane)", send_frame(plane, case)))
             rng = np.random.default_rng(SEED + index)
             outcomes += [(f" (packed{label})", send_packed(plane, case.method, body))
                          for label, body in packed_variants(case, rng)]
@@ -404,14 +393,16 @@ def _frame(method: int, length: int, deadline: float = 0.0) -> bytes:
 _HELLO = _frame(dataplane.HELLO, 0)
 FRAME_ATTACKS = {
     "bad magic": b"XXXX" + bytes(dataplane.REQUEST.size),
-    "a request before the hello": _frame(1, 0),
+    "a request before the hello": _frame(3, 0),
     "a hello with a 1 MiB token": _frame(dataplane.HELLO, 1 << 20) + bytes(1 << 20),
     "a wrong token": _frame(dataplane.HELLO, 5) + b"wrong",
     "an unknown method": _HELLO + _frame(9, 0),
-    "a body past the message limit": _HELLO + _frame(2, 1 << 40),
-    "a truncated body": _HELLO + _frame(2, 1000) + b"x" * 10,
-    "an empty PullMany with a NaN deadline": _HELLO + _frame(1, 0, float("nan")),
-    "an empty PushMany with a negative deadline": _HELLO + _frame(2, 0, -5.0),
+    "a retired protobuf PullMany (method 1)": _HELLO + _frame(1, 8) + bytes(8),
+    "a retired protobuf PushMany (method 2)": _HELLO + _frame(2, 0),
+    "a body past the message limit": _HELLO + _frame(4, 1 << 40),
+    "a truncated body": _HELLO + _frame(4, 1000) + b"x" * 10,
+    "an empty PullMany with a NaN deadline": _HELLO + _frame(3, 0, float("nan")),
+    "an empty PushMany with a negative deadline": _HELLO + _frame(4, 0, -5.0),
     "random bytes after the hello": _HELLO + np.random.default_rng(SEED).bytes(300),
 }
 

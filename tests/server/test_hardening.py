@@ -486,7 +486,7 @@ def test_a_request_of_more_parts_than_a_step_needs_is_refused_before_any_work():
                                                  [0] * 100_000,
                                                  [np.array([i], np.int64) for i in range(100_000)])
             t0 = time.monotonic()
-            _refused(lambda: plane.call("PullMany", body, 60.0, packed=True),
+            _refused(lambda: plane.call("PullMany", body, 60.0),
                      grpc.StatusCode.INVALID_ARGUMENT, "carries 100000 parts")
             assert time.monotonic() - t0 < 5
         finally:

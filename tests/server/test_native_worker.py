@@ -12,7 +12,7 @@ from parallax.client.many import (_checked_runs, pull_many, pull_parts, pull_req
                                   push_parts, push_requests, start_push_many)
 from parallax.env import NATIVE_ENV
 from parallax.protocol.packed_codec import PULL_ANSWER_PART
-from parallax.protocol.routing import Partitioner, Runs
+from parallax.protocol.routing import Runs, ShardRouter
 from parallax.protocol.specs import SGD, Initializer, TableSpec
 from parallax.protocol.wire_dtypes import WireOverflowError
 
@@ -55,13 +55,13 @@ def _python(monkeypatch):
 
 def test_the_compiled_route_is_numpys():
     rng = np.random.default_rng(1)
-    partitioners = [Partitioner(1, 100), Partitioner(2, 500, "range"), Partitioner(3, 777),
-                    Partitioner(2, 0), Partitioner(3, 90, "range"), Partitioner(4, 10)]
+    routers = [ShardRouter(1, 100), ShardRouter(2, 500, "range"), ShardRouter(3, 777),
+               ShardRouter(2, 0), ShardRouter(3, 90, "range"), ShardRouter(4, 10)]
     for trial in range(50):
         ids = [rng.integers(-2**40, 2**40, rng.integers(0, 40)) if p.hashed else
-               rng.integers(0, p.vocabulary_size, rng.integers(0, 40)) for p in partitioners]
-        compiled = Runs(partitioners, ids).flat_routing(native.kernels().route)
-        for mine, numpys in zip(compiled, Runs(partitioners, ids).flat_routing()):
+               rng.integers(0, p.vocabulary_size, rng.integers(0, 40)) for p in routers]
+        compiled = Runs(routers, ids).flat_routing(native.kernels().route)
+        for mine, numpys in zip(compiled, Runs(routers, ids).flat_routing()):
             np.testing.assert_array_equal(mine, numpys, err_msg=f"trial {trial}")
 
 

@@ -10,7 +10,7 @@ import pytest
 from parallax.errors import ConfigError, ParallaxError
 from parallax.protocol import wire
 from parallax.protocol.initial_values import initial_rows
-from parallax.protocol.routing import Partitioner, dedup, sum_duplicates
+from parallax.protocol.routing import ShardRouter, dedup, sum_duplicates
 from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam,
                                      OptimizerSpec, RMSprop, TableSpec)
 from parallax.ps.v1 import ps_pb2
@@ -105,8 +105,8 @@ def test_unspecified_enums_from_the_wire_are_rejected():
 
 @pytest.mark.parametrize("partition", ["mod", "range"])
 @pytest.mark.parametrize("vocab, shards", [(10, 1), (10, 3), (17, 4), (100, 7)])
-def test_partitioner_covers_every_id_exactly_once(partition, vocab, shards):
-    part = Partitioner(shards, vocab, partition)
+def test_router_covers_every_id_exactly_once(partition, vocab, shards):
+    part = ShardRouter(shards, vocab, partition)
     seen = np.concatenate([part.global_ids(s) for s in range(shards)])
     np.testing.assert_array_equal(np.sort(seen), np.arange(vocab))
     for s in range(shards):
@@ -118,20 +118,20 @@ def test_partitioner_covers_every_id_exactly_once(partition, vocab, shards):
 
 
 def test_shard_order_groups_ids_by_shard_keeping_their_order():
-    part = Partitioner(3, 100)
+    part = ShardRouter(3, 100)
     ids = np.array([5, 3, 9, 4, 0, 7])
     order, offsets = part.shard_order(ids)
     grouped = ids[order]
     np.testing.assert_array_equal(grouped, [3, 9, 0, 4, 7, 5])
     for shard in range(3):
         assert (part.shard_of(grouped[offsets[shard]:offsets[shard + 1]]) == shard).all()
-    assert Partitioner(1, 100).shard_order(ids)[0] is None
+    assert ShardRouter(1, 100).shard_order(ids)[0] is None
 
 
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("ids", [[4, 1, 4, 2, 1, 4, 99], [1, 2, 5, 9], [9, 2, 5], []])
 def test_push_plan_sums_duplicates_into_contiguous_shard_slices(shards, ids):
-    part = Partitioner(shards, 100)
+    part = ShardRouter(shards, 100)
     ids = np.array(ids, dtype=np.int64)
     grads = np.arange(2 * len(ids), dtype=np.float32).reshape(len(ids), 2)
     plan = part.route_push(ids)
@@ -151,7 +151,7 @@ def test_push_plan_sums_duplicates_into_contiguous_shard_slices(shards, ids):
 
 
 def test_hashed_routing_spreads_keys():
-    part = Partitioner(4, 0)
+    part = ShardRouter(4, 0)
     counts = np.bincount(part.shard_of(np.arange(0, 40_000) * 1024), minlength=4)
     assert counts.min() > 9000, counts
 
@@ -208,6 +208,21 @@ def test_cli_reports_a_parallax_error_in_one_line(error, code, capsys, monkeypat
     assert cli.main(["status"]) == code
     err = capsys.readouterr().err
     assert err == f"parallax status: error: {error}\n"
+
+
+def test_an_internal_error_says_it_is_a_bug_and_keeps_its_traceback(monkeypatch):
+    """A broken invariant is no user's mistake: the message asks for a report, and the CLI
+    lets the traceback through (a one-line error would lose what the report needs)."""
+    from parallax import InternalError, cli
+    error = InternalError("table 'a' has an id out of range that its own check let through")
+    assert isinstance(error, ParallaxError) and not isinstance(error, ConfigError)
+    assert "bug in parallax" in str(error) and "report" in str(error)
+
+    def fails(argv):
+        raise error
+    monkeypatch.setitem(cli.COMMANDS, "status", (fails, "fails"))
+    with pytest.raises(InternalError):
+        cli.main(["status"])
 
 
 # ---- TF_CONFIG as a cluster description ------------------------------------------------

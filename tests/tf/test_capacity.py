@@ -12,7 +12,7 @@ import parallax
 from parallax.client import PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.placement.capacity import check_fits, server_bytes, table_bytes
-from parallax.placement.partitioner import PlannerError
+from parallax.placement.planner import PlannerError
 from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
 from parallax.protocol.specs import SGD, Adam, TableSpec
 

@@ -214,7 +214,7 @@ def test_async_shards_at_different_steps_resume_exactly(tmp_path):
             model = _model()
         _first_loss(model)
         table = strategy.tables["embedding/embeddings"].table
-        row = int(np.flatnonzero(table.partitioner.shard_of(np.arange(300)) == 0)[0])
+        row = int(np.flatnonzero(table.router.shard_of(np.arange(300)) == 0)[0])
         push = bulk_codec.encode_push_request(table.name, 0, 0, 0, np.array([row]),
                                               np.ones((1, 4), np.float32))
         table.shards[0].stub().Push(push, timeout=10)

@@ -12,7 +12,7 @@ import pytest
 import parallax
 from parallax.errors import ConfigError
 from parallax.placement import tuning
-from parallax.placement.partitioner import Measurement
+from parallax.placement.planner import Measurement
 from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
 from parallax.placement.tuning import PartitionSearch, next_uniform, sweep_counts
 

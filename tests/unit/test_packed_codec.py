@@ -11,7 +11,6 @@ import pytest
 
 from parallax.protocol import bulk_codec, packed_codec
 from parallax.protocol.bulk_codec import DecodeError, PushHeader
-from parallax.ps.v1 import ps_pb2
 
 DIM = 3
 
@@ -192,7 +191,6 @@ def test_the_packed_layout_is_what_the_docstring_says():
     """Record sizes are part of the protocol: a change needs a new data-plane version."""
     assert (packed_codec.PULL_PART.itemsize, packed_codec.PULL_ANSWER_PART.itemsize,
             packed_codec.PUSH_PART.itemsize) == (32, 32, 88)
-    assert ps_pb2.DataPlaneResponse().packed is False  # servers before it: protobuf frames
 
 
 def test_an_empty_part_with_a_huge_width_is_refused_not_a_numpy_error():

@@ -1,20 +1,20 @@
 """routing.Runs: many tables' routing in one pass gives exactly what each table's own
-Partitioner gives (fast tier: no servers, no TensorFlow)."""
+ShardRouter gives (fast tier: no servers, no TensorFlow)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from parallax.protocol.routing import (SHORT_RUN, Partitioner, Runs, grouped_order, stable_order,
-                                      sum_runs)
+from parallax.protocol.routing import (SHORT_RUN, Runs, ShardRouter, grouped_order, stable_order,
+                                       sum_runs)
 
-PARTITIONERS = [Partitioner(2, 1000), Partitioner(1, 50), Partitioner(3, 1000, "range"),
-                Partitioner(4), Partitioner(5, 17), Partitioner(2, 9, "range")]
+ROUTERS = [ShardRouter(2, 1000), ShardRouter(1, 50), ShardRouter(3, 1000, "range"),
+           ShardRouter(4), ShardRouter(5, 17), ShardRouter(2, 9, "range")]
 
 
 def _runs(rng, duplicates: bool):
     out = []
-    for p in PARTITIONERS:
+    for p in ROUTERS:
         n = int(rng.integers(0, 40))
         if p.hashed:
             ids = rng.integers(-2**62, 2**62, n)
@@ -27,12 +27,12 @@ def _runs(rng, duplicates: bool):
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("duplicates", [False, True])
-def test_push_routings_match_each_partitioner(seed, duplicates):
+def test_push_routings_match_each_router(seed, duplicates):
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates)
-    many = Runs(PARTITIONERS, runs)
+    many = Runs(ROUTERS, runs)
     assert many.push_routings() is many.push_routings()  # planned once
-    for p, ids, plan in zip(PARTITIONERS, runs, many.push_routings()):
+    for p, ids, plan in zip(ROUTERS, runs, many.push_routings()):
         want = p.route_push(ids)
         np.testing.assert_array_equal(plan.ids, want.ids)
         np.testing.assert_array_equal(plan.offsets, want.offsets)
@@ -48,10 +48,10 @@ def test_push_routings_match_each_partitioner(seed, duplicates):
 @pytest.mark.parametrize("seed", range(10))
 def test_a_plan_of_distinct_ids_is_their_pull_layout(seed):
     """A pull routes its (distinct) ids by the push routing: plan.order puts each id at its
-    shard's place, and shard s's ids are exactly those the partitioner gives it."""
+    shard's place, and shard s's ids are exactly those the router gives it."""
     rng = np.random.default_rng(seed)
     runs = _runs(rng, duplicates=False)
-    for p, ids, plan in zip(PARTITIONERS, runs, Runs(PARTITIONERS, runs).push_routings()):
+    for p, ids, plan in zip(ROUTERS, runs, Runs(ROUTERS, runs).push_routings()):
         assert plan.starts is None
         np.testing.assert_array_equal(ids[plan.order], plan.ids)
         owner = p.shard_of(plan.ids)
@@ -64,40 +64,40 @@ def test_a_plan_of_distinct_ids_is_their_pull_layout(seed):
 
 def test_same_ids_recognises_only_the_very_same_runs():
     ids = [np.array([5, 1, 7]), np.array([], np.int64), np.array([3])]
-    runs = Runs(PARTITIONERS[:3], ids)
-    assert runs.same_ids(PARTITIONERS[:3], [i.copy() for i in ids])
-    assert not runs.same_ids(PARTITIONERS[:3], [np.array([1, 5, 7]), ids[1], ids[2]])
-    assert not runs.same_ids(PARTITIONERS[:3], [np.array([5, 1]), np.array([7]), ids[2]])
-    assert not runs.same_ids([PARTITIONERS[1], PARTITIONERS[0], PARTITIONERS[2]], ids)
-    assert not runs.same_ids(PARTITIONERS[:2], ids[:2])
+    runs = Runs(ROUTERS[:3], ids)
+    assert runs.same_ids(ROUTERS[:3], [i.copy() for i in ids])
+    assert not runs.same_ids(ROUTERS[:3], [np.array([1, 5, 7]), ids[1], ids[2]])
+    assert not runs.same_ids(ROUTERS[:3], [np.array([5, 1]), np.array([7]), ids[2]])
+    assert not runs.same_ids([ROUTERS[1], ROUTERS[0], ROUTERS[2]], ids)
+    assert not runs.same_ids(ROUTERS[:2], ids[:2])
 
 
 def test_first_outside_names_the_run():
-    runs = Runs(PARTITIONERS[:3], [np.array([1, 999]), np.array([3, 50]), np.array([0])])
+    runs = Runs(ROUTERS[:3], [np.array([1, 999]), np.array([3, 50]), np.array([0])])
     assert runs.first_outside([1000, 50, 1000]) == 1
     assert runs.first_outside([1000, 51, 1000]) is None
-    assert Runs(PARTITIONERS[:1], [np.array([-1])]).first_outside([10]) == 0
+    assert Runs(ROUTERS[:1], [np.array([-1])]).first_outside([10]) == 0
     assert Runs([], []).first_outside([]) is None
 
 
 def test_unsigned_ids_stay_integers():
-    runs = Runs(PARTITIONERS[:2], [np.array([3, 5], np.uint64), np.array([7], np.int32)])
+    runs = Runs(ROUTERS[:2], [np.array([3, 5], np.uint64), np.array([7], np.int32)])
     assert runs.ids.dtype == np.int64 and runs.ids.tolist() == [3, 5, 7]
 
 
 def test_hashed_keys_are_not_range_checked_and_do_not_hide_other_runs():
     """A reviewer's finding: a negative hashed key was flagged as out of range, and only the
     first flagged run was looked at, so a bad id of a later fixed table went unchecked."""
-    runs = Runs([Partitioner(4), Partitioner(2, 10, "range")],
+    runs = Runs([ShardRouter(4), ShardRouter(2, 10, "range")],
                 [np.array([-5, 2**62]), np.array([1, 12])])
     assert runs.first_outside([None, 10]) == 1
-    assert Runs([Partitioner(4)], [np.array([-5])]).first_outside([None]) is None
+    assert Runs([ShardRouter(4)], [np.array([-5])]).first_outside([None]) is None
 
 
 def test_every_run_empty():
     """A push of no rows to every table (a step that touched none) plans empty pushes."""
-    runs = Runs(PARTITIONERS[:3], [np.empty(0, np.int64)] * 3)
-    for p, plan in zip(PARTITIONERS, runs.push_routings()):
+    runs = Runs(ROUTERS[:3], [np.empty(0, np.int64)] * 3)
+    for p, plan in zip(ROUTERS, runs.push_routings()):
         assert len(plan.ids) == 0 and list(plan.offsets) == [0] * (p.shard_count + 1)
 
 
@@ -114,7 +114,7 @@ def test_fast_orders_equal_numpys_stable_sorts(seed, bound):
         ids = ids.astype(np.int64)
         np.testing.assert_array_equal(grouped_order(keys, bound, ids),
                                       np.lexsort((ids, keys)))
-    # keys past `bound` (a range partitioner's shards of unchecked ids), a numpy bound
+    # keys past `bound` (a range router's shards of unchecked ids), a numpy bound
     wild = rng.integers(0, 1 << 40, n)
     np.testing.assert_array_equal(grouped_order(wild, np.int64(bound), keys),
                                   np.lexsort((keys, wild)))
@@ -149,9 +149,9 @@ def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
     from parallax.client.many import _pull_layout
     rng = np.random.default_rng(seed)
     ids = _runs(rng, duplicates=False)
-    runs = Runs(PARTITIONERS, ids)
+    runs = Runs(ROUTERS, ids)
     runs.expect_push = expect_push
-    for k, (p, run) in enumerate(zip(PARTITIONERS, ids)):
+    for k, (p, run) in enumerate(zip(ROUTERS, ids)):
         order, offsets, grouped = _pull_layout(runs, k)
         np.testing.assert_array_equal(grouped, run if order is None else run[order])
         assert sorted(grouped.tolist()) == sorted(run.tolist())
@@ -162,7 +162,7 @@ def test_a_pulls_layout_puts_every_id_in_its_shard(seed, expect_push):
                 part = grouped[offsets[s]:offsets[s + 1]]
                 assert (np.diff(part) > 0).all()
     assert (runs._routings is not None) == (expect_push and any(p.shard_count > 1
-                                                              for p in PARTITIONERS))
+                                                              for p in ROUTERS))
 
 
 def test_one_64_bit_hash_in_the_tree():

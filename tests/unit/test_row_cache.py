@@ -16,7 +16,7 @@ from parallax.client.row_cache import (MIN_CACHE_BYTES, WAYS, CachingClient, Fre
                                        RowCache, RowStore, StepRows, id_hashes, split_budget)
 from parallax.client.table_client import TABLE_CLIENTS, TableClient, table_client
 from parallax.errors import ConfigError
-from parallax.protocol.routing import Partitioner, Runs
+from parallax.protocol.routing import Runs, ShardRouter
 
 DIM, VOCAB = 4, 100_000
 
@@ -24,7 +24,7 @@ DIM, VOCAB = 4, 100_000
 def fake_table(name: str, vocab: int = VOCAB, shards: int = 2):
     spec = SimpleNamespace(dim=DIM, vocabulary_size=vocab, hashed_keys=False)
     return SimpleNamespace(name=name, spec=spec, dtype=np.dtype(np.float32),
-                           partitioner=Partitioner(shards, vocab, "mod"))
+                           router=ShardRouter(shards, vocab, "mod"))
 
 
 class VersionedRows(TableClient):
@@ -54,7 +54,7 @@ class VersionedRows(TableClient):
 
 
 def pull(cache, tables, ids, clocks, sync=True):
-    runs = Runs([t.partitioner for t in tables], ids)
+    runs = Runs([t.router for t in tables], ids)
     return cache.start_pull(tables, list(clocks) if sync else [0] * len(tables), runs,
                             clocks).result()
 
@@ -266,7 +266,7 @@ def test_a_pull_in_flight_across_an_invalidation_stores_nothing():
     server = VersionedRows()
     cache = CachingClient(RowCache(staleness=10), server)
     tables, ids = [fake_table("a")], [np.arange(50, dtype=np.int64)]
-    runs = Runs([t.partitioner for t in tables], ids)
+    runs = Runs([t.router for t in tables], ids)
     in_flight = cache.start_pull(tables, [1], runs, [1])  # read at the server's step 0
     server.steps["a"] = 5  # the table changed (restored, assigned) ...
     cache.invalidate()  # ... and the cache was told

@@ -40,7 +40,7 @@ inline int64_t floor_div(int64_t a, int64_t b) {
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
-// Partitioner.shard_of for one id (numpy's floor semantics for // and %).
+// ShardRouter.shard_of for one id (numpy's floor semantics for // and %).
 inline int64_t shard_of(int64_t id, int64_t kind, int64_t count, int64_t block) {
   if (kind == kHashed) return static_cast<int64_t>(mix64(static_cast<uint64_t>(id)) %
                                                    static_cast<uint64_t>(count));

@@ -30,7 +30,7 @@ struct Layout {
   std::vector<int64_t> offset_at;          // [T] where each table's offsets start
 };
 
-// Python's Partitioner.shard_order: a stable order by shard.
+// Python's ShardRouter.shard_order: a stable order by shard.
 void by_shard(const int64_t* ids, const Tables& t, size_t k, Layout* out) {
   int64_t lo = t.starts[k], hi = t.starts[k + 1], shards = t.shard_counts[k];
   std::vector<int64_t> shard(static_cast<size_t>(hi - lo)), next(shards + 1, 0);

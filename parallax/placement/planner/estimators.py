@@ -1,4 +1,4 @@
-"""Every cost the partitioner knows: shard sizes, where reads land, requests, seconds per step.
+"""Every cost the planner knows: shard sizes, where reads land, requests, seconds per step.
 
 The model is additive: a step takes a base time plus, per sparse table, a `TableCost` of its
 shard count. Before any measurement each table's cost comes from a prior built from the
@@ -14,8 +14,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from parallax.errors import ConfigError
-from parallax.placement.partitioner.types import (ClusterProfile, CostPrior, FitPoint, Measurement,
-                                                  TableCost, TableProfile)
+from parallax.placement.planner.types import (ClusterProfile, CostPrior, FitPoint, Measurement,
+                                              TableCost, TableProfile)
 
 
 def _check_count(table: TableProfile, n: int) -> None:

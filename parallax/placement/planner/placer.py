@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from parallax.errors import ConfigError
-from parallax.placement.partitioner.estimators import ServerLoadEstimator, shard_bytes
-from parallax.placement.partitioner.types import (ClusterProfile, PartitionPlan, PlannerError,
-                                                  TablePlacement, TableProfile, size_text)
+from parallax.placement.planner.estimators import ServerLoadEstimator, shard_bytes
+from parallax.placement.planner.types import (ClusterProfile, PartitionPlan, PlannerError,
+                                              TablePlacement, TableProfile, size_text)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Value types of the partitioner: what it is told (table and cluster profiles, measurements),
+"""Value types of the planner: what it is told (table and cluster profiles, measurements),
 what it models (a table's cost curve), what it answers (a partition plan) and its one error.
 
 All frozen; mappings are stored as `FrozenMap`, so every value here is hashable and can be
@@ -46,6 +46,17 @@ def size_text(nbytes: float) -> str:
     if abs(nbytes) >= 2**30:
         return f"{nbytes / 2**30:.1f} GiB"
     return f"{nbytes / 2**20:.1f} MiB" if abs(nbytes) >= 2**20 else f"{nbytes:.0f} B"
+
+
+def by_name(items: Iterable[Any], name: str, what: str) -> Any:
+    """The item of `items` called `name` (a plan's table or variable); a KeyError naming
+    the ones it has otherwise, so a typo shows its fix."""
+    items = tuple(items)
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"no {what} {name!r} in the plan; known: "
+                   f"{', '.join(i.name for i in items)}")
 
 
 def _finite(value: float, minimum: float, what: str) -> float:
@@ -241,11 +252,7 @@ class PartitionPlan:
         return {t.name: t.shards for t in self.tables}
 
     def get(self, name: str) -> TablePlacement:
-        for t in self.tables:
-            if t.name == name:
-                return t
-        raise KeyError(f"no table {name!r} in the plan; known: "
-                       f"{', '.join(t.name for t in self.tables)}")
+        return by_name(self.tables, name, "table")
 
     def to_json(self) -> str:
         return json.dumps({

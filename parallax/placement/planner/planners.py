@@ -8,14 +8,14 @@ from typing import Callable, Mapping, Sequence
 
 from parallax.errors import ConfigError
 from parallax.placement.json_cache import cache_path, write_atomically
-from parallax.placement.partitioner.enumerators import ShardCountEnumerator
-from parallax.placement.partitioner.estimators import ServerLoadEstimator, StepTimeEstimator
-from parallax.placement.partitioner.placer import place
-from parallax.placement.partitioner.proposers import (Candidates, GreedyProposer, GridProposer,
-                                                      ModelFitProposer, Proposer, uniform_counts)
-from parallax.placement.partitioner.types import (ClusterProfile, Measurement, PartitionPlan,
-                                                  PlannerError, TableCost, TableProfile,
-                                                  size_text)
+from parallax.placement.planner.enumerators import ShardCountEnumerator
+from parallax.placement.planner.estimators import ServerLoadEstimator, StepTimeEstimator
+from parallax.placement.planner.placer import place
+from parallax.placement.planner.proposers import (Candidates, GreedyProposer, GridProposer,
+                                                  ModelFitProposer, Proposer, uniform_counts)
+from parallax.placement.planner.types import (ClusterProfile, Measurement, PartitionPlan,
+                                              PlannerError, TableCost, TableProfile,
+                                              size_text)
 
 ProposerFactory = Callable[[Candidates, Callable[[str], TableCost]], Proposer]
 CACHE_FORMAT = 1

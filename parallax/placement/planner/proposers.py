@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Protocol
 
 from parallax.errors import ConfigError
-from parallax.placement.partitioner.types import TableCost
+from parallax.placement.planner.types import TableCost
 
 Candidates = Mapping[str, tuple[int, ...]]
 Counts = dict[str, int]

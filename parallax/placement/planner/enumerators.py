@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.errors import ConfigError
-from parallax.placement.partitioner.estimators import bytes_per_shard
-from parallax.placement.partitioner.types import (ClusterProfile, PlannerError, TableProfile,
-                                                  size_text)
+from parallax.placement.planner.estimators import bytes_per_shard
+from parallax.placement.planner.types import (ClusterProfile, PlannerError, TableProfile,
+                                              size_text)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The shard-count tuner (parallax.placement.partitioner): pure Python, no servers, no
+"""The shard-count tuner (parallax.placement.planner): pure Python, no servers, no
 TensorFlow."""
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.placement.partitioner import (ClusterProfile, CostPrior, GreedyProposer, GridProposer,
-                                            Measurement, ModelFitProposer, PartitionPlan,
-                                            PartitionPlanner, PlannerError, ServerLoadEstimator,
-                                            ShardCountEnumerator,
-                                            StepTimeEstimator, TableCost, TablePlacement,
-                                            TableProfile, bytes_per_shard, fit_report, place,
-                                            prior_cost, requests_per_step, shard_access_shares,
-                                            shard_bytes)
-from parallax.placement.partitioner.planner import grid
+from parallax.placement.planner import (ClusterProfile, CostPrior, GreedyProposer, GridProposer,
+                                        Measurement, ModelFitProposer, PartitionPlan,
+                                        PartitionPlanner, PlannerError, ServerLoadEstimator,
+                                        ShardCountEnumerator,
+                                        StepTimeEstimator, TableCost, TablePlacement,
+                                        TableProfile, bytes_per_shard, fit_report, place,
+                                        prior_cost, requests_per_step, shard_access_shares,
+                                        shard_bytes)
+from parallax.placement.planner.planners import grid
 from parallax.placement.plan import VariablePlan, place_shards
 
 GiB = 2**30
@@ -397,7 +397,7 @@ def test_a_zero_budget_still_plans_with_the_default_proposers():
 
 
 def test_kept_tables_stay_where_they_are_and_count_as_load():
-    from parallax.placement.partitioner import ClusterProfile, TableProfile, place
+    from parallax.placement.planner import ClusterProfile, TableProfile, place
     tables = [TableProfile(f"t{i}", rows=1000, dim=4, bytes=(8 - i) * 1000) for i in range(6)]
     cluster = ClusterProfile(num_servers=2, num_workers=2)
     counts = {t.name: 1 for t in tables}
