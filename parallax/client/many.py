@@ -90,9 +90,9 @@ def _pull_layout(runs: Runs, k: int) -> tuple[np.ndarray | None, list[int], np.n
     if runs.routers[k].shard_count == 1:
         return None, [0, len(ids)], ids
     if runs.expect_push:
-        plan = runs.push_routings()[k]
-        if plan.starts is None:
-            return plan.order, plan.offsets, plan.ids
+        routing = runs.push_routings()[k]
+        if routing.starts is None:
+            return routing.order, routing.offsets, routing.ids
     order, offsets = runs.routers[k].shard_order(ids)
     return order, list(offsets), ids[order]
 
@@ -188,29 +188,29 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     compiled = native_many.start_push(tables, runs, grads, steps, worker, learning_rates, now)
     if compiled is not None:
         return compiled
-    plans, narrow, parts = push_parts(tables, runs, grads)
-    return _start_push(tables, plans, (grads, narrow), parts, steps, worker, learning_rates,
+    routings, narrow, parts = push_parts(tables, runs, grads)
+    return _start_push(tables, routings, (grads, narrow), parts, steps, worker, learning_rates,
                        now)
 
 
 def push_parts(tables: Sequence[ShardedTable], runs: Runs, grads: Sequence[np.ndarray]
                ) -> tuple[list, list, list[PushPart]]:
-    """(routing plans, narrowed sums or None, parts) of a push, per table; narrowed before
+    """(push routings, narrowed sums or None, parts) of a push, per table; narrowed before
     anything is sent: a gradient beyond its wire dtype sends nothing."""
-    plans = runs.push_routings()
+    routings = runs.push_routings()
     narrow = [t.narrowed(t.summed(p, g)) if t.wire else None
-              for t, p, g in zip(tables, plans, grads)]
+              for t, p, g in zip(tables, routings, grads)]
     parts = []
-    for k, (table, plan) in enumerate(zip(tables, plans)):
+    for k, (table, routing) in enumerate(zip(tables, routings)):
         row_bytes = table.spec.dim * table.push_dtype.itemsize + 8
         fields = _PART_FIELDS_BYTES + len(table.name.encode())
-        for shard, lo, hi, chunk, chunks in table.slices(plan.offsets):
+        for shard, lo, hi, chunk, chunks in table.slices(routing.offsets):
             parts.append(PushPart(k, shard, lo, hi, chunk, chunks,
                                   (hi - lo) * row_bytes + fields))
-    return plans, narrow, parts
+    return routings, narrow, parts
 
 
-def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
+def _push_request(tables, routings, grads, parts, steps, worker, learning_rates
                   ) -> PushManyParts:
     """`grads`: (each table's gradients, each table's narrowed sums or None)."""
     grads, narrow = grads
@@ -224,21 +224,21 @@ def _push_request(tables, plans, grads, parts, steps, worker, learning_rates
 
     def fill(i: int, ids: np.ndarray, rows: np.ndarray) -> None:
         p = parts[i]
-        ids[...] = plans[p.index].ids[p.lo:p.hi]
+        ids[...] = routings[p.index].ids[p.lo:p.hi]
         if narrow[p.index] is None:
-            plans[p.index].fill(grads[p.index], p.lo, p.hi, rows)
+            routings[p.index].fill(grads[p.index], p.lo, p.hi, rows)
         else:
             rows[...] = narrow[p.index][p.lo:p.hi]
     return PushManyParts(headers, fill)
 
 
-def _start_push(tables, plans, grads, parts, steps, worker, learning_rates, now: bool
+def _start_push(tables, routings, grads, parts, steps, worker, learning_rates, now: bool
                 ) -> "PendingPush":
-    requests = push_requests(tables, plans, grads, parts, steps, worker, learning_rates, now)
+    requests = push_requests(tables, routings, grads, parts, steps, worker, learning_rates, now)
     return PendingPush(tables, _in_flight(requests, "PushMany", now))
 
 
-def push_requests(tables, plans, grads, parts, steps, worker, learning_rates, now: bool
+def push_requests(tables, routings, grads, parts, steps, worker, learning_rates, now: bool
                   ) -> list:
     """(conn, parts, request) of each request of a push (`now`: encoded now, so that the
     gradients may be reused once this returns)."""
@@ -246,7 +246,7 @@ def push_requests(tables, plans, grads, parts, steps, worker, learning_rates, no
     requests = []
     for conn, server_parts in _by_server(tables, parts).values():
         for chunk in _packed(server_parts, limit):
-            request = _push_request(tables, plans, grads, chunk, steps, worker, learning_rates)
+            request = _push_request(tables, routings, grads, chunk, steps, worker, learning_rates)
             requests.append((conn, chunk, request.settled() if now else request))
     return requests
 

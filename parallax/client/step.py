@@ -25,7 +25,7 @@ from parallax.client.table_client import TableClient, table_client
 from parallax.client.table_rows import (Landing, TableRows, account_push, land_pushes_of,
                                         shares)
 from parallax.client.worker_metrics import WORKER_METRICS
-from parallax.errors import ConfigError
+from parallax.errors import InternalError
 from parallax.protocol.routing import Runs
 
 
@@ -59,8 +59,8 @@ def checked_runs(remotes: Sequence[TableRows], ids: Sequence[np.ndarray]) -> Run
     bad = runs.first_outside([r.table_rows for r in remotes])
     if bad is not None:
         remotes[bad].check_ids(runs.run(bad))  # raises, naming the variable and the id
-        raise ConfigError(f"internal: {remotes[bad].label!r} has an id out of range that its "
-                          f"own check let through")
+        raise InternalError(f"{remotes[bad].label!r} has an id out of range that its "
+                            f"own check let through")
     return runs
 
 
@@ -205,10 +205,10 @@ class FusedPush:
         self.routing = routing or StepRouting()
         self.client = client or table_client()
         if len({id(r) for r in self.remotes}) != len(self.remotes):
-            raise ConfigError("internal: a fused push names a table twice")
+            raise InternalError("a fused push names a table twice")
         sync = {r.sync for r in self.remotes}
         if len(sync) > 1:
-            raise ConfigError("internal: a fused push mixes sync and async tables")
+            raise InternalError("a fused push mixes sync and async tables")
         self.sync = sync.pop() if sync else True
         self.runs = 0
 

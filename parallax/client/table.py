@@ -156,17 +156,17 @@ class ShardedTable:
         """
         ids = self.checked_ids(ids)
         grads = np.asarray(grads, dtype=self.dtype).reshape(len(ids), self.spec.dim)
-        plan = self.router.route_push(ids)
-        narrow = self.narrowed(self.summed(plan, grads)) if self.wire else None
+        routing = self.router.route_push(ids)
+        narrow = self.narrowed(self.summed(routing, grads)) if self.wire else None
         calls = []
-        slices = list(self.slices(plan.offsets))
+        slices = list(self.slices(routing.offsets))
         for shard, lo, hi, index, count in slices:
             writer = bulk_codec.PushRequestWriter(self.name, shard, step, worker, hi - lo,
                                                   self.spec.dim, self.push_dtype,
                                                   learning_rate, index, count, self.session)
-            writer.ids[...] = plan.ids[lo:hi]
+            writer.ids[...] = routing.ids[lo:hi]
             if narrow is None:
-                plan.fill(grads, lo, hi, writer.grads)
+                routing.fill(grads, lo, hi, writer.grads)
             else:
                 writer.grads[...] = narrow[lo:hi]
             request = writer.data()
@@ -181,10 +181,10 @@ class ShardedTable:
                 closed.add(shard)
         return len(closed) == self.spec.shard_count
 
-    def summed(self, plan, grads: np.ndarray) -> np.ndarray:
-        """Every routed id's summed gradient, in the table's dtype, in `plan.ids` order."""
-        out = np.empty((len(plan.ids), self.spec.dim), self.dtype)
-        plan.fill(grads, 0, len(plan.ids), out)
+    def summed(self, routing, grads: np.ndarray) -> np.ndarray:
+        """Every routed id's summed gradient, in the table's dtype, in `routing.ids` order."""
+        out = np.empty((len(routing.ids), self.spec.dim), self.dtype)
+        routing.fill(grads, 0, len(routing.ids), out)
         return out
 
     def wait_step(self, min_step: int) -> int:

@@ -233,12 +233,12 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     """(sorted unique ids, per-id sums of `values` rows); vectorised, no Python loop over rows.
 
     Sorted unique input is returned as is (no copy)."""
-    plan = ShardRouter(1).route_push(ids)
-    if plan.order is None:
-        return plan.ids, values  # already unique and sorted (what the client sends)
-    summed = np.empty((len(plan.ids),) + values.shape[1:], dtype=values.dtype)
-    plan.fill(values, 0, len(plan.ids), summed)
-    return plan.ids, summed
+    routing = ShardRouter(1).route_push(ids)
+    if routing.order is None:
+        return routing.ids, values  # already unique and sorted (what the client sends)
+    summed = np.empty((len(routing.ids),) + values.shape[1:], dtype=values.dtype)
+    routing.fill(values, 0, len(routing.ids), summed)
+    return routing.ids, summed
 
 
 # ---- many tables at once: one pass over every table's ids ------------------------------
@@ -345,7 +345,7 @@ class Runs:
     def push_routings(self) -> list["PushRouting"]:
         """ShardRouter.route_push of every run: the same rows land in the same places.
         Computed once (a `Runs` is not changed after it is made). A run of distinct ids (a
-        pull's) has no `starts`, and its plan is its pull's layout as well: ids by shard,
+        pull's) has no `starts`, and its routing is its pull's layout as well: ids by shard,
         sorted within each, from `order`."""
         if self._routings is None:
             self._routings = self._routed(self.flat_routing())
@@ -380,13 +380,13 @@ class Runs:
         return FlatRouting(order, ids[first], first, self._all_bounds(keys[first]))
 
     def _routed(self, flat: "FlatRouting") -> list["PushRouting"]:
-        plans, at = [], 0
+        routings, at = [], 0
         for k, p in enumerate(self.routers):
             bounds = flat.bounds[at:at + p.shard_count + 1].tolist()
             at += p.shard_count + 1
             lo, hi = self.starts[k], self.starts[k + 1]
             u_lo, u_hi = bounds[0], bounds[-1]
             starts = None if u_hi - u_lo == hi - lo else flat.first[u_lo:u_hi] - lo
-            plans.append(PushRouting(flat.unique[u_lo:u_hi], [b - u_lo for b in bounds],
+            routings.append(PushRouting(flat.unique[u_lo:u_hi], [b - u_lo for b in bounds],
                                      flat.order[lo:hi] - lo, starts))
-        return plans
+        return routings
