@@ -713,9 +713,9 @@ def test_a_hashed_key_never_hides_another_tables_bad_id(client, table_name):
     ranged = client.create_table(_spec(f"{table_name}_r", partition="range"))
     before = pull_many([ranged], [np.arange(1000)], [0])[0]
     for ids in ([1, 1002], [-3, 1]):
-        with pytest.raises(ConfigError, match=f"table '{table_name}_r': id"):
+        with pytest.raises(ConfigError, match=f"table '{table_name}_r' has 1000 rows: id"):
             pull_many([hashed, ranged], [np.array([-5]), np.array(ids)], [0, 0])
-        with pytest.raises(ConfigError, match=f"table '{table_name}_r': id"):
+        with pytest.raises(ConfigError, match=f"table '{table_name}_r' has 1000 rows: id"):
             push_many([hashed, ranged], [np.array([-5]), np.array(ids)],
                       [np.ones((1, 4), np.float32), np.ones((2, 4), np.float32)], [0, 0], 0,
                       [0.0, 0.0])
