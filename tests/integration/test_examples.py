@@ -187,6 +187,20 @@ def test_the_server_handler_benchmark_runs(grouped):
                      rf"ms per step", run.stdout), run.stdout
 
 
+def test_the_request_floor_benchmark_runs(tmp_path):
+    """examples/benchmarks/request_floor.py sends pulls and pushes of one part to a real
+    server and prints, per kind and size, the server's and the client's CPU per request."""
+    out = tmp_path / "floor.json"
+    run = subprocess.run([sys.executable, str(EXAMPLES / "benchmarks" / "request_floor.py"),
+                          "--requests", "20", "--rounds", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report) == sorted(f"{k} {n}" for k in ("pull", "push") for n in (1, 64, 3300))
+    assert all(f["wall_us"] > 0 and f["client_us"] >= 0 for f in report.values()), report
+    assert re.search(r"^push 3300 +\d+ +\d+ +\d+$", run.stdout, re.M), run.stdout
+
+
 def test_the_wire_dtype_benchmark_runs(tmp_path):
     """examples/benchmarks/wire_dtype.py trains the lm workload once per wire dtype and a
     float32 control on 2 local servers: narrow rows move half the bytes, the losses stay
