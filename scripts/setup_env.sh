@@ -65,11 +65,33 @@ if ! done_stage base "$base_key"; then
   mark_stage base "$base_key"
 fi
 
-if ! done_stage horovod 0.28.1; then
-  log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores)"
+# Horovod is built from source against the TensorFlow just installed (pip's own wheel cache
+# is not used: it keys a build by Horovod's version alone, and a build against another
+# TensorFlow does not load). The wheel is kept under a key of everything it was built
+# against (Horovod, TensorFlow, Python, machine), so a second checkout on the same machine
+# installs it in seconds; PARALLAX_WHEEL_CACHE=off builds every time.
+horovod_build() {
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-    "${pip[@]}" install --no-build-isolation --no-cache-dir horovod==0.28.1
+    "${pip[@]}" "$@" --no-build-isolation --no-cache-dir horovod==0.28.1
+}
+if ! done_stage horovod 0.28.1; then
+  built_for="$("$venv/bin/python" -c 'import platform, sys, tensorflow as tf
+print(f"horovod-0.28.1-tf{tf.__version__}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")' 2>/dev/null)"
+  wheels="${PARALLAX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/parallax/wheels}/$built_for"
+  if [ -n "$built_for" ] && [ "${PARALLAX_WHEEL_CACHE:-}" != off ] && ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
+    log "installing Horovod 0.28.1 built earlier for this TensorFlow and Python ($wheels)"
+    "${pip[@]}" install "$wheels"/horovod-*.whl
+  elif [ -n "$built_for" ] && [ "${PARALLAX_WHEEL_CACHE:-}" != off ] && mkdir -p "$wheels" 2>/dev/null; then
+    log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores; kept in $wheels)"
+    partial="$wheels.partial.$$"  # (another checkout may be building beside this one)
+    horovod_build wheel --no-deps -w "$partial"
+    mv "$partial"/horovod-*.whl "$wheels"/ && rmdir "$partial"
+    "${pip[@]}" install "$wheels"/horovod-*.whl
+  else
+    log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores)"
+    horovod_build install
+  fi
   "$venv/bin/python" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'Horovod was built without gloo'"
   mark_stage horovod 0.28.1
 fi
