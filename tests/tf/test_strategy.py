@@ -563,6 +563,36 @@ def test_horovod_autotune_is_read_as_horovod_reads_it(value, on):
     assert _autotuned({"HOROVOD_AUTOTUNE": value}) is on
 
 
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def test_keras_patches_name_the_installed_and_the_pinned_keras():
+    """`keras_patches.KERAS_VERSIONS` is the one place naming the Keras versions parallax's
+    monkeypatches are written for: the Keras this run has (each CI run installs one pinned
+    set) and every requirements file's pin are among them."""
+    from pathlib import Path
+
+    from parallax.tf.keras_patches import KERAS_VERSIONS
+    assert _minor(keras.__version__) in KERAS_VERSIONS, keras.__version__
+    for path in sorted((Path(__file__).resolve().parents[2] / "requirements").glob("*.txt")):
+        pins = [line.split("==", 1)[1].strip() for line in path.read_text().splitlines()
+                if line.startswith("keras==")]
+        assert all(_minor(pin) in KERAS_VERSIONS for pin in pins), (path.name, pins)
+
+
+def test_every_collectives_choice_has_a_backend_implementing_workers():
+    from parallax.env import COLLECTIVES
+    from parallax.tf.collectives import BACKENDS
+    from parallax.tf.collectives.workers import Workers
+    assert set(COLLECTIVES) - {"auto"} <= set(BACKENDS)
+    methods = [name for name, value in vars(Workers).items()
+               if callable(value) and not name.startswith("_")]
+    assert len(methods) == 6
+    for backend in BACKENDS.values():
+        assert all(callable(getattr(backend, m, None)) for m in methods), backend
+
+
 # ---- sparse Adagrad: parallax sums a step's repeated ids first, as the dense update does -----
 def _adagrad_run(strategy, ids, labels, densify=False):
     """Losses of one embedding model trained with Keras' Adagrad, one step per batch."""
