@@ -18,7 +18,7 @@ from parallax.version import __version__
 if TYPE_CHECKING:
     from parallax.client import CacheStats, ClientOptions, PSClient, RowCache, ShardedTable
     from parallax.placement.tuning import PartitionSearch
-    from parallax.tf.strategy import ParallaxStrategy
+    from parallax.tf.strategy.parallax_strategy import ParallaxStrategy
 
 __all__ = ["Adagrad", "Adam", "Adamax", "CacheStats", "ClientOptions", "ConfigError", "Ftrl",
            "Initializer", "InternalError", "Lion", "Nadam", "PSClient", "ParallaxError",
@@ -30,7 +30,8 @@ _install_logging()  # the "parallax" logger writes to stderr (parallax.runtime.l
 _LAZY = {"ClientOptions": "parallax.client", "PSClient": "parallax.client",
          "RowCache": "parallax.client", "CacheStats": "parallax.client",
          "ShardedTable": "parallax.client", "PartitionSearch": "parallax.placement.tuning",
-         "ParallaxStrategy": "parallax.tf.strategy"}  # the last imports TensorFlow
+         # the last imports TensorFlow
+         "ParallaxStrategy": "parallax.tf.strategy.parallax_strategy"}
 
 
 def __getattr__(name: str):

@@ -73,7 +73,7 @@ PARALLAX_MODE, PARALLAX_SYNC and PARALLAX_JOB_CONFIG (the mounted job.json), all
 With --collectives tensorflow (an image without Horovod) there is no rendezvous: every worker
 gets PARALLAX_WORKERS, the DNS names of all worker pods at --collective-port in rank order,
 and `parallax k8s worker` sets PARALLAX_WORKER_RANK from JOB_COMPLETION_INDEX; TensorFlow's
-servers find each other (`parallax.tf.tf_collectives`).
+servers find each other (`parallax.tf.collectives.tensorflow`).
 
 With --max-restarts N the pods restart together, in place (parallax.launch.gang: one failed rank
 cannot rejoin a Horovod job, so every rank's command restarts with a fresh rendezvous); the

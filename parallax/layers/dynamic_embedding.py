@@ -27,7 +27,7 @@ import tensorflow as tf
 from parallax.errors import ConfigError
 from parallax.placement.plan import DynamicRows
 from parallax.protocol.specs import TableSpec
-from parallax.tf.variables import ParallaxVariable
+from parallax.tf.graph.variables import ParallaxVariable
 
 log = logging.getLogger("parallax")
 

@@ -89,9 +89,10 @@ class StrategyConfig:
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
     shards: int | Mapping[str, int] | None = None  # default: one per 64 MiB, <= servers
     log_plan: bool = True
-    fuse: bool = True  # one pull and one push op per traced step (parallax.tf.fusion)
+    fuse: bool = True  # one pull and one push op per traced step (parallax.tf.graph.fusion)
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
-    checkpoints_kept: int = 5  # the servers' table checkpoints kept per job (parallax.tf.resume)
+    checkpoints_kept: int = 5  # the servers' table checkpoints kept per job
+    #                            (parallax.tf.state.resume)
     collectives: str = "auto"  # what sums dense gradients: auto|horovod|tensorflow (env.py)
     # rows of server tables on the wire: one dtype for every float32 table, or variable
     # name -> dtype; None: each table's own (parallax.protocol.wire_dtypes)
@@ -189,7 +190,7 @@ class Plan:
     num_servers: int
     num_workers: int
     variables: tuple[VariablePlan, ...]
-    # How each lookup of a table travels (parallax.tf.fusion.LookupReport), once a training
+    # How each lookup of a table travels (parallax.tf.graph.fusion.LookupReport), once a training
     # step has been traced for real; not part of what workers must agree on.
     lookups: tuple = ()
     cache: str = ""  # the worker row cache, described (empty: off); not agreed on either

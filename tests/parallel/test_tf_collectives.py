@@ -25,7 +25,7 @@ from parallax.launch.backends.horovodrun import horovod_installed
 from parallax.launch.backends.tf_supervisor import WorkerHost, remote_command
 from parallax.launch.backends.tfrun import supervisor_hosts
 from parallax.launch.hosts import is_local, parse_host_string
-from parallax.tf.tf_collectives import collective_workers
+from parallax.tf.collectives.tensorflow import collective_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "helpers" / "strategy_worker.py"

@@ -1,4 +1,5 @@
-"""parallax.tf.analysis: which variables are read only by row gathers, in real traced train steps.
+"""parallax.tf.graph.analysis: which variables are read only by row gathers, in real traced train
+steps.
 
 Every case traces a real model with tf.function; most include the GradientTape and a Keras
 optimizer update in the traced step, because gradient and update code read variables too.
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from parallax.tf.analysis import ReadReport, inspect_reads
+from parallax.tf.graph.analysis import ReadReport, inspect_reads
 
 IDS = tf.TensorSpec((None, 3), tf.int32)
 FLAG = tf.TensorSpec((), tf.bool)

@@ -1,4 +1,4 @@
-"""Step fusion (parallax.tf.fusion) in one worker process, against the session's two real
+"""Step fusion (parallax.tf.graph.fusion) in one worker process, against the session's two real
 parameter servers: one PullMany and one PushMany per server per step, counted by the
 servers; the same training, bit for bit, as the per-table path (fuse=False); lookups that
 cannot be grouped keep their own pull and say why; several steps in one graph stay ordered."""
@@ -16,7 +16,7 @@ import parallax
 from parallax import native
 from parallax.client import native_many
 from parallax.env import NATIVE_ENV
-from parallax.tf.variables import remote_of
+from parallax.tf.graph.variables import remote_of
 
 _ids = itertools.count()
 TABLES, VOCAB, DIM, BATCH = 5, 400, 4, 16

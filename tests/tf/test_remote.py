@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from parallax.protocol.specs import SGD, Initializer, TableSpec
-from parallax.tf.remote import RemoteTable
+from parallax.tf.graph.remote import RemoteTable
 
 
 def _tables(client, name):

@@ -14,7 +14,7 @@ import tensorflow as tf
 import parallax
 from parallax import native
 from parallax.errors import ConfigError, ParallaxError
-from parallax.tf.variables import ParallaxVariable
+from parallax.tf.graph.variables import ParallaxVariable
 
 _ids = itertools.count()
 VOCAB, DIM = 300, 4
@@ -251,7 +251,7 @@ def test_model_built_outside_the_scope_is_refused(make_strategy):
 def test_dataset_sharding_matches_multi_worker_mirrored():
     """Worker r of W gets the r-th slice of every global batch; a partial last global batch
     is dropped, so every worker runs the same steps."""
-    from parallax.tf.datasets import shard_for_worker
+    from parallax.tf.strategy.datasets import shard_for_worker
 
     ds = tf.data.Dataset.from_tensor_slices((np.arange(36), np.arange(36) * 10)).batch(16)
     parts = [[b[0].numpy().tolist() for b in shard_for_worker(ds, r, 2)] for r in range(2)]
@@ -409,7 +409,7 @@ def test_mode_and_sync_come_from_the_launcher_environment(monkeypatch, cluster):
 
 def test_big_tables_with_known_initializers_are_drawn_by_the_servers(make_strategy):
     from parallax.protocol.specs import Initializer
-    from parallax.tf.binding import server_initializer
+    from parallax.tf.strategy.binding import server_initializer
 
     with make_strategy().scope():
         normal = keras.layers.Embedding(
@@ -524,7 +524,7 @@ def test_an_optimizer_the_servers_lack_names_the_ways_out(make_strategy):
 def test_a_failed_weights_save_leaves_the_previous_file_loadable(tmp_path):
     """BackupAndRestore keeps one weights file: a save that fails half-way (here a layer
     refusing, as the servers refuse a checkpoint on a full disk) must not truncate it."""
-    from parallax.tf.keras_support import make_weight_saves_atomic
+    from parallax.tf.keras_patches import make_weight_saves_atomic
     make_weight_saves_atomic()  # what every ParallaxStrategy does
 
     class Flaky(keras.layers.Layer):
@@ -559,8 +559,38 @@ def test_a_failed_weights_save_leaves_the_previous_file_loadable(tmp_path):
 def test_horovod_autotune_is_read_as_horovod_reads_it(value, on):
     """With the autotuner on, parallax leaves HOROVOD_CYCLE_TIME unset: a cycle time from the
     environment is fixed, never tuned. Horovod reads HOROVOD_AUTOTUNE with strtol, > 0."""
-    from parallax.tf.collectives import _autotuned
+    from parallax.tf.collectives.horovod import _autotuned
     assert _autotuned({"HOROVOD_AUTOTUNE": value}) is on
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def test_keras_patches_name_the_installed_and_the_pinned_keras():
+    """`keras_patches.KERAS_VERSIONS` is the one place naming the Keras versions parallax's
+    monkeypatches are written for: the Keras this run has (each CI run installs one pinned
+    set) and every requirements file's pin are among them."""
+    from pathlib import Path
+
+    from parallax.tf.keras_patches import KERAS_VERSIONS
+    assert _minor(keras.__version__) in KERAS_VERSIONS, keras.__version__
+    for path in sorted((Path(__file__).resolve().parents[2] / "requirements").glob("*.txt")):
+        pins = [line.split("==", 1)[1].strip() for line in path.read_text().splitlines()
+                if line.startswith("keras==")]
+        assert all(_minor(pin) in KERAS_VERSIONS for pin in pins), (path.name, pins)
+
+
+def test_every_collectives_choice_has_a_backend_implementing_workers():
+    from parallax.env import COLLECTIVES
+    from parallax.tf.collectives import BACKENDS
+    from parallax.tf.collectives.workers import Workers
+    assert set(COLLECTIVES) - {"auto"} <= set(BACKENDS)
+    methods = [name for name, value in vars(Workers).items()
+               if callable(value) and not name.startswith("_")]
+    assert len(methods) == 6
+    for backend in BACKENDS.values():
+        assert all(callable(getattr(backend, m, None)) for m in methods), backend
 
 
 # ---- sparse Adagrad: parallax sums a step's repeated ids first, as the dense update does -----

@@ -170,7 +170,7 @@ def test_going_back_to_the_kept_table_copies_only_what_changed(cluster):
     its layout copies only the rows training wrote since, and every row, slot and the step
     are then exactly what training on the new table produced; the table left is kept in
     turn, so going forward again is as cheap."""
-    from parallax.tf.resharding import Layout
+    from parallax.tf.state.resharding import Layout
     strategy, keras_model = _job(cluster, False, f"tune-r-{time.time_ns()}")
     extended, name = strategy.extended, "table/embeddings"
     table = strategy.tables[name]

@@ -45,6 +45,15 @@ ALLOWED = {
 }
 TENSORFLOW = ("tensorflow", "keras", "horovod.tensorflow", "horovod.keras", "tf_keras")
 TF_OUTSIDE_TF = {"parallax.bench.worker", "parallax.bench.tf_peers", "parallax.bench.models"}
+# parallax/tf/'s rooms (its subpackages and top modules) -> the rooms each may import
+TF_ROOMS = {
+    "graph": set(),  # the traced step's variable, ops, fusion and read analysis
+    "collectives": set(),  # `Workers` and its backends (`BACKENDS`)
+    "keras_support": set(),  # what parallax reads of Keras
+    "state": {"collectives", "graph"},  # resume, resharding, the tuner
+    "keras_patches": {"graph", "state"},  # every change parallax makes to Keras
+    "strategy": {"collectives", "graph", "keras_patches", "keras_support", "state"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -129,6 +138,21 @@ def test_only_the_tensorflow_side_imports_tensorflow():
     wrong = sorted(f"{m} imports {n}" for m, names in IMPORTS.items()
                    if _layer(m) not in ("tf", "layers") and m not in TF_OUTSIDE_TF
                    for n in names if any(n == t or n.startswith(t + ".") for t in TENSORFLOW))
+    assert not wrong, "\n".join(wrong)
+
+
+def _room(module: str) -> str | None:
+    """The room of parallax/tf/ `module` is in; None outside it (and for its `__init__`)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["parallax", "tf"] and len(parts) > 2 else None
+
+
+def test_the_tensorflow_side_s_rooms_import_only_what_they_may():
+    rooms = {_room(m) for m in MODULES} - {None}
+    assert rooms == set(TF_ROOMS), "a room of parallax/tf/ without a rule in TF_ROOMS"
+    wrong = sorted(f"{m} ({_room(m)}) imports {d} ({_room(d)})"
+                   for m, deps in GRAPH.items() if _room(m) for d in deps
+                   if _room(d) and _room(d) != _room(m) and _room(d) not in TF_ROOMS[_room(m)])
     assert not wrong, "\n".join(wrong)
 
 

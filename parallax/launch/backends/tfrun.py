@@ -1,5 +1,6 @@
 """The `tensorflow` launch backend: N workers, on this machine and over ssh, without Horovod,
-whose dense gradients go through TensorFlow's own collectives (`parallax.tf.tf_collectives`).
+whose dense gradients go through TensorFlow's own collectives
+(`parallax.tf.collectives.tensorflow`).
 
 Its one command is a small supervisor, `tf_supervisor.py` beside this file, which keeps
 horovodrun's output contract: the launcher reads both alike.

@@ -29,7 +29,7 @@ import tensorflow as tf
 from parallax.client.cluster import parse_addresses
 from parallax.env import TF_CONFIG_ENV, WORKER_RANK_ENV, WORKERS_ENV, tf_heartbeat_seconds
 from parallax.errors import ConfigError
-from parallax.tf.worker_info import WorkerInfo
+from parallax.tf.collectives.workers import WorkerInfo
 
 # No timeout: a collective waits for its slowest peer, as Horovod's do (a chief's long
 # evaluation or checkpoint must not fail the job); a dead peer ends the job through the
@@ -95,7 +95,7 @@ def _tf_config_workers(text: str) -> tuple[list[str], int] | None:
 
 
 class TensorFlowWorkers:
-    """Peers over TensorFlow's collective ops; the interface of `HorovodWorkers`."""
+    """Peers over TensorFlow's collective ops (`BACKENDS["tensorflow"]`)."""
 
     def __init__(self, addresses: Sequence[str], rank: int) -> None:
         global _SERVING

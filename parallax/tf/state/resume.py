@@ -3,8 +3,9 @@ slots and step travel with `tf.train.Checkpoint` / `CheckpointManager`, Keras
 `BackupAndRestore`, `ModelCheckpoint`, `save_weights` and `model.save`, by reference.
 
 Every Keras optimizer built in a `ParallaxStrategy`'s scope gets one more attribute,
-`parallax_server_tables`: the strategy's `ServerTables`, both a TF trackable and a Keras
-saveable, so both formats find it next to the optimizer's own state.
+`parallax_server_tables` (`parallax.tf.keras_patches.attach_to_keras_optimizers`): the
+strategy's `ServerTables`, both a TF trackable and a Keras saveable, so both formats find it
+next to the optimizer's own state.
 - Saving it makes the chief wait until the servers applied every step it pushed, then has
   the servers write a checkpoint of every table (`PSClient.save`: a new directory, sealed by
   a checksummed manifest, the newest `checkpoints_kept` kept) under `resume/<run id>` in
@@ -35,11 +36,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
-import inspect
 import json
 import logging
-import os
 
 import grpc
 import numpy as np
@@ -49,8 +47,8 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from parallax.errors import ConfigError, ServerError
 from parallax.placement.plan import Plan
 from parallax.protocol.checkpoint_names import NO_DATA_DIR
-from parallax.tf import inline_tables
-from parallax.tf.binding import on_chief, on_every_worker
+from parallax.tf.state import inline_tables
+from parallax.tf.collectives.workers import on_chief, on_every_worker
 
 ATTRIBUTE = "parallax_server_tables"
 FORMAT = 1
@@ -58,10 +56,9 @@ _KEY = "reference"
 INLINE = "inline"  # in the reference: the tables' rows, slots and steps are in the file,
 #                    after it and a NUL byte (the servers could not save them themselves)
 ROWS_KEY = "_rows"  # (in the chief's reference, once restored: those bytes)
-_MARK = "_parallax_tables_attached"
 log = logging.getLogger("parallax")
 # The file being loaded ("Keras file PATH"), while Keras or TF loads one: warnings name it.
-_LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("parallax_loading", default="")
+LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("parallax_loading", default="")
 
 
 class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
@@ -86,7 +83,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         if not tf.executing_eagerly():  # tf.saved_model.save tracing the restore function:
             return tf.no_op()           # a SavedModel holds no server tables to restore
         self.restore(*_unpack(restored_tensors[_KEY].numpy()),
-                     _LOADING.get() or "this TensorFlow checkpoint")
+                     LOADING.get() or "this TensorFlow checkpoint")
         return None
 
     # ---- Keras files ----
@@ -96,7 +93,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
 
     def load_own_variables(self, store) -> None:
         self.restore(*_unpack(bytes(np.asarray(store[_KEY], dtype=np.uint8))),
-                     _LOADING.get() or "this Keras file")
+                     LOADING.get() or "this Keras file")
 
     # ---- both ----
 
@@ -436,54 +433,3 @@ def restore_now(extended, reference: dict) -> None:
             resumption.import_rows({r.table.name: r.table for r in tables.values()})
     on_chief(workers, load, "failed to restore the tables on the parameter servers")
     resumption.continue_steps(tables, workers)
-
-
-def attach_to_keras_optimizers() -> None:
-    """Idempotent: Keras optimizers made in a ParallaxStrategy's scope get `ServerTables`
-    as the attribute `parallax_server_tables` (see the module docstring)."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from keras.src.optimizers.optimizer import Optimizer
-    from keras.src.saving import saving_lib
-
-    _naming_the_file(saving_lib, "load_model", "filepath", "Keras file")
-    _naming_the_file(saving_lib, "load_weights_only", "filepath", "Keras file")
-    _naming_the_file(tf.train.Checkpoint, "restore", "save_path", "TensorFlow checkpoint")
-    original = TFOptimizer.__init__
-    if getattr(original, _MARK, False):
-        return
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        tables = getattr(self._distribution_strategy.extended, "server_tables", None)
-        # Keras lists a bare Optimizer's attributes as those never to save: not this one.
-        if isinstance(tables, ServerTables) and type(self) is not Optimizer:
-            setattr(self, ATTRIBUTE, tables)
-
-    setattr(__init__, _MARK, True)
-    __init__.__wrapped__ = original
-    TFOptimizer.__init__ = __init__
-
-
-def _naming_the_file(owner, name: str, argument: str, kind: str) -> None:
-    """Idempotent: while `owner.name` runs, `_LOADING` names the file its `argument` gives
-    (as "<kind> <path>"), so a warning about a file's tables can say which file."""
-    original = getattr(owner, name)
-    if getattr(original, _MARK, False):
-        return
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def load(*args, **kwargs):
-        try:
-            path = signature.bind(*args, **kwargs).arguments.get(argument)
-        except TypeError:
-            path = None  # the call itself will say what is wrong
-        named = isinstance(path, (str, os.PathLike))
-        token = _LOADING.set(f"{kind} {os.fspath(path)}" if named else "")
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _LOADING.reset(token)
-
-    setattr(load, _MARK, True)
-    setattr(owner, name, load)

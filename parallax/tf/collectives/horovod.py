@@ -1,12 +1,5 @@
-"""Dense collectives between workers (extension point `COLLECTIVES`): Horovod ring all-reduce
-when launched by horovodrun, TensorFlow's own collective ops (`parallax.tf.tf_collectives`)
-when launched without Horovod, identity for a single worker.
-
-The strategy only needs six things from its peers: who am I, sum these gradients (as one
-fused group, in the graph), all-gather sparse gradients (the `allreduce` run mode), gather
-predictions (`allgather_rows`), copy rank 0's variables, and exchange small Python objects
-(plans, to check that workers agree).
-"""
+"""Horovod's ring all-reduce (`BACKENDS["horovod"]`), for workers horovodrun or mpirun
+started (gloo or MPI)."""
 from __future__ import annotations
 
 import os
@@ -16,11 +9,9 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from parallax.env import (COLLECTIVES, HOROVOD_AUTOTUNE_ENV, HOROVOD_CYCLE_TIME_ENV,
-                          WORKER_CYCLE_TIME_MS)
+from parallax.env import HOROVOD_AUTOTUNE_ENV, HOROVOD_CYCLE_TIME_ENV, WORKER_CYCLE_TIME_MS
 from parallax.errors import ConfigError
-from parallax.tf.tf_collectives import TensorFlowWorkers, collective_workers
-from parallax.tf.worker_info import WorkerInfo
+from parallax.tf.collectives.workers import WorkerInfo
 
 _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # Horovod's background thread runs one coordination round among all workers every cycle,
@@ -32,31 +23,6 @@ _HOROVOD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 # unless HOROVOD_CYCLE_TIME is set (horovodrun --cycle-time-ms sets it), Horovod's autotuner
 # is on (a cycle time from the environment is fixed, never tuned), or hvd.init() ran already.
 # (parallax.env.WORKER_CYCLE_TIME_MS: 5 ms, Horovod's own default before 0.21)
-
-
-class SingleWorker:
-    """One worker: every collective is the identity."""
-
-    def __init__(self) -> None:
-        self.info = WorkerInfo(0, 1, 0, 1, socket.gethostname())
-
-    def allreduce_sum(self, tensors: Sequence[Any]) -> list[Any]:
-        return list(tensors)
-
-    def local_allgather(self, tensor: tf.Tensor) -> tf.Tensor:
-        return tensor
-
-    def allgather_rows(self, tensors: Sequence[Any]) -> list[Any]:
-        return list(tensors)
-
-    def broadcast_variables(self, variables: Sequence[tf.Variable]) -> None:
-        return None
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
 
 
 class HorovodWorkers:
@@ -117,27 +83,3 @@ def _autotuned(environ) -> bool:
 def launched_by_horovod(environ: dict[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     return any(name in environ for name in _HOROVOD_ENV)
-
-
-def make_collectives(kind: str = "auto", environ: dict[str, str] | None = None):
-    """The peers of this worker. `kind`: "horovod" (Horovod, as horovodrun or mpirun started
-    it), "tensorflow" (TensorFlow's collectives among the workers `parallax run` or TF_CONFIG
-    names) or "auto": Horovod when this process was launched by it, else TensorFlow's when
-    several workers are named, else a single worker."""
-    environ = os.environ if environ is None else environ
-    if kind not in COLLECTIVES:
-        raise ConfigError(f"collectives {kind!r} is not one of {', '.join(COLLECTIVES)}")
-    by_horovod = launched_by_horovod(environ)
-    workers = None if by_horovod else collective_workers(environ)
-    if kind == "tensorflow" and by_horovod:
-        raise ConfigError("collectives='tensorflow', but horovodrun (or mpirun) started this "
-                          "worker: each worker would train alone. Start the job with `parallax "
-                          "run --collectives tensorflow`, or use collectives='auto'")
-    if kind == "horovod" and workers:
-        raise ConfigError(f"collectives='horovod', but parallax run's TensorFlow backend (or "
-                          f"TF_CONFIG) started this worker, one of {len(workers[0])}, without "
-                          f"Horovod: each worker would train alone. Start the job with `parallax "
-                          f"run --collectives horovod`, or use collectives='auto'")
-    if kind == "horovod" or by_horovod:
-        return HorovodWorkers()
-    return TensorFlowWorkers(*workers) if workers else SingleWorker()

@@ -7,7 +7,7 @@ The hooks TF and Keras call, and what parallax does in each:
 - `_call_for_each_replica` (`strategy.run`): before the first training step, trace the step
   once for analysis (updates are observed, not applied), classify variables, make and apply
   the plan. Afterwards: run the step; tables untouched by a training step get an empty push;
-  Keras' logs are averaged and its predictions gathered over the workers (`keras_calls`).
+  Keras' logs are averaged and its predictions gathered over the workers (`keras_patches`).
 - `_experimental_distribute_dataset`: each worker's part of every global batch, dropping a
   partial last one in training, splitting it among the workers for evaluate and predict.
 - `_batch_reduce_to` (the optimizer's gradient all-reduce): table gradients pass through
@@ -42,18 +42,21 @@ from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_pla
 from parallax.placement.tuning import PartitionSearch
 from parallax.runtime.cpu_quota import size_tf_pools
 from parallax.runtime.malloc_tuning import reuse_freed_memory
-from parallax.tf import binding, keras_calls, keras_support, resume
-from parallax.tf.analysis import NOT_READ, inspect_reads
-from parallax.tf.collectives import WorkerInfo, make_collectives
-from parallax.tf.tf_collectives import LOCAL_AGGREGATION_NEEDS_HOROVOD, TensorFlowWorkers
-from parallax.tf.datasets import cover_for_worker, shard_for_worker
-from parallax.tf.fusion import StepFusion
-from parallax.tf.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
-                                owner_of_gradient, set_fusion_of_step)
-from parallax.tf.resharding import Layout, ReshardReport, Resharder, check_layouts
-from parallax.tf.tuner import PartitionTuner
-from parallax.tf.variables import (ParallaxVariable, analysis_trace, is_liftable, remote_of,
-                                   restore_storage)
+from parallax.tf import keras_patches, keras_support
+from parallax.tf.collectives import make_collectives
+from parallax.tf.collectives.tensorflow import LOCAL_AGGREGATION_NEEDS_HOROVOD, TensorFlowWorkers
+from parallax.tf.collectives.workers import WorkerInfo
+from parallax.tf.graph.analysis import NOT_READ, inspect_reads
+from parallax.tf.graph.fusion import StepFusion
+from parallax.tf.graph.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
+                                      owner_of_gradient, set_fusion_of_step)
+from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
+                                         remote_of, restore_storage)
+from parallax.tf.state import resume
+from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check_layouts
+from parallax.tf.state.tuner import PartitionTuner
+from parallax.tf.strategy import binding
+from parallax.tf.strategy.datasets import cover_for_worker, shard_for_worker
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
 
@@ -171,9 +174,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._resharder: Resharder | None = None
         self._optimizer = None  # the Keras optimizer the servers replicate
         self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
-        resume.attach_to_keras_optimizers()
-        keras_support.make_weight_saves_atomic()
-        keras_calls.install(self)  # fit/evaluate/predict: scope checks, rows, logs
+        keras_patches.attach_to_keras_optimizers()
+        keras_patches.make_weight_saves_atomic()
+        keras_patches.install(self)  # fit/evaluate/predict: scope checks, rows, logs
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and _wants_servers(config) and resolve_cluster(
                 config.ps_addresses, config.run_id, start=False).embedded:
@@ -253,7 +256,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         """Keras' predictions: every worker's rows, gathered in rank order (the global
         batch, in order). Keras' logs: averaged, in the step, or after each execution of
         Keras' multi-step loop, where a collective in the step could overlap the last."""
-        if keras_support.is_keras_predict_step(fn) and not keras_calls.predicting_on_batch():
+        if keras_support.is_keras_predict_step(fn) and not keras_patches.predicting_on_batch():
             flat = tf.nest.flatten(result)
             rows = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
             for i, gathered in zip(rows, self.workers.allgather_rows([flat[i] for i in rows])):
@@ -261,8 +264,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             return tf.nest.pack_sequence_as(result, flat)
         if not keras_support.is_keras_logging_step(fn):
             return result
-        if keras_calls.in_loop():
-            keras_calls.average_outside(keras_support.keras_model_of(fn), self)
+        if keras_patches.in_loop():
+            keras_patches.average_outside(keras_support.keras_model_of(fn), self)
             return result
         return self.average_logs(result)
 
@@ -414,11 +417,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self._resharder = Resharder(self._binder.client, self.workers, self.remotes)
             if search is not None:
                 self.tuner = PartitionTuner(search, self, cached)
-            keras_support.route_keras_take()
-            keras_support.check_sparse_values_only()
+            keras_patches.route_keras_take()
+            keras_patches.check_sparse_values_only()
         binding.broadcast_replicated(self.variables(), self.workers)
         self.plan = plan
-        keras_calls.forget_functions(self)  # evaluate/predict traced before: trace again
+        keras_patches.forget_functions(self)  # evaluate/predict traced before: trace again
         if self.config.log_plan:
             binding.log_plan(plan, self.workers)
         _warn_unread_tables(infos.values(), self.workers.info.is_chief)
@@ -590,7 +593,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_dataset(self, dataset, options):
         info = self.workers.info
-        split = cover_for_worker if keras_calls.covering_rows() else shard_for_worker
+        split = cover_for_worker if keras_patches.covering_rows() else shard_for_worker
         return super()._experimental_distribute_dataset(
             split(dataset, info.rank, info.size), options)
 
@@ -734,7 +737,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
                 `tf.function`, as `fit` does) the lookups of tables whose ids do not depend
                 on another lookup's rows share one pull op, and the step's table gradients
                 one push op: one PullMany and one PushMany request per server per step
-                (`parallax.tf.fusion`). False: each table its own pull and push requests. Both
+                (`parallax.tf.graph.fusion`). False: each table its own pull and push requests. Both
                 train alike; eager steps are never fused.
             group_tables: bool, default True: variables on the servers with the same row
                 shape and dtype, whose initial values are made the same way, and which the

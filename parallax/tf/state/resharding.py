@@ -23,8 +23,8 @@ from parallax.client import PSClient, ShardedTable
 from parallax.client.row_mover import move_rows
 from parallax.errors import ConfigError
 from parallax.placement.plan import Plan, VariablePlan
-from parallax.tf.binding import Workers, on_chief
-from parallax.tf.remote import RemoteTable
+from parallax.tf.collectives.workers import Workers, on_chief
+from parallax.tf.graph.remote import RemoteTable
 
 logger = logging.getLogger("parallax")  # `log` is apply()'s flag
 

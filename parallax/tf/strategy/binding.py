@@ -20,20 +20,17 @@ from parallax import native
 from parallax.client import ClientOptions, PSClient
 from parallax.client.cluster import ClusterSpec
 from parallax.client.connection import client_options_from_env
-from parallax.errors import ConfigError, ParallaxError
+from parallax.errors import ConfigError
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
 from parallax.protocol.specs import Initializer, TableSpec, counts_steps, optimizer_from_keras
 from parallax.runtime.malloc_tuning import return_freed_memory
-from parallax.tf.collectives import HorovodWorkers, SingleWorker
-from parallax.tf.tf_collectives import TensorFlowWorkers
+from parallax.tf.collectives.workers import Workers, on_chief, on_every_worker
 from parallax.tf.keras_support import slots_of
-from parallax.tf.remote import RemoteTable, TablePushes
-from parallax.tf.variables import ParallaxVariable, is_released, remote_of
+from parallax.tf.graph.remote import RemoteTable, TablePushes
+from parallax.tf.graph.variables import ParallaxVariable, is_released, remote_of
 
 log = logging.getLogger("parallax")
-
-Workers = SingleWorker | HorovodWorkers | TensorFlowWorkers
 
 
 def check_agreement(plan: Plan, workers: Workers) -> None:
@@ -55,28 +52,6 @@ def check_agreement(plan: Plan, workers: Workers) -> None:
                     f"shape {mine[2]} {mine[3]} ({mine[4]}) on worker 0 but {theirs[1]!r} "
                     f"shape {theirs[2]} {theirs[3]} ({theirs[4]}) on worker {rank}; every "
                     f"worker must build the same model")
-
-
-def on_every_worker(workers: Workers, work: Callable[[], None], failed: str) -> None:
-    """Run `work` here; if it fails on any worker, every worker raises (none is left
-    waiting in the next collective for a peer that gave up). `failed` completes
-    "worker R ...: <error>" in the message the others raise."""
-    error = None
-    try:
-        work()
-    except Exception as exc:  # noqa: BLE001 - shared with the peers, then re-raised
-        error = exc
-    messages = workers.allgather_object(None if error is None else f"{error}")
-    if error is not None:
-        raise error
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise ParallaxError(f"worker {rank} {failed}: {message}")
-
-
-def on_chief(workers: Workers, work: Callable[[], None], failed: str) -> None:
-    """`work` on rank 0 only; the others wait for it, and raise its error if it fails."""
-    on_every_worker(workers, work if workers.info.is_chief else (lambda: None), failed)
 
 
 _SERVER_INITIALIZERS = {  # Keras initializer -> the servers' (config keys kept)

@@ -2,7 +2,7 @@
 
 `RemoteTable` is a `parallax.client.table_rows.TableRows` (the numpy side: ids, pushes in
 flight, counters, the id check) with the graph side added here. Lookup: ids -> tf.unique ->
-pull the unique rows (the step's fused pull, `parallax.tf.fusion`, or one numpy_function op
+pull the unique rows (the step's fused pull, `parallax.tf.graph.fusion`, or one numpy_function op
 of its own) -> gather with the inverse indices. The pull is recorded on the gradient tape
 against the variable's handle, with a backward function that returns an `IndexedSlices` over
 the *global* ids, so the optimizer hands the strategy exactly what must be pushed: unique ids
@@ -24,7 +24,7 @@ from parallax.errors import ConfigError
 class _StepSlot(threading.local):
     """What the strategy knows of the step being traced on this thread."""
 
-    fusion = None  # its parallax.tf.fusion.StepFusion
+    fusion = None  # its parallax.tf.graph.fusion.StepFusion
     owners: dict | None = None  # {lookup's dense_shape tensor .ref(): its RemoteTable}
 
 
@@ -88,7 +88,7 @@ class RemoteTable(TableRows):
 
     def _pull_op(self, unique: tf.Tensor, pull, name: str) -> tf.Tensor:
         """The rows of `unique`: from the step's fused pull when the step being traced can
-        group this lookup (parallax.tf.fusion), else from an op of its own."""
+        group this lookup (parallax.tf.graph.fusion), else from an op of its own."""
         step = fusion_of_step()
         rows = step.lookup(self, unique) if step is not None else None
         if rows is None:

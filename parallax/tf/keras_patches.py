@@ -1,5 +1,9 @@
-"""What parallax does around Keras' `fit`, `evaluate` and `predict` (Keras 3.15, TF backend),
-installed once by the first `ParallaxStrategy` of a process (`install`):
+"""Every change parallax makes to Keras (monkeypatches), for the Keras versions in
+`KERAS_VERSIONS` (TF backend), each installed once per process by the `ParallaxStrategy`
+(when it is made, or when it plans) and marked so that a second install does nothing. What
+parallax only reads of Keras is `keras_support`.
+
+Around Keras' `fit`, `evaluate` and `predict` (`install`):
 
 - A model built outside `strategy.scope()` has no `ParallaxVariable`s, and its `fit` outside
   the scope runs under TF's default strategy: in a job of several workers each would train
@@ -35,10 +39,32 @@ installed once by the first `ParallaxStrategy` of a process (`install`):
   epoch instead (`_chiefs_epoch`, a broadcast once its callbacks began training), as every
   worker resumes the chief's tables and the chief's dense variables (broadcast at the first
   step) too.
+
+Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_atomic`,
+`attach_to_keras_optimizers`):
+
+- Keras' `Embedding` (and any layer calling `keras.ops.take(variable, ids, axis=0)`) reads the
+  whole variable, then gathers. For a table on the servers that would pull every row, so
+  `route_keras_take()` wraps the TensorFlow backend's `take` once: when `x` is a Keras
+  variable whose storage is a remote `ParallaxVariable` and `axis == 0`, the lookup becomes
+  the variable's `sparse_read`. Everything else goes to Keras' own `take` unchanged.
+- `LossScaleOptimizer.check_finite` densifies every `IndexedSlices` gradient to test it: a
+  table's whole size on every step, and impossible for a dynamic table, whose ids are keys
+  beyond any dense shape. `check_sparse_values_only()` has it test the slices' values (the
+  same answer: the rows a dense gradient adds are zeros).
+- Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
+  their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
+  restart can resume. `make_weight_saves_atomic()` has local files written under a temporary
+  name beside them and renamed over the old file only once complete.
+- Every Keras optimizer made in a `ParallaxStrategy`'s scope gets the strategy's
+  `resume.ServerTables` as its attribute `parallax_server_tables` (`parallax.tf.state.resume`
+  says why), and Keras' and TensorFlow's loads name the file they load (`resume.LOADING`),
+  so a warning about a file's tables can say which file.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -49,10 +75,18 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
-from parallax.tf.variables import ParallaxVariable, raised_in_op
+from parallax.tf.graph.variables import ParallaxVariable, raised_in_op, remote_of
+from parallax.tf.state import resume
 
 log = logging.getLogger("parallax")
+# The Keras versions these patches are written for and tested on (the minor releases pinned
+# by requirements/base.txt and latest.txt; setup.cfg's `tf` extra allows the range around them).
+KERAS_VERSIONS = ("3.15",)
 _MARK = "_parallax_keras_calls"
+_ROUTED_MARK = "_parallax_routed"
+_ATOMIC_MARK = "_parallax_atomic"
+_TABLES_MARK = "_parallax_tables_attached"
+_WEIGHTS_SUFFIX = ".weights.h5"  # what Keras 3 requires of save_weights paths
 _job: list = [None]                                   # weakref to the latest ParallaxExtended
 _installed: weakref.WeakSet = weakref.WeakSet()    # every ParallaxExtended made
 _unplanned = weakref.WeakKeyDictionary()              # model -> weakref(extended)
@@ -322,3 +356,133 @@ def _several_workers(strategy) -> bool:
     """Whether `strategy` is a parallax job's of several workers."""
     extended = getattr(strategy, "extended", None)
     return extended in _installed and extended.workers.info.size > 1
+
+
+# ---- beside fit, evaluate and predict ----------------------------------------------------
+
+def make_weight_saves_atomic() -> None:
+    """Wrap `keras.Model.save_weights` once: a local file is written under a temporary name
+    in the same directory, then renamed over `filepath` (os.replace, atomic on POSIX); on
+    failure the temporary file is removed and the old file is untouched. Remote paths
+    (`scheme://`) go to Keras unchanged."""
+    import keras
+    original = keras.Model.save_weights
+    if getattr(original, _ATOMIC_MARK, False):
+        return
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        path = os.fspath(filepath)
+        if "://" in path or not path.endswith(_WEIGHTS_SUFFIX):
+            return original(self, filepath, overwrite=overwrite, **kwargs)
+        if not overwrite and os.path.exists(path):
+            return original(self, filepath, overwrite=overwrite, **kwargs)  # Keras asks
+        directory, name = os.path.split(path)
+        temporary = os.path.join(directory, f".{name[:-len(_WEIGHTS_SUFFIX)]}.parallax-"
+                                            f"{os.getpid()}{_WEIGHTS_SUFFIX}")
+        try:
+            original(self, temporary, overwrite=True, **kwargs)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    setattr(save_weights, _ATOMIC_MARK, True)
+    save_weights.__wrapped__ = original
+    save_weights.__doc__ = original.__doc__
+    keras.Model.save_weights = save_weights
+
+
+def _remote_storage(x):
+    value = getattr(x, "value", None) if not isinstance(x, tf.Variable) else x
+    if isinstance(value, tf.Variable) and remote_of(value) is not None:
+        return value
+    return None
+
+
+def route_keras_take() -> None:
+    """Idempotent: install the `take` routing described in the module docstring."""
+    from keras.src.backend.tensorflow import numpy as tf_numpy
+
+    original = tf_numpy.take
+    if getattr(original, _ROUTED_MARK, False):
+        return
+
+    def take(x, indices, axis=None):
+        remote = _remote_storage(x) if axis == 0 else None
+        if remote is None or isinstance(indices, tf.SparseTensor):
+            return original(x, indices, axis=axis)
+        return remote.sparse_read(tf.convert_to_tensor(indices))
+
+    take.__doc__ = original.__doc__
+    setattr(take, _ROUTED_MARK, True)
+    take.__wrapped__ = original
+    tf_numpy.take = take
+
+
+def check_sparse_values_only() -> None:
+    """Idempotent: LossScaleOptimizer's finite check reads IndexedSlices' values only."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    original = LossScaleOptimizer.check_finite
+    if getattr(original, _ROUTED_MARK, False):
+        return
+
+    def check_finite(self, grads):
+        return original(self, [g.values if isinstance(g, tf.IndexedSlices) else g
+                               for g in grads])
+
+    check_finite.__doc__ = original.__doc__
+    setattr(check_finite, _ROUTED_MARK, True)
+    check_finite.__wrapped__ = original
+    LossScaleOptimizer.check_finite = check_finite
+
+
+def attach_to_keras_optimizers() -> None:
+    """Idempotent: Keras optimizers made in a ParallaxStrategy's scope get its
+    `resume.ServerTables` as the attribute `parallax_server_tables` (see the module docstring)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.optimizer import Optimizer
+    from keras.src.saving import saving_lib
+
+    _naming_the_file(saving_lib, "load_model", "filepath", "Keras file")
+    _naming_the_file(saving_lib, "load_weights_only", "filepath", "Keras file")
+    _naming_the_file(tf.train.Checkpoint, "restore", "save_path", "TensorFlow checkpoint")
+    original = TFOptimizer.__init__
+    if getattr(original, _TABLES_MARK, False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        tables = getattr(self._distribution_strategy.extended, "server_tables", None)
+        # Keras lists a bare Optimizer's attributes as those never to save: not this one.
+        if isinstance(tables, resume.ServerTables) and type(self) is not Optimizer:
+            setattr(self, resume.ATTRIBUTE, tables)
+
+    setattr(__init__, _TABLES_MARK, True)
+    __init__.__wrapped__ = original
+    TFOptimizer.__init__ = __init__
+
+
+def _naming_the_file(owner, name: str, argument: str, kind: str) -> None:
+    """Idempotent: while `owner.name` runs, `resume.LOADING` names the file its `argument` gives
+    (as "<kind> <path>"), so a warning about a file's tables can say which file."""
+    original = getattr(owner, name)
+    if getattr(original, _TABLES_MARK, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        try:
+            path = signature.bind(*args, **kwargs).arguments.get(argument)
+        except TypeError:
+            path = None  # the call itself will say what is wrong
+        named = isinstance(path, (str, os.PathLike))
+        token = resume.LOADING.set(f"{kind} {os.fspath(path)}" if named else "")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            resume.LOADING.reset(token)
+
+    setattr(load, _TABLES_MARK, True)
+    setattr(owner, name, load)

@@ -19,7 +19,7 @@ import numpy as np
 from parallax.placement.planner import (ClusterProfile, Measurement, PartitionPlanner,
                                         ShardCountEnumerator, TableProfile, fit_report, place)
 from parallax.placement.tuning import PartitionSearch, counts_text, next_uniform, save_decision
-from parallax.tf.resharding import Layout
+from parallax.tf.state.resharding import Layout
 
 log = logging.getLogger("parallax")
 

@@ -6,7 +6,7 @@ servers of `ParallaxStrategy()` outside `parallax run`, or `parallax run` withou
 Saving reads every shard's touched rows page by page (ExportRows: values, slots, and a
 dynamic table's use history) and keeps the pages' bytes, with each page's table, shard and
 step, in one byte string (`export_state`); the checkpoint holds it as a uint8 tensor beside
-the JSON reference (`parallax.tf.resume`). Restoring writes the pages into the tables the plan
+the JSON reference (`parallax.tf.state.resume`). Restoring writes the pages into the tables the plan
 created under the saved names (ImportRows, split by the target's router) and gives every
 shard its saved step (`import_state`), so a new process continues exactly where the saved one
 was, as with a data directory. The file grows by the tables' touched rows and slots.

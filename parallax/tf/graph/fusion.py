@@ -35,7 +35,7 @@ from parallax.client.step import FusedPull, FusedPush, StepRouting
 
 if TYPE_CHECKING:
     from parallax.client.table_client import TableClient
-    from parallax.tf.remote import RemoteTable
+    from parallax.tf.graph.remote import RemoteTable
 
 
 @dataclasses.dataclass(frozen=True)
