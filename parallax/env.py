@@ -65,7 +65,7 @@ RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
 MAX_RESTARTS_ENV = "PARALLAX_K8S_MAX_RESTARTS"  # set by the manifests: the gang's N
 GANG_TIMEOUT_ENV = "PARALLAX_GANG_TIMEOUT"       # seconds without contact that lose a rank
 
-# ---- Horovod's, as a parallax worker starts it (parallax.tf.collectives) -------------------
+# ---- Horovod's, as a parallax worker starts it (parallax.tf.collectives.horovod) -------------
 HOROVOD_CYCLE_TIME_ENV = "HOROVOD_CYCLE_TIME"  # ms; horovodrun --cycle-time-ms sets it
 HOROVOD_AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"      # > 0: Horovod tunes the cycle time itself
 WORKER_CYCLE_TIME_MS = 5.0  # a worker's cycle where neither is set (Horovod's: 1 ms)

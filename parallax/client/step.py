@@ -1,6 +1,6 @@
 """The numpy side of a fused step: one pull for every grouped lookup of the step, one push
 for every table, each a single multi-table request per server (`parallax.client.many`), with
-no TensorFlow: TensorFlow's step calls them from its two ops (`parallax.tf.fusion`), and
+no TensorFlow: TensorFlow's step calls them from its two ops (`parallax.tf.graph.fusion`), and
 tests and other front ends can call them with numpy arrays.
 
 `FusedPull` takes every grouped lookup's unique ids: every table's ids are checked in one
@@ -150,7 +150,7 @@ class FusedPull:
         self.runs = 0
 
     def __call__(self, ticket: np.float64, *uniques: np.ndarray) -> list[np.ndarray]:
-        """ticket: the step's start, as time.time() (parallax.tf.fusion: read only for the
+        """ticket: the step's start, as time.time() (parallax.tf.graph.fusion: read only for the
         step's duration in the worker's metrics); uniques: each lookup's ids."""
         start = time.perf_counter()
         tables: dict[int, TableRows] = {}

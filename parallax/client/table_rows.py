@@ -5,7 +5,7 @@ training step needs to know of it between TensorFlow's ops, with no TensorFlow h
 table and the offset of its rows there), the worker's pushes to that table (`TablePushes`:
 the step it pushes next, the pushes in flight; shared by a table group's members), its
 traffic counters and its one id check. The fused step (`parallax.client.step`) and the
-TensorFlow graph ops (`parallax.tf.remote.RemoteTable`, a `TableRows` with graph ops) both
+TensorFlow graph ops (`parallax.tf.graph.remote.RemoteTable`, a `TableRows` with graph ops) both
 work on it.
 
 Sync pushes complete in the background: a push hands the gradient (copied) to an RPC thread,
