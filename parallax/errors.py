@@ -15,9 +15,13 @@ class InternalError(ParallaxError, RuntimeError):
     configuration, so no fix of theirs helps; the message says so and asks for a report."""
 
     def __init__(self, message: str) -> None:
+        self.message = message
         super().__init__(f"{message} (a bug in parallax, not in your code or configuration: "
                          f"please report it with this traceback and `parallax version`'s "
                          f"output)")
+
+    def __reduce__(self):
+        return type(self), (self.message,)  # copied or pickled: the note added once
 
 
 class ServerError(ParallaxError):

@@ -346,8 +346,8 @@ class ServerConnection:
             log.warning("%s; using gRPC for PullMany/PushMany",
                         describe("DataPlane", self.address, None, err))
             return None, math.inf
-        if not reply.port or reply.version != dataplane.VERSION:
-            return None, math.inf
+        if not reply.port or reply.version != dataplane.VERSION or not reply.packed:
+            return None, math.inf  # (a server that does not read packed frames: gRPC)
         plane = DataPlaneClient(self.address.rsplit(":", 1)[0].strip("[]"), reply.port,
                                 self.options, reply.server_id, reply.max_message_bytes,
                                 reply.idle_timeout_s)

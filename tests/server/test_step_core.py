@@ -186,3 +186,49 @@ def test_the_row_cache_is_a_table_client_of_the_same_step(client):
     job.push(ids, grads, client=cache)
     for got, old, grad in zip(job.pull(*ids, client=cache), before, grads):
         np.testing.assert_allclose(got, old - LR * grad, rtol=1e-6)
+
+
+def test_a_worker_that_does_not_push_counts_its_step_and_sends_nothing(client):
+    """Local aggregation: only the host's first worker sends; another counts the step (its
+    next pull waits for it) and sends no request."""
+    job = Job(client, "silent_worker")
+    for remote in job.remotes:
+        remote.sends_pushes = False
+    ids = [[1], [2], [3]]
+    before = [job.rows(r, i) for r, i in zip(job.remotes, ids)]
+    job.pull(*ids)
+    assert job.push(ids, [_grads(i, 8) for i in ids]) == 0
+    assert job.plain.steps_pushed == job.first.steps_pushed == 1
+    assert not job.plain.pushes.in_flight and job.plain.traffic.pushes == 0
+    for remote, i, old in zip(job.remotes, ids, before):
+        np.testing.assert_array_equal(job.rows(remote, i), old)
+
+
+def test_narrow_wire_rows_arrive_in_the_tables_dtype(client):
+    """A table whose rows travel as bfloat16 answers the fused pull in float32 rows within
+    bfloat16's precision of the stored ones."""
+    table = client.create_table(TableSpec(
+        name="narrow", vocabulary_size=40, dim=DIM, shard_count=2, wire_dtype="bfloat16",
+        initializer=Initializer("uniform", seed=5), optimizer=SGD(learning_rate=LR)))
+    remote = TableRows("narrow", (40, DIM), np.float32, table, sync=True)
+    ids = np.array([0, 7, 39], np.int64)
+    rows, = FusedPull([remote], StepRouting())(np.float64(0.0), ids)
+    assert rows.dtype == np.float32
+    exact = table.pull_unique(ids, full_precision=True)
+    np.testing.assert_allclose(rows, exact, rtol=2 ** -7)
+    assert not np.array_equal(rows, exact)  # they did travel narrowed
+
+
+def test_a_keyed_table_takes_any_int64_key(client):
+    """A dynamic (hashed-key) table has no id range: any int64 key is pulled and pushed."""
+    table = client.create_table(TableSpec(
+        name="keyed", hashed_keys=True, dim=DIM, shard_count=2,
+        initializer=Initializer("uniform", seed=5), optimizer=SGD(learning_rate=LR)))
+    remote = TableRows("keyed", (8, DIM), np.float32, table, sync=True, keyed=True)
+    keys = np.array([-2 ** 62, -1, 10 ** 15], np.int64)
+    routing = StepRouting()
+    before, = FusedPull([remote], routing)(np.float64(0.0), keys)
+    grads = _grads(keys, 7)
+    FusedPush([remote], routing)(keys, grads, np.float64(0.0))
+    after, = FusedPull([remote], routing)(np.float64(0.0), keys)
+    np.testing.assert_allclose(after, before - LR * grads, rtol=1e-6)

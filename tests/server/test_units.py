@@ -217,6 +217,10 @@ def test_an_internal_error_says_it_is_a_bug_and_keeps_its_traceback(monkeypatch)
     error = InternalError("table 'a' has an id out of range that its own check let through")
     assert isinstance(error, ParallaxError) and not isinstance(error, ConfigError)
     assert "bug in parallax" in str(error) and "report" in str(error)
+    import copy
+    import pickle
+    for again in (copy.copy(error), pickle.loads(pickle.dumps(error))):  # (a worker's, sent)
+        assert str(again) == str(error)
 
     def fails(argv):
         raise error

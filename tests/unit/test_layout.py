@@ -93,6 +93,15 @@ def _imported(tree: ast.AST) -> list[str]:
     return names
 
 
+def test_no_module_imports_relatively():
+    """The rules above read absolute imports; a relative one (`from ..strategy import x`)
+    would escape them, so there are none."""
+    relative = [f"{name}:{node.lineno}" for name, path in MODULES.items()
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert not relative, f"relative imports (write them absolute): {relative}"
+
+
 def _own(name: str) -> str | None:
     """The project module `name` is, or is in; None for a third-party one."""
     while name and name not in MODULES:

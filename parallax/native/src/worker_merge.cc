@@ -1,5 +1,5 @@
 // The members of a table group merged into their server table's ids
-// (parallax.tf.step_traffic._table_ids): each member's ids checked against its own rows,
+// (parallax.client.step._table_ids): each member's ids checked against its own rows,
 // offset to where its rows start, and joined in member order.
 #include <stdexcept>
 
