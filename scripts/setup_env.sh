@@ -65,35 +65,44 @@ if ! done_stage base "$base_key"; then
   mark_stage base "$base_key"
 fi
 
-# Horovod is built from source against the TensorFlow just installed (pip's own wheel cache
+# Horovod is built from source against the TensorFlow just installed. pip's own wheel cache
 # is not used: it keys a build by Horovod's version alone, and a build against another
-# TensorFlow does not load). The wheel is kept under a key of everything it was built
-# against (Horovod, TensorFlow, Python, machine), so a second checkout on the same machine
-# installs it in seconds; PARALLAX_WHEEL_CACHE=off builds every time.
-horovod_build() {
-  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-    "${pip[@]}" "$@" --no-build-isolation --no-cache-dir horovod==0.28.1
-}
-if ! done_stage horovod 0.28.1; then
-  built_for="$("$venv/bin/python" -c 'import platform, sys, tensorflow as tf
-print(f"horovod-0.28.1-tf{tf.__version__}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")' 2>/dev/null)"
-  wheels="${PARALLAX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/parallax/wheels}/$built_for"
-  if [ -n "$built_for" ] && [ "${PARALLAX_WHEEL_CACHE:-}" != off ] && ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
-    log "installing Horovod 0.28.1 built earlier for this TensorFlow and Python ($wheels)"
-    "${pip[@]}" install "$wheels"/horovod-*.whl
-  elif [ -n "$built_for" ] && [ "${PARALLAX_WHEEL_CACHE:-}" != off ] && mkdir -p "$wheels" 2>/dev/null; then
-    log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores; kept in $wheels)"
-    partial="$wheels.partial.$$"  # (another checkout may be building beside this one)
-    horovod_build wheel --no-deps -w "$partial"
-    mv "$partial"/horovod-*.whl "$wheels"/ && rmdir "$partial"
-    "${pip[@]}" install "$wheels"/horovod-*.whl
-  else
-    log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores)"
-    horovod_build install
+# TensorFlow does not load. The stage's key, and the wheel kept under
+# ~/.cache/parallax/wheels/KEY (PARALLAX_WHEEL_CACHE=DIR keeps it elsewhere, =off builds every
+# time), name everything the build depends on: Horovod, TensorFlow, Python, the machine and
+# the HOROVOD_* build settings. A second checkout on the machine installs it in seconds.
+horovod_key="$(TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c 'import platform, sys, tensorflow as tf
+print(f"horovod-0.28.1-tf{tf.__version__}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')" \
+  || { echo "[setup] TensorFlow does not import in $venv (its error is above); Horovod is built against it" >&2; exit 1; }
+horovod_key="$horovod_key-$({ env | grep '^HOROVOD_' || true; } | sort | sha256sum | cut -c1-8)"
+if ! done_stage horovod "$horovod_key"; then
+  cache_root="${PARALLAX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/parallax/wheels}"
+  cached="$cache_root/$horovod_key"
+  build="$(mktemp -d)"
+  trap 'rm -rf "$build"' EXIT
+  gloo_check() { TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'Horovod was built without gloo'"; }
+  install_horovod() { "${pip[@]}" install --force-reinstall "$build"/horovod-*.whl && gloo_check; }
+  if [ "${PARALLAX_WHEEL_CACHE:-}" != off ] && cp "$cached"/horovod-*.whl "$build"/ 2>/dev/null; then
+    log "installing Horovod 0.28.1 built earlier for this TensorFlow and Python ($cached)"
+    if ! install_horovod; then
+      log "the kept Horovod wheel does not work here: removing it and building again"
+      rm -f "$cached"/horovod-*.whl "$build"/horovod-*.whl
+    fi
   fi
-  "$venv/bin/python" -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'Horovod was built without gloo'"
-  mark_stage horovod 0.28.1
+  if ! ls "$build"/horovod-*.whl >/dev/null 2>&1; then
+    log "building Horovod 0.28.1 with gloo against TensorFlow (about 4 minutes on 2 cores)"
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+      HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+      "${pip[@]}" wheel --no-deps --no-build-isolation --no-cache-dir -w "$build" horovod==0.28.1
+    install_horovod
+    if [ "${PARALLAX_WHEEL_CACHE:-}" != off ]; then  # best effort: a cache we cannot write is no error
+      wheel="$(basename "$build"/horovod-*.whl)"
+      { mkdir -p "$cached" && cp "$build/$wheel" "$cached/.$wheel.$$" \
+          && mv "$cached/.$wheel.$$" "$cached/$wheel"; } 2>/dev/null \
+        || log "note: could not keep the Horovod wheel in $cached (it is rebuilt next time)"
+    fi
+  fi
+  mark_stage horovod "$horovod_key"
 fi
 
 # the compiled kernels' sources are in the key: a change to them rebuilds the extension
