@@ -149,10 +149,15 @@ def main() -> int:
               f"{f['server_cpu_s'] * 1e3:9.2f}ms {f['server_cpu_us_per_request']:11.0f} "
               f"{f['server_cpu_us_per_row']:7.2f} {f['client_cpu_s'] * 1e3:9.2f}ms "
               f"{f['client_cpu_us_per_request']:11.0f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write(args.out, report)
     return 0
+
+
+def write(out: Path, report: dict) -> None:
+    """The report as JSON at `out` (its folder made), and a line saying where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,19 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-from parallax.client import PSClient
-from parallax.client.local_cluster import LocalCluster
-from parallax.client.many import pull_many, push_many
-from parallax.protocol.specs import SGD, Initializer, TableSpec
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from request_cost import _cpu_seconds, write  # noqa: E402
+
+from parallax.client import PSClient  # noqa: E402
+from parallax.client.local_cluster import LocalCluster  # noqa: E402
+from parallax.client.many import pull_many, push_many  # noqa: E402
+from parallax.protocol.specs import SGD, Initializer, TableSpec  # noqa: E402
 
 DIM, ROWS = 16, 400_000
 SIZES = (1, 64, 3300)  # rows of the part: the floor, a small part, a ctr step's rows
 WARMUP = 50
-
-
-def _server_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _calls(table, sizes: tuple[int, ...]) -> dict:
@@ -52,10 +48,10 @@ def _calls(table, sizes: tuple[int, ...]) -> dict:
 
 def _measure(call, n: int, pid: int) -> tuple[float, float, float]:
     """(server, client, wall) seconds per request over `n` requests."""
-    server, client, wall = _server_cpu_s(pid), time.process_time(), time.perf_counter()
+    server, client, wall = _cpu_seconds([pid]), time.process_time(), time.perf_counter()
     for _ in range(n):
         call()
-    return ((_server_cpu_s(pid) - server) / n, (time.process_time() - client) / n,
+    return ((_cpu_seconds([pid]) - server) / n, (time.process_time() - client) / n,
             (time.perf_counter() - wall) / n)
 
 
@@ -91,9 +87,7 @@ def main() -> int:
     print(f"{'request':12s} {'server us':>10s} {'client us':>10s} {'wall us':>9s}")
     for key, f in report.items():
         print(f"{key:12s} {f['server_us']:10.0f} {f['client_us']:10.0f} {f['wall_us']:9.0f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    write(args.out, report)
     return 0
 
 
