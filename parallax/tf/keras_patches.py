@@ -292,13 +292,14 @@ def _chiefs_epoch(original):
         if extended is None or extended.workers.info.size < 2:
             return
         workers = extended.workers
-        epoch = workers.broadcast_object(model._initial_epoch if workers.info.is_chief
-                                         else None)
-        if epoch != model._initial_epoch:
+        # the epoch this worker's fit starts at, in Keras' own field
+        initial = model._initial_epoch  # noqa: SLF001 - Keras' field, no public accessor
+        epoch = workers.broadcast_object(initial if workers.info.is_chief else None)
+        if epoch != initial:
             log.warning("worker %d: its backup resumes at epoch %s, the chief's at %s: "
                         "starting at the chief's (a save was cut short on one of them)",
-                        workers.info.rank, model._initial_epoch, epoch)
-        model._initial_epoch = epoch
+                        workers.info.rank, initial, epoch)
+        model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
     return on_train_begin
 
 

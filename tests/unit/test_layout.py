@@ -102,6 +102,55 @@ def test_no_module_imports_relatively():
     assert not relative, f"relative imports (write them absolute): {relative}"
 
 
+HOT_PATH = ("parallax.client", "parallax.tf")  # the worker's step: its numpy side and its ops
+
+
+def _module_names(tree: ast.AST) -> dict[str, str]:
+    """{name bound by an import in `tree`: the project module it is}."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.partition(".")[0]] = alias.name
+    return bound
+
+
+def _private_reaches(name: str, path: Path) -> list[str]:
+    """`x._field` in module `name` where x is not self, cls, super() or a module of the
+    module's own layer, on a line that does not say why (`# noqa: SLF001 - ...`)."""
+    source = path.read_text()
+    lines, tree = source.splitlines(), ast.parse(source)
+    layer = ".".join(name.split(".")[:2])
+    modules = _module_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or
+                                            modules.get(owner.id, "").startswith(layer + ".")):
+            continue
+        if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+            continue
+        if "noqa: SLF001" not in lines[node.lineno - 1]:
+            found.append(f"{name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_the_hot_path_reaches_no_private_field_across_packages():
+    """The worker's step (parallax/client, parallax/tf) uses another object's private
+    field (`x._name`) only on itself, on a module of its own layer, or where the line says
+    why (`# noqa: SLF001 - ...`: TensorFlow's or Keras' internals, which have no public
+    form). A private field of another parallax package is reached through its public API."""
+    reaches = [r for name, path in MODULES.items() if name.startswith(HOT_PATH)
+               for r in _private_reaches(name, path)]
+    assert not reaches, f"private fields reached across packages: {reaches}"
+
+
 def _own(name: str) -> str | None:
     """The project module `name` is, or is in; None for a third-party one."""
     while name and name not in MODULES:

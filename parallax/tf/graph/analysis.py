@@ -242,7 +242,7 @@ class _Walker:
         if name not in self._bodies:
             self._bodies[name] = None
             for library in scope.libraries:
-                function = library._get_function(name)  # private TF API (2.17)
+                function = library._get_function(name)  # noqa: SLF001 - TF 2.17's, no public one
                 if function is not None:
                     self._bodies[name] = _function_graph(function)
                     break
@@ -267,7 +267,8 @@ def _is_function_op(op, scope: _Scope) -> bool:
     kind = op.type
     if kind in _CALLS or kind in _IFS or kind in _CASES or kind in _WHILES:
         return True
-    return any(library._is_function(kind) for library in scope.libraries)
+    return any(library._is_function(kind)  # noqa: SLF001 - TF's, as above
+               for library in scope.libraries)
 
 
 def _is_row_gather(op, index: int) -> bool:

@@ -80,11 +80,11 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
             kwargs.update(initial_value=tf.zeros([0] + full.as_list()[1:], dtype),
                           shape=tf.TensorShape([None] + full.as_list()[1:]), dtype=dtype)
             var = cls(**kwargs)
-            var._shape = full  # the logical shape; storage fills in on first use
-            var._parallax_init = _DeferredValue(*spec)
+            var._shape = full  # noqa: SLF001 - TF's field: the logical shape (storage later)
+            var._parallax_init = _DeferredValue(*spec)  # noqa: SLF001 - this module's class
         else:
             var = cls(**kwargs)
-        var._parallax_index = index
+        var._parallax_index = index  # noqa: SLF001 - this module's class
         return var
 
     @property

@@ -150,7 +150,7 @@ class PartitionTuner:
 
     def _table_profiles(self) -> dict[str, TableProfile]:
         if self._profiles is None:
-            stats = self.ext._binder.client.stats([v.table for v in self.ext.plan.on_servers])
+            stats = self.ext.client.stats([v.table for v in self.ext.plan.on_servers])
             held: dict[str, int] = {}
             self._memory = min((r.memory_bytes for r in stats.values() if r.memory_bytes),
                                default=None)

@@ -730,9 +730,10 @@ class ParallaxStrategy(distribute_lib.Strategy):
             connect_timeout: float, seconds, default $PARALLAX_CONNECT_TIMEOUT, else 60.0
                 (`parallax k8s` sets 600 in worker pods: `--server-wait`): how long each
                 server has, at the first training step, to answer a health check with
-                SERVING; the servers are waited for one after another. A worker that cannot reach one raises
-                ServerError (UNAVAILABLE) naming it, the other workers a ParallaxError naming
-                that worker. Not the timeout of each request (`ClientOptions.timeout`).
+                SERVING; the servers are waited for one after another. A worker that
+                cannot reach one raises ServerError (UNAVAILABLE) naming it, the other
+                workers a ParallaxError naming that worker. Not the timeout of each request
+                (`ClientOptions.timeout`).
             fuse: bool, default True: in a traced step (`strategy.run` inside a
                 `tf.function`, as `fit` does) the lookups of tables whose ids do not depend
                 on another lookup's rows share one pull op, and the step's table gradients
