@@ -20,7 +20,14 @@ ABI = 3  # must equal the compiled module's ABI (src/module.cc)
 
 
 def mode() -> str:
-    value = os.environ.get(NATIVE_ENV, "auto").strip().lower() or "auto"
+    return _mode_of(os.environ.get(NATIVE_ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=16)
+def _mode_of(setting: str) -> str:
+    """The mode a PARALLAX_NATIVE setting names (asked on every request: the setting is
+    read each time, its checking done once per value)."""
+    value = setting.strip().lower() or "auto"
     if value not in NATIVE_MODES:
         raise ConfigError(f"{NATIVE_ENV}={value!r} must be one of {', '.join(NATIVE_MODES)} "
                           f"(auto: the compiled kernels where built)")

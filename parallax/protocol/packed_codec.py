@@ -153,6 +153,13 @@ def _in_int32(values: list[int], what: str, field: str) -> None:
         raise DecodeError(f"{what} part {bad}: {field} {values[bad]} is outside int32")
 
 
+def _columns(records: np.ndarray) -> dict[str, list]:
+    """{field: its values as Python numbers} of parts' records, read in one pass."""
+    names = records.dtype.names
+    values = list(zip(*records.tolist())) if len(records) else [()] * len(names)
+    return dict(zip(names, (list(v) for v in values)))
+
+
 def _exact(body: bytes, need: int, what: str) -> None:
     if len(body) != need:
         raise DecodeError(f"{what}: the parts' headers describe {need} bytes, the body has "
@@ -162,16 +169,17 @@ def _exact(body: bytes, need: int, what: str) -> None:
 def decode_pull_many(body: bytes) -> PackedPullMany:
     what = "packed PullManyRequest"
     records, names_len, at = _header(body, PULL_PART, what)
-    counts, shards = records["count"].tolist(), records["shard"].tolist()
+    columns = _columns(records)
+    counts, shards = columns["count"], columns["shard"]
     _counts(counts, what, "id count")
     _in_int32(shards, what, "shard_index")
-    names = _names(body, at, names_len, records["name_len"].tolist(), what)
+    names = _names(body, at, names_len, columns["name_len"], what)
     ids_at = _up(at + names_len, 8)
     _exact(body, ids_at + 8 * sum(counts), what)
     ids = np.frombuffer(body, np.int64, count=sum(counts), offset=ids_at)
     bounds = list(itertools.accumulate(counts, initial=0))
     parts = [PullPart(name, shard, step, ids[lo:hi]) for name, shard, step, lo, hi in
-             zip(names, shards, records["min_step"].tolist(), bounds, bounds[1:])]
+             zip(names, shards, columns["min_step"], bounds, bounds[1:])]
     return PackedPullMany(parts)
 
 
@@ -291,15 +299,15 @@ def decode_push_many(body: bytes) -> BulkPushMany:
     raises DecodeError."""
     what = "packed PushManyRequest"
     records, names_len, at = _header(body, PUSH_PART, what)
-    counts, dims = records["count"].tolist(), records["dim"].tolist()
+    columns = _columns(records)
+    counts, dims = columns["count"], columns["dim"]
     _counts(counts, what, "row count")
     _dims(dims, what)
-    columns = {f: records[f].tolist() for f in ("shard", "worker", "chunk", "chunks")}
-    for field, values in columns.items():
-        _in_int32(values, what, field)
-    names = _names(body, at, names_len, records["name_len"].tolist(), what)
+    for field in ("shard", "worker", "chunk", "chunks"):
+        _in_int32(columns[field], what, field)
+    names = _names(body, at, names_len, columns["name_len"], what)
     try:
-        dtypes = [wire.numpy_dtype(c) for c in records["dtype"].tolist()]
+        dtypes = [wire.numpy_dtype(c) for c in columns["dtype"]]
     except wire.WireError as exc:
         raise DecodeError(f"{what}: {exc}") from None
     ids_at = _up(at + names_len, _ALIGN)
@@ -312,9 +320,9 @@ def decode_push_many(body: bytes) -> BulkPushMany:
                       np.frombuffer(body, t, count=n * d, offset=o).reshape(n, d),
                       lr, chunk, chunks, session)
              for name, shard, step, worker, lo, hi, o, n, d, t, lr, chunk, chunks, session in
-             zip(names, columns["shard"], records["step"].tolist(), columns["worker"], bounds,
-                 bounds[1:], offsets, counts, dims, dtypes, records["lr"].tolist(),
-                 columns["chunk"], columns["chunks"], records["session"].tolist())]
+             zip(names, columns["shard"], columns["step"], columns["worker"], bounds,
+                 bounds[1:], offsets, counts, dims, dtypes, columns["lr"],
+                 columns["chunk"], columns["chunks"], columns["session"])]
     return BulkPushMany(parts)
 
 

@@ -236,10 +236,10 @@ class DataPlaneServer:
         if name is None or length > self.max_message_bytes:
             self._refuse_frame(sock, name, method, length)
             return False
+        context = _Context(deadline_s)
         with contextlib.ExitStack() as admitted:  # its working memory, until answered
             try:  # (before the body is read: --memory-mb, waiting for room if need be)
-                admitted.enter_context(self.service.admitted(
-                    name, length, _Context(deadline_s).deadline))
+                admitted.enter_context(self.service.admitted(name, length, context.deadline))
             except RequestError as refused:  # read past the body: the connection stays
                 _skip(sock, length)          # usable, its client on the data plane
                 _refuse(sock, refused.code, refused.message)
@@ -248,9 +248,8 @@ class DataPlaneServer:
             with self._lock:
                 self._in_flight += 1
             try:
-                code, body = self._handle(name, request, deadline_s)
+                code, body = self._handle(name, request, context)
                 del request  # (its bytes go before the memory they held is given back)
-                sock.settimeout(FRAME_TIMEOUT_S)  # a client that stopped reading lets go
                 dataplane.send_frame(sock, _response(code, body), body)
                 del body
             finally:
@@ -259,11 +258,12 @@ class DataPlaneServer:
                     self._idle.notify_all()
         return True
 
-    def _handle(self, name: str, request, deadline_s: float) -> tuple[int, bytes]:
+    def _handle(self, name: str, request, context: _Context) -> tuple[int, bytes]:
         """(status code, body) of one request; the handler may wait for a step (the client
-        has its own deadline)."""
+        has its own deadline; a client that stops reading the answer lets go after
+        FRAME_TIMEOUT_S, the socket's timeout since the header came)."""
         try:
-            answer = getattr(self.service, name)(request, _Context(deadline_s))
+            answer = getattr(self.service, name)(request, context)
         except _Refused as refused:
             return refused.code.value[0], refused.message.encode()
         return 0, answer if isinstance(answer, bytes) else answer.SerializeToString()

@@ -147,7 +147,7 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
     keys: dict[int, list[np.ndarray]] = {}
     nbytes: dict[int, int] = {}
     for shard, part, size in zip(shards, ids, buffered):
-        if pull and shard.vocab is not None:
+        if pull and not _grows_on_pull(shard):
             continue
         if shard.spec.hashed_keys or size:
             keys.setdefault(id(shard), []).append(part)
@@ -157,6 +157,12 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
              if (need := by_id[key].capacity_need(np.concatenate(parts), nbytes[key]))]
     if needs:  # all together: each part fitting alone is not enough
         needs[0][0].budget.check_together(needs)
+
+
+def _grows_on_pull(shard: TableShard) -> bool:
+    """Whether a pull may add rows to this shard (a hashed table's new keys; a dynamic
+    table's pulls create none): the shards `_check_capacity(..., pull=True)` checks."""
+    return shard.spec.hashed_keys and shard.vocab is None
 
 
 def _ids(part, i: int) -> np.ndarray:
@@ -177,8 +183,10 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
             shard.wait_step(part.min_step, deadline)
-    with held(shards):  # the tables' own limits first: their refusal says more
-        _check_capacity(shards, ids, [0] * len(ids), pull=True)
+    grows = any(_grows_on_pull(shard) for shard in shards)
+    if grows:
+        with held(shards):  # the tables' own limits first: their refusal says more
+            _check_capacity(shards, ids, [0] * len(ids), pull=True)
     hold_answer("PullMany", shards, ids, deadline)
     with held(shards):
         for shard in shards:  # deleted (or the server stopping) since it was looked up
@@ -190,7 +198,8 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
                 raise RequestError(grpc.StatusCode.ABORTED,
                                    f"{shard.label} went back to step {step} (restored) "
                                    f"while a pull waited for step {part.min_step}; retry")
-        _check_capacity(shards, ids, [0] * len(ids), pull=True)
+        if grows:
+            _check_capacity(shards, ids, [0] * len(ids), pull=True)
         with exact_answer_size("PullMany"):
             answer = writer([(len(i), s.spec.dim, s.answer_dtype(), step)
                              for s, i, step in zip(shards, ids, steps)],
