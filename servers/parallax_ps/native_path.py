@@ -106,6 +106,17 @@ def gather(values: np.ndarray, rows: np.ndarray, out: np.ndarray) -> bool:
     return module.gather(values, rows, out, code) < 0
 
 
+def scatter(values: np.ndarray, rows: np.ndarray, rows_values: np.ndarray) -> bool:
+    """values[rows] = rows_values in place (float32 storage: one pass, each row's miss asked
+    for ahead); False where the numpy path must run (no kernels, another dtype or layout)."""
+    module = kernels()
+    if module is None or not _f32_rows(values) or not values.flags.writeable or \
+            rows.dtype != np.int64 or rows.ndim != 1 or not _f32_rows(rows_values):
+        return False
+    module.scatter(values, rows, rows_values)
+    return True
+
+
 def all_finite(values: np.ndarray) -> bool | None:
     """Whether every value is finite; None where the numpy path must say."""
     module = kernels()

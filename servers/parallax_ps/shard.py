@@ -415,9 +415,10 @@ class TableShard:
             {n: np.take(s, rows, axis=0) for n, s in self.storage.slots.items()}
 
     def _write(self, rows: np.ndarray, values: np.ndarray, slots: Slots) -> None:
-        self.storage.values[rows] = values
-        for name, slot in self.storage.slots.items():
-            slot[rows] = slots[name]
+        for storage, new in [(self.storage.values, values),
+                             *((slot, slots[name]) for name, slot in self.storage.slots.items())]:
+            if not native_path.scatter(storage, rows, new):
+                storage[rows] = new
 
     def _updated(self, ids: np.ndarray, grads: np.ndarray, lr: float
                  ) -> tuple[np.ndarray, np.ndarray, Slots]:

@@ -53,6 +53,25 @@ class MaybeReleased {
   PyThreadState* state_ = nullptr;
 };
 
+// A shard's rows are read and written at random places of a table far larger than the
+// caches: each row costs a cache miss, and a TLB miss, that one at a time would wait for in
+// turn. Kernels that walk rows ask for the row kPrefetchAhead places ahead while they copy
+// this one, so the misses overlap (`prefetch_row`: its lines, at most kPrefetchLines; the
+// hardware follows on past them).
+constexpr ssize_t kPrefetchAhead = 8;
+constexpr ssize_t kPrefetchLines = 8;
+constexpr ssize_t kCacheLine = 64;
+
+template <int Write = 0>
+inline void prefetch_row(const void* row, ssize_t bytes) {
+  const char* at = static_cast<const char*>(row);
+  const char* last = at + bytes - 1;
+  for (ssize_t line = 0; line < kPrefetchLines && at <= last; ++line, at += kCacheLine) {
+    __builtin_prefetch(at, Write);
+  }
+  __builtin_prefetch(last, Write);  // (an unaligned row's last line)
+}
+
 inline uint32_t bits_of(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);

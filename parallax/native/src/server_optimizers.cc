@@ -130,8 +130,10 @@ float* gathered(const In<float>& from, const int64_t* rows, ssize_t n, ssize_t d
                 py::array_t<float>& into) {
   into = py::array_t<float>({n, dim});
   float* out = into.mutable_data();
+  const float* src = from.data();
   for (ssize_t i = 0; i < n; ++i) {
-    std::memcpy(out + i * dim, from.data() + rows[i] * dim, dim * sizeof(float));
+    if (i + kPrefetchAhead < n) prefetch_row(src + rows[i + kPrefetchAhead] * dim, dim * 4);
+    std::memcpy(out + i * dim, src + rows[i] * dim, dim * sizeof(float));
   }
   return out;
 }

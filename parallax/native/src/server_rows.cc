@@ -1,5 +1,6 @@
 // Rows in and out of a shard: gathering a pull's rows into the answer (in the table's
-// float32, or narrowed to float16/bfloat16 with the overflow check), and the checks of a
+// float32, or narrowed to float16/bfloat16 with the overflow check), writing an update's
+// rows back (scatter), and the checks of a
 // request's ids and rows (range, ownership, finiteness). The GIL is released for the loops.
 #include "server_kernels.h"
 
@@ -38,6 +39,7 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
     MaybeReleased released(n * dim * 6);
     for (ssize_t i = 0; i < n; ++i) {
       const float* row = src + r[i] * dim;
+      if (i + kPrefetchAhead < n) prefetch_row(src + r[i + kPrefetchAhead] * dim, dim * 4);
       if (wire == kFloat32) {
         std::memcpy(static_cast<float*>(target) + i * dim, row, dim * sizeof(float));
         continue;
@@ -53,6 +55,33 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
     }
   }
   return overflow;
+}
+
+// rows' new values into values[rows] (float32 [R, dim] storage, written in place).
+void scatter(py::array values, const In<int64_t>& rows, const In<float>& rows_values) {
+  if (values.ndim() != 2 || rows.ndim() != 1 || rows_values.ndim() != 2 ||
+      rows_values.shape(0) != rows.shape(0) || rows_values.shape(1) != values.shape(1)) {
+    throw std::invalid_argument("scatter: values [R, dim], rows [n], rows_values [n, dim]");
+  }
+  float* dst = static_cast<float*>(writable(values, 4, "scatter's values"));
+  if (!values.dtype().is(py::dtype::of<float>())) {
+    throw std::invalid_argument("scatter's values must be float32");
+  }
+  const ssize_t n = rows.shape(0), dim = values.shape(1);
+  const int64_t held = values.shape(0);
+  const int64_t* r = rows.data();
+  for (ssize_t i = 0; i < n; ++i) {
+    if (r[i] < 0 || r[i] >= held) {
+      throw std::out_of_range("row " + std::to_string(r[i]) + " is outside the shard's " +
+                              std::to_string(held) + " rows");
+    }
+  }
+  const float* src = rows_values.data();
+  MaybeReleased released(n * dim * 8);
+  for (ssize_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch_row<1>(dst + r[i + kPrefetchAhead] * dim, dim * 4);
+    std::memcpy(dst + r[i] * dim, src + i * dim, dim * sizeof(float));
+  }
 }
 
 template <typename T>
@@ -98,6 +127,8 @@ void register_rows(py::module_& m) {
         py::arg("wire"),
         "values[rows] into out (0 float32, 1 float16, 2 bfloat16 bits); the first float16 "
         "overflow's flat position, or -1");
+  m.def("scatter", &scatter, py::arg("values"), py::arg("rows"), py::arg("rows_values"),
+        "rows_values into values[rows] in place (float32); a repeated row gets its last");
   m.def("all_finite", &all_finite, py::arg("values"));
   m.def("first_foreign", &first_foreign, py::arg("ids"), py::arg("vocab"),
         py::arg("shard_count"), py::arg("shard"), py::arg("range"), py::arg("block"));
