@@ -38,7 +38,8 @@ from parallax.env import ADDRESSES_ENV, worker_metrics_port
 from parallax.env import connect_timeout as env_connect_timeout
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
-from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
+from parallax.placement.plan import (Plan, PlacementOptions, VariableInfo, make_plan,
+                                     place_shards)
 from parallax.placement.tuning import PartitionSearch
 from parallax.runtime.cpu_quota import size_tf_pools
 from parallax.runtime.malloc_tuning import reuse_freed_memory
@@ -56,6 +57,7 @@ from parallax.tf.state import resume
 from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.tf.state.tuner import PartitionTuner
 from parallax.tf.strategy import binding
+from parallax.tf.strategy.config import StrategyConfig
 from parallax.tf.strategy.datasets import cover_for_worker, shard_for_worker
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
@@ -328,8 +330,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if members and not self.config.group_tables:
             log.warning("parallax: group_tables=False, but the checkpoint restored keeps %d "
                         "variables in table groups: the plan keeps its groups", len(members))
-        return planned_with(dataclasses.replace(self.config, group_tables=True),
-                            resume.saved_group_keys(pending), saved=True)
+        options = dataclasses.replace(self.config.placement_options, group_tables=True)
+        return planned_with(options, resume.saved_group_keys(pending), saved=True)
 
     def _materialize_local(self) -> None:
         """Compute the deferred initial value of every variable that stays on this worker;
@@ -373,26 +375,27 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         planned = dataclasses.replace(planned,
                                       run_id=self.workers.broadcast_object(planned.run_id))
         by_index = {v.parallax_index: v for v in self.variables()}
+        options = self.config.placement_options
 
-        def planned_with(config: StrategyConfig, keys, saved: bool = False) -> Plan:
-            return make_plan(config, list(infos.values()), run_id=planned.run_id,
+        def planned_with(chosen: PlacementOptions, keys, saved: bool = False) -> Plan:
+            return make_plan(chosen, list(infos.values()), run_id=planned.run_id,
                              num_servers=len(planned.ps_addresses), num_workers=info.size,
                              group_keys=keys, saved_groups=saved)
-        plan = planned_with(self.config, self._group_keys(by_index, observations))
+        plan = planned_with(options, self._group_keys(by_index, observations))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
         pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None and not resume.same_grouping(plan, pending):
             plan = self._saved_groups(pending, by_index, observations, planned_with)
-        search = tuning.resolve(self._search_setting, plan, self.config)
+        search = tuning.resolve(self._search_setting, plan, options)
         if search is not None and plan.grouped:
             if pending is not None:
                 log.warning("parallax: no partition search: the checkpoint restored keeps "
                             "its table groups (group_tables), which the search does not tune")
                 search = None
             else:  # the search tunes each table's shards on its own
-                plan = planned_with(self.config, None)
+                plan = planned_with(options, None)
         cached = None
         if search is not None:  # the chief's saved decision, the same on every worker
             cached = self.workers.broadcast_object(
