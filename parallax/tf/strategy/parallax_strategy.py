@@ -49,8 +49,7 @@ from parallax.tf.collectives.tensorflow import LOCAL_AGGREGATION_NEEDS_HOROVOD, 
 from parallax.tf.collectives.workers import WorkerInfo
 from parallax.tf.graph.analysis import NOT_READ, inspect_reads
 from parallax.tf.graph.fusion import StepFusion
-from parallax.tf.graph.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
-                                      owner_of_gradient, set_fusion_of_step)
+from parallax.tf.graph.remote import RemoteTable, StepTrace
 from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                          remote_of, restore_storage)
 from parallax.tf.state import resume
@@ -167,6 +166,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._created: list[weakref.ref] = []
         self._observations: _Observations | None = None
         self._pushed: set[int] | None = None
+        # the step traced last (its fusion while its lookups are traced; whose gradients)
+        self._trace = StepTrace()
         self.plan: Plan | None = None
         self.remotes: dict[int, RemoteTable] = {}
         self.table_client = table_client(CachingClient.name, config.cache) if config.cache \
@@ -229,16 +230,15 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             if self._observations is not None and self._observations.graph is None:
                 self._observations.graph = tf.compat.v1.get_default_graph()
             return super()._call_for_each_replica(fn, args, kwargs)
-        forget_gradient_owners()
         self._pushed = set()
         step = StepFusion(tf.compat.v1.get_default_graph(), self.table_client) \
             if self.remotes and self.config.fuse and not tf.executing_eagerly() else None
-        set_fusion_of_step(step)
+        trace = self._trace = StepTrace(step).begin_here()  # what this thread's lookups join
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
             if self.workers.info.size > 1:
                 result = self._across_workers(fn, result)
-            set_fusion_of_step(None)  # what follows is the step's own tail, not its lookups
+            trace.end_lookups()  # what follows is the step's own tail, not its lookups
             if step is not None:
                 self._finish_fused(step)
             elif self._pushed:  # a training step: every table must hear from this worker
@@ -250,7 +250,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
                                   name="parallax_partition_search")
         finally:
-            set_fusion_of_step(None)
+            trace.end_lookups()
             self._pushed = None
         return result
 
@@ -522,7 +522,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         results: list = [None] * len(values)
         dense_positions = []
         for i, value in enumerate(values):
-            if owner_of_gradient(value) is None:
+            if self._trace.owner_of(value) is None:
                 dense_positions.append(i)
                 continue
             if mean and size > 1:
@@ -582,7 +582,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 f"different optimizer cannot update it. Keep one optimizer per strategy, or "
                 f"build the model again in a new strategy")
         learning_rate = args[1] if len(args) > 1 else None
-        step = fusion_of_step()
+        step = self._trace.fusion
         if step is not None and step.can_push(args[0], learning_rate):
             step.push(remote, args[0], learning_rate)  # sent by the step's fused push op
             op = tf.no_op()
