@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from parallax.env import COLLECTIVES, RUN_MODES
+from parallax.env import RUN_MODES
 from parallax.errors import ConfigError
 from parallax.protocol.specs import bound_for
 from parallax.protocol.wire_dtypes import WIRE_DTYPES
@@ -77,46 +77,31 @@ class DynamicRows:
 
 
 @dataclass(frozen=True)
-class StrategyConfig:
-    """Everything the user can choose; the defaults train synchronously in hybrid mode."""
+class PlacementOptions:
+    """What the plan is made of among the user's choices (`make_plan`, and the partition
+    search's `tuning.resolve`); the strategy's options (`StrategyConfig`, in
+    parallax.tf.strategy.config) build it (`StrategyConfig.placement_options`). The defaults
+    plan synchronous hybrid mode."""
 
     mode: str = "hybrid"
     sync: bool = True
-    ps_addresses: tuple[str, ...] | None = None
-    run_id: str | None = None
-    embedded_servers: int = 2
-    local_aggregation: bool = False
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
     shards: int | Mapping[str, int] | None = None  # default: one per 64 MiB, <= servers
-    log_plan: bool = True
-    fuse: bool = True  # one pull and one push op per traced step (parallax.tf.graph.fusion)
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
-    checkpoints_kept: int = 5  # the servers' table checkpoints kept per job
-    #                            (parallax.tf.state.resume)
-    collectives: str = "auto"  # what sums dense gradients: auto|horovod|tensorflow (env.py)
     # rows of server tables on the wire: one dtype for every float32 table, or variable
     # name -> dtype; None: each table's own (parallax.protocol.wire_dtypes)
     wire_dtype: str | Mapping[str, str] | None = None
-    cache: object = None  # a parallax.RowCache (the worker's hot-row cache), or None: off
+    cache: object = None  # the worker's hot-row cache (its `describe()` goes in the plan)
 
     def __post_init__(self) -> None:
         if self.mode not in RUN_MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(RUN_MODES)}")
-        if self.collectives not in COLLECTIVES:
-            raise ConfigError(f"collectives {self.collectives!r} is not one of "
-                              f"{', '.join(COLLECTIVES)}")
         for name, where in self.placement.items():
             if where not in PLACEMENTS:
                 raise ConfigError(f"placement of {name!r} is {where!r}; use 'ps' (rows on the "
                                   f"parameter servers) or 'allreduce' (replicated)")
-        if not _is_count(self.embedded_servers):
-            raise ConfigError(f"embedded_servers must be an int >= 1, got "
-                              f"{self.embedded_servers!r}")
         if not isinstance(self.group_tables, bool):
             raise ConfigError(f"group_tables must be True or False, got {self.group_tables!r}")
-        if not _is_count(self.checkpoints_kept):
-            raise ConfigError(f"checkpoints_kept must be an int >= 1 (the servers' table "
-                              f"checkpoints kept), got {self.checkpoints_kept!r}")
         wires = self.wire_dtype.items() if isinstance(self.wire_dtype, Mapping) else \
             [("", self.wire_dtype)]
         for name, dtype in wires:
@@ -127,11 +112,11 @@ class StrategyConfig:
                                   f"servers as they travel; the servers keep float32)")
         shards = self.shards.values() if isinstance(self.shards, Mapping) else [self.shards]
         for count in shards:
-            if count is not None and not _is_count(count):
+            if count is not None and not is_count(count):
                 raise ConfigError(f"shards must be positive ints, got {count!r}")
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
     """An int >= 1 (a bool is no count, though Python makes it an int)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -312,7 +297,7 @@ def _kind(info: VariableInfo) -> tuple[str, str]:
         "; gradient IndexedSlices" if info.gradient == "IndexedSlices" else "")
 
 
-def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[str, str]:
+def _placement(config: PlacementOptions, info: VariableInfo, kind: str) -> tuple[str, str]:
     override = config.placement.get(info.name)
     if info.dynamic is not None:
         if config.mode == "allreduce" or override == "allreduce":
@@ -332,7 +317,7 @@ def _placement(config: StrategyConfig, info: VariableInfo, kind: str) -> tuple[s
     return ("ps" if kind == "sparse" else "allreduce"), ""
 
 
-def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int:
+def _shards(config: PlacementOptions, info: VariableInfo, num_servers: int) -> int:
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
     if info.dynamic is not None:  # keys grow without a vocabulary: every server by default
@@ -343,7 +328,7 @@ def _shards(config: StrategyConfig, info: VariableInfo, num_servers: int) -> int
     return max(1, min(wanted, rows))
 
 
-def _wire_dtype(config: StrategyConfig, info: VariableInfo, on_ps: bool) -> str:
+def _wire_dtype(config: PlacementOptions, info: VariableInfo, on_ps: bool) -> str:
     """The dtype a variable's table sends its rows in, "" for its own: `config.wire_dtype`
     for every float32 table, or for the variables it names (which must be float32 tables)."""
     named = isinstance(config.wire_dtype, Mapping)
@@ -362,7 +347,7 @@ def _wire_dtype(config: StrategyConfig, info: VariableInfo, on_ps: bool) -> str:
 
 def _grouped(plans: list[VariablePlan], keys: Mapping[int, object], named: set[str],
              run_id: str, placed: bool = True) -> list[VariablePlan]:
-    """Table groups (`StrategyConfig.group_tables`): placed variables with equal rows (width,
+    """Table groups (`PlacementOptions.group_tables`): placed variables with equal rows (width,
     dtype and wire dtype), an equal `keys` entry (the strategy's: how their initial values are made)
     and the same shards on the same servers share one server table, each at its own row
     offset, unless the user named their shard count (`named`). A step's request to a server
@@ -421,7 +406,7 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
             for v in units[placement.name]}
 
 
-def make_plan(config: StrategyConfig, infos: list[VariableInfo], *, run_id: str,
+def make_plan(config: PlacementOptions, infos: list[VariableInfo], *, run_id: str,
               num_servers: int, num_workers: int,
               group_keys: Mapping[int, object] | None = None, saved_groups: bool = False
               ) -> Plan:

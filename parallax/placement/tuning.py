@@ -23,7 +23,7 @@ from parallax.env import PLAN_CACHE_ENV
 from parallax.errors import ConfigError
 from parallax.placement.json_cache import cache_path, write_atomically
 from parallax.placement.planner import Measurement
-from parallax.placement.plan import Plan, StrategyConfig
+from parallax.placement.plan import Plan, PlacementOptions
 
 log = logging.getLogger("parallax")
 
@@ -96,7 +96,7 @@ def check_setting(value) -> None:
                           f"'auto'), got {value!r}")
 
 
-def resolve(value, plan: Plan, config: StrategyConfig) -> PartitionSearch | None:
+def resolve(value, plan: Plan, config: PlacementOptions) -> PartitionSearch | None:
     """The search a job runs, if any. "auto" (the default) searches where it can pay: tables
     on the servers, several workers, no shard counts fixed by the user, and no table groups
     (a strategy asked to search plans without them)."""

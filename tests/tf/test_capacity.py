@@ -13,7 +13,7 @@ from parallax.client import PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.placement.capacity import check_fits, server_bytes, table_bytes
 from parallax.placement.planner import PlannerError
-from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
+from parallax.placement.plan import PlacementOptions, VariableInfo, make_plan
 from parallax.protocol.specs import SGD, Adam, TableSpec
 
 MB = 1 << 20
@@ -22,7 +22,7 @@ MB = 1 << 20
 def _plan(rows, servers=2, **config):
     infos = [VariableInfo(i, f"t{i}", (r, 64), "float32", True, "gather", "IndexedSlices")
              for i, r in enumerate(rows)]
-    return make_plan(StrategyConfig(**config), infos, run_id="r", num_servers=servers,
+    return make_plan(PlacementOptions(**config), infos, run_id="r", num_servers=servers,
                      num_workers=2)
 
 

@@ -1,4 +1,5 @@
-"""RemoteTable's numpy side against real servers: background sync pushes."""
+"""RemoteTable's numpy side against real servers: background sync pushes; the step trace its
+lookups record in (`StepTrace`)."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from parallax.protocol.specs import SGD, Initializer, TableSpec
-from parallax.tf.graph.remote import RemoteTable
+from parallax.tf.graph.remote import RemoteTable, StepTrace
 
 
 def _tables(client, name):
@@ -69,3 +70,28 @@ def test_rpc_threads_grow_while_calls_block_and_refuse_past_their_cap():
     assert first.result(5) and second.result(5)
     assert pool.submit(lambda: 7).result(5) == 7  # a finished thread is reused
     assert pool._threads == 2
+
+
+def test_a_step_trace_is_the_one_of_its_thread_and_knows_its_lookups_gradients():
+    """The strategy keeps the trace of its step; lookups, which TensorFlow calls with no
+    room for it, find it as their thread's (`traced_here`) until the next step begins."""
+    table = object()  # (a RemoteTable: only its identity matters here)
+    trace = StepTrace().begin_here()
+    assert StepTrace.traced_here() is trace
+    dense_shape = tf.constant([10, 2], tf.int64)
+    StepTrace.traced_here().record_lookup(dense_shape, table)
+    grad = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3], tf.int64), dense_shape)
+    assert trace.owner_of(grad) is table
+    assert trace.owner_of(tf.IndexedSlices(grad.values, grad.indices,
+                                           tf.constant([10, 2], tf.int64))) is None
+    assert trace.owner_of(tf.ones([10, 2])) is None
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(StepTrace.traced_here()))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not trace and elsewhere[0].owner_of(grad) is None
+    trace.fusion = "fusion"
+    trace.end_lookups()
+    assert trace.fusion is None and trace.owner_of(grad) is table  # owners stay
+    following = StepTrace().begin_here()
+    assert StepTrace.traced_here() is following and following.owner_of(grad) is None

@@ -13,7 +13,7 @@ import parallax
 from parallax.errors import ConfigError
 from parallax.placement import tuning
 from parallax.placement.planner import Measurement
-from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
+from parallax.placement.plan import PlacementOptions, VariableInfo, make_plan
 from parallax.placement.tuning import PartitionSearch, next_uniform, sweep_counts
 
 ROWS = {"a": 1000, "b": 3}
@@ -65,8 +65,8 @@ def test_bad_settings_are_named(field, value, match):
 def _plan(workers=2, **config):
     infos = [VariableInfo(0, "emb", (1000, 8), "float32", True, "gather", "IndexedSlices"),
              VariableInfo(1, "dense", (8, 1), "float32", False, "matmul", "Tensor")]
-    return make_plan(StrategyConfig(**config), infos, run_id="r", num_servers=2,
-                     num_workers=workers), StrategyConfig(**config)
+    options = PlacementOptions(**config)
+    return make_plan(options, infos, run_id="r", num_servers=2, num_workers=workers), options
 
 
 def test_auto_searches_with_several_workers_and_no_fixed_counts():

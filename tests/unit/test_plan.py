@@ -5,8 +5,9 @@ import pytest
 
 from dataclasses import replace
 
-from parallax.placement.plan import (SHARD_MIN_BYTES, StrategyConfig, VariableInfo, make_plan,
-                                     place_shards)
+from parallax.placement.plan import (SHARD_MIN_BYTES, PlacementOptions, VariableInfo,
+                                     make_plan, place_shards)
+from parallax.tf.strategy.config import StrategyConfig  # (no TensorFlow: a unit test)
 
 
 def _table(index: int, rows: int, dim: int = 16) -> VariableInfo:
@@ -15,7 +16,7 @@ def _table(index: int, rows: int, dim: int = 16) -> VariableInfo:
 
 
 def _plan(infos, servers=2, **config):
-    return make_plan(StrategyConfig(**config), infos, run_id="r", num_servers=servers,
+    return make_plan(PlacementOptions(**config), infos, run_id="r", num_servers=servers,
                      num_workers=4)
 
 
@@ -90,7 +91,7 @@ def test_counts_must_be_ints_not_bools_or_floats(option, value):
 
 def _grouped(infos, servers=2, keys=None, **config):
     keys = {i.index: "stream" for i in infos} if keys is None else keys
-    return make_plan(StrategyConfig(**config), infos, run_id="r", num_servers=servers,
+    return make_plan(PlacementOptions(**config), infos, run_id="r", num_servers=servers,
                      num_workers=4, group_keys=keys)
 
 
@@ -157,6 +158,28 @@ def test_a_config_refuses_a_non_bool_group_tables():
     from parallax.errors import ConfigError
     with pytest.raises(ConfigError, match="group_tables must be True or False"):
         StrategyConfig(group_tables="yes")
+    with pytest.raises(ConfigError, match="group_tables must be True or False"):
+        PlacementOptions(group_tables="yes")
+
+
+def test_the_strategy_s_config_makes_the_plan_s_options_checked_as_before():
+    """`StrategyConfig` (the strategy's room) builds the placement's own value, which
+    `make_plan` takes; a copy with other choices builds its own, and each check is made
+    when the config is, with the same message."""
+    from parallax.errors import ConfigError
+    config = StrategyConfig(mode="ps", sync=False, placement={"t": "ps"}, shards={"t": 2},
+                            group_tables=False, wire_dtype="bfloat16", embedded_servers=3)
+    assert config.placement_options == PlacementOptions(
+        mode="ps", sync=False, placement={"t": "ps"}, shards={"t": 2}, group_tables=False,
+        wire_dtype="bfloat16")
+    assert replace(config, shards=3).placement_options.shards == 3
+    assert replace(config, shards=3) == replace(config, shards=3)
+    with pytest.raises(ConfigError, match="placement of 't' is 'gpu'; use 'ps'"):
+        StrategyConfig(placement={"t": "gpu"})
+    with pytest.raises(ConfigError, match="mode 'fast' is not one of"):
+        StrategyConfig(mode="fast")
+    with pytest.raises(ConfigError, match="collectives 'mpi' is not one of"):
+        StrategyConfig(collectives="mpi")
 
 
 def test_only_optimizers_whose_update_ignores_the_step_count_share_tables():
@@ -191,7 +214,7 @@ def _dynamic(index: int, **rows) -> VariableInfo:
 def test_a_dynamic_table_goes_to_every_server_ungrouped_and_sized_at_its_bound():
     infos = [_dynamic(0, max_rows_per_shard=1000, eviction="lru"), _table(1, 50, 8),
              _table(2, 50, 8)]
-    grouped = make_plan(StrategyConfig(), infos, run_id="r", num_servers=1, num_workers=4,
+    grouped = make_plan(PlacementOptions(), infos, run_id="r", num_servers=1, num_workers=4,
                         group_keys={0: "k", 1: "k", 2: "k"})
     assert grouped.variables[1].table == grouped.variables[2].table  # a group, without ...
     assert grouped.variables[0].table != grouped.variables[1].table  # ... the dynamic table

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.placement.plan import StrategyConfig, VariableInfo, make_plan
+from parallax.placement.plan import PlacementOptions, VariableInfo, make_plan
+from parallax.tf.strategy.config import StrategyConfig
 from parallax.protocol import bulk_codec, packed_codec, wire, wire_dtypes
 from parallax.protocol.specs import TableSpec
 from parallax.protocol.wire_dtypes import WireOverflowError, bf16_decode, bf16_encode
@@ -187,7 +188,7 @@ def _table(index: int, dtype: str = "float32") -> VariableInfo:
 
 
 def _plan(infos, keys=None, **config):
-    return make_plan(StrategyConfig(**config), infos, run_id="r", num_servers=1,
+    return make_plan(PlacementOptions(**config), infos, run_id="r", num_servers=1,
                      num_workers=1, group_keys=keys)
 
 

@@ -21,23 +21,55 @@ from parallax.client import ShardedTable
 from parallax.client.table_rows import TablePushes, TableRows
 from parallax.errors import ConfigError
 
-class _StepSlot(threading.local):
-    """What the strategy knows of the step being traced on this thread."""
+class StepTrace:
+    """One training step as the strategy traces it: its fusion (`fusion`, a
+    parallax.tf.graph.fusion.StepFusion, or None: every lookup and push makes its own op) and
+    the tables whose lookups made its gradients (`owner_of`).
 
-    fusion = None  # its parallax.tf.graph.fusion.StepFusion
-    owners: dict | None = None  # {lookup's dense_shape tensor .ref(): its RemoteTable}
+    The strategy makes one for each step it traces and keeps it (its pushes and its gradient
+    routing ask it directly). The lookups reach it by one thread-local, `traced_here`: a
+    lookup is TensorFlow calling `ParallaxVariable.sparse_read(ids)` (`tf.gather`,
+    `tf.nn.embedding_lookup`, Keras' `Embedding`), a call with no room for a handle, and the
+    variable is shared by every step and thread while the trace is of one step on one
+    thread. `begin_here` makes a trace the one of this thread's step; it stays that until the
+    next step begins here, its fusion cleared by `end_lookups` once the step's own lookups
+    are traced.
+    """
+
+    def __init__(self, fusion=None) -> None:
+        self.fusion = fusion
+        self._owners: dict = {}  # {a lookup's dense_shape tensor .ref(): its RemoteTable}
+
+    def begin_here(self) -> StepTrace:
+        """Make this the trace that lookups on this thread record in (and return it)."""
+        _HERE.trace = self
+        return self
+
+    @staticmethod
+    def traced_here() -> StepTrace:
+        """The trace of the step traced last on this thread (an empty one before any)."""
+        trace = getattr(_HERE, "trace", None)
+        return trace if trace is not None else StepTrace().begin_here()
+
+    def end_lookups(self) -> None:
+        """What follows is the step's own tail, not its lookups: no more fusing."""
+        self.fusion = None
+
+    def record_lookup(self, dense_shape: tf.Tensor, remote: RemoteTable) -> None:
+        """`remote`'s lookup made a gradient whose `dense_shape` is this tensor."""
+        self._owners[dense_shape.ref()] = remote
+
+    def owner_of(self, grad) -> RemoteTable | None:
+        """The table whose lookup, traced in this step, produced this IndexedSlices gradient
+        (the tape keeps the `dense_shape` tensor of the first lookup when it aggregates
+        several): the tensor itself identifies it."""
+        if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None or \
+                not self._owners:
+            return None
+        return self._owners.get(grad.dense_shape.ref())
 
 
-_STEP = _StepSlot()
-
-
-def fusion_of_step():
-    """The StepFusion of the training step being traced on this thread, or None."""
-    return _STEP.fusion
-
-
-def set_fusion_of_step(fusion) -> None:
-    _STEP.fusion = fusion
+_HERE = threading.local()  # .trace: this thread's StepTrace (`StepTrace.traced_here`)
 
 
 class RemoteTable(TableRows):
@@ -89,7 +121,7 @@ class RemoteTable(TableRows):
     def _pull_op(self, unique: tf.Tensor, pull, name: str) -> tf.Tensor:
         """The rows of `unique`: from the step's fused pull when the step being traced can
         group this lookup (parallax.tf.graph.fusion), else from an op of its own."""
-        step = fusion_of_step()
+        step = StepTrace.traced_here().fusion
         rows = step.lookup(self, unique) if step is not None else None
         if rows is None:
             rows = tf.numpy_function(pull, [unique], self.dtype, stateful=True, name=name)
@@ -98,9 +130,7 @@ class RemoteTable(TableRows):
     def _record(self, var: tf.Variable, rows: tf.Tensor, ids: tf.Tensor) -> None:
         """Put `rows` (pulled for `ids`) on the gradient tape as a read of `var`."""
         dense_shape = tf.constant(self.shape.as_list() or [1], tf.int64)
-        if _STEP.owners is None:
-            _STEP.owners = {}
-        _STEP.owners[dense_shape.ref()] = self  # whose gradient this IndexedSlices will be
+        StepTrace.traced_here().record_lookup(dense_shape, self)  # whose gradient this will be
 
         def backward(grad_rows):
             if isinstance(grad_rows, tf.IndexedSlices):
@@ -140,17 +170,3 @@ class RemoteTable(TableRows):
     def push_nothing(self) -> tf.Tensor:
         """An empty push (see `empty_gradient`)."""
         return self.push(self.empty_gradient())
-
-
-def owner_of_gradient(grad) -> RemoteTable | None:
-    """The table whose lookup, traced on this thread since the step began, produced this
-    IndexedSlices gradient (the tape keeps the `dense_shape` tensor of the first lookup when
-    it aggregates several): the tensor itself identifies it."""
-    if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None or not _STEP.owners:
-        return None
-    return _STEP.owners.get(grad.dense_shape.ref())
-
-
-def forget_gradient_owners() -> None:
-    """A step begins on this thread: its lookups' gradients are the ones to recognise."""
-    _STEP.owners = {}

@@ -38,7 +38,8 @@ from parallax.env import ADDRESSES_ENV, worker_metrics_port
 from parallax.env import connect_timeout as env_connect_timeout
 from parallax.errors import ConfigError, ParallaxError
 from parallax.placement import tuning
-from parallax.placement.plan import Plan, StrategyConfig, VariableInfo, make_plan, place_shards
+from parallax.placement.plan import (Plan, PlacementOptions, VariableInfo, make_plan,
+                                     place_shards)
 from parallax.placement.tuning import PartitionSearch
 from parallax.runtime.cpu_quota import size_tf_pools
 from parallax.runtime.malloc_tuning import reuse_freed_memory
@@ -48,14 +49,14 @@ from parallax.tf.collectives.tensorflow import LOCAL_AGGREGATION_NEEDS_HOROVOD, 
 from parallax.tf.collectives.workers import WorkerInfo
 from parallax.tf.graph.analysis import NOT_READ, inspect_reads
 from parallax.tf.graph.fusion import StepFusion
-from parallax.tf.graph.remote import (RemoteTable, forget_gradient_owners, fusion_of_step,
-                                      owner_of_gradient, set_fusion_of_step)
+from parallax.tf.graph.remote import RemoteTable, StepTrace
 from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                          remote_of, restore_storage)
 from parallax.tf.state import resume
 from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.tf.state.tuner import PartitionTuner
 from parallax.tf.strategy import binding
+from parallax.tf.strategy.config import StrategyConfig
 from parallax.tf.strategy.datasets import cover_for_worker, shard_for_worker
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
@@ -165,6 +166,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self._created: list[weakref.ref] = []
         self._observations: _Observations | None = None
         self._pushed: set[int] | None = None
+        # the step traced last (its fusion while its lookups are traced; whose gradients)
+        self._trace = StepTrace()
         self.plan: Plan | None = None
         self.remotes: dict[int, RemoteTable] = {}
         self.table_client = table_client(CachingClient.name, config.cache) if config.cache \
@@ -227,16 +230,15 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             if self._observations is not None and self._observations.graph is None:
                 self._observations.graph = tf.compat.v1.get_default_graph()
             return super()._call_for_each_replica(fn, args, kwargs)
-        forget_gradient_owners()
         self._pushed = set()
         step = StepFusion(tf.compat.v1.get_default_graph(), self.table_client) \
             if self.remotes and self.config.fuse and not tf.executing_eagerly() else None
-        set_fusion_of_step(step)
+        trace = self._trace = StepTrace(step).begin_here()  # what this thread's lookups join
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
             if self.workers.info.size > 1:
                 result = self._across_workers(fn, result)
-            set_fusion_of_step(None)  # what follows is the step's own tail, not its lookups
+            trace.end_lookups()  # what follows is the step's own tail, not its lookups
             if step is not None:
                 self._finish_fused(step)
             elif self._pushed:  # a training step: every table must hear from this worker
@@ -248,7 +250,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 tf.numpy_function(self.tuner.after_step, [], tf.int64, stateful=True,
                                   name="parallax_partition_search")
         finally:
-            set_fusion_of_step(None)
+            trace.end_lookups()
             self._pushed = None
         return result
 
@@ -328,8 +330,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         if members and not self.config.group_tables:
             log.warning("parallax: group_tables=False, but the checkpoint restored keeps %d "
                         "variables in table groups: the plan keeps its groups", len(members))
-        return planned_with(dataclasses.replace(self.config, group_tables=True),
-                            resume.saved_group_keys(pending), saved=True)
+        options = dataclasses.replace(self.config.placement_options, group_tables=True)
+        return planned_with(options, resume.saved_group_keys(pending), saved=True)
 
     def _materialize_local(self) -> None:
         """Compute the deferred initial value of every variable that stays on this worker;
@@ -373,26 +375,27 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         planned = dataclasses.replace(planned,
                                       run_id=self.workers.broadcast_object(planned.run_id))
         by_index = {v.parallax_index: v for v in self.variables()}
+        options = self.config.placement_options
 
-        def planned_with(config: StrategyConfig, keys, saved: bool = False) -> Plan:
-            return make_plan(config, list(infos.values()), run_id=planned.run_id,
+        def planned_with(chosen: PlacementOptions, keys, saved: bool = False) -> Plan:
+            return make_plan(chosen, list(infos.values()), run_id=planned.run_id,
                              num_servers=len(planned.ps_addresses), num_workers=info.size,
                              group_keys=keys, saved_groups=saved)
-        plan = planned_with(self.config, self._group_keys(by_index, observations))
+        plan = planned_with(options, self._group_keys(by_index, observations))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
         pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None and not resume.same_grouping(plan, pending):
             plan = self._saved_groups(pending, by_index, observations, planned_with)
-        search = tuning.resolve(self._search_setting, plan, self.config)
+        search = tuning.resolve(self._search_setting, plan, options)
         if search is not None and plan.grouped:
             if pending is not None:
                 log.warning("parallax: no partition search: the checkpoint restored keeps "
                             "its table groups (group_tables), which the search does not tune")
                 search = None
             else:  # the search tunes each table's shards on its own
-                plan = planned_with(self.config, None)
+                plan = planned_with(options, None)
         cached = None
         if search is not None:  # the chief's saved decision, the same on every worker
             cached = self.workers.broadcast_object(
@@ -519,7 +522,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         results: list = [None] * len(values)
         dense_positions = []
         for i, value in enumerate(values):
-            if owner_of_gradient(value) is None:
+            if self._trace.owner_of(value) is None:
                 dense_positions.append(i)
                 continue
             if mean and size > 1:
@@ -579,7 +582,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                 f"different optimizer cannot update it. Keep one optimizer per strategy, or "
                 f"build the model again in a new strategy")
         learning_rate = args[1] if len(args) > 1 else None
-        step = fusion_of_step()
+        step = self._trace.fusion
         if step is not None and step.can_push(args[0], learning_rate):
             step.push(remote, args[0], learning_rate)  # sent by the step's fused push op
             op = tf.no_op()
