@@ -6,6 +6,8 @@ ceil(V / S) ids); hashed-key tables route by a 64-bit mix of the key.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -268,11 +270,14 @@ class Runs:
     def __init__(self, routers: Sequence[ShardRouter], runs: Sequence[np.ndarray]) -> None:
         self.routers = list(routers)
         self.lengths = [len(r) for r in runs]
-        self.starts = np.cumsum([0] + self.lengths).tolist()
-        self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) if runs \
-            else np.empty(0, np.int64)
+        self.starts = list(itertools.accumulate(self.lengths, initial=0))
+        if len(runs) == 1:  # (a copy all the same: callers' buffers may be reused)
+            self.ids = np.array(runs[0], dtype=np.int64)
+        else:
+            self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) \
+                if runs else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.routers] + [1])
-        self._table = np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
+        self._table_of_id: np.ndarray | None = None
         self._routings: list[PushRouting] | None = None
         self._flat: FlatRouting | None = None
         # Set by a training step's pull, whose ids its push sends back: the pull is laid out
@@ -295,6 +300,10 @@ class Runs:
         limit is None (hashed keys: any int64) is not checked."""
         if not len(self.ids):
             return None
+        if len(limits) == 1:  # one run: its smallest and largest id say it
+            limit = limits[0]
+            return None if limit is None or \
+                (self.ids.min() >= 0 and self.ids.max() < limit) else 0
         checked = [limit is not None for limit in limits]
         bad = (self.ids < 0) | (self.ids >= self._per_id([lim or 0 for lim in limits]))
         if not all(checked):
@@ -302,6 +311,14 @@ class Runs:
         if not bad.any():
             return None
         return int(np.searchsorted(self.starts, int(np.argmax(bad)), side="right")) - 1
+
+    @property
+    def _table(self) -> np.ndarray:
+        """The run (table index) of every id, made when first asked."""
+        if self._table_of_id is None:
+            self._table_of_id = np.repeat(np.arange(len(self.lengths), dtype=np.int64),
+                                          self.lengths)
+        return self._table_of_id
 
     def _per_id(self, values: Sequence[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)[self._table]
