@@ -92,7 +92,7 @@ class PairwiseDot(keras.layers.Layer):
         return keras.ops.take(flat, (rows * n + cols).astype("int32"), axis=1)
 
 
-def hashed_keys(features: dict) -> dict:
+def raw_keys(features: dict) -> dict:
     """The categorical ids as raw 64-bit keys: a hash of (feature, id), as int64."""
     out = dict(features)
     for f in range(sum(1 for k in features if k.startswith("c"))):
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     x_eval, y_eval, eval_logit = generate(args.eval_examples, vocabularies, args.seed,
                                           stream=1)
     if args.dynamic:
-        x, x_eval = hashed_keys(x), hashed_keys(x_eval)
+        x, x_eval = raw_keys(x), raw_keys(x_eval)
     strategy = make_strategy(args)
     steps = steps_per_epoch(args, len(y), "training data")
     chief_print(strategy,

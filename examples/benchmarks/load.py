@@ -5,8 +5,9 @@ What it does
     clients are not bound by one GIL) train against `--servers` real server processes for
     `--seconds`. Each worker, every iteration:
 
-    * pulls and pushes an async fixed-vocabulary table (Pull, Push) and an async hashed-key
-      table, with hot (Pareto-distributed) ids and duplicates;
+    * pulls and pushes an async fixed-vocabulary table (Pull, Push) and an async keyed
+      table (`hashed_keys=True`; its results keep the names `*_hashed`), with hot
+      (Pareto-distributed) ids and duplicates;
     * pulls both in one PullMany and pushes both in one PushMany (parallax.client.many);
     * pulls its group's sync table at the open step and pushes that step: `--group` workers
       share one sync table (num_workers = the group), so they advance in lockstep.
@@ -52,7 +53,7 @@ class LoadConfig:
     seconds: float = 10.0
     group: int = 8          # workers that push one sync table (its num_workers)
     vocab: int = 10_000     # rows of the fixed-vocabulary tables
-    keys: int = 5_000       # distinct keys the hashed table sees
+    keys: int = 5_000       # distinct keys the keyed table sees
     dim: int = 8
     ids: int = 64           # ids per request
     timeout: float = 60.0   # seconds per RPC
@@ -84,7 +85,7 @@ def specs(config: LoadConfig) -> dict[str, TableSpec]:
 
 
 def key_space(config: LoadConfig) -> np.ndarray:
-    """The hashed table's keys: arbitrary int64 values, negative ones too."""
+    """The keyed table's keys: arbitrary int64 values, negative ones too."""
     return np.random.default_rng(0).choice(2**62, size=config.keys, replace=False) - 2**61
 
 
@@ -128,7 +129,7 @@ class Worker:
                  keys: np.ndarray) -> None:
         self.rank, self.config, self.totals, self.keys = rank, config, totals, keys
         self.rng = np.random.default_rng(rank)
-        self.async_table, self.hashed = tables["load_async"], tables["load_hashed"]
+        self.async_table, self.keyed = tables["load_async"], tables["load_hashed"]
         self.sync = tables[f"load_sync_{rank // config.group}"]
         self.pushes = 0  # this worker's async push counter (its steps)
         self.latencies: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -151,10 +152,10 @@ class Worker:
         self.timed("pull", self.async_table.pull, ids)
         self._push("push", self.async_table.push, "load_async", ids, ids, grads)
         index, hgrads = self.draw(self.config.keys)
-        self.timed("pull_hashed", self.hashed.pull, self.keys[index])
-        self._push("push_hashed", self.hashed.push, "load_hashed", index, self.keys[index],
+        self.timed("pull_hashed", self.keyed.pull, self.keys[index])
+        self._push("push_hashed", self.keyed.push, "load_hashed", index, self.keys[index],
                    hgrads)
-        tables = [self.async_table, self.hashed]
+        tables = [self.async_table, self.keyed]
         self.timed("pull_many", pull_many, tables, [np.unique(ids), np.unique(self.keys[index])],
                    [0, 0])
         self.timed("push_many", push_many, tables, [ids, self.keys[index]], [grads, hgrads],

@@ -1,9 +1,9 @@
-"""The rows a hashed-key table holds, read back for serving: given keys, the most used, or all.
+"""The rows a keyed table holds, read back for serving: given keys, the most used, or all.
 
 `export_rows` pages through ExportRows of each shard (`ShardedTable.export_pages`), so it
 reads between steps only and sees every shard at one step. A dynamic table's pages carry each
-row's use count, which `top_n` ranks by; a plain hashed table keeps none (its `uses` come back
-empty and `top_n` is refused). With `top_n`, at most max(2 * top_n, 1024) rows plus one page
+row's use count, which `top_n` ranks by; another keyed table keeps none (its `uses` come
+back empty and `top_n` is refused). With `top_n`, at most max(2 * top_n, 1024) rows plus one page
 are held at once, whatever the table's size. With `keys`, only the shards that own one of them
 are read, but each of those whole: ExportRows has no key filter.
 """
@@ -28,7 +28,7 @@ def export_rows(table: "ShardedTable", keys=None, top_n: int | None = None) -> R
     """(keys, values, uses) of the rows `table` holds: those of `keys` (left out: keys it
     does not hold), with `top_n` the n most used (of `keys`, when given too), else all.
     Sorted by key; `top_n`: by uses, most first, ties by the smaller key. `uses` is
-    int64[n] for a dynamic table and empty for a plain hashed one.
+    int64[n] for a dynamic table and empty for another keyed one.
 
     Raises:
         ConfigError: a fixed-vocabulary table, `top_n` not an int >= 0 or on a table that
@@ -57,17 +57,18 @@ def _check(table: "ShardedTable", top_n: int | None) -> None:
     if not table.spec.hashed_keys:
         raise ConfigError(f"table {name!r} has a fixed vocabulary (every id in [0, "
                           f"{table.spec.vocabulary_size}) has a row): read it with pull_all() "
-                          f"or pull(ids); export_rows reads the rows a hashed_keys table holds")
+                          f"or pull(ids); export_rows reads the rows a keyed table "
+                          f"(hashed_keys=True) holds")
     if top_n is None:
         return
     if isinstance(top_n, bool) or not isinstance(top_n, (int, np.integer)) or top_n < 0:
         raise ConfigError(f"table {name!r}: top_n must be an int >= 0 (or None: every row), "
                           f"got {top_n!r}")
     if not table.spec.dynamic:
-        raise ConfigError(f"table {name!r} is not dynamic: its rows keep no use counts, so "
-                          f"top_n cannot rank them; export given keys or every row "
-                          f"(top_n=None), or create the table with a dynamic vocabulary "
-                          f"(eviction, admit_after, admit_probability or ttl_steps)")
+        raise ConfigError(f"table {name!r} is not a dynamic table: its rows keep no use "
+                          f"counts, so top_n cannot rank them; export given keys or every row "
+                          f"(top_n=None), or create it as a dynamic table (count_uses, "
+                          f"eviction, admit_after, admit_probability or ttl_steps)")
 
 
 def _pages(table: "ShardedTable", shard: int) -> Iterator:

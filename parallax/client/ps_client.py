@@ -110,7 +110,7 @@ class PSClient:
                 placement: Sequence[int] | None = None,
                 max_rows_per_shard: int | None = None) -> tuple[ShardedTable, MoveReport]:
         """A new table `name` holding `table`'s rows, slots and step in `shard_count` shards
-        (on `placement`; a bounded hashed table's bound: `TableSpec.resharded`). Call between
+        (on `placement`; a bounded keyed table's bound: `TableSpec.resharded`). Call between
         steps; the old table is left for the caller to delete once no worker routes to it.
         On failure the new table is deleted again."""
         spec = table.spec.resharded(name, shard_count, max_rows_per_shard)

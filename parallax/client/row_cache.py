@@ -663,7 +663,7 @@ class CachingClient(TableClient):
             held.pop(name, None)
 
     def _size(self, table: ShardedTable) -> tuple[int, int]:
-        """(slot bytes, rows) of a table; a table of hashed keys has no row count: it
+        """(slot bytes, rows) of a table; a keyed table has no row count: it
         asks for the whole budget."""
         slot = table.spec.dim * table.dtype.itemsize + SLOT_OVERHEAD_BYTES
         return slot, table.spec.vocabulary_size or self.config.bytes // slot

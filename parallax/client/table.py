@@ -110,7 +110,7 @@ class ShardedTable:
         """Rows for `ids` (any shape, duplicates allowed), shape ids.shape + (dim,).
 
         Args:
-            ids: integer ids, each in [0, vocabulary_size) (any int64 for hashed keys); each
+            ids: integer ids, each in [0, vocabulary_size) (any int64 for a keyed table); each
                 distinct id travels once.
             min_step: wait until every shard has applied steps [0, min_step) (sync mode:
                 the rows a step reads once every worker pushed the step before).
@@ -250,7 +250,7 @@ class ShardedTable:
     def export_rows(self, keys=None, top_n: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys int64[n], values [n, dim] in the table's dtype, uses int64[n]) of the
-        rows a hashed table holds, sorted by key: those of `keys` it holds (the others are
+        rows a keyed table holds, sorted by key: those of `keys` it holds (the others are
         left out), or with `top_n`, the n rows with the most uses over all shards (most
         first, ties by the smaller key; of `keys`, when given too), or else every row.
         Pages through ExportRows of each shard, between steps only; `uses` is empty for a
@@ -262,7 +262,8 @@ class ShardedTable:
         """The whole table (fixed vocabulary), e.g. for export, in message-sized pieces; in
         full precision whatever the table's wire_dtype."""
         if self.spec.hashed_keys:
-            raise ConfigError(f"table {self.name!r} has hashed keys; pull the keys you need")
+            raise ConfigError(f"table {self.name!r} is a keyed table (hashed_keys=True), with no "
+                              f"whole value; pull the keys you need")
         return self.pull_unique(np.arange(self.spec.vocabulary_size, dtype=np.int64),
                                 full_precision=True)
 

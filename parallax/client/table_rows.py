@@ -68,8 +68,9 @@ class TablePushes:
 class TableRows:
     """The servers' copy of one variable, seen as a [rows, dim] table: rows `offset` to
     `offset + rows` of the server table `table` (offset 0 unless the variable is in a table
-    group, whose members share `pushes`). `keyed`: a dynamic table (DynamicEmbedding), whose
-    ids are any int64 keys, held or not (the servers admit and evict rows); `value_shape` is
+    group, whose members share `pushes`). `keyed`: a keyed table (`hashed_keys`; under the
+    strategy always a DynamicEmbedding's dynamic table), whose ids are any int64 keys, held
+    or not (the servers admit and evict rows); `value_shape` is
     then only the layer's local stand-in, and the table has no whole value to read or
     assign."""
 

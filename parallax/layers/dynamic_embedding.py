@@ -2,13 +2,14 @@
 graph), whose rows are created when keys are admitted and dropped when evicted, in the
 spirit of TF Recommenders-Addons' `dynamic_embedding.keras.layers.Embedding`.
 
-Under a `ParallaxStrategy` the layer's table lives on the parameter servers as a hashed-key
-table (`TableSpec.hashed_keys`): the servers admit a key after `admit_after` sightings (or
-with `admit_probability`), bound each shard to `max_rows_per_shard` rows by evicting LRU or
-LFU, and drop rows unused for `ttl_steps`. An unadmitted key reads its default row (the
-initializer's value for it) and its gradient is dropped. The worker holds no rows: its
-`[local_rows, dim]` variable is only a stand-in that tells the plan the row width, dtype and
-initializer, and is released when the plan binds the table.
+Under a `ParallaxStrategy` the layer's table lives on the parameter servers as a dynamic
+table (a keyed table, `TableSpec.hashed_keys`, with admission and eviction): the servers
+admit a key after `admit_after` sightings (or with `admit_probability`), bound each shard to
+`max_rows_per_shard` rows by evicting LRU or LFU, and drop rows unused for `ttl_steps`. An
+unadmitted key reads its default row (the initializer's value for it) and its gradient is
+dropped. The worker holds no rows: its `[local_rows, dim]` variable is only a stand-in that
+tells the plan the row width, dtype and initializer, and is released when the plan binds
+the table.
 
 Outside a strategy the layer trains locally, so a model stays testable on one machine: keys
 map exactly (a hash table) to rows of that variable, a key gets a row on its `admit_after`-th

@@ -15,7 +15,7 @@ from parallax.protocol.specs import TableSpec, slot_names
 
 def table_bytes(spec: TableSpec) -> int:
     """Values and optimizer slots of a whole table on the servers: a fixed vocabulary's, or a
-    bounded hashed table's at its bound (an unbounded one's grow with its keys: 0 here)."""
+    bounded keyed table's at its bound (an unbounded one's grow with its keys: 0 here)."""
     rows = spec.max_rows_per_shard * spec.shard_count if spec.hashed_keys else \
         spec.vocabulary_size
     return rows * spec.dim * dtype_bytes(spec.dtype) * (1 + len(slot_names(spec.optimizer)))

@@ -62,7 +62,8 @@ def _compute(init: Initializer, ids: np.ndarray, dim: int) -> np.ndarray:
 
 
 def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str) -> np.ndarray:
-    """Initial values of the rows with these global ids (or hashed keys), shape [n, dim]."""
+    """Initial values of the rows with these global ids (or a keyed table's keys), shape
+    [n, dim]."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     out = np.empty((len(ids), dim), dtype=dtype)
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // dim)

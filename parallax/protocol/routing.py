@@ -2,7 +2,8 @@
 
 Shared by the client (to route) and the server (to validate and locate), so both sides always
 agree. Fixed-vocabulary tables use MOD (`id % S`, local row `id // S`) or RANGE (blocks of
-ceil(V / S) ids); hashed-key tables route by a 64-bit mix of the key.
+ceil(V / S) ids); keyed tables (`TableSpec.hashed_keys`) route by a 64-bit mix of the key
+(the "hashed" partition kind).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def finalise64(x: np.ndarray) -> np.ndarray:
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's step: `finalise64(x + 0x9E3779B97F4A7C15)` (vectorised): shards of hashed
-    keys, initial values."""
+    """splitmix64's step: `finalise64(x + 0x9E3779B97F4A7C15)` (vectorised): shards of a keyed
+    table's keys, initial values."""
     z = np.asarray(x).astype(np.uint64, copy=True)
     with np.errstate(over="ignore"):
         z += _GOLDEN
@@ -85,11 +86,12 @@ class ShardRouter:
     """Maps global ids to (shard, local row) for one table."""
 
     shard_count: int
-    vocabulary_size: int = 0  # 0: hashed keys
+    vocabulary_size: int = 0  # 0: a keyed table (its keys route hashed)
     partition: str = "mod"
 
     @property
     def hashed(self) -> bool:
+        """Whether ids route by a hash of the key: a keyed table's."""
         return self.vocabulary_size == 0
 
     @property
@@ -297,7 +299,7 @@ class Runs:
 
     def first_outside(self, limits: Sequence[int | None]) -> int | None:
         """The run holding the first id outside [0, its run's limit), or None; a run whose
-        limit is None (hashed keys: any int64) is not checked."""
+        limit is None (a keyed table's: any int64) is not checked."""
         if not len(self.ids):
             return None
         if len(limits) == 1:  # one run: its smallest and largest id say it

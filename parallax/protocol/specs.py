@@ -359,7 +359,7 @@ EVICTIONS = ("none", "lru", "lfu")  # TableSpec.eviction
 
 
 def bound_for(total_rows: int, shards: int) -> int:
-    """The per-shard bound of a hashed table that must hold `total_rows` rows over `shards`
+    """The per-shard bound of a keyed table that must hold `total_rows` rows over `shards`
     shards: keys route by hash, so a shard gets their share m = total_rows / shards, give
     or take the binomial spread; it may hold m plus 4 standard deviations (sqrt(m)). 0
     (unbounded) stays 0."""
@@ -371,7 +371,16 @@ def bound_for(total_rows: int, shards: int) -> int:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """A sparse table as every shard of it sees it."""
+    """A sparse table as every shard of it sees it.
+
+    Two kinds of table: a fixed table has `vocabulary_size` rows, ids in [0,
+    vocabulary_size); `hashed_keys=True` makes a *keyed* table instead, whose ids are
+    arbitrary int64 keys (routed to shards by a hash of the key), a row created on first
+    use, optionally bounded by `max_rows_per_shard`. A keyed table whose rows are admitted,
+    evicted or have their uses counted (`admit_after`, `admit_probability`, `eviction`,
+    `ttl_steps`, `count_uses`; see `dynamic`) is a *dynamic* table, as every
+    `parallax.layers.DynamicEmbedding`'s is. The field keeps its wire name, `hashed_keys`.
+    """
 
     name: str
     dim: int
@@ -388,7 +397,7 @@ class TableSpec:
     aggregation: str = "sum"
     allow_non_finite: bool = False
     wire_dtype: str = ""  # rows on the wire: "" (= dtype), "float16" or "bfloat16"
-    admit_after: int = 0  # sightings before a hashed key gets a row (0/1: at once)
+    admit_after: int = 0  # sightings before a key gets a row (0/1: at once)
     admit_probability: float = 1.0  # chance per sighting (deterministic by key and count)
     eviction: str = "none"  # "none", "lru" or "lfu": keep max_rows_per_shard by evicting
     ttl_steps: int = 0  # evict rows unused for this many of the shard's steps (0: off)
@@ -401,10 +410,12 @@ class TableSpec:
         _require(isinstance(self.dim, int) and self.dim > 0,
                  f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
         if self.hashed_keys:
-            _require(self.vocabulary_size == 0, f"table {self.name!r}: hashed_keys tables take "
-                     f"any int64 key; set vocabulary_size=0, got {self.vocabulary_size}")
-            _require(self.partition == "mod", f"table {self.name!r}: hashed_keys tables route by "
-                     f"key hash; partition must be 'mod', got {self.partition!r}")
+            _require(self.vocabulary_size == 0, f"table {self.name!r}: keyed tables "
+                     f"(hashed_keys=True) take any int64 key; set vocabulary_size=0, got "
+                     f"{self.vocabulary_size}")
+            _require(self.partition == "mod", f"table {self.name!r}: keyed tables "
+                     f"(hashed_keys=True) route by key hash; partition must be 'mod', got "
+                     f"{self.partition!r}")
             _require(self.max_rows_per_shard >= 0, f"table {self.name!r}: max_rows_per_shard "
                      f"must be >= 0, got {self.max_rows_per_shard}")
         else:
@@ -412,7 +423,7 @@ class TableSpec:
                      f"table {self.name!r}: vocabulary_size must be > 0 (or set hashed_keys=True)"
                      f", got {self.vocabulary_size!r}")
             _require(self.max_rows_per_shard == 0, f"table {self.name!r}: max_rows_per_shard "
-                     f"applies to hashed_keys tables only")
+                     f"applies to keyed tables (hashed_keys=True) only")
         _require(self.dtype in ("float32", "float64"), f"table {self.name!r}: dtype must be "
                  f"'float32' or 'float64', got {self.dtype!r}")
         largest = float(np.finfo(self.dtype).max)
@@ -438,8 +449,9 @@ class TableSpec:
 
     @property
     def dynamic(self) -> bool:
-        """Whether rows are admitted or evicted (rather than created on first use and kept),
-        or their use is counted: the tables whose shards keep each row's use history."""
+        """Whether this is a dynamic table: a keyed one whose rows are admitted or evicted
+        (rather than created on first use and kept), or their use is counted: the tables
+        whose shards keep each row's use history."""
         return (self.admit_after > 1 or self.admit_probability < 1 or self.eviction != "none"
                 or self.ttl_steps > 0 or self.count_uses)
 
@@ -460,8 +472,8 @@ class TableSpec:
                  f"table {name!r}: ttl_steps must be an int >= 0 (0: off), got "
                  f"{self.ttl_steps!r}")
         _require(not self.dynamic or self.hashed_keys, f"table {name!r}: admit_after, "
-                 f"admit_probability, eviction, ttl_steps and count_uses apply to hashed_keys "
-                 f"tables only; "
+                 f"admit_probability, eviction, ttl_steps and count_uses apply to keyed tables "
+                 f"(hashed_keys=True) only; "
                  f"set hashed_keys=True or leave them at their defaults")
         _require(self.eviction == "none" or self.max_rows_per_shard > 0, f"table {name!r}: "
                  f"eviction {self.eviction!r} keeps max_rows_per_shard by evicting, but "
@@ -469,7 +481,7 @@ class TableSpec:
 
     def resharded(self, name: str, shard_count: int,
                   max_rows_per_shard: int | None = None) -> "TableSpec":
-        """This table as `name` over `shard_count` shards. A bounded hashed table gets
+        """This table as `name` over `shard_count` shards. A bounded keyed table gets
         `max_rows_per_shard`, or by default its own at the same shard count and else room
         for the rows it may hold now (`bound_for` of its bound times its shards), so a
         reshard keeps every row (a hash split more uneven than 4 standard deviations

@@ -49,9 +49,9 @@ Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_
   variable whose storage is a remote `ParallaxVariable` and `axis == 0`, the lookup becomes
   the variable's `sparse_read`. Everything else goes to Keras' own `take` unchanged.
 - `LossScaleOptimizer.check_finite` densifies every `IndexedSlices` gradient to test it: a
-  table's whole size on every step, and impossible for a dynamic table, whose ids are keys
-  beyond any dense shape. `check_sparse_values_only()` has it test the slices' values (the
-  same answer: the rows a dense gradient adds are zeros).
+  table's whole size on every step, and impossible for a keyed table (a DynamicEmbedding's),
+  whose ids are keys beyond any dense shape. `check_sparse_values_only()` has it test the
+  slices' values (the same answer: the rows a dense gradient adds are zeros).
 - Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
   their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
   restart can resume. `make_weight_saves_atomic()` has local files written under a temporary

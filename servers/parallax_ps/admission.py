@@ -1,4 +1,4 @@
-"""Admission of hashed keys: a fixed-size count-min sketch of sightings per shard.
+"""Admission of a dynamic table's keys: a fixed-size count-min sketch of sightings per shard.
 
 A key not held by its shard is *sighted* once per applied update that carries its gradient
 (one sync step, or one async push, whatever the number of workers or duplicates in it). It

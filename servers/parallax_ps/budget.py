@@ -1,7 +1,7 @@
 """The memory the tables of one server may hold (`--memory-mb`), enforced before allocation.
 
 Every shard holds a claim: its rows and optimizer slots (a fixed-vocabulary shard claims its
-whole size when it is created, a hashed shard the rows it holds) plus the gradients of the
+whole size when it is created, a keyed shard the rows it holds) plus the gradients of the
 open sync step it buffers. A request that would take the total over the limit is refused with
 RESOURCE_EXHAUSTED before anything is allocated or changed. A limit of 0 means no limit.
 

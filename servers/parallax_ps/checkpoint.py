@@ -1,4 +1,4 @@
-"""Shard checkpoints keyed by table and global row id, restorable into any shard count.
+"""Shard checkpoints indexed by table and global row id, restorable into any shard count.
 
 Every save writes a new checkpoint directory (see `versions`), holding per table:
     <table>/shard-00000-of-00002.npz   global ids, values, optimizer slots

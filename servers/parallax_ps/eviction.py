@@ -1,4 +1,5 @@
-"""Dynamic vocabularies of hashed-key shards: admission, eviction and their counters.
+"""Dynamic tables' shards (keyed tables with admission and eviction): admission, eviction
+and their counters.
 
 Every decision is made when an update is applied (a sync step once all its pushes are in, an
 async push on arrival), under the shard's lock, from the update's keys alone. Pulls change
@@ -70,7 +71,7 @@ def eviction_order(policy: str, keys: np.ndarray, last_used: np.ndarray,
 
 
 class Vocabulary:
-    """The admission and eviction state of one hashed shard (its `KeyedRows` holds the
+    """The admission and eviction state of one dynamic table shard (its `KeyedRows` holds the
     per-row last-used steps and use counts)."""
 
     def __init__(self, spec: TableSpec, label: str) -> None:

@@ -90,7 +90,7 @@ class _Applied:
     session: int
     originals: list[tuple[np.ndarray, np.ndarray, Slots]]
     closed: tuple | None
-    held: int  # rows the shard held before: a hashed table's new keys go with the push
+    held: int  # rows the shard held before: a keyed table's new keys go with the push
     changes: list[Change]  # a dynamic table's admissions and evictions, in order
 
 
@@ -120,7 +120,7 @@ class TableShard:
             self.budget.release(self)
             raise
         self._admitted = 0  # bytes the request being applied was checked to hold
-        if spec.hashed_keys:  # a hashed shard's spare capacity: only where it fits
+        if spec.hashed_keys:  # a keyed shard's spare capacity: only where it fits
             self.storage.reserve = self._reserve
             self.storage.fixed_bytes = fixed
         self.vocab = Vocabulary(spec, self.label) if spec.dynamic else None
@@ -181,7 +181,7 @@ class TableShard:
                           f"with allow_non_finite=True to accept them)")
 
     def check_capacity(self, ids: np.ndarray, buffered: int = 0, exact: bool = False) -> None:
-        """Refuse keys that would overflow a bounded hashed table, or new rows and `buffered`
+        """Refuse keys that would overflow a bounded keyed table, or new rows and `buffered`
         bytes of sync gradients that would overflow the server's memory budget (caller holds
         `cond`; changes nothing)."""
         need = self.capacity_need(ids, buffered, exact)
@@ -191,7 +191,7 @@ class TableShard:
     def capacity_need(self, ids: np.ndarray, buffered: int = 0, exact: bool = False):
         """(bytes, label, what) this shard would hold with `ids`' new keys and `buffered`
         more bytes of sync gradients, for the memory budget; None when it would not grow.
-        Refuses keys over a bounded hashed table's max_rows_per_shard (caller holds `cond`).
+        Refuses keys over a bounded keyed table's max_rows_per_shard (caller holds `cond`).
         A dynamic table's pulls create no rows and its updates keep the bound, so there it
         counts at most the bound, unless `exact` (assign, import: every key gets a row)."""
         new = 0
@@ -221,7 +221,7 @@ class TableShard:
         return self.budget.reserve_spare(self, max(self._admitted, held), spare)
 
     def restore_need(self, restored: int):
-        """(bytes, label, what) a restore of `restored` rows makes this shard hold: a hashed
+        """(bytes, label, what) a restore of `restored` rows makes this shard hold: a keyed
         shard's rows (a fixed one claimed its whole vocabulary when it was made)."""
         rows = restored if self.spec.hashed_keys else self.storage.num_rows
         return (self.storage.bytes_held(rows, self.row_bytes, fresh=True), self.label,
@@ -271,7 +271,7 @@ class TableShard:
 
     def gather_held(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows of validated `ids` into `out` (of `answer_dtype()`, or the table's dtype); the
-        caller holds `cond` (and checked the capacity of a hashed table for every part of
+        caller holds `cond` (and checked the capacity of a keyed table for every part of
         its request)."""
         if self.vocab is not None:
             self._gather_dynamic(ids, out)
@@ -380,7 +380,7 @@ class TableShard:
                 updates = [self._updated(b_ids, b_grads, lr) for b_ids, b_grads in batches
                            if len(b_ids)]
         except RequestError:
-            self.storage.forget_since(held)  # the keys it created (hashed tables)
+            self.storage.forget_since(held)  # the keys it created (keyed tables)
             self.steps.withdraw(worker, step, batch, chunk, session)
             raise
         originals = [self._rows_of(rows) for rows, _, _ in updates] if journal is not None \

@@ -1,8 +1,9 @@
 """Row storage of one shard: values and optimizer slots in numpy, addressed by local row.
 
 `FixedRows` holds a fixed-vocabulary shard (rows initialised on first use). `KeyedRows` holds
-a hashed-key shard: rows are created on first use, found through a sorted key index (vectorised
-binary search, no Python loop over ids), and arrays grow geometrically.
+a keyed table's shard (`TableSpec.hashed_keys`): rows are created on first use, found through
+a sorted key index (vectorised binary search, no Python loop over ids), and arrays grow
+geometrically.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from parallax.protocol.routing import ShardRouter
 from parallax.protocol.specs import TableSpec
 from parallax_ps.optimizers import ServerOptimizer, Slots
 
-KEY_BYTES = 8 + 1  # a hashed shard's bytes per allocated row besides values and slots:
+KEY_BYTES = 8 + 1  # a keyed shard's bytes per allocated row besides values and slots:
                    # its key and its changed flag
-INDEX_BYTES = 8 + 8  # a hashed shard's bytes per held row in its sorted index: key and row
+INDEX_BYTES = 8 + 8  # a keyed shard's bytes per held row in its sorted index: key and row
 META_BYTES = 8 + 8  # a dynamic shard's bytes per allocated row: last-used step, use count
-MIN_CAPACITY = 1024  # rows a hashed shard allocates at least
+MIN_CAPACITY = 1024  # rows a keyed shard allocates at least
 
 
 class FixedRows:
@@ -240,7 +241,7 @@ class KeyedRows:
         if self.spec.dynamic:
             self.last_used, self.uses = grown(self.last_used), grown(self.uses)
 
-    # ---- dynamic vocabularies (eviction.py decides, these change the arrays) -----------
+    # ---- dynamic tables (eviction.py decides, these change the arrays) -----------------
     def meta(self) -> tuple[np.ndarray, np.ndarray]:
         """(last-used step, use count) of every held row, in local order."""
         return self.last_used[: self._count], self.uses[: self._count]

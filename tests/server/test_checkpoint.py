@@ -1,4 +1,4 @@
-"""Checkpoints are keyed by global row id: save with S shards, restore with S' shards."""
+"""Checkpoints are indexed by global row id: save with S shards, restore with S' shards."""
 from __future__ import annotations
 
 import numpy as np

@@ -208,7 +208,7 @@ def test_export_rows_of_a_plain_hashed_table_has_no_use_counts(client, snapshot,
     np.testing.assert_array_equal(values, snap.arrays["values"])
     assert uses.dtype == np.int64 and len(uses) == 0
     assert len(table.export_rows(keys=snap.arrays["ids"][:3])[0]) == 3
-    with pytest.raises(ConfigError, match="is not dynamic: its rows keep no use counts"):
+    with pytest.raises(ConfigError, match="is not a dynamic table: its rows keep no use counts"):
         table.export_rows(top_n=5)
 
 

@@ -1,4 +1,4 @@
-"""Dynamic vocabularies on real servers (loopback): the row bound under a Zipf stream checked
+"""Dynamic tables on real servers (loopback): the row bound under a Zipf stream checked
 in Stats after every request, counters in Stats and /metrics, two sync workers seeing the
 same rows, and checkpoint/restore exactness."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ refused or dropped without harm.
 
 A fixed seed and a bounded count keep it reproducible and quick enough for CI. Afterwards:
 no request got INTERNAL or UNKNOWN (every refusal names a specific code), no request aimed at
-a protected table was accepted, every protected table (fixed and hashed keys, sync and async,
+a protected table was accepted, every protected table (fixed and keyed, sync and async,
 optimizers with slots) has exactly its rows, slots and step of before, and the server is
 alive, healthy, serves a normal push and pull, stayed within a memory bound, logged no
 traceback and exits 0. A failure names the case (its index and what was done) to replay it.

@@ -233,7 +233,7 @@ def test_memory_limit_bounds_hashed_growth_and_init_rows(small_server):
 
 def test_a_multi_table_request_is_held_to_the_memory_limit_as_a_whole(small_server):
     """Parts that each fit --memory-mb but not together are refused together, changing
-    nothing: a PushMany buffering two sync steps, a PullMany growing two hashed tables."""
+    nothing: a PushMany buffering two sync steps, a PullMany growing two keyed tables."""
     with PSClient(small_server.addresses) as client:
         tables = [client.create_table(TableSpec(name=n, vocabulary_size=1024, dim=1024,
                                                 num_workers=2)) for n in ("a", "b")]
@@ -263,7 +263,7 @@ def test_a_multi_table_request_is_held_to_the_memory_limit_as_a_whole(small_serv
 
 
 def test_a_restore_is_held_to_the_memory_limit(tmp_path):
-    """A hashed table's checkpoint that no longer fits beside the other tables is refused
+    """A keyed table's checkpoint that no longer fits beside the other tables is refused
     before anything is replaced."""
     with LocalCluster(1, data_dir=tmp_path, extra_args=["--memory-mb", "64"]) as cluster, \
             PSClient(cluster.addresses) as client:

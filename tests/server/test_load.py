@@ -1,5 +1,5 @@
 """Load test: 64 concurrent clients (4 processes of 16 threads) against 2 real servers for
-10 s, with Pull/Push on async fixed and hashed-key tables, PullMany/PushMany over both, and
+10 s, with Pull/Push on async fixed and keyed tables, PullMany/PushMany over both, and
 lockstep Pull/Push on sync tables of 8 workers each (examples/benchmarks/load.py).
 
 It asserts correctness only: no request failed, every row equals minus the exact sum of what

@@ -32,7 +32,7 @@ from parallax_ps.service import SERVICE_NAME
 
 SMALL = ClientOptions(timeout=30, chunk_mb=1, max_message_mb=2)  # with --max-message-mb 2
 # (suffix, spec fields, placement): shard counts 1-3, dims, dtypes, both servers, MOD and
-# RANGE, hashed keys.
+# RANGE, keyed tables.
 LAYOUTS = [
     ("one", dict(shard_count=1, dim=4), [1]),
     ("range2", dict(shard_count=2, dim=3, dtype="float64", partition="range",
@@ -704,7 +704,7 @@ def test_metrics_and_stats_count_requests_once_and_rows_per_table(metered):
 
 
 def test_a_hashed_key_never_hides_another_tables_bad_id(client, table_name):
-    """A negative hashed key (any int64 is a key) is not out of range, and a range table's
+    """A negative key of a keyed table (any int64 is a key) is not out of range, and a range table's
     id past its vocabulary beside it is refused on the client, naming that table, before
     anything is pulled or pushed (a reviewer's finding: it went unchecked, read other rows
     and pushed its gradient into row 1)."""

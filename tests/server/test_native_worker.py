@@ -19,7 +19,7 @@ from parallax.protocol.wire_dtypes import WireOverflowError
 pytestmark = pytest.mark.skipif(native.kernels() is None,
                                 reason=f"compiled kernels not in use: {native.describe()}")
 
-# (suffix, spec fields, placement): one to three shards, MOD, RANGE, hashed keys, dim 1,
+# (suffix, spec fields, placement): one to three shards, MOD, RANGE, keyed tables, dim 1,
 # both compressed wire dtypes; every table float32 (the kernels' rows)
 LAYOUTS = [
     ("one", dict(shard_count=1, dim=4), [1]),

@@ -195,7 +195,7 @@ def test_metrics_requests_trickling_in_lose_their_slot_at_the_deadline(monkeypat
 
 
 def test_spare_capacity_never_refuses_rows_that_fit():
-    """Two hashed tables grown together in multi-table requests reach the memory limit:
+    """Two keyed tables grown together in multi-table requests reach the memory limit:
     geometric spare capacity is taken only where the budget grants it (each shard's spare
     had been checked against the whole limit: requests were refused at ~68% of it)."""
     from parallax_ps import many

@@ -220,7 +220,7 @@ def test_narrow_wire_rows_arrive_in_the_tables_dtype(client):
 
 
 def test_a_keyed_table_takes_any_int64_key(client):
-    """A dynamic (hashed-key) table has no id range: any int64 key is pulled and pushed."""
+    """A keyed table (hashed_keys=True) has no id range: any int64 key is pulled and pushed."""
     table = client.create_table(TableSpec(
         name="keyed", hashed_keys=True, dim=DIM, shard_count=2,
         initializer=Initializer("uniform", seed=5), optimizer=SGD(learning_rate=LR)))

@@ -1,4 +1,4 @@
-"""Dynamic vocabularies in process (unit tier): admission, eviction order, TTL, the bound,
+"""Dynamic tables in process (unit tier): admission, eviction order, TTL, the bound,
 dropped gradients, undo, and the spec's validation. Real servers: test_dynamic_server.py."""
 from __future__ import annotations
 
@@ -194,7 +194,8 @@ def test_the_sketch_is_claimed_at_creation():
     (dict(eviction="fifo"), "eviction 'fifo' is not supported"),
     (dict(eviction="lru"), "max_rows_per_shard is 0"),
     (dict(ttl_steps=-2), "ttl_steps must be an int >= 0"),
-    (dict(hashed_keys=False, vocabulary_size=10, admit_after=2), "hashed_keys tables only"),
+    (dict(hashed_keys=False, vocabulary_size=10, admit_after=2),
+     "keyed tables (hashed_keys=True) only"),
 ])
 def test_spec_validation_names_the_value_and_the_fix(fields, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")

@@ -86,8 +86,8 @@ def test_unsigned_ids_stay_integers():
 
 
 def test_hashed_keys_are_not_range_checked_and_do_not_hide_other_runs():
-    """A reviewer's finding: a negative hashed key was flagged as out of range, and only the
-    first flagged run was looked at, so a bad id of a later fixed table went unchecked."""
+    """A reviewer's finding: a negative key of a keyed table was flagged as out of range, and
+    only the first flagged run was looked at, so a bad id of a later fixed table went unchecked."""
     runs = Runs([ShardRouter(4), ShardRouter(2, 10, "range")],
                 [np.array([-5, 2**62]), np.array([1, 12])])
     assert runs.first_outside([None, 10]) == 1

@@ -274,7 +274,7 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         if self._parallax_fill is not None:
             return None  # a released slot: the servers hold the real one
         if self._parallax_remote is not None and self._parallax_remote.keyed:
-            return None  # a dynamic table: the servers' checkpoint holds its rows
+            return None  # a keyed table: the servers' checkpoint holds its rows
         if self._parallax_remote is not None:  # a table: the restored rows go to the servers
             self.assign(next(iter(restored_tensors.values())))
             return None

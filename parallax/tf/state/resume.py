@@ -235,7 +235,7 @@ def reference_to(path: str, shards, tables: dict, specs: dict | None = None) -> 
     table: not 0 in a table group)}. A table's step is its
     shards' highest, the one restoring gives every shard (async shards count their own
     pushes, so one may be ahead of another; sync shards are at one step). `specs` (by table
-    name): a bounded hashed table's shard count and bound are kept, so a restore into
+    name): a bounded keyed table's shard count and bound are kept, so a restore into
     another shard count bounds each shard to fit (`with_saved_tables`)."""
     steps: dict[str, int] = {}
     for shard in shards:

@@ -124,7 +124,7 @@ class PartitionTuner:
     def _hot_ids(self, remote) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The most-read rows (after each step's dedup) and their share of all row reads."""
         sample, remote.id_sample = remote.id_sample or [], None
-        if not sample or remote.keyed:  # a dynamic table's keys route by hash, not by row
+        if not sample or remote.keyed:  # a keyed table's keys route by hash, not by row
             return (), ()
         ids, counts = np.unique(np.concatenate(sample), return_counts=True)
         top = np.argsort(-counts, kind="stable")[:HOT_IDS]
