@@ -30,8 +30,8 @@ PLACEMENTS = ("ps", "allreduce")
 @dataclass(frozen=True)
 class DynamicRows:
     """A dynamic table's rows (`parallax.layers.DynamicEmbedding`): keyed by any int64, so
-    its server table has hashed keys; rows are admitted, bounded and evicted as its
-    `TableSpec` fields of the same names say (parallax.protocol.specs)."""
+    its server table is a keyed table (`hashed_keys=True`); rows are admitted, bounded and
+    evicted as its `TableSpec` fields of the same names say (parallax.protocol.specs)."""
 
     max_rows_per_shard: int = 0  # 0: unbounded
     total_rows: int = 0  # the bound over every shard, as first planned (see `resharded`)
@@ -137,7 +137,7 @@ class VariableInfo:
     gather_only: bool
     read_reason: str
     gradient: str  # "IndexedSlices", "Tensor" or "none"
-    dynamic: DynamicRows | None = None  # a DynamicEmbedding's table: keyed rows
+    dynamic: DynamicRows | None = None  # a DynamicEmbedding's table: a dynamic table's rows
 
     @property
     def bytes(self) -> int:
@@ -165,7 +165,7 @@ class VariablePlan:
     offset: int = 0  # the variable's first row in its table (a table group; see group_tables)
     table_rows: int = 0  # rows of the table on the servers: this variable's, or its group's
     wire_dtype: str = ""  # its rows on the wire when not its dtype ("float16", "bfloat16")
-    dynamic: DynamicRows | None = None  # keyed rows, admitted and evicted (DynamicEmbedding)
+    dynamic: DynamicRows | None = None  # a dynamic table's rows (DynamicEmbedding)
 
 
 @dataclass(frozen=True)
