@@ -53,6 +53,30 @@ def test_gather_encodes_every_value_as_the_wire_dtypes_do(wire):
     assert overflow == (-1 if expected is None else expected)
 
 
+@pytest.mark.parametrize("dim", [0, 1, 3, 16, 33, 300])
+def test_scatter_writes_rows_in_place_as_numpys_assignment_does(dim):
+    """Every row width (the prefetch covers rows of up to 8 cache lines, unaligned ones
+    too), rows in any order, the storage's other rows untouched."""
+    rng = np.random.default_rng(dim)
+    table = hostile_floats(rng, 4000)[: 4000 // max(dim, 1) * max(dim, 1)]
+    table = table.reshape(-1, dim) if dim else np.empty((50, 0), np.float32)
+    rows = rng.permutation(len(table))[: len(table) // 2].astype(np.int64)
+    new = hostile_floats(rng, len(rows) * dim)[: len(rows) * dim].reshape(len(rows), dim)
+    expected = table.copy()
+    expected[rows] = new
+    KERNELS.scatter(table, rows, new)
+    same_bits(table, expected)
+
+
+def test_scatter_refuses_a_row_outside_and_writes_nothing():
+    table = np.zeros((4, 2), np.float32)
+    with pytest.raises(IndexError, match="row 4 is outside the shard's 4 rows"):
+        KERNELS.scatter(table, np.array([1, 4], np.int64), np.ones((2, 2), np.float32))
+    assert not table.any()
+    with pytest.raises(ValueError, match="writable"):
+        KERNELS.scatter(table[:, :1], np.array([1], np.int64), np.ones((1, 1), np.float32))
+
+
 def test_every_float16_rounding_case_matches_over_a_sweep_of_float32_bits():
     bits = np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32)
     values = bits.view(np.float32)[: len(bits) // 16 * 16].reshape(-1, 16)
