@@ -232,3 +232,27 @@ def test_a_keyed_table_takes_any_int64_key(client):
     FusedPush([remote], routing)(keys, grads, np.float64(0.0))
     after, = FusedPull([remote], routing)(np.float64(0.0), keys)
     np.testing.assert_allclose(after, before - LR * grads, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_a_step_larger_than_a_chunk_travels_in_chunks_and_trains_as_one(client, sync):
+    """Rows of 1 KiB make a chunk (ClientOptions.chunk_mb, 4 MiB) about 4,000 rows: 12,000
+    ids over two shards pull and push in two chunks a shard, and the step applies once, as
+    one request would."""
+    dim, rows = 256, 20_000
+    table = client.create_table(TableSpec(
+        name=f"chunked_{sync}", vocabulary_size=rows, dim=dim, shard_count=2,
+        initializer=Initializer("uniform", seed=5), optimizer=SGD(learning_rate=LR),
+        sync_mode="sync" if sync else "async"))
+    remote = TableRows("chunked", (rows, dim), np.float32, table, sync=sync)
+    ids = np.sort(np.random.default_rng(3).choice(rows, 12_000, replace=False))
+    assert table.chunk_rows < len(ids) // 2  # every shard's part is split
+    routing = StepRouting()
+    before = table.pull_unique(ids)
+    pulled, = FusedPull([remote], routing)(np.float64(0.0), ids)
+    np.testing.assert_array_equal(pulled, before)
+    grads = np.random.default_rng(4).normal(size=(len(ids), dim)).astype(np.float32)
+    FusedPush([remote], routing)(ids, grads, np.float64(0.0))
+    after, = FusedPull([remote], routing)(np.float64(0.0), ids)
+    np.testing.assert_allclose(after, before - LR * grads, rtol=1e-6)
+    assert remote.steps_pushed == 1 and remote.traffic.pushed_rows == len(ids)
