@@ -64,6 +64,7 @@ constexpr ssize_t kCacheLine = 64;
 
 template <int Write = 0>
 inline void prefetch_row(const void* row, ssize_t bytes) {
+  if (bytes <= 0) return;
   const char* at = static_cast<const char*>(row);
   const char* last = at + bytes - 1;
   for (ssize_t line = 0; line < kPrefetchLines && at <= last; ++line, at += kCacheLine) {

@@ -77,7 +77,8 @@ void scatter(py::array values, const In<int64_t>& rows, const In<float>& rows_va
     }
   }
   const float* src = rows_values.data();
-  MaybeReleased released(n * dim * 8);
+  // The GIL stays held, as numpy's assignment held it: a reader of the table that does not
+  // take the shard's lock never sees a request's rows half-written.
   for (ssize_t i = 0; i < n; ++i) {
     if (i + kPrefetchAhead < n) prefetch_row<1>(dst + r[i + kPrefetchAhead] * dim, dim * 4);
     std::memcpy(dst + r[i] * dim, src + i * dim, dim * sizeof(float));
