@@ -279,3 +279,18 @@ def test_the_wheel_lists_every_package():
     packages = {".".join(p.parent.relative_to(ROOT).parts)
                 for p in (ROOT / "parallax").rglob("__init__.py")}
     assert packages <= listed, sorted(packages - listed)
+
+
+def test_the_layout_table_names_every_module():
+    """docs/architecture.md's layout table (the README's pointer to where things are) names
+    every module of parallax/ and of the server by its file name, so a new module is placed
+    in it when it is added; the generated protobuf code is named by its folder."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = "\n".join(line for line in doc.splitlines() if line.startswith("| `"))
+    modules = [*(ROOT / "parallax").rglob("*.py"), *(ROOT / "servers").rglob("*.py")]
+    missing = sorted(str(p.relative_to(ROOT)) for p in modules
+                     if p.name not in ("__init__.py", "__main__.py") and
+                     "ps/v1" not in p.as_posix() and f"`{p.name}`" not in table and
+                     f"/{p.name}`" not in table)
+    assert "`parallax/ps/v1/`" in table
+    assert not missing, f"not named in docs/architecture.md's layout table: {missing}"
