@@ -142,7 +142,7 @@ def exact_answer_size(method: str) -> Iterator[None]:
 
 def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
                     buffered: Sequence[int], pull: bool = False) -> None:
-    """Every hashed shard with all of its parts' keys at once, and every shard with all the
+    """Every keyed shard with all of its parts' keys at once, and every shard with all the
     bytes its parts buffer (locks held). A pull from a dynamic table creates no rows."""
     keys: dict[int, list[np.ndarray]] = {}
     nbytes: dict[int, int] = {}
@@ -160,7 +160,7 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
 
 
 def _grows_on_pull(shard: TableShard) -> bool:
-    """Whether a pull may add rows to this shard (a hashed table's new keys; a dynamic
+    """Whether a pull may add rows to this shard (a keyed table's new keys; a dynamic
     table's pulls create none): the shards `_check_capacity(..., pull=True)` checks."""
     return shard.spec.hashed_keys and shard.vocab is None
 
