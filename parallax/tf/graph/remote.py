@@ -33,7 +33,9 @@ class StepTrace:
     variable is shared by every step and thread while the trace is of one step on one
     thread. `begin_here` makes a trace the one of this thread's step; it stays that until the
     next step begins here, its fusion cleared by `end_lookups` once the step's own lookups
-    are traced.
+    are traced. A strategy traces one step at a time (its pushes of the step being traced are
+    held by the strategy, as they were before traces were objects): two threads tracing
+    steps of one strategy at once are not supported.
     """
 
     def __init__(self, fusion=None) -> None:
