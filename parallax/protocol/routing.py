@@ -7,8 +7,8 @@ ceil(V / S) ids); keyed tables (`TableSpec.hashed_keys`) route by a 64-bit mix o
 """
 from __future__ import annotations
 
+import functools
 import itertools
-
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -279,7 +279,6 @@ class Runs:
             self.ids = np.concatenate([r.astype(np.int64, copy=False) for r in runs]) \
                 if runs else np.empty(0, np.int64)
         self._width = max([p.shard_count for p in self.routers] + [1])
-        self._table_of_id: np.ndarray | None = None
         self._routings: list[PushRouting] | None = None
         self._flat: FlatRouting | None = None
         # Set by a training step's pull, whose ids its push sends back: the pull is laid out
@@ -314,13 +313,10 @@ class Runs:
             return None
         return int(np.searchsorted(self.starts, int(np.argmax(bad)), side="right")) - 1
 
-    @property
+    @functools.cached_property
     def _table(self) -> np.ndarray:
         """The run (table index) of every id, made when first asked."""
-        if self._table_of_id is None:
-            self._table_of_id = np.repeat(np.arange(len(self.lengths), dtype=np.int64),
-                                          self.lengths)
-        return self._table_of_id
+        return np.repeat(np.arange(len(self.lengths), dtype=np.int64), self.lengths)
 
     def _per_id(self, values: Sequence[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)[self._table]

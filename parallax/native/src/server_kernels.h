@@ -73,6 +73,15 @@ inline void prefetch_row(const void* row, ssize_t bytes) {
   __builtin_prefetch(last, Write);  // (an unaligned row's last line)
 }
 
+// While row i of `rows` is copied: ask for row i + kPrefetchAhead of the [R, dim] `table`.
+template <int Write = 0>
+inline void prefetch_ahead(const float* table, const int64_t* rows, ssize_t i, ssize_t n,
+                           ssize_t dim) {
+  if (i + kPrefetchAhead < n) {
+    prefetch_row<Write>(table + rows[i + kPrefetchAhead] * dim, dim * sizeof(float));
+  }
+}
+
 inline uint32_t bits_of(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);

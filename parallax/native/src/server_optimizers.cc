@@ -132,7 +132,7 @@ float* gathered(const In<float>& from, const int64_t* rows, ssize_t n, ssize_t d
   float* out = into.mutable_data();
   const float* src = from.data();
   for (ssize_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch_row(src + rows[i + kPrefetchAhead] * dim, dim * 4);
+    prefetch_ahead(src, rows, i, n, dim);
     std::memcpy(out + i * dim, src + rows[i] * dim, dim * sizeof(float));
   }
   return out;

@@ -13,10 +13,10 @@ namespace {
 
 enum Wire : int { kFloat32 = 0, kFloat16 = 1, kBfloat16 = 2 };
 
-void check_rows(const In<float>& values, const In<int64_t>& rows, ssize_t n) {
+// Every row in [0, held), the rows of the shard's [held, dim] storage.
+void check_rows(int64_t held, const In<int64_t>& rows) {
   const int64_t* r = rows.data();
-  const int64_t held = values.ndim() == 2 ? values.shape(0) : 0;
-  for (ssize_t i = 0; i < n; ++i) {
+  for (ssize_t i = 0; i < rows.shape(0); ++i) {
     if (r[i] < 0 || r[i] >= held) {
       throw std::out_of_range("row " + std::to_string(r[i]) + " is outside the shard's " +
                               std::to_string(held) + " rows");
@@ -30,7 +30,7 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
   if (values.ndim() != 2 || rows.ndim() != 1) throw std::invalid_argument("gather: shapes");
   const ssize_t n = rows.shape(0), dim = values.shape(1);
   if (out.size() != n * dim) throw std::invalid_argument("gather: out has the wrong size");
-  check_rows(values, rows, n);
+  check_rows(values.shape(0), rows);
   void* target = writable(out, wire == kFloat32 ? 4 : 2, "gather's out");
   const float* src = values.data();
   const int64_t* r = rows.data();
@@ -39,7 +39,7 @@ int64_t gather(const In<float>& values, const In<int64_t>& rows, py::array out, 
     MaybeReleased released(n * dim * 6);
     for (ssize_t i = 0; i < n; ++i) {
       const float* row = src + r[i] * dim;
-      if (i + kPrefetchAhead < n) prefetch_row(src + r[i + kPrefetchAhead] * dim, dim * 4);
+      prefetch_ahead(src, r, i, n, dim);
       if (wire == kFloat32) {
         std::memcpy(static_cast<float*>(target) + i * dim, row, dim * sizeof(float));
         continue;
@@ -68,19 +68,13 @@ void scatter(py::array values, const In<int64_t>& rows, const In<float>& rows_va
     throw std::invalid_argument("scatter's values must be float32");
   }
   const ssize_t n = rows.shape(0), dim = values.shape(1);
-  const int64_t held = values.shape(0);
+  check_rows(values.shape(0), rows);
   const int64_t* r = rows.data();
-  for (ssize_t i = 0; i < n; ++i) {
-    if (r[i] < 0 || r[i] >= held) {
-      throw std::out_of_range("row " + std::to_string(r[i]) + " is outside the shard's " +
-                              std::to_string(held) + " rows");
-    }
-  }
   const float* src = rows_values.data();
   // The GIL stays held, as numpy's assignment held it: a reader of the table that does not
   // take the shard's lock never sees a request's rows half-written.
   for (ssize_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) prefetch_row<1>(dst + r[i + kPrefetchAhead] * dim, dim * 4);
+    prefetch_ahead<1>(dst, r, i, n, dim);
     std::memcpy(dst + r[i] * dim, src + i * dim, dim * sizeof(float));
   }
 }
