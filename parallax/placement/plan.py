@@ -18,12 +18,16 @@ from parallax.protocol.wire_dtypes import WIRE_DTYPES
 from parallax.placement.planner.placer import place
 from parallax.placement.planner.types import ClusterProfile, TableProfile, by_name
 
-# A table is split into shards of at least this size by default. Every shard costs each
-# worker one pull and one push per step, and a server spends ~1 ms of CPU per request in
-# Python gRPC (measured: LM and CTR benchmarks, docs/benchmarks.md), while what sharding buys,
-# spreading one table's memory and rows over servers, matters only for big tables; small
-# tables are spread over the servers whole (see `place_shards`).
-SHARD_MIN_BYTES = 64 << 20
+# A table is split into shards of at least this size by default (at most one per server).
+# A shard on a server a worker's step reaches anyway costs a part of that request (tens of
+# microseconds of server CPU); on one it would not reach otherwise, a pull and a push per
+# step (~200 us of CPU on each side on the data plane, docs/benchmarks.md). What sharding
+# buys is spreading a table's rows, bytes and traffic over the servers, and when servers
+# share the workers' hosts (equal hardware) the busiest host sets the step time: lm's two
+# 128 MB tables whole on 2 of 4 co-located servers ran ~15% slower than in 4 shards each
+# (2026-12-04, docs/benchmarks.md). Small tables are spread over the servers whole (see
+# `place_shards`). (64 MiB until then, chosen when a request cost ~1 ms in Python gRPC.)
+SHARD_MIN_BYTES = 16 << 20
 PLACEMENTS = ("ps", "allreduce")
 
 
@@ -86,7 +90,7 @@ class PlacementOptions:
     mode: str = "hybrid"
     sync: bool = True
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
-    shards: int | Mapping[str, int] | None = None  # default: one per 64 MiB, <= servers
+    shards: int | Mapping[str, int] | None = None  # default: one per 16 MiB, <= servers
     group_tables: bool = True  # same-shaped sparse variables share a server table (see below)
     # rows of server tables on the wire: one dtype for every float32 table, or variable
     # name -> dtype; None: each table's own (parallax.protocol.wire_dtypes)

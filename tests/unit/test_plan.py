@@ -20,10 +20,10 @@ def _plan(infos, servers=2, **config):
                      num_workers=4)
 
 
-def test_small_tables_get_one_shard_and_big_ones_one_per_64mb_up_to_the_servers():
-    rows_64mb = SHARD_MIN_BYTES // (16 * 4)
-    plan = _plan([_table(0, 1000), _table(1, rows_64mb - 1), _table(2, 2 * rows_64mb),
-                  _table(3, 10 * rows_64mb)], servers=3)
+def test_small_tables_get_one_shard_and_big_ones_one_per_shard_min_bytes_up_to_the_servers():
+    rows_per_shard = SHARD_MIN_BYTES // (16 * 4)
+    plan = _plan([_table(0, 1000), _table(1, rows_per_shard - 1), _table(2, 2 * rows_per_shard),
+                  _table(3, 10 * rows_per_shard)], servers=3)
     assert [v.shards for v in plan.variables] == [1, 1, 2, 3]
 
 
@@ -48,8 +48,8 @@ def test_one_shard_tables_spread_over_servers_by_bytes():
 
 
 def test_shards_of_one_table_go_to_distinct_servers_even_when_another_is_emptier():
-    rows_64mb = SHARD_MIN_BYTES // (16 * 4)
-    plan = _plan([_table(0, 4 * rows_64mb), _table(1, 2 * rows_64mb)], servers=3, shards=2)
+    rows_per_shard = SHARD_MIN_BYTES // (16 * 4)
+    plan = _plan([_table(0, 4 * rows_per_shard), _table(1, 2 * rows_per_shard)], servers=3, shards=2)
     first, second = plan.variables
     assert first.servers == (0, 1)
     assert second.servers[0] == 2 and len(set(second.servers)) == 2
@@ -96,9 +96,9 @@ def _grouped(infos, servers=2, keys=None, **config):
 
 
 def test_same_shaped_tables_on_the_same_servers_share_one_table_at_offsets():
-    rows_64mb = SHARD_MIN_BYTES // (16 * 4)
+    rows_per_shard = SHARD_MIN_BYTES // (16 * 4)
     # CTR-like: two big tables of 2 shards each over both servers, many small ones spread
-    infos = [_table(0, 3 * rows_64mb), _table(1, 2 * rows_64mb)] + \
+    infos = [_table(0, 3 * rows_per_shard), _table(1, 2 * rows_per_shard)] + \
         [_table(i, 1000 - 10 * i) for i in range(2, 12)] + [_table(12, 50, dim=8)]
     plan = _grouped(infos, servers=2)
     alone = plan.variables[12]  # another row width: a table of its own
@@ -141,12 +141,13 @@ def test_no_groups_when_turned_off_or_without_keys(kwargs):
 
 
 def test_placement_treats_a_table_group_as_one_table():
-    rows_64mb = SHARD_MIN_BYTES // (16 * 4)
-    infos = [_table(0, rows_64mb), _table(1, rows_64mb), _table(2, 3 * rows_64mb, dim=8)]
-    plan = _plan(infos, servers=2, shards=1)  # 96 MB on server 0, 64 + 64 MB on server 1
+    rows_per_shard = SHARD_MIN_BYTES // (16 * 4)
+    infos = [_table(0, rows_per_shard), _table(1, rows_per_shard),
+             _table(2, 3 * rows_per_shard, dim=8)]
+    plan = _plan(infos, servers=2, shards=1)  # 1.5 x SHARD_MIN_BYTES on 0, 1 + 1 on 1
     assert [v.servers for v in plan.variables] == [(1,), (1,), (0,)]
     merged = tuple(replace(v, table="g") if v.index < 2 else v for v in plan.variables)
-    placed = place_shards(merged, 2)  # one table of 128 MB: first, on server 0
+    placed = place_shards(merged, 2)  # one table of 2 x SHARD_MIN_BYTES: first, on 0
     assert placed == {0: (0,), 1: (0,), 2: (1,)}
     grouped = _grouped(infos, servers=2, shards=1)
     assert grouped.variables[0].table == grouped.variables[1].table != \

@@ -32,7 +32,7 @@ class StrategyConfig:
     embedded_servers: int = 2
     local_aggregation: bool = False
     placement: Mapping[str, str] = field(default_factory=dict)  # variable name -> ps|allreduce
-    shards: int | Mapping[str, int] | None = None  # default: one per 64 MiB, <= servers
+    shards: int | Mapping[str, int] | None = None  # default: one per 16 MiB, <= servers
     log_plan: bool = True
     fuse: bool = True  # one pull and one push op per traced step (parallax.tf.graph.fusion)
     group_tables: bool = True  # same-shaped sparse variables share a server table

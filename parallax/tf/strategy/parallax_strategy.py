@@ -722,7 +722,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
             shards: int, dict or None (default). An int >= 1: every table's shard count; a
                 dict {variable name: int >= 1}: those tables' counts, the others keep the
                 default; names that match no table are ignored. None: one shard per whole
-                64 MiB of the table, at most one per server, at least one. A count is capped
+                16 MiB of the table, at most one per server, at least one. A count is capped
                 at the table's rows, and one above the number of servers puts several shards
                 on a server. Shards go to servers balancing bytes, biggest tables first. Any
                 value but None turns the "auto" partition search off.
