@@ -271,6 +271,39 @@ def test_a_restore_before_the_first_step_keeps_the_checkpoints_table_groups(tmp_
     np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
 
 
+@contextlib.contextmanager
+def _servers_with_own_dirs(tmp_path: Path, **options):
+    """A job's strategy on 2 fresh servers, each with a data directory of its own (as
+    `parallax k8s` gives them): each restores only the shards it saved."""
+    with LocalCluster(1, data_dir=tmp_path / "d0") as first, \
+            LocalCluster(1, data_dir=tmp_path / "d1") as second:
+        yield parallax.ParallaxStrategy(ps_addresses=first.addresses + second.addresses,
+                                        log_plan=False,
+                                        run_id=f"own{next(_ids)}-{int(time.time())}",
+                                        **options)
+
+
+def test_a_restore_plans_the_checkpoints_shard_counts(tmp_path):
+    """A job whose plan would shard a table otherwise (here shards= is dropped; after an
+    upgrade, a new default) plans the checkpoint's count: with a data directory per server
+    the other count was refused (DATA_LOSS), and it resumes exactly."""
+    with _servers_with_own_dirs(tmp_path, shards=2) as strategy:
+        with strategy.scope():
+            model = _model()
+        _first_loss(model)
+        assert strategy.plan.get("embedding/embeddings").shards == 2
+        path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
+            tmp_path / "ckpt")
+        losses = [_first_loss(model) for _ in range(2)]
+    with _servers_with_own_dirs(tmp_path) as strategy:  # the default: one shard (4.8 kB)
+        with strategy.scope():
+            model = _model()
+        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+        resumed = [_first_loss(model) for _ in range(2)]
+        assert strategy.plan.get("embedding/embeddings").shards == 2
+    np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
+
+
 def test_a_checkpoints_table_groups_this_job_cannot_push_together_are_refused(tmp_path):
     """Restored into a job whose optimizer counts steps (Adam), a group's members would each
     advance the group's step: the first step refuses, naming the grouped variables."""

@@ -68,7 +68,7 @@ def test_fit_evaluate_predict_and_the_plan(make_strategy, capsys):
     assert losses[-1] < losses[0]
     plan = strategy.plan
     table = plan.get("embedding/embeddings")
-    assert (table.kind, table.placement, table.shards) == ("sparse", "ps", 1)  # < 64 MB
+    assert (table.kind, table.placement, table.shards) == ("sparse", "ps", 1)  # < 16 MiB
     assert "gather on axis 0" in table.reason and "IndexedSlices" in table.reason
     kernel = plan.get("dense/kernel")
     assert (kernel.kind, kernel.placement) == ("dense", "allreduce")

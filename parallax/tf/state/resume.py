@@ -235,13 +235,16 @@ def reference_to(path: str, shards, tables: dict, specs: dict | None = None) -> 
     table: not 0 in a table group)}. A table's step is its
     shards' highest, the one restoring gives every shard (async shards count their own
     pushes, so one may be ahead of another; sync shards are at one step). `specs` (by table
-    name): a bounded keyed table's shard count and bound are kept, so a restore into
+    name): a fixed table's shard count is kept, so that a restore plans it so again
+    (`saved_shards`), and a bounded keyed table's count and bound, so a restore into
     another shard count bounds each shard to fit (`with_saved_tables`)."""
     steps: dict[str, int] = {}
     for shard in shards:
         steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
     bounds = {name: {"shards": spec.shard_count, "bound": spec.max_rows_per_shard}
-              for name, spec in (specs or {}).items() if spec.max_rows_per_shard}
+              if spec.max_rows_per_shard else {"shards": spec.shard_count}
+              for name, spec in (specs or {}).items()
+              if spec.max_rows_per_shard or not spec.hashed_keys}
     return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
             "tables": {str(i): {"variable": variable, "table": table, "step": steps[table],
                                 "offset": offset, **bounds.get(table, {})}
@@ -292,6 +295,17 @@ def saved_group_keys(reference: dict) -> dict[int, str]:
     """`make_plan` group keys that group the variables as the checkpoint's tables do: a
     variable's key is its saved table (one alone in its table groups with no other)."""
     return {int(i): t["table"] for i, t in reference["tables"].items()}
+
+
+def saved_shards(reference: dict | None) -> dict[int, int]:
+    """{variable index: shards} of the checkpoint's fixed tables (none in a reference
+    written before it kept them): a job resumes in the layout that saved it, not in
+    today's default (servers with a data directory each restore only the shards they
+    saved)."""
+    if reference is None:
+        return {}
+    return {int(i): int(t["shards"]) for i, t in reference["tables"].items()
+            if "shards" in t and "bound" not in t}
 
 
 def saved_group_members(reference: dict) -> set[int]:

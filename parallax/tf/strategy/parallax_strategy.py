@@ -377,15 +377,17 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         by_index = {v.parallax_index: v for v in self.variables()}
         options = self.config.placement_options
 
+        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
+        saved_shards = resume.saved_shards(pending)
+
         def planned_with(chosen: PlacementOptions, keys, saved: bool = False) -> Plan:
             return make_plan(chosen, list(infos.values()), run_id=planned.run_id,
                              num_servers=len(planned.ps_addresses), num_workers=info.size,
-                             group_keys=keys, saved_groups=saved)
+                             group_keys=keys, saved_groups=saved, saved_shards=saved_shards)
         plan = planned_with(options, self._group_keys(by_index, observations))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
-        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None and not resume.same_grouping(plan, pending):
             plan = self._saved_groups(pending, by_index, observations, planned_with)
         search = tuning.resolve(self._search_setting, plan, options)
