@@ -490,6 +490,7 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
         result["losses"] = record.get("losses", [])
         result["counters"] = record.get("counters", {})
         result["data_path"] = record.get("data_path")
+        result["code"] = record.get("code")
     if staleness is not None:
         result["cache"] = {"staleness": staleness, "mb": config.cache_mb}
     return result
@@ -519,11 +520,16 @@ def _network_record(name: str, cluster: EmulatedCluster | None,
     return record
 
 
-def _git_commit() -> str:
+def _git_commit(root: Path = Path(measure.CODE_ROOT)) -> str:
+    """The checkout's commit, "+dirty" when its tracked files differ from it (what ran is
+    then not that commit)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=root).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
+                         else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -679,6 +685,10 @@ def _echo_run(result: dict, elapsed: float, echo) -> None:
     moved = (f"  {traffic['sent'] / 1e3:9.1f} KB sent/worker/step" if traffic else "")
     print(f"{head} {result['samples_per_s']:10.1f} samples/s{moved}  ({elapsed:.0f} s)",
           file=echo, flush=True)
+    if result.get("code") not in (None, measure.CODE_ROOT):
+        print(f"{head} ran parallax from {result['code']}, not from this harness's "
+              f"checkout {measure.CODE_ROOT} (results.json's commit is this one's)", file=echo,
+              flush=True)
 
 
 def _memory_gib() -> float:

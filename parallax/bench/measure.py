@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 RESULT_PREFIX = "BENCH_RESULT "
@@ -22,6 +23,8 @@ READY_LINE = "BENCH_STARTED"   # printed after the first step, before the gate i
 GATE_ENV = "PARALLAX_BENCH_GATE"  # a file the harness creates once every host is throttled
 GATE_TIMEOUT_S = 900.0
 GATE_POLL_S = 0.02
+CODE_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout parallax came from here
+#   (a Python started in a checkout imports that checkout's parallax ahead of PYTHONPATH)
 
 
 @dataclass(frozen=True)
@@ -137,11 +140,12 @@ def emit(system: str, workload: str, trainer: Trainer, windows: list[Window],
          out=sys.stdout, counted: dict[str, float] | None = None,
          data_path: str | None = None) -> None:
     """The line the harness parses: printed by rank 0 (the coordinator under TF PS);
-    `data_path`: parallax's (`parallax.native.describe()`), None for other systems."""
+    `data_path`: parallax's (`parallax.native.describe()`), None for other systems. `code`:
+    the checkout this process imported parallax from (an A/B of two checkouts must see two)."""
     record = {"system": system, "workload": workload, "workers": trainer.workers,
               "global_batch": trainer.global_batch, "loss": trainer.loss(),
               "windows": [asdict(w) for w in windows], "losses": list(trainer.losses()),
-              "counters": dict(counted or {}), "data_path": data_path}
+              "counters": dict(counted or {}), "data_path": data_path, "code": CODE_ROOT}
     print(RESULT_PREFIX + json.dumps(record), file=out, flush=True)
 
 

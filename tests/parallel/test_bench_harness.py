@@ -261,6 +261,25 @@ def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
     assert [(r["system"], r["round"]) for r in runs] == [
         ("allreduce", 0), ("horovod", 0), ("allreduce", 1), ("horovod", 1)]
     assert all(r["status"] == "ok" and r["worker_bytes_per_step"] is None for r in runs)
+    # every worker imported this checkout's parallax (an A/B of two checkouts shows two)
+    assert {r["code"] for r in runs} == {str(ROOT)}
+
+
+def test_the_commit_says_when_tracked_files_differ_from_it(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    clean = harness._git_commit(tmp_path)
+    assert len(clean) >= 7 and not clean.endswith("+dirty")
+    (tmp_path / "new.txt").write_text("untracked files are not what ran\n")
+    assert harness._git_commit(tmp_path) == clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert harness._git_commit(tmp_path) == clean + "+dirty"
+    assert harness._git_commit(tmp_path / "nowhere") == "unknown"
 
 
 def test_row_cache_and_numpy_path_systems_run_in_the_same_rounds_and_train_as_hybrid(tmp_path):
