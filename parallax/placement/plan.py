@@ -321,18 +321,14 @@ def _placement(config: PlacementOptions, info: VariableInfo, kind: str) -> tuple
     return ("ps" if kind == "sparse" else "allreduce"), ""
 
 
-def _shards(config: PlacementOptions, info: VariableInfo, num_servers: int,
-            saved: Mapping[int, int]) -> int:
-    """The user's count, else (a fixed table) the count of the checkpoint being restored
-    (`saved`: a job resumes in the layout that saved it, whatever today's default), else
-    the default."""
+def _shards(config: PlacementOptions, info: VariableInfo, num_servers: int) -> int:
     wanted = config.shards.get(info.name) if isinstance(config.shards, Mapping) \
         else config.shards
     if info.dynamic is not None:  # keys grow without a vocabulary: every server by default
         return max(1, num_servers if wanted is None else wanted)
     rows = info.shape[0] if info.shape else 1
     if wanted is None:
-        wanted = saved.get(info.index) or min(num_servers, info.bytes // SHARD_MIN_BYTES)
+        wanted = min(num_servers, info.bytes // SHARD_MIN_BYTES)
     return max(1, min(wanted, rows))
 
 
@@ -416,14 +412,12 @@ def place_shards(variables: tuple[VariablePlan, ...], num_servers: int,
 
 def make_plan(config: PlacementOptions, infos: list[VariableInfo], *, run_id: str,
               num_servers: int, num_workers: int,
-              group_keys: Mapping[int, object] | None = None, saved_groups: bool = False,
-              saved_shards: Mapping[int, int] | None = None) -> Plan:
+              group_keys: Mapping[int, object] | None = None, saved_groups: bool = False
+              ) -> Plan:
     """The plan. `group_keys` (variable index -> a hashable): the variables that may share a
     server table with others of equal key and row shape, placed alike (see `_grouped`);
     none by default, and none when `config.group_tables` is off. `saved_groups`: the keys
-    name whole groups (a checkpoint's), made before placement and placed as one table.
-    `saved_shards` (variable index -> shards): a restored checkpoint's fixed tables' shard
-    counts, which replace the default (not a count the user gave)."""
+    name whole groups (a checkpoint's), made before placement and placed as one table."""
     names = {i.name for i in infos}
     for option, given in (("placement", config.placement), ("shards", config.shards),
                           ("wire_dtype", config.wire_dtype)):
@@ -436,7 +430,7 @@ def make_plan(config: PlacementOptions, infos: list[VariableInfo], *, run_id: st
         kind, reason = _kind(info)
         placement, why = _placement(config, info, kind)
         on_ps = placement == "ps"
-        shards = _shards(config, info, num_servers, saved_shards or {}) if on_ps else 0
+        shards = _shards(config, info, num_servers) if on_ps else 0
         plans.append(VariablePlan(
             index=info.index, name=info.name, kind=kind, placement=placement,
             reason=f"{reason}; {why}" if why else reason, shape=info.shape, dtype=info.dtype,

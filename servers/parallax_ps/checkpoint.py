@@ -165,11 +165,12 @@ def _table_parts(directory: Path, manifest: dict, table: str,
         return mine
     raise data_loss(f"checkpoint {directory} has shards {found} of {counts} of table {table!r}, "
                     f"not shard {own[0]} of {own[1]}: with a data directory per server, "
-                    f"restore each shard where it was saved (same shard count and placement: "
-                    f"ParallaxStrategy(shards={{variable: {counts[-1]}}}) for a checkpoint "
-                    f"that does not record its counts, as those written while the default "
-                    f"was one shard per 64 MiB); to move or reshard tables, give every server "
-                    f"one shared data directory")
+                    f"restore each shard where it was saved (same shard count and placement, "
+                    f"on as many servers: a checkpoint that does not record its layout, as "
+                    f"those written while the default was one shard per 64 MiB, needs "
+                    f"ParallaxStrategy(shards={counts[-1]}), or shards={{variable: "
+                    f"{counts[-1]}}} for a table of its own); to move or reshard tables, give "
+                    f"every server one shared data directory")
 
 
 def _check_compatible(manifest: dict, spec: TableSpec, slot_names: list[str]) -> None:

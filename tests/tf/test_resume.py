@@ -275,32 +275,67 @@ def test_a_restore_before_the_first_step_keeps_the_checkpoints_table_groups(tmp_
 def _servers_with_own_dirs(tmp_path: Path, **options):
     """A job's strategy on 2 fresh servers, each with a data directory of its own (as
     `parallax k8s` gives them): each restores only the shards it saved."""
-    with LocalCluster(1, data_dir=tmp_path / "d0") as first, \
-            LocalCluster(1, data_dir=tmp_path / "d1") as second:
-        yield parallax.ParallaxStrategy(ps_addresses=first.addresses + second.addresses,
+    with contextlib.ExitStack() as stack:
+        clusters = [stack.enter_context(LocalCluster(1, data_dir=tmp_path / f"d{k}"))
+                    for k in range(2)]
+        yield parallax.ParallaxStrategy(ps_addresses=[a for c in clusters for a in c.addresses],
                                         log_plan=False,
                                         run_id=f"own{next(_ids)}-{int(time.time())}",
                                         **options)
 
 
-def test_a_restore_plans_the_checkpoints_shard_counts(tmp_path):
-    """A job whose plan would shard a table otherwise (here shards= is dropped; after an
-    upgrade, a new default) plans the checkpoint's count: with a data directory per server
-    the other count was refused (DATA_LOSS), and it resumes exactly."""
-    with _servers_with_own_dirs(tmp_path, shards=2) as strategy:
-        with strategy.scope():
-            model = _model()
-        _first_loss(model)
-        assert strategy.plan.get("embedding/embeddings").shards == 2
-        path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(
-            tmp_path / "ckpt")
-        losses = [_first_loss(model) for _ in range(2)]
-    with _servers_with_own_dirs(tmp_path) as strategy:  # the default: one shard (4.8 kB)
-        with strategy.scope():
-            model = _model()
-        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
-        resumed = [_first_loss(model) for _ in range(2)]
-        assert strategy.plan.get("embedding/embeddings").shards == 2
+def _trained_and_saved(strategy, tmp_path: Path, layout=None):
+    """(checkpoint path, the next two steps' losses, the table's servers) after a step,
+    resharded to `layout` ({"shards": n, "servers": [...]}) first when given."""
+    with strategy.scope():
+        model = _model()
+    _first_loss(model)
+    if layout is not None:
+        strategy.reshard({"embedding/embeddings": layout["shards"]},
+                         servers={"embedding/embeddings": layout["servers"]})
+    path = tf.train.Checkpoint(optimizer=model.optimizer, model=model).save(tmp_path / "ckpt")
+    servers = strategy.plan.get("embedding/embeddings").servers
+    return path, [_first_loss(model) for _ in range(2)], servers
+
+
+def _resumed(strategy, path) -> tuple[list[float], tuple[int, ...]]:
+    with strategy.scope():
+        model = _model()
+    tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+    return ([_first_loss(model) for _ in range(2)],
+            strategy.plan.get("embedding/embeddings").servers)
+
+
+@pytest.mark.parametrize("saved_with, layout", [
+    ({"shards": 2}, None),                                  # a count the default would not give
+    ({}, {"shards": 1, "servers": [1]}),                    # moved by a reshard (or the search)
+], ids=["counts", "resharded"])
+def test_a_restore_plans_where_the_checkpoints_shards_are(tmp_path, saved_with, layout):
+    """A job on as many servers as saved the checkpoint restores each shard where it was
+    saved: with a data directory per server, another count or server was refused
+    (DATA_LOSS), e.g. after an upgrade changed the default, or after a reshard. It resumes
+    exactly."""
+    with _servers_with_own_dirs(tmp_path, **saved_with) as strategy:
+        path, losses, servers = _trained_and_saved(strategy, tmp_path, layout)
+    assert servers == ((0, 1) if layout is None else (1,))
+    with _servers_with_own_dirs(tmp_path) as strategy:  # the default: one shard, on server 0
+        resumed, restored_servers = _resumed(strategy, path)
+    assert restored_servers == servers
+    np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
+
+
+def test_a_restore_keeps_the_users_shards_and_another_clusters_default(tmp_path):
+    """The saved layout is the default only: the user's shards= wins, and on another number
+    of servers (one shared data directory, which reshards on restore) the plan is today's."""
+    with _servers(2, tmp_path, shards=2) as strategy:
+        path, losses, _ = _trained_and_saved(strategy, tmp_path)
+    with _servers(2, tmp_path, shards=1) as strategy:
+        resumed, servers = _resumed(strategy, path)
+    assert len(servers) == 1
+    np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
+    with _servers(3, tmp_path) as strategy:
+        resumed, servers = _resumed(strategy, path)
+    assert len(servers) == 1  # today's default for a 4.8 kB table, not the saved 2
     np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
 
 

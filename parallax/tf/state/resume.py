@@ -130,7 +130,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
             return self._inline(tables)  # no data directory: the rows travel in the file
         return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
                                            for i, r in tables.items()},
-                            {r.table.name: r.table.spec for r in tables.values()}), b""
+                            {r.table.name: r.table.spec for r in tables.values()},
+                            extended.plan), b""
 
     def _inline(self, tables: dict) -> tuple[dict, bytes]:
         """The reference and the tables' rows, slots and steps, for servers that cannot
@@ -229,25 +230,29 @@ class _Saved:
     checkpoint: str = ""
 
 
-def reference_to(path: str, shards, tables: dict, specs: dict | None = None) -> dict:
+def reference_to(path: str, shards, tables: dict, specs: dict | None = None,
+                 plan: Plan | None = None) -> dict:
     """The reference to the checkpoint under `path` that `shards` (ShardCheckpoint) were
     saved in; `tables`: {variable index: (variable name, table name, first row in the
     table: not 0 in a table group)}. A table's step is its
     shards' highest, the one restoring gives every shard (async shards count their own
     pushes, so one may be ahead of another; sync shards are at one step). `specs` (by table
-    name): a fixed table's shard count is kept, so that a restore plans it so again
-    (`saved_shards`), and a bounded keyed table's count and bound, so a restore into
-    another shard count bounds each shard to fit (`with_saved_tables`)."""
+    name): a bounded keyed table's shard count and bound are kept, so a restore into
+    another shard count bounds each shard to fit (`with_saved_tables`). `plan`: the job's,
+    whose fixed tables' servers (and the number of servers) are kept, so that a job on as
+    many servers restores each shard where it was saved (`saved_layouts`)."""
     steps: dict[str, int] = {}
     for shard in shards:
         steps[shard.table] = max(steps.get(shard.table, 0), shard.step)
     bounds = {name: {"shards": spec.shard_count, "bound": spec.max_rows_per_shard}
-              if spec.max_rows_per_shard else {"shards": spec.shard_count}
-              for name, spec in (specs or {}).items()
-              if spec.max_rows_per_shard or not spec.hashed_keys}
+              for name, spec in (specs or {}).items() if spec.max_rows_per_shard}
+    placed = {vp.index: {"servers": list(vp.servers)} for vp in
+              (plan.on_servers if plan is not None else ()) if vp.dynamic is None}
     return {"format": FORMAT, "path": path, "checkpoint": shards[0].checkpoint,
+            **({"servers": plan.num_servers} if plan is not None else {}),
             "tables": {str(i): {"variable": variable, "table": table, "step": steps[table],
-                                "offset": offset, **bounds.get(table, {})}
+                                "offset": offset, **bounds.get(table, {}),
+                                **placed.get(i, {})}
                        for i, (variable, table, offset) in tables.items()}}
 
 
@@ -297,15 +302,19 @@ def saved_group_keys(reference: dict) -> dict[int, str]:
     return {int(i): t["table"] for i, t in reference["tables"].items()}
 
 
-def saved_shards(reference: dict | None) -> dict[int, int]:
-    """{variable index: shards} of the checkpoint's fixed tables (none in a reference
-    written before it kept them): a job resumes in the layout that saved it, not in
-    today's default (servers with a data directory each restore only the shards they
-    saved)."""
-    if reference is None:
+def saved_layouts(reference: dict | None, num_servers: int, options
+                  ) -> dict[str, tuple[int, ...]]:
+    """{variable name: the servers of its shards} of the checkpoint's fixed tables, for a
+    job on as many servers as saved it: it resumes in the layout that saved it (servers
+    with a data directory each restore only the shards they saved), not in today's default
+    or its search's. None where the checkpoint does not record them (inline tables; written
+    before it did) or the user gave the variable's shards (`options.shards`)."""
+    if reference is None or reference.get(INLINE) or \
+            reference.get("servers") != num_servers or isinstance(options.shards, int):
         return {}
-    return {int(i): int(t["shards"]) for i, t in reference["tables"].items()
-            if "shards" in t and "bound" not in t}
+    named = set(options.shards or ())
+    return {t["variable"]: tuple(t["servers"]) for t in reference["tables"].values()
+            if "servers" in t and t["variable"] not in named}
 
 
 def saved_group_members(reference: dict) -> set[int]:

@@ -377,19 +377,19 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         by_index = {v.parallax_index: v for v in self.variables()}
         options = self.config.placement_options
 
-        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
-        saved_shards = resume.saved_shards(pending)
-
         def planned_with(chosen: PlacementOptions, keys, saved: bool = False) -> Plan:
             return make_plan(chosen, list(infos.values()), run_id=planned.run_id,
                              num_servers=len(planned.ps_addresses), num_workers=info.size,
-                             group_keys=keys, saved_groups=saved, saved_shards=saved_shards)
+                             group_keys=keys, saved_groups=saved)
         plan = planned_with(options, self._group_keys(by_index, observations))
         if plan.on_servers:
             self.cluster = planned if not planned.embedded else resolve_cluster(
                 None, planned.run_id, embedded_servers=self.config.embedded_servers)
+        pending = self.server_tables.take_pending()  # a checkpoint restored before the plan
         if pending is not None and not resume.same_grouping(plan, pending):
             plan = self._saved_groups(pending, by_index, observations, planned_with)
+        restored = resume.saved_layouts(pending, len(planned.ps_addresses), options)
+        plan = tuning.with_layouts(plan, restored)  # where the checkpoint's shards are
         search = tuning.resolve(self._search_setting, plan, options)
         if search is not None and plan.grouped:
             if pending is not None:
@@ -399,7 +399,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             else:  # the search tunes each table's shards on its own
                 plan = planned_with(options, None)
         cached = None
-        if search is not None:  # the chief's saved decision, the same on every worker
+        if search is not None and not restored:  # the chief's saved decision, the same on
+            #                                          every worker (not over a restore's)
             cached = self.workers.broadcast_object(
                 tuning.load_decision(search, plan) if info.is_chief else None)
             if cached is not None:
