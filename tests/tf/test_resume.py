@@ -324,6 +324,28 @@ def test_a_restore_plans_where_the_checkpoints_shards_are(tmp_path, saved_with, 
     np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("saved, then", [
+    ({"shards": 3, "servers": [0, 1, 2]}, {"shards": 3, "servers": [0, 2, 1]}),
+    ({"shards": 1, "servers": [1]}, {"shards": 2, "servers": [0, 1]}),
+], ids=["servers-swapped", "count"])
+def test_a_table_restored_from_a_reshard_reshards_again(tmp_path, saved, then):
+    """A restored table keeps the name its reshard gave it (`.r1`); the next reshard named
+    its copy `.r1` again: the same name as the live table (ALREADY_EXISTS, or the copy
+    deleted as the old table and the table lost)."""
+    with _servers(3, tmp_path) as strategy:
+        path, losses, _ = _trained_and_saved(strategy, tmp_path, saved)
+    with _servers(3, tmp_path) as strategy:
+        with strategy.scope():
+            model = _model()
+        tf.train.Checkpoint(optimizer=model.optimizer, model=model).restore(path)
+        resumed = [_first_loss(model)]
+        strategy.reshard({"embedding/embeddings": then["shards"]},
+                         servers={"embedding/embeddings": then["servers"]})
+        resumed.append(_first_loss(model))
+        assert strategy.plan.get("embedding/embeddings").servers == tuple(then["servers"])
+    np.testing.assert_allclose(resumed, losses, rtol=0, atol=1e-6)
+
+
 def test_a_restore_keeps_the_users_shards_and_another_clusters_default(tmp_path):
     """The saved layout is the default only: the user's shards= wins, and on another number
     of servers (one shared data directory, which reshards on restore) the plan is today's."""

@@ -28,7 +28,13 @@ from parallax.tf.graph.remote import RemoteTable
 
 logger = logging.getLogger("parallax")  # `log` is apply()'s flag
 
-_GENERATION = re.compile(r"\.r\d+$")
+_GENERATION = re.compile(r"\.r(\d+)$")
+
+
+def _generation_of(table: str) -> int:
+    """The resharding generation in a table's name (`<table>.r<generation>`; 0: none)."""
+    found = _GENERATION.search(table)
+    return int(found.group(1)) if found else 0
 MOVE_TABLES = 4  # tables copied at once (each reads its source shards concurrently too)
 
 
@@ -113,7 +119,9 @@ class Resharder:
                    and layouts[v.name].servers != v.servers]
         if not changed:
             return plan, ReshardReport((), 0, 0, 0.0)
-        self.generation += 1
+        # above every table's own (a restored table keeps the name a reshard gave it)
+        self.generation = max([self.generation] + [_generation_of(v.table)
+                                                   for v in plan.on_servers]) + 1
         for vp in changed:
             self.remotes[vp.index].land_pushes()
         self.workers.allgather_object(None)  # every worker's last pushes are in

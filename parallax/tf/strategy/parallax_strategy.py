@@ -124,6 +124,13 @@ def _warn_unread_tables(infos, chief: bool) -> None:
                     "each model in its own ParallaxStrategy", unread)
 
 
+def _moves(layouts, restored) -> bool:
+    """Whether a saved search decision's layouts move a table a restored checkpoint placed
+    ({variable name: servers} both)."""
+    return any(name in layouts and tuple(layouts[name]) != tuple(servers)
+               for name, servers in restored.items())
+
+
 def _wants_servers(config: StrategyConfig) -> bool:
     """Whether the plan may put a variable on the servers (every worker must then reach the
     same ones: embedded servers are per worker)."""
@@ -399,10 +406,11 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             else:  # the search tunes each table's shards on its own
                 plan = planned_with(options, None)
         cached = None
-        if search is not None and not restored:  # the chief's saved decision, the same on
-            #                                          every worker (not over a restore's)
+        if search is not None:  # the chief's saved decision, the same on every worker
             cached = self.workers.broadcast_object(
                 tuning.load_decision(search, plan) if info.is_chief else None)
+            if cached is not None and _moves(cached["layouts"], restored):
+                cached = None  # the checkpoint's layout stands; the search runs again
             if cached is not None:
                 plan = tuning.with_layouts(plan, cached["layouts"])
         if pending is not None:
