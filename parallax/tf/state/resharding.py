@@ -29,13 +29,13 @@ from parallax.tf.graph.remote import RemoteTable
 logger = logging.getLogger("parallax")  # `log` is apply()'s flag
 
 _GENERATION = re.compile(r"\.r(\d+)$")
+MOVE_TABLES = 4  # tables copied at once (each reads its source shards concurrently too)
 
 
 def _generation_of(table: str) -> int:
     """The resharding generation in a table's name (`<table>.r<generation>`; 0: none)."""
     found = _GENERATION.search(table)
     return int(found.group(1)) if found else 0
-MOVE_TABLES = 4  # tables copied at once (each reads its source shards concurrently too)
 
 
 @dataclass(frozen=True)

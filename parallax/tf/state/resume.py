@@ -307,8 +307,9 @@ def saved_layouts(reference: dict | None, num_servers: int, options
     """{variable name: the servers of its shards} of the checkpoint's fixed tables, for a
     job on as many servers as saved it: it resumes in the layout that saved it (servers
     with a data directory each restore only the shards they saved), not in today's default
-    or its search's. None where the checkpoint does not record them (inline tables; written
-    before it did) or the user gave the variable's shards (`options.shards`)."""
+    or its search's. A variable is left out where the checkpoint does not record its servers
+    (inline tables, keyed tables, checkpoints written before it did) or the user gave its
+    shards (`options.shards`)."""
     if reference is None or reference.get(INLINE) or \
             reference.get("servers") != num_servers or isinstance(options.shards, int):
         return {}
