@@ -1,10 +1,12 @@
 """The server's data plane (framing in `parallax.protocol.dataplane`): PullMany and PushMany on a
 plain TCP or TLS port, answered by the same handlers as the gRPC methods.
 
-One thread per connection reads a frame, runs the handler and writes the answer: a worker
-keeps one connection per request it has in flight, so a pull waiting for its step holds only
-its own connection's thread, never one a push needs (the same guarantee as the gRPC side's
-separate pools). The token and TLS settings are the gRPC port's.
+A connection is greeted (TLS handshake, the token's hello) on a thread of its own, then
+served by the plane's event loop (`dataloop`): one thread reads every connection's frames,
+runs the handlers and writes the answers, parking a pull that waits for its step until the
+step is applied, so no request waits on another's (the same guarantee as the gRPC side's
+separate pools) and none costs a thread switch. The token and TLS settings are the gRPC
+port's.
 
 What a peer without the token can cost is bounded: at most `MAX_GREETING` connections may be
 between accept and an accepted hello (more are closed at once, with no thread), and each has
@@ -12,7 +14,8 @@ between accept and an accepted hello (more are closed at once, with no thread), 
 towards `max_connections`. A body is read as it arrives (memory grows with the bytes sent,
 not with the length a header declares), and a frame or answer that stalls for
 `FRAME_TIMEOUT_S` drops its connection; a connection idle for `IDLE_TIMEOUT_S` is closed
-(clients drop their idle connections before that). Stopping closes the listener at once and
+(clients drop their idle connections before that). A request that must wait for memory
+(--memory-mb) is served on a thread of its own, with blocking reads and writes. Stopping closes the listener at once and
 the connections once the requests in flight are answered or the grace period is over.
 """
 from __future__ import annotations
@@ -31,12 +34,13 @@ import grpc
 
 from parallax.protocol import dataplane
 from parallax.protocol.dataplane import FrameError
+from parallax_ps.dataloop import Connection, DataLoop
 from parallax_ps.errors import RequestError
 from parallax_ps.service import ParameterServerService, request_deserializer
 
 log = logging.getLogger("parallax_ps")
 
-MAX_CONNECTIONS = 512   # greeted connections open at once (each a thread, mostly in recv)
+MAX_CONNECTIONS = 512   # greeted connections open at once
 MAX_GREETING = 64       # connections accepted but not yet greeted
 HELLO_TIMEOUT_S = 10.0  # for the TLS handshake and the hello, in all
 FRAME_TIMEOUT_S = 60.0  # for each read of a frame's rest once its header came, and each
@@ -103,6 +107,8 @@ class DataPlaneServer:
         self._idle = threading.Condition(self._lock)
         self._stopped = False
         self.idle_timeout_s = IDLE_TIMEOUT_S
+        self.frame_timeout_s = FRAME_TIMEOUT_S
+        self._loop = DataLoop(self)
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def stop_listening(self) -> None:
@@ -121,6 +127,7 @@ class DataPlaneServer:
     def stop(self) -> None:
         """Close the listener and every connection."""
         self.stop_listening()
+        self._loop.stop()
         with self._lock:
             open_now = list(self._open.values())
         for sock in open_now:
@@ -144,8 +151,8 @@ class DataPlaneServer:
                 _close(sock)
                 continue
             try:
-                threading.Thread(target=self._serve, args=(number, sock), name="ps-data",
-                                 daemon=True).start()
+                threading.Thread(target=self._serve, args=(number, sock), name="ps-data-hello",
+                             daemon=True).start()
             except RuntimeError:  # no thread to be had: drop this one, keep serving
                 self._forget(number, greeted=False)
                 _close(sock)
@@ -166,19 +173,24 @@ class DataPlaneServer:
             else:
                 self._greeting -= 1
 
+    def forget(self, number: int, sock: socket.socket) -> None:
+        """A greeted connection is over (its loop closes it): closed and not counted."""
+        self._forget(number, greeted=True)
+        _close(sock)
+
     def _serve(self, number: int, raw: socket.socket) -> None:
+        """Greet a new connection, then hand it to the loop."""
         sock, greeted = raw, False
         try:
             sock = self._secure(number, dataplane.tune(raw))
             greeted = self._greet(number, sock)
-            if greeted:
-                while self._answer(sock):
-                    pass
         except (OSError, EOFError, FrameError, ssl.SSLError, ValueError):
             pass  # the peer left, went quiet, or sent what this protocol is not
-        finally:
-            self._forget(number, greeted)
-            _close(sock)
+        if greeted:
+            self._loop.adopt(Connection(number, sock))
+            return
+        self._forget(number, greeted)
+        _close(sock)
 
     def _secure(self, number: int, raw: socket.socket) -> socket.socket:
         """The connection, TLS-wrapped when the server has TLS (stop() closes whichever
@@ -226,16 +238,26 @@ class DataPlaneServer:
             self._greeted += change
             return True
 
-    # ---- requests -----------------------------------------------------------------------
-    def _answer(self, sock: socket.socket) -> bool:
-        """Serve one request frame; False when the connection must close."""
-        sock.settimeout(self.idle_timeout_s)
-        method, deadline_s, length = dataplane.read_header(sock, dataplane.REQUEST)
-        sock.settimeout(FRAME_TIMEOUT_S)
-        name = dataplane.METHODS.get(method)
-        if name is None or length > self.max_message_bytes:
-            self._refuse_frame(sock, name, method, length)
-            return False
+    # ---- requests (for the loop) --------------------------------------------------------
+    @staticmethod
+    def context(deadline_s: float) -> _Context:
+        return _Context(deadline_s)
+
+    @staticmethod
+    def decode(name: str, body: bytes):
+        return _DECODE[name](body)
+
+    def count_in_flight(self, change: int) -> None:
+        with self._idle:
+            self._in_flight += change
+            if not self._in_flight:
+                self._idle.notify_all()
+
+    def answer_frame(self, sock: socket.socket, name: str, length: int,
+                     deadline_s: float) -> bool:
+        """Serve one request whose header has been read, blocking (a hand-off thread's):
+        its body's room waited for (or refused, the body read past), its answer sent; False
+        when the connection must close."""
         context = _Context(deadline_s)
         with contextlib.ExitStack() as admitted:  # its working memory, until answered
             try:  # (before the body is read: --memory-mb, waiting for room if need be)
@@ -245,20 +267,17 @@ class DataPlaneServer:
                 _refuse(sock, refused.code, refused.message)
                 return True
             request = _DECODE[name](bytes(dataplane.recv_exact(sock, length)))
-            with self._lock:
-                self._in_flight += 1
+            self.count_in_flight(+1)
             try:
-                code, body = self._handle(name, request, context)
+                code, body = self.handle(name, request, context)
                 del request  # (its bytes go before the memory they held is given back)
                 dataplane.send_frame(sock, _response(code, body), body)
                 del body
             finally:
-                with self._idle:
-                    self._in_flight -= 1
-                    self._idle.notify_all()
+                self.count_in_flight(-1)
         return True
 
-    def _handle(self, name: str, request, context: _Context) -> tuple[int, bytes]:
+    def handle(self, name: str, request, context: _Context) -> tuple[int, bytes]:
         """(status code, body) of one request; the handler may wait for a step (the client
         has its own deadline; a client that stops reading the answer lets go after
         FRAME_TIMEOUT_S, the socket's timeout since the header came)."""
@@ -268,7 +287,7 @@ class DataPlaneServer:
             return refused.code.value[0], refused.message.encode()
         return 0, answer if isinstance(answer, bytes) else answer.SerializeToString()
 
-    def _refuse_frame(self, sock: socket.socket, name: str | None, method: int,
+    def refuse_frame(self, sock: socket.socket, name: str | None, method: int,
                       length: int) -> None:
         """Answer a frame that cannot be served, then let the client finish sending before
         closing (so it reads the answer rather than a broken pipe)."""

@@ -24,6 +24,7 @@ import time
 from typing import Iterator
 
 from parallax.runtime.malloc_tuning import return_freed_memory
+from parallax_ps import waits
 from parallax_ps.budget import MemoryBudget
 
 RECEIVED_BYTES_PER_BODY_BYTE = 2  # a push's received body and its copy
@@ -78,6 +79,7 @@ class Scope:
         if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
             self.held = nbytes
             return
+        waits.check()  # (the data plane's loop hands the request to a thread instead)
         keep = min(self.held, self.floor)
         self.budget.unhold(self.held - keep)
         self.held = keep
@@ -129,6 +131,17 @@ def scope(budget: MemoryBudget, context=None) -> Iterator[Scope]:
         held, opened.held = opened.held, 0
         if not (held and opened.grpc and context.add_callback(lambda: release(budget, held))):
             release(budget, held)
+
+
+@contextlib.contextmanager
+def using(opened: Scope) -> Iterator[Scope]:
+    """`opened` as this thread's request scope for a while (the data plane's loop serves
+    many requests on one thread, each with its own scope); the caller closes it."""
+    previous, _local.scope = current(), opened
+    try:
+        yield opened
+    finally:
+        _local.scope = previous
 
 
 def answer_copies() -> int:

@@ -29,7 +29,7 @@ from parallax.protocol import bulk_codec, dataplane, packed_codec, wire
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION, __version__
-from parallax_ps import checkpoint, inflight, many
+from parallax_ps import checkpoint, inflight, many, waits
 from parallax_ps.barrier import Barriers
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
@@ -132,6 +132,8 @@ def _rpc(method: str):
                     if not hasattr(request, "__next__"):
                         table = getattr(request, "table", "")
                     response, table, rows, nbytes = fn(self, request, context)
+            except waits.WouldWait:  # (the data plane's loop parks it, or hands it on)
+                raise
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
@@ -155,6 +157,8 @@ def _rpc_many(method: str):
                 with inflight.scope(self.budget, context):
                     request = _admitted(method, request, context)
                     response, per_table = fn(self, request, context)
+            except waits.WouldWait:  # (the data plane's loop parks it, or hands it on)
+                raise
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:

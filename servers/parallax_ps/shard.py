@@ -28,7 +28,7 @@ from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import ShardRouter, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
-from parallax_ps import native_path
+from parallax_ps import native_path, waits
 from parallax_ps.admission import SKETCH_BYTES, needs_sketch
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, invalid
@@ -129,6 +129,23 @@ class TableShard:
         self.cond = threading.Condition()
         self.closed = ""  # why the shard stopped serving, once it has
         self.wire = wire_dtypes.get(spec.wire_dtype) if spec.wire_dtype else None
+        self._watchers: list[Callable[["TableShard"], None]] = []
+
+    def watch(self, callback: Callable[["TableShard"], None]) -> bool:
+        """Call `callback(self)` (with `cond` held: it must not block) whenever what a waiting
+        pull waits for changes: a step applied, a restore, the shard closing. True when newly
+        added (a change just before it was not seen)."""
+        with self.cond:
+            if callback in self._watchers:
+                return False
+            self._watchers.append(callback)
+            return True
+
+    def _changed(self) -> None:
+        """Wake whoever waits on this shard (the caller holds `cond`)."""
+        self.cond.notify_all()
+        for callback in self._watchers:
+            callback(self)
 
     def answer_dtype(self, full_precision: bool = False) -> np.dtype:
         """The dtype of this table's rows in a pull answer (full precision: its own)."""
@@ -249,6 +266,7 @@ class TableShard:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.label}: still at step {self.steps.step}, waiting for {min_step}; "
                     f"{waiting}")
+            waits.check(self, deadline)  # (the data plane's loop parks the request instead)
             self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
         return self.steps.step
 
@@ -394,7 +412,7 @@ class TableShard:
             journal.append((self, _Applied(worker, step, batch, chunk, session, originals,
                                            closed, held, changes)))
         if completed:
-            self.cond.notify_all()
+            self._changed()
         return self.steps.step, completed
 
     def undo(self, applied: _Applied) -> None:
@@ -532,7 +550,7 @@ class TableShard:
                 self.vocab.load(state)
             self.steps.reset(step)
             self._account()
-            self.cond.notify_all()
+            self._changed()
 
     # ---- live resharding ---------------------------------------------------------------
     def export(self, offset: int, max_rows: int, changed_only: bool = False
@@ -614,7 +632,7 @@ class TableShard:
                 self.storage.restart_changes()
             if step != self.steps.step:
                 self.steps.reset(step)
-                self.cond.notify_all()
+                self._changed()
             return self.storage.num_rows, self.steps.step
 
     def _import_dynamic(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int,
@@ -635,7 +653,7 @@ class TableShard:
         with self.cond:
             self.closed = f"{self.label}: {reason}"
             self.budget.release(self)
-            self.cond.notify_all()
+            self._changed()
 
     def dynamic_stats(self) -> ps_pb2.DynamicStats | None:
         """A dynamic table's admission and eviction counters (None for other tables)."""
