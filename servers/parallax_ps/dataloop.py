@@ -13,9 +13,13 @@ it). Handlers run on this thread and may not wait here (`waits.not_here`):
   deadline on a timer heap; the shard's next change (a step applied, by a push this loop
   handles or one over gRPC; a restore; the shard closing) runs it again (`TableShard.watch`);
   at its deadline it is answered with the shard's explanation, as a waiting thread was;
-- a request that must wait for memory, and a frame to refuse, move to a thread of their own
-  (blocking reads and writes, as before), which hands the connection back when done.
-So nothing on this thread blocks on another request, and a request costs no thread switch.
+- a request that must wait for memory or for a shard's lock another thread holds, a large
+  one (its compiled work, with the GIL released, runs beside the loop's), and a frame to
+  refuse move to a thread of their own (blocking reads and writes, as before), which hands
+  the connection back when done.
+So nothing on this thread blocks on another request, and a small request costs no thread
+switch. Each turn serves at most one request, and reads at most `READ_PER_TURN` bytes, of
+each connection, so a client that pipelines frames or streams a large body takes its turn.
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ from parallax_ps.errors import RequestError
 log = logging.getLogger("parallax_ps")
 
 SWEEP_S = 1.0  # how often idle and stalled connections are looked for
+READ_PER_TURN = 4 * dataplane.PIECE  # bytes of one connection read before the others'
+LARGE_PULL_BYTES = 128 << 10  # a pull of this many bytes of ids (16k rows) or more, and
+LARGE_PUSH_BYTES = 1 << 20    # a push of this many bytes, are served on a thread
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
                 ssl.SSLWantWriteError)
 _PEER_GONE = (OSError, EOFError, FrameError, ssl.SSLError, ValueError)
@@ -75,8 +82,9 @@ class DataLoop:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._handed = collections.deque()  # (connection, keep) back from other threads
         self._changed = collections.deque()  # shards that changed (from any thread)
+        self._again: list[Connection] = []  # TLS connections whose next frame may be read
         self._parked: dict[object, list[Connection]] = {}  # by shard
-        self._timers: list[tuple[float, int, Connection]] = []  # (deadline, token, conn)
+        self._timers: list[tuple[float, int, int]] = []  # (deadline, token, connection no.)
         self._tokens = itertools.count(1)
         self._conns: dict[int, Connection] = {}
         self._stopping = False
@@ -117,6 +125,9 @@ class DataLoop:
                 self._turn()
             except Exception:  # noqa: BLE001 - a bug must not stop the data plane
                 log.exception("data plane: loop error; serving on")
+        while self._handed:  # (greeted, or back from a thread: closed with the rest)
+            conn, _ = self._handed.popleft()
+            self._conns[conn.number] = conn
         for conn in list(self._conns.values()):
             self._close(conn)
         self._selector.close()
@@ -133,7 +144,11 @@ class DataLoop:
                               else self._read)
         while self._handed:
             conn, keep = self._handed.popleft()
-            self._take_back(conn, keep)
+            self._guarded(conn, lambda conn: self._take_back(conn, keep))
+        again, self._again = self._again, []
+        for conn in again:
+            if conn.events == selectors.EVENT_READ and conn.number in self._conns:
+                self._guarded(conn, self._read)
         self._run_changed()
         now = time.monotonic()
         self._expire(now)
@@ -141,7 +156,7 @@ class DataLoop:
             self._sweep(now)
 
     def _timeout(self) -> float:
-        if self._handed or self._changed:
+        if self._handed or self._changed or self._again:
             return 0.0
         until = self._next_sweep
         if self._timers:
@@ -166,10 +181,10 @@ class DataLoop:
             self._close(conn)
 
     def _take_back(self, conn: Connection, keep: bool) -> None:
+        self._conns[conn.number] = conn
         if not keep or self._stopping:
             self._close(conn)
             return
-        self._conns[conn.number] = conn
         conn.sock.setblocking(False)
         conn.head, conn.body, conn.since = bytearray(), None, time.monotonic()
         self._watch(conn, selectors.EVENT_READ)
@@ -188,7 +203,10 @@ class DataLoop:
 
     # ---- reading ------------------------------------------------------------------------
     def _read(self, conn: Connection) -> None:
-        while conn.events == selectors.EVENT_READ:
+        """Read what has come of the connection's request, and serve it once whole: one
+        request, and READ_PER_TURN bytes, at most (then the next turn, for the others)."""
+        budget = READ_PER_TURN
+        while conn.events == selectors.EVENT_READ and budget > 0:
             if conn.body is None:
                 piece = _recv(conn, dataplane.REQUEST.size - len(conn.head))
                 if piece is None:
@@ -203,8 +221,13 @@ class DataLoop:
                     return
                 conn.body += piece
                 if len(conn.body) == conn.length:
+                    conn.since = time.monotonic()
                     self._handle(conn)
+                    break
             conn.since = time.monotonic()
+            budget -= len(piece)
+        if conn.tls and conn.events == selectors.EVENT_READ and conn.sock.pending():
+            self._again.append(conn)  # (TLS holds bytes that select does not see)
 
     def _begin(self, conn: Connection) -> None:
         """A header has come: its body's memory held (or the frame handed to a thread)."""
@@ -220,6 +243,11 @@ class DataLoop:
             self._hand_off(conn, refuse)
             return
         conn.context = plane.context(conn.deadline_s)
+        large = LARGE_PUSH_BYTES if conn.name.startswith("Push") else LARGE_PULL_BYTES
+        if conn.length >= large:  # (its work runs beside the loop's)
+            self._hand_off(conn, lambda: plane.answer_frame(
+                conn.sock, conn.name, conn.length, conn.deadline_s))
+            return
         scope = inflight.Scope(plane.service.budget)
         try:
             with inflight.using(scope), waits.not_here(), \
@@ -235,6 +263,7 @@ class DataLoop:
     def _handle(self, conn: Connection) -> None:
         conn.request = self.plane.decode(conn.name, bytes(conn.body))
         conn.body = None
+        conn.context.started = time.perf_counter()
         conn.counted = True
         self.plane.count_in_flight(+1)
         self._attempt(conn)
@@ -258,12 +287,16 @@ class DataLoop:
         conn.parked = next(self._tokens)
         self._parked.setdefault(shard, []).append(conn)
         if deadline is not None:
-            heapq.heappush(self._timers, (deadline, conn.parked, conn))
+            heapq.heappush(self._timers, (deadline, conn.parked, conn.number))
         if shard.watch(self._on_change):  # newly watched: a change just before is unseen
             self._changed.append(shard)
         if len(self._timers) > 1024 + 4 * sum(map(len, self._parked.values())):
-            self._timers = [t for t in self._timers if t[2].parked == t[1]]  # (answered
-            heapq.heapify(self._timers)                                       # ones' go)
+            self._timers = [t for t in self._timers if self._parked_by(t[2], t[1])]
+            heapq.heapify(self._timers)  # (the timers of answered pulls go)
+
+    def _parked_by(self, number: int, token: int) -> Connection | None:
+        conn = self._conns.get(number)
+        return conn if conn is not None and conn.parked == token else None
 
     def _run_changed(self) -> None:
         while self._changed:
@@ -279,13 +312,15 @@ class DataLoop:
     def _expire(self, now: float) -> None:
         """Answer the parked pulls whose deadline has passed (the handler explains)."""
         while self._timers and self._timers[0][0] <= now:
-            _, token, conn = heapq.heappop(self._timers)
-            if conn.parked != token:
-                continue  # answered, or parked again since
-            for shard, conns in self._parked.items():
+            _, token, number = heapq.heappop(self._timers)
+            conn = self._parked_by(number, token)
+            if conn is None:
+                continue  # answered, closed, or parked again since
+            for conns in self._parked.values():
                 if conn in conns:
                     conns.remove(conn)
                     break
+            conn.context.expire()  # (a re-run must not wait on, nor park again)
             self._unpark(conn)
 
     # ---- answers ------------------------------------------------------------------------
@@ -378,6 +413,7 @@ class DataLoop:
                 if conn in conns:
                     conns.remove(conn)
         self._done(conn)
+        conn.head, conn.body, conn.context = bytearray(), None, None
         self._conns.pop(conn.number, None)
         self.plane.forget(conn.number, conn.sock)
 

@@ -61,16 +61,25 @@ class _Refused(Exception):
 
 
 class _Context:
-    """What the handlers use of a gRPC ServicerContext: the deadline and abort."""
+    """What the handlers use of a gRPC ServicerContext: the deadline and abort; and what a
+    request parked by the loop keeps between its attempts: when the first began (`started`,
+    perf_counter, for the stats) and the shards it found (`shards`: a table deleted while
+    it waits fails it as it did a waiting thread, never reaches a table made since)."""
 
     def __init__(self, deadline_s: float) -> None:
         if not 0 < deadline_s <= MAX_DEADLINE_S:  # (False for NaN too)
             deadline_s = MAX_DEADLINE_S
         self._deadline = time.monotonic() + deadline_s
         self.deadline = self._deadline
+        self.started: float | None = None
+        self.shards = None
 
     def time_remaining(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
+
+    def expire(self) -> None:
+        """Its wait is over: the handler answers with its explanation now."""
+        self._deadline = min(self._deadline, time.monotonic())
 
     def abort(self, code: grpc.StatusCode, message: str):
         raise _Refused(code, message)
@@ -278,9 +287,9 @@ class DataPlaneServer:
         return True
 
     def handle(self, name: str, request, context: _Context) -> tuple[int, bytes]:
-        """(status code, body) of one request; the handler may wait for a step (the client
-        has its own deadline; a client that stops reading the answer lets go after
-        FRAME_TIMEOUT_S, the socket's timeout since the header came)."""
+        """(status code, body) of one request. On the loop's thread the handler raises
+        `waits.WouldWait` where it would wait; on a hand-off thread it waits (the client has
+        its own deadline)."""
         try:
             answer = getattr(self.service, name)(request, context)
         except _Refused as refused:
@@ -288,7 +297,7 @@ class DataPlaneServer:
         return 0, answer if isinstance(answer, bytes) else answer.SerializeToString()
 
     def refuse_frame(self, sock: socket.socket, name: str | None, method: int,
-                      length: int) -> None:
+                     length: int) -> None:
         """Answer a frame that cannot be served, then let the client finish sending before
         closing (so it reads the answer rather than a broken pipe)."""
         if name is None:

@@ -152,8 +152,8 @@ def _rpc_many(method: str):
     def decorate(fn):
         @functools.wraps(fn)
         def handler(self: "ParameterServerService", request, context):
-            start = time.perf_counter()
-            try:
+            start = getattr(context, "started", None) or time.perf_counter()  # (parked:
+            try:                                                    # since its first try)
                 with inflight.scope(self.budget, context):
                     request = _admitted(method, request, context)
                     response, per_table = fn(self, request, context)
@@ -388,13 +388,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     @_rpc_many("PullMany")
     def PullMany(self, request, context):
         """Every part's rows, gathered straight into the answer's bytes (bulk_codec)."""
-        shards = self._shards_of_parts(request.parts, "PullMany")
+        shards = self._shards_of_parts(request.parts, "PullMany", context)
         return many.pull_many(shards, request, _deadline(context), self.max_message_bytes)
 
     @_rpc_many("PullMany")
     def PullManyPacked(self, request, context):
         """PullMany read and answered in packed_codec's layout (data plane only)."""
-        shards = self._shards_of_parts(request.parts, "PullMany")
+        shards = self._shards_of_parts(request.parts, "PullMany", context)
         return many.pull_many(shards, request, _deadline(context), self.max_message_bytes,
                               packed_codec.PullManyAnswerWriter)
 
@@ -412,7 +412,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """`request` was decoded by bulk_codec: every part's rows are views of the bytes."""
         if request.error:
             raise invalid(request.error)
-        shards = self._shards_of_parts(request.parts, "PushMany")
+        shards = self._shards_of_parts(request.parts, "PushMany", context)
         results, per_table = many.push_many(shards, request.parts, _deadline(context))
         response = ps_pb2.PushManyResponse()
         for step, applied in results:
@@ -421,9 +421,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     PushManyPacked = PushMany  # the request was read by packed_codec: the same parts
 
-    def _shards_of_parts(self, parts, method: str) -> list[TableShard]:
-        """The shard of each part; a request of more parts than a step can need (one per
+    def _shards_of_parts(self, parts, method: str, context=None) -> list[TableShard]:
+        """The shard of each part (those an earlier attempt of the same data-plane request
+        found, `context.shards`); a request of more parts than a step can need (one per
         table shard held, give or take its chunks) is refused before any part's work."""
+        if getattr(context, "shards", None) is not None:
+            return context.shards
         if not parts:
             raise invalid(f"{method} carries no parts; send at least one")
         with self._lock:
@@ -432,7 +435,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise invalid(f"{method} carries {len(parts)} parts, and this server takes at most "
                           f"{MAX_PARTS_PER_SHARD} per table shard it holds ({limit}): a step "
                           f"needs one part per table shard; send fewer, larger parts")
-        return [self.shard(part.table, part.shard_index) for part in parts]
+        shards = [self.shard(part.table, part.shard_index) for part in parts]
+        if hasattr(context, "shards"):
+            context.shards = shards
+        return shards
 
     @_rpc("WaitStep")
     def WaitStep(self, request, context):

@@ -507,9 +507,12 @@ class TableShard:
             self._account()
 
     def wait_step(self, min_step: int, deadline: float | None) -> tuple[int, list[int]]:
-        with self.cond:
+        waits.acquire(self.cond)  # (the data plane's loop takes only a free lock)
+        try:
             step = self.wait_for_step(min_step, deadline)
             return step, self.steps.pushed_workers()
+        finally:
+            self.cond.release()
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, Slots, int, dict[str, np.ndarray]]:
         """A consistent copy (ids, values, slots, step, dynamic state) of the applied steps

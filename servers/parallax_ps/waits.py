@@ -3,8 +3,9 @@
 On that thread (inside `not_here()`), a handler that would block instead raises `WouldWait`
 before it has changed anything, and the loop decides: a pull waiting for its step is parked
 under `shard` until the shard changes or `deadline` (time.monotonic()) passes; a request
-waiting for memory (--memory-mb) moves to a thread of its own. Every other thread (gRPC's
-pools, the loop's hand-off threads) waits as before.
+waiting for memory (--memory-mb) or for a shard's lock held by another thread (a save's
+snapshot, a restore, a push over gRPC) moves to a thread of its own. Every other thread
+(gRPC's pools, the loop's hand-off threads) waits as before.
 """
 from __future__ import annotations
 
@@ -38,3 +39,11 @@ def check(shard=None, deadline: float | None = None) -> None:
     """Raise `WouldWait` if this thread may not block; the caller is about to."""
     if getattr(_local, "refused", False):
         raise WouldWait(shard, deadline)
+
+
+def acquire(lock) -> None:
+    """Take `lock`; where this thread may not block, only if it is free (else WouldWait)."""
+    if not getattr(_local, "refused", False):
+        lock.acquire()
+    elif not lock.acquire(blocking=False):
+        raise WouldWait()

@@ -1,8 +1,10 @@
 """The data plane's event loop (servers/parallax_ps/dataloop.py), against a real server in this
 process: one thread serves every greeted connection, whatever their number; a sync pull
 waiting for its step is parked, and answered when its step is applied by a push on the data
-plane or over gRPC; a slow sender or a client that leaves while its pull is parked holds
-nothing up; many workers at once get what they would over gRPC.
+plane or over gRPC, at its deadline (before the client's, with the reason, its wait in the
+stats) or when its table is deleted; a slow sender, a client pipelining frames, a shard lock
+held by another thread or a client that leaves while its pull is parked holds nothing up;
+many workers at once get what they would over gRPC.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from parallax.client import ClientOptions, PSClient
 from parallax.client.dataplane import DataPlaneClient
 from parallax.client.many import pull_many, push_many
+from parallax.errors import ServerError
 from parallax.protocol import dataplane, packed_codec
 from parallax.protocol.specs import SGD, TableSpec
 
@@ -163,3 +166,74 @@ def test_many_workers_at_once_get_what_grpc_gives(server):
     over_grpc = _train_workers(server.address, ClientOptions(data_plane=False), 6, 8,
                                "many_grpc")
     np.testing.assert_array_equal(plane, over_grpc)
+
+
+def test_a_shard_lock_held_elsewhere_holds_up_no_other_table(server):
+    """A save's snapshot, a restore or a push over gRPC holds a shard's lock: a data-plane
+    request for that shard goes to a thread, and the loop serves the other tables."""
+    with PSClient([server.address], ClientOptions(timeout=10.0, retries=0)) as client:
+        busy, other = (client.create_table(_spec(name, 1)) for name in ("busy", "other"))
+        pull_many([busy, other], [np.arange(3)] * 2, [0, 0])
+        lock = server.service.shard("busy", 0).cond
+        with lock:
+            waiting, out = _in_thread(lambda: pull_many([busy], [np.arange(3)], [0]))
+            time.sleep(0.2)  # (its request is with the lock's waiters)
+            started = time.monotonic()
+            pull_many([other], [np.arange(3)], [0])
+            assert time.monotonic() - started < 0.5
+            time.sleep(0.3)
+            assert "at" not in out
+        waiting.join(10)
+        assert out["value"][0].shape == (3, DIM)
+
+
+def test_a_client_that_pipelines_frames_takes_its_turn(server):
+    with PSClient([server.address], ClientOptions(timeout=30.0, retries=0)) as client:
+        table = client.create_table(_spec("pipelined", 1))
+        pull_many([table], [np.arange(3)], [0])
+        body = packed_codec.encode_pull_many(["pipelined"], [0], [0], [np.arange(3)])
+        frame = dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.CODES["PullManyPacked"], 0.0,
+                                       len(body)) + body
+        count, sock = 5000, _greeted(server.data_plane.port)
+
+        def read_all() -> None:
+            for _ in range(count):
+                _, length = dataplane.read_header(sock, dataplane.RESPONSE)
+                dataplane.recv_exact(sock, length)
+        reader, out = _in_thread(read_all)
+        writer, _ = _in_thread(lambda: sock.sendall(frame * count))
+        try:
+            time.sleep(0.2)
+            started = time.monotonic()
+            pull_many([table], [np.arange(3)], [0])
+            took = time.monotonic() - started
+            reader.join(60)
+            assert "error" not in out, out.get("error")
+            assert took < 0.5 * (out["at"] - started), (took, out["at"] - started)
+        finally:
+            sock.close()
+
+
+def test_a_parked_pull_times_out_before_its_client_with_the_reason(server):
+    with PSClient([server.address], ClientOptions(timeout=3.0, retries=0)) as client:
+        table = client.create_table(_spec("late", 2))
+        pull_many([table], [np.arange(3)], [0])
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="DEADLINE_EXCEEDED.*still at step 0, waiting "
+                                              "for 1.*worker.*have not pushed step 0"):
+            pull_many([table], [np.arange(3)], [1])
+        assert time.monotonic() - started < 2.9  # the server's answer, before the client's own
+        pulls = [m for m in list(client.stats().values())[0].methods
+                 if m.method == "PullMany"]
+        assert pulls[0].errors == 1 and pulls[0].max_seconds > 2.5  # its wait counted
+
+
+def test_a_table_deleted_under_a_parked_pull_fails_it_unavailable(server):
+    with PSClient([server.address], ClientOptions(timeout=20.0, retries=0)) as client:
+        table = client.create_table(_spec("gone", 2))
+        waiting, out = _in_thread(lambda: pull_many([table], [np.arange(3)], [1]))
+        time.sleep(0.5)
+        client.delete_table(table)
+        client.create_table(_spec("gone", 2))  # (a new table of the name is not the one)
+        waiting.join(10)
+        assert "UNAVAILABLE" in str(out.get("error")) and "deleted" in str(out["error"])
