@@ -66,6 +66,7 @@ class Connection:
         self.since = time.monotonic()  # the last progress (idle and stall timeouts)
         self.events = 0  # what the selector watches for (0: not registered)
         self.parked = 0  # the token of its timer while parked (0: not parked)
+        self.parked_on = None  # the shard it is parked under
         self.counted = False  # counted as a request in flight
 
 
@@ -284,7 +285,7 @@ class DataLoop:
     # ---- parked pulls -------------------------------------------------------------------
     def _park(self, conn: Connection, shard, deadline: float | None) -> None:
         self._watch(conn, 0)
-        conn.parked = next(self._tokens)
+        conn.parked, conn.parked_on = next(self._tokens), shard
         self._parked.setdefault(shard, []).append(conn)
         if deadline is not None:
             heapq.heappush(self._timers, (deadline, conn.parked, conn.number))
@@ -303,8 +304,14 @@ class DataLoop:
             for conn in self._parked.pop(self._changed.popleft(), ()):
                 self._unpark(conn)
 
+    def _unlist(self, conn: Connection) -> None:
+        """Take a parked connection off its shard's list (if it is still on it)."""
+        conns = self._parked.get(conn.parked_on)
+        if conns and conn in conns:
+            conns.remove(conn)
+
     def _unpark(self, conn: Connection) -> None:
-        conn.parked = 0
+        conn.parked, conn.parked_on = 0, None
         self._guarded(conn, self._attempt)
         if conn.tls and conn.events == selectors.EVENT_READ:
             self._guarded(conn, self._read)  # (TLS may hold the next frame already)
@@ -316,10 +323,7 @@ class DataLoop:
             conn = self._parked_by(number, token)
             if conn is None:
                 continue  # answered, closed, or parked again since
-            for conns in self._parked.values():
-                if conn in conns:
-                    conns.remove(conn)
-                    break
+            self._unlist(conn)
             conn.context.expire()  # (a re-run must not wait on, nor park again)
             self._unpark(conn)
 
@@ -359,8 +363,9 @@ class DataLoop:
         return True
 
     def _done(self, conn: Connection) -> None:
-        """The request is over: its memory and its count given back."""
-        conn.request, conn.out = None, []
+        """The request is over: its memory and its count given back (and its context: the
+        shards it found, which a table deleted since must not stay alive by)."""
+        conn.request, conn.out, conn.context = None, [], None
         if conn.scope is not None:
             conn.scope.close()
             conn.scope = None
@@ -408,10 +413,8 @@ class DataLoop:
         if conn.events:
             self._watch(conn, 0)
         if conn.parked:
-            conn.parked = 0
-            for conns in self._parked.values():
-                if conn in conns:
-                    conns.remove(conn)
+            self._unlist(conn)
+            conn.parked, conn.parked_on = 0, None
         self._done(conn)
         conn.head, conn.body, conn.context = bytearray(), None, None
         self._conns.pop(conn.number, None)

@@ -73,13 +73,16 @@ class _Context:
         self.deadline = self._deadline
         self.started: float | None = None
         self.shards = None
+        self.wait_until: float | None = None  # its waits' deadline, set by the first one
 
     def time_remaining(self) -> float:
         return max(0.0, self._deadline - time.monotonic())
 
     def expire(self) -> None:
         """Its wait is over: the handler answers with its explanation now."""
-        self._deadline = min(self._deadline, time.monotonic())
+        now = time.monotonic()
+        self._deadline = min(self._deadline, now)
+        self.wait_until = min(self.wait_until or now, now)
 
     def abort(self, code: grpc.StatusCode, message: str):
         raise _Refused(code, message)

@@ -48,11 +48,18 @@ NO_DEADLINE_S = 10.0 ** 9  # gRPC's time_remaining() of a call without a deadlin
 def _deadline(context: grpc.ServicerContext) -> float | None:
     """When a waiting request gives up: a little before the caller's own deadline, so the
     caller gets the server's explanation (who has not pushed) rather than a bare timeout;
-    None for a call without one (gRPC says ~9.2e18 s, which no wait accepts)."""
+    None for a call without one (gRPC says ~9.2e18 s, which no wait accepts). A data-plane
+    request parked and run again keeps the deadline of its first attempt (`wait_until`)."""
+    known = getattr(context, "wait_until", None)
+    if known is not None:
+        return known
     remaining = context.time_remaining()
     if remaining is None or remaining > NO_DEADLINE_S:
         return None
-    return time.monotonic() + remaining - min(0.25, 0.1 * remaining)
+    until = time.monotonic() + remaining - min(0.25, 0.1 * remaining)
+    if hasattr(context, "wait_until"):
+        context.wait_until = until
+    return until
 
 
 def _status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:

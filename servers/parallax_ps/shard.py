@@ -134,12 +134,12 @@ class TableShard:
     def watch(self, callback: Callable[["TableShard"], None]) -> bool:
         """Call `callback(self)` (with `cond` held: it must not block) whenever what a waiting
         pull waits for changes: a step applied, a restore, the shard closing. True when newly
-        added (a change just before it was not seen)."""
-        with self.cond:
-            if callback in self._watchers:
-                return False
-            self._watchers.append(callback)
-            return True
+        added (a change just before it may not have been seen). Takes no lock (the data
+        plane's loop must not wait for one); one thread at a time may call it."""
+        if callback in self._watchers:
+            return False
+        self._watchers.append(callback)  # (a change being announced sees it or not)
+        return True
 
     def _changed(self) -> None:
         """Wake whoever waits on this shard (the caller holds `cond`)."""

@@ -41,9 +41,15 @@ def check(shard=None, deadline: float | None = None) -> None:
         raise WouldWait(shard, deadline)
 
 
+LOCK_WAIT_S = 0.002  # the longest the loop waits for a shard's lock before handing off: the
+#                      holder is often about to let go (a push that closed the step wakes
+#                      the loop while it still holds the lock)
+
+
 def acquire(lock) -> None:
-    """Take `lock`; where this thread may not block, only if it is free (else WouldWait)."""
+    """Take `lock`; where this thread may not block, only within LOCK_WAIT_S (else
+    WouldWait: a save's snapshot or a restore may hold it for seconds)."""
     if not getattr(_local, "refused", False):
         lock.acquire()
-    elif not lock.acquire(blocking=False):
+    elif not lock.acquire(timeout=LOCK_WAIT_S):
         raise WouldWait()

@@ -4,7 +4,8 @@ waiting for its step is parked, and answered when its step is applied by a push 
 plane or over gRPC, at its deadline (before the client's, with the reason, its wait in the
 stats) or when its table is deleted; a slow sender, a client pipelining frames, a shard lock
 held by another thread or a client that leaves while its pull is parked holds nothing up;
-many workers at once get what they would over gRPC.
+many workers at once get what they would over gRPC; a deleted table is not kept alive by
+the connections that read it.
 """
 from __future__ import annotations
 
@@ -237,3 +238,20 @@ def test_a_table_deleted_under_a_parked_pull_fails_it_unavailable(server):
         client.create_table(_spec("gone", 2))  # (a new table of the name is not the one)
         waiting.join(10)
         assert "UNAVAILABLE" in str(out.get("error")) and "deleted" in str(out["error"])
+
+
+def test_a_deleted_table_is_not_kept_alive_by_the_connections_that_read_it(server):
+    """What a request found (its shards) goes with the request: a connection idle after
+    reading a table does not keep the table's rows in memory once it is deleted (the
+    memory budget has given them back already)."""
+    import gc
+    import weakref
+    with PSClient([server.address]) as client:
+        table = client.create_table(_spec("dropped", 1))
+        pull_many([table], [np.arange(VOCAB)], [0])
+        push_many([table], [np.arange(4)], [np.ones((4, DIM), np.float32)], [0], 0, [0.0])
+        shard = weakref.ref(server.service.shard("dropped", 0))
+        client.delete_table(table)
+        gc.collect()
+        assert shard() is None, gc.get_referrers(shard())
+        assert client.servers[0].data_plane is not None  # (its connections are still open)
