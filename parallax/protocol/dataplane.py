@@ -72,29 +72,38 @@ def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) ->
     return buffer
 
 
+def response_header(code: int, body) -> bytes:
+    """The header of an answer frame carrying `body` with status `code` (0: OK)."""
+    return RESPONSE.pack(MAGIC, code, len(body))
+
+
+def frame_pieces(tls: bool, header: bytes, body) -> list[memoryview]:
+    """A frame as the pieces to send: header and body apart, for one gathering `sendmsg`
+    (one system call, no copy of the body, no segment of a header alone); on TLS, which has
+    no sendmsg, a small frame in one piece (one record and segment, no Nagle wait)."""
+    if tls and len(body) < SMALL_BODY:
+        return [memoryview(header + bytes(body))]
+    return [memoryview(header), memoryview(body).cast("B")]
+
+
 def send_frame(sock: socket.socket, header: bytes, body) -> None:
-    """Header and body in one gathering send (`sendmsg`: one system call, no copy of the
-    body, no segment of a header alone); a TLS socket, which has no sendmsg, sends small
-    ones in one piece (one segment, no Nagle wait)."""
-    if isinstance(sock, ssl.SSLSocket):
-        if len(body) < SMALL_BODY:
-            sock.sendall(header + bytes(body))
-        else:
-            sock.sendall(header)
-            sock.sendall(body)
+    """Header and body, sent whole (`frame_pieces`)."""
+    tls = isinstance(sock, ssl.SSLSocket)
+    pieces = frame_pieces(tls, header, body)
+    if tls:
+        for piece in pieces:
+            sock.sendall(piece)
         return
-    _send_all(sock, [memoryview(header), memoryview(body).cast("B")])
-
-
-def _send_all(sock: socket.socket, pieces: list[memoryview]) -> None:
-    """Every byte of `pieces`, in order, with as few `sendmsg` calls as the socket takes."""
     while pieces:
-        sent = sock.sendmsg(pieces)
-        while pieces and sent >= len(pieces[0]):
-            sent -= len(pieces[0])
-            pieces.pop(0)
-        if pieces and sent:
-            pieces[0] = pieces[0][sent:]
+        consume(pieces, sock.sendmsg(pieces))
+
+
+def consume(pieces: list[memoryview], sent: int) -> None:
+    """Drop the first `sent` bytes of `pieces` (what a send took), in place."""
+    while pieces and sent >= len(pieces[0]):
+        sent -= len(pieces.pop(0))
+    if pieces and sent:
+        pieces[0] = pieces[0][sent:]
 
 
 def read_header(sock: socket.socket, layout: struct.Struct,

@@ -243,12 +243,11 @@ class DataLoop:
                 return False  # (closed once the client has finished sending)
             self._hand_off(conn, refuse)
             return
-        conn.context = plane.context(conn.deadline_s)
         large = LARGE_PUSH_BYTES if conn.name.startswith("Push") else LARGE_PULL_BYTES
         if conn.length >= large:  # (its work runs beside the loop's)
-            self._hand_off(conn, lambda: plane.answer_frame(
-                conn.sock, conn.name, conn.length, conn.deadline_s))
+            self._frame_on_thread(conn)
             return
+        conn.context = plane.context(conn.deadline_s)
         scope = inflight.Scope(plane.service.budget)
         try:
             with inflight.using(scope), waits.not_here(), \
@@ -256,10 +255,14 @@ class DataLoop:
                 pass
         except (waits.WouldWait, RequestError):  # waits for room, or is refused: a thread
             scope.close()                      # serves it as before (reading past a refused
-            self._hand_off(conn, lambda: plane.answer_frame(  # body: the connection stays)
-                conn.sock, conn.name, conn.length, conn.deadline_s))
+            self._frame_on_thread(conn)        # body: the connection stays)
             return
         conn.scope, conn.body = scope, bytearray()
+
+    def _frame_on_thread(self, conn: Connection) -> None:
+        """Serve the frame whose header has come on a thread, from its admission on."""
+        self._hand_off(conn, lambda: self.plane.answer_frame(conn.sock, conn.name, conn.length,
+                                                             conn.deadline_s))
 
     def _handle(self, conn: Connection) -> None:
         conn.request = self.plane.decode(conn.name, bytes(conn.body))
@@ -330,11 +333,7 @@ class DataLoop:
     # ---- answers ------------------------------------------------------------------------
     def _answer(self, conn: Connection, code: int, body: bytes) -> None:
         conn.request = None
-        header = dataplane.RESPONSE.pack(dataplane.MAGIC, code, len(body))
-        if conn.tls and len(body) < dataplane.SMALL_BODY:
-            conn.out = [memoryview(header + bytes(body))]  # (one TLS record)
-        else:
-            conn.out = [memoryview(header), memoryview(body).cast("B")]
+        conn.out = dataplane.frame_pieces(conn.tls, dataplane.response_header(code, body), body)
         conn.since = time.monotonic()
         self._write(conn)
 
@@ -353,10 +352,7 @@ class DataLoop:
                 self._watch(conn, selectors.EVENT_WRITE)
                 return False
             conn.since = time.monotonic()
-            while out and sent >= len(out[0]):
-                sent -= len(out.pop(0))
-            if out and sent:
-                out[0] = out[0][sent:]
+            dataplane.consume(out, sent)
         self._done(conn)
         conn.head = bytearray()
         self._watch(conn, selectors.EVENT_READ)
@@ -397,7 +393,6 @@ class DataLoop:
         try:
             threading.Thread(target=run, name="ps-data", daemon=True).start()
         except RuntimeError:  # no thread to be had: this connection goes
-            self._done(conn)
             self._close(conn)
 
     def _finish_blocking(self, conn: Connection) -> bool:
@@ -405,8 +400,7 @@ class DataLoop:
         with inflight.using(conn.scope):
             code, body = self.plane.handle(conn.name, conn.request, conn.context)
         conn.request = None
-        dataplane.send_frame(conn.sock, dataplane.RESPONSE.pack(dataplane.MAGIC, code,
-                                                                len(body)), body)
+        dataplane.send_frame(conn.sock, dataplane.response_header(code, body), body)
         return True
 
     def _close(self, conn: Connection) -> None:
@@ -416,7 +410,7 @@ class DataLoop:
             self._unlist(conn)
             conn.parked, conn.parked_on = 0, None
         self._done(conn)
-        conn.head, conn.body, conn.context = bytearray(), None, None
+        conn.head, conn.body = bytearray(), None
         self._conns.pop(conn.number, None)
         self.plane.forget(conn.number, conn.sock)
 

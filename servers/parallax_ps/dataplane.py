@@ -14,9 +14,10 @@ between accept and an accepted hello (more are closed at once, with no thread), 
 towards `max_connections`. A body is read as it arrives (memory grows with the bytes sent,
 not with the length a header declares), and a frame or answer that stalls for
 `FRAME_TIMEOUT_S` drops its connection; a connection idle for `IDLE_TIMEOUT_S` is closed
-(clients drop their idle connections before that). A request that must wait for memory
-(--memory-mb) is served on a thread of its own, with blocking reads and writes. Stopping closes the listener at once and
-the connections once the requests in flight are answered or the grace period is over.
+(clients drop their idle connections before that). A request the loop must not wait for
+(memory under --memory-mb, a busy shard lock, a large body) is served on a thread of its
+own, with blocking reads and writes. Stopping closes the listener at once and the
+connections once the requests in flight are answered or the grace period is over.
 """
 from __future__ import annotations
 
@@ -80,21 +81,15 @@ class _Context:
 
     def expire(self) -> None:
         """Its wait is over: the handler answers with its explanation now."""
-        now = time.monotonic()
-        self._deadline = min(self._deadline, now)
-        self.wait_until = min(self.wait_until or now, now)
+        self._deadline = self.wait_until = min(self._deadline, time.monotonic())
 
     def abort(self, code: grpc.StatusCode, message: str):
         raise _Refused(code, message)
 
 
-def _response(code: int, body) -> bytes:
-    return dataplane.RESPONSE.pack(dataplane.MAGIC, code, len(body))
-
-
 def _refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
     body = message.encode()
-    sock.sendall(_response(code.value[0], body) + body)
+    sock.sendall(dataplane.response_header(code.value[0], body) + body)
 
 
 class DataPlaneServer:
@@ -163,8 +158,8 @@ class DataPlaneServer:
                 _close(sock)
                 continue
             try:
-                threading.Thread(target=self._serve, args=(number, sock), name="ps-data-hello",
-                             daemon=True).start()
+                threading.Thread(target=self._serve, args=(number, sock),
+                                 name="ps-data-hello", daemon=True).start()
             except RuntimeError:  # no thread to be had: drop this one, keep serving
                 self._forget(number, greeted=False)
                 _close(sock)
@@ -234,8 +229,8 @@ class DataPlaneServer:
                     f"client uses gRPC instead")
             return False
         try:
-            sock.sendall(_response(0, dataplane.SERVER_ID.pack(self.server_id)) +
-                         dataplane.SERVER_ID.pack(self.server_id))
+            server_id = dataplane.SERVER_ID.pack(self.server_id)
+            sock.sendall(dataplane.response_header(0, server_id) + server_id)
         except BaseException:
             self._count_greeted(-1)  # the caller forgets it as not greeted
             raise
@@ -283,7 +278,7 @@ class DataPlaneServer:
             try:
                 code, body = self.handle(name, request, context)
                 del request  # (its bytes go before the memory they held is given back)
-                dataplane.send_frame(sock, _response(code, body), body)
+                dataplane.send_frame(sock, dataplane.response_header(code, body), body)
                 del body
             finally:
                 self.count_in_flight(-1)

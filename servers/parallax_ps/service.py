@@ -139,8 +139,6 @@ def _rpc(method: str):
                     if not hasattr(request, "__next__"):
                         table = getattr(request, "table", "")
                     response, table, rows, nbytes = fn(self, request, context)
-            except waits.WouldWait:  # (the data plane's loop parks it, or hands it on)
-                raise
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 error = _status_of(method, exc)
             else:
