@@ -72,13 +72,10 @@ class Scope:
         is (until `deadline`), holding only `floor` (the received body) while it waits, so
         requests that hold part of what they need do not wait on each other's estimates."""
         nbytes = int(nbytes)
-        if nbytes <= self.held:
+        if self.try_ensure(nbytes, what):
             return
         if deadline is None:
             deadline = time.monotonic() + NO_DEADLINE_WAIT_S
-        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
-            self.held = nbytes
-            return
         waits.check()  # (the data plane's loop hands the request to a thread instead)
         keep = min(self.held, self.floor)
         self.budget.unhold(self.held - keep)
@@ -86,6 +83,17 @@ class Scope:
         if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
             self.budget.refuse_waited(nbytes, what)
         self.held = nbytes
+
+    def try_ensure(self, nbytes: int, what) -> bool:
+        """`ensure` without waiting: whether it holds `nbytes` in all now (nothing more held
+        when not; RESOURCE_EXHAUSTED when `nbytes` can never fit)."""
+        nbytes = int(nbytes)
+        if nbytes <= self.held:
+            return True
+        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
+            self.held = nbytes
+            return True
+        return False
 
     def close(self) -> None:
         held, self.held = self.held, 0
@@ -159,6 +167,12 @@ def ensure(nbytes: int, deadline: float | None, what) -> None:
     opened = current()
     if opened is not None:
         opened.ensure(nbytes, deadline, what)
+
+
+def try_ensure(nbytes: int, what) -> bool:
+    """`Scope.try_ensure` on this thread's scope (none outside a request: True)."""
+    opened = current()
+    return opened is None or opened.try_ensure(nbytes, what)
 
 
 def give_back_held() -> None:

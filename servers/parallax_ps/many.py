@@ -46,18 +46,28 @@ def _lock_order(shard: TableShard) -> tuple[str, int]:
     return shard.spec.name, shard.shard_index
 
 
-@contextlib.contextmanager
-def held(shards: Sequence[TableShard]) -> Iterator[None]:
-    """Hold the lock of every distinct shard, taken in (table, shard) order."""
-    ordered = sorted({id(s): s for s in shards}.values(), key=_lock_order)
-    taken = []
-    try:
-        for shard in ordered:
-            waits.acquire(shard.cond)  # (the data plane's loop takes only free locks)
-            taken.append(shard.cond)
-        yield
-    finally:
-        for cond in reversed(taken):
+class held:
+    """Hold the lock of every distinct shard, taken in (table, shard) order (a context
+    manager; a class, not a generator: a request takes it two or three times)."""
+
+    __slots__ = ("conds",)
+
+    def __init__(self, shards: Sequence[TableShard]) -> None:
+        ordered = shards if len(shards) == 1 else \
+            sorted({id(s): s for s in shards}.values(), key=_lock_order)
+        self.conds = [shard.cond for shard in ordered]
+
+    def __enter__(self) -> None:
+        for taken, cond in enumerate(self.conds):
+            try:
+                waits.acquire(cond)  # (the data plane's loop takes only free locks)
+            except BaseException:
+                for earlier in reversed(self.conds[:taken]):
+                    earlier.release()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        for cond in reversed(self.conds):
             cond.release()
 
 
@@ -154,9 +164,18 @@ def _check_capacity(shards: Sequence[TableShard], ids: Sequence[np.ndarray],
             nbytes[id(shard)] = nbytes.get(id(shard), 0) + size
     by_id = {id(s): s for s in shards}
     needs = [(by_id[key], *need) for key, parts in keys.items()
-             if (need := by_id[key].capacity_need(np.concatenate(parts), nbytes[key]))]
+             if (need := by_id[key].capacity_need(_keys_of(by_id[key], parts), nbytes[key]))]
     if needs:  # all together: each part fitting alone is not enough
         needs[0][0].budget.check_together(needs)
+
+
+def _keys_of(shard: TableShard, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The ids whose new keys `capacity_need` counts: a keyed shard's parts, together (a
+    fixed table's rows all exist: it reads none)."""
+    return np.concatenate(parts) if shard.spec.hashed_keys else _NO_IDS
+
+
+_NO_IDS = np.zeros(0, np.int64)
 
 
 def _grows_on_pull(shard: TableShard) -> bool:
@@ -262,16 +281,28 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
     _check_same_rate(shards, parts, [lr for _, lr, _ in checked])
     chunks = [chunk_total(part.chunk_count) for part in parts]
     with held(shards):  # the tables' own checks first (their refusal says more), then
-        _check_push_held(shards, parts, checked, chunks)  # the working memory (no lock)
-        need, what = push_need(shards, parts)
-    inflight.ensure(need, deadline, what)
-    with held(shards):
-        _check_push_held(shards, parts, checked, chunks)
-        with quiet_float_errors():
-            results = _apply_all(shards, parts, checked, chunks)
+        _check_push_held(shards, parts, checked, chunks)  # the working memory: at once
+        need, what = push_need(shards, parts)  # if there is room (the usual case), else
+        results = _apply_now(shards, parts, checked, chunks, need, what)  # after a wait
+    if results is None:  # without the locks, then every check again
+        inflight.ensure(need, deadline, what)
+        with held(shards):
+            _check_push_held(shards, parts, checked, chunks)
+            with quiet_float_errors():
+                results = _apply_all(shards, parts, checked, chunks)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
     return results, counts
 
+
+
+def _apply_now(shards, parts, checked, chunks, need: int, what
+               ) -> list[tuple[int, bool]] | None:
+    """`_apply_all` (locks held, checks passed) if the push's working memory is there
+    without waiting; None, having changed nothing, if it is not."""
+    if not inflight.try_ensure(need, what):
+        return None
+    with quiet_float_errors():
+        return _apply_all(shards, parts, checked, chunks)
 
 
 def _apply_all(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush],
