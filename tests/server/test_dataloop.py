@@ -122,6 +122,7 @@ def test_a_client_that_leaves_while_its_pull_is_parked_costs_nothing(server):
                                                  [np.arange(3), np.arange(3)])
             for _ in range(6):  # each parks, and its connection is closed
                 plane.send("PullMany", body, 30.0).close()
+                _until(lambda: server.data_plane._greeted < 3)  # (the loop saw it close)
         finally:
             plane.close()
         time.sleep(0.5)
@@ -132,6 +133,14 @@ def test_a_client_that_leaves_while_its_pull_is_parked_costs_nothing(server):
         assert server.service.budget._held == 0
         rows = pull_many([table], [np.arange(6)], [1])[0]
         np.testing.assert_allclose(rows, pull_many([table], [np.arange(6)], [0])[0])
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for `condition()` (what the server's loop does next is not synchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def _train_workers(address: str, options: ClientOptions, workers: int, steps: int,
