@@ -284,12 +284,12 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
         _check_push_held(shards, parts, checked, chunks)  # the working memory: at once
         need, what = push_need(shards, parts)  # if there is room (the usual case), else
         results = _apply_now(shards, parts, checked, chunks, need, what)  # after a wait
-    if results is None:  # without the locks, then every check again
-        inflight.ensure(need, deadline, what)
-        with held(shards):
+    while results is None:  # waited for without the locks, then every check again, and
+        inflight.ensure(need, deadline, what)  # its need: pushes that came meanwhile may
+        with held(shards):                     # make it the one closing a step
             _check_push_held(shards, parts, checked, chunks)
-            with quiet_float_errors():
-                results = _apply_all(shards, parts, checked, chunks)
+            need, what = push_need(shards, parts)
+            results = _apply_now(shards, parts, checked, chunks, need, what)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
     return results, counts
 
