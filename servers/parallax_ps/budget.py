@@ -49,6 +49,7 @@ class MemoryBudget:
         self._claims: dict[object, int] = {}
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
+        self._waiting: dict[object, tuple[int, int]] = {}  # waiter: (bytes it holds, needs)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
 
@@ -118,16 +119,43 @@ class MemoryBudget:
         when `own + nbytes` cannot fit beside the tables."""
         if not self.limit or nbytes <= 0:
             return True
+        me = object()
         with self._room:
-            while self.baseline + self._total + self._held + nbytes > self.limit:
-                if self.baseline + self._total + own + nbytes > self.limit:
-                    self._refuse_request(own + nbytes, what, waited=False)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
-            self._held += nbytes
-            return True
+            try:
+                while self.baseline + self._total + self._held + nbytes > self.limit:
+                    if self.baseline + self._total + own + nbytes > self.limit:
+                        self._refuse_request(own + nbytes, what, waited=False)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:  # (also a try without waiting: `Scope.try_ensure`)
+                        return False
+                    self._waiting[me] = (own, nbytes)
+                    if self._stalled():
+                        self._refuse_stalled(own + nbytes, what)
+                    self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
+                self._held += nbytes
+                return True
+            finally:
+                self._waiting.pop(me, None)
+
+    def _stalled(self) -> bool:
+        """Whether the requests waiting for room wait on each other alone (the lock held):
+        all that is held is theirs (the bodies they keep while they wait), so nothing will
+        be given back, and none of them fits in what is left. Without this, requests that
+        each hold a body could fill the room between them and wait until their deadlines."""
+        if self._held > sum(own for own, _ in self._waiting.values()):
+            return False  # a request at work holds the rest: it will give it back
+        free = self.limit - self.baseline - self._total - self._held
+        return all(need > free for _, need in self._waiting.values())
+
+    def _refuse_stalled(self, nbytes: int, what: What) -> None:
+        what = what() if callable(what) else what
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what} needs {_mib(nbytes)} of working memory, but this server may use "
+            f"{_mib(self.limit)} (--memory-mb) and the {len(self._waiting)} requests waiting "
+            f"for room hold {_mib(self._held)} between them, where none of them fits: this "
+            f"one gives its room up; send smaller requests (ClientOptions.chunk_mb), fewer "
+            f"at once, or raise --memory-mb")
 
     def refuse_waited(self, nbytes: int, what: What) -> None:
         """RESOURCE_EXHAUSTED: a request that needs `nbytes` found no room by its deadline."""
