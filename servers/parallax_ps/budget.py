@@ -130,7 +130,7 @@ class MemoryBudget:
                         return False
                     self._waiting[me] = (own, nbytes)
                     if self._stalled():
-                        self._refuse_stalled(own + nbytes, what)
+                        self._refuse_request(own + nbytes, what, waited=False, stalled=True)
                     self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
                 self._held += nbytes
                 return True
@@ -147,16 +147,6 @@ class MemoryBudget:
         free = self.limit - self.baseline - self._total - self._held
         return all(need > free for _, need in self._waiting.values())
 
-    def _refuse_stalled(self, nbytes: int, what: What) -> None:
-        what = what() if callable(what) else what
-        raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{what} needs {_mib(nbytes)} of working memory, but this server may use "
-            f"{_mib(self.limit)} (--memory-mb) and the {len(self._waiting)} requests waiting "
-            f"for room hold {_mib(self._held)} between them, where none of them fits: this "
-            f"one gives its room up; send smaller requests (ClientOptions.chunk_mb), fewer "
-            f"at once, or raise --memory-mb")
-
     def refuse_waited(self, nbytes: int, what: What) -> None:
         """RESOURCE_EXHAUSTED: a request that needs `nbytes` found no room by its deadline."""
         with self._lock:
@@ -169,10 +159,14 @@ class MemoryBudget:
             self._held -= nbytes
             self._room.notify_all()
 
-    def _refuse_request(self, nbytes: int, what: What, waited: bool) -> None:
+    def _refuse_request(self, nbytes: int, what: What, waited: bool,
+                        stalled: bool = False) -> None:
         what = what() if callable(what) else what
         room = max(self.limit - self.baseline - self._total, 0)
-        why = (f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
+        why = (f"the {len(self._waiting)} requests waiting for room hold {_mib(self._held)} "
+               f"of the {_mib(room)} left for requests between them, where none of them "
+               f"fits: this one gives its room up" if stalled else
+               f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
                f"for requests until its deadline" if waited else
                f"its baseline (interpreter, numpy, gRPC) takes {_mib(self.baseline)} and the "
                f"tables hold {_mib(self._total)}, leaving {_mib(room)} for requests")
