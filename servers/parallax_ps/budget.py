@@ -49,7 +49,6 @@ class MemoryBudget:
         self._claims: dict[object, int] = {}
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
-        self._waiting: dict[object, tuple[int, int]] = {}  # waiter: (bytes it holds, needs)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
 
@@ -119,33 +118,16 @@ class MemoryBudget:
         when `own + nbytes` cannot fit beside the tables."""
         if not self.limit or nbytes <= 0:
             return True
-        me = object()
         with self._room:
-            try:
-                while self.baseline + self._total + self._held + nbytes > self.limit:
-                    if self.baseline + self._total + own + nbytes > self.limit:
-                        self._refuse_request(own + nbytes, what, waited=False)
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:  # (also a try without waiting: `Scope.try_ensure`)
-                        return False
-                    self._waiting[me] = (own, nbytes)
-                    if self._stalled():
-                        self._refuse_request(own + nbytes, what, waited=False, stalled=True)
-                    self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
-                self._held += nbytes
-                return True
-            finally:
-                self._waiting.pop(me, None)
-
-    def _stalled(self) -> bool:
-        """Whether the requests waiting for room wait on each other alone (the lock held):
-        all that is held is theirs (the bodies they keep while they wait), so nothing will
-        be given back, and none of them fits in what is left. Without this, requests that
-        each hold a body could fill the room between them and wait until their deadlines."""
-        if self._held > sum(own for own, _ in self._waiting.values()):
-            return False  # a request at work holds the rest: it will give it back
-        free = self.limit - self.baseline - self._total - self._held
-        return all(need > free for _, need in self._waiting.values())
+            while self.baseline + self._total + self._held + nbytes > self.limit:
+                if self.baseline + self._total + own + nbytes > self.limit:
+                    self._refuse_request(own + nbytes, what, waited=False)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._room.wait(min(remaining, MAX_WAIT_S))  # (a far deadline overflows)
+            self._held += nbytes
+            return True
 
     def refuse_waited(self, nbytes: int, what: What) -> None:
         """RESOURCE_EXHAUSTED: a request that needs `nbytes` found no room by its deadline."""
@@ -159,14 +141,10 @@ class MemoryBudget:
             self._held -= nbytes
             self._room.notify_all()
 
-    def _refuse_request(self, nbytes: int, what: What, waited: bool,
-                        stalled: bool = False) -> None:
+    def _refuse_request(self, nbytes: int, what: What, waited: bool) -> None:
         what = what() if callable(what) else what
         room = max(self.limit - self.baseline - self._total, 0)
-        why = (f"the {len(self._waiting)} requests waiting for room hold {_mib(self._held)} "
-               f"of the {_mib(room)} left for requests between them, where none of them "
-               f"fits: this one gives its room up" if stalled else
-               f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
+        why = (f"the requests in flight held {_mib(self._held)} of the {_mib(room)} left "
                f"for requests until its deadline" if waited else
                f"its baseline (interpreter, numpy, gRPC) takes {_mib(self.baseline)} and the "
                f"tables hold {_mib(self._total)}, leaving {_mib(room)} for requests")
