@@ -2,8 +2,9 @@
 
 A comparison too large for one matrix (`scripts/compare.sh`: equal hardware at 2, 4 and 8
 workers, then dedicated servers, another link ratio, one worker and shared cores) runs as
-several `parallax bench` commands, each with its own --out. This concatenates their runs into OUT/results.json
-(every part's command and notes kept in `meta`) and renders the report there. Ratios in the
+several `parallax bench` commands, each with its own --out. This concatenates their runs
+into OUT/results.json (every part's command and notes kept in `meta`) and renders the
+report there. Ratios in the
 report compare systems within one workload, worker count and network setting, which always
 come from a single part, so systems are still measured side by side in alternating rounds.
 """

@@ -280,19 +280,16 @@ def push_many(shards: Sequence[TableShard], parts: Sequence[bulk_codec.BulkPush]
                for shard, part in zip(shards, parts)]
     _check_same_rate(shards, parts, [lr for _, lr, _ in checked])
     chunks = [chunk_total(part.chunk_count) for part in parts]
-    with held(shards):  # the tables' own checks first (their refusal says more), then
-        _check_push_held(shards, parts, checked, chunks)  # the working memory: at once
-        need, what = push_need(shards, parts)  # if there is room (the usual case), else
-        results = _apply_now(shards, parts, checked, chunks, need, what)  # after a wait
-    while results is None:  # waited for without the locks, then every check again, and
-        inflight.ensure(need, deadline, what)  # its need: pushes that came meanwhile may
-        with held(shards):                     # make it the one closing a step
-            _check_push_held(shards, parts, checked, chunks)
-            need, what = push_need(shards, parts)
-            results = _apply_now(shards, parts, checked, chunks, need, what)
+    while True:  # the tables' own checks first (their refusal says more), then the working
+        with held(shards):  # memory: at once if there is room (the usual case), else waited
+            _check_push_held(shards, parts, checked, chunks)  # for without the locks, and
+            need, what = push_need(shards, parts)  # every check and the need again (pushes
+            results = _apply_now(shards, parts, checked, chunks, need, what)  # that came
+        if results is not None:  # meanwhile may make it the one closing a step)
+            break
+        inflight.ensure(need, deadline, what)
     counts = _counts(shards, [len(p.grads) for p in parts], [p.grads.nbytes for p in parts])
     return results, counts
-
 
 
 def _apply_now(shards, parts, checked, chunks, need: int, what
