@@ -110,6 +110,11 @@ class MemoryBudget:
         flight."""
         return self.resident_baseline + self._total + self._held
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a request holding nothing could hold `nbytes` beside the tables (once the
+        other requests in flight have given theirs back)."""
+        return not self.limit or self.baseline + self._total + nbytes <= self.limit
+
     def hold(self, nbytes: int, deadline: float, what: What, own: int = 0) -> bool:
         """Take `nbytes` more of working memory for a request in flight that holds `own`
         already (give it back with `unhold`): at once when the tables and the requests in

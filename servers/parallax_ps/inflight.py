@@ -2,12 +2,13 @@
 from its size alone, before it is read, decoded or its answer allocated.
 
 A request runs in one `scope` (one per thread): the data plane opens it when a frame's
-header has told the body's length, and holds the body's estimate there before reading the
-body (`frame_need`); a gRPC handler opens it on entry (gRPC has read the body by then). In
-the handler, `ensure` raises what the scope holds to what the request needs, once its parts
-are known: a push's rows and their optimizer temporaries, a pull's answer (after any wait for
-its step, so a pull waiting for a step never holds the room a push needs to close it). The
-scope gives everything back when the request is answered.
+header has told the body's length, and holds the request's whole estimate there before
+reading the body (`Scope.admit`); a gRPC handler opens it on entry (gRPC has read the body
+by then). In the handler, `ensure` raises what the scope holds to what the request needs,
+once its parts are known: a push's rows and their optimizer temporaries, a pull's answer
+(after any wait for its step, during which it holds nothing, so a pull waiting for a step
+never holds the room a push needs to close it). The scope gives everything back when the
+request is answered.
 
 The factors were measured on the server process (VmHWM, numpy and compiled kernels): a push
 of B body bytes that it applied peaked at about 3.2 B above its tables (the received bytes,
@@ -44,6 +45,17 @@ def frame_need(method: str, body_bytes: int) -> int:
     (what a push applies, or a pull answers, is added by `ensure` once its parts are known)."""
     factor = RECEIVED_BYTES_PER_BODY_BYTE if method in _PUSHES else PULL_BYTES_PER_ID_BYTE
     return int(factor * body_bytes)
+
+
+def whole_need(method: str, body_bytes: int) -> int:
+    """What a request of `method` needs in all, as far as its body's size tells: a push's
+    received bytes and the optimizer's work on every one of them (`push_need` of a push
+    that applies its whole body: what an async push, or a sync push that buffers, needs at
+    most; one closing a sync step needs more for the step's other pushes). A pull's answer
+    depends on its tables: its ids' bytes."""
+    if method in _PUSHES:
+        return push_need(body_bytes, body_bytes)
+    return frame_need(method, body_bytes)
 
 
 def push_need(body_bytes: int, applied_bytes: int) -> int:
@@ -83,6 +95,20 @@ class Scope:
         if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
             self.budget.refuse_waited(nbytes, what)
         self.held = nbytes
+
+    def admit(self, method: str, body_bytes: int, deadline: float | None, what) -> None:
+        """Hold a data-plane frame's memory before its body is read: its whole need
+        (`whole_need`), waited for holding nothing, so a request holds the body's room only
+        once it is let in whole; its least (`frame_need`) where the whole can never fit
+        beside the tables (a sync push that buffers may still go on with that). Requests
+        that each hold a body while waiting for the rest could hold, together, the room
+        every one of them waits for (four pushes of 4 MiB under --memory-mb 28 waited out
+        their deadlines); whole admission leaves only a push closing a sync step, which
+        needs the step's buffered gradients too, to wait while holding its body."""
+        whole = whole_need(method, body_bytes)
+        self.ensure(whole if self.budget.fits(whole) else frame_need(method, body_bytes),
+                    deadline, what)
+        self.floor = body_bytes
 
     def try_ensure(self, nbytes: int, what) -> bool:
         """`ensure` without waiting: whether it holds `nbytes` in all now (nothing more held
@@ -177,7 +203,8 @@ def try_ensure(nbytes: int, what) -> bool:
 
 def give_back_held() -> None:
     """Give back what this thread's request holds, its scope staying open (a request whose
-    next hold comes after a wait it must not hold room through)."""
+    next hold comes after a wait it must not hold room through: a pull about to wait for
+    its step, which the push closing that step may need the room of)."""
     opened = current()
     if opened is not None and opened.held:
         held, opened.held = opened.held, 0

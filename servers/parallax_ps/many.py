@@ -201,6 +201,7 @@ def pull_many(shards: Sequence[TableShard], request, deadline: float | None,
     check_answer_size("PullMany", shards, ids, max_message_bytes)
     for shard, part in zip(shards, parts):  # one at a time, no lock held across waits
         if part.min_step > shard.steps.step:  # (checked again below, with the locks held)
+            inflight.give_back_held()  # (the push closing the step may need the room)
             shard.wait_step(part.min_step, deadline)
     grows = any(_grows_on_pull(shard) for shard in shards)
     if grows:

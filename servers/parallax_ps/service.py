@@ -250,12 +250,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     @contextlib.contextmanager
     def admitted(self, method: str, body_bytes: int, deadline: float):
         """The request scope of a data-plane frame whose body (`body_bytes`, not read yet)
-        is held against --memory-mb first (`inflight.frame_need`): waits for room until
+        is held against --memory-mb first (`inflight.Scope.admit`): waits for room until
         `deadline`, or raises RequestError RESOURCE_EXHAUSTED."""
         with inflight.scope(self.budget) as scope:
-            scope.ensure(inflight.frame_need(method, body_bytes), deadline,
-                         f"{method} of {body_bytes} bytes")
-            scope.floor = body_bytes
+            scope.admit(method, body_bytes, deadline, f"{method} of {body_bytes} bytes")
             yield scope
 
     # ---- tables ----------------------------------------------------------------------------
@@ -360,6 +358,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         many.check_answer_size("Pull", [shard], [ids], self.max_message_bytes)
         deadline = _deadline(context)
         if request.min_step > shard.steps.step:  # wait before holding the answer's memory
+            inflight.give_back_held()
             shard.wait_step(request.min_step, deadline)
         if shard.spec.hashed_keys and shard.vocab is None:
             with shard.cond:  # the table's own limit first: its refusal says more

@@ -1,0 +1,139 @@
+"""A data-plane frame's admission against `--memory-mb` (servers/parallax_ps/inflight.py
+`Scope.admit`): a request is let in with its whole need from its body's size, waiting for it
+holding nothing, so requests never hold the room of the bodies they received while each
+waits for the rest; a pull waiting for its step holds nothing (as over gRPC), so the push
+that closes the step never waits for the room of the pulls waiting for it.
+
+Before this, a data-plane push was let in with its body's room alone and waited for the
+optimizer's room holding its body: four concurrent async pushers under --memory-mb 28 held
+10 MiB of bodies between them, none fitting, and every push waited out its deadline (60 s).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.client.many import push_many
+from parallax.errors import ServerError
+from parallax.protocol.packed_codec import PackedPullMany, PullPart
+from parallax.protocol.specs import Adagrad, TableSpec
+from parallax_ps import inflight, many
+from parallax_ps.budget import MemoryBudget
+from parallax_ps.server import RunningServer, ServerConfig
+from parallax_ps.shard import TableShard
+
+MIB = 1 << 20
+
+
+def test_a_push_is_let_in_with_its_whole_need():
+    budget = MemoryBudget(100 * MIB)
+    scope = inflight.Scope(budget)
+    scope.admit("PushManyPacked", 10 * MIB, None, "a push")
+    assert scope.held == inflight.push_need(10 * MIB, 10 * MIB) == 40 * MIB
+    assert budget.held == 40 * MIB and scope.floor == 10 * MIB
+    scope.close()
+    assert budget.held == 0
+
+
+def test_a_push_whose_whole_need_never_fits_is_let_in_with_its_body():
+    """A sync push that only buffers its rows needs little beyond its body: it is not
+    refused for the optimizer's room it would need only if it applied every row."""
+    budget = MemoryBudget(100 * MIB)
+    scope = inflight.Scope(budget)
+    scope.admit("PushManyPacked", 30 * MIB, None, "a push")  # whole: 120 MiB
+    assert scope.held == inflight.frame_need("PushManyPacked", 30 * MIB) == 60 * MIB
+    scope.close()
+
+
+def test_a_frame_waits_for_its_whole_need_holding_nothing():
+    budget = MemoryBudget(100 * MIB)
+    assert budget.hold(70 * MIB, time.monotonic(), "another request")
+    scope = inflight.Scope(budget)
+    admitted = threading.Thread(target=scope.admit,
+                                args=("PushManyPacked", 10 * MIB, time.monotonic() + 30,
+                                      "a push"))
+    admitted.start()
+    time.sleep(0.3)
+    assert admitted.is_alive() and budget.held == 70 * MIB  # waiting, holding nothing
+    budget.unhold(70 * MIB)
+    admitted.join(10)
+    assert not admitted.is_alive() and budget.held == scope.held == 40 * MIB
+    scope.close()
+
+
+def test_a_pull_waiting_for_its_step_holds_nothing():
+    """Parked or waiting on a thread, a sync pull gives its admission back: the push
+    closing the step may need the room."""
+    budget = MemoryBudget(64 * MIB)
+    shard = TableShard(TableSpec(name="sync", vocabulary_size=1000, dim=4, num_workers=2),
+                       0, budget)
+    ids = np.arange(1000, dtype=np.int64)
+    request = PackedPullMany([PullPart("sync", 0, 1, ids)])
+    scope = inflight.Scope(budget)
+    scope.admit("PullManyPacked", ids.nbytes, None, "a pull")
+    assert scope.held == inflight.frame_need("PullManyPacked", ids.nbytes) > ids.nbytes
+    answered: list = []
+
+    def pull() -> None:
+        with inflight.using(scope):
+            answered.append(many.pull_many([shard], request, time.monotonic() + 30, 64 * MIB))
+    waiting = threading.Thread(target=pull)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive() and budget.held == 0
+    grads = np.zeros((len(ids), 4), np.float32)
+    for worker in (0, 1):
+        shard.push(0, worker, ids, grads, 0.1)
+    waiting.join(10)
+    assert answered and answered[0][1]["sync"].rows == len(ids)
+    scope.close()
+    assert budget.held == 0
+
+
+@pytest.fixture
+def tight_server():
+    """An in-process server under --memory-mb 28 with its data plane, and three async
+    Adagrad tables of 20k x 32 (15 MiB of rows and slots: 13 MiB left for requests)."""
+    server = RunningServer(ServerConfig(memory_mb=28, data_port=0))
+    try:
+        with PSClient([server.address], ClientOptions(timeout=60)) as client:
+            tables = [client.create_table(TableSpec(
+                name=f"t{i}", vocabulary_size=20_000, dim=32, num_workers=4,
+                sync_mode="async", optimizer=Adagrad(learning_rate=0.1))) for i in range(3)]
+            yield server.service, tables
+    finally:
+        server.stop(0)
+
+
+def test_concurrent_pushes_under_a_tight_budget_go_on_or_are_refused_at_once(tight_server):
+    """Four pushers, pushes of 3 x 1k-40k rows (0.4-16 MiB): each push fits (one or two at
+    a time) or can never fit; none waits out its deadline."""
+    service, tables = tight_server
+    errors: list[str] = []
+    done = [0]
+
+    def pusher(worker: int) -> None:
+        rng = np.random.default_rng(worker)
+        for step in range(25):
+            n = int(rng.integers(1000, 40_000))
+            try:
+                push_many(tables, [rng.integers(0, 20_000, n) for _ in tables],
+                          [np.ones((n, 32), np.float32)] * 3, [step] * 3, worker, [0.01] * 3)
+                done[0] += 1
+            except ServerError as err:
+                errors.append(str(err))
+    threads = [threading.Thread(target=pusher, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(45)  # (each push waiting out its 60 s deadline: past this)
+    assert not any(thread.is_alive() for thread in threads), "pushes stalled"
+    assert done[0] >= 20, (done, errors[:3])
+    waited = [e for e in errors if "until its deadline" in e or "RESOURCE" not in e]
+    assert not waited, waited[:3]
+    assert all("leaving" in e and "for requests" in e for e in errors), errors[:3]  # at once
+    assert service.budget.held == 0
