@@ -27,6 +27,7 @@ from typing import Iterator
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax_ps import waits
 from parallax_ps.budget import MemoryBudget
+from parallax_ps.errors import RequestError
 
 RECEIVED_BYTES_PER_BODY_BYTE = 2  # a push's received body and its copy
 APPLY_BYTES_PER_GRADIENT_BYTE = 2  # summed gradients and the optimizer's temporaries
@@ -99,16 +100,26 @@ class Scope:
     def admit(self, method: str, body_bytes: int, deadline: float | None, what) -> None:
         """Hold a data-plane frame's memory before its body is read: its whole need
         (`whole_need`), waited for holding nothing, so a request holds the body's room only
-        once it is let in whole; its least (`frame_need`) where the whole can never fit
-        beside the tables (a sync push that buffers may still go on with that). Requests
-        that each hold a body while waiting for the rest could hold, together, the room
-        every one of them waits for (four pushes of 4 MiB under --memory-mb 28 waited out
-        their deadlines); whole admission leaves only a push closing a sync step, which
-        needs the step's buffered gradients too, to wait while holding its body."""
+        once it is let in whole; its least (`frame_need`) where the whole cannot fit beside
+        the tables, or stops fitting while it waits (a sync push that buffers may still go
+        on with that). Requests that each hold a body while waiting for the rest could
+        hold, together, the room every one of them waits for (four pushes of 4 MiB under
+        --memory-mb 28 waited out their deadlines); whole admission leaves pushes closing a
+        sync step, which need the step's buffered gradients too, to wait holding their
+        bodies. A pull keeps no floor: waiting for its answer's room it holds nothing, as
+        over gRPC (eight workers' 4 MiB pull frames held the room with their ids)."""
         whole = whole_need(method, body_bytes)
-        self.ensure(whole if self.budget.fits(whole) else frame_need(method, body_bytes),
-                    deadline, what)
-        self.floor = body_bytes
+        while self.budget.fits(whole):
+            try:
+                self.ensure(whole, deadline, what)
+                break
+            except RequestError:
+                if self.budget.fits(whole):
+                    raise  # (its deadline passed; a refusal for another reason)
+        else:  # (the tables grew while it waited: another worker's push buffered)
+            self.ensure(frame_need(method, body_bytes), deadline, what)
+        if method in _PUSHES:  # (a pull's answer is held once decoded, after its step)
+            self.floor = body_bytes
 
     def try_ensure(self, nbytes: int, what) -> bool:
         """`ensure` without waiting: whether it holds `nbytes` in all now (nothing more held

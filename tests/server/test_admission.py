@@ -19,6 +19,7 @@ import pytest
 from parallax.client import ClientOptions, PSClient
 from parallax.client.many import push_many
 from parallax.errors import ServerError
+from parallax.protocol.bulk_codec import BulkPush
 from parallax.protocol.packed_codec import PackedPullMany, PullPart
 from parallax.protocol.specs import Adagrad, TableSpec
 from parallax_ps import inflight, many
@@ -49,6 +50,49 @@ def test_a_push_whose_whole_need_never_fits_is_let_in_with_its_body():
     scope.close()
 
 
+def _sync_part(worker: int, rows: int) -> BulkPush:
+    return BulkPush(table="x", shard_index=0, step=0, worker=worker,
+                    ids=np.arange(rows, dtype=np.int64),
+                    grads=np.full((rows, 32), 0.01, np.float32), learning_rate=0.1,
+                    chunk_index=0, chunk_count=1)
+
+
+def test_a_push_whose_whole_need_stops_fitting_while_it_waits_is_let_in_with_its_body():
+    """Waiting for its whole need, a sync push sees another worker's push of the step buffer
+    its rows (the table's claim grows) and the whole no longer fit beside the tables: it is
+    let in with its body's room, buffers, and the step closes (found in review: it was
+    refused RESOURCE_EXHAUSTED, which fails a job)."""
+    budget = MemoryBudget(0)
+    shard = TableShard(TableSpec(name="x", vocabulary_size=50_000, dim=32, num_workers=3),
+                       0, budget)
+    first, second, closer = _sync_part(0, 7_700), _sync_part(1, 30_000), _sync_part(2, 500)
+    body = [p.ids.nbytes + p.grads.nbytes for p in (first, second, closer)]
+    budget.limit = budget._total + 4 * body[1] + body[0] // 2  # room for the second's whole
+    deadline = time.monotonic() + 30
+    early = inflight.Scope(budget)
+    early.admit("PushManyPacked", body[0], deadline, "the first push")
+    waiting = inflight.Scope(budget)
+    results: list = []
+
+    def second_push() -> None:
+        waiting.admit("PushManyPacked", body[1], deadline, "the second push")
+        with inflight.using(waiting):
+            results.append(many.push_many([shard], [second], deadline)[0])
+    thread = threading.Thread(target=second_push)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and waiting.held == 0  # waiting for its whole need
+    with inflight.using(early):
+        assert many.push_many([shard], [first], deadline)[0] == [(0, False)]
+    early.close()  # the claim grew by the first's buffered rows: the whole cannot fit now
+    thread.join(10)
+    assert results == [[(0, False)]]
+    assert waiting.held == inflight.frame_need("PushManyPacked", body[1])
+    waiting.close()
+    assert shard.push(0, 2, closer.ids, closer.grads, 0.1) == (1, True)
+    assert budget.held == 0
+
+
 def test_a_frame_waits_for_its_whole_need_holding_nothing():
     budget = MemoryBudget(100 * MIB)
     assert budget.hold(70 * MIB, time.monotonic(), "another request")
@@ -63,6 +107,26 @@ def test_a_frame_waits_for_its_whole_need_holding_nothing():
     admitted.join(10)
     assert not admitted.is_alive() and budget.held == scope.held == 40 * MIB
     scope.close()
+
+
+def test_a_pull_waiting_for_its_answers_room_holds_nothing():
+    """A pull keeps no floor: frames waiting for their answers' room with their ids held
+    filled the room with ids (eight workers' 4 MiB pull frames waited out their deadlines,
+    found in review)."""
+    budget = MemoryBudget(64 * MIB)
+    scope = inflight.Scope(budget)
+    scope.admit("PullManyPacked", MIB, None, "a pull")
+    assert scope.held == 3 * MIB and scope.floor == 0
+    assert budget.hold(60 * MIB, time.monotonic(), "another request")
+    waiting = threading.Thread(target=scope.ensure,
+                               args=(8 * MIB, time.monotonic() + 30, "its answer"))
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive() and budget.held == 60 * MIB  # its ids' room given back
+    budget.unhold(60 * MIB)
+    waiting.join(10)
+    scope.close()
+    assert budget.held == 0
 
 
 def test_a_pull_waiting_for_its_step_holds_nothing():
