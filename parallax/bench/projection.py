@@ -174,7 +174,8 @@ def _fit_rows(found: list[SystemProjection]) -> list[list[str]]:
 def _component_rows(found: list[SystemProjection]) -> list[list[str]]:
     ms = lambda seconds: f"{1e3 * seconds:.3g}"  # noqa: E731
     return [[p.system, f"{ms(p.fit.model.worker_cpu_base)} + {ms(p.fit.model.worker_cpu_slope)}"
-             f" W", ms(p.fit.model.server_cpu_per_worker),
+             f" W", f"{ms(p.fit.model.server_cpu_per_worker)} W/S + "
+             f"{ms(p.fit.model.server_cpu_per_client)} W",
              ms(p.fit.model.chief_cpu_per_worker), f"{p.fit.model.bytes_ratio:.3g}",
              f"{p.fit.model.server_bytes_per_worker / 1e3:.3g}"] for p in found]
 
@@ -230,7 +231,7 @@ def section(found: list[SystemProjection], networks: dict[str, Network],
                          "error at held-out counts (not fitted)"], _fit_rows(part))
         lines += ["Fitted components (ms of CPU per step; worker link bytes = ratio x "
                   "analytic):", ""]
-        lines += _table(["system", "worker CPU (ms)", "server CPU per worker (ms)",
+        lines += _table(["system", "worker CPU (ms)", "server CPU (ms): x W/S + x W",
                          "coordinator CPU per worker (ms)", "measured / analytic bytes",
                          "server KB per worker"], _component_rows(part))
         lines += ["Projected samples/s (what bounds the step; S = servers):", ""]

@@ -15,12 +15,15 @@ step time, so measured points (one system and workload at 1, 2, 4 workers, each 
 its own CPU share, links scaled by it) calibrate one. A step costs each resource
   worker CPU   = (a + b W) / c             (CPU seconds per step of one worker; b >= 0: an
                                             all-gather grows with W)
-  server CPU   = k_s W / S / c             (a server serves W/S workers' pulls and pushes)
+  server CPU   = (k_s W / S + k_r W) / c   (a server serves W/S workers' rows, and the
+                                            pull and push of every worker each step: their
+                                            fixed cost grows with W whatever S is)
   chief CPU    = k_c W / c                 (TF's coordinator dispatches W workers' steps)
   worker link  = rho x analytic bytes(W) / r   (rho = measured / analytic bytes)
   server link  = k_b W / S / r
 with c the cores each process has and r the link rate; each coefficient is fitted to its
-own measurements (least squares for a, b; means for the others). The step time is then
+own measurements (least squares for a, b and for k_s, k_r where the points tell those two
+apart; means for the others). The step time is then
 scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
 (nothing overlaps); `scale` is one least-squares factor on the relative error, and of the
 two forms the one with the smaller mean relative error on the measured points is kept.
@@ -172,7 +175,9 @@ class StepModel:
     cores c each process has and the link rate r (bytes/s):
 
       worker_cpu  = (worker_cpu_base + worker_cpu_slope * W) / c   one worker's CPU
-      server_cpu  = server_cpu_per_worker * W / S / c              a server serves W/S workers
+      server_cpu  = (server_cpu_per_worker * W / S                 a server serves W/S workers'
+                     + server_cpu_per_client * W) / c              rows, and every worker's
+                                                                   pull and push each step
       chief_cpu   = chief_cpu_per_worker * W / c                   TF's coordinator: W workers
       worker_link = bytes_ratio * analytic_bytes(W) / r            measured/analytic x model
       server_link = server_bytes_per_worker * W / S / r
@@ -192,6 +197,7 @@ class StepModel:
     chief_cpu_per_worker: float = 0.0
     bytes_ratio: float = 1.0
     server_bytes_per_worker: float = 0.0
+    server_cpu_per_client: float = 0.0
 
     def terms(self, workers: int, servers: int, cores: float, link_bytes_per_s: float | None,
               analytic_bytes: float) -> dict[str, float]:
@@ -200,7 +206,8 @@ class StepModel:
         per_server = workers / s if servers else 0.0
         link = (lambda b: 0.0) if link_bytes_per_s is None else (lambda b: b / link_bytes_per_s)
         return {"worker_cpu": (self.worker_cpu_base + self.worker_cpu_slope * w) / cores,
-                "server_cpu": self.server_cpu_per_worker * per_server / cores,
+                "server_cpu": (self.server_cpu_per_worker * per_server +
+                               (self.server_cpu_per_client * w if servers else 0.0)) / cores,
                 "chief_cpu": self.chief_cpu_per_worker * w / cores,
                 "worker_link": link(self.bytes_ratio * analytic_bytes),
                 "server_link": link(self.server_bytes_per_worker * per_server)}
@@ -250,15 +257,37 @@ def _components(points: list[StepPoint]) -> StepModel:
     """The per-resource parts of the model, each from its own measurements (scale 1)."""
     base, slope = _linear([p.workers for p in points], [p.worker_cpu for p in points])
     with_servers = [p for p in points if p.servers]
+    per_worker, per_client = _server_cpu(with_servers)
     return StepModel(
         form="max", scale=1.0, worker_cpu_base=base, worker_cpu_slope=slope,
-        server_cpu_per_worker=_mean([p.server_cpu * p.servers / p.workers
-                                     for p in with_servers]),
+        server_cpu_per_worker=per_worker, server_cpu_per_client=per_client,
         chief_cpu_per_worker=_mean([p.chief_cpu / p.workers for p in points]),
         bytes_ratio=_mean([p.worker_bytes / p.analytic_bytes for p in points
                            if p.analytic_bytes > 0], default=1.0),
         server_bytes_per_worker=_mean([p.server_bytes * p.servers / p.workers
                                        for p in with_servers]))
+
+
+def _server_cpu(points: list[StepPoint]) -> tuple[float, float]:
+    """(server_cpu_per_worker, server_cpu_per_client): least squares of a server's CPU per
+    step on W/S and W where the points tell the two apart (servers that grow with the
+    workers, as co-located ones do); else, or where either comes out negative (noise), all
+    of it per worker's rows, as a fixed server count measures it."""
+    if not points:
+        return 0.0, 0.0
+    xs = [(p.workers / p.servers, float(p.workers)) for p in points]
+    ys = [p.server_cpu for p in points]
+    a11 = sum(x * x for x, _ in xs)
+    a12 = sum(x * w for x, w in xs)
+    a22 = sum(w * w for _, w in xs)
+    det = a11 * a22 - a12 * a12
+    if det > 1e-9 * a11 * a22:  # (W/S proportional to W: not separable)
+        b1 = sum(x * y for (x, _), y in zip(xs, ys))
+        b2 = sum(w * y for (_, w), y in zip(xs, ys))
+        per_worker, per_client = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+        if per_worker >= 0 and per_client >= 0:
+            return per_worker, per_client
+    return _mean([y / x for (x, _), y in zip(xs, ys)]), 0.0
 
 
 def _raw(model: StepModel, p: StepPoint) -> float:

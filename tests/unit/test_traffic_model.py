@@ -164,3 +164,36 @@ def test_too_few_worker_counts_are_refused():
         fit_step_model([p for p in _points(TRUE) if p.workers == 1])
     with pytest.raises(ConfigError, match="step_seconds"):
         StepPoint(1, 0, 0.0, 0.01, 0.0, 0.0, 1.0, None)
+
+
+def _colocated_points(model: StepModel) -> list[StepPoint]:
+    """Points at 1, 2, 4 workers with a server on every worker's host (S = W)."""
+    return [StepPoint(workers=w, servers=w, step_seconds=model.step_seconds(
+                w, w, SHARE, RATE, _analytic(w)),
+            worker_cpu=model.worker_cpu_base + model.worker_cpu_slope * w,
+            worker_bytes=model.bytes_ratio * _analytic(w), analytic_bytes=_analytic(w),
+            cores=SHARE, link_bytes_per_s=RATE,
+            server_cpu=model.server_cpu_per_worker + model.server_cpu_per_client * w)
+            for w in (1, 2, 4)]
+
+
+def test_a_servers_cost_per_worker_reaching_it_is_fitted_where_servers_grow_with_workers():
+    """Every worker sends each server a pull and a push every step: with a server per worker
+    (S = W) a server's CPU per step grows with W, which a cost per worker's rows (x W/S)
+    alone cannot fit (the 2026-12-05 run: ctr's servers 2.8, 4.1, 6.6 ms at 2, 4, 8)."""
+    true = replace(TRUE, server_cpu_per_client=0.0006, server_bytes_per_worker=0.0)
+    fit = fit_step_model(_colocated_points(true))
+    assert fit.model.server_cpu_per_worker == pytest.approx(0.005, rel=1e-9)
+    assert fit.model.server_cpu_per_client == pytest.approx(0.0006, rel=1e-9)
+    assert fit.holdout_error == pytest.approx(0, abs=1e-12)
+    assert TRUE.terms(4, 0, 1.0, None, 1.0)["server_cpu"] == 0.0  # no servers: no clients
+    terms = fit.model.terms(64, 64, 1.0, None, _analytic(64))  # a server a worker at 64
+    assert terms["server_cpu"] == pytest.approx(0.005 + 0.0006 * 64)
+
+
+def test_a_fixed_server_count_puts_a_servers_cost_on_the_rows():
+    """With S fixed, W/S and W grow together: the fit cannot tell them apart and keeps one
+    cost per worker's rows (what it did before the per-client term)."""
+    fit = fit_step_model(_points(TRUE))
+    assert fit.model.server_cpu_per_client == 0.0
+    assert fit.model.server_cpu_per_worker == pytest.approx(0.005, rel=1e-9)
