@@ -17,9 +17,10 @@ the requests in flight.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import grpc
 
@@ -49,6 +50,7 @@ class MemoryBudget:
         self._claims: dict[object, int] = {}
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
+        self._floor_kept = False  # a waiting request holds its floor (`floor_turn`)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
 
@@ -109,6 +111,22 @@ class MemoryBudget:
         """Resident bytes the budget explains: the baseline, the tables and the requests in
         flight."""
         return self.resident_baseline + self._total + self._held
+
+    @contextlib.contextmanager
+    def floor_turn(self, floor: int) -> Iterator[int]:
+        """What a request about to wait for room keeps holding meanwhile: its `floor` (the
+        body it received) if no other waiter keeps one now, else nothing (its body goes
+        uncounted while it waits, as a gRPC request's does). With one floor kept at a time,
+        the waiters' floors can never together hold the room each of them waits for."""
+        with self._lock:
+            mine = floor > 0 and not self._floor_kept
+            self._floor_kept = self._floor_kept or mine
+        try:
+            yield floor if mine else 0
+        finally:
+            if mine:
+                with self._lock:
+                    self._floor_kept = False
 
     def fits(self, nbytes: int) -> bool:
         """Whether a request holding nothing could hold `nbytes` beside the tables (once the

@@ -83,18 +83,21 @@ class Scope:
     def ensure(self, nbytes: int, deadline: float | None, what) -> None:
         """Hold at least `nbytes` in all: the rest at once if there is room, else once there
         is (until `deadline`), holding only `floor` (the received body) while it waits, so
-        requests that hold part of what they need do not wait on each other's estimates."""
+        requests that hold part of what they need do not wait on each other's estimates;
+        and only one waiter at a time keeps its floor (`MemoryBudget.floor_turn`): two
+        waiters each holding its body could leave neither the room it waits for (a push
+        closing two tables' sync steps, sent as two frames, waited out its deadline)."""
         nbytes = int(nbytes)
         if self.try_ensure(nbytes, what):
             return
         if deadline is None:
             deadline = time.monotonic() + NO_DEADLINE_WAIT_S
         waits.check()  # (the data plane's loop hands the request to a thread instead)
-        keep = min(self.held, self.floor)
-        self.budget.unhold(self.held - keep)
-        self.held = keep
-        if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
-            self.budget.refuse_waited(nbytes, what)
+        with self.budget.floor_turn(min(self.held, self.floor)) as keep:
+            self.budget.unhold(self.held - keep)
+            self.held = keep
+            if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
+                self.budget.refuse_waited(nbytes, what)
         self.held = nbytes
 
     def admit(self, method: str, body_bytes: int, deadline: float | None, what) -> None:

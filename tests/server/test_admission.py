@@ -201,3 +201,29 @@ def test_concurrent_pushes_under_a_tight_budget_go_on_or_are_refused_at_once(tig
     assert not waited, waited[:3]
     assert all("leaving" in e and "for requests" in e for e in errors), errors[:3]  # at once
     assert service.budget.held == 0
+
+
+def test_two_pushes_waiting_with_their_bodies_do_not_hold_each_others_room():
+    """Two frames of a push closing two tables' sync steps: each let in with its whole
+    need, each needing more (the steps' buffered gradients) than the room left beside the
+    other. Only one waiter keeps its body's room, so the first goes on, then the second
+    (found in review: both held their bodies and waited out their deadlines)."""
+    body = MIB
+    budget = MemoryBudget(int(8.5 * body))
+    first, second = inflight.Scope(budget), inflight.Scope(budget)
+    deadline = time.monotonic() + 30
+    for scope in (first, second):
+        scope.admit("PushManyPacked", body, deadline, "a frame")  # 4 MiB each
+    done: list = []
+
+    def need_more(scope) -> None:
+        scope.ensure(8 * body, deadline, "closing a step")
+        done.append(scope)
+        scope.close()  # applied and answered: its room comes back
+    threads = [threading.Thread(target=need_more, args=(scope,)) for scope in (first, second)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(10)
+    assert len(done) == 2 and budget.held == 0
