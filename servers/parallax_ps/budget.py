@@ -51,6 +51,7 @@ class MemoryBudget:
         self._total = 0
         self._held = 0  # working memory of the requests in flight (`hold`)
         self._floor_kept = False  # a waiting request holds its floor (`floor_turn`)
+        self._uncounted = 0  # the bodies of the other waiting requests (`floor_turn`)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
 
@@ -113,36 +114,46 @@ class MemoryBudget:
         return self.resident_baseline + self._total + self._held
 
     @contextlib.contextmanager
-    def floor_turn(self, floor: int) -> Iterator[int]:
-        """What a request about to wait for room keeps holding meanwhile: its `floor` (the
-        body it received) if no other waiter keeps one now, else nothing (its body goes
-        uncounted while it waits, as a gRPC request's does). With one floor kept at a time,
-        the waiters' floors can never together hold the room each of them waits for."""
+    def floor_turn(self, floor: int, held: int) -> Iterator[int]:
+        """What a request about to wait for room keeps holding meanwhile, of the `held` bytes
+        it holds: its `floor` (the body it received) if no other waiter keeps one now, else
+        nothing (its body goes uncounted while it waits, as a gRPC request's does). With one
+        floor kept at a time, the waiters' floors can never together hold the room each of
+        them waits for. The bodies not kept still count against admissions
+        (`hold(admitting=True)`), so new frames are not read into the memory they take (64
+        concurrent pulls reached 1.45x --memory-mb without that)."""
         with self._lock:
             mine = floor > 0 and not self._floor_kept
             self._floor_kept = self._floor_kept or mine
+            keep = min(held, floor) if mine else 0
+            self._uncounted += floor - keep
         try:
-            yield floor if mine else 0
+            yield keep
         finally:
-            if mine:
-                with self._lock:
-                    self._floor_kept = False
+            with self._room:
+                self._floor_kept = self._floor_kept and not mine
+                if floor - keep:
+                    self._uncounted -= floor - keep
+                    self._room.notify_all()  # (admissions wait for the uncounted bodies)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a request holding nothing could hold `nbytes` beside the tables (once the
         other requests in flight have given theirs back)."""
         return not self.limit or self.baseline + self._total + nbytes <= self.limit
 
-    def hold(self, nbytes: int, deadline: float, what: What, own: int = 0) -> bool:
+    def hold(self, nbytes: int, deadline: float, what: What, own: int = 0,
+             admitting: bool = False) -> bool:
         """Take `nbytes` more of working memory for a request in flight that holds `own`
         already (give it back with `unhold`): at once when the tables and the requests in
         flight leave room, else once they do, until `deadline` (time.monotonic()); False,
         holding nothing more, when the deadline passes first; RESOURCE_EXHAUSTED at once
-        when `own + nbytes` cannot fit beside the tables."""
+        when `own + nbytes` cannot fit beside the tables. `admitting`: a frame whose body is
+        not read yet, which waits for the waiting requests' uncounted bodies too."""
         if not self.limit or nbytes <= 0:
             return True
         with self._room:
-            while self.baseline + self._total + self._held + nbytes > self.limit:
+            while self.baseline + self._total + self._held + nbytes + \
+                    (self._uncounted if admitting else 0) > self.limit:
                 if self.baseline + self._total + own + nbytes > self.limit:
                     self._refuse_request(own + nbytes, what, waited=False)
                 remaining = deadline - time.monotonic()

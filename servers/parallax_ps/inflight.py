@@ -80,7 +80,8 @@ class Scope:
         self.floor = 0  # bytes of the received body: held while the request waits for more
         self.grpc = False  # a gRPC request's (its answer is copied by gRPC)
 
-    def ensure(self, nbytes: int, deadline: float | None, what) -> None:
+    def ensure(self, nbytes: int, deadline: float | None, what, admitting: bool = False
+               ) -> None:
         """Hold at least `nbytes` in all: the rest at once if there is room, else once there
         is (until `deadline`), holding only `floor` (the received body) while it waits, so
         requests that hold part of what they need do not wait on each other's estimates;
@@ -88,15 +89,16 @@ class Scope:
         waiters each holding its body could leave neither the room it waits for (a push
         closing two tables' sync steps, sent as two frames, waited out its deadline)."""
         nbytes = int(nbytes)
-        if self.try_ensure(nbytes, what):
+        if self.try_ensure(nbytes, what, admitting):
             return
         if deadline is None:
             deadline = time.monotonic() + NO_DEADLINE_WAIT_S
         waits.check()  # (the data plane's loop hands the request to a thread instead)
-        with self.budget.floor_turn(min(self.held, self.floor)) as keep:
+        with self.budget.floor_turn(self.floor, self.held) as keep:
             self.budget.unhold(self.held - keep)
             self.held = keep
-            if not self.budget.hold(nbytes - keep, deadline, what, own=keep):
+            if not self.budget.hold(nbytes - keep, deadline, what, own=keep,
+                                    admitting=admitting):
                 self.budget.refuse_waited(nbytes, what)
         self.held = nbytes
 
@@ -109,28 +111,29 @@ class Scope:
         hold, together, the room every one of them waits for (four pushes of 4 MiB under
         --memory-mb 28 waited out their deadlines); whole admission leaves pushes closing a
         sync step, which need the step's buffered gradients too, to wait holding their
-        bodies. A pull keeps no floor: waiting for its answer's room it holds nothing, as
-        over gRPC (eight workers' 4 MiB pull frames held the room with their ids)."""
+        bodies (one at a time: `MemoryBudget.floor_turn`)."""
+        if deadline is None:
+            deadline = time.monotonic() + NO_DEADLINE_WAIT_S
         whole = whole_need(method, body_bytes)
         while self.budget.fits(whole):
             try:
-                self.ensure(whole, deadline, what)
+                self.ensure(whole, deadline, what, admitting=True)
                 break
             except RequestError:
-                if self.budget.fits(whole):
-                    raise  # (its deadline passed; a refusal for another reason)
+                if time.monotonic() >= deadline:
+                    raise
         else:  # (the tables grew while it waited: another worker's push buffered)
-            self.ensure(frame_need(method, body_bytes), deadline, what)
-        if method in _PUSHES:  # (a pull's answer is held once decoded, after its step)
-            self.floor = body_bytes
+            self.ensure(frame_need(method, body_bytes), deadline, what, admitting=True)
+        self.floor = body_bytes
 
-    def try_ensure(self, nbytes: int, what) -> bool:
+    def try_ensure(self, nbytes: int, what, admitting: bool = False) -> bool:
         """`ensure` without waiting: whether it holds `nbytes` in all now (nothing more held
         when not; RESOURCE_EXHAUSTED when `nbytes` can never fit)."""
         nbytes = int(nbytes)
         if nbytes <= self.held:
             return True
-        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held):
+        if self.budget.hold(nbytes - self.held, time.monotonic(), what, own=self.held,
+                            admitting=admitting):
             self.held = nbytes
             return True
         return False
