@@ -122,8 +122,8 @@ class MemoryBudget:
         them waits for. The bodies not kept still count against admissions
         (`hold(admitting=True)`), so new frames are not read into the memory they take (64
         concurrent pulls reached 1.45x --memory-mb without that)."""
-        with self._lock:
-            mine = floor > 0 and not self._floor_kept
+        with self._lock:  # (a request holding none of its body, as a pull that waited for
+            mine = min(held, floor) > 0 and not self._floor_kept  # its step, takes no turn)
             self._floor_kept = self._floor_kept or mine
             keep = min(held, floor) if mine else 0
             self._uncounted += floor - keep

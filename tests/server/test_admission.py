@@ -248,3 +248,29 @@ def test_two_pushes_waiting_with_their_bodies_do_not_hold_each_others_room():
     for thread in threads:
         thread.join(10)
     assert len(done) == 2 and budget.held == 0
+
+
+def test_a_waiter_holding_none_of_its_body_leaves_the_turn_to_one_that_does():
+    """A pull that waited for its step holds nothing when it waits for its answer's room:
+    it takes no turn to keep a body (it keeps none), so a push waiting beside it keeps its
+    own (found in review: the pull took the turn and the push's body went uncounted)."""
+    budget = MemoryBudget(64 * MIB)
+    deadline = time.monotonic() + 30
+    pull, push = inflight.Scope(budget), inflight.Scope(budget)
+    pull.admit("PullManyPacked", MIB, deadline, "a pull")
+    pull.close()  # (what the pull's wait for its step left it: nothing held)
+    pull.floor = MIB
+    push.admit("PushManyPacked", MIB, deadline, "a push")  # 4 MiB
+    assert budget.hold(budget.limit - budget.held, time.monotonic(), "another request")
+    threads = [threading.Thread(target=scope.ensure, args=(20 * MIB, deadline, "more"))
+               for scope in (pull, push)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    assert push.held == MIB and budget._uncounted == MIB  # the push's body kept, the pull's not
+    budget.unhold(60 * MIB)
+    for thread in threads:
+        thread.join(10)
+    pull.close()
+    push.close()
+    assert budget.held == 0 and budget._uncounted == 0
