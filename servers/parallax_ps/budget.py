@@ -123,15 +123,17 @@ class MemoryBudget:
         (`hold(admitting=True)`), so new frames are not read into the memory they take (64
         concurrent pulls reached 1.45x --memory-mb without that)."""
         with self._lock:  # (a request holding none of its body, as a pull that waited for
-            mine = min(held, floor) > 0 and not self._floor_kept  # its step, takes no turn)
+            keep = min(held, floor)  # its step, takes no turn)
+            mine = keep > 0 and not self._floor_kept
+            keep = keep if mine else 0
             self._floor_kept = self._floor_kept or mine
-            keep = min(held, floor) if mine else 0
             self._uncounted += floor - keep
         try:
             yield keep
         finally:
             with self._room:
-                self._floor_kept = self._floor_kept and not mine
+                if mine:
+                    self._floor_kept = False
                 if floor - keep:
                     self._uncounted -= floor - keep
                     self._room.notify_all()  # (admissions wait for the uncounted bodies)
@@ -154,7 +156,7 @@ class MemoryBudget:
         with self._room:
             while self.baseline + self._total + self._held + nbytes + \
                     (self._uncounted if admitting else 0) > self.limit:
-                if self.baseline + self._total + own + nbytes > self.limit:
+                if not self.fits(own + nbytes):
                     self._refuse_request(own + nbytes, what, waited=False)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
