@@ -25,15 +25,15 @@ from typing import Callable
 
 from parallax.bench.figures import figure, slug
 from parallax.bench.results import Network, Results, Run
+from parallax.bench.summary import link_traffic, servers_at
 from parallax.errors import ConfigError
-from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, expected_traffic,
-                                              fit_step_model, project)
+from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, fit_step_model,
+                                              project)
 
 SYSTEMS = ("hybrid", "horovod", "tf_ps")
 WORKERS = (8, 16, 32, 64)
 FIT_MAX_WORKERS = 4  # fit on points at <= this many workers; larger ones are held out
 LINKS_GBIT = (10.0, 25.0)
-_MODEL = {"hybrid": "hybrid", "tf_ps": "ps", "horovod": "allreduce"}
 TERM_NAMES = {"worker_cpu": "worker CPU", "server_cpu": "server CPU",
               "chief_cpu": "coordinator CPU", "worker_link": "worker link",
               "server_link": "server link"}
@@ -85,13 +85,16 @@ def _median(values) -> float | None:
 
 
 def _analytic(system: str, run: Run) -> Callable[[int], float] | None:
-    """Worker link bytes (busier direction) the traffic model expects at W workers."""
-    model, workload = _MODEL.get(system), run.traffic_workload
-    if model is None or workload is None:
+    """Worker link bytes (busier direction) the traffic model expects at W workers: a
+    worker's, or, colocated, its host's with the servers it would have there
+    (`summary.link_traffic`)."""
+    workload, colocated = run.traffic_workload, run.network.placement == "colocated"
+    if workload is None or link_traffic(system, workload, run.servers, colocated) is None:
         return None
 
     def at(workers: int) -> float:
-        traffic = expected_traffic(model, replace(workload, workers=workers))
+        traffic = link_traffic(system, replace(workload, workers=workers),
+                               servers_at(run, workers), colocated)
         return max(traffic.sent, traffic.received)
     return at
 

@@ -69,17 +69,16 @@ def _speed_target(s: Slice) -> Target:
 def _bytes_target(s: Slice, colocated: bool = False) -> Target:
     w = s.workers[-1]
     goal = f"hybrid bytes within {BYTES_TARGET:g}x of the analytic minimum"
-    if colocated:
-        return Target(s.workload, s.network, w, goal, "not measured",
-                      "servers share the worker hosts' links (a host's bytes are its "
-                      "worker's and its server's); see the dedicated setting")
     row = s.get(PARALLAX, w)
     if row is None or row.vs_minimum is None or row.minimum is None or row.measured is None:
         return Target(s.workload, s.network, w, goal, "not measured",
                       "no measured bytes or no analytic model for hybrid")
+    where = ("per step over a worker host's link, its server's bytes included (the "
+             "minimum: traffic_model.colocated_host)" if colocated else
+             "per worker per step")
     return Target(s.workload, s.network, w, goal, _verdict(row.vs_minimum <= BYTES_TARGET),
                   f"{row.vs_minimum:.2f}x: {human_bytes(row.measured.total)} vs "
-                  f"{human_bytes(row.minimum.total)} per worker per step")
+                  f"{human_bytes(row.minimum.total)} {where}")
 
 
 def targets(results: Results) -> list[Target]:
@@ -116,14 +115,13 @@ def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
-def _traffic_cells(row: Row, colocated: bool = False) -> list[str]:
-    """A row's bytes beside its model; no target verdict where a host link carries a
-    co-located server's bytes too (`_bytes_target`)."""
+def _traffic_cells(row: Row) -> list[str]:
+    """A row's bytes beside its model (a co-located host's: `summary.link_traffic`)."""
     def both(t: StepTraffic | None, missing: str) -> list[str]:
         return [missing] * 2 if t is None else [human_bytes(t.sent), human_bytes(t.received)]
 
     vs_min = _x(row.vs_minimum)
-    if row.system == PARALLAX and row.vs_minimum is not None and not colocated:
+    if row.system == PARALLAX and row.vs_minimum is not None:
         vs_min += f" (target ≤ {BYTES_TARGET:g}x: {_verdict(row.vs_minimum <= BYTES_TARGET)})"
     ratio = _x(row.vs_analytic) if row.measured else "not measured"
     return [row.system, *both(row.measured, "not measured"), *both(row.analytic, "no model"),
@@ -155,13 +153,13 @@ def _slice_section(s: Slice, network: Network) -> list[str]:
               f"processes were held to in all):", ""]
     lines += _table(["system", "hosts", "cores", "samples/s", "samples/s per core",
                      "hybrid / this, per core"], (_hardware_cells(s, p, w) for p in s.systems))
-    link = ("per worker host link (its co-located server's bytes included)"
+    link = ("per worker host link (its co-located server's bytes included; analytic: the "
+            "busiest host's, `traffic_model.colocated_host`)"
             if network.placement == "colocated" else "per worker")
     lines += [f"Bytes {link} per step at {w} workers (median over ok rounds):", ""]
     lines += _table(["system", "sent", "received", "analytic sent", "analytic received",
                      "measured / analytic", "measured / minimum"],
-                    (_traffic_cells(r, network.placement == "colocated")
-                     for p in s.systems if (r := s.get(p, w))))
+                    (_traffic_cells(r) for p in s.systems if (r := s.get(p, w))))
     lines += ["CPU seconds per sample (all processes of a run, median over ok rounds):", ""]
 
     def cpu(row: Row | None) -> str:

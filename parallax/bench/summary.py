@@ -5,8 +5,9 @@ The types and constants every report module shares; nothing here writes a file.
 """
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from parallax.bench.results import Results, Run
@@ -41,6 +42,36 @@ def analytic_traffic(system: str, workload: Workload) -> StepTraffic | None:
     """
     model = _MODEL.get(system)
     return None if model is None else traffic_model.expected_traffic(model, workload)
+
+
+def link_traffic(system: str, workload: Workload, servers: int, colocated: bool
+                 ) -> StepTraffic | None:
+    """The bytes the model expects over the link a run measures per worker: the worker's
+    own (`analytic_traffic`), or, where the servers sit inside the worker hosts, the
+    busiest host's, its worker's and its servers' together (`colocated_host`)."""
+    model = _MODEL.get(system)
+    if model is None:
+        return None
+    if not colocated:
+        return traffic_model.expected_traffic(model, workload)
+    return traffic_model.colocated_host(model, workload, servers)
+
+
+def servers_at(run: Run, workers: int) -> int:
+    """The servers a run's system would have at `workers` workers: its own ratio of
+    servers to workers (a server on every worker host when colocated), at least one."""
+    if not run.servers:
+        return 0
+    return max(1, math.ceil(workers * run.servers / run.workers - 1e-9))
+
+
+def run_traffic(run: Run) -> StepTraffic | None:
+    """`link_traffic` at a run's own point; older results without the traffic model's
+    workload: the analytic traffic their harness recorded."""
+    if run.traffic_workload is None:
+        return run.analytic
+    return link_traffic(run.system, replace(run.traffic_workload, workers=run.workers),
+                        run.servers, run.network.placement == "colocated")
 
 
 def minimum_traffic(workload: Workload) -> StepTraffic:
@@ -116,7 +147,7 @@ def summarize(results: Results) -> list[Row]:
     groups: dict[tuple[str, str, int, str], list[Run]] = {}
     for run in results.runs:
         groups.setdefault((run.workload, run.network.name, run.workers, run.system), []).append(run)
-    analytic = {k: next((r.analytic for r in runs if r.analytic), None)
+    analytic = {k: next((t for r in runs if (t := run_traffic(r))), None)
                 for k, runs in groups.items()}
     networks = list(dict.fromkeys(r.network.name for r in results.runs))
     rows = []

@@ -19,7 +19,9 @@ its own CPU share, links scaled by it) calibrate one. A step costs each resource
                                             pull and push of every worker each step: their
                                             fixed cost grows with W whatever S is)
   chief CPU    = k_c W / c                 (TF's coordinator dispatches W workers' steps)
-  worker link  = rho x analytic bytes(W) / r   (rho = measured / analytic bytes)
+  worker link  = rho x analytic bytes(W) / r   (rho = measured / analytic bytes; where the
+                                            servers sit inside the worker hosts, the
+                                            host's bytes: `colocated_host`)
   server link  = k_b W / S / r
 with c the cores each process has and r the link rate; each coefficient is fitted to its
 own measurements (least squares for a, b and for k_s, k_r where the points tell those two
@@ -126,6 +128,32 @@ def expected_traffic(system: str, workload: Workload) -> StepTraffic:
         return ring_allreduce(workload.dense_bytes + table_bytes(workload), w)
     raise ConfigError(f"system {system!r} is not one of hybrid, ps, allreduce, "
                       f"horovod_sparse_as_dense, mwms")
+
+
+SERVER_PARTS = {"hybrid": "sparse", "ps": "all"}  # what each system exchanges with servers
+
+
+def colocated_host(system: str, workload: Workload, servers: int) -> StepTraffic:
+    """Bytes over the link of the busiest host when `servers` servers sit inside the W
+    worker hosts (server i on host i mod W, as `parallax run -H` and the bench's colocated
+    placement put them), each holding 1/S of every table. A host's link carries its
+    worker's traffic with the servers on other hosts, (1 - k/S) X, and its k = ceil(S/W)
+    servers' traffic with the other hosts' workers, k (W-1) X / S (X: what one worker
+    exchanges with all the servers a step): with S = W, 2 (W-1)/W X each way, so from
+    1x X at 2 workers to 1.75x at 8, all of it on the link a dedicated server's traffic
+    would not share. What a system sends past the servers (a ring all-reduce) is added
+    whole. Systems without servers: their worker's traffic."""
+    whole = expected_traffic(system, workload)
+    part = SERVER_PARTS.get(system)
+    if part is None or servers < 1:
+        return whole
+    w = workload.workers
+    x = sparse_on_servers(workload) if part == "sparse" else whole
+    rest = StepTraffic(whole.sent - x.sent, whole.received - x.received)
+    k = math.ceil(servers / w)
+    mine, theirs = 1 - k / servers, k * (w - 1) / servers
+    return rest + StepTraffic(mine * x.sent + theirs * x.received,
+                              mine * x.received + theirs * x.sent)
 
 
 # --- the calibrated step-time model -------------------------------------------------------

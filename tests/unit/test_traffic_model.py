@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from parallax.errors import ConfigError
-from parallax.placement.traffic_model import StepTraffic, Workload, expected_traffic
+from parallax.placement.traffic_model import (StepTraffic, Workload, colocated_host,
+                                              expected_traffic)
 
 # One table of 100 rows x dim 4 (16-byte rows + 8-byte ids), 10 unique rows per worker-step,
 # and 1000 bytes of dense variables.
@@ -27,6 +28,23 @@ def test_expected_bytes_per_worker_per_step(system, workers, sent):
     traffic = expected_traffic(system, Workload(workers=workers, **ONE_TABLE))
     assert traffic == StepTraffic(sent=sent, received=sent)
     assert traffic.total == 2 * sent
+
+
+@pytest.mark.parametrize("system, workers, servers, sent", [
+    ("hybrid", 1, 1, 0.0),                  # its one server is on its own host: no bytes
+    ("hybrid", 2, 2, 240 + 1000.0),         # (1 - 1/2) + 1/2 of the rows, and the ring
+    ("hybrid", 4, 4, 1.5 * 240 + 1500.0),   # 2 (W-1)/W x the rows
+    ("hybrid", 8, 8, 1.75 * 240 + 1750.0),
+    ("hybrid", 4, 2, 2 * 240 + 1500.0),     # a host with one of 2 servers: (1/2 + 3/2) rows
+    ("hybrid", 4, 8, 1.5 * 240 + 1500.0),   # 2 servers a host: (1 - 2/8) + 2 x 3/8
+    ("ps", 4, 4, 1.5 * (240 + 1000.0)),     # dense variables go through the servers too
+    ("allreduce", 4, 4, 3 * 240 + 1500.0),  # no servers: a worker's own traffic
+    ("hybrid", 4, 0, 240 + 1500.0),         # no servers named: as expected_traffic
+])
+def test_a_colocated_host_carries_its_workers_and_its_servers_bytes(system, workers, servers,
+                                                                     sent):
+    traffic = colocated_host(system, Workload(workers=workers, **ONE_TABLE), servers)
+    assert traffic.sent == pytest.approx(sent) and traffic.received == pytest.approx(sent)
 
 
 def test_several_tables_add_up():
