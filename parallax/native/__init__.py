@@ -16,7 +16,7 @@ from types import ModuleType
 from parallax.env import NATIVE_ENV, NATIVE_MODES
 from parallax.errors import ConfigError
 
-ABI = 4  # must equal the compiled module's ABI (src/module.cc)
+ABI = 5  # must equal the compiled module's ABI (src/module.cc)
 
 
 def mode() -> str:

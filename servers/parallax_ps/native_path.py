@@ -28,10 +28,13 @@ from typing import Sequence
 import numpy as np
 
 from parallax import native
-from parallax.protocol import routing
+from parallax.protocol import initial_values, routing
+from parallax.protocol.specs import Initializer
 from parallax_ps.optimizer_kernels import kernel_constants
 
 _F32 = np.dtype(np.float32)
+_INIT_DTYPES = (_F32, np.dtype(np.float64))  # init_uniform's outputs
+_F32_MAX = float(np.finfo(np.float32).max)
 _WIRE_CODES = {_F32: 0, np.dtype("<f2"): 1, np.dtype("<u2"): 2}  # gather's `wire` argument
 _chosen: list = []  # [the kernels or None], once chosen
 
@@ -137,3 +140,17 @@ def owns_all(ids: np.ndarray, router, shard: int) -> bool | None:
                                 max(1, router.block)) < 0
 
 
+
+
+def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str) -> np.ndarray:
+    """initial_values.initial_rows: a "uniform" initializer's rows by the kernel (the rows
+    a step touches first: a long-tailed workload's pulls meet new rows every step), the
+    other kinds (and bounds past float32's range) in numpy."""
+    module, out_dtype = kernels(), np.dtype(dtype)
+    if module is None or init.kind != "uniform" or out_dtype not in _INIT_DTYPES or \
+            not all(abs(v) <= _F32_MAX for v in (init.minval, init.maxval)):
+        return initial_values.initial_rows(init, ids, dim, dtype)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    out = np.empty((len(ids), dim), dtype=out_dtype)
+    module.init_uniform(init.seed, ids, dim, float(init.minval), float(init.maxval), out)
+    return out

@@ -24,7 +24,6 @@ import grpc
 import numpy as np
 
 from parallax.protocol import wire, wire_dtypes
-from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import ShardRouter, out_of_range
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
@@ -308,8 +307,8 @@ class TableShard:
             return self._gather(rows, out)
         wide = np.empty((len(ids), self.spec.dim), dtype=self.spec.dtype)
         wide[found] = self.storage.values[rows[found]]
-        wide[~found] = initial_rows(self.spec.initializer, ids[~found], self.spec.dim,
-                                    self.spec.dtype)
+        wide[~found] = native_path.initial_rows(self.spec.initializer, ids[~found],
+                                                self.spec.dim, self.spec.dtype)
         self.vocab.count_defaults(int((~found).sum()))
         return self._narrowed(wide, out)
 

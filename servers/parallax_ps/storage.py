@@ -11,9 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.routing import ShardRouter
 from parallax.protocol.specs import TableSpec
+from parallax_ps import native_path
 from parallax_ps.optimizers import ServerOptimizer, Slots
 
 KEY_BYTES = 8 + 1  # a keyed shard's bytes per allocated row besides values and slots:
@@ -66,8 +66,8 @@ class FixedRows:
         fresh = np.unique(fresh)
         if self.spec.initializer.kind != "zeros":
             ids = self.router.global_ids_of(fresh, self.shard)
-            self.values[fresh] = initial_rows(self.spec.initializer, ids, self.spec.dim,
-                                              self.spec.dtype)
+            self.values[fresh] = native_path.initial_rows(self.spec.initializer, ids,
+                                                          self.spec.dim, self.spec.dtype)
         for name, slot in self.slots.items():
             start = self.optimizer.slot_initial_value(name)
             if start:
@@ -216,8 +216,8 @@ class KeyedRows:
             self._grow(self._grown(stop))
         self._keys[start:stop] = new_keys
         if initialise:
-            self.values[start:stop] = initial_rows(self.spec.initializer, new_keys,
-                                                   self.spec.dim, self.spec.dtype)
+            self.values[start:stop] = native_path.initial_rows(
+                self.spec.initializer, new_keys, self.spec.dim, self.spec.dtype)
             for name, slot in self.slots.items():
                 slot[start:stop] = self.optimizer.slot_initial_value(name)
         if self.spec.dynamic:

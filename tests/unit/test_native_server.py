@@ -12,8 +12,9 @@ import pytest
 
 from parallax import native
 from parallax.env import NATIVE_ENV
-from parallax.protocol import routing, wire_dtypes
-from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Lion, Nadam, RMSprop)
+from parallax.protocol import initial_values, routing, wire_dtypes
+from parallax.protocol.specs import (SGD, Adagrad, Adam, Adamax, Ftrl, Initializer, Lion, Nadam,
+                                     RMSprop)
 from parallax_ps import native_path
 from parallax_ps.optimizers import ServerOptimizer, quiet_float_errors
 
@@ -157,6 +158,39 @@ def test_ftrl_and_float64_tables_stay_on_the_numpy_path():
                               0.1) is None
     assert native_path.update(ServerOptimizer(SGD(0.1)), np.zeros((3, 2)), {}, rows,
                               grads.astype(np.float64), 0, 0.1) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("seed, minval, maxval", [
+    (0, -0.05, 0.05), (7, 0.0, 1.0), (2**64 - 1, -3e38, 3e38), (12345, -5.0, 5.0),
+    (1, 1e-45, 2e-45), (99, -1.0, -0.999999)])
+def test_uniform_initial_rows_are_numpys_bits(dtype, seed, minval, maxval):
+    """Ids of every size and sign (a keyed table's keys are any int64), dims from 1 up: the
+    kernel's rows against initial_values' numpy rows, bit for bit."""
+    native_path.reselect()
+    rng = np.random.default_rng(seed % 1000)
+    ids = np.concatenate([np.arange(-3, 300), rng.integers(-2**63, 2**63 - 1, 500),
+                          [2**63 - 1, -2**63]]).astype(np.int64)
+    init = Initializer("uniform", seed=seed, minval=minval, maxval=maxval)
+    for dim in (1, 3, 16, 64):
+        expected = initial_values.initial_rows(init, ids, dim, dtype)
+        same_bits(native_path.initial_rows(init, ids, dim, dtype), expected)
+        same_bits(native_path.initial_rows(init, ids[7:9][::-1], dim, dtype),
+                  expected[7:9][::-1])  # (a view with negative strides)
+
+
+def test_other_initializers_and_dtypes_stay_on_the_numpy_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(KERNELS, "init_uniform", lambda *a: calls.append(a), raising=False)
+    native_path.reselect()
+    ids = np.arange(4)
+    for init, dtype in [(Initializer("normal", seed=1), "float32"),
+                        (Initializer("truncated_normal", seed=1), "float32"),
+                        (Initializer("uniform", seed=1), "float16"),
+                        (Initializer("uniform", seed=1, minval=-1e39, maxval=0.0), "float64")]:
+        same_bits(native_path.initial_rows(init, ids, 3, dtype),
+                  initial_values.initial_rows(init, ids, 3, dtype))
+    assert calls == []
 
 
 def test_selecting_python_leaves_no_kernel_in_use(monkeypatch):

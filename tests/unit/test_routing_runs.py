@@ -178,4 +178,4 @@ def test_one_64_bit_hash_in_the_tree():
     spelled = sorted(str(p.relative_to(root)) for top in ("parallax", "servers")
                      for p in (root / top).rglob("*") if p.suffix in (".py", ".h", ".cc")
                      and "bf58476d1ce4e5b9" in p.read_text().lower())
-    assert spelled == ["parallax/native/src/worker_kernels.h", "parallax/protocol/routing.py"]
+    assert spelled == ["parallax/native/src/hash64.h", "parallax/protocol/routing.py"]

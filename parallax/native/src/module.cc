@@ -9,7 +9,7 @@ namespace py = pybind11;
 
 // The kernels' ABI: parallax.native refuses a module whose number differs from its own
 // (a stale build left in the tree after the Python side changed).
-constexpr int kAbi = 4;
+constexpr int kAbi = 5;
 
 void register_worker(py::module_& m);  // worker_module.cc: the worker's fused pull and push
 

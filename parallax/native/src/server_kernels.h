@@ -154,5 +154,6 @@ void register_server(py::module_& m);
 void register_rows(py::module_& m);
 void register_sums(py::module_& m);
 void register_optimizers(py::module_& m);
+void register_init(py::module_& m);
 
 }  // namespace parallax_server

@@ -7,6 +7,7 @@ void register_server(py::module_& m) {
   register_rows(m);
   register_sums(m);
   register_optimizers(m);
+  register_init(m);
 }
 
 }  // namespace parallax_server

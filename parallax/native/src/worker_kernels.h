@@ -12,6 +12,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "hash64.h"
+
 namespace parallax_worker {
 
 namespace py = pybind11;
@@ -27,13 +29,7 @@ constexpr size_t kAlign = 16;       // row blocks start 16-byte aligned
 
 inline size_t up(size_t at, size_t align) { return at + ((align - at % align) % align); }
 
-// splitmix64's finaliser (parallax.protocol.routing.mix64).
-inline uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
+using parallax_hash::mix64;  // (hash64.h: parallax.protocol.routing.mix64)
 
 inline int64_t floor_div(int64_t a, int64_t b) {
   int64_t q = a / b;
