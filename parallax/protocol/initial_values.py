@@ -5,6 +5,9 @@ rows, and a table has the same initial state whatever its shard count or partiti
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import numpy as np
 
 from parallax.protocol.routing import mix64
@@ -25,20 +28,25 @@ def _uniform01(seed_key: np.uint64, ids: np.ndarray, dim: int, stream: int, rnd:
     return (mix64(counter) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _standard_normal(seed_key: np.uint64, ids: np.ndarray, dim: int, rnd: int) -> np.ndarray:
-    u1 = 1.0 - _uniform01(seed_key, ids, dim, 0, rnd)  # (0, 1]: log is finite
-    u2 = _uniform01(seed_key, ids, dim, 1, rnd)
+Uniform01 = Callable[[np.uint64, np.ndarray, int, int, int], np.ndarray]  # `_uniform01`'s
+
+
+def _standard_normal(seed_key: np.uint64, ids: np.ndarray, dim: int, rnd: int,
+                     uniform01: Uniform01) -> np.ndarray:
+    u1 = 1.0 - uniform01(seed_key, ids, dim, 0, rnd)  # (0, 1]: log is finite
+    u2 = uniform01(seed_key, ids, dim, 1, rnd)
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def _truncated_normal(seed_key: np.uint64, ids: np.ndarray, dim: int) -> np.ndarray:
-    z = _standard_normal(seed_key, ids, dim, 0)
+def _truncated_normal(seed_key: np.uint64, ids: np.ndarray, dim: int,
+                      uniform01: Uniform01) -> np.ndarray:
+    z = _standard_normal(seed_key, ids, dim, 0, uniform01)
     for rnd in range(1, _MAX_TRUNCATION_ROUNDS):
         bad = np.abs(z) > 2.0
         if not bad.any():
             break
         rows = np.flatnonzero(bad.any(axis=1))
-        redraw = _standard_normal(seed_key, ids[rows], dim, rnd)
+        redraw = _standard_normal(seed_key, ids[rows], dim, rnd, uniform01)
         sub = z[rows]
         sub_bad = bad[rows]
         sub[sub_bad] = redraw[sub_bad]
@@ -46,28 +54,37 @@ def _truncated_normal(seed_key: np.uint64, ids: np.ndarray, dim: int) -> np.ndar
     return np.clip(z, -2.0, 2.0)
 
 
-def _compute(init: Initializer, ids: np.ndarray, dim: int) -> np.ndarray:
+def _compute(init: Initializer, ids: np.ndarray, dim: int, uniform01: Uniform01) -> np.ndarray:
     n = len(ids)
     if init.kind == "zeros":
         return np.zeros((n, dim))
     if init.kind == "constant":
         return np.full((n, dim), init.value)
-    seed_key = mix64(np.array([init.seed], dtype=np.uint64))[0]
+    key = seed_key(init)
     if init.kind == "uniform":
-        u = _uniform01(seed_key, ids, dim, 0, 0)
+        u = uniform01(key, ids, dim, 0, 0)
         return init.minval + (init.maxval - init.minval) * u
     if init.kind == "normal":
-        return init.mean + init.stddev * _standard_normal(seed_key, ids, dim, 0)
-    return init.mean + init.stddev * _truncated_normal(seed_key, ids, dim)
+        return init.mean + init.stddev * _standard_normal(key, ids, dim, 0, uniform01)
+    return init.mean + init.stddev * _truncated_normal(key, ids, dim, uniform01)
 
 
-def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str) -> np.ndarray:
+@functools.lru_cache(maxsize=1024)
+def seed_key(init: Initializer) -> np.uint64:
+    """The hashed seed every draw of `init` starts from (kept: a table's first touches ask
+    for it every step)."""
+    return mix64(np.array([init.seed], dtype=np.uint64))[0]
+
+
+def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str,
+                 uniform01: Uniform01 | None = None) -> np.ndarray:
     """Initial values of the rows with these global ids (or a keyed table's keys), shape
-    [n, dim]."""
+    [n, dim]. `uniform01`: what draws the counter-based uniforms (`_uniform01`, or a
+    compiled twin giving the same bits: the server's, `parallax_ps.native_path`)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     out = np.empty((len(ids), dim), dtype=dtype)
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // dim)
     for start in range(0, len(ids), rows_per_chunk):
         stop = start + rows_per_chunk
-        out[start:stop] = _compute(init, ids[start:stop], dim)
+        out[start:stop] = _compute(init, ids[start:stop], dim, uniform01 or _uniform01)
     return out

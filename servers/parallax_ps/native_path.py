@@ -33,8 +33,8 @@ from parallax.protocol.specs import Initializer
 from parallax_ps.optimizer_kernels import kernel_constants
 
 _F32 = np.dtype(np.float32)
-_INIT_DTYPES = (_F32, np.dtype(np.float64))  # init_uniform's outputs
-_F32_MAX = float(np.finfo(np.float32).max)
+_INIT_DTYPES = (_F32, np.dtype(np.float64))  # uniform_rows' outputs
+_F32_MAX = float(np.finfo(np.float32).max)  # (past it, a float32 table's rows overflow in numpy)
 _WIRE_CODES = {_F32: 0, np.dtype("<f2"): 1, np.dtype("<u2"): 2}  # gather's `wire` argument
 _chosen: list = []  # [the kernels or None], once chosen
 
@@ -143,14 +143,24 @@ def owns_all(ids: np.ndarray, router, shard: int) -> bool | None:
 
 
 def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str) -> np.ndarray:
-    """initial_values.initial_rows: a "uniform" initializer's rows by the kernel (the rows
-    a step touches first: a long-tailed workload's pulls meet new rows every step), the
-    other kinds (and bounds past float32's range) in numpy."""
+    """initial_values.initial_rows with its uniform draws made by the kernels: a "uniform"
+    initializer's rows whole (float32 and float64 tables, bounds within float32), the other
+    random kinds' draws under numpy's shaping. A long-tailed workload meets new rows every
+    step, and their hashing was most of a first touch's numpy work."""
     module, out_dtype = kernels(), np.dtype(dtype)
-    if module is None or init.kind != "uniform" or out_dtype not in _INIT_DTYPES or \
-            not all(abs(v) <= _F32_MAX for v in (init.minval, init.maxval)):
+    if module is None:
         return initial_values.initial_rows(init, ids, dim, dtype)
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    out = np.empty((len(ids), dim), dtype=out_dtype)
-    module.init_uniform(init.seed, ids, dim, float(init.minval), float(init.maxval), out)
-    return out
+    if init.kind == "uniform" and out_dtype in _INIT_DTYPES and \
+            max(abs(init.minval), abs(init.maxval)) <= _F32_MAX:
+        out = np.empty((len(ids), dim), out_dtype)
+        module.uniform_rows(int(initial_values.seed_key(init)), ids, dim, float(init.minval),
+                            float(init.maxval), out)
+        return out
+
+    def uniform01(seed_key, ids: np.ndarray, dim: int, stream: int, rnd: int) -> np.ndarray:
+        out = np.empty((len(ids), dim), np.float64)
+        module.uniform01(int(seed_key), np.ascontiguousarray(ids, dtype=np.int64), dim,
+                         stream, rnd, out)
+        return out
+    return initial_values.initial_rows(init, ids, dim, dtype, uniform01)

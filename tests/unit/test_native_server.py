@@ -160,18 +160,27 @@ def test_ftrl_and_float64_tables_stay_on_the_numpy_path():
                               grads.astype(np.float64), 0, 0.1) is None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("seed, minval, maxval", [
-    (0, -0.05, 0.05), (7, 0.0, 1.0), (2**64 - 1, -3e38, 3e38), (12345, -5.0, 5.0),
-    (1, 1e-45, 2e-45), (99, -1.0, -0.999999)])
-def test_uniform_initial_rows_are_numpys_bits(dtype, seed, minval, maxval):
-    """Ids of every size and sign (a keyed table's keys are any int64), dims from 1 up: the
-    kernel's rows against initial_values' numpy rows, bit for bit."""
+INITIALIZERS = [Initializer("uniform", seed=0, minval=-0.05, maxval=0.05),
+                Initializer("uniform", seed=2**64 - 1, minval=-3e38, maxval=3e38),
+                Initializer("uniform", seed=1, minval=1e-45, maxval=2e-45),
+                Initializer("normal", seed=7, mean=1.0, stddev=0.5),
+                Initializer("normal", seed=2**63, stddev=1e-30),
+                Initializer("truncated_normal", seed=12345, stddev=2.0),  # (redraw rounds)
+                Initializer("truncated_normal", seed=99, mean=-3.0, stddev=1e3),
+                Initializer("zeros"), Initializer("constant", value=0.25)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (3e38 as float16)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("init", INITIALIZERS, ids=lambda i: f"{i.kind}-{i.seed}")
+def test_initial_rows_are_numpys_bits(init, dtype):
+    """Every initializer over ids of every size and sign (a keyed table's keys are any
+    int64) and several widths: the rows drawn with the kernel's uniforms against
+    initial_values' numpy rows, bit for bit."""
     native_path.reselect()
-    rng = np.random.default_rng(seed % 1000)
+    rng = np.random.default_rng(init.seed % 1000)
     ids = np.concatenate([np.arange(-3, 300), rng.integers(-2**63, 2**63 - 1, 500),
                           [2**63 - 1, -2**63]]).astype(np.int64)
-    init = Initializer("uniform", seed=seed, minval=minval, maxval=maxval)
     for dim in (1, 3, 16, 64):
         expected = initial_values.initial_rows(init, ids, dim, dtype)
         same_bits(native_path.initial_rows(init, ids, dim, dtype), expected)
@@ -179,18 +188,16 @@ def test_uniform_initial_rows_are_numpys_bits(dtype, seed, minval, maxval):
                   expected[7:9][::-1])  # (a view with negative strides)
 
 
-def test_other_initializers_and_dtypes_stay_on_the_numpy_path(monkeypatch):
-    calls = []
-    monkeypatch.setattr(KERNELS, "init_uniform", lambda *a: calls.append(a), raising=False)
-    native_path.reselect()
+def test_the_uniform_kernels_refuse_what_they_cannot_fill():
     ids = np.arange(4)
-    for init, dtype in [(Initializer("normal", seed=1), "float32"),
-                        (Initializer("truncated_normal", seed=1), "float32"),
-                        (Initializer("uniform", seed=1), "float16"),
-                        (Initializer("uniform", seed=1, minval=-1e39, maxval=0.0), "float64")]:
-        same_bits(native_path.initial_rows(init, ids, 3, dtype),
-                  initial_values.initial_rows(init, ids, 3, dtype))
-    assert calls == []
+    for out in (np.empty((4, 3), np.float32), np.empty((3, 3)), np.empty((4, 3))[:, :2],
+                np.empty(12), np.empty((4, 3), np.int64)):
+        with pytest.raises(ValueError):
+            KERNELS.uniform01(1, ids, 3, 0, 0, out)
+    for out in (np.empty((4, 3), np.float16), np.empty((4, 2), np.float32),
+                np.empty((4, 3), np.int32), np.empty((4, 3))[:, ::-1]):
+        with pytest.raises(ValueError):
+            KERNELS.uniform_rows(1, ids, 3, 0.0, 1.0, out)
 
 
 def test_selecting_python_leaves_no_kernel_in_use(monkeypatch):
