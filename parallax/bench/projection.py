@@ -25,7 +25,7 @@ from typing import Callable
 
 from parallax.bench.figures import figure, slug
 from parallax.bench.results import Network, Results, Run
-from parallax.bench.summary import link_traffic, servers_at
+from parallax.bench.summary import link_traffic
 from parallax.errors import ConfigError
 from parallax.placement.traffic_model import (Projection, StepFit, StepPoint, fit_step_model,
                                               project)
@@ -86,15 +86,13 @@ def _median(values) -> float | None:
 
 def _analytic(system: str, run: Run) -> Callable[[int], float] | None:
     """Worker link bytes (busier direction) the traffic model expects at W workers: a
-    worker's, or, colocated, its host's with the servers it would have there
-    (`summary.link_traffic`)."""
+    worker's, or, colocated, a host's (`summary.link_traffic`)."""
     workload, colocated = run.traffic_workload, run.network.placement == "colocated"
-    if workload is None or link_traffic(system, workload, run.servers, colocated) is None:
+    if workload is None or link_traffic(system, workload, colocated) is None:
         return None
 
     def at(workers: int) -> float:
-        traffic = link_traffic(system, replace(workload, workers=workers),
-                               servers_at(run, workers), colocated)
+        traffic = link_traffic(system, replace(workload, workers=workers), colocated)
         return max(traffic.sent, traffic.received)
     return at
 

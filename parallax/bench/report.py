@@ -153,8 +153,8 @@ def _slice_section(s: Slice, network: Network) -> list[str]:
               f"processes were held to in all):", ""]
     lines += _table(["system", "hosts", "cores", "samples/s", "samples/s per core",
                      "hybrid / this, per core"], (_hardware_cells(s, p, w) for p in s.systems))
-    link = ("per worker host link (its co-located server's bytes included; analytic: the "
-            "busiest host's, `traffic_model.colocated_host`)"
+    link = ("per worker host link (its co-located server's bytes included; mean over the "
+            "hosts, measured and analytic: `traffic_model.colocated_host`)"
             if network.placement == "colocated" else "per worker")
     lines += [f"Bytes {link} per step at {w} workers (median over ok rounds):", ""]
     lines += _table(["system", "sent", "received", "analytic sent", "analytic received",

@@ -5,7 +5,6 @@ The types and constants every report module shares; nothing here writes a file.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
@@ -44,25 +43,17 @@ def analytic_traffic(system: str, workload: Workload) -> StepTraffic | None:
     return None if model is None else traffic_model.expected_traffic(model, workload)
 
 
-def link_traffic(system: str, workload: Workload, servers: int, colocated: bool
-                 ) -> StepTraffic | None:
+def link_traffic(system: str, workload: Workload, colocated: bool) -> StepTraffic | None:
     """The bytes the model expects over the link a run measures per worker: the worker's
-    own (`analytic_traffic`), or, where the servers sit inside the worker hosts, the
-    busiest host's, its worker's and its servers' together (`colocated_host`)."""
+    own (`analytic_traffic`), or, where the servers sit inside the worker hosts, a host's,
+    its worker's and its servers' together (`colocated_host`: the mean over the hosts, as
+    the bench measures it)."""
     model = _MODEL.get(system)
     if model is None:
         return None
     if not colocated:
         return traffic_model.expected_traffic(model, workload)
-    return traffic_model.colocated_host(model, workload, servers)
-
-
-def servers_at(run: Run, workers: int) -> int:
-    """The servers a run's system would have at `workers` workers: its own ratio of
-    servers to workers (a server on every worker host when colocated), at least one."""
-    if not run.servers:
-        return 0
-    return max(1, math.ceil(workers * run.servers / run.workers - 1e-9))
+    return traffic_model.colocated_host(model, workload)
 
 
 def run_traffic(run: Run) -> StepTraffic | None:
@@ -71,7 +62,7 @@ def run_traffic(run: Run) -> StepTraffic | None:
     if run.traffic_workload is None:
         return run.analytic
     return link_traffic(run.system, replace(run.traffic_workload, workers=run.workers),
-                        run.servers, run.network.placement == "colocated")
+                        run.network.placement == "colocated")
 
 
 def minimum_traffic(workload: Workload) -> StepTraffic:

@@ -133,27 +133,25 @@ def expected_traffic(system: str, workload: Workload) -> StepTraffic:
 SERVER_PARTS = {"hybrid": "sparse", "ps": "all"}  # what each system exchanges with servers
 
 
-def colocated_host(system: str, workload: Workload, servers: int) -> StepTraffic:
-    """Bytes over the link of the busiest host when `servers` servers sit inside the W
-    worker hosts (server i on host i mod W, as `parallax run -H` and the bench's colocated
-    placement put them), each holding 1/S of every table. A host's link carries its
-    worker's traffic with the servers on other hosts, (1 - k/S) X, and its k = ceil(S/W)
-    servers' traffic with the other hosts' workers, k (W-1) X / S (X: what one worker
-    exchanges with all the servers a step): with S = W, 2 (W-1)/W X each way, so from
-    1x X at 2 workers to 1.75x at 8, all of it on the link a dedicated server's traffic
-    would not share. What a system sends past the servers (a ring all-reduce) is added
-    whole. Systems without servers: their worker's traffic."""
+def colocated_host(system: str, workload: Workload) -> StepTraffic:
+    """Bytes over a worker host's link, the mean over the W hosts, when the servers sit
+    inside the worker hosts (server i on host i mod W, as `parallax run -H` and the bench's
+    colocated placement put them; the bench measures that mean). A host's link carries its
+    worker's traffic with the servers on other hosts and its servers' traffic with the
+    other hosts' workers; summed over the hosts that is (W - 1) x W x X each way (X: what
+    one worker exchanges with all the servers a step, sent plus received), whatever the
+    server count, so a host carries (W - 1)/W x (X sent + X received) each way: 1x X at 2
+    workers, 1.75x at 8, on the link a dedicated server's traffic would not share. What a
+    system sends past the servers (a ring all-reduce) is added whole. Systems without
+    servers: their worker's traffic."""
     whole = expected_traffic(system, workload)
     part = SERVER_PARTS.get(system)
-    if part is None or servers < 1:
+    if part is None:
         return whole
-    w = workload.workers
     x = sparse_on_servers(workload) if part == "sparse" else whole
     rest = StepTraffic(whole.sent - x.sent, whole.received - x.received)
-    k = math.ceil(servers / w)
-    mine, theirs = 1 - k / servers, k * (w - 1) / servers
-    return rest + StepTraffic(mine * x.sent + theirs * x.received,
-                              mine * x.received + theirs * x.sent)
+    each = (workload.workers - 1) / workload.workers * (x.sent + x.received)
+    return rest + StepTraffic(each, each)
 
 
 # --- the calibrated step-time model -------------------------------------------------------

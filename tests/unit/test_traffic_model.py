@@ -30,21 +30,29 @@ def test_expected_bytes_per_worker_per_step(system, workers, sent):
     assert traffic.total == 2 * sent
 
 
-@pytest.mark.parametrize("system, workers, servers, sent", [
-    ("hybrid", 1, 1, 0.0),                  # its one server is on its own host: no bytes
-    ("hybrid", 2, 2, 240 + 1000.0),         # (1 - 1/2) + 1/2 of the rows, and the ring
-    ("hybrid", 4, 4, 1.5 * 240 + 1500.0),   # 2 (W-1)/W x the rows
-    ("hybrid", 8, 8, 1.75 * 240 + 1750.0),
-    ("hybrid", 4, 2, 2 * 240 + 1500.0),     # a host with one of 2 servers: (1/2 + 3/2) rows
-    ("hybrid", 4, 8, 1.5 * 240 + 1500.0),   # 2 servers a host: (1 - 2/8) + 2 x 3/8
-    ("ps", 4, 4, 1.5 * (240 + 1000.0)),     # dense variables go through the servers too
-    ("allreduce", 4, 4, 3 * 240 + 1500.0),  # no servers: a worker's own traffic
-    ("hybrid", 4, 0, 240 + 1500.0),         # no servers named: as expected_traffic
+@pytest.mark.parametrize("system, workers, sent", [
+    ("hybrid", 1, 0.0),                   # its one server is on its own host: no bytes
+    ("hybrid", 2, 240 + 1000.0),          # 1/2 x (240 sent + 240 received), and the ring
+    ("hybrid", 4, 1.5 * 240 + 1500.0),    # (W-1)/W x the rows both ways
+    ("hybrid", 8, 1.75 * 240 + 1750.0),
+    ("ps", 4, 1.5 * (240 + 1000.0)),      # dense variables go through the servers too
+    ("allreduce", 4, 3 * 240 + 1500.0),   # no servers: a worker's own traffic
 ])
-def test_a_colocated_host_carries_its_workers_and_its_servers_bytes(system, workers, servers,
-                                                                     sent):
-    traffic = colocated_host(system, Workload(workers=workers, **ONE_TABLE), servers)
+def test_a_colocated_host_carries_its_workers_and_its_servers_bytes(system, workers, sent):
+    traffic = colocated_host(system, Workload(workers=workers, **ONE_TABLE))
     assert traffic.sent == pytest.approx(sent) and traffic.received == pytest.approx(sent)
+
+
+def test_a_colocated_host_is_the_mean_over_hosts_whatever_the_server_count():
+    """Host by host, with S servers on W hosts (server i on host i mod W, each holding 1/S
+    of the rows), the bytes over the links add up to W x colocated_host's, each way."""
+    w, x = 4, 240.0  # one worker's rows with the servers, each way
+    workload = Workload(workers=w, dense_bytes=0, table_rows=(100,), table_dims=(4,),
+                        unique_rows=(10,))
+    for s in (1, 2, 3, 4, 6, 8):
+        on_host = [sum(1 for i in range(s) if i % w == h) for h in range(w)]
+        sent = [x * (1 - k / s) + k * (w - 1) * x / s for k in on_host]
+        assert sum(sent) / w == pytest.approx(colocated_host("hybrid", workload).sent)
 
 
 def test_several_tables_add_up():
