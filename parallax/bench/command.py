@@ -120,6 +120,10 @@ def parser() -> argparse.ArgumentParser:
                         "rounds, e.g. 0,1,4,16 (default: none)")
     p.add_argument("--cache-mb", type=int, default=defaults.cache_mb,
                    help="the row cache's memory per worker, MiB (default %(default)s)")
+    p.add_argument("--data-batches", type=int, default=defaults.data_batches,
+                   help="batches each worker makes before timing and cycles (default "
+                        "%(default)s): more batches, more rows the servers meet for the first "
+                        "time while timed, as a long-tailed dataset's stream does")
     p.add_argument("--report-only", action="store_true",
                    help="do not run anything: render the report of OUT/results.json")
     return p
@@ -150,7 +154,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        out_dir=args.out, prefix=args.prefix, cpu_shares=args.cpu_share,
                        cgroup_root=args.cgroup_root, cpu_period_us=args.cpu_period_us,
                        cache_staleness=args.cache_staleness, cache_mb=args.cache_mb,
-                       placements=args.placement)
+                       placements=args.placement, data_batches=args.data_batches)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,12 +51,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 from parallax.launch import k8s
 from parallax.bench import cgroups, measure, summary, topology, workloads
+from parallax.bench.workloads import POOL_BATCHES
 from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (API)
                                     traffic_record, window_metrics)
 from parallax.bench.cgroups import CpuGroups
@@ -112,6 +113,7 @@ class BenchConfig:
     cache_staleness: tuple[int, ...] = ()  # one hybrid_cache<S> system each
     cache_mb: int = DEFAULT_CACHE_MB
     placements: tuple[str, ...] = (topology.COLOCATED,)  # equal hardware first
+    data_batches: int = POOL_BATCHES  # per worker, made before timing and cycled
 
     @property
     def runs(self) -> tuple[str, ...]:
@@ -138,6 +140,9 @@ class BenchConfig:
             raise ConfigError(f"servers must be >= 1, got {self.servers}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.data_batches < 1:
+            raise ConfigError(f"--data-batches {self.data_batches} must be >= 1 (batches "
+                              f"each worker makes before timing and cycles)")
         if not self.cpu_shares:
             raise ConfigError("cpu_shares must name at least one setting, e.g. (None,)")
         if not self.placements:
@@ -440,6 +445,8 @@ def run_one(system: str, spec: workloads.WorkloadSpec, workers: int, config: Ben
     """One run, as a results record (status "failed" with the reason instead of raising).
     worker_args: more flags for every worker process (parallax.bench.worker's); a cache
     system (`cache_system`) runs hybrid's processes with its cache's flags."""
+    if spec.data_batches != POOL_BATCHES:
+        worker_args = [*worker_args, "--data-batches", str(spec.data_batches)]
     staleness = cache_staleness(system)
     if staleness is not None:
         worker_args = [*worker_args, "--cache-staleness", str(staleness),
@@ -544,6 +551,11 @@ def _cycle_time_note(environ) -> str:
             f"{HOROVOD_CYCLE_TIME_ENV} to give every system one")
 
 
+DATA_NOTE = ("data: each worker makes {batches} batches before timing and cycles them "
+             "(--data-batches), so the servers meet rows never touched before only in a "
+             "run's first {batches} steps")
+
+
 def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
                   notes: Sequence[str] = ()) -> Path:
     """Every run of the matrix; returns the results JSON path (rewritten after every run).
@@ -562,6 +574,7 @@ def run_benchmark(config: BenchConfig, command: str = "", echo=sys.stdout,
             "worker applies its own batch's gradient, so a global step is W updates and its "
             "loss is not comparable with the synchronous systems' (throughput and bytes are)")
     results["meta"]["notes"].append(_cycle_time_note(os.environ))
+    results["meta"]["notes"].append(DATA_NOTE.format(batches=config.data_batches))
     _prepare_cpu_groups(config, results["meta"]["notes"], echo)
     for network in config.networks:
         for share in config.cpu_shares:
@@ -649,7 +662,7 @@ def _note(notes: list[str], text: str) -> None:
 
 def _run_network(config, network, placement, results, results_path, out, echo) -> None:
     for name in config.workloads:
-        spec = workloads.get(name, config.size)
+        spec = replace(workloads.get(name, config.size), data_batches=config.data_batches)
         for workers in config.workers:
             for rnd in range(config.rounds):
                 for system in config.runs:

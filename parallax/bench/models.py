@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from parallax.bench.workloads import POOL_BATCHES, WorkloadSpec, batch_pool
+from parallax.bench.workloads import WorkloadSpec, batch_pool
 
 
 def _init(shape: tuple[int, ...], seed: int, scale: float) -> tf.Tensor:
@@ -87,7 +87,8 @@ class BenchModel(tf.Module):
             labels=batch["labels"], logits=logits))
 
 
-def dataset(spec: WorkloadSpec, rank: int, batches: int = POOL_BATCHES) -> tf.data.Dataset:
+def dataset(spec: WorkloadSpec, rank: int, batches: int | None = None) -> tf.data.Dataset:
+    """Worker `rank`'s batches, cycled: `spec.data_batches` of them unless `batches`."""
     pool = batch_pool(spec, rank, batches)
     stacked = {key: np.stack([b[key] for b in pool]) for key in pool[0]}
     return tf.data.Dataset.from_tensor_slices(stacked).repeat().prefetch(2)

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 
@@ -231,6 +232,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", choices=SYSTEMS, required=True)
     parser.add_argument("--workload", choices=workloads.WORKLOADS, required=True)
     parser.add_argument("--size", choices=workloads.SIZES, default="full")
+    parser.add_argument("--data-batches", type=_positive, default=workloads.POOL_BATCHES,
+                        help="batches each worker makes before timing and cycles")
     parser.add_argument("--role", choices=("worker", "ps", "chief"), default="worker",
                         help="tf_ps only: a TF server (worker, ps) or the coordinator (chief)")
     defaults = measure.WindowConfig()
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.system == "tf_ps" and args.role != "chief":
         from parallax.bench import tf_peers
         return tf_peers.serve(args.role)
-    spec = workloads.get(args.workload, args.size)
+    spec = replace(workloads.get(args.workload, args.size), data_batches=args.data_batches)
     partitioned = args.shards is not None or args.search_partitions
     cached = args.cache_staleness is not None
     if (partitioned or cached) and args.system not in PARALLAX_SYSTEMS:

@@ -43,6 +43,7 @@ class WorkloadSpec:
     lr: float = 0.05
     seed: int = 1234
     ids_per_example: tuple[int, ...] = field(default=())  # per table: ids one example reads
+    data_batches: int = POOL_BATCHES  # batches per worker made before timing, then cycled
 
     @property
     def table_bytes(self) -> int:
@@ -99,10 +100,11 @@ def local_batch(spec: WorkloadSpec, rank: int, index: int) -> dict[str, np.ndarr
 
 
 def batch_pool(spec: WorkloadSpec, rank: int,
-               batches: int = POOL_BATCHES) -> list[dict[str, np.ndarray]]:
+               batches: int | None = None) -> list[dict[str, np.ndarray]]:
     """A few batches made before timing starts and cycled, so data generation costs the
     same (nothing) under every system."""
-    return [local_batch(spec, rank, i) for i in range(batches)]
+    count = spec.data_batches if batches is None else batches
+    return [local_batch(spec, rank, i) for i in range(count)]
 
 
 def unique_rows_per_step(spec: WorkloadSpec, batches: int = 8) -> tuple[int, ...]:

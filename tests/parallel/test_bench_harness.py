@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,9 +255,12 @@ def test_cpu_isolated_runs_hold_each_process_to_its_share(tmp_path):
 
 def test_loopback_runs_without_namespaces_and_counts_no_bytes(tmp_path):
     done = _bench(tmp_path, "--workloads", "dense", "--workers", "1", "--networks",
-                  "loopback", "--systems", "allreduce,horovod", "--rounds", "2")
+                  "loopback", "--systems", "allreduce,horovod", "--rounds", "2",
+                  "--data-batches", "20")
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = results["runs"]
+    assert harness.DATA_NOTE.format(batches=20) in results["meta"]["notes"]
     # Rounds alternate systems: A B A B.
     assert [(r["system"], r["round"]) for r in runs] == [
         ("allreduce", 0), ("horovod", 0), ("allreduce", 1), ("horovod", 1)]
@@ -448,6 +452,21 @@ def test_window_config_round_trips_through_worker_flags():
     args = _parser().parse_args(["--system", "hybrid", "--workload", "lm", *config.args()])
     assert measure.WindowConfig(args.warmup_steps, args.calibration_steps, args.windows,
                                 args.window_seconds, args.min_window_steps) == config
+
+
+def test_data_batches_reach_every_worker_and_its_dataset():
+    from parallax.bench.worker import _parser
+    config = config_from(parser().parse_args(["--data-batches", "40"]))
+    assert config.data_batches == 40 and harness.BenchConfig().data_batches == 16
+    spec = replace(workloads.get("ctr", "short"), data_batches=40)
+    assert len(workloads.batch_pool(spec, 0)) == 40
+    assert workloads.batch_pool(spec, 0)[39]["ids"].tolist() == \
+        workloads.local_batch(spec, 0, 39)["ids"].tolist()
+    args = _parser().parse_args(["--system", "hybrid", "--workload", "lm",
+                                 "--data-batches", "40"])
+    assert args.data_batches == 40
+    with pytest.raises(ConfigError, match="--data-batches 0 must be >= 1"):
+        config_from(parser().parse_args(["--data-batches", "0"]))
 
 
 def test_bad_configurations_are_refused_with_the_value():
