@@ -36,7 +36,7 @@ FIT_MAX_WORKERS = 4  # fit on points at <= this many workers; larger ones are he
 LINKS_GBIT = (10.0, 25.0)
 TERM_NAMES = {"worker_cpu": "worker CPU", "server_cpu": "server CPU",
               "chief_cpu": "coordinator CPU", "worker_link": "worker link",
-              "server_link": "server link"}
+              "server_link": "server link", "host_cpu": "host CPU"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def _point(runs: list[Run], analytic: Callable[[int], float]) -> StepPoint | Non
         analytic_bytes=analytic(first.workers), cores=network.cpu_share, link_bytes_per_s=rate,
         server_cpu=_role(runs, "server", "cpu_seconds") or 0.0,
         chief_cpu=_role(runs, "chief", "cpu_seconds") or 0.0,
-        server_bytes=_role(runs, "server", "link_bytes") or 0.0)
+        server_bytes=_role(runs, "server", "link_bytes") or 0.0,
+        colocated=network.placement == "colocated")
 
 
 def _fit_system(system: str, runs: list[Run],

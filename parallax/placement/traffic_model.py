@@ -23,7 +23,10 @@ its own CPU share, links scaled by it) calibrate one. A step costs each resource
                                             servers sit inside the worker hosts, the
                                             host's bytes: `colocated_host`)
   server link  = k_b W / S / r
-with c the cores each process has and r the link rate; each coefficient is fitted to its
+  host CPU     = worker CPU + S/W x server CPU + chief CPU   (colocated: a host's processes
+                                            share its cores, so their CPU adds up; it
+                                            stands in for the three CPU terms)
+with c the cores each process (colocated: each host) has and r the link rate; each coefficient is fitted to its
 own measurements (least squares for a, b and for k_s, k_r where the points tell those two
 apart; means for the others). The step time is then
 scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
@@ -160,7 +163,7 @@ def colocated_host(system: str, workload: Workload) -> StepTraffic:
 # (CPU) and each link (bytes), combined by the form that fits the measurements better.
 
 FORMS = ("max", "sum")
-TERMS = ("worker_cpu", "server_cpu", "chief_cpu", "worker_link", "server_link")
+TERMS = ("worker_cpu", "server_cpu", "chief_cpu", "worker_link", "server_link", "host_cpu")
 
 
 @dataclass(frozen=True)
@@ -171,8 +174,9 @@ class StepPoint:
     role used per step (mean over the role's processes; 0 where the role is absent).
     worker_bytes / server_bytes: bytes over one process's link per step, the busier
     direction. analytic_bytes: the traffic model's worker bytes at this point (busier
-    direction). cores: the CPU each process had (its cgroup share). link_bytes_per_s: each
-    link's rate, None when links were not shaped (then transfers are not modelled)."""
+    direction). cores: the CPU each process had (its cgroup share; colocated: each host's).
+    link_bytes_per_s: each link's rate, None when links were not shaped (then transfers are
+    not modelled). colocated: the servers (and a coordinator) ran inside the worker hosts."""
 
     workers: int
     servers: int
@@ -185,6 +189,7 @@ class StepPoint:
     server_cpu: float = 0.0
     chief_cpu: float = 0.0
     server_bytes: float = 0.0
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.servers < 0:
@@ -208,6 +213,11 @@ class StepModel:
       worker_link = bytes_ratio * analytic_bytes(W) / r            measured/analytic x model
       server_link = server_bytes_per_worker * W / S / r
 
+      host_cpu    = worker_cpu + S/W x server_cpu + chief_cpu      colocated (`colocated`):
+                                                                   a host's processes share
+                                                                   its cores; this term then
+                                                                   stands for the three
+
       step time = scale * max(terms)   (form "max": the slowest resource bounds the step,
                                         the others overlap with it)
       step time = scale * sum(terms)   (form "sum": nothing overlaps)
@@ -224,19 +234,26 @@ class StepModel:
     bytes_ratio: float = 1.0
     server_bytes_per_worker: float = 0.0
     server_cpu_per_client: float = 0.0
+    colocated: bool = False  # servers and coordinator inside the worker hosts (host_cpu)
 
     def terms(self, workers: int, servers: int, cores: float, link_bytes_per_s: float | None,
               analytic_bytes: float) -> dict[str, float]:
-        """Seconds per step of each resource, before `scale`."""
+        """Seconds per step of each resource, before `scale` (colocated: the host's CPU in
+        place of its processes')."""
         w, s = workers, max(servers, 1)
         per_server = workers / s if servers else 0.0
         link = (lambda b: 0.0) if link_bytes_per_s is None else (lambda b: b / link_bytes_per_s)
-        return {"worker_cpu": (self.worker_cpu_base + self.worker_cpu_slope * w) / cores,
-                "server_cpu": (self.server_cpu_per_worker * per_server +
-                               (self.server_cpu_per_client * w if servers else 0.0)) / cores,
-                "chief_cpu": self.chief_cpu_per_worker * w / cores,
-                "worker_link": link(self.bytes_ratio * analytic_bytes),
-                "server_link": link(self.server_bytes_per_worker * per_server)}
+        cpu = {"worker_cpu": (self.worker_cpu_base + self.worker_cpu_slope * w) / cores,
+               "server_cpu": (self.server_cpu_per_worker * per_server +
+                              (self.server_cpu_per_client * w if servers else 0.0)) / cores,
+               "chief_cpu": self.chief_cpu_per_worker * w / cores}
+        links = {"worker_link": link(self.bytes_ratio * analytic_bytes),
+                 "server_link": link(self.server_bytes_per_worker * per_server)}
+        if not self.colocated:
+            return {**cpu, **links, "host_cpu": 0.0}
+        host = cpu["worker_cpu"] + servers / workers * cpu["server_cpu"] + cpu["chief_cpu"]
+        return {"worker_cpu": 0.0, "server_cpu": 0.0, "chief_cpu": 0.0, **links,
+                "host_cpu": host}
 
     def step_seconds(self, workers: int, servers: int, cores: float,
                      link_bytes_per_s: float | None, analytic_bytes: float) -> float:
@@ -281,6 +298,9 @@ def _mean(values: list[float], default: float = 0.0) -> float:
 
 def _components(points: list[StepPoint]) -> StepModel:
     """The per-resource parts of the model, each from its own measurements (scale 1)."""
+    if len({p.colocated for p in points}) > 1:
+        raise ConfigError("the step-time model fits one placement at a time: these points "
+                          "mix colocated and dedicated servers")
     base, slope = _linear([p.workers for p in points], [p.worker_cpu for p in points])
     with_servers = [p for p in points if p.servers]
     per_worker, per_client = _server_cpu(with_servers)
@@ -291,7 +311,8 @@ def _components(points: list[StepPoint]) -> StepModel:
         bytes_ratio=_mean([p.worker_bytes / p.analytic_bytes for p in points
                            if p.analytic_bytes > 0], default=1.0),
         server_bytes_per_worker=_mean([p.server_bytes * p.servers / p.workers
-                                       for p in with_servers]))
+                                       for p in with_servers]),
+        colocated=points[0].colocated)
 
 
 def _server_cpu(points: list[StepPoint]) -> tuple[float, float]:

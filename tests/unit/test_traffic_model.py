@@ -135,7 +135,7 @@ def test_the_terms_of_a_point():
     assert terms == pytest.approx({
         "worker_cpu": 0.008 / SHARE, "server_cpu": 0.005 * 2 / SHARE,
         "chief_cpu": 0.002 / SHARE, "worker_link": 1.1 * 5e5 / RATE,
-        "server_link": 3e5 * 2 / RATE})
+        "server_link": 3e5 * 2 / RATE, "host_cpu": 0.0})
     # The points' bounds differ: worker CPU at 1 and 2 workers, server CPU at 4.
     assert [TRUE.bound(w, 2, SHARE, RATE, _analytic(w)) for w in (1, 2, 4)] == [
         "worker_cpu", "worker_cpu", "server_cpu"]
@@ -192,15 +192,16 @@ def test_too_few_worker_counts_are_refused():
         StepPoint(1, 0, 0.0, 0.01, 0.0, 0.0, 1.0, None)
 
 
-def _colocated_points(model: StepModel) -> list[StepPoint]:
-    """Points at 1, 2, 4 workers with a server on every worker's host (S = W)."""
+def _colocated_points(model: StepModel, counts=(1, 2, 4)) -> list[StepPoint]:
+    """Points with a server on every worker's host (S = W), inside it if the model says so."""
     return [StepPoint(workers=w, servers=w, step_seconds=model.step_seconds(
                 w, w, SHARE, RATE, _analytic(w)),
             worker_cpu=model.worker_cpu_base + model.worker_cpu_slope * w,
             worker_bytes=model.bytes_ratio * _analytic(w), analytic_bytes=_analytic(w),
             cores=SHARE, link_bytes_per_s=RATE,
-            server_cpu=model.server_cpu_per_worker + model.server_cpu_per_client * w)
-            for w in (1, 2, 4)]
+            server_cpu=model.server_cpu_per_worker + model.server_cpu_per_client * w,
+            chief_cpu=model.chief_cpu_per_worker * w, colocated=model.colocated)
+            for w in counts]
 
 
 def test_a_servers_cost_per_worker_reaching_it_is_fitted_where_servers_grow_with_workers():
@@ -215,6 +216,30 @@ def test_a_servers_cost_per_worker_reaching_it_is_fitted_where_servers_grow_with
     assert TRUE.terms(4, 0, 1.0, None, 1.0)["server_cpu"] == 0.0  # no servers: no clients
     terms = fit.model.terms(64, 64, 1.0, None, _analytic(64))  # a server a worker at 64
     assert terms["server_cpu"] == pytest.approx(0.005 + 0.0006 * 64)
+
+
+def test_colocated_processes_add_up_on_their_hosts_cores():
+    """Servers (and TF's coordinator) inside the worker hosts share the hosts' cores: the
+    step sees one host's CPU, its worker's, its server's and the coordinator's together, not
+    the slowest of them (the 2026-12-05 runs: hybrid's step at 1-4 workers was within 2-15%
+    of (worker + server CPU) / a host's cores, and 1.3-1.6x their max)."""
+    host = replace(TRUE, server_cpu_per_client=0.0006, server_bytes_per_worker=0.0,
+                   colocated=True)
+    terms = host.terms(4, 4, SHARE, RATE, _analytic(4))
+    worker, server, chief = 0.008 / SHARE, (0.005 + 0.0024) / SHARE, 0.002 / SHARE
+    assert terms == pytest.approx({"worker_cpu": 0.0, "server_cpu": 0.0, "chief_cpu": 0.0,
+                                   "worker_link": 1.1 * 5e5 / RATE, "server_link": 0.0,
+                                   "host_cpu": worker + server + chief})
+    assert host.terms(4, 2, SHARE, RATE, 0.0)["host_cpu"] == pytest.approx(  # 1 in 2 hosts
+        0.008 / SHARE + 0.5 * (0.005 * 2 + 0.0024) / SHARE + chief)
+    for form in ("max", "sum"):
+        true = replace(host, form=form, scale=1.1)
+        fit = fit_step_model(_colocated_points(true, (1, 2, 4, 8)))
+        assert fit.model.colocated and fit.model.form == form
+        _close(fit.model, true)
+        assert fit.holdout_error == pytest.approx(0, abs=1e-12)
+    with pytest.raises(ConfigError, match="mix colocated and dedicated"):
+        fit_step_model(_colocated_points(host) + _points(TRUE))
 
 
 def test_a_fixed_server_count_puts_a_servers_cost_on_the_rows():
