@@ -201,6 +201,23 @@ def test_the_request_floor_benchmark_runs(tmp_path):
     assert re.search(r"^push 3300 +\d+ +\d+ +\d+$", run.stdout, re.M), run.stdout
 
 
+def test_the_first_touch_benchmark_runs(tmp_path):
+    """examples/benchmarks/first_touch.py runs sync workers against a real server on new
+    rows every step and on rows already touched, and reports the server's CPU a step."""
+    out = tmp_path / "first.json"
+    run = subprocess.run([sys.executable, str(EXAMPLES / "benchmarks" / "first_touch.py"),
+                          "--workers", "2", "--parts", "2", "--ids", "20", "--rows", "5000",
+                          "--steps", "5", "--rounds", "1", "--initializer", "truncated_normal",
+                          "--out", str(out)],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report) == ["fresh", "warm"]
+    assert all(f["server_ms_per_step"] > 0 and len(f["rounds"]) == 1
+               for f in report.values()), report
+    assert re.search(r"^fresh: server [0-9.]+ ms a step \(median\)$", run.stdout, re.M)
+
+
 def test_the_wire_dtype_benchmark_runs(tmp_path):
     """examples/benchmarks/wire_dtype.py trains the lm workload once per wire dtype and a
     float32 control on 2 local servers: narrow rows move half the bytes, the losses stay
