@@ -219,8 +219,10 @@ def section(found: list[SystemProjection], networks: dict[str, Network],
     lines += ["The calibrated step-time model of `parallax/placement/traffic_model.py` "
               "(step time = "
               "scale x max or sum of worker CPU, server CPU, coordinator CPU, worker link "
-              "and server link per step; the form with the smaller error is kept), fitted "
-              "per system to the measured points, then evaluated with every process on one "
+              "and server link per step, where servers sit inside worker hosts the host's "
+              "CPU in place of its processes'; the form with the smaller error is kept), "
+              "fitted per system to the measured points, then evaluated with every process "
+              "(colocated: every host) on one "
               f"core and links of {' and '.join(f'{g:g}' for g in LINKS_GBIT)} Gbit/s; "
               f"{_ratio_text(found)}. Errors are |model - measured| / measured on the "
               "measured points.", ""]

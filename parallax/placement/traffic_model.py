@@ -23,8 +23,10 @@ its own CPU share, links scaled by it) calibrate one. A step costs each resource
                                             servers sit inside the worker hosts, the
                                             host's bytes: `colocated_host`)
   server link  = k_b W / S / r
-  host CPU     = worker CPU + S/W x server CPU + chief CPU   (colocated: a host's processes
-                                            share its cores, so their CPU adds up; it
+  host CPU     = worker CPU + ceil(S/W) x server CPU + chief CPU   (colocated, host 0's, the
+                                            busiest: its processes
+                                            share its cores, so their CPU adds up, and
+                                            a sync step waits for the busiest host; it
                                             stands in for the three CPU terms)
 with c the cores each process (colocated: each host) has and r the link rate; each coefficient is fitted to its
 own measurements (least squares for a, b and for k_s, k_r where the points tell those two
@@ -213,9 +215,10 @@ class StepModel:
       worker_link = bytes_ratio * analytic_bytes(W) / r            measured/analytic x model
       server_link = server_bytes_per_worker * W / S / r
 
-      host_cpu    = worker_cpu + S/W x server_cpu + chief_cpu      colocated (`colocated`):
-                                                                   a host's processes share
-                                                                   its cores; this term then
+      host_cpu    = worker_cpu + ceil(S/W) x server_cpu            colocated (`colocated`):
+                    + chief_cpu                                    host 0's processes (the
+                                                                   busiest host) share its
+                                                                   cores; this term then
                                                                    stands for the three
 
       step time = scale * max(terms)   (form "max": the slowest resource bounds the step,
@@ -251,7 +254,8 @@ class StepModel:
                  "server_link": link(self.server_bytes_per_worker * per_server)}
         if not self.colocated:
             return {**cpu, **links, "host_cpu": 0.0}
-        host = cpu["worker_cpu"] + servers / workers * cpu["server_cpu"] + cpu["chief_cpu"]
+        busiest = math.ceil(servers / workers)  # host 0's servers (server i on host i mod W)
+        host = cpu["worker_cpu"] + busiest * cpu["server_cpu"] + cpu["chief_cpu"]
         return {"worker_cpu": 0.0, "server_cpu": 0.0, "chief_cpu": 0.0, **links,
                 "host_cpu": host}
 

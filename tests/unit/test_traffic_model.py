@@ -230,8 +230,10 @@ def test_colocated_processes_add_up_on_their_hosts_cores():
     assert terms == pytest.approx({"worker_cpu": 0.0, "server_cpu": 0.0, "chief_cpu": 0.0,
                                    "worker_link": 1.1 * 5e5 / RATE, "server_link": 0.0,
                                    "host_cpu": worker + server + chief})
-    assert host.terms(4, 2, SHARE, RATE, 0.0)["host_cpu"] == pytest.approx(  # 1 in 2 hosts
-        0.008 / SHARE + 0.5 * (0.005 * 2 + 0.0024) / SHARE + chief)
+    assert host.terms(4, 2, SHARE, RATE, 0.0)["host_cpu"] == pytest.approx(  # host 0's one
+        0.008 / SHARE + (0.005 * 2 + 0.0024) / SHARE + chief)
+    assert host.terms(2, 3, SHARE, RATE, 0.0)["host_cpu"] == pytest.approx(  # and two here
+        0.006 / SHARE + 2 * (0.005 * 2 / 3 + 0.0012) / SHARE + 0.001 / SHARE)
     for form in ("max", "sum"):
         true = replace(host, form=form, scale=1.1)
         fit = fit_step_model(_colocated_points(true, (1, 2, 4, 8)))
