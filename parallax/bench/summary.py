@@ -48,12 +48,10 @@ def link_traffic(system: str, workload: Workload, colocated: bool) -> StepTraffi
     own (`analytic_traffic`), or, where the servers sit inside the worker hosts, a host's,
     its worker's and its servers' together (`colocated_host`: the mean over the hosts, as
     the bench measures it)."""
-    model = _MODEL.get(system)
-    if model is None:
-        return None
     if not colocated:
-        return traffic_model.expected_traffic(model, workload)
-    return traffic_model.colocated_host(model, workload)
+        return analytic_traffic(system, workload)
+    model = _MODEL.get(system)
+    return None if model is None else traffic_model.colocated_host(model, workload)
 
 
 def run_traffic(run: Run) -> StepTraffic | None:

@@ -23,14 +23,14 @@ its own CPU share, links scaled by it) calibrate one. A step costs each resource
                                             servers sit inside the worker hosts, the
                                             host's bytes: `colocated_host`)
   server link  = k_b W / S / r
-  host CPU     = worker CPU + ceil(S/W) x server CPU + chief CPU   (colocated, host 0's, the
-                                            busiest: its processes
-                                            share its cores, so their CPU adds up, and
-                                            a sync step waits for the busiest host; it
-                                            stands in for the three CPU terms)
-with c the cores each process (colocated: each host) has and r the link rate; each coefficient is fitted to its
-own measurements (least squares for a, b and for k_s, k_r where the points tell those two
-apart; means for the others). The step time is then
+  host CPU     = worker CPU + ceil(S/W) x server CPU + chief CPU
+                                            (colocated: host 0's, the busiest; its processes
+                                            share its cores, so their CPU adds up, and a
+                                            sync step waits for the busiest host; it stands
+                                            in for the three CPU terms)
+with c the cores each process (colocated: each host) has and r the link rate; each
+coefficient is fitted to its own measurements (least squares for a, b and for k_s, k_r
+where the points tell those two apart; means for the others). The step time is then
 scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
 (nothing overlaps); `scale` is one least-squares factor on the relative error, and of the
 two forms the one with the smaller mean relative error on the measured points is kept.

@@ -140,8 +140,6 @@ def owns_all(ids: np.ndarray, router, shard: int) -> bool | None:
                                 max(1, router.block)) < 0
 
 
-
-
 def initial_rows(init: Initializer, ids: np.ndarray, dim: int, dtype: str) -> np.ndarray:
     """initial_values.initial_rows with its uniform draws made by the kernels: a "uniform"
     initializer's rows whole (float32 and float64 tables, bounds within float32), the other
