@@ -32,8 +32,9 @@ with c the cores each process (colocated: each host) has and r the link rate; ea
 coefficient is fitted to its own measurements (least squares for a, b and for k_s, k_r
 where the points tell those two apart; means for the others). The step time is then
 scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
-(nothing overlaps); `scale` is one least-squares factor on the relative error, and of the
-two forms the one with the smaller mean relative error on the measured points is kept.
+(nothing overlaps), and never less than max(terms) (each term is a resource's busy time:
+no step is shorter than its busiest resource's); `scale` is one least-squares factor on the
+relative error (`floored_scale`), and of the two forms the one with the smaller mean relative error on the measured points is kept.
 `StepFit` states that error (mean and max), the other form's, and, with 1, 2 and 4
 workers, the error at 4 of a fit to 1 and 2 alone (what extrapolation costs). Projected
 samples/s = W x batch per worker / step time, with any W, S, c and r.
@@ -226,7 +227,10 @@ class StepModel:
       step time = scale * sum(terms)   (form "sum": nothing overlaps)
 
     scale (fitted) absorbs what the terms do not see: waiting for the slowest worker,
-    latency, scheduling."""
+    latency, scheduling. Each term is a resource's busy time a step (a process's or host's
+    CPU at its cores, a link's bytes at its rate), so no step is shorter than the largest:
+    step time >= max(terms) whatever the scale (a sum-form scale under 1 would otherwise
+    project a step below the CPU it burns)."""
 
     form: str
     scale: float
@@ -262,7 +266,7 @@ class StepModel:
     def step_seconds(self, workers: int, servers: int, cores: float,
                      link_bytes_per_s: float | None, analytic_bytes: float) -> float:
         terms = self.terms(workers, servers, cores, link_bytes_per_s, analytic_bytes).values()
-        return self.scale * (max(terms) if self.form == "max" else sum(terms))
+        return max(self.scale * _combined(self.form, terms), max(terms))
 
     def bound(self, workers: int, servers: int, cores: float,
               link_bytes_per_s: float | None, analytic_bytes: float) -> str:
@@ -341,17 +345,48 @@ def _server_cpu(points: list[StepPoint]) -> tuple[float, float]:
     return _mean([y / x for (x, _), y in zip(xs, ys)]), 0.0
 
 
+def _combined(form: str, terms) -> float:
+    return max(terms) if form == "max" else sum(terms)
+
+
 def _raw(model: StepModel, p: StepPoint) -> float:
     return model.step_seconds(p.workers, p.servers, p.cores, p.link_bytes_per_s,
                               p.analytic_bytes)
 
 
 def _with_scale(parts: StepModel, form: str, points: list[StepPoint]) -> StepModel:
-    """The scale minimising the squared relative error: sum(x) / sum(x^2), x = raw / t."""
+    """The scale minimising the squared relative error of the floored step (`step_seconds`)
+    on the points."""
     unscaled = replace(parts, form=form, scale=1.0)
-    ratios = [_raw(unscaled, p) / p.step_seconds for p in points]
-    squares = sum(x * x for x in ratios)
-    return replace(unscaled, scale=sum(ratios) / squares if squares else 1.0)
+    pairs = []
+    for p in points:
+        terms = unscaled.terms(p.workers, p.servers, p.cores, p.link_bytes_per_s,
+                               p.analytic_bytes).values()
+        pairs.append((_combined(form, terms) / p.step_seconds, max(terms) / p.step_seconds))
+    return replace(unscaled, scale=floored_scale(pairs))
+
+
+def floored_scale(pairs: Sequence[tuple[float, float]]) -> float:
+    """The s minimising sum((max(s a, b) - 1)^2) over (a, b) = (combined terms, floor) /
+    measured step, exactly: between consecutive cuts s = b / a the same points are floored,
+    and the rest's sum is a quadratic in s, least at sum(a) / sum(a^2) clamped to the
+    interval. Without a floor above the line it is that closed form; where every point
+    sits on its floor, any s under the cuts fits as well, and 1 (no correction) is kept
+    if it is one of them."""
+    cuts = sorted({b / a for a, b in pairs if a > 0})
+    edges = [0.0, *cuts, math.inf]
+    best: tuple[float, float, float] | None = None
+    for lo, hi in zip(edges, edges[1:]):
+        free = [a for a, b in pairs if a > 0 and b / a <= lo]
+        squares = sum(a * a for a in free)
+        s = min(max(sum(free) / squares, lo), hi) if squares else min(max(1.0, lo), hi)
+        if math.isinf(s):
+            continue
+        error = sum((max(s * a, b) - 1) ** 2 for a, b in pairs)
+        key = (round(error, 12), abs(math.log(s)) if s > 0 else math.inf, s)
+        if best is None or key < best:
+            best = key
+    return best[2] if best else 1.0
 
 
 def _errors(model: StepModel, points: list[StepPoint]) -> list[float]:
