@@ -9,8 +9,10 @@
 # workers: the servers on hosts of their own (`--placement dedicated`, the second table, with
 # its extra hosts and cores); the network-heavier ratio of the Parallax paper's GPU workers
 # (`--link-profile paper`); and one worker (hybrid against parallax's own all-reduce mode
-# and Horovod). Last, shared cores (no CPU groups). Each part alternates its systems round
-# by round; the parts are merged, headline first, into OUT/results.json and one report.
+# and Horovod); the dense workload (no embeddings: hybrid is parallax's all-reduce, within 5%
+# of Horovod is the bar), 3 rounds. Last, shared cores (no CPU groups). Each part
+# alternates its systems round by round; the parts are merged, headline first, into
+# OUT/results.json and one report.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${1:-bench-results/compare}"
@@ -24,6 +26,8 @@ host=(--cpu-share 0.125)
   --out "$out/paper-link"
 "${bench[@]}" --systems hybrid,allreduce,horovod --link-profile core "${host[@]}" \
   --workers 1 --out "$out/one-worker"
+.venv/bin/parallax bench --rounds 3 --workloads dense --systems hybrid,horovod \
+  --link-profile core "${host[@]}" --workers 4 --out "$out/dense"
 "${bench[@]}" "${peers[@]}" --networks 1gbit --workers 4 --out "$out/shared"
 .venv/bin/python -m parallax.bench.merge "$out" "$out/equal" "$out/dedicated" \
-  "$out/paper-link" "$out/one-worker" "$out/shared"
+  "$out/paper-link" "$out/one-worker" "$out/dense" "$out/shared"
