@@ -212,7 +212,8 @@ class ShardedTable:
             def chunks(shard=shard, lo=lo, hi=hi) -> Iterator[ps_pb2.InitRowsChunk]:
                 for start in range(lo, hi, self.chunk_rows):
                     stop = min(start + self.chunk_rows, hi)
-                    msg = ps_pb2.InitRowsChunk(table=self.name, shard_index=shard)
+                    msg = ps_pb2.InitRowsChunk(table=self.name, shard_index=shard,
+                                               last=stop == hi)  # (else nothing is put in)
                     wire.encode(ids[start:stop], msg.ids)
                     wire.encode(values[start:stop], msg.values)
                     yield msg

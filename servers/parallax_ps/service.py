@@ -112,6 +112,20 @@ def _admitted(method: str, request, context):
     return request
 
 
+def _until_cancelled(request_iterator):
+    """A client stream's requests; CANCELLED once gRPC reports the client cancelled it (not
+    a server fault to log as INTERNAL). gRPC Python's server can instead end a cancelled
+    stream as if the client had finished it: the cancellation and the end of its messages
+    arrive as two events, and the handler may read between them (grpc/grpc#33038; a quarter
+    of cancelled InitRows streams under load), so a stream is whole only once the client
+    says so (`InitRowsChunk.last`): without that, a cancelled stream's rows were put in."""
+    try:
+        yield from request_iterator
+    except grpc.RpcError:  # (gRPC's iterator raises a bare one for a cancelled call)
+        raise RequestError(grpc.StatusCode.CANCELLED, "the client cancelled the stream; "
+                           "nothing of it was applied") from None
+
+
 def _tolerant(deserialize, name: str):
     def parse(data: bytes):
         try:
@@ -322,15 +336,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _buffer_init_rows(self, request_iterator, stream: object):
         """An InitRows stream's chunks, checked and buffered under the budget's claim
-        `stream` (streams open together are held to --memory-mb together)."""
-        shard, ids_parts, value_parts, buffered = None, [], [], 0
-        for chunk in request_iterator:
-            _check_decoded(chunk)
-            if shard is None:
-                shard = self.shard(chunk.table, chunk.shard_index)
-            elif (chunk.table, chunk.shard_index) != (shard.spec.name, shard.shard_index):
-                raise invalid(f"InitRows stream for {shard.label} carries a chunk for table "
-                              f"{chunk.table!r} shard {chunk.shard_index}; one stream per shard")
+        `stream` (streams open together are held to --memory-mb together); refused unless
+        the stream ends after the chunk marked `last` (`_until_cancelled`)."""
+        shard, ids_parts, value_parts, buffered, ended = None, [], [], 0, False
+        for chunk in _until_cancelled(request_iterator):
+            shard = self._init_rows_shard(chunk, shard, ended)
             ids = shard.check_ids(wire.decode(chunk.ids, "ids"))
             values = wire.decode(chunk.values, "values")
             shard.check_rows(values, len(ids), "values")
@@ -339,14 +349,34 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                               f"an InitRows stream buffering {buffered} bytes of rows")
             ids_parts.append(ids)
             value_parts.append(values)
+            ended = chunk.last
         if shard is None:
             raise invalid("InitRows stream was empty; send at least one chunk")
+        if not ended:
+            raise invalid(f"InitRows stream for {shard.label} ended without a chunk marked "
+                          f"last, so none of its {sum(map(len, ids_parts))} rows were put in: "
+                          f"the client cancelled it, or did not set InitRowsChunk.last=True "
+                          f"on its final chunk (set it there)")
         ids = np.concatenate(ids_parts)
         unique, counts = np.unique(ids, return_counts=True)
         if len(unique) != len(ids):
             raise invalid(f"{shard.label}: InitRows sets id {unique[counts > 1][0]} more than "
                           f"once; send each id once")
         return shard, ids, np.concatenate(value_parts)
+
+    def _init_rows_shard(self, chunk, shard: TableShard | None, ended: bool) -> TableShard:
+        """The shard an InitRows stream's `chunk` is for: the first chunk's (`shard` None),
+        which every later chunk must name; none may come after the one marked last."""
+        _check_decoded(chunk)
+        if shard is None:
+            return self.shard(chunk.table, chunk.shard_index)
+        if (chunk.table, chunk.shard_index) != (shard.spec.name, shard.shard_index):
+            raise invalid(f"InitRows stream for {shard.label} carries a chunk for table "
+                          f"{chunk.table!r} shard {chunk.shard_index}; one stream per shard")
+        if ended:
+            raise invalid(f"InitRows stream for {shard.label} carries a chunk after the one "
+                          f"marked last; set InitRowsChunk.last on the final chunk only")
+        return shard
 
     # ---- rows ------------------------------------------------------------------------------
     @_rpc("Pull")

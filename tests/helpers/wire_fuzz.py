@@ -336,9 +336,16 @@ def delete_attack(rng):
 
 def _chunks(rng, spec: TableSpec, count: int) -> list[ps_pb2.InitRowsChunk]:
     ids = owned_ids(rng, spec, 0, 4 * count)
-    return [ps_pb2.InitRowsChunk(table=spec.name, ids=tensor(part),
-                                 values=tensor(rows(rng, spec, len(part))))
-            for part in np.array_split(ids, count)]
+    return _marked([ps_pb2.InitRowsChunk(table=spec.name, ids=tensor(part),
+                                         values=tensor(rows(rng, spec, len(part))))
+                    for part in np.array_split(ids, count)])
+
+
+def _marked(chunks: list[ps_pb2.InitRowsChunk]) -> list[ps_pb2.InitRowsChunk]:
+    """`chunks` with the final one marked last, as a whole stream's is."""
+    for k, chunk in enumerate(chunks):
+        chunk.last = k == len(chunks) - 1
+    return chunks
 
 
 def init_valid(rng):
@@ -360,13 +367,15 @@ def _spoil_stream(rng, chunks: list, spec: TableSpec) -> str:
     last = chunks[-1]
     how = pick(rng, ["repeat", "nan", "other table", "empty"])
     if how == "repeat":
-        chunks.append(chunks[0])
+        chunks.append(ps_pb2.InitRowsChunk())
+        chunks[-1].CopyFrom(chunks[0])
     elif how == "nan":
         last.values.CopyFrom(_nan_rows(spec, count_of(last.ids)))
     elif how == "other table":
         chunks.append(ps_pb2.InitRowsChunk(table="sbx_async", ids=last.ids, values=last.values))
     else:
         chunks.clear()
+    _marked(chunks)  # (refused for what it spoiled, not for a chunk after the last)
     return f"stream {how}"
 
 

@@ -147,7 +147,7 @@ def test_push_with_duplicate_ids_in_init_rows_is_rejected(table, snapshot):
 
     def chunks():
         for ids in ([0, 2], [2]):
-            msg = ps_pb2.InitRowsChunk(table=table.name, shard_index=0)
+            msg = ps_pb2.InitRowsChunk(table=table.name, shard_index=0, last=ids == [2])
             wire.encode(np.array(ids, np.int64), msg.ids)
             wire.encode(np.ones((len(ids), 4), np.float32), msg.values)
             yield msg

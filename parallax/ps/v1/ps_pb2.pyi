@@ -298,16 +298,18 @@ class DeleteTableResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class InitRowsChunk(_message.Message):
-    __slots__ = ("table", "shard_index", "ids", "values")
+    __slots__ = ("table", "shard_index", "ids", "values", "last")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     table: str
     shard_index: int
     ids: Tensor
     values: Tensor
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    last: bool
+    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., last: bool = ...) -> None: ...
 
 class InitRowsResponse(_message.Message):
     __slots__ = ("rows",)
