@@ -313,10 +313,16 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
     cls = _OPTIMIZERS[name]
     values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(cls)
               if f.name != "learning_rate" and hasattr(optimizer, f.name)}
-    values["learning_rate"] = float(optimizer.learning_rate.numpy()
-                                    if hasattr(optimizer.learning_rate, "numpy")
-                                    else optimizer.learning_rate)
+    values["learning_rate"] = _spec_rate(cls, optimizer.learning_rate)
     return cls(**values)
+
+
+def _spec_rate(cls: type, current) -> float:
+    """The spec's rate of a Keras optimizer whose rate is now `current`. The worker sends
+    Keras' rate with every push, so the spec's is only a stand-in: a rate of 0 now (a
+    warmup schedule's first step) takes the class default rather than a refusal."""
+    rate = float(current.numpy() if hasattr(current, "numpy") else current)
+    return rate if rate != 0 else cls.learning_rate
 
 
 def counts_steps(optimizer: object) -> bool:

@@ -667,6 +667,36 @@ def test_a_learning_rate_schedule_without_get_config_trains_as_in_keras(make_str
     assert plain[-1] < plain[0]
 
 
+
+def test_a_learning_rate_of_zero_is_applied_as_zero(make_strategy):
+    """A rate of 0 (a warmup schedule's first steps, a schedule decayed to 0): the servers'
+    spec was refused at the first step ("learning_rate must be a finite number > 0"), and a
+    push's rate of 0, which the wire reads as "the table's spec rate", trained the table at
+    its starting rate. Now each epoch's rate is Keras' own: the weights equal plain Keras'
+    and the table does not move in an epoch at rate 0."""
+    x, y = data(n=64)
+    rates = [0.0, 0.5, 0.0]
+
+    def fit(strategy, optimizer):
+        with strategy.scope():
+            model = embedding_model()
+            model.compile(optimizer=optimizer(), loss="mse")
+        tables = []
+        callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: rates[epoch]),
+                     keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: tables.append(
+                         model.layers[1].get_weights()[0]))]
+        model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+        return model.get_weights(), tables
+
+    plain, _ = fit(tf.distribute.get_strategy(), lambda: keras.optimizers.SGD(0.5))
+    ours, tables = fit(make_strategy(), lambda: keras.optimizers.SGD(0.5))
+    for want, got in zip(plain, ours):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(tables[2], tables[1])
+    _, tables = fit(make_strategy(), lambda: keras.optimizers.Adagrad(0.5))  # slots change
+    np.testing.assert_array_equal(tables[2], tables[1])
+    assert np.abs(tables[1] - tables[0]).max() > 1e-3
+
 def test_tf_saved_model_save_inside_local_tables_serves_and_outside_names_the_fix(
         make_strategy, tmp_path):
     """Issue 29, item 5: `tf.saved_model.save(model, path)` (the TF tutorials' way) failed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
@@ -20,6 +21,23 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 from parallax.client import ShardedTable
 from parallax.client.table_rows import TablePushes, TableRows
 from parallax.errors import ConfigError
+
+# A push's rate of 0 means "the table's optimizer spec's" on the wire. A Keras rate that is
+# 0 (a schedule's warmup start or decayed end, a `LearningRateScheduler` returning 0) travels
+# as the smallest normal double instead (not a subnormal, which TensorFlow may flush to 0),
+# which every narrower table dtype reads as 0 and which moves no float64 weight above about
+# 1e-292: the update Keras applies at a rate of 0.
+ZERO_RATE = float(np.finfo(np.float64).tiny)
+
+
+def pushed_rate(learning_rate) -> tf.Tensor:
+    """The float64 rate a push sends for the optimizer's `learning_rate` (None: the table's
+    spec's)."""
+    if learning_rate is None:
+        return tf.constant(0.0, tf.float64)
+    rate = tf.cast(learning_rate, tf.float64)
+    return tf.where(tf.equal(rate, 0.0), tf.constant(ZERO_RATE, tf.float64), rate)
+
 
 class StepTrace:
     """One training step as the strategy traces it: its fusion (`fusion`, a
@@ -152,9 +170,7 @@ class RemoteTable(TableRows):
         else:
             ids = tf.range(self.rows, dtype=tf.int64)
             values = tf.reshape(grad, [self.rows, self.dim])
-        lr = tf.constant(0.0, tf.float64) if learning_rate is None else \
-            tf.cast(learning_rate, tf.float64)
-        return ids, tf.cast(values, self.dtype), lr
+        return ids, tf.cast(values, self.dtype), pushed_rate(learning_rate)
 
     def push(self, grad, learning_rate=None) -> tf.Tensor:
         """An op sending this step's gradient (IndexedSlices or dense) to the servers."""
