@@ -395,6 +395,39 @@ def test_a_second_optimizer_cannot_update_server_tables(make_strategy):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+def test_recompiling_to_fine_tune_names_the_ways_that_work(make_strategy):
+    """Keras' fine-tuning pattern (change `trainable`, compile again with a new optimizer)
+    is refused naming two ways out, and both train: the same optimizer (a frozen layer
+    then stays as it was), or the weights copied into the model built in a new strategy."""
+    strategy = make_strategy()
+    x, y = data(n=64)
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(keras.optimizers.SGD(0.5), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first = model.optimizer
+    model.get_layer("dense").trainable = False
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(Exception, match=r"second model.compile.*optimizer=first.*"
+                                        r"set_weights\(weights\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with strategy.scope():
+        model.compile(optimizer=first, loss="mse")
+    first.learning_rate = 0.1
+    frozen, table = model.get_layer("dense").get_weights(), model.get_weights()[0]
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    np.testing.assert_array_equal(model.get_layer("dense").get_weights()[0], frozen[0])
+    assert np.abs(model.get_weights()[0] - table).max() > 1e-4
+    weights = model.get_weights()
+    with make_strategy().scope():
+        again = embedding_model()
+        again.set_weights(weights)
+        again.compile(keras.optimizers.Adagrad(0.1), loss="mse")
+    again.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.abs(again.get_weights()[0] - weights[0]).max() > 1e-4
+
+
 def test_mode_and_sync_come_from_the_launcher_environment(monkeypatch, cluster):
     monkeypatch.setenv("PARALLAX_MODE", "ps")
     monkeypatch.setenv("PARALLAX_SYNC", "async")

@@ -590,8 +590,14 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             raise ParallaxError(
                 f"{remote.label!r} lives on the parameter servers, which apply the optimizer "
                 f"the first training step used ({type(self._optimizer).__name__}); a "
-                f"different optimizer cannot update it. Keep one optimizer per strategy, or "
-                f"build the model again in a new strategy")
+                f"different optimizer (a second model.compile(...) makes one, as fine-tuning "
+                f"after changing `trainable` does) cannot update it. Compile with that "
+                f"first one (kept before compiling again: `first = model.optimizer`, then "
+                f"`model.compile(optimizer=first, ...)`; set its rate with "
+                f"`first.learning_rate = ...`); or, for a new optimizer, copy the "
+                f"weights into the model built again in a new ParallaxStrategy: `weights = "
+                f"model.get_weights()`, then in the new strategy's scope build the model, "
+                f"`set_weights(weights)` and compile it")
         learning_rate = args[1] if len(args) > 1 else None
         step = self._trace.fusion
         if step is not None and step.can_push(args[0], learning_rate):
