@@ -170,7 +170,9 @@ def _check_compiled_inside(model, method: str) -> None:
             f"cannot place them; build and compile the model inside "
             f"`with strategy.scope():`")
     optimizer = getattr(model, "optimizer", None)
-    iterations = getattr(optimizer, "iterations", None)
+    # the counter variable itself: with gradient_accumulation_steps, Keras' `iterations` is
+    # a tensor computed from it
+    iterations = getattr(optimizer, "_iterations", getattr(optimizer, "iterations", None))
     if method == "fit" and iterations is not None and _outside([iterations]):
         raise ConfigError(
             f"model {model.name!r} was built in strategy.scope() but compiled outside it: its "

@@ -746,3 +746,32 @@ def test_tf_saved_model_save_inside_local_tables_serves_and_outside_names_the_fi
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match=r"local_tables\(\)"):
         tf.saved_model.save(model, str(tmp_path / "refused"))
+
+
+def _fit_weights(strategy, optimizer, x, y):
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer=optimizer(), loss="mse")
+    losses = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"]
+    return losses, model.get_weights()
+
+
+def test_gradient_accumulation_trains_as_in_keras(make_strategy):
+    """`SGD(gradient_accumulation_steps=2)`: the `fit` scope check read Keras' `iterations`,
+    a tensor with accumulation ("Tensor.name is undefined"), and the accumulator's update (an
+    IndexedSlices into an optimizer variable) was refused as a second model's table. Keras
+    makes the table's gradient dense, so the plan keeps it on the workers, and the weights
+    equal plain Keras'."""
+    x, y = data(n=64)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+
+    plain = _fit_weights(tf.distribute.get_strategy(), optimizer, x, y)
+    strategy = make_strategy()
+    ours = _fit_weights(strategy, optimizer, x, y)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    for mine, keras_weight in zip(ours[1], plain[1]):
+        np.testing.assert_allclose(mine, keras_weight, rtol=1e-6, atol=1e-7)
+    assert strategy.plan.get("embedding/embeddings").placement == "allreduce"
+

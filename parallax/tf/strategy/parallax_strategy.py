@@ -553,8 +553,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         second model's table, built in the same scope before or after the plan): it would
         train as a dense copy on every worker, all-reduced, without a word."""
         if self.plan is None or not args or not isinstance(args[0], tf.IndexedSlices) or \
-                self.config.mode == "allreduce":
-            return
+                self.config.mode == "allreduce" or not var.trainable:
+            return  # (an optimizer's own variable, a gradient accumulator, is no table)
         index = getattr(var, "parallax_index", -1)
         planned = next((v for v in self.plan.variables if v.index == index), None)
         if planned is not None and (planned.reason != NOT_READ or
