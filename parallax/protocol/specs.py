@@ -287,29 +287,55 @@ def optimizer_from_proto(msg: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     return cls(**{f.name: getattr(payload, f.name) for f in dataclasses.fields(cls)})
 
 
+# Keras optimizer options applied on the worker around the update, which the servers' update
+# of a table cannot follow: why, for each (the tables stay right on the workers, all-reduced)
+_CLIPS_SUMMED = ("clips each gradient on the worker, where a table's gradient is already summed "
+                 "per id (Keras clips each occurrence's slice: another result where ids repeat "
+                 "in a batch)")
+_WORKER_SIDE_OPTIONS = {
+    "weight_decay": "decays every variable by assigning to it on the worker, outside the "
+                    "update the servers apply",
+    "use_ema": "keeps a moving average of every variable in a worker copy of it (a whole "
+               "table, read each step) and writes it into the variables at the end of fit",
+    "gradient_accumulation_steps": "sums each variable's gradients in a worker copy of it (a "
+                                   "whole table) between the steps it applies",
+    "clipnorm": _CLIPS_SUMMED,
+    "clipvalue": _CLIPS_SUMMED,
+    "global_clipnorm": "scales every gradient on the worker by their global norm, which makes "
+                       "a table's gradient dense (the whole table, every step) and counts it "
+                       "summed per id",
+}
+
+
+def _keep_on_workers(tables: Sequence[str]) -> str:
+    """The ways to keep `tables` (named; a placeholder without) on the workers."""
+    placement = {table: "allreduce" for table in (list(tables) or ["<variable name>"])}
+    return (f"ParallaxStrategy(placement={placement!r}) for these tables, or "
+            f"ParallaxStrategy(mode='allreduce') for every variable")
+
+
 def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> OptimizerSpec:
     """The server-side twin of a Keras 3 optimizer: same class, same hyper-parameters.
-    `tables`: the variables bound for the servers, named in the refusal of an optimizer the
-    servers do not have."""
+    `tables`: the variables bound for the servers, named in the refusal of an optimizer (or
+    an option, `_WORKER_SIDE_OPTIONS`) the servers do not have."""
     name = type(optimizer).__name__.lower()
     if name not in _OPTIMIZERS:
         keras_name = type(optimizer).__name__
-        placement = {table: "allreduce" for table in (list(tables) or ["<variable name>"])}
         raise ConfigError(
             f"Keras optimizer {keras_name} has no server-side version (the parameter servers "
             f"apply {SERVER_OPTIMIZERS}); compile with one of those, or keep the tables on the "
             f"workers, all-reduced and updated by {keras_name} there: "
-            f"ParallaxStrategy(placement={placement!r}) for these tables, or "
-            f"ParallaxStrategy(mode='allreduce') for every variable")
+            f"{_keep_on_workers(tables)}")
     # the optimizer's attributes, not get_config(): that serializes a learning-rate schedule,
     # and a schedule without get_config() (the TF Transformer tutorial's CustomSchedule)
     # raises NotImplementedError; the rate is read per step, where the update is applied
-    for unsupported in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
-        if getattr(optimizer, unsupported, None):
-            raise ConfigError(f"Keras optimizer option {unsupported}="
-                              f"{getattr(optimizer, unsupported)!r} is not applied on the "
-                              f"parameter servers; remove it or clip on the worker before "
-                              f"pushing")
+    for option, why in _WORKER_SIDE_OPTIONS.items():
+        if getattr(optimizer, option, None):
+            raise ConfigError(
+                f"Keras optimizer option {option}={getattr(optimizer, option)!r} of "
+                f"{type(optimizer).__name__} {why}: parallax cannot follow that for tables on "
+                f"the parameter servers. Remove the option, or keep the tables on the "
+                f"workers, all-reduced and updated by Keras there: {_keep_on_workers(tables)}")
     cls = _OPTIMIZERS[name]
     values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(cls)
               if f.name != "learning_rate" and hasattr(optimizer, f.name)}

@@ -140,8 +140,14 @@ def _assert_close(case: str, actual: np.ndarray, expected: np.ndarray, what: str
 
 
 def test_keras_options_the_server_cannot_apply_are_refused():
-    with pytest.raises(ConfigError, match="weight_decay=0.01 is not applied on the parameter"):
-        optimizer_from_keras(keras.optimizers.Adam(weight_decay=0.01))
+    with pytest.raises(ConfigError, match=r"weight_decay=0.01 of Adam decays every variable "
+                       r".*placement=\{'t': 'allreduce'\}"):
+        optimizer_from_keras(keras.optimizers.Adam(weight_decay=0.01), ["t"])
+    for option, value in [("clipnorm", 1.0), ("clipvalue", 0.5), ("global_clipnorm", 1.0),
+                          ("use_ema", True), ("gradient_accumulation_steps", 2)]:
+        with pytest.raises(ConfigError, match=rf"option {option}={value} of SGD .*Remove the "
+                           r"option, or keep the tables on the workers"):
+            optimizer_from_keras(keras.optimizers.SGD(**{option: value}))
     with pytest.raises(ConfigError) as refused:
         optimizer_from_keras(keras.optimizers.Adadelta(), ["embedding/embeddings"])
     message = str(refused.value)

@@ -775,3 +775,21 @@ def test_gradient_accumulation_trains_as_in_keras(make_strategy):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-6, atol=1e-7)
     assert strategy.plan.get("embedding/embeddings").placement == "allreduce"
 
+
+@pytest.mark.parametrize("option, value", [("gradient_accumulation_steps", 2),
+                                           ("use_ema", True)])
+def test_worker_side_optimizer_options_on_a_server_table_are_refused(make_strategy, option,
+                                                                     value):
+    """Both keep a worker copy of every variable in the optimizer (its accumulated gradient,
+    its moving average), which parallax released for a table on the servers as one of the
+    servers' slots: accumulation trained silently with half the gradient of the first
+    step, EMA failed at the end of fit in "'<lambda>' tried to update". Refused at the
+    first step, naming the option and the placement that trains it as Keras does."""
+    x, y = data(n=32)
+    strategy = make_strategy(placement={"embedding/embeddings": "ps"})
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1, **{option: value}), loss="mse")
+    with pytest.raises(ConfigError, match=rf"option {option}={value} of SGD .*placement="
+                                          r"\{'embedding/embeddings': 'allreduce'\}"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
