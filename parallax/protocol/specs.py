@@ -307,10 +307,10 @@ _WORKER_SIDE_OPTIONS = {
 }
 
 
-def _keep_on_workers(tables: Sequence[str]) -> str:
+def keep_on_workers(tables: Sequence[str]) -> str:
     """The ways to keep `tables` (named; a placeholder without) on the workers."""
     placement = {table: "allreduce" for table in (list(tables) or ["<variable name>"])}
-    return (f"ParallaxStrategy(placement={placement!r}) for these tables, or "
+    return (f"ParallaxStrategy(placement={placement!r}) for these variables, or "
             f"ParallaxStrategy(mode='allreduce') for every variable")
 
 
@@ -325,7 +325,7 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
             f"Keras optimizer {keras_name} has no server-side version (the parameter servers "
             f"apply {SERVER_OPTIMIZERS}); compile with one of those, or keep the tables on the "
             f"workers, all-reduced and updated by {keras_name} there: "
-            f"{_keep_on_workers(tables)}")
+            f"{keep_on_workers(tables)}")
     # the optimizer's attributes, not get_config(): that serializes a learning-rate schedule,
     # and a schedule without get_config() (the TF Transformer tutorial's CustomSchedule)
     # raises NotImplementedError; the rate is read per step, where the update is applied
@@ -335,7 +335,7 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
                 f"Keras optimizer option {option}={getattr(optimizer, option)!r} of "
                 f"{type(optimizer).__name__} {why}: parallax cannot follow that for tables on "
                 f"the parameter servers. Remove the option, or keep the tables on the "
-                f"workers, all-reduced and updated by Keras there: {_keep_on_workers(tables)}")
+                f"workers, all-reduced and updated by Keras there: {keep_on_workers(tables)}")
     cls = _OPTIMIZERS[name]
     values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(cls)
               if f.name != "learning_rate" and hasattr(optimizer, f.name)}

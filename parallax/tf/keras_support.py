@@ -79,3 +79,12 @@ def keras_path_of(variable: tf.Variable, optimizer) -> str | None:
         if getattr(v, "value", v) is variable:
             return v.path
     return None
+
+
+def constraint_of(variable: tf.Variable, optimizer):
+    """The Keras constraint of `variable` (`embeddings_constraint=`, `kernel_constraint=`),
+    which the optimizer applies after each update by assigning the whole variable; None."""
+    for v in getattr(optimizer, "_trainable_variables", []) or []:
+        if getattr(v, "value", v) is variable:
+            return getattr(v, "constraint", None)
+    return None

@@ -793,3 +793,34 @@ def test_worker_side_optimizer_options_on_a_server_table_are_refused(make_strate
     with pytest.raises(ConfigError, match=rf"option {option}={value} of SGD .*placement="
                                           r"\{'embedding/embeddings': 'allreduce'\}"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_a_constrained_variable_on_the_servers_is_refused_naming_the_way_out(make_strategy):
+    """A Keras constraint (here MaxNorm on the table, placed on the servers by hand) is
+    applied by assigning the whole variable inside the step: it failed there with "assign()
+    a new value eagerly", naming neither the constraint nor the fix. Refused at the first
+    step; the placement the message names trains as plain Keras (the plan's default, since
+    the constraint reads the whole table)."""
+    x, y = data(n=32)
+
+    def model_and_fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(5)
+            inputs = keras.Input((3,), dtype="int64")
+            rows = keras.layers.Embedding(VOCAB, DIM, name="embedding",
+                                          embeddings_constraint=keras.constraints.MaxNorm(0.05))
+            out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(rows(inputs)))
+            model = keras.Model(inputs, out)
+            model.compile(keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    strategy = make_strategy(placement={"embedding/embeddings": "ps"})
+    with pytest.raises(ConfigError, match=r"\{'embedding/embeddings': 'MaxNorm'\} .*placement="
+                                          r"\{'embedding/embeddings': 'allreduce'\}"):
+        model_and_fit(strategy)
+    plain = model_and_fit(tf.distribute.get_strategy())
+    strategy = make_strategy()
+    for mine, keras_weight in zip(model_and_fit(strategy), plain):
+        np.testing.assert_allclose(mine, keras_weight, rtol=1e-6, atol=1e-7)
+    assert strategy.plan.get("embedding/embeddings").placement == "allreduce"

@@ -23,10 +23,11 @@ from parallax.client.connection import client_options_from_env
 from parallax.errors import ConfigError
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
-from parallax.protocol.specs import Initializer, TableSpec, counts_steps, optimizer_from_keras
+from parallax.protocol.specs import (Initializer, TableSpec, counts_steps, keep_on_workers,
+                                     optimizer_from_keras)
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives.workers import Workers, on_chief, on_every_worker
-from parallax.tf.keras_support import slots_of
+from parallax.tf.keras_support import constraint_of, slots_of
 from parallax.tf.graph.remote import RemoteTable, TablePushes
 from parallax.tf.graph.variables import ParallaxVariable, is_released, remote_of
 
@@ -140,6 +141,23 @@ def dynamic_initializer(var: ParallaxVariable, key: str) -> Initializer:
     return drawn
 
 
+def check_unconstrained(on_servers: Sequence[VariablePlan],
+                        variables: dict[int, ParallaxVariable], optimizer) -> None:
+    """Refuse a variable bound for the servers that has a Keras constraint: Keras applies it
+    after each update by assigning the whole variable inside the step, which a variable on
+    the servers cannot take."""
+    constrained = {vp.name: type(constraint_of(variables[vp.index], optimizer)).__name__
+                   for vp in on_servers
+                   if constraint_of(variables[vp.index], optimizer) is not None}
+    if constrained:
+        raise ConfigError(
+            f"variables {constrained} (name: constraint) have a Keras constraint "
+            f"(embeddings_constraint=, kernel_constraint=, ...), which Keras applies after "
+            f"each update by assigning the whole variable on the worker: parallax cannot do "
+            f"that for variables on the parameter servers. Remove the constraint, or keep "
+            f"them on the workers, all-reduced: {keep_on_workers(list(constrained))}")
+
+
 class TableBinder:
     """Creates and binds the tables of one plan; owns the PS client."""
 
@@ -173,6 +191,7 @@ class TableBinder:
                 f"step; update variables with a keras.optimizers optimizer "
                 f"(apply_gradients / fit), or use mode='allreduce'")
         optimizer_spec = optimizer_from_keras(optimizer, [vp.name for vp in on_servers])
+        check_unconstrained(on_servers, variables, optimizer)
         on_server_init = {vp.index: (dynamic_initializer if vp.dynamic else
                                      functools.partial(server_initializer,
                                                        stream_limit=self.init_chunk_bytes))(
