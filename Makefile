@@ -32,7 +32,7 @@ wheel-check:       ## build the wheel, install it with [tf] in a fresh venv, tra
 bench: env         ## parameter-server throughput benchmark (prints a table, writes JSON)
 	$(VENV)/bin/python examples/benchmarks/ps_throughput.py
 
-compare: env       ## parallax vs TF PS and Horovod: equal hardware at 2, 4, 8 workers first, then dedicated servers, the paper's link ratio, one worker, shared cores (root; ~3 h)
+compare: env       ## parallax vs TF PS and Horovod: equal hardware at 2, 4, 8 workers first, then dedicated servers, the paper's link ratio, one worker, dense, shared cores (root; ~3 h)
 	bash scripts/compare.sh bench-results/compare
 
 image:             ## container image: podman build (local debootstrap base) + smoke test (root; 5-10 min cold)
