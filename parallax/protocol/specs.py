@@ -343,6 +343,14 @@ def optimizer_from_keras(optimizer: object, tables: Sequence[str] = ()) -> Optim
     return cls(**values)
 
 
+# A push's learning_rate of 0 means "the table's optimizer spec's" on the wire; a rate of 0
+# (Keras' rate at a warmup's start or a decay's end) travels as the smallest normal double
+# instead (parallax.tf.graph.remote.pushed_rate), which a float32 table reads as 0 and which
+# moves no float64 weight above about 1e-292. Ftrl divides by the rate: the servers refuse
+# it at this rate (Keras' own Ftrl turns the weights to NaN at 0).
+ZERO_RATE = float(np.finfo(np.float64).tiny)
+
+
 def _spec_rate(cls: type, current) -> float:
     """The spec's rate of a Keras optimizer whose rate is now `current`. The worker sends
     Keras' rate with every push, so the spec's is only a stand-in: a rate of 0 now (a

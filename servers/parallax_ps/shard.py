@@ -25,7 +25,7 @@ import numpy as np
 
 from parallax.protocol import wire, wire_dtypes
 from parallax.protocol.routing import ShardRouter, out_of_range
-from parallax.protocol.specs import TableSpec
+from parallax.protocol.specs import ZERO_RATE, Ftrl, TableSpec
 from parallax.ps.v1 import ps_pb2
 from parallax_ps import native_path, waits
 from parallax_ps.admission import SKETCH_BYTES, needs_sketch
@@ -347,6 +347,13 @@ class TableShard:
             raise invalid(f"{self.label}: learning_rate {learning_rate} must be finite and >= 0 "
                           f"as a {self.spec.dtype}, the table's dtype (0 uses the table's "
                           f"optimizer spec)")
+        if learning_rate and isinstance(self.spec.optimizer, Ftrl) and \
+                (learning_rate <= ZERO_RATE or np.dtype(self.spec.dtype).type(learning_rate) == 0):
+            raise invalid(f"{self.label}: Ftrl cannot apply learning_rate {learning_rate:g}, "
+                          f"a rate of 0 (as a Keras rate of 0 travels: {ZERO_RATE:g}) or 0 as "
+                          f"a {self.spec.dtype}: its update divides by the rate (Keras' own "
+                          f"Ftrl makes the weights NaN at 0). Start a warmup schedule above "
+                          f"0, or compile with another optimizer; nothing was changed")
         return ids, learning_rate or self.spec.optimizer.learning_rate, grads
 
     def _widened(self, grads: np.ndarray, n: int) -> np.ndarray:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
@@ -21,13 +20,14 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 from parallax.client import ShardedTable
 from parallax.client.table_rows import TablePushes, TableRows
 from parallax.errors import ConfigError
+from parallax.protocol.specs import ZERO_RATE
 
 # A push's rate of 0 means "the table's optimizer spec's" on the wire. A Keras rate that is
 # 0 (a schedule's warmup start or decayed end, a `LearningRateScheduler` returning 0) travels
-# as the smallest normal double instead (not a subnormal, which TensorFlow may flush to 0),
-# which every narrower table dtype reads as 0 and which moves no float64 weight above about
-# 1e-292: the update Keras applies at a rate of 0.
-ZERO_RATE = float(np.finfo(np.float64).tiny)
+# as ZERO_RATE, the smallest normal double, instead (not a subnormal, which TensorFlow may
+# flush to 0), which a float32 table reads as 0 and which moves no float64 weight above about
+# 1e-292: the update Keras applies at a rate of 0 (Ftrl, which divides by the rate, is
+# refused there: Keras' own gives NaN).
 
 
 def pushed_rate(learning_rate) -> tf.Tensor:
