@@ -34,7 +34,8 @@ where the points tell those two apart; means for the others). The step time is t
 scale x max(terms) (resources overlap: the slowest bounds the step) or scale x sum(terms)
 (nothing overlaps), and never less than max(terms) (each term is a resource's busy time:
 no step is shorter than its busiest resource's); `scale` is one least-squares factor on the
-relative error (`floored_scale`), and of the two forms the one with the smaller mean relative error on the measured points is kept.
+relative error (`floored_scale`), and of the two forms the one with the smaller mean
+relative error on the measured points is kept.
 `StepFit` states that error (mean and max), the other form's, and, with 1, 2 and 4
 workers, the error at 4 of a fit to 1 and 2 alone (what extrapolation costs). Projected
 samples/s = W x batch per worker / step time, with any W, S, c and r.
