@@ -63,6 +63,9 @@ from parallax.runtime import lifeline, logs
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
 _PYTHON = re.compile(r"^python[0-9.]*$")
 LAST_LINES = 10  # of a failed worker's output, repeated when the job ends
+# a collective that lost a peer, as the other workers see it (Horovod; TF's collectives)
+_PEER_GONE = ("Horovod has been shut down", "heartbeat timeout")
+_RAISED = re.compile(r"^\s*[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
 STOP_GRACE_S = 10.0  # horovodrun gives workers 5 s after SIGTERM before it kills them
 SERVER_DIED_EXIT = 1
 
@@ -603,7 +606,29 @@ def _job_outcome(job: _Job) -> Outcome:
     rank, failed = job.first_failure
     _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
          f"{code}. Its last output:\n{job.tail(rank) or '  (none)'}")
+    if _lost_a_peer(job.tail(rank)):
+        _say(_peer_failure(job, rank))
     return Outcome.failed(code, f"worker rank {rank} exited with code {failed}")
+
+
+def _lost_a_peer(output: str) -> bool:
+    return any(sign in output for sign in _PEER_GONE)
+
+
+def _peer_failure(job: _Job, rank: int) -> str:
+    """What ended the collective under worker `rank`: another worker's exception (that
+    worker often exits after the failure it caused in the others), or a worker that had
+    finished its script."""
+    for other, lines in sorted(job.last_lines.items()):
+        raised = [line for line in lines if _RAISED.match(line)]
+        if other != rank and raised and not _lost_a_peer(job.tail(other)):
+            return (f"worker rank {rank} failed because a collective lost a peer after "
+                    f"worker rank {other} raised {raised[-1].strip()[:300]!r}, the cause. "
+                    f"Its last output:\n{job.tail(other)}")
+    return (f"worker rank {rank} failed because a collective lost a peer: another worker "
+            f"failed, or had already finished its script while this one still ran a "
+            f"collective (fit, evaluate, predict and reading a metric: every worker must run "
+            f"them)")
 
 
 def _start_servers(config: LaunchConfig, credentials=None):

@@ -109,6 +109,33 @@ def test_the_first_failing_rank_is_reported_with_its_traceback(mark):
     assert "[1]<stderr>:Traceback" in report  # still forwarded as it came
 
 
+@pytest.mark.horovod
+@pytest.mark.multiprocess
+def test_a_worker_failing_in_a_collective_names_the_peer_that_caused_it(mark):
+    """Rank 1 raises (or exits 0) while rank 0 waits in an all-reduce; rank 1 is slow to end
+    (as TensorFlow's teardown is), so rank 0's "Horovod has been shut down" comes first. The
+    report says that is collateral and names rank 1's exception, or a finished peer."""
+    code = ("import atexit, os, sys, time\n"
+            "rank = os.environ['HOROVOD_RANK']\n"
+            "atexit.register(time.sleep, 5 if rank == '1' else 0)  # after Horovod's shutdown\n"
+            "import tensorflow as tf, horovod.tensorflow as hvd\n"
+            "hvd.init()\n"
+            "if rank == '1' and sys.argv[1] == 'raise':\n"
+            "    raise ValueError('the root cause, in rank 1')\n"
+            "if rank == '1':\n"
+            "    sys.exit(0)\n"
+            "hvd.allreduce(tf.constant(1.0))\n")
+    for how, cause in (("raise", " after worker rank 1 raised 'ValueError: the root cause, "
+                                 "in rank 1', the cause. Its last output:\n"),
+                       ("exit", ": another worker failed, or had already finished its script")):
+        launcher = Launcher("-np", "2", "--servers", "1", "--", "python", "-c", code, how,
+                            mark=mark)
+        assert launcher.wait() == 1, launcher.output()
+        report = "\n".join(launcher.err)
+        assert "worker rank 0 exited with code 1 first" in report, report
+        assert f"worker rank 0 failed because a collective lost a peer{cause}" in report, report
+
+
 @pytest.mark.multiprocess
 def test_a_killed_worker_stops_the_job_with_its_last_output(mark):
     launcher = Launcher("-np", "2", "--servers", "1", "--", "python", PROBE, "--sleep", "60",
