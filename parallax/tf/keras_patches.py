@@ -76,6 +76,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
 from parallax.tf.graph.variables import ParallaxVariable, raised_in_op, remote_of
+from parallax.tf.keras_support import refuse_horovod_optimizer
 from parallax.tf.state import resume
 
 log = logging.getLogger("parallax")
@@ -170,6 +171,7 @@ def _check_compiled_inside(model, method: str) -> None:
             f"cannot place them; build and compile the model inside "
             f"`with strategy.scope():`")
     optimizer = getattr(model, "optimizer", None)
+    refuse_horovod_optimizer(optimizer)
     # the counter variable itself: with gradient_accumulation_steps, Keras' `iterations` is
     # a tensor computed from it
     iterations = getattr(optimizer, "_iterations", getattr(optimizer, "iterations", None))

@@ -8,12 +8,17 @@ changes of Keras is `keras_patches`.
   ReduceLROnPlateau, ...) see the same, global numbers and take the same decisions.
 - Optimizer slots of a table that moved to the servers are never used on the worker; their
   storage is released (the servers keep their own slots).
+- Horovod's `hvd.DistributedOptimizer(opt)` (a class Horovod makes from `opt`'s) is refused
+  (`refuse_horovod_optimizer`): the strategy already sums the workers' gradients, and Horovod
+  0.28.1's wrapper fails under Keras 3 (its `variables` calls Keras 3's list).
 """
 from __future__ import annotations
 
 import inspect
 
 import tensorflow as tf
+
+from parallax.errors import ConfigError
 
 def keras_optimizer_of(update_fn):
     """The Keras optimizer whose update function this is (its closure holds `self`)."""
@@ -53,6 +58,22 @@ def is_keras_predict_step(fn) -> bool:
     `one_step_on_data`, which calls predict_step)."""
     name = getattr(inspect.unwrap(fn), "__qualname__", "")
     return name.endswith("make_predict_function.<locals>.one_step_on_data")
+
+
+def refuse_horovod_optimizer(optimizer) -> None:
+    """Refuse Horovod's `DistributedOptimizer`, left in from a Horovod script."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("horovod"):
+        return
+    wrapped = next((base.__name__ for base in cls.__mro__[1:]
+                    if not base.__module__.startswith("horovod")), cls.__name__)
+    raise ConfigError(
+        f"the optimizer is Horovod's DistributedOptimizer around {wrapped} (`hvd."
+        f"DistributedOptimizer(...)`, left from a Horovod script): ParallaxStrategy sums the "
+        f"workers' gradients itself, and Horovod's wrapper does not work with Keras 3 (its "
+        f"`variables` fails). Use the {wrapped} optimizer it wraps, made inside "
+        f"`strategy.scope()` (a learning rate scaled by hvd.size() stays right with the "
+        f"global batch: docs/migration.md)")
 
 
 def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:

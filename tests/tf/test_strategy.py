@@ -795,6 +795,33 @@ def test_worker_side_optimizer_options_on_a_server_table_are_refused(make_strate
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+def test_horovods_distributed_optimizer_is_refused_naming_the_one_it_wraps(make_strategy):
+    """`hvd.DistributedOptimizer(SGD)` left from a Horovod Keras script failed at the first
+    step inside Horovod ("'list' object is not callable": its `variables` under Keras 3).
+    Refused by `fit` and by a custom loop's first step, naming SGD."""
+    hvd = pytest.importorskip("horovod.tensorflow.keras")
+    x, y = data(n=32)
+    strategy = make_strategy()
+    with strategy.scope():
+        model = embedding_model()
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        model.compile(optimizer=optimizer, loss="mse")
+    refused = r"Horovod's DistributedOptimizer around SGD .*Use the SGD optimizer it wraps"
+    with pytest.raises(ConfigError, match=refused):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+    @tf.function
+    def step(ids, labels):
+        def replica(ids, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.mean_squared_error(labels, model(ids)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica, args=(ids, labels))
+    with pytest.raises(Exception, match=refused):
+        step(tf.constant(x[:16]), tf.constant(y[:16]))
+
+
 def test_a_constrained_variable_on_the_servers_is_refused_naming_the_way_out(make_strategy):
     """A Keras constraint (here MaxNorm on the table, placed on the servers by hand) is
     applied by assigning the whole variable inside the step: it failed there with "assign()

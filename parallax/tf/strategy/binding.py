@@ -27,7 +27,7 @@ from parallax.protocol.specs import (Initializer, TableSpec, counts_steps, keep_
                                      optimizer_from_keras)
 from parallax.runtime.malloc_tuning import return_freed_memory
 from parallax.tf.collectives.workers import Workers, on_chief, on_every_worker
-from parallax.tf.keras_support import constraint_of, slots_of
+from parallax.tf.keras_support import constraint_of, refuse_horovod_optimizer, slots_of
 from parallax.tf.graph.remote import RemoteTable, TablePushes
 from parallax.tf.graph.variables import ParallaxVariable, is_released, remote_of
 
@@ -190,6 +190,7 @@ class TableBinder:
                 f"optimizer themselves, but no Keras optimizer updated them in the traced "
                 f"step; update variables with a keras.optimizers optimizer "
                 f"(apply_gradients / fit), or use mode='allreduce'")
+        refuse_horovod_optimizer(optimizer)
         optimizer_spec = optimizer_from_keras(optimizer, [vp.name for vp in on_servers])
         check_unconstrained(on_servers, variables, optimizer)
         on_server_init = {vp.index: (dynamic_initializer if vp.dynamic else
