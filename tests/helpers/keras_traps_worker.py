@@ -8,6 +8,8 @@ writing what it got to `<out>/rank<r>.npz` and `<out>/rank<r>.json`
 - baseline: the same `predict` and `evaluate` before `fit` too, in a new strategy.
 - multistep: `fit(validation_data=..., steps_per_execution=4)`, 2 epochs, in a new strategy.
 - outside: a model built and compiled outside `strategy.scope()`, then `fit`.
+- presharded: `fit` on a dataset split by hand, Horovod's `.shard(size, rank)`, in a new
+  strategy.
 A phase that raises is recorded as `<phase>_error` and the next one runs.
 """
 from __future__ import annotations
@@ -97,6 +99,19 @@ def outside(summary: dict) -> None:
         summary["outside"] = f"{type(exc).__name__}: {exc}"
 
 
+def presharded(strategy, summary: dict) -> None:
+    import tensorflow as tf
+
+    size, rank = strategy.worker.size, strategy.worker.rank
+    by_hand = tf.data.Dataset.from_tensor_slices(data(64, 0)).shard(size, rank)
+    model = compiled(strategy_for("s"))
+    try:
+        model.fit(by_hand.batch(BATCH // size), epochs=1, verbose=0)
+        summary["presharded"] = "trained"
+    except parallax.ParallaxError as exc:
+        summary["presharded"] = f"{type(exc).__name__}: {exc}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -109,7 +124,8 @@ def main() -> None:
                      "collectives": type(strategy.extended.workers).__name__}
     phases = (("rows", lambda: rows(strategy, arrays, summary)),
               ("baseline", lambda: baseline(arrays, summary)),
-              ("multistep", lambda: multistep(summary)), ("outside", lambda: outside(summary)))
+              ("multistep", lambda: multistep(summary)), ("outside", lambda: outside(summary)),
+              ("presharded", lambda: presharded(strategy, summary)))
     for phase, run in phases:  # one failing phase fails its own tests only
         try:
             run()

@@ -1,7 +1,8 @@
 """Issue 29's Keras traps on 2 workers, against one process on the same data: `evaluate` and
 `predict` covering every row (a partial last global batch, one worker's part empty) in the
 input's order; a baseline `evaluate`/`predict` before `fit`; `fit` with `validation_data`
-and `steps_per_execution=4`; a model built outside `strategy.scope()`.
+and `steps_per_execution=4`; a model built outside `strategy.scope()`; a dataset split
+by hand.
 One launch per collectives backend (Horovod, TensorFlow's) and one single process, all
 running tests/helpers/keras_traps_worker.py."""
 from __future__ import annotations
@@ -132,3 +133,16 @@ def test_model_built_outside_the_scope_is_refused_in_a_job(results, backend):
             "built outside strategy.scope()" in outcome and \
             "inside `with strategy.scope():`" in outcome, outcome
     assert _load(results["one"], 0)[1]["outside"] == "trained"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dataset_split_by_hand_is_refused_in_a_job(results, backend):
+    """Horovod's `.shard(size, rank).batch(local)` left in would be split again (each worker
+    training on half its part): refused on every worker, naming the fix."""
+    for rank in (0, 1):
+        outcome = _load(results[backend], rank)[1]
+        _phase(outcome, "presharded")
+        assert outcome["presharded"].startswith(
+            f"ConfigError: the dataset is already split among the 2 workers (`.shard(2, "
+            f"{rank})`") and "global batch size" in outcome["presharded"], outcome["presharded"]
+    assert _load(results["one"], 0)[1]["presharded"] == "trained"

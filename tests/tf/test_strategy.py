@@ -263,6 +263,22 @@ def test_dataset_sharding_matches_multi_worker_mirrored():
         shard_for_worker(tf.data.Dataset.range(30).batch(15), 0, 2)
 
 
+def test_a_dataset_split_by_hand_is_not_split_again():
+    """Horovod's `.shard(hvd.size(), hvd.rank()).batch(local)` left in: splitting it again
+    would train each worker on 1/W of its own part; refused, naming the fix. A shard by
+    another count (a subsample) is left alone."""
+    from parallax.tf.strategy.datasets import cover_for_worker, shard_for_worker
+
+    by_hand = tf.data.Dataset.range(64).shard(2, 1).map(lambda i: i * 2).batch(8).prefetch(1)
+    for split in (shard_for_worker, cover_for_worker):
+        with pytest.raises(ConfigError, match=r"already split among the 2 workers "
+                                              r"\(`\.shard\(2, 1\)`.*distribute_datasets_from"):
+            split(by_hand, 1, 2)
+    subsample = tf.data.Dataset.range(64).shard(4, 0).batch(8)
+    assert len(list(shard_for_worker(subsample, 0, 2))) == 2
+    assert len(list(shard_for_worker(by_hand, 0, 1))) == 4  # one worker: nothing to split
+
+
 def test_checkpoint_restore_puts_rows_back_on_the_servers(make_strategy, tmp_path):
     strategy = make_strategy()
     x, y = data()

@@ -4,7 +4,9 @@ Training (`shard_for_worker`), the contract of MultiWorkerMirroredStrategy's dat
 the dataset yields global batches of B; worker r of W gets, for every global batch, its r-th
 slice of B/W elements. So step i on W workers sees exactly the elements single-process step
 i sees with batch B, which is what makes distributed training comparable with
-single-process training. A last, partial global batch is dropped.
+single-process training. A last, partial global batch is dropped. A dataset already split
+by hand among the W workers (a `.shard(W, ...)` in its pipeline, Horovod's habit) is
+refused rather than split again (`refuse_split_by_user`).
 
 Evaluation and prediction (`cover_for_worker`): every row counts, so every global batch,
 the partial last one included, is split into W contiguous parts in rank order (sizes
@@ -44,12 +46,46 @@ def _full(batch: int):
     return is_full
 
 
+def _shards_by(dataset: tf.data.Dataset, size: int) -> list[str]:
+    """The `.shard(size, index)` steps of `dataset`'s pipeline, as `index` (or '?')."""
+    found, seen, stack = [], set(), [dataset]
+    while stack:
+        step = stack.pop()
+        if id(step) in seen:
+            continue
+        seen.add(id(step))
+        if type(step).__name__ == "_ShardDataset" and \
+                tf.get_static_value(step._num_shards) == size:  # noqa: SLF001 - tf.data's
+            index = tf.get_static_value(step._index)  # noqa: SLF001
+            found.append("?" if index is None else str(int(index)))
+        try:
+            stack.extend(step._inputs())  # noqa: SLF001 - tf.data's own pipeline walk
+        except (AttributeError, NotImplementedError):
+            continue
+    return found
+
+
+def refuse_split_by_user(dataset: tf.data.Dataset, size: int) -> None:
+    """A dataset already split among the workers by hand (Horovod's `.shard(hvd.size(),
+    hvd.rank())`) would be split again: each worker would see 1/W of its own part."""
+    found = _shards_by(dataset, size) if size > 1 else []
+    if found:
+        raise ConfigError(
+            f"the dataset is already split among the {size} workers (`.shard({size}, "
+            f"{found[0]})`, Horovod's habit), and ParallaxStrategy gives each worker its part "
+            f"of every global batch itself: each worker would see 1/{size} of its own part. "
+            f"Drop the `.shard(...)` and batch with the global batch size (the local batch x "
+            f"{size}), or make each worker's part in "
+            f"`strategy.distribute_datasets_from_function(fn)`")
+
+
 def shard_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
     """Rebatch to B/W and keep every W-th mini-batch, starting at `rank`. A last, partial
     global batch is dropped: every worker must run the same steps (a step one worker runs
     alone would wait forever for the others' gradients)."""
     if size == 1:
         return dataset
+    refuse_split_by_user(dataset, size)
     batch = global_batch_size(dataset)
     if batch % size:
         raise ConfigError(f"global batch size {batch} is not divisible by the {size} workers;"
@@ -72,6 +108,7 @@ def cover_for_worker(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.
     included: the W parts, in rank order, are every row once (evaluate, predict)."""
     if size == 1:
         return dataset
+    refuse_split_by_user(dataset, size)
     return _unsharded(dataset.map(_part(rank, size)))
 
 
