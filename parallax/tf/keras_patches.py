@@ -38,7 +38,9 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   first collective one of them no longer joins. Every worker's `fit` starts at the chief's
   epoch instead (`_chiefs_epoch`, a broadcast once its callbacks began training), as every
   worker resumes the chief's tables and the chief's dense variables (broadcast at the first
-  step) too.
+  step) too. One `BackupAndRestore` directory on several workers is refused there
+  (`_refuse_shared_backups`): each would delete it at the end of `fit`, one while another
+  still saved.
 
 Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_atomic`,
 `attach_to_keras_optimizers`):
@@ -296,6 +298,7 @@ def _chiefs_epoch(original):
         if extended is None or extended.workers.info.size < 2:
             return
         workers = extended.workers
+        _refuse_shared_backups(workers.allgather_object(_backup_dirs(self.callbacks)))
         # the epoch this worker's fit starts at, in Keras' own field
         initial = model._initial_epoch  # noqa: SLF001 - Keras' field, no public accessor
         epoch = workers.broadcast_object(initial if workers.info.is_chief else None)
@@ -305,6 +308,33 @@ def _chiefs_epoch(original):
                         workers.info.rank, initial, epoch)
         model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
     return on_train_begin
+
+
+def _backup_dirs(callbacks) -> list[str]:
+    """The directories of this worker's `BackupAndRestore` callbacks (local ones absolute)."""
+    import keras
+    return [path if "://" in path else os.path.abspath(path)
+            for path in (os.fspath(c.backup_dir) for c in callbacks
+                         if isinstance(c, keras.callbacks.BackupAndRestore))]
+
+
+def _refuse_shared_backups(every_workers: list[list[str]]) -> None:
+    """Refuse one `BackupAndRestore` directory given to several workers: Keras 3 has every
+    one of them write it and delete it at the end of `fit`, so one worker deleted it while
+    another still saved (FileNotFoundError at the end of `fit`)."""
+    ranks: dict[str, list[int]] = {}
+    for rank, paths in enumerate(every_workers):
+        for path in set(paths):
+            ranks.setdefault(path, []).append(rank)
+    shared = {path: who for path, who in ranks.items() if len(who) > 1}
+    if shared:
+        path, who = next(iter(sorted(shared.items())))
+        raise ConfigError(
+            f"BackupAndRestore's directory {path!r} is given to workers {who}: Keras 3 has "
+            f"each of them write it and delete it at the end of fit, so one deletes it while "
+            f"another still saves. Give each worker its own, e.g. BackupAndRestore(os.path."
+            f"join(backup_dir, f\"worker-{{strategy.worker.rank}}\")): every worker then "
+            f"resumes at the chief's epoch, with the chief's tables")
 
 
 def _covering_iterator(base):

@@ -10,6 +10,7 @@ writing what it got to `<out>/rank<r>.npz` and `<out>/rank<r>.json`
 - outside: a model built and compiled outside `strategy.scope()`, then `fit`.
 - presharded: `fit` on a dataset split by hand, Horovod's `.shard(size, rank)`, in a new
   strategy.
+- backup: `fit` with one `BackupAndRestore` directory on every worker, in a new strategy.
 A phase that raises is recorded as `<phase>_error` and the next one runs.
 """
 from __future__ import annotations
@@ -112,6 +113,18 @@ def presharded(strategy, summary: dict) -> None:
         summary["presharded"] = f"{type(exc).__name__}: {exc}"
 
 
+def backup(out: str, summary: dict) -> None:
+    import keras
+
+    model = compiled(strategy_for("k"))
+    shared = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))
+    try:
+        model.fit(*data(64, 0), batch_size=BATCH, epochs=1, callbacks=[shared], verbose=0)
+        summary["backup"] = "trained"
+    except parallax.ParallaxError as exc:
+        summary["backup"] = f"{type(exc).__name__}: {exc}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -125,7 +138,8 @@ def main() -> None:
     phases = (("rows", lambda: rows(strategy, arrays, summary)),
               ("baseline", lambda: baseline(arrays, summary)),
               ("multistep", lambda: multistep(summary)), ("outside", lambda: outside(summary)),
-              ("presharded", lambda: presharded(strategy, summary)))
+              ("presharded", lambda: presharded(strategy, summary)),
+              ("backup", lambda: backup(args.out, summary)))
     for phase, run in phases:  # one failing phase fails its own tests only
         try:
             run()

@@ -2,7 +2,7 @@
 `predict` covering every row (a partial last global batch, one worker's part empty) in the
 input's order; a baseline `evaluate`/`predict` before `fit`; `fit` with `validation_data`
 and `steps_per_execution=4`; a model built outside `strategy.scope()`; a dataset split
-by hand.
+by hand; one `BackupAndRestore` directory for every worker.
 One launch per collectives backend (Horovod, TensorFlow's) and one single process, all
 running tests/helpers/keras_traps_worker.py."""
 from __future__ import annotations
@@ -146,3 +146,17 @@ def test_a_dataset_split_by_hand_is_refused_in_a_job(results, backend):
             f"ConfigError: the dataset is already split among the 2 workers (`.shard(2, "
             f"{rank})`") and "global batch size" in outcome["presharded"], outcome["presharded"]
     assert _load(results["one"], 0)[1]["presharded"] == "trained"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_backup_directory_for_every_worker_is_refused(results, backend):
+    """Keras 3's BackupAndRestore on every worker, one directory: a worker deleted it at the
+    end of fit while the chief still saved (FileNotFoundError). Refused at the start of fit
+    on every worker, naming the directory and the per-worker one."""
+    for rank in (0, 1):
+        outcome = _load(results[backend], rank)[1]
+        _phase(outcome, "backup")
+        assert outcome["backup"].startswith("ConfigError: BackupAndRestore's directory ") and \
+            "backup' is given to workers [0, 1]" in outcome["backup"] and \
+            'f"worker-{strategy.worker.rank}"' in outcome["backup"], outcome["backup"]
+    assert _load(results["one"], 0)[1]["backup"] == "trained"
