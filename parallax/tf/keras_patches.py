@@ -69,6 +69,7 @@ import functools
 import inspect
 import logging
 import os
+import socket
 import threading
 import weakref
 
@@ -311,9 +312,12 @@ def _chiefs_epoch(original):
 
 
 def _backup_dirs(callbacks) -> list[str]:
-    """The directories of this worker's `BackupAndRestore` callbacks (local ones absolute)."""
+    """Where this worker's `BackupAndRestore` callbacks write: a URL as it is, a local
+    directory made absolute and named with this host (the same path on two hosts' own
+    disks is two directories; on one host, or at one URL, it is one)."""
     import keras
-    return [path if "://" in path else os.path.abspath(path)
+    host = socket.gethostname()
+    return [path if "://" in path else f"{host}:{os.path.abspath(path)}"
             for path in (os.fspath(c.backup_dir) for c in callbacks
                          if isinstance(c, keras.callbacks.BackupAndRestore))]
 
@@ -321,7 +325,8 @@ def _backup_dirs(callbacks) -> list[str]:
 def _refuse_shared_backups(every_workers: list[list[str]]) -> None:
     """Refuse one `BackupAndRestore` directory given to several workers: Keras 3 has every
     one of them write it and delete it at the end of `fit`, so one worker deleted it while
-    another still saved (FileNotFoundError at the end of `fit`)."""
+    another still saved (FileNotFoundError at the end of `fit`). Seen per host: a shared
+    file system mounted on several hosts under one path is not seen."""
     ranks: dict[str, list[int]] = {}
     for rank, paths in enumerate(every_workers):
         for path in set(paths):
