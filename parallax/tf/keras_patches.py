@@ -13,6 +13,11 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   process started by hand, its `fit` (plain Keras beside the strategy) get a warning. A
   model built inside but compiled outside (its optimizer made outside) is refused by `fit`
   before TF's "Mixing different tf.distribute.Strategy objects".
+- `compile(jit_compile=True)`: XLA has no kernel for the ops parallax puts in a step (row
+  pulls and pushes, reads of variables before the plan), so Keras' functions are made with
+  `jit_compile=False` and one warning (`_without_xla`), as Keras itself does for a model
+  XLA cannot compile. (A custom loop's own `tf.function(jit_compile=True)` is refused by the
+  strategy when traced, naming the option.)
 - `evaluate` or `predict` before the first training step traces functions that read the
   variables locally; the plan then moves tables to the servers. The plan drops those cached
   functions (`forget_functions`), so Keras traces them again on their next call.
@@ -74,7 +79,7 @@ import threading
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import control_flow_util, control_flow_util_v2
 
 from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
@@ -206,6 +211,8 @@ def _guarded(method: str, original):
 def _making(kind: str, original):
     @functools.wraps(original)
     def make(self, force=False):
+        if _extended_of(self) is not None:
+            _without_xla(self, kind)
         made = original(self, force)
         extended = _extended_of(self)
         if extended is not None and extended.plan is None and kind != "train":
@@ -217,6 +224,30 @@ def _making(kind: str, original):
                 setattr(self, attribute, _averaging(self, function))
         return made
     return make
+
+
+def _without_xla(model, kind: str) -> None:
+    """`compile(jit_compile=True)` under the strategy: Keras' steps run without XLA, which
+    cannot compile parallax's ops in them (row pulls and pushes, deferred variable reads),
+    as Keras itself does, with a warning, for a model that does not support XLA."""
+    if model.jit_compile is not True:
+        return
+    model.jit_compile = False
+    if (id(model), "jit_compile") not in _warned:
+        _warned.add((id(model), "jit_compile"))
+        log.warning("model %r was compiled with jit_compile=True, but XLA cannot compile the "
+                    "ops parallax adds to its steps (row pulls and pushes of the tables on "
+                    "the servers, reads of variables before the plan): its %s function and "
+                    "the others run with jit_compile=False. Compile with jit_compile=False "
+                    "(or Keras' default, \"auto\", which is False under a tf.distribute "
+                    "strategy) to silence this", model.name, kind)
+
+
+def in_xla_function() -> bool:
+    """Whether the graph being traced is (or is nested in) a `tf.function(jit_compile=True)`
+    (TensorFlow enters an XLA context while tracing one)."""
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 def forget_functions(extended) -> None:

@@ -867,3 +867,51 @@ def test_a_constrained_variable_on_the_servers_is_refused_naming_the_way_out(mak
     for mine, keras_weight in zip(model_and_fit(strategy), plain):
         np.testing.assert_allclose(mine, keras_weight, rtol=1e-6, atol=1e-7)
     assert strategy.plan.get("embedding/embeddings").placement == "allreduce"
+
+
+def test_compile_with_jit_compile_runs_without_xla_as_plain_keras_trains(make_strategy,
+                                                                         caplog):
+    """`model.compile(jit_compile=True)` (the Keras tutorials' XLA switch): Keras' steps
+    failed at their first call in XLA's "No registered 'Timestamp' OpKernel for XLA_CPU_JIT"
+    (fit) or "'PyFunc'" (evaluate before fit), naming none of the user's code. They now run
+    without XLA with one warning, as Keras does for a model XLA cannot compile, and train as
+    plain Keras does."""
+    x, y = data(n=64)
+
+    def run(strategy, jit):
+        with strategy.scope():
+            model = embedding_model()
+            model.compile(keras.optimizers.SGD(0.5), loss="mse", jit_compile=jit)
+        before = model.evaluate(x, y, batch_size=16, verbose=0)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return [before, *history.history["loss"]]
+
+    plain = run(tf.distribute.get_strategy(), False)
+    with caplog.at_level("WARNING", logger="parallax"):
+        ours = run(make_strategy(), True)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5)
+    assert sum("jit_compile=True" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_custom_step_in_a_jit_compiled_function_names_the_fix(make_strategy):
+    """A custom loop's `tf.function(jit_compile=True)` around `strategy.run`: the step with a
+    table on the servers cannot be compiled by XLA; it is refused while traced, naming the
+    option to drop, instead of XLA's error about a parallax op at the first call."""
+    strategy = make_strategy()
+    x, y = data(n=16)
+    with strategy.scope():
+        model = embedding_model()
+        optimizer = keras.optimizers.SGD(0.5)
+
+    def step(ids, labels):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(labels, model(ids)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    jitted = tf.function(lambda a, b: strategy.run(step, args=(a, b)), jit_compile=True)
+    with pytest.raises(Exception, match=r"Drop jit_compile=True from that tf.function"):
+        jitted(tf.constant(x), tf.constant(y))
+    plain = tf.function(lambda a, b: strategy.run(step, args=(a, b)))
+    assert np.isfinite(float(plain(tf.constant(x), tf.constant(y))))

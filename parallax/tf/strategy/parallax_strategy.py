@@ -231,6 +231,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.plan is None and self._observations is None:
             self._plan_from(fn, args, kwargs)
+        if self._observations is None and keras_patches.in_xla_function():
+            self._check_xla_can_compile()
         if self._observations is not None or self._pushed is not None:
             # The analysis trace, or a nested call inside a step (LossScaleOptimizer's
             # merge_call runs its own replica functions): part of the step in progress.
@@ -287,6 +289,19 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             self.plan = dataclasses.replace(self.plan, lookups=tuple(step.reports))
             if self.config.log_plan:
                 binding.log_lookups(self.plan, self.workers)
+
+    def _check_xla_can_compile(self) -> None:
+        """A step traced in `tf.function(jit_compile=True)`: XLA cannot compile the ops that
+        pull and push a table's rows, nor the deferred reads of variables before the plan."""
+        if self.plan is not None and not self.remotes:
+            return  # only replicated variables, already local: plain TensorFlow ops
+        reason = "its tables' rows are pulled from and pushed to the parameter servers" \
+            if self.plan is not None else "no training step has made the plan yet"
+        raise ConfigError(
+            f"a step under ParallaxStrategy is traced in a tf.function(jit_compile=True), "
+            f"but XLA cannot compile it: {reason}, by ops XLA has no kernel for. Drop "
+            f"jit_compile=True from that tf.function (XLA may still compile functions the "
+            f"step calls, such as the model's own layers)")
 
     def _plan_from(self, fn, args, kwargs) -> None:
         observations = _Observations()
