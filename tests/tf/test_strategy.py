@@ -915,3 +915,41 @@ def test_a_custom_step_in_a_jit_compiled_function_names_the_fix(make_strategy):
         jitted(tf.constant(x), tf.constant(y))
     plain = tf.function(lambda a, b: strategy.run(step, args=(a, b)))
     assert np.isfinite(float(plain(tf.constant(x), tf.constant(y))))
+
+
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adagrad, keras.optimizers.Adam])
+def test_a_checkpoint_restores_into_plain_keras_with_the_tables_optimizer_slots(
+        make_strategy, tmp_path, optimizer):
+    """TF's tutorial: "a model checkpointed with a tf.distribute.Strategy can be restored with
+    or without a strategy". The tables' optimizer slots were saved as their initial fill
+    (the workers release them; the servers keep the real ones), so a model restored without
+    parallax went on training from a fresh accumulator, silently. Every step here touches
+    every row once (the servers' lazy update is then Keras' dense one): the slots a
+    checkpoint and a .keras file restore in plain Keras are plain Keras' own."""
+    vocab, steps, batch = 48, 4, 16
+    rng = np.random.default_rng(4)
+    ids = np.stack([rng.permutation(vocab).reshape(batch, 3) for _ in range(steps)])
+    x, y = ids.reshape(-1, 3), rng.normal(size=(steps * batch, 1)).astype("float32")
+
+    def trained(strategy):
+        with strategy.scope():
+            model = embedding_model(vocab)
+            model.compile(optimizer(0.1), loss="mse")
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    plain = trained(tf.distribute.get_strategy())
+    ours = trained(make_strategy())
+    tf.train.Checkpoint(model=ours, optimizer=ours.optimizer).write(str(tmp_path / "ckpt"))
+    ours.save(tmp_path / "model.keras")
+    restored = embedding_model(vocab)
+    restored.compile(optimizer(0.1), loss="mse")
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(
+        str(tmp_path / "ckpt")).expect_partial()
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for opt in (restored.optimizer, loaded.optimizer):
+        assert len(opt.variables) == len(plain.optimizer.variables)
+        for got, want in zip(opt.variables, plain.optimizer.variables):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=want.path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
@@ -20,6 +21,7 @@ from tensorflow.python.ops.resource_variable_ops import variable_accessed
 from parallax.client import ShardedTable
 from parallax.client.table_rows import TablePushes, TableRows
 from parallax.errors import ConfigError
+from parallax.protocol import wire
 from parallax.protocol.specs import ZERO_RATE
 
 # A push's rate of 0 means "the table's optimizer spec's" on the wire. A Keras rate that is
@@ -105,6 +107,22 @@ class RemoteTable(TableRows):
         super().__init__(label, self.shape.as_list(), dtype.as_numpy_dtype, table, sync=sync,
                          worker=worker, sends_pushes=sends_pushes, offset=offset,
                          pushes=pushes, keyed=keyed)
+
+    def slot_values(self, name: str, fill: float) -> np.ndarray:
+        """This variable's rows of the servers' optimizer slot `name`, read between steps
+        (once this worker's pushes landed): each touched row's, `fill` (the slot's initial
+        value) for the rest."""
+        self.land_pushes()
+        out = np.full((self.rows, self.dim), fill, self.np_dtype)
+        for shard in range(self.table.spec.shard_count):
+            for page in self.table.export_pages(shard):
+                if name not in page.slot_names or not (page.ids.shape and page.ids.shape[0]):
+                    continue
+                ids = wire.decode(page.ids, "ids") - self.offset  # a table group's rows
+                slot = wire.decode(page.slots[list(page.slot_names).index(name)], "slot")
+                mine = (ids >= 0) & (ids < self.rows)
+                out[ids[mine]] = slot.reshape(len(ids), self.dim)[mine]
+        return out.reshape(self.shape)
 
     # ---- graph side ----
 

@@ -12,12 +12,17 @@ sparse is only known after the first step is traced. Two consequences shape this
   `tf.nn.embedding_lookup` call, and what Keras' `ops.take` is routed to) pulls only the rows
   of `ids`, with an `IndexedSlices` gradient over global ids that is pushed, not applied; a
   whole read (`value()`, `numpy()`, `model.save`) pulls every row.
+- A table's optimizer slots are released as constants (the servers keep the real ones): a
+  read returns the slot's initial fill, except an eager read on the chief (a checkpoint's or
+  Keras file's save, `optimizer.variables`), which exports the servers' slot, so such files
+  restore into plain Keras with the optimizer's state.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import math
+import logging
 import threading
 from typing import Callable, Iterator
 
@@ -25,7 +30,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
-from parallax.errors import ConfigError, ParallaxError
+from parallax.errors import ConfigError, ParallaxError, ServerError
+
+log = logging.getLogger("parallax")
 
 _INIT_PARAMETERS = frozenset(inspect.signature(
     resource_variable_ops.ResourceVariable.__init__).parameters) - {"self"}
@@ -63,6 +70,7 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
     _parallax_remote = None  # the RemoteTable holding the rows, once the plan moved them
     _parallax_index = -1     # creation order in the strategy: the same on every worker
     _parallax_fill = None    # set on released optimizer slots: what a read returns
+    _parallax_slot = None    # (RemoteTable, slot name): where the chief reads a released one
     _parallax_init = None    # the deferred initial value (a callable), until computed
     _parallax_planned = False  # True once the plan decided where this variable lives
     _parallax_across_workers = None  # sync-on-read (metrics): local value -> all workers'
@@ -190,10 +198,14 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         release_storage(self)
         self._parallax_remote = remote
 
-    def release_as_constant(self) -> None:
+    def release_as_constant(self, source=None) -> None:
         """For optimizer slots of a table on the servers (the servers keep the real slots):
         free the storage; reads return the slot's initial fill, so saving a model with its
-        optimizer still works, and assignments (loading such a model) are ignored."""
+        optimizer still works, and assignments (loading such a model) are ignored. With
+        `source` ((RemoteTable, slot name), given on the chief), eager reads (a checkpoint's
+        or Keras file's save, `optimizer.variables`) return the servers' slot instead, so the
+        file restores into plain Keras with the optimizer's real state."""
+        self._parallax_slot = source
         first = next(self.initial_chunks(self.dtype.size))[1] if self._parallax_init \
             else self.numpy()
         flat = np.asarray(first).reshape(-1)
@@ -213,6 +225,8 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
         if self._parallax_remote is not None:
             return self._parallax_remote.read_all(self)
         if self._parallax_fill is not None:
+            if self._parallax_slot is not None and tf.executing_eagerly():
+                return tf.constant(self._servers_slot(), self.dtype)
             return tf.fill(self.shape, tf.constant(self._parallax_fill, self.dtype))
         with self._local_ready():
             value = super()._read_variable_op(no_copy=no_copy)
@@ -223,6 +237,21 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
             # MWMS' sync-on-read variables, the aggregate over all workers.
             value = self._parallax_across_workers(value, self.aggregation)
         return value
+
+    def _servers_slot(self) -> np.ndarray:
+        """A released slot's rows as the servers hold them; its initial fill, with a
+        warning, when a shard is mid-step (another worker already pushed the next step while
+        this one saves): a restore by parallax stays exact (the servers' checkpoint or the
+        file's inline rows), one without parallax starts the slot afresh."""
+        remote, name = self._parallax_slot
+        try:
+            return remote.slot_values(name, self._parallax_fill)
+        except (ServerError, ConfigError) as err:
+            log.warning("optimizer slot %r of %r was read as its initial value %g: the "
+                        "servers' could not be read now (%s); a file saved now restores it "
+                        "exactly with parallax only", name, remote.label,
+                        self._parallax_fill, err)
+            return np.full(self.shape, self._parallax_fill, remote.np_dtype)
 
     def _in_own_replica_step(self) -> bool:
         context = tf.distribute.get_replica_context()

@@ -178,6 +178,15 @@ class TableBinder:
         self.pusher_index = info.rank // info.local_size if local_aggregation else info.rank
         self.remotes: dict[int, RemoteTable] = {}
 
+    def _slot_source(self, remote: RemoteTable, slot: tf.Variable, spec: TableSpec):
+        """Where the chief's eager reads of a released slot come from: (remote, the
+        servers' slot name); None on other workers (the chief's file is the one restored)
+        and for keyed tables (their slots are keyed; the servers' checkpoint holds them)."""
+        name = _server_slot_name(slot, spec)
+        if name is None or remote.keyed or not self.workers.info.is_chief:
+            return None
+        return remote, name
+
     def bind(self, variables: dict[int, ParallaxVariable], optimizer,
              restore: Callable[[PSClient], bool] | None = None) -> dict[int, RemoteTable]:
         """Create and bind the plan's tables. `restore` (a resumed job): the chief calls it
@@ -259,9 +268,16 @@ class TableBinder:
             var.bind_remote(remote)
             for slot in slots_of(optimizer, var):
                 if isinstance(slot, ParallaxVariable):
-                    slot.release_as_constant()
+                    slot.release_as_constant(self._slot_source(remote, slot, spec))
             self.remotes[vp.index] = remote
         return self.remotes
+
+
+def _server_slot_name(slot: tf.Variable, spec: TableSpec) -> str | None:
+    """The servers' name of Keras' slot variable `slot` (Keras names it after the
+    variable's path and the slot: `..._embeddings_velocity`; the servers use Keras' names)."""
+    base = slot.name.split(":")[0]
+    return next((n for n in spec.optimizer.slot_names() if base.endswith(f"_{n}")), None)
 
 
 def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
