@@ -61,6 +61,7 @@ class StepTrace:
     def __init__(self, fusion=None) -> None:
         self.fusion = fusion
         self._owners: dict = {}  # {a lookup's dense_shape tensor .ref(): its RemoteTable}
+        self._updated: set[int] = set()  # id() of the tables this traced step updated so far
 
     def begin_here(self) -> StepTrace:
         """Make this the trace that lookups on this thread record in (and return it)."""
@@ -76,6 +77,28 @@ class StepTrace:
     def end_lookups(self) -> None:
         """What follows is the step's own tail, not its lookups: no more fusing."""
         self.fusion = None
+
+    def record_update(self, remote: RemoteTable) -> None:
+        """The step being traced pushes an update of `remote` (at its end)."""
+        self._updated.add(id(remote))
+
+    def end_updates(self) -> None:
+        """The step was traced: later lookups are another step's."""
+        self._updated.clear()
+
+    def check_not_updated(self, remote: RemoteTable) -> None:
+        """Refuse a traced lookup of a table the same step already updated: the step's rows
+        are pulled before its update and the update pushed at its end, so the lookup would
+        silently read the rows from before it (TensorFlow reads them after)."""
+        if id(remote) in self._updated and not tf.executing_eagerly():
+            raise ConfigError(
+                f"{remote.label!r} is read after the optimizer updated it in the same step "
+                f"(one strategy.run): its rows on the parameter servers change only when the "
+                f"step ends, so this read would return the rows from before the update, where "
+                f"TensorFlow returns them after. Update and read it in separate steps: end the "
+                f"step after apply_gradients and read in the next strategy.run (several "
+                f"updates: one strategy.run each; in a Keras train_step, compute the metrics "
+                f"from the predictions made before the update)")
 
     def record_lookup(self, dense_shape: tf.Tensor, remote: RemoteTable) -> None:
         """`remote`'s lookup made a gradient whose `dense_shape` is this tensor."""
@@ -131,6 +154,7 @@ class RemoteTable(TableRows):
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
             raise ConfigError(f"lookup in {self.label!r}: ids must be integers, got {ids.dtype}")
+        StepTrace.traced_here().check_not_updated(self)
         unique, inverse = tf.unique(tf.reshape(tf.cast(ids, tf.int64), [-1]), out_idx=tf.int32)
         rows = self._pull_op(unique, self.pull_rows, "parallax_pull")
         rows = tf.reshape(rows, [-1] + self.row_shape)

@@ -260,6 +260,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
                                   name="parallax_partition_search")
         finally:
             trace.end_lookups()
+            trace.end_updates()
             self._pushed = None
         return result
 
@@ -622,6 +623,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             op = remote.push(args[0], learning_rate=learning_rate)
         if self._pushed is not None:
             self._pushed.add(var.parallax_index)
+        self._trace.record_update(remote)
         return op if group else (op,)
 
     # ---- datasets and topology ----
