@@ -79,7 +79,7 @@ import threading
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util, control_flow_util_v2
+from tensorflow.python.ops import control_flow_util_v2
 
 from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
@@ -241,13 +241,6 @@ def _without_xla(model, kind: str) -> None:
                     "the others run with jit_compile=False. Compile with jit_compile=False "
                     "(or Keras' default, \"auto\", which is False under a tf.distribute "
                     "strategy) to silence this", model.name, kind)
-
-
-def in_xla_function() -> bool:
-    """Whether the graph being traced is (or is nested in) a `tf.function(jit_compile=True)`
-    (TensorFlow enters an XLA context while tracing one)."""
-    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
 
 
 def forget_functions(extended) -> None:

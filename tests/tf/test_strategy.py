@@ -917,6 +917,38 @@ def test_a_custom_step_in_a_jit_compiled_function_names_the_fix(make_strategy):
     assert np.isfinite(float(plain(tf.constant(x), tf.constant(y))))
 
 
+def test_a_jit_compiled_function_inside_the_step_that_reads_a_table_names_the_fix(
+        make_strategy):
+    """The refusal above said XLA "may still compile functions the step calls, such as the
+    model's own layers": a `tf.function(jit_compile=True)` forward pass inside the step (the
+    table's lookup in it), first traced once the plan was made, failed at its first call in
+    XLA ("No registered 'PyFunc' OpKernel for XLA_CPU_JIT", naming a parallax_pull op). The
+    lookup is refused when traced, naming the option."""
+    strategy = make_strategy()
+    x, y = data(n=16)
+    with strategy.scope():
+        model = embedding_model()
+        optimizer = keras.optimizers.SGD(0.5)
+
+    def step_of(forward):
+        def step(ids, labels):
+            with tf.GradientTape() as tape:
+                loss = forward(ids, labels)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return tf.function(lambda a, b: strategy.run(step, args=(a, b)))
+
+    def forward(ids, labels):
+        return tf.reduce_mean(keras.losses.mean_squared_error(labels, model(ids)))
+
+    assert np.isfinite(float(step_of(forward)(tf.constant(x), tf.constant(y))))  # the plan
+    jitted = step_of(tf.function(forward, jit_compile=True))
+    with pytest.raises(Exception, match=r"'.*embedding.*' is read inside a tf.function\(jit_"
+                                        r"compile=True\).*Drop jit_compile=True"):
+        jitted(tf.constant(x), tf.constant(y))
+
+
 @pytest.mark.parametrize("optimizer", [keras.optimizers.Adagrad, keras.optimizers.Adam])
 def test_a_checkpoint_restores_into_plain_keras_with_the_tables_optimizer_slots(
         make_strategy, tmp_path, optimizer):

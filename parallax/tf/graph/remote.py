@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 from parallax.client import ShardedTable
@@ -39,6 +40,13 @@ def pushed_rate(learning_rate) -> tf.Tensor:
         return tf.constant(0.0, tf.float64)
     rate = tf.cast(learning_rate, tf.float64)
     return tf.where(tf.equal(rate, 0.0), tf.constant(ZERO_RATE, tf.float64), rate)
+
+
+def in_xla_function() -> bool:
+    """Whether the graph being traced is (or is nested in) a `tf.function(jit_compile=True)`
+    (TensorFlow enters an XLA context while tracing one)."""
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 class StepTrace:
@@ -182,7 +190,16 @@ class RemoteTable(TableRows):
 
     def _pull_op(self, unique: tf.Tensor, pull, name: str) -> tf.Tensor:
         """The rows of `unique`: from the step's fused pull when the step being traced can
-        group this lookup (parallax.tf.graph.fusion), else from an op of its own."""
+        group this lookup (parallax.tf.graph.fusion), else from an op of its own. Refused
+        in a function XLA compiles (`tf.function(jit_compile=True)` around the model, inside
+        the step): XLA has no kernel for the pull, and the lookup failed there with an
+        unrelated reshape error."""
+        if in_xla_function():
+            raise ConfigError(
+                f"{self.label!r} is read inside a tf.function(jit_compile=True), but XLA "
+                f"cannot compile the op that pulls its rows from the parameter servers. Drop "
+                f"jit_compile=True from that function (XLA may still compile functions that "
+                f"read no table on the servers)")
         step = StepTrace.traced_here().fusion
         rows = step.lookup(self, unique) if step is not None else None
         if rows is None:

@@ -49,7 +49,7 @@ from parallax.tf.collectives.tensorflow import LOCAL_AGGREGATION_NEEDS_HOROVOD, 
 from parallax.tf.collectives.workers import WorkerInfo
 from parallax.tf.graph.analysis import NOT_READ, inspect_reads
 from parallax.tf.graph.fusion import StepFusion
-from parallax.tf.graph.remote import RemoteTable, StepTrace
+from parallax.tf.graph.remote import RemoteTable, StepTrace, in_xla_function
 from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                          remote_of, restore_storage)
 from parallax.tf.state import resume
@@ -231,7 +231,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         if self.plan is None and self._observations is None:
             self._plan_from(fn, args, kwargs)
-        if self._observations is None and keras_patches.in_xla_function():
+        if self._observations is None and in_xla_function():
             self._check_xla_can_compile()
         if self._observations is not None or self._pushed is not None:
             # The analysis trace, or a nested call inside a step (LossScaleOptimizer's
@@ -302,7 +302,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
             f"a step under ParallaxStrategy is traced in a tf.function(jit_compile=True), "
             f"but XLA cannot compile it: {reason}, by ops XLA has no kernel for. Drop "
             f"jit_compile=True from that tf.function (XLA may still compile functions the "
-            f"step calls, such as the model's own layers)")
+            f"step calls that read no table on the servers)")
 
     def _plan_from(self, fn, args, kwargs) -> None:
         observations = _Observations()
