@@ -63,10 +63,10 @@ def is_keras_predict_step(fn) -> bool:
 def refuse_horovod_optimizer(optimizer) -> None:
     """Refuse Horovod's `DistributedOptimizer`, left in from a Horovod script."""
     cls = type(optimizer)
-    if not cls.__module__.startswith("horovod"):
+    if not _horovods(cls):
         return
-    wrapped = next((base.__name__ for base in cls.__mro__[1:]
-                    if not base.__module__.startswith("horovod")), cls.__name__)
+    wrapped = next((base.__name__ for base in cls.__mro__[1:] if not _horovods(base)),
+                   cls.__name__)
     raise ConfigError(
         f"the optimizer is Horovod's DistributedOptimizer around {wrapped} (`hvd."
         f"DistributedOptimizer(...)`, left from a Horovod script): ParallaxStrategy sums the "
@@ -74,6 +74,12 @@ def refuse_horovod_optimizer(optimizer) -> None:
         f"`variables` fails). Use the {wrapped} optimizer it wraps, made inside "
         f"`strategy.scope()` (a learning rate scaled by hvd.size() stays right with the "
         f"global batch: docs/migration.md)")
+
+
+def _horovods(cls: type) -> bool:
+    """Whether `cls` is defined in Horovod's package (not in a user's `horovod_utils`)."""
+    module = cls.__module__ or ""
+    return module == "horovod" or module.startswith("horovod.")
 
 
 def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:

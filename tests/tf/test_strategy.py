@@ -838,6 +838,18 @@ def test_horovods_distributed_optimizer_is_refused_naming_the_one_it_wraps(make_
         step(tf.constant(x[:16]), tf.constant(y[:16]))
 
 
+def test_only_horovods_own_optimizer_classes_are_refused():
+    """The refusal matched any module name starting with "horovod": a user's optimizer
+    defined in their own `horovod_compat.py` was refused as Horovod's DistributedOptimizer."""
+    from parallax.tf.keras_support import refuse_horovod_optimizer
+
+    users = type("MySGD", (keras.optimizers.SGD,), {"__module__": "horovod_compat"})
+    refuse_horovod_optimizer(users(0.1))
+    horovods = type("SGD", (keras.optimizers.SGD,), {"__module__": "horovod._keras"})
+    with pytest.raises(ConfigError, match="DistributedOptimizer around SGD"):
+        refuse_horovod_optimizer(horovods(0.1))
+
+
 def test_a_constrained_variable_on_the_servers_is_refused_naming_the_way_out(make_strategy):
     """A Keras constraint (here MaxNorm on the table, placed on the servers by hand) is
     applied by assigning the whole variable inside the step: it failed there with "assign()
