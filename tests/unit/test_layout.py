@@ -51,7 +51,7 @@ TF_ROOMS = {
     "collectives": set(),  # `Workers` and its backends (`BACKENDS`)
     "keras_support": set(),  # what parallax reads of Keras
     "state": {"collectives", "graph"},  # resume, resharding, the tuner
-    "keras_patches": {"graph", "state"},  # every change parallax makes to Keras
+    "keras_patches": {"graph", "keras_support", "state"},  # every change parallax makes to Keras
     "strategy": {"collectives", "graph", "keras_patches", "keras_support", "state"},
 }
 
