@@ -85,10 +85,7 @@ def _horovods(cls: type) -> bool:
 def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:
     """The optimizer's slot variables for `variable` (Keras names them after its path and
     gives them its shape)."""
-    if optimizer is None:
-        return []
-    keras_var = next((v for v in getattr(optimizer, "_trainable_variables", [])
-                      if getattr(v, "value", v) is variable), None)
+    keras_var = _keras_variable(variable, optimizer)
     if keras_var is None:
         return []
     prefix = keras_var.path.replace("/", "_") + "_"
@@ -101,17 +98,19 @@ def slots_of(optimizer, variable: tf.Variable) -> list[tf.Variable]:
     return slots
 
 
+def _keras_variable(variable: tf.Variable, optimizer):
+    """The Keras variable of `optimizer` whose storage is `variable` (None: not trained by
+    it, or no optimizer)."""
+    return next((v for v in getattr(optimizer, "_trainable_variables", None) or []
+                 if getattr(v, "value", v) is variable), None)
+
+
 def keras_path_of(variable: tf.Variable, optimizer) -> str | None:
-    for v in getattr(optimizer, "_trainable_variables", []) or []:
-        if getattr(v, "value", v) is variable:
-            return v.path
-    return None
+    keras_var = _keras_variable(variable, optimizer)
+    return None if keras_var is None else keras_var.path
 
 
 def constraint_of(variable: tf.Variable, optimizer):
     """The Keras constraint of `variable` (`embeddings_constraint=`, `kernel_constraint=`),
     which the optimizer applies after each update by assigning the whole variable; None."""
-    for v in getattr(optimizer, "_trainable_variables", []) or []:
-        if getattr(v, "value", v) is variable:
-            return getattr(v, "constraint", None)
-    return None
+    return getattr(_keras_variable(variable, optimizer), "constraint", None)

@@ -146,9 +146,8 @@ def check_unconstrained(on_servers: Sequence[VariablePlan],
     """Refuse a variable bound for the servers that has a Keras constraint: Keras applies it
     after each update by assigning the whole variable inside the step, which a variable on
     the servers cannot take."""
-    constrained = {vp.name: type(constraint_of(variables[vp.index], optimizer)).__name__
-                   for vp in on_servers
-                   if constraint_of(variables[vp.index], optimizer) is not None}
+    found = {vp.name: constraint_of(variables[vp.index], optimizer) for vp in on_servers}
+    constrained = {name: type(c).__name__ for name, c in found.items() if c is not None}
     if constrained:
         raise ConfigError(
             f"variables {constrained} (name: constraint) have a Keras constraint "
