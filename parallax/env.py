@@ -26,6 +26,7 @@ ADDRESSES_ENV = "PARALLAX_PS_ADDRESSES"  # comma-separated host:port of every se
 RUN_ID_ENV = "PARALLAX_RUN_ID"           # the job's id: table names on the servers carry it
 MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run --mode`
 SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
+REPLICAS_ENV = "PARALLAX_REPLICAS"       # 1 or 2: copies of each shard (--replicas)
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
 WORKERS_ENV = "PARALLAX_WORKERS"         # without Horovod: every worker's host:port for

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.client.dataplane import DataPlaneClient
-from parallax.env import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
+from parallax.env import REPLICAS_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol import bulk_codec, dataplane, security
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
@@ -76,6 +76,8 @@ class ClientOptions:
     token: str | None = field(default=None, repr=False)  # cluster token sent with every RPC
     data_plane: bool = True          # PullMany/PushMany as frames on the server's data-plane
                                      # port when it has one (parallax.protocol.dataplane), else gRPC
+    replicas: int = 1                # copies of each shard, each on its own server (2: a
+                                     # server's death loses no step; parallax.client.replicas)
 
     @property
     def max_message_bytes(self) -> int:
@@ -89,13 +91,16 @@ class ClientOptions:
 def client_options_from_env(base: ClientOptions | None = None,
                             environ: Mapping[str, str] | None = None) -> ClientOptions:
     """`base` (default ClientOptions()) with the TLS files and token of the environment
-    (`PARALLAX_TLS_*`, `PARALLAX_TOKEN_FILE`; a job's `JobCredentials.worker_env()`) filled
-    into the fields `base` leaves unset; unchanged when none is set."""
+    (`PARALLAX_TLS_*`, `PARALLAX_TOKEN_FILE`; a job's `JobCredentials.worker_env()`) and its
+    `PARALLAX_REPLICAS` filled into the fields `base` leaves unset; unchanged when none is
+    set."""
     base = base or ClientOptions()
     env = os.environ if environ is None else environ
     changes = {field: env[name] for field, name in (
         ("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV))
         if env.get(name) and getattr(base, field) is None}
+    if env.get(REPLICAS_ENV) and base.replicas == 1:
+        changes["replicas"] = _replicas(env[REPLICAS_ENV])
     if env.get(TOKEN_FILE_ENV) and base.token is None:
         changes["token"] = security.read_token(env[TOKEN_FILE_ENV])
     if (changes.get("tls_cert") or changes.get("tls_key")) and not (
@@ -104,6 +109,12 @@ def client_options_from_env(base: ClientOptions | None = None,
                           f"a client certificate needs TLS; set {TLS_CA_ENV} to the CA that "
                           f"signed the servers' certificates")
     return dataclasses.replace(base, **changes) if changes else base
+
+
+def _replicas(text: str) -> int:
+    if text.strip() not in ("1", "2"):
+        raise ConfigError(f"{REPLICAS_ENV}={text!r} must be 1 or 2 (copies of each shard)")
+    return int(text)
 
 
 def describe(method: str, address: str, table, err: grpc.RpcError,

@@ -11,6 +11,7 @@ from typing import Sequence
 import grpc
 
 from parallax.client.connection import ClientOptions, ServerConnection
+from parallax.client.replicas import Liveness, check_replicable, check_replicas, replica_sets
 from parallax.client.row_mover import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError, ServerError
@@ -35,7 +36,8 @@ def _mixed_steps(shards) -> dict[str, list[int]]:
 
 class PSClient:
     """Connections to every server of a job; shard i of a table goes to server i % N unless a
-    placement is given.
+    placement is given (with `options.replicas=2`, and a copy to the next server:
+    `parallax.client.replicas`).
 
     Example:
 
@@ -62,6 +64,9 @@ class PSClient:
         self.addresses = list(addresses)
         self.options = options = options or ClientOptions()
         self.servers = [ServerConnection(a, options) for a in self.addresses]
+        check_replicas(options.replicas, len(self.servers))
+        self.liveness = Liveness()
+        self._routes = replica_sets(self.servers, options.replicas, self.liveness)
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
 
     def __enter__(self) -> "PSClient":
@@ -76,8 +81,12 @@ class PSClient:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every server reports SERVING; the error names the one that does not."""
-        for server in self.servers:
+        for server in self.live_servers():
             server.wait_healthy(timeout)
+
+    def live_servers(self) -> list[ServerConnection]:
+        """Every server but those lost (only replicated shards outlive a server)."""
+        return [s for s in self.servers if self.liveness.alive(s.address)]
 
     def _placement(self, spec: TableSpec, placement: Sequence[int] | None) -> list[int]:
         placement = list(placement) if placement is not None else \
@@ -91,7 +100,9 @@ class PSClient:
 
     def table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
         """A handle on an existing table (no RPC)."""
-        return ShardedTable(spec, [self.servers[p] for p in self._placement(spec, placement)],
+        if self.options.replicas > 1:
+            check_replicable(spec)
+        return ShardedTable(spec, [self._routes[p] for p in self._placement(spec, placement)],
                             self.session)
 
     def create_table(self, spec: TableSpec, placement: Sequence[int] | None = None) -> ShardedTable:
@@ -133,7 +144,7 @@ class PSClient:
         """Delete every shard of every table whose name starts with `prefix`, on every
         server (a restarted job's fresh start); the names deleted."""
         names = set()
-        for server, reply in zip(self.servers, self._each("Stats", ps_pb2.StatsRequest())):
+        for server, reply in self._answers("Stats", ps_pb2.StatsRequest()):
             for shard in reply.tables:
                 if shard.table.startswith(prefix):
                     server.call("DeleteTable", ps_pb2.DeleteTableRequest(
@@ -141,15 +152,44 @@ class PSClient:
                     names.add(shard.table)
         return sorted(names)
 
-    def _each(self, method: str, request) -> list:
-        """Call every server at once; once all have answered, the replies or the first
+    def _each(self, method: str, request, skips: dict[str, list] | None = None) -> list:
+        """The replies of `_answers`."""
+        return [reply for _, reply in self._answers(method, request, skips)]
+
+    def _answers(self, method: str, request, skips: dict[str, list] | None = None
+                 ) -> list[tuple[ServerConnection, object]]:
+        """Call every live server at once (`skips`: the `SaveRequest.skip` of each server's
+        request, by address); once all have answered, (server, reply) of each, or the first
         error (no call is still running when this raises)."""
-        calls = [(s, s.future(method, request)) for s in self.servers]
-        futures.wait([f for _, f in calls])
-        return [s.result(f, method, request) for s, f in calls]
+        calls = []
+        for server in self.live_servers():
+            own = request
+            if skips and skips.get(server.address):
+                own = type(request)()
+                own.CopyFrom(request)
+                own.skip.extend(skips[server.address])
+            calls.append((server, own, server.future(method, own)))
+        futures.wait([f for *_, f in calls])
+        return [(s, s.result(f, method, own)) for s, own, f in calls]
+
+    def _copies_to_skip(self, tables: Sequence[str]) -> dict[str, list]:
+        """Replicated shards: per server address, the copies it holds that another saves
+        (each shard is saved once, by the first live server holding it)."""
+        if self.options.replicas == 1:
+            return {}
+        saver: dict[tuple[str, int], str] = {}
+        skips: dict[str, list] = {}
+        for server, reply in self._answers("Stats", ps_pb2.StatsRequest(tables=list(tables))):
+            for shard in reply.tables:
+                key = (shard.table, shard.shard_index)
+                if saver.setdefault(key, server.address) != server.address:
+                    skips.setdefault(server.address, []).append(
+                        ps_pb2.ShardKey(table=shard.table, shard_index=shard.shard_index))
+        return skips
 
     def _shards_of(self, replies, tables: Sequence[str], verb: str) -> list:
-        shards = [shard for reply in replies for shard in reply.shards]
+        shards = list({(s.table, s.shard_index): s for reply in replies  # (copies: once)
+                       for s in reply.shards}.values())
         missing = set(tables) - {s.table for s in shards}
         if missing:
             raise ConfigError(f"cannot {verb} tables {sorted(missing)}: no server of "
@@ -169,7 +209,8 @@ class PSClient:
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
                                     checkpoint=checkpoint_names.new_name())
         try:
-            replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE))
+            replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE),
+                                 self._copies_to_skip(tables))
             shards = self._shards_of(replies, tables, "save")
             mixed = _mixed_steps(shards)
             if mixed:
@@ -185,13 +226,13 @@ class PSClient:
 
     def _in_turn(self, method: str, request) -> None:
         """Call every server, one after another (servers may share a data directory)."""
-        for server in self.servers:
+        for server in self.live_servers():
             server.call(method, request)
 
     def _abort(self, request) -> None:
         """Best effort: a server that cannot be reached now drops the staging at a later
         save; servers that committed keep the checkpoint, never marked complete."""
-        for server in self.servers:
+        for server in self.live_servers():
             try:
                 server.call("Save", request)
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
@@ -218,9 +259,9 @@ class PSClient:
 
     def _restore(self, path: str, tables: Sequence[str], checkpoint: str) -> list:
         request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables))
-        replies = self._each("Restore", request(checkpoint=checkpoint, verify_only=True))
-        self._shards_of(replies, tables, "restore")
-        held = self._held(replies)
+        answers = self._answers("Restore", request(checkpoint=checkpoint, verify_only=True))
+        self._shards_of([reply for _, reply in answers], tables, "restore")
+        held = self._held(answers)
         names = sorted({n for found in held.values() for n in found})
         name = names[0] if names else ""
         if len(names) > 1:
@@ -233,8 +274,8 @@ class PSClient:
 
     def _held(self, replies) -> dict[str, list[str]]:
         """{server address: checkpoint names its reply names}."""
-        return {address: sorted({s.checkpoint for s in reply.shards})
-                for address, reply in zip(self.addresses, replies) if reply.shards}
+        return {server.address: sorted({s.checkpoint for s in reply.shards})
+                for server, reply in replies if reply.shards}
 
     def _newest_everywhere(self, request, names: list[str]) -> str:
         """The newest of `names` that every server verifies. A save that failed in its first
@@ -251,10 +292,10 @@ class PSClient:
         return names[0]
 
     def stats(self, tables: Sequence[str] = ()) -> dict[str, ps_pb2.StatsResponse]:
-        replies = self._each("Stats", ps_pb2.StatsRequest(tables=list(tables)))
-        return dict(zip(self.addresses, replies))
+        replies = self._answers("Stats", ps_pb2.StatsRequest(tables=list(tables)))
+        return {server.address: reply for server, reply in replies}
 
     def barrier(self, name: str, rank: int, count: int, timeout: float | None = None) -> int:
         """Wait until `count` ranks reach barrier `name` (held by the first server)."""
         request = ps_pb2.BarrierRequest(name=name, rank=rank, count=count)
-        return self.servers[0].call("Barrier", request, timeout=timeout).generation
+        return self.live_servers()[0].call("Barrier", request, timeout=timeout).generation

@@ -1,0 +1,209 @@
+"""Replicated shards (`ClientOptions.replicas=2`, `parallax run --replicas 2`): every shard
+placed on server i has a copy on server i+1 (mod S), and a server's death loses no step.
+
+The client keeps the copies equal. Every request that changes a shard (`WRITES`: create,
+fill, push, import, delete) goes to each live copy at once and counts as done once every
+live copy answered; every read (pull, step wait, export) goes to the first live copy. A sync
+step is applied once every worker's push is in, in worker order, so copies that received
+the same pushes hold the same rows, bit for bit. Restores go to every server and reload
+every copy from the checkpoint; saves write each shard once, from its serving copy (a
+`SaveRequest.skip` names the others).
+
+A server is lost when a request to it fails UNAVAILABLE after the connection's own retries
+(its process is gone; the connection refused or reset). From then on every `ReplicaSet` of
+the client leaves it out: reads go to the copy, and a read that was in flight is sent to the
+copy again; writes go to the copies left. No step is redone: the copy holds every push the
+lost server held, since a push is done only once every live copy has it. Losing both copies
+of a shard fails the request with the last server's error, as without copies.
+
+Only sync tables are replicated: an async table applies pushes in arrival order, which
+differs between copies (`check_replicable`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import grpc
+
+from parallax.errors import ConfigError, ServerError
+
+log = logging.getLogger("parallax")
+WRITES = frozenset({"CreateTable", "DeleteTable", "InitRows", "Push", "PushMany",
+                    "ImportRows"})  # sent to every live copy; any other method reads one
+MAX_REPLICAS = 2  # copies of a shard: the server it is placed on and the next one
+
+
+def check_replicas(replicas: int, servers: int) -> None:
+    """Raise unless `replicas` copies of a shard fit on `servers` servers."""
+    if replicas not in range(1, MAX_REPLICAS + 1):
+        raise ConfigError(f"replicas={replicas}: give 1 (no copies) or 2 (each shard also on "
+                          f"the next server)")
+    if replicas > servers:
+        raise ConfigError(f"replicas={replicas} needs at least {replicas} servers, each copy "
+                          f"of a shard on its own; the job has {servers}")
+
+
+def check_replicable(spec) -> None:
+    """Raise for a table whose copies could not stay equal."""
+    if spec.sync_mode != "sync":
+        raise ConfigError(f"table {spec.name!r}: replicas=2 needs sync tables (an async table "
+                          f"applies pushes as they arrive, in a different order on each copy); "
+                          f"train in sync mode or run without replicas")
+
+
+class Liveness:
+    """The servers a client has lost, shared by all its `ReplicaSet`s."""
+
+    def __init__(self) -> None:
+        self._lost: set[str] = set()
+        self._lock = threading.Lock()
+
+    def alive(self, address: str) -> bool:
+        return address not in self._lost
+
+    def lose(self, address: str, err: ServerError) -> None:
+        with self._lock:
+            if address in self._lost:
+                return
+            self._lost.add(address)
+        log.warning("server %s is lost (%s); its shards continue on their copies", address,
+                    err)
+
+    @property
+    def lost(self) -> frozenset[str]:
+        return frozenset(self._lost)
+
+
+class _Read:
+    """A read in flight on one copy."""
+
+    def __init__(self, conn, future) -> None:
+        self.conn, self.future = conn, future
+
+    def abandon(self) -> None:
+        if hasattr(self.future, "abandon"):
+            self.future.abandon()
+
+
+class _Fanout:
+    """A write in flight on every live copy."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def abandon(self) -> None:
+        for _, future in self.calls:
+            if hasattr(future, "abandon"):
+                future.abandon()
+
+
+class ReplicaSet:
+    """The copies of the shards placed on one server, as one connection (the interface of
+    `ServerConnection` that tables use): the server itself first, then the next one."""
+
+    def __init__(self, copies: Sequence, liveness: Liveness) -> None:
+        self.copies, self.liveness = list(copies), liveness
+        self.options = self.copies[0].options
+
+    def live(self) -> list:
+        return [c for c in self.copies if self.liveness.alive(c.address)]
+
+    def serving(self, err: ServerError | None = None):
+        """The copy that answers reads: the first live one (none left: raise `err`)."""
+        live = self.live()
+        if not live:
+            raise err or ServerError(f"every copy of the shards of server {self.address} is "
+                                     f"lost ({', '.join(c.address for c in self.copies)})",
+                                     address=self.address, table=None,
+                                     code=grpc.StatusCode.UNAVAILABLE)
+        return live[0]
+
+    @property
+    def address(self) -> str:
+        live = self.live()
+        return (live or self.copies)[0].address
+
+    @property
+    def data_plane(self) -> str | None:
+        return self.serving().data_plane
+
+    def _lost(self, conn, err: ServerError) -> bool:
+        """Whether `err` means `conn`'s server is gone (then it is left out from now on)."""
+        if err.code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        self.liveness.lose(conn.address, err)
+        return True
+
+    def future(self, method: str, request, timeout: float | None = None):
+        if method in WRITES:
+            return _Fanout([(c, c.future(method, request, timeout)) for c in self.live()])
+        conn = self.serving()
+        return _Read(conn, conn.future(method, request, timeout))
+
+    def result(self, future, method: str, request, table=None, timeout: float | None = None,
+               done_on_retry: tuple = ()):
+        if method in WRITES:
+            return self._write(future, method, request, table, timeout, done_on_retry)
+        return self._read(future, method, request, table, timeout, done_on_retry)
+
+    def call(self, method: str, request, table=None, timeout: float | None = None,
+             done_on_retry: tuple = (), pending=None):
+        return self.result(pending, method, request, table, timeout, done_on_retry)
+
+    def _read(self, future, method, request, table, timeout, done_on_retry):
+        conn, pending = (future.conn, future.future) if future is not None else \
+            (self.serving(), None)
+        while True:
+            try:
+                return conn.result(pending, method, request, table, timeout, done_on_retry)
+            except ServerError as err:
+                if not self._lost(conn, err):
+                    raise
+                conn, pending = self.serving(err), None  # the same read, on the copy
+
+    def _write(self, future, method, request, table, timeout, done_on_retry):
+        calls = future.calls if future is not None else self._start(method, request, timeout)
+        replies, refused, lost = [], None, None
+        for conn, pending in calls:
+            try:
+                replies.append(conn.result(pending, method, request, table, timeout,
+                                           done_on_retry))
+            except ServerError as err:
+                if self._lost(conn, err):
+                    lost = err
+                else:
+                    refused = refused or err
+        if refused is not None:
+            raise refused
+        if not replies:
+            raise lost or ServerError(f"{method}: no live copy of the shards of server "
+                                      f"{self.address}", address=self.address, table=None,
+                                      code=grpc.StatusCode.UNAVAILABLE)
+        return replies[0]
+
+    def _start(self, method: str, request, timeout: float | None) -> list:
+        """A lone write: started on every copy but the last, which is called from here (a
+        streamed request, given as a factory, is sent to each copy in turn)."""
+        live = self.live()
+        if callable(request):
+            return [(c, None) for c in live]
+        return [(c, c.future(method, request, timeout)) for c in live[:-1]] + \
+            [(c, None) for c in live[-1:]]
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        return any(c.healthy(timeout) for c in self.live())
+
+    def close(self) -> None:
+        """The copies are the client's connections: it closes them."""
+
+
+def replica_sets(servers: Sequence, replicas: int, liveness: Liveness) -> list:
+    """Per server index, what its shards' requests go through: the server itself
+    (replicas=1), or a `ReplicaSet` of it and the next server."""
+    if replicas == 1:
+        return list(servers)
+    n = len(servers)
+    return [ReplicaSet([servers[(i + k) % n] for k in range(replicas)], liveness)
+            for i in range(n)]

@@ -1,0 +1,137 @@
+"""Replicated shards (`ClientOptions(replicas=2)`, `parallax.client.replicas`) against real
+servers on loopback: a server killed with SIGKILL in the middle of a 2-worker sync job costs
+no step, and the job's tables end bit for bit as an uninterrupted run's without copies; a
+checkpoint written after the loss restores; what cannot be replicated is refused.
+
+The workers are threads with a client each, pulling through PullMany (the data plane) and
+pushing through PushMany and per-table pushes, as the strategy does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
+from parallax.client.many import pull_many, push_many
+from parallax.errors import ConfigError
+from parallax.protocol.specs import Adagrad, Adam, Initializer, TableSpec
+
+STEPS, WORKERS, KILL_AT = 12, 2, 5
+OPTIONS = ClientOptions(timeout=30, retries=3, backoff=0.05)
+
+
+def _specs(prefix: str) -> list[TableSpec]:
+    base = dict(vocabulary_size=500, dim=4, initializer=Initializer("uniform", seed=3),
+                num_workers=WORKERS)
+    return [TableSpec(name=f"{prefix}_a", shard_count=3, optimizer=Adagrad(0.1), **base),
+            TableSpec(name=f"{prefix}_b", shard_count=2, optimizer=Adam(0.01), **base,
+                      hashed_keys=False)]
+
+
+def _ids(worker: int, step: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * step + worker)
+    return np.unique(rng.integers(0, 500, size=60))
+
+
+def _work(client: PSClient, specs, worker: int, kill=None) -> None:
+    """One worker: pull its ids at each step, push a gradient made of the rows it read."""
+    tables = [client.table(spec) for spec in specs]
+    for step in range(STEPS):
+        ids = [_ids(worker, step), _ids(worker + 7, step)]
+        rows = pull_many(tables, ids, [step, step])
+        grads = [r * 0.5 + 0.01 * (worker + 1) for r in rows]
+        if step % 2:
+            push_many(tables, ids, grads, [step, step], worker, [0.0, 0.0])
+        else:
+            for table, i, g in zip(tables, ids, grads):
+                table.push(i, g, step=step, worker=worker)
+        if kill is not None and step == KILL_AT:
+            kill()
+
+
+def _train(addresses, prefix: str, replicas: int, kill=None) -> list[np.ndarray]:
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": replicas})
+    specs = _specs(prefix)
+    clients = [PSClient(addresses, options) for _ in range(WORKERS)]
+    try:
+        for spec in specs:
+            clients[0].create_table(spec)
+        errors: list[BaseException] = []
+
+        def run(worker: int) -> None:
+            try:
+                _work(clients[worker], specs, worker, kill if worker == 0 else None)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(WORKERS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        final = [clients[0].table(s) for s in specs]
+        assert all(t.wait_step(STEPS) == STEPS for t in final)
+        return [t.pull_all() for t in final]
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    with LocalCluster(3) as cluster:
+        return _train(cluster.addresses, "plain", replicas=1)
+
+
+def test_a_server_killed_mid_job_costs_no_step_and_changes_no_row(baseline):
+    with LocalCluster(3) as cluster:
+        victim = cluster.servers[1].proc
+        rows = _train(cluster.addresses, "copied", replicas=2,
+                      kill=lambda: os.kill(victim.pid, signal.SIGKILL))
+        assert victim.wait(10) == -signal.SIGKILL
+    for got, want in zip(rows, baseline):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_save_after_the_loss_writes_each_shard_once_and_restores(tmp_path, baseline):
+    with LocalCluster(3, data_dir=tmp_path) as cluster:
+        victim = cluster.servers[0].proc
+        _train(cluster.addresses, "saved", replicas=2,
+               kill=lambda: os.kill(victim.pid, signal.SIGKILL))
+        options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+        with PSClient(cluster.addresses, options) as client:
+            specs = _specs("saved")
+            tables = [client.table(s) for s in specs]
+            tables[0].pull_all()  # finds the lost server (its reads fail over)
+            assert client.liveness.lost == {cluster.addresses[0]}
+            saved = client.save("ckpt", [s.name for s in specs])
+            assert sorted((s.table, s.shard_index) for s in saved) == \
+                [("saved_a", 0), ("saved_a", 1), ("saved_a", 2), ("saved_b", 0), ("saved_b", 1)]
+            want = [t.pull_all() for t in tables]
+            for table in tables:
+                table.push([1, 2], np.ones((2, 4), np.float32), step=STEPS, worker=0)
+                table.push([3], np.ones((1, 4), np.float32), step=STEPS, worker=1)
+            client.restore("ckpt", [s.name for s in specs])
+            for table, rows in zip(tables, want):
+                np.testing.assert_array_equal(table.pull_all(), rows)
+                assert table.wait_step(0) == STEPS
+    for got, want_rows in zip(want, baseline):
+        np.testing.assert_array_equal(got, want_rows)
+
+
+def test_what_cannot_be_replicated_is_refused():
+    with LocalCluster(1) as cluster:
+        with pytest.raises(ConfigError, match="replicas=2 needs at least 2 servers"):
+            PSClient(cluster.addresses, ClientOptions(replicas=2))
+    with pytest.raises(ConfigError, match="give 1 .* or 2"):
+        PSClient(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], ClientOptions(replicas=3))
+    with PSClient(["127.0.0.1:1", "127.0.0.1:2"], ClientOptions(replicas=2)) as client:
+        spec = TableSpec(name="async_t", vocabulary_size=10, dim=2, sync_mode="async")
+        with pytest.raises(ConfigError, match="needs sync tables"):
+            client.table(spec)
