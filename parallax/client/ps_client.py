@@ -11,7 +11,8 @@ from typing import Sequence
 import grpc
 
 from parallax.client.connection import ClientOptions, ServerConnection
-from parallax.client.replicas import Liveness, check_replicable, check_replicas, replica_sets
+from parallax.client.replicas import (Liveness, check_replicable, check_replicas, replica_sets,
+                                      survives)
 from parallax.client.row_mover import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError, ServerError
@@ -170,7 +171,23 @@ class PSClient:
                 own.skip.extend(skips[server.address])
             calls.append((server, own, server.future(method, own)))
         futures.wait([f for *_, f in calls])
-        return [(s, s.result(f, method, own)) for s, own, f in calls]
+        answers = []
+        for server, own, future in calls:
+            try:
+                answers.append((server, server.result(future, method, own)))
+            except ServerError as err:
+                if not self._lost(server, err):
+                    raise
+        return answers
+
+    def _lost(self, server: ServerConnection, err: ServerError) -> bool:
+        """Replicated shards: whether `err` lost `server` (left out from now on), which the
+        job survives while every shard has a live copy; else the error stands."""
+        if self.options.replicas == 1 or err.code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        self.liveness.lose(server.address, err)
+        lost = {i for i, s in enumerate(self.servers) if not self.liveness.alive(s.address)}
+        return survives(lost, len(self.servers), self.options.replicas)
 
     def _copies_to_skip(self, tables: Sequence[str]) -> dict[str, list]:
         """Replicated shards: per server address, the copies it holds that another saves

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Sequence
 
 import grpc
@@ -33,6 +34,8 @@ log = logging.getLogger("parallax")
 WRITES = frozenset({"CreateTable", "DeleteTable", "InitRows", "Push", "PushMany",
                     "ImportRows"})  # sent to every live copy; any other method reads one
 MAX_REPLICAS = 2  # copies of a shard: the server it is placed on and the next one
+CATCH_UP_PAUSE_S = 0.001  # first pause before a write is sent again to a copy behind,
+MAX_CATCH_UP_PAUSE_S = 0.05  # doubled up to this
 
 
 def check_replicas(replicas: int, servers: int) -> None:
@@ -165,7 +168,7 @@ class ReplicaSet:
 
     def _write(self, future, method, request, table, timeout, done_on_retry):
         calls = future.calls if future is not None else self._start(method, request, timeout)
-        replies, refused, lost = [], None, None
+        replies, behind, refused, lost = [], [], None, None
         for conn, pending in calls:
             try:
                 replies.append(conn.result(pending, method, request, table, timeout,
@@ -173,15 +176,42 @@ class ReplicaSet:
             except ServerError as err:
                 if self._lost(conn, err):
                     lost = err
+                elif err.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    behind.append((conn, err))
                 else:
                     refused = refused or err
         if refused is not None:
             raise refused
+        if behind and (replies or self.liveness.lost):
+            replies += [self._caught_up(conn, err, method, request, table, timeout,
+                                        done_on_retry) for conn, err in behind]
+        elif behind:
+            raise behind[0][1]
         if not replies:
             raise lost or ServerError(f"{method}: no live copy of the shards of server "
                                       f"{self.address}", address=self.address, table=None,
                                       code=grpc.StatusCode.UNAVAILABLE)
         return replies[0]
+
+    def _caught_up(self, conn, err: ServerError, method, request, table, timeout,
+                   done_on_retry):
+        """The write again, until `conn` takes it. A copy refuses (FAILED_PRECONDITION) a
+        write another copy took when it is behind: the push that closes the step it is at
+        is still on its way from another worker (this worker read the step closed from the
+        first copy). So does the only copy left after a loss, for the pushes the lost one
+        had. The refusal stands once `timeout` has passed."""
+        deadline = time.monotonic() + (timeout or self.options.timeout)
+        pause = CATCH_UP_PAUSE_S
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_CATCH_UP_PAUSE_S)
+            try:
+                return conn.call(method, request, table, timeout, done_on_retry)
+            except ServerError as again:
+                if again.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                err = again
+        raise err
 
     def _start(self, method: str, request, timeout: float | None) -> list:
         """A lone write: started on every copy but the last, which is called from here (a
@@ -207,3 +237,11 @@ def replica_sets(servers: Sequence, replicas: int, liveness: Liveness) -> list:
     n = len(servers)
     return [ReplicaSet([servers[(i + k) % n] for k in range(replicas)], liveness)
             for i in range(n)]
+
+
+def survives(lost: set[int], servers: int, replicas: int) -> bool:
+    """Whether every shard keeps a live copy once the servers numbered `lost` are gone: with
+    copies on servers i and i+1 (mod `servers`), no two neighbours may both be lost."""
+    if replicas == 1 or len(lost) >= servers:
+        return not lost
+    return not any((i + 1) % servers in lost for i in lost)

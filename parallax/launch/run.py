@@ -50,8 +50,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
+from parallax.client.replicas import check_replicas, survives
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESTART_COUNT_ENV,
+                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
                           WORKER_METRICS_PREFIX, is_run_id, new_run_id,
                           parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
@@ -107,6 +108,8 @@ class LaunchConfig:
     log_level: str | None = None          # --log-level (parallax.runtime.logs); None: as it is
     collectives: str = "auto"             # --collectives auto|horovod|tensorflow: the workers'
                                           # launch backend (parallax.launch.backends)
+    replicas: int = 1                     # --replicas 2: a copy of each shard on the next
+                                          # server; a server's death then stops nothing
     metrics_port: int | None = None       # --metrics-port: each started server's and each
                                           # worker's /metrics (0: free ports; P: the i-th
                                           # server of a machine at P+i, then its workers);
@@ -241,6 +244,7 @@ def validate(config: LaunchConfig) -> list[str]:
             raise ConfigError(f"--server-arg {arg!r}: ports are picked by the launcher and "
                               f"the data directory is --data-dir; drop it")
     _check_metrics_port(config)
+    _check_replicas(config)
     if config.run_id is not None and not is_run_id(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
@@ -268,6 +272,23 @@ def validate(config: LaunchConfig) -> list[str]:
                               f"give a host servers >= 1, or use --ps-addresses")
         _check_restart_storage(config, layout)
     return program_argv(config.command)
+
+
+def _check_replicas(config: LaunchConfig) -> None:
+    if config.replicas == 1:
+        return
+    servers = config.num_servers or len(config.ps_addresses)
+    if config.hosts is not None and config.num_servers:
+        from parallax.launch.hosts import load_hosts
+        servers = load_hosts(config.hosts).num_servers
+    try:
+        check_replicas(config.replicas, servers)
+    except ConfigError as exc:
+        raise ConfigError(f"--replicas {config.replicas}: {exc}") from None
+    if config.sync is False:
+        raise ConfigError(f"--replicas {config.replicas} with --async: copies of a shard stay "
+                          f"equal only in sync mode (an async shard applies pushes as they "
+                          f"arrive); drop one of them")
 
 
 def _check_restart_storage(config: LaunchConfig, layout) -> None:
@@ -496,10 +517,30 @@ class _Signals:
             job.signal(self.signum)
 
 
-def _dead_server(cluster):
-    if cluster is None:
+class _ServerLosses:
+    """The servers of ours that died; with --replicas 2, those the job goes on without (every
+    shard still has a live copy: `parallax.client.replicas.survives`)."""
+
+    def __init__(self, cluster, replicas: int) -> None:
+        self.cluster, self.replicas = cluster, replicas
+        self.lost: set[int] = set()
+        self.addresses: set[str] = set()  # of the servers lost and gone on without
+
+    def fatal(self):
+        """The first newly dead server the job cannot go on without, or None."""
+        for server in (self.cluster.servers if self.cluster is not None else ()):
+            if server.index in self.lost or server.proc.poll() is None:
+                continue
+            if not survives(self.lost | {server.index}, len(self.cluster.servers),
+                            self.replicas):
+                return server
+            self.lost.add(server.index)
+            self.addresses.add(server.address)
+            _say(f"parameter server {server.index} ({server.address}) exited with code "
+                 f"{server.proc.returncode}; with --replicas {self.replicas} its shards go on "
+                 f"on their copies (server {(server.index + 1) % len(self.cluster.servers)}) "
+                 f"and the job continues; the death of a neighbour of it would end the job")
         return None
-    return next((s for s in cluster.servers if s.proc.poll() is not None), None)
 
 
 def _report_dead_server(server) -> None:
@@ -538,11 +579,14 @@ class _HealthWatch:
                 except ParallaxError:
                     pass  # refused credentials: not an answer
 
-    def silent(self) -> tuple[int, str, float] | None:
-        """(index, address, seconds) of the server silent the longest, past the timeout."""
-        if not self._servers:
+    def silent(self, lost: set[str] = frozenset()) -> tuple[int, str, float] | None:
+        """(index, address, seconds) of the server silent the longest, past the timeout,
+        but for those `lost` that the job goes on without."""
+        ages = [(time.monotonic() - t, i) for i, t in enumerate(self._answered)
+                if self._servers[i].address not in lost]
+        if not ages:
             return None
-        age, index = max((time.monotonic() - t, i) for i, t in enumerate(self._answered))
+        age, index = max(ages)
         return (index, self._servers[index].address, age) if age > self.timeout else None
 
     def stop(self) -> None:
@@ -564,7 +608,8 @@ def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
             server.proc.send_signal(signal.SIGCONT)
 
 
-def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> Outcome:
+def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
+               health: _HealthWatch) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
@@ -579,15 +624,15 @@ def _supervise(job: _Job, cluster, signals: _Signals, health: _HealthWatch) -> O
                 pass
             job.stop(grace=2.0)
             return Outcome(128 + signals.signum, f"got {name}")
-        dead = _dead_server(cluster)
+        dead = losses.fatal()
         if dead is not None:
             _report_dead_server(dead)
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
                                   f"({dead.address}) exited with code {dead.proc.returncode}")
-        silent = health.silent() if job.proc.returncode is None else None
+        silent = health.silent(losses.addresses) if job.proc.returncode is None else None
         if silent is not None:
-            _report_silent_server(silent, cluster)
+            _report_silent_server(silent, losses.cluster)
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {silent[0]} "
                                   f"({silent[1]}) answered no health check for "
@@ -804,6 +849,8 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
+        if config.replicas > 1:
+            env[REPLICAS_ENV] = str(config.replicas)
         env.update(worker_metrics_env(config))
         job = _Job(argv, env, backend, _WorkerMetrics(config.num_workers, "http")
                    if config.metrics_port is not None else None)
@@ -812,7 +859,7 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         health = _HealthWatch(addresses, config.health_timeout,
                               _monitor_options(env)).start()
         try:
-            return _supervise(job, cluster, signals, health)
+            return _supervise(job, _ServerLosses(cluster, config.replicas), signals, health)
         finally:
             health.stop()
             progress.stop()
@@ -837,6 +884,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] "
               "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
               "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
+              "[--replicas 1|2] "
               "[-H HOST:N,... | --hosts FILE | --hostfile FILE] [--horovodrun-arg=ARG ...] "
               "[--collectives auto|horovod|tensorflow] [--log-level LEVEL] [--] COMMAND "
               "[ARGS ...]")
@@ -901,6 +949,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--mode", choices=RUN_MODES, default=None,
                         help="the strategy's mode for the workers (PARALLAX_MODE; default: "
                              "the strategy's own default)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="copies of each table shard: 2 keeps one on the next server too, "
+                             "so that the death of a server loses no step and stops nothing "
+                             "(sync mode, at least 2 servers; default 1)")
     parser.add_argument("--async", dest="sync", action="store_false", default=None,
                         help="asynchronous parameter-server updates (PARALLAX_SYNC=async)")
     logs.add_argument(parser)
@@ -935,7 +987,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         max_restarts=args.max_restarts, restart_delay=args.restart_delay,
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
         log_level=args.log_level, collectives=args.collectives,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, replicas=args.replicas)
 
 
 def _split_each(values: list[str]) -> tuple[str, ...]:

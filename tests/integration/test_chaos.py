@@ -39,12 +39,12 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _start(tmp: Path, name: str, mark: str, delay: float, *settings: str,
-           paced: int = EPOCHS) -> Launcher:
-    """The job under `parallax run --max-restarts 3`, its servers' data directory
-    TMP/NAME/data, run id NAME; `settings`: more chaos_worker.py arguments; steps take
-    `delay` s in the first `paced` attempts (those with kills), no longer after."""
+           paced: int = EPOCHS, launch: tuple[str, ...] = ()) -> Launcher:
+    """The job under `parallax run --max-restarts 3` (and `launch`), its servers' data
+    directory TMP/NAME/data, run id NAME; `settings`: more chaos_worker.py arguments; steps
+    take `delay` s in the first `paced` attempts (those with kills), no longer after."""
     return Launcher("-np", "2", "--servers", "2", "--max-restarts", "3", "--restart-delay",
-                    "0", "--data-dir", str(tmp / name / "data"), "--run-id", name, "--",
+                    "0", *launch, "--data-dir", str(tmp / name / "data"), "--run-id", name, "--",
                     sys.executable, WORKER, "--interval", str(INTERVAL),
                     "--epochs", str(EPOCHS), "--step-delay", str(delay),
                     "--paced-attempts", str(paced),
@@ -161,6 +161,33 @@ def test_killed_server_then_killed_worker_end_with_the_uninterrupted_weights(tmp
         assert 0 <= failure["steps_lost"] <= INTERVAL, failure
 
     _assert_same_weights(tmp_path / "chaos.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_server_with_replicas_stops_nothing_and_changes_no_weight(tmp_path, mark,
+                                                                          uninterrupted):
+    """`--replicas 2`: the job goes on through a server's SIGKILL, in the same attempt,
+    with no step redone, and ends with the uninterrupted run's weights (which ran without
+    copies). Printed: the longest pause between two steps after the kill."""
+    chaos = _start(tmp_path, "copies", mark, STEP_DELAY, launch=("--replicas", "2"))
+    try:
+        killed_at = _kill_a_server(chaos, mark)
+    finally:
+        _run_to_end(chaos, mark)
+    assert not _restart_causes(chaos), chaos.output()
+    assert "with --replicas 2 its shards go on on their copies" in chaos.output()
+    events = _events(chaos)
+    assert {e["attempt"] for e in events} == {0}, events
+    assert [e["step"] for e in events if e["chaos"] == "start"] == [0, 0]
+    for rank in (0, 1):
+        steps = [e["step"] for e in events if e["chaos"] == "step" and e["rank"] == rank]
+        assert steps == list(range(1, INTERVAL * EPOCHS + 1)), (rank, steps)  # none redone
+    after = sorted(e["time"] for e in events if e["chaos"] == "step" and e["rank"] == 0
+                   and e["time"] > killed_at)
+    pause = max(b - a for a, b in zip([killed_at] + after, after))
+    print(f"\nchaos: server killed with --replicas 2: longest pause after the kill "
+          f"{pause:.2f}s (steps take {STEP_DELAY}s)")
+    _assert_same_weights(tmp_path / "copies.npz", uninterrupted())
 
 
 def _assert_same_weights(chaos: Path, full: Path) -> None:

@@ -135,3 +135,21 @@ def test_what_cannot_be_replicated_is_refused():
         spec = TableSpec(name="async_t", vocabulary_size=10, dim=2, sync_mode="async")
         with pytest.raises(ConfigError, match="needs sync tables"):
             client.table(spec)
+
+
+def test_a_save_skips_the_copies_it_is_told_to(tmp_path):
+    """The server side of "each shard once": a PREPARE with `skip` writes only the others."""
+    from parallax.protocol import checkpoint_names
+    from parallax.ps.v1 import ps_pb2
+
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        spec = _specs("skip")[0]
+        client.create_table(spec, placement=[0, 0, 0])
+        request = ps_pb2.SaveRequest(path="p", tables=[spec.name], checkpoint=checkpoint_names.new_name(),
+                                     phase=ps_pb2.SAVE_PREPARE,
+                                     skip=[ps_pb2.ShardKey(table=spec.name, shard_index=1)])
+        reply = client.servers[0].call("Save", request)
+        assert [s.shard_index for s in reply.shards] == [0, 2]
+        client.servers[0].call("Save", ps_pb2.SaveRequest(path="p", checkpoint=checkpoint_names.new_name(),
+                                                          phase=ps_pb2.SAVE_ABORT))
