@@ -52,8 +52,8 @@ from pathlib import Path
 
 from parallax.client.replicas import check_replicas, survives
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESTART_COUNT_ENV,
-                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
-                          WORKER_METRICS_PREFIX, is_run_id, new_run_id,
+                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV,
+                          WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX, is_run_id, new_run_id,
                           parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose

@@ -1,0 +1,50 @@
+"""Replicated shards' policy, without servers: which losses a job survives, what is refused,
+how the setting travels from `parallax run --replicas` to the workers' ClientOptions."""
+from __future__ import annotations
+
+import pytest
+
+from parallax.client.connection import ClientOptions, client_options_from_env
+from parallax.client.replicas import check_replicas, survives
+from parallax.errors import ConfigError
+from parallax.launch.run import parse_args, validate
+
+
+@pytest.mark.parametrize("lost, servers, replicas, expected", [
+    (set(), 3, 1, True), ({0}, 3, 1, False),          # no copies: any loss is fatal
+    ({1}, 3, 2, True), ({0}, 2, 2, True),             # one loss: its copies live on
+    ({0, 1}, 3, 2, False), ({0, 2}, 3, 2, False),     # neighbours (mod 3): a shard lost
+    ({0, 2}, 4, 2, True), ({1, 3}, 4, 2, True),       # every other server: still whole
+    ({0, 1}, 2, 2, False), ({0, 1, 2, 3}, 4, 2, False)])
+def test_a_job_survives_losses_while_every_shard_keeps_a_copy(lost, servers, replicas,
+                                                              expected):
+    assert survives(lost, servers, replicas) is expected
+
+
+@pytest.mark.parametrize("replicas, servers, words", [
+    (0, 2, "give 1"), (3, 4, "give 1"), (2, 1, "needs at least 2 servers")])
+def test_copies_that_cannot_be_placed_are_refused(replicas, servers, words):
+    with pytest.raises(ConfigError, match=words):
+        check_replicas(replicas, servers)
+
+
+def test_the_environment_sets_the_copies_and_bad_values_are_named():
+    assert client_options_from_env(environ={"PARALLAX_REPLICAS": "2"}).replicas == 2
+    assert client_options_from_env(ClientOptions(replicas=2), environ={}).replicas == 2
+    with pytest.raises(ConfigError, match="PARALLAX_REPLICAS='3' must be 1 or 2"):
+        client_options_from_env(environ={"PARALLAX_REPLICAS": "3"})
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--replicas", "2", "--servers", "1"], "--replicas 2: replicas=2 needs at least 2"),
+    (["--replicas", "2", "--async"], "with --async"),
+    (["--replicas", "3"], "--replicas 3: replicas=3: give 1")])
+def test_parallax_run_refuses_copies_it_cannot_keep(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(parse_args([*argv, "--", "python", "-c", "pass"]))
+
+
+def test_parallax_run_passes_the_copies_on():
+    config = parse_args(["--replicas", "2", "--servers", "3", "--", "python", "-c", "pass"])
+    validate(config)
+    assert config.replicas == 2
