@@ -259,13 +259,14 @@ class ServerConnection:
 
     def call(self, method: str, request, table: str | None = None,
              timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = (),
-             pending=None):
+             pending=None, gone=None):
         """A unary (or, given an iterator factory, client-streaming) call with retries.
 
         `pending`: a call already started with `future`, which counts as the first attempt.
         `done_on_retry`: codes that, answered to a retry, mean an earlier attempt landed (a
         push answered ALREADY_EXISTS, or "step already closed", which it could not be without
-        this push); the call then returns None.
+        this push); the call then returns None. `gone()`, asked after an UNAVAILABLE, True
+        when the server is known to be gone: no more retries (a copy can answer instead).
         """
         attempts = 0
         while True:
@@ -278,7 +279,8 @@ class ServerConnection:
             except grpc.RpcError as err:
                 if attempts > 1 and err.code() in done_on_retry:
                     return None
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries \
+                        or (gone is not None and gone()):
                     raise describe(method, self.address, table, err, attempts) from None
                 time.sleep(retry_delay(self.options.backoff, attempts))
 
@@ -373,10 +375,12 @@ class ServerConnection:
         return plane, math.inf
 
     def result(self, future, method: str, request, table: str | None = None,
-               timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = ()):
+               timeout: float | None = None, done_on_retry: tuple[grpc.StatusCode, ...] = (),
+               gone=None):
         """Wait for a `future` call (None: make the call now, for a call that has no others
         to overlap with); UNAVAILABLE is retried like `call` does."""
-        return self.call(method, request, table, timeout, done_on_retry, pending=future)
+        return self.call(method, request, table, timeout, done_on_retry, pending=future,
+                         gone=gone)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels[0])

@@ -9,8 +9,9 @@ the same pushes hold the same rows, bit for bit. Restores go to every server and
 every copy from the checkpoint; saves write each shard once, from its serving copy (a
 `SaveRequest.skip` names the others).
 
-A server is lost when a request to it fails UNAVAILABLE after the connection's own retries
-(its process is gone; the connection refused or reset). From then on every `ReplicaSet` of
+A server is lost when a request to it fails UNAVAILABLE and it then answers no health check
+(its process is gone: the connection is refused or reset), or after the connection's own
+retries. From then on every `ReplicaSet` of
 the client leaves it out: reads go to the copy, and a read that was in flight is sent to the
 copy again; writes go to the copies left. No step is redone: the copy holds every push the
 lost server held, since a push is done only once every live copy has it. Losing both copies
@@ -34,6 +35,7 @@ log = logging.getLogger("parallax")
 WRITES = frozenset({"CreateTable", "DeleteTable", "InitRows", "Push", "PushMany",
                     "ImportRows"})  # sent to every live copy; any other method reads one
 MAX_REPLICAS = 2  # copies of a shard: the server it is placed on and the next one
+GONE_CHECK_S = 2.0  # a health check's deadline, asked after a copy failed UNAVAILABLE
 CATCH_UP_PAUSE_S = 0.001  # first pause before a write is sent again to a copy behind,
 MAX_CATCH_UP_PAUSE_S = 0.05  # doubled up to this
 
@@ -139,6 +141,14 @@ class ReplicaSet:
         self.liveness.lose(conn.address, err)
         return True
 
+    def _gone(self, conn):
+        """What `conn`'s retries ask after an UNAVAILABLE while another copy lives: whether
+        the server is lost already, or answers no health check (its process is gone: the
+        connection is refused at once). A server that answers is retried as usual."""
+        if len(self.live()) < 2:
+            return None
+        return lambda: not self.liveness.alive(conn.address) or not conn.healthy(GONE_CHECK_S)
+
     def future(self, method: str, request, timeout: float | None = None):
         if method in WRITES:
             return _Fanout([(c, c.future(method, request, timeout)) for c in self.live()])
@@ -160,7 +170,8 @@ class ReplicaSet:
             (self.serving(), None)
         while True:
             try:
-                return conn.result(pending, method, request, table, timeout, done_on_retry)
+                return conn.result(pending, method, request, table, timeout, done_on_retry,
+                                   self._gone(conn))
             except ServerError as err:
                 if not self._lost(conn, err):
                     raise
@@ -172,7 +183,7 @@ class ReplicaSet:
         for conn, pending in calls:
             try:
                 replies.append(conn.result(pending, method, request, table, timeout,
-                                           done_on_retry))
+                                           done_on_retry, self._gone(conn)))
             except ServerError as err:
                 if self._lost(conn, err):
                     lost = err

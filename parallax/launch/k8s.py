@@ -186,6 +186,9 @@ def _job_options(g) -> None:
     g.add_argument("--mode", default="hybrid", metavar="MODE",
                    help="hybrid (default), ps or allreduce")
     g.add_argument("--async", dest="sync", action="store_false", help="asynchronous training")
+    g.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="copies of each table shard: 2 keeps one on the next server pod too, "
+                        "so that a server pod's death loses no step (default 1)")
     g.add_argument("--plan", default="{}", metavar="JSON", help='plan overrides as JSON, e.g. '
                    '\'{"shards": 4, "placement": {"dense/kernel": "ps"}}\'; ParallaxStrategy '
                    'applies those its own arguments leave unset')
@@ -297,6 +300,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
     config = K8sConfig(
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
+        replicas=args.replicas,
         cluster_domain=args.cluster_domain, server_wait_s=args.server_wait,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, plan=plan,
         collectives=args.collectives, collective_port=args.collective_port,

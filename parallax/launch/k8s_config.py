@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Mapping
 
+from parallax.client.replicas import check_replicas
 from parallax.env import PLAN_KEYS, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.launch import k8s_security as secure
@@ -51,6 +52,7 @@ class K8sConfig:
     server_wait_s: float = SERVER_WAIT_S  # how long workers give the servers to come up
     mode: str = "hybrid"                  # hybrid | ps | allreduce
     sync: bool = True
+    replicas: int = 1                     # 2: a copy of each shard on the next server pod
     server_port: int = 7000
     rendezvous_port: int = 7070           # Horovod gloo rendezvous, served by worker 0
     collectives: str = "horovod"          # horovod | tensorflow: the workers' dense sums
@@ -105,6 +107,24 @@ def _label(value: str, what: str, fix: str) -> None:
                           f"most 63 characters); {fix}")
 
 
+def _check_replicas(config: K8sConfig) -> None:
+    if config.replicas == 1:
+        return
+    try:
+        check_replicas(config.replicas, config.servers)
+    except ConfigError as exc:
+        raise ConfigError(f"--replicas {config.replicas}: {exc}") from None
+    if not config.sync:
+        raise ConfigError(f"--replicas {config.replicas} with --async: copies of a shard stay "
+                          f"equal only in sync mode; drop one of them")
+    if config.data_volume_size:
+        raise ConfigError(f"--replicas {config.replicas} with --data-volume-size: a restore "
+                          f"reloads each copy from the checkpoint of its shard, which the "
+                          f"server next door saved on its own claim; give --data-dir on a "
+                          f"volume every server pod mounts (ReadWriteMany, via --patch), or "
+                          f"drop --replicas")
+
+
 def validate(config: K8sConfig) -> None:
     """Raise ConfigError naming the first bad field and the fix."""
     if config.format not in FORMATS:
@@ -144,6 +164,7 @@ def validate(config: K8sConfig) -> None:
     if config.servers == 0 and config.mode != "allreduce":
         raise ConfigError(f"--servers 0 with --mode {config.mode}: the plan puts variables on "
                           f"parameter servers; give --servers 1 or more, or --mode allreduce")
+    _check_replicas(config)
     if config.collectives not in K8S_COLLECTIVES:
         raise ConfigError(f"--collectives {config.collectives!r} must be one of "
                           f"{', '.join(K8S_COLLECTIVES)} (the image decides: horovod needs an "

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import yaml
 
 from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
-                          MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, RUN_ID_ENV, SYNC_ENV,
-                          WORKERS_ENV)
+                          MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, REPLICAS_ENV, RUN_ID_ENV,
+                          SYNC_ENV, WORKERS_ENV)
 from parallax.launch import gang
 from parallax.launch import k8s_jobset, k8s_patch
 from parallax.launch import k8s_security as secure
@@ -126,6 +126,8 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
     }
     if config.servers:
         env[ADDRESSES_ENV] = ",".join(ps_addresses(config))
+    if config.replicas > 1:
+        env[REPLICAS_ENV] = str(config.replicas)
     if config.workers > 1 and config.collectives == "tensorflow":
         env[WORKERS_ENV] = ",".join(collective_addresses(config))  # the rank: the bootstrap
     elif config.workers > 1:

@@ -346,6 +346,8 @@ CONFIGS = {
                                      metrics_pod_labels=("app=prometheus",)),
     "insecure-own-shape": K8sConfig(name="open", image="parallax", command=("t",), workers=2,
                                     insecure=True, max_restarts=1),
+    "replicas-3x3": K8sConfig(name="rep", image="parallax", command=("python", "t.py"),
+                              workers=3, servers=3, replicas=2, max_restarts=1),
 }
 RESTART_CONFIGS = sorted(k for k in CONFIGS if CONFIGS[k].max_restarts)
 
@@ -523,8 +525,22 @@ def test_the_cluster_domain_and_the_server_wait_reach_the_workers():
     assert {e["name"]: e.get("value") for e in worker["env"]}[CONNECT_TIMEOUT_ENV] == "600"
 
 
+def test_replicas_reach_the_workers_only_when_asked():
+    for key, expected in (("replicas-3x3", "2"), ("hybrid-4x2", None)):
+        job = next(o for o in render(CONFIGS[key]) if o["kind"] == "Job")
+        (worker,) = [c for c in job["spec"]["template"]["spec"]["containers"]
+                     if c["name"] == "worker"]
+        assert {e["name"]: e.get("value") for e in worker["env"]}.get(
+            "PARALLAX_REPLICAS") == expected, key
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"workers": 0}, ["--workers 0", "at least 1"]),
+    ({"replicas": 2, "servers": 1}, ["--replicas 2", "at least 2 servers"]),
+    ({"replicas": 2, "sync": False}, ["--replicas 2 with --async"]),
+    ({"replicas": 2, "data_dir": "/d", "data_volume_size": "1Gi"},
+     ["--replicas 2 with --data-volume-size", "ReadWriteMany"]),
+    ({"replicas": 3}, ["--replicas 3", "give 1"]),
     ({"cluster_domain": "Cluster.Local"}, ["--cluster-domain 'Cluster.Local'", "cluster.local"]),
     ({"cluster_domain": "a..b"}, ["--cluster-domain 'a..b'"]),
     ({"server_wait_s": 0}, ["--server-wait 0", "1-86400"]),

@@ -496,16 +496,16 @@ def test_a_checkpoint_pruned_during_a_restore_is_retried_with_the_newest(client,
     _full_step(table, 0)
     client.save(path, [table_name], keep=1)
     _full_step(table, 1)
-    each = client._each
+    answers = client._answers
     with PSClient(client.addresses, ClientOptions(timeout=20)) as other:
         raced = []
 
-        def racing(method, request):
-            replies = each(method, request)
+        def racing(method, request, skips=None):
+            replies = answers(method, request, skips)
             if method == "Restore" and request.verify_only and not raced:
                 raced.append(other.save(path, [table_name], keep=1))
             return replies
 
-        client._each = racing
+        client._answers = racing
         restored = client.restore(path, [table_name])
     assert _steps(restored) == {table_name: [2, 2]}
