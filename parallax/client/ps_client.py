@@ -153,28 +153,19 @@ class PSClient:
                     names.add(shard.table)
         return sorted(names)
 
-    def _each(self, method: str, request, skips: dict[str, list] | None = None) -> list:
+    def _each(self, method: str, request) -> list:
         """The replies of `_answers`."""
-        return [reply for _, reply in self._answers(method, request, skips)]
+        return [reply for _, reply in self._answers(method, request)]
 
-    def _answers(self, method: str, request, skips: dict[str, list] | None = None
-                 ) -> list[tuple[ServerConnection, object]]:
-        """Call every live server at once (`skips`: the `SaveRequest.skip` of each server's
-        request, by address); once all have answered, (server, reply) of each, or the first
-        error (no call is still running when this raises)."""
-        calls = []
-        for server in self.live_servers():
-            own = request
-            if skips and skips.get(server.address):
-                own = type(request)()
-                own.CopyFrom(request)
-                own.skip.extend(skips[server.address])
-            calls.append((server, own, server.future(method, own)))
-        futures.wait([f for *_, f in calls])
+    def _answers(self, method: str, request) -> list[tuple[ServerConnection, object]]:
+        """Call every live server at once; once all have answered, (server, reply) of each,
+        or the first error (no call is still running when this raises)."""
+        calls = [(server, server.future(method, request)) for server in self.live_servers()]
+        futures.wait([f for _, f in calls])
         answers = []
-        for server, own, future in calls:
+        for server, future in calls:
             try:
-                answers.append((server, server.result(future, method, own)))
+                answers.append((server, server.result(future, method, request)))
             except ServerError as err:
                 if not self._lost(server, err):
                     raise
@@ -186,23 +177,21 @@ class PSClient:
         if self.options.replicas == 1 or err.code != grpc.StatusCode.UNAVAILABLE:
             return False
         self.liveness.lose(server.address, err)
+        return self._survives()
+
+    def _survives(self) -> bool:
+        """Whether every shard still has a live copy."""
         lost = {i for i, s in enumerate(self.servers) if not self.liveness.alive(s.address)}
         return survives(lost, len(self.servers), self.options.replicas)
 
-    def _copies_to_skip(self, tables: Sequence[str]) -> dict[str, list]:
-        """Replicated shards: per server address, the copies it holds that another saves
-        (each shard is saved once, by the first live server holding it)."""
+    def _held_shards(self, tables: Sequence[str]) -> set[tuple[str, int]] | None:
+        """Replicated shards: (table, shard index) of every shard of `tables` (all: every
+        table) the live servers hold, which a save must write; None without copies."""
         if self.options.replicas == 1:
-            return {}
-        saver: dict[tuple[str, int], str] = {}
-        skips: dict[str, list] = {}
-        for server, reply in self._answers("Stats", ps_pb2.StatsRequest(tables=list(tables))):
-            for shard in reply.tables:
-                key = (shard.table, shard.shard_index)
-                if saver.setdefault(key, server.address) != server.address:
-                    skips.setdefault(server.address, []).append(
-                        ps_pb2.ShardKey(table=shard.table, shard_index=shard.shard_index))
-        return skips
+            return None
+        return {(shard.table, shard.shard_index) for _, reply in
+                self._answers("Stats", ps_pb2.StatsRequest(tables=list(tables)))
+                for shard in reply.tables}
 
     def _shards_of(self, replies, tables: Sequence[str], verb: str) -> list:
         shards = list({(s.table, s.shard_index): s for reply in replies  # (copies: once)
@@ -220,15 +209,31 @@ class PSClient:
         sealed and committed it, and only then are checkpoints beyond the newest `keep`
         removed. A failed or refused save leaves the earlier checkpoints as they were. Call
         between steps (after table.wait_step(k), before any push of step k): a sync table
-        caught mid-step is refused."""
+        caught mid-step is refused. With replicated shards, a server lost during the save
+        (every shard keeping a live copy) makes it start again, without that server: its
+        copies are then written by the servers holding the others."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
+        while True:
+            lost = self.liveness.lost
+            try:
+                return self._save(path, tables, keep)
+            except ServerError as err:
+                if self.liveness.lost == lost or not self._survives():
+                    raise
+                log.warning("checkpoint %r: a server was lost while it was written (%s); "
+                            "writing it again from the copies left", path, err)
+
+    def _save(self, path: str, tables: Sequence[str], keep: int
+              ) -> list[ps_pb2.ShardCheckpoint]:
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
                                     checkpoint=checkpoint_names.new_name())
+        lost = self.liveness.lost
         try:
-            replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE),
-                                 self._copies_to_skip(tables))
+            held = self._held_shards(tables)
+            replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE))
             shards = self._shards_of(replies, tables, "save")
+            self._check_all_written(held, shards, lost)
             mixed = _mixed_steps(shards)
             if mixed:
                 raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
@@ -241,10 +246,26 @@ class PSClient:
         self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=keep))  # complete, prune
         return shards
 
+    def _check_all_written(self, held: set | None, shards: list, lost: frozenset) -> None:
+        """Replicated shards: raise unless every shard `held` was written (a server lost
+        while it wrote leaves its part out: UNAVAILABLE, and the save starts again)."""
+        missing = sorted(held - {(s.table, s.shard_index) for s in shards}) if held else []
+        if not missing:
+            return
+        gone = sorted(self.liveness.lost - lost)
+        raise ServerError(f"checkpoint: server(s) {gone} lost while it was written; shards "
+                          f"{missing} not written", address=",".join(gone) or self.addresses[0],
+                          table=None, code=grpc.StatusCode.UNAVAILABLE if gone else
+                          grpc.StatusCode.DATA_LOSS)
+
     def _in_turn(self, method: str, request) -> None:
         """Call every server, one after another (servers may share a data directory)."""
         for server in self.live_servers():
-            server.call(method, request)
+            try:
+                server.call(method, request)
+            except ServerError as err:
+                self._lost(server, err)  # (a save then starts again without it)
+                raise
 
     def _abort(self, request) -> None:
         """Best effort: a server that cannot be reached now drops the staging at a later

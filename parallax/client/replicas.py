@@ -6,8 +6,10 @@ fill, push, import, delete) goes to each live copy at once and counts as done on
 live copy answered; every read (pull, step wait, export) goes to the first live copy. A sync
 step is applied once every worker's push is in, in worker order, so copies that received
 the same pushes hold the same rows, bit for bit. Restores go to every server and reload
-every copy from the checkpoint; saves write each shard once, from its serving copy (a
-`SaveRequest.skip` names the others).
+every copy from the checkpoint, each from its own data directory: saves write every copy,
+but servers sharing a data directory write a shard once (the first to claim it there;
+`parallax_ps.checkpoint`). A server lost during a save makes the save start again without
+it (`PSClient.save`), so that no checkpoint misses the shards it was writing.
 
 A server is lost when a request to it fails UNAVAILABLE and it then answers no health check
 (its process is gone: the connection is refused or reset), or after the connection's own

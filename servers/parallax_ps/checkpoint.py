@@ -98,12 +98,33 @@ def save_shard(shard: TableShard, directory: Path) -> tuple[Path, int, int]:
     return data_path, len(ids), step
 
 
-def _prepare(root: Path, name: str, shards: list[TableShard]) -> list:
+def _claimed(stage: Path, shard: TableShard, owner: str) -> bool:
+    """Whether this server (`owner`) writes `shard` into `stage`: the first to claim it there
+    does. Copies of one shard (replicated shards) held by servers that share a data directory
+    are written once, by one of them, never into each other's files; servers with data
+    directories of their own each write their copy, which each restores from. A claim of
+    this server's own (a PREPARE sent again) stands."""
+    claim = stage / shard.spec.name / \
+        f"{_stem(shard.spec.name, shard.shard_index, shard.spec.shard_count)}{versions.CLAIM}"
+    with versions.writing(claim):
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return claim.read_text() == owner
+        with os.fdopen(fd, "w") as f:
+            f.write(owner)
+    return True
+
+
+def _prepare(root: Path, name: str, shards: list[TableShard], owner: str) -> list:
     stage = versions.staging(root, name)
     with versions.writing(stage):
         stage.mkdir(parents=True, exist_ok=True)  # even with no shard here: COMMIT needs it
     out = []
     for shard in shards:
+        if not _claimed(stage, shard, owner):
+            continue  # a server sharing this data directory writes its copy
         path, rows, step = save_shard(shard, stage)
         out.append(ps_pb2.ShardCheckpoint(
             table=shard.spec.name, shard_index=shard.shard_index, rows=rows, step=step,
@@ -112,18 +133,18 @@ def _prepare(root: Path, name: str, shards: list[TableShard]) -> list:
     return out
 
 
-def save(root: Path, request, shards: list[TableShard]) -> list:
+def save(root: Path, request, shards: list[TableShard], owner: str = "") -> list:
     """One phase of a save (see `versions`), one at a time per path; PREPARE answers each
-    shard it wrote."""
+    shard it wrote (`owner`: this server, as its claims on the shards it writes name it)."""
     name = versions.checked_name(request.checkpoint)
     with versions.locked(root):
-        return _phase(root, name, request, shards)
+        return _phase(root, name, request, shards, owner)
 
 
-def _phase(root: Path, name: str, request, shards: list[TableShard]) -> list:
+def _phase(root: Path, name: str, request, shards: list[TableShard], owner: str) -> list:
     """PREPARE; COMMIT with keep=0 (seal, rename) or keep >= 1 (mark complete, prune); ABORT."""
     if request.phase == ps_pb2.SAVE_PREPARE:
-        return _prepare(root, name, shards)
+        return _prepare(root, name, shards, owner)
     if request.phase == ps_pb2.SAVE_COMMIT and request.keep < 0:
         raise invalid(f"Save COMMIT with keep={request.keep}: send keep=0 to commit, then "
                       f"keep >= 1 once every server has; use PSClient.save")

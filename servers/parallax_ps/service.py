@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
 from concurrent import futures
@@ -221,6 +222,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
         self.data_server_id = 0
+        self.save_owner = secrets.token_hex(8)  # names this server's claims in a save
         self.data_idle_timeout_s = 0
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes, baseline_bytes)
@@ -536,7 +538,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shards = [s for s in self.selected(request.tables)
                   if (s.spec.name, s.shard_index) not in skip] \
             if request.phase == ps_pb2.SAVE_PREPARE else []
-        response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards))
+        response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards,
+                                                             self.save_owner))
         return response, "", sum(s.rows for s in response.shards), 0
 
     @_rpc("Restore")

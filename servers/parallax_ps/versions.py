@@ -43,6 +43,7 @@ MANIFEST = "MANIFEST.json"
 STAGING = ".staging-"
 DELETING = ".deleting-"
 COMPLETE = "COMPLETE"
+CLAIM = ".claim"  # <table>/shard-*.claim: the server writing that shard (`checkpoint`)
 _SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -153,7 +154,7 @@ def _parts(stage: Path) -> list[tuple[str, dict]]:
              for p in sorted(stage.glob("*/shard-*.json"))]
     named = {rel.rsplit("/", 1)[0] + "/" + part["file"] for rel, part in parts}
     known = named | {rel for rel, _ in parts} | {MANIFEST, COMPLETE}
-    stray = [p for p in stage.rglob("*") if p.is_file()
+    stray = [p for p in stage.rglob("*") if p.is_file() and p.suffix != CLAIM
              and p.relative_to(stage).as_posix() not in known]
     if stray:
         raise precondition(f"staged checkpoint {stage} holds files no shard wrote "

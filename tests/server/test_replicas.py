@@ -153,3 +153,80 @@ def test_a_save_skips_the_copies_it_is_told_to(tmp_path):
         assert [s.shard_index for s in reply.shards] == [0, 2]
         client.servers[0].call("Save", ps_pb2.SaveRequest(path="p", checkpoint=checkpoint_names.new_name(),
                                                           phase=ps_pb2.SAVE_ABORT))
+
+
+def _trained_copies(client: PSClient, prefix: str):
+    """A 3-shard table with replicas=2, trained one step (every row touched)."""
+    spec = TableSpec(name=f"{prefix}_t", vocabulary_size=90, dim=4, shard_count=3,
+                     optimizer=Adagrad(0.1), initializer=Initializer("uniform", seed=3),
+                     num_workers=1)
+    table = client.create_table(spec)
+    table.push(np.arange(90), np.ones((90, 4), np.float32), step=0, worker=0)
+    return spec, table
+
+
+def test_a_checkpoint_restores_with_a_data_directory_per_server(tmp_path):
+    """Servers that do not share a data directory each write their copies (else a copy has
+    nothing to restore from in its own directory); servers that share one write each shard
+    once (the first to claim it)."""
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(1, data_dir=tmp_path / "s0") as c0, \
+            LocalCluster(1, data_dir=tmp_path / "s1") as c1, \
+            PSClient(c0.addresses + c1.addresses, options) as client:
+        spec, table = _trained_copies(client, "own_dirs")
+        want = table.pull_all()
+        client.save("ckpt", [spec.name])
+        table.push([1, 2], np.ones((2, 4), np.float32), step=1, worker=0)
+        client.restore("ckpt", [spec.name])
+        np.testing.assert_array_equal(table.pull_all(), want)
+        assert table.wait_step(0) == 1
+    with LocalCluster(3, data_dir=tmp_path / "shared") as cluster, \
+            PSClient(cluster.addresses, options) as client:
+        spec, _ = _trained_copies(client, "shared_dir")
+        from parallax.protocol import checkpoint_names
+        from parallax.ps.v1 import ps_pb2
+        replies = client._each("Save", ps_pb2.SaveRequest(  # noqa: SLF001
+            path="p", tables=[spec.name], checkpoint=checkpoint_names.new_name(),
+            phase=ps_pb2.SAVE_PREPARE))
+        assert sorted(s.shard_index for r in replies for s in r.shards) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("when", ["prepare", "commit"])
+def test_a_server_killed_during_a_save_leaves_a_whole_checkpoint(tmp_path, when):
+    """SIGKILL of a server as the shards are to be written (after the save asked which shards
+    there are), or once they are written (before the commit): the save starts again without
+    it, and the checkpoint holds every shard and restores."""
+    from parallax.ps.v1 import ps_pb2
+
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(3, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, options) as client:
+        spec, table = _trained_copies(client, "killed_save")
+        want = table.pull_all()
+        victim = cluster.servers[0].proc
+
+        def kill() -> None:
+            if victim.poll() is None:
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.wait(10)
+
+        answers, in_turn = client._answers, client._in_turn  # noqa: SLF001
+
+        def answers_then(method, request, *args):
+            if when == "prepare" and method == "Save" and \
+                    request.phase == ps_pb2.SAVE_PREPARE:
+                kill()
+            return answers(method, request, *args)
+
+        def in_turn_then(method, request):
+            if when == "commit":
+                kill()
+            return in_turn(method, request)
+
+        client._answers, client._in_turn = answers_then, in_turn_then
+        saved = client.save("ckpt", [spec.name])
+        assert sorted(s.shard_index for s in saved) == [0, 1, 2]
+        assert client.liveness.lost == {cluster.addresses[0]}
+        table.push([1, 2], np.ones((2, 4), np.float32), step=1, worker=0)
+        client.restore("ckpt", [spec.name])
+        np.testing.assert_array_equal(table.pull_all(), want)
