@@ -35,6 +35,10 @@ class ProgressReporter:
         self._thread = threading.Thread(target=self._loop, name="parallax-progress", daemon=True)
         self._start = time.monotonic()
         self._last: tuple[float, int, int] | None = None
+        # (pulled, pushed) rows per (server, table) as last read: a server lost (replicated
+        # shards) keeps what it counted, so that the totals never go back
+        self._counted: dict[tuple[str, str], tuple[int, int]] = {}
+        self._client: PSClient | None = None  # one for the job: a lost server is left out
 
     def start(self) -> "ProgressReporter":
         if self.interval > 0 and self.addresses:
@@ -45,6 +49,8 @@ class ProgressReporter:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        if self._client is not None and not self._thread.is_alive():
+            self._client.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -55,19 +61,22 @@ class ProgressReporter:
 
     def snapshot(self) -> str:
         """One line: elapsed time, each table's step (lowest shard), rows moved and rates."""
-        with PSClient(self.addresses, self.options) as client:
-            replies = client.stats()
+        if self._client is None:
+            self._client = PSClient(self.addresses, self.options)
+        replies = self._client.stats()
         steps: dict[str, int] = {}
-        pulled = pushed = 0
-        for reply in replies.values():
+        for address, reply in replies.items():
             for table in reply.tables:
                 if not table.table.startswith(self.prefix):
                     continue
                 name = table.table[len(self.prefix):]
                 steps[name] = min(steps.get(name, table.step), table.step)
-                for method in table.methods:
-                    pulled += method.rows if method.method in ("Pull", "PullMany") else 0
-                    pushed += method.rows if method.method in ("Push", "PushMany") else 0
+                # a table's counts are the server's, repeated with each shard it holds
+                self._counted[(address, name)] = (
+                    sum(m.rows for m in table.methods if m.method in ("Pull", "PullMany")),
+                    sum(m.rows for m in table.methods if m.method in ("Push", "PushMany")))
+        pulled = sum(p for p, _ in self._counted.values())
+        pushed = sum(p for _, p in self._counted.values()) // self.options.replicas  # copies
         now = time.monotonic()
         elapsed = f"{int(now - self._start) // 60}m{int(now - self._start) % 60:02d}s"
         if not steps:

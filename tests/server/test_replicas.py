@@ -230,3 +230,35 @@ def test_a_server_killed_during_a_save_leaves_a_whole_checkpoint(tmp_path, when)
         table.push([1, 2], np.ones((2, 4), np.float32), step=1, worker=0)
         client.restore("ckpt", [spec.name])
         np.testing.assert_array_equal(table.pull_all(), want)
+
+
+def test_progress_lines_count_each_row_once_and_never_go_back(caplog):
+    """`parallax run --progress-seconds`: with copies, rows pushed are counted once (not on
+    each copy, nor once per shard a server holds), and a lost server's counts are kept: the
+    totals never go back, the rates are never negative, and the loss is reported once."""
+    import logging
+
+    from parallax.launch.progress import ProgressReporter
+
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(3) as cluster, PSClient(cluster.addresses, options) as client:
+        table = client.create_table(TableSpec(
+            name="run.t", vocabulary_size=90, dim=4, shard_count=3, num_workers=1,
+            optimizer=Adagrad(0.1), initializer=Initializer("uniform", seed=3)))
+        reporter = ProgressReporter(cluster.addresses, "run", 0, print,
+                                    ClientOptions(timeout=5, retries=0, replicas=2))
+        for step in range(2):
+            table.pull(np.arange(90), min_step=step)
+            table.push(np.arange(90), np.ones((90, 4), np.float32), step=step, worker=0)
+        assert "t step 2; rows pulled 180, pushed 180" in reporter.snapshot()
+        victim = cluster.servers[1].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        table.pull(np.arange(90), min_step=2)  # 90 more, shard 1's from its copy
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="parallax"):
+            lines = [reporter.snapshot(), reporter.snapshot()]
+        reporter.stop()
+    assert all("t step 2; rows pulled 270, pushed 180" in line for line in lines), lines
+    assert "-" not in "".join(line.split(";")[1] for line in lines), lines
+    assert sum("is lost" in r.getMessage() for r in caplog.records) == 1, caplog.records
