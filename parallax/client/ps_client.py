@@ -81,9 +81,15 @@ class PSClient:
             server.close()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Block until every server reports SERVING; the error names the one that does not."""
+        """Block until every server reports SERVING; the error names the one that does not.
+        With replicated shards, a server that does not within `timeout` (one that died before
+        this client's first call) is lost instead, while every shard keeps a live copy."""
         for server in self.live_servers():
-            server.wait_healthy(timeout)
+            try:
+                server.wait_healthy(timeout)
+            except ServerError as err:
+                if not self._lost(server, err):
+                    raise
 
     def live_servers(self) -> list[ServerConnection]:
         """Every server but those lost (only replicated shards outlive a server)."""

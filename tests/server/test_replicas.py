@@ -262,3 +262,20 @@ def test_progress_lines_count_each_row_once_and_never_go_back(caplog):
     assert all("t step 2; rows pulled 270, pushed 180" in line for line in lines), lines
     assert "-" not in "".join(line.split(";")[1] for line in lines), lines
     assert sum("is lost" in r.getMessage() for r in caplog.records) == 1, caplog.records
+
+
+def test_a_server_dead_before_the_first_call_is_left_out(baseline):
+    """A worker that starts after a server's death (killed while the workers started): its
+    wait for the servers leaves the dead one out, and its tables are created, filled and
+    trained on the copies (as an uninterrupted run without copies)."""
+    with LocalCluster(3) as cluster:
+        victim = cluster.servers[2].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+        with PSClient(cluster.addresses, options) as client:
+            client.wait_ready(timeout=1)
+            assert client.liveness.lost == {cluster.addresses[2]}
+        rows = _train(cluster.addresses, "late", replicas=2)
+    for got, want in zip(rows, baseline):
+        np.testing.assert_array_equal(got, want)
