@@ -340,6 +340,14 @@ class PSClient:
         return {server.address: reply for server, reply in replies}
 
     def barrier(self, name: str, rank: int, count: int, timeout: float | None = None) -> int:
-        """Wait until `count` ranks reach barrier `name` (held by the first server)."""
+        """Wait until `count` ranks reach barrier `name` (held by the first server; with
+        replicated shards, the first one not lost: ranks waiting on a server that dies meet
+        again on the next)."""
         request = ps_pb2.BarrierRequest(name=name, rank=rank, count=count)
-        return self.live_servers()[0].call("Barrier", request, timeout=timeout).generation
+        while True:
+            server = self.live_servers()[0]
+            try:
+                return server.call("Barrier", request, timeout=timeout).generation
+            except ServerError as err:
+                if not self._lost(server, err):
+                    raise

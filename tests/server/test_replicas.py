@@ -279,3 +279,31 @@ def test_a_server_dead_before_the_first_call_is_left_out(baseline):
         rows = _train(cluster.addresses, "late", replicas=2)
     for got, want in zip(rows, baseline):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_barrier_outlives_the_first_server():
+    """`PSClient.barrier` is held by the first server: once it is dead, the ranks meet on the
+    next one instead of failing."""
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(3) as cluster:
+        victim = cluster.servers[0].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        clients = [PSClient(cluster.addresses, options) for _ in range(2)]
+        results, errors = [], []
+
+        def meet(rank: int) -> None:
+            try:
+                results.append(clients[rank].barrier("after", rank, 2, timeout=20))
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=meet, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        for client in clients:
+            client.close()
+    assert not errors, errors
+    assert len(results) == 2 and len(set(results)) == 1, results
