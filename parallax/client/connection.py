@@ -26,6 +26,7 @@ from parallax.client.dataplane import DataPlaneClient
 from parallax.env import REPLICAS_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol import bulk_codec, dataplane, security
+from parallax.protocol.refusals import STEP_AHEAD
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION
 
@@ -277,7 +278,8 @@ class ServerConnection:
                 payload = request() if callable(request) else request
                 return self._method(method)(payload, timeout=timeout or self.options.timeout)
             except grpc.RpcError as err:
-                if attempts > 1 and err.code() in done_on_retry:
+                if attempts > 1 and err.code() in done_on_retry and \
+                        STEP_AHEAD not in (err.details() or ""):  # (that one never landed)
                     return None
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries \
                         or (gone is not None and gone()):

@@ -32,6 +32,7 @@ from typing import Sequence
 import grpc
 
 from parallax.errors import ConfigError, ServerError
+from parallax.protocol.refusals import STEP_AHEAD
 
 log = logging.getLogger("parallax")
 WRITES = frozenset({"CreateTable", "DeleteTable", "InitRows", "Push", "PushMany",
@@ -189,7 +190,8 @@ class ReplicaSet:
             except ServerError as err:
                 if self._lost(conn, err):
                     lost = err
-                elif err.code == grpc.StatusCode.FAILED_PRECONDITION:
+                elif err.code == grpc.StatusCode.FAILED_PRECONDITION and \
+                        STEP_AHEAD in str(err):
                     behind.append((conn, err))
                 else:
                     refused = refused or err
@@ -221,7 +223,8 @@ class ReplicaSet:
             try:
                 return conn.call(method, request, table, timeout, done_on_retry)
             except ServerError as again:
-                if again.code != grpc.StatusCode.FAILED_PRECONDITION:
+                if again.code != grpc.StatusCode.FAILED_PRECONDITION or \
+                        STEP_AHEAD not in str(again):
                     raise
                 err = again
         raise err

@@ -117,12 +117,6 @@ def _check_replicas(config: K8sConfig) -> None:
     if not config.sync:
         raise ConfigError(f"--replicas {config.replicas} with --async: copies of a shard stay "
                           f"equal only in sync mode; drop one of them")
-    if config.data_volume_size:
-        raise ConfigError(f"--replicas {config.replicas} with --data-volume-size: a restore "
-                          f"reloads each copy from the checkpoint of its shard, which the "
-                          f"server next door saved on its own claim; give --data-dir on a "
-                          f"volume every server pod mounts (ReadWriteMany, via --patch), or "
-                          f"drop --replicas")
 
 
 def validate(config: K8sConfig) -> None:

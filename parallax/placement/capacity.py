@@ -21,20 +21,25 @@ def table_bytes(spec: TableSpec) -> int:
     return rows * spec.dim * dtype_bytes(spec.dtype) * (1 + len(slot_names(spec.optimizer)))
 
 
-def server_bytes(plan: Plan, specs: Mapping[int, TableSpec]) -> list[int]:
-    """What each server would hold under the plan's placement."""
-    held = [0] * plan.num_servers
+def server_bytes(plan: Plan, specs: Mapping[int, TableSpec], replicas: int = 1) -> list[int]:
+    """What each server would hold under the plan's placement (`replicas=2`: a copy of each
+    shard on the next server too, `parallax.client.replicas`)."""
+    n = plan.num_servers
+    held = [0] * n
     tables = {vp.table or f"#{vp.index}": vp for vp in plan.on_servers}  # a group once
     for vp in tables.values():
         share = table_bytes(specs[vp.index]) / max(1, vp.shards)
         for server in vp.servers or range(vp.shards):
-            held[server % plan.num_servers] += int(share)
+            for copy in range(replicas):
+                held[(server + copy) % n] += int(share)
     return held
 
 
-def check_fits(plan: Plan, specs: Mapping[int, TableSpec], memory: Sequence[int]) -> None:
-    """Raise PlannerError unless every server's tables fit its memory (0: not reported)."""
-    held = server_bytes(plan, specs)
+def check_fits(plan: Plan, specs: Mapping[int, TableSpec], memory: Sequence[int],
+               replicas: int = 1) -> None:
+    """Raise PlannerError unless every server's tables (with their copies) fit its memory
+    (0: not reported)."""
+    held = server_bytes(plan, specs, replicas)
     over = [i for i, (h, m) in enumerate(zip(held, memory)) if m and h > m]
     if not over:
         return
@@ -55,7 +60,8 @@ def check_fits(plan: Plan, specs: Mapping[int, TableSpec], memory: Sequence[int]
                  "SGD none) or a smaller embedding dimension")
     raise PlannerError(
         f"the plan does not fit the parameter servers' memory: server {worst} would hold "
-        f"{size_text(held[worst])} of tables (values and optimizer slots) but has "
+        f"{size_text(held[worst])} of tables (values and optimizer slots"
+        f"{', and copies of the shards next door: replicas=2' if replicas > 1 else ''}) but has "
         f"{size_text(memory[worst])}; per server: "
         f"{', '.join(f'{size_text(h)} of {size_text(m)}' for h, m in zip(held, memory))}",
         fixes, table=biggest.name, needed_bytes=held[worst],

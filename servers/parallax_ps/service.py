@@ -534,10 +534,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     @_rpc("Save")
     def Save(self, request, context):
         root = checkpoint.resolve(self.data_dir, request.path)
-        skip = {(key.table, key.shard_index) for key in request.skip}  # copies saved elsewhere
-        shards = [s for s in self.selected(request.tables)
-                  if (s.spec.name, s.shard_index) not in skip] \
-            if request.phase == ps_pb2.SAVE_PREPARE else []
+        shards = self.selected(request.tables) if request.phase == ps_pb2.SAVE_PREPARE else []
         response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards,
                                                              self.save_owner))
         return response, "", sum(s.rows for s in response.shards), 0

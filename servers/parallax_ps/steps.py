@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from parallax.protocol.refusals import STEP_AHEAD
 from parallax_ps.errors import RequestError, invalid, precondition
 from parallax_ps.native_path import aggregate, sum_duplicates
 
@@ -83,7 +84,7 @@ class StepState:
             raise precondition(f"{where}: step {step} is already closed (the shard has applied "
                                f"{self.step} steps); push step {self.step}")
         if self.sync and step > self.step:
-            raise precondition(f"{where}: step {step} is ahead of the open step {self.step}; "
+            raise precondition(f"{where}: step {step} {STEP_AHEAD} {self.step}; "
                                f"wait for step {self.step} to close (pull or WaitStep with "
                                f"min_step={step})")
         known = self._known(worker, step, session)

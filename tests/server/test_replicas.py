@@ -12,13 +12,14 @@ import os
 import signal
 import threading
 
+import grpc
 import numpy as np
 import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
-from parallax.errors import ConfigError
+from parallax.errors import ConfigError, ServerError
 from parallax.protocol.specs import Adagrad, Adam, Initializer, TableSpec
 
 STEPS, WORKERS, KILL_AT = 12, 2, 5
@@ -135,24 +136,6 @@ def test_what_cannot_be_replicated_is_refused():
         spec = TableSpec(name="async_t", vocabulary_size=10, dim=2, sync_mode="async")
         with pytest.raises(ConfigError, match="needs sync tables"):
             client.table(spec)
-
-
-def test_a_save_skips_the_copies_it_is_told_to(tmp_path):
-    """The server side of "each shard once": a PREPARE with `skip` writes only the others."""
-    from parallax.protocol import checkpoint_names
-    from parallax.ps.v1 import ps_pb2
-
-    with LocalCluster(1, data_dir=tmp_path) as cluster, \
-            PSClient(cluster.addresses, OPTIONS) as client:
-        spec = _specs("skip")[0]
-        client.create_table(spec, placement=[0, 0, 0])
-        request = ps_pb2.SaveRequest(path="p", tables=[spec.name], checkpoint=checkpoint_names.new_name(),
-                                     phase=ps_pb2.SAVE_PREPARE,
-                                     skip=[ps_pb2.ShardKey(table=spec.name, shard_index=1)])
-        reply = client.servers[0].call("Save", request)
-        assert [s.shard_index for s in reply.shards] == [0, 2]
-        client.servers[0].call("Save", ps_pb2.SaveRequest(path="p", checkpoint=checkpoint_names.new_name(),
-                                                          phase=ps_pb2.SAVE_ABORT))
 
 
 def _trained_copies(client: PSClient, prefix: str):
@@ -307,3 +290,45 @@ def test_a_barrier_outlives_the_first_server():
             client.close()
     assert not errors, errors
     assert len(results) == 2 and len(set(results)) == 1, results
+
+
+class _Unavailable(grpc.RpcError):
+    """What a first attempt whose connection reset raises (the network's part, stood in)."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset"
+
+
+def test_a_retry_refused_as_ahead_of_the_step_is_not_taken_for_landed():
+    """A push sent again after a transient UNAVAILABLE and refused because the shard is not
+    at its step yet (a copy a push behind) did not land: the refusal stands. "Already closed"
+    on a retry still means the first attempt landed."""
+    from concurrent.futures import Future
+
+    from parallax.protocol import bulk_codec
+
+    with LocalCluster(1) as cluster, PSClient(cluster.addresses, OPTIONS) as client:
+        spec = TableSpec(name="ahead_t", vocabulary_size=10, dim=2, num_workers=2)
+        client.create_table(spec)
+        conn = client.servers[0]
+
+        def push(step: int) -> bytes:
+            writer = bulk_codec.PushRequestWriter(spec.name, 0, step, 0, 1, 2,
+                                                  np.dtype(np.float32), 0.0, 0, 1, 0)
+            writer.ids[...] = [3]
+            writer.grads[...] = 1.0
+            return writer.data()
+
+        failed: Future = Future()
+        failed.set_exception(_Unavailable())
+        done = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION)
+        with pytest.raises(ServerError, match="step 1 is ahead of the open step 0"):
+            conn.call("Push", push(1), spec.name, done_on_retry=done, pending=failed)
+        failed = Future()
+        failed.set_exception(_Unavailable())
+        conn.call("Push", push(0), spec.name)  # worker 0's push of step 0 landed ...
+        assert conn.call("Push", push(0), spec.name, done_on_retry=done,  # ... its retry:
+                         pending=failed) is None  # ALREADY_EXISTS, taken for landed

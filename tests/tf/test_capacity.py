@@ -41,6 +41,15 @@ def test_slots_count_and_placement_decides_what_each_server_holds():
     check_fits(plan, specs, [0, 0])  # servers that report nothing are not checked
 
 
+def test_copies_of_the_shards_count_on_the_next_server():
+    plan = _plan([4096, 1024])  # 3 MiB with Adam on one server, 0.75 MiB on the other
+    specs = _specs(plan, Adam())
+    assert server_bytes(plan, specs, replicas=2) == [3 * MB + 3 * MB // 4] * 2
+    check_fits(plan, specs, [4 * MB, 4 * MB], replicas=2)
+    with pytest.raises(PlannerError, match="copies of the shards next door"):
+        check_fits(plan, specs, [3 * MB + MB // 2] * 2, replicas=2)
+
+
 def test_a_plan_over_memory_names_the_numbers_and_the_fixes():
     plan = _plan([4096 * 40, 4096], servers=2, shards=1)  # 40 MiB (+ Adam's 80) on server 0
     with pytest.raises(PlannerError) as info:

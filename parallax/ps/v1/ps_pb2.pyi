@@ -406,28 +406,18 @@ class BarrierResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "phase", "keep", "skip")
+    __slots__ = ("path", "tables", "checkpoint", "phase", "keep")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
-    SKIP_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     phase: SavePhase
     keep: int
-    skip: _containers.RepeatedCompositeFieldContainer[ShardKey]
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ..., skip: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ...) -> None: ...
-
-class ShardKey(_message.Message):
-    __slots__ = ("table", "shard_index")
-    TABLE_FIELD_NUMBER: _ClassVar[int]
-    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
-    table: str
-    shard_index: int
-    def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ...) -> None: ...
 
 class ShardCheckpoint(_message.Message):
     __slots__ = ("table", "shard_index", "rows", "step", "file", "checkpoint", "sync")

@@ -217,9 +217,10 @@ class TableBinder:
                         "could not reach the parameter servers")
 
         def create_and_fill() -> None:
-            memory = [reply.memory_bytes for reply in self.client.stats().values()]
+            stats = self.client.stats()  # (a server lost already: not reported, 0)
+            memory = [stats[a].memory_bytes if a in stats else 0 for a in self.client.addresses]
             check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
-                       memory)
+                       memory, self.client.options.replicas)
             tables: dict = {}
             for vp, spec in zip(on_servers, specs):
                 if spec.name not in tables:  # a table group's spec comes once per member
