@@ -17,6 +17,7 @@ import numpy as np
 from parallax.client.many_calls import (_DONE_ON_RETRY, _PART_FIELDS_BYTES, PullPart,
                                         PushPart, _abandon, _by_server, _in_flight,
                                         _Names, _packed, _request_limit, land_pull_answer)
+from parallax.client import replica_push
 from parallax.client.table import ShardedTable
 from parallax.errors import InternalError
 from parallax.protocol import bulk_codec
@@ -182,6 +183,13 @@ def start_push_many(tables: Sequence[ShardedTable], ids: Sequence[np.ndarray],
     if not tables:
         return PendingPush(tables, [])
     runs = checked if checked is not None else _checked_runs(tables, ids)
+    copies = replica_push.views(tables)
+    if copies is not None:  # replicated shards: one request per server for every copy
+        k = len(copies) // len(tables)
+        doubled = Runs([t.router for t in copies], [runs.run(i) for i in range(len(tables))] * k)
+        return replica_push.Copied(start_push_many(
+            copies, (), list(grads) * k, list(steps) * k, worker, list(learning_rates) * k,
+            doubled, now), len(tables))
     grads = [np.asarray(g, dtype=t.dtype).reshape(hi - lo, t.spec.dim)
              for t, g, lo, hi in zip(tables, grads, runs.starts, runs.starts[1:])]
     from parallax.client import native_many  # (it builds on this module)

@@ -11,6 +11,7 @@ from typing import Sequence
 import grpc
 
 from parallax.client.connection import ClientOptions, ServerConnection
+from parallax.client.replica_push import CopyConnection
 from parallax.client.replicas import (Liveness, check_replicable, check_replicas, replica_sets,
                                       survives)
 from parallax.client.row_mover import MoveReport, move_rows
@@ -67,7 +68,9 @@ class PSClient:
         self.servers = [ServerConnection(a, options) for a in self.addresses]
         check_replicas(options.replicas, len(self.servers))
         self.liveness = Liveness()
-        self._routes = replica_sets(self.servers, options.replicas, self.liveness)
+        holders = [CopyConnection(s, self.liveness, self._survives) for s in self.servers] \
+            if options.replicas > 1 else []
+        self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders)
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
 
     def __enter__(self) -> "PSClient":

@@ -111,8 +111,9 @@ class ReplicaSet:
     """The copies of the shards placed on one server, as one connection (the interface of
     `ServerConnection` that tables use): the server itself first, then the next one."""
 
-    def __init__(self, copies: Sequence, liveness: Liveness) -> None:
+    def __init__(self, copies: Sequence, liveness: Liveness, holders: Sequence = ()) -> None:
         self.copies, self.liveness = list(copies), liveness
+        self.holders = list(holders)  # the copies' `replica_push.CopyConnection`s
         self.options = self.copies[0].options
 
     def live(self) -> list:
@@ -198,8 +199,8 @@ class ReplicaSet:
         if refused is not None:
             raise refused
         if behind and (replies or self.liveness.lost):
-            replies += [self._caught_up(conn, err, method, request, table, timeout,
-                                        done_on_retry) for conn, err in behind]
+            replies += [caught_up(conn, err, method, request, table, timeout, done_on_retry)
+                        for conn, err in behind]
         elif behind:
             raise behind[0][1]
         if not replies:
@@ -207,27 +208,6 @@ class ReplicaSet:
                                       f"{self.address}", address=self.address, table=None,
                                       code=grpc.StatusCode.UNAVAILABLE)
         return replies[0]
-
-    def _caught_up(self, conn, err: ServerError, method, request, table, timeout,
-                   done_on_retry):
-        """The write again, until `conn` takes it. A copy refuses (FAILED_PRECONDITION) a
-        write another copy took when it is behind: the push that closes the step it is at
-        is still on its way from another worker (this worker read the step closed from the
-        first copy). So does the only copy left after a loss, for the pushes the lost one
-        had. The refusal stands once `timeout` has passed."""
-        deadline = time.monotonic() + (timeout or self.options.timeout)
-        pause = CATCH_UP_PAUSE_S
-        while time.monotonic() < deadline:
-            time.sleep(pause)
-            pause = min(2 * pause, MAX_CATCH_UP_PAUSE_S)
-            try:
-                return conn.call(method, request, table, timeout, done_on_retry)
-            except ServerError as again:
-                if again.code != grpc.StatusCode.FAILED_PRECONDITION or \
-                        STEP_AHEAD not in str(again):
-                    raise
-                err = again
-        raise err
 
     def _start(self, method: str, request, timeout: float | None) -> list:
         """A lone write: started on every copy but the last, which is called from here (a
@@ -245,13 +225,38 @@ class ReplicaSet:
         """The copies are the client's connections: it closes them."""
 
 
-def replica_sets(servers: Sequence, replicas: int, liveness: Liveness) -> list:
+def caught_up(conn, err: ServerError, method: str, request, table, timeout: float | None,
+              done_on_retry: tuple):
+    """The write again, until `conn` takes it. A copy refuses a write as ahead of its open
+    step (`STEP_AHEAD`) when it is behind the copy this worker read the step from: the push
+    that closes its step is still on its way from another worker. So does the only copy left
+    after a loss, for the pushes the lost one had. The refusal stands once `timeout` (the
+    connection's own by default) has passed."""
+    deadline = time.monotonic() + (timeout or conn.options.timeout)
+    pause = CATCH_UP_PAUSE_S
+    while time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(2 * pause, MAX_CATCH_UP_PAUSE_S)
+        try:
+            return conn.call(method, request, table, timeout, done_on_retry)
+        except ServerError as again:
+            if again.code != grpc.StatusCode.FAILED_PRECONDITION or \
+                    STEP_AHEAD not in str(again):
+                raise
+            err = again
+    raise err
+
+
+def replica_sets(servers: Sequence, replicas: int, liveness: Liveness,
+                 holders: Sequence = ()) -> list:
     """Per server index, what its shards' requests go through: the server itself
-    (replicas=1), or a `ReplicaSet` of it and the next server."""
+    (replicas=1), or a `ReplicaSet` of it and the next server (`holders`: each server's
+    `replica_push.CopyConnection`, in the same order)."""
     if replicas == 1:
         return list(servers)
     n = len(servers)
-    return [ReplicaSet([servers[(i + k) % n] for k in range(replicas)], liveness)
+    return [ReplicaSet([servers[(i + k) % n] for k in range(replicas)], liveness,
+                       [holders[(i + k) % n] for k in range(replicas)] if holders else ())
             for i in range(n)]
 
 

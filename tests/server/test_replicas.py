@@ -332,3 +332,38 @@ def test_a_retry_refused_as_ahead_of_the_step_is_not_taken_for_landed():
         conn.call("Push", push(0), spec.name)  # worker 0's push of step 0 landed ...
         assert conn.call("Push", push(0), spec.name, done_on_retry=done,  # ... its retry:
                          pending=failed) is None  # ALREADY_EXISTS, taken for landed
+
+
+def test_a_step_pushes_one_request_per_server_for_both_copies():
+    """A multi-table push reaches each server once per worker and step, carrying the shards
+    placed on it and the copies it keeps (`replica_push`), not once per copy set."""
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(3) as cluster, PSClient(cluster.addresses, options) as client:
+        specs = _specs("merged")
+        tables = [client.create_table(spec) for spec in specs]
+        steps = 3
+        for step in range(steps):
+            for worker in range(WORKERS):
+                ids = [_ids(worker, step), _ids(worker + 7, step)]
+                grads = [np.full((len(i), 4), 0.1, np.float32) for i in ids]
+                push_many(tables, ids, grads, [step, step], worker, [0.0, 0.0])
+        for address, reply in client.stats().items():
+            pushes = {m.method: m.requests for m in reply.methods}.get("PushMany", 0)
+            assert pushes == steps * WORKERS, (address, pushes)
+        for spec in specs:  # every copy got every push: equal, bit for bit
+            for shard in range(spec.shard_count):
+                holders = [client.servers[s] for s in (shard % 3, (shard + 1) % 3)]
+                first, second = (_shard_rows(conn, spec, shard) for conn in holders)
+                np.testing.assert_array_equal(first, second)
+
+
+def _shard_rows(conn, spec: TableSpec, shard: int) -> np.ndarray:
+    """Every row of one shard as one server holds it (a Pull straight to that server)."""
+    from parallax.protocol import wire
+    from parallax.ps.v1 import ps_pb2
+
+    ids = np.arange(spec.vocabulary_size, dtype=np.int64)
+    request = ps_pb2.PullRequest(table=spec.name, shard_index=shard, full_precision=True)
+    wire.encode(ids[ids % spec.shard_count == shard], request.ids)
+    values, _ = conn.call("Pull", request, spec.name)
+    return values
