@@ -542,6 +542,29 @@ class _ServerLosses:
                  f"and the job continues; the death of a neighbour of it would end the job")
         return None
 
+    def outlives(self, silent: tuple[int, str, float], servers: int) -> bool:
+        """With --replicas 2, whether the job goes on without a server silent past
+        --health-timeout: one of ours is killed (its workers' requests then fail over to its
+        copies) and judged by `fatal` as it exits; one started elsewhere is left out, if
+        every shard keeps a copy (a hung one fails its workers' requests at their deadline)."""
+        index, address, age = silent
+        if self.replicas == 1 or not survives(self.lost | {index}, servers, self.replicas):
+            return False
+        ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
+        if ours:
+            if ours[0].proc.poll() is None:
+                _say(f"parameter server {index} ({address}) has not answered a health check "
+                     f"for {age:.0f}s (--health-timeout); with --replicas {self.replicas} it "
+                     f"is stopped (SIGKILL) and its copies take over")
+                ours[0].proc.kill()
+            return True
+        self.lost.add(index)
+        self.addresses.add(address)
+        _say(f"parameter server {index} ({address}) has not answered a health check for "
+             f"{age:.0f}s (--health-timeout); with --replicas {self.replicas} the job goes on "
+             f"with its copies")
+        return True
+
 
 def _report_dead_server(server) -> None:
     reader = getattr(server, "_reader", None)
@@ -559,6 +582,7 @@ class _HealthWatch:
     def __init__(self, addresses: list[str], timeout: float, options) -> None:
         from parallax.client.connection import ServerConnection
         self.timeout = timeout
+        self.servers = len(addresses)
         self._servers = [ServerConnection(a, options) for a in addresses] if timeout else []
         self._answered = [time.monotonic()] * len(self._servers)
         self._stop = threading.Event()
@@ -631,6 +655,8 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
                                   f"({dead.address}) exited with code {dead.proc.returncode}")
         silent = health.silent(losses.addresses) if job.proc.returncode is None else None
+        if silent is not None and losses.outlives(silent, health.servers):
+            continue
         if silent is not None:
             _report_silent_server(silent, losses.cluster)
             job.stop()

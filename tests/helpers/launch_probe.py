@@ -59,6 +59,7 @@ print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses
                   "netns": os.readlink("/proc/self/ns/net"),
                   "mode": os.environ.get("PARALLAX_MODE"),
                   "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart, "sum": total,
+                  "replicas": os.environ.get("PARALLAX_REPLICAS"),
                   "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "log_level": os.environ.get("PARALLAX_LOG_LEVEL")}), flush=True)
 time.sleep(0.0 if args.exit_rank == rank else args.sleep)

@@ -224,6 +224,32 @@ def test_a_hung_server_is_named_in_one_line(mark):
 
 
 @pytest.mark.multiprocess
+def test_with_replicas_a_dead_or_hung_server_stops_nothing_until_a_shard_has_no_copy(mark):
+    """--replicas 2 over 3 servers: a SIGKILLed server and then a SIGSTOPped one (killed by
+    the launcher after --health-timeout) leave the job running while every shard keeps a
+    copy; a third loss ends it as without copies."""
+    launcher = Launcher("-np", "1", "--servers", "4", "--replicas", "2", "--health-timeout",
+                        "2", PROBE, "--sleep", "120", mark=mark)
+    [probe] = launcher.wait_for_probes(1)
+    assert probe["replicas"] == "2", probe
+    servers = sorted(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd)
+    assert len(servers) == 4
+    os.kill(servers[0], signal.SIGKILL)
+    os.kill(servers[2], signal.SIGSTOP)  # not a neighbour of the first (mod 4)
+    deadline = time.monotonic() + 30
+    while sum("its copies" in line or "its shards go on" in line for line in launcher.err) < 3:
+        assert launcher.proc.poll() is None, launcher.output()
+        assert time.monotonic() < deadline, launcher.output()
+        time.sleep(0.1)
+    assert any("is stopped (SIGKILL) and its copies take over" in line
+               for line in launcher.err), launcher.output()
+    os.kill(servers[1], signal.SIGKILL)  # both copies of server 0's shards gone
+    assert launcher.wait(20) == 1, launcher.output()
+    assert "exited with code -9 while the job was running; stopping the workers" in \
+        "\n".join(launcher.err)
+
+
+@pytest.mark.multiprocess
 def test_hosts_file_on_this_machine_places_workers_and_servers(mark, tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("server_port: 7391\nhosts:\n  - {host: 127.0.0.1, slots: 2, servers: 2}\n")
