@@ -19,8 +19,13 @@ Two mechanisms, one per kind of child:
   (a shell's, horovodrun's) do not get that signal, and horovodrun outlives a SIGTERM. So the
   wrapper stays, as the group's leader, and runs the command as its child; when the launcher
   dies it sends SIGTERM to the whole group and every descendant (horovodrun's ranks run in
-  sessions of their own), and SIGKILL after `REAP_GRACE_S` to what is left. Otherwise it
-  only waits, and exits as its command did (a signal's death by the same signal).
+  sessions of their own), and SIGKILL after `REAP_GRACE_S` to what is left. It is the job's
+  subreaper (PR_SET_CHILD_SUBREAPER): a process whose parent dies is re-parented to it, not
+  to init, so it stays in the job. Without that, a process forked after a sweep by one that
+  the sweep's signal then killed escaped (a rank's shell, forked by horovodrun's middleman,
+  in the middleman's session). So it sweeps again and again, signalling what is new, until
+  it has no child left. Otherwise it only waits (reaping the job's orphans), and exits as
+  its command did (a signal's death by the same signal).
 """
 from __future__ import annotations
 
@@ -97,7 +102,8 @@ except OSError as exc:
 
 # What `dying_with(reap_group=True)` runs: the group's leader forks the command and waits.
 # Signals the launcher sends reach the whole group (killpg), so the leader forwards none; the
-# SIGTERM of the launcher's death (PR_SET_PDEATHSIG) it turns into the group's end.
+# SIGTERM of the launcher's death (PR_SET_PDEATHSIG) it turns into the group's end. As the
+# job's subreaper, it is the ancestor of every process of the job until it exits.
 _REAP_GROUP = """
 import os, signal, sys, time
 parent, grace, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
@@ -106,6 +112,7 @@ prctl = None
 if sys.platform.startswith("linux"):
     import ctypes
     prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the job's orphans come here, not to init
 def processes():  # pid -> (parent pid, process group) of every live process (no zombies)
     found = {}
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
@@ -132,22 +139,29 @@ def signal_all(pids, number):
             os.kill(pid, number)
         except OSError:
             pass
+def reap():  # collect ended children; False once none is left: the job has ended
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        return False
+    return True
+def signal_job(number, grace):  # `number` to the job; True once it has ended within `grace`
+    signalled, deadline = set(), time.monotonic() + grace
+    while time.monotonic() < deadline:
+        found = job()  # again and again: a process may fork between a sweep and its signal
+        if not found and not reap():
+            return True
+        signal_all(found - signalled, number)
+        signalled |= found
+        time.sleep(0.05)
+    return False
 def end_group():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    known = job()
-    signal_all(known, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(-1, os.WNOHANG)  # the command, once it has ended
-        except ChildProcessError:
-            pass
-        known = (known | job()) & set(processes())
-        if not known:  # all ended: so does their leader, as by the signal it sent
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-    signal_all(known | job(), signal.SIGKILL)
+    if signal_job(signal.SIGTERM, grace):  # all ended: so does their leader, as by its signal
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal_job(signal.SIGKILL, grace)
     os.killpg(0, signal.SIGKILL)
 def on_term(signum, frame):
     if os.getppid() != parent:
@@ -177,7 +191,9 @@ if prctl is not None:
     prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: on_term hears of the launcher's end
 if os.getppid() != parent:
     end_group()  # the launcher died before the line above
-status = os.waitpid(child, 0)[1]
+ended = status = 0
+while ended != child:  # the job's orphans, re-parented here, are reaped meanwhile
+    ended, status = os.waitpid(-1, 0)
 if os.WIFSIGNALED(status):  # end as the command did, without a core of our own
     import resource
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -3,7 +3,9 @@ dies without cleaning up (SIGKILL, os._exit, the OOM killer), its servers and wo
 and exit within seconds.
 
 Each case runs under `orphan_reaper.py`, a child subreaper: the orphans are re-parented to it
-rather than to init, so it can collect every exit code, and it kills whatever survives.
+rather than to init, so it can collect every exit code, and it kills whatever survives. A
+job's own orphans go to its lifeline wrapper (a subreaper too), which ends only once they
+have: its prompt exit is theirs.
 """
 from __future__ import annotations
 
@@ -94,6 +96,30 @@ def test_horovodrun_and_its_ranks_end_when_parallax_run_is_sigkilled(tmp_path):
     # defect: horovodrun (re-parented, handling SIGTERM) and both ranks kept running
     left = _job_killed(tmp_path, "-np", "2")
     assert left and all(w["status"] is not None for w in left), left
+
+
+# horovodrun's middleman (in a session of its own), SIGTERMed just after it forked a rank's
+# shell, dies and leaves that shell to whoever adopts orphans, unseen by the lifeline's sweep
+STARTS_AS_IT_DIES = """
+import os, signal, sys, time
+os.setsid()
+def on_term(*_):
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "600"])
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_process_started_as_the_job_is_ended_ends_too(tmp_path):
+    # defect: `sleep` outlived everything (re-parented to the reaper, in no group of the job)
+    report = _reaped(tmp_path, True, sys.executable, "-m", "parallax.cli", "run",
+                     "--servers", "2", "--progress-seconds", "0", "--health-timeout", "0",
+                     "--", sys.executable, "-c", STARTS_AS_IT_DIES, str(tmp_path / "ready"))
+    assert report["command"] == -9
+    _assert_prompt_exits(report)
 
 
 @pytest.mark.parametrize("death", ["exit", "sigkill"])
