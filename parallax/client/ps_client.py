@@ -243,7 +243,7 @@ class PSClient:
             replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE))
             shards = self._shards_of(replies, tables, "save")
             self._check_all_written(held, shards, lost)
-            mixed = _mixed_steps(shards)
+            mixed = _mixed_steps([s for reply in replies for s in reply.shards])  # (copies)
             if mixed:
                 raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
                                   f"steps {mixed}); save between steps, after "

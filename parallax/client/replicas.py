@@ -3,7 +3,10 @@ placed on server i has a copy on server i+1 (mod S), and a server's death loses 
 
 The client keeps the copies equal. Every request that changes a shard (`WRITES`: create,
 fill, push, import, delete) goes to each live copy at once and counts as done once every
-live copy answered; every read (pull, step wait, export) goes to the first live copy. A sync
+live copy answered; every read (pull, export) goes to the first live copy. A step wait
+(`WAITS`) goes to every live copy and answers the lowest step: a copy can be a push behind
+the first (the push that closes its step still on its way from another worker), and what
+follows a wait (a save, an assign, an export) needs the step applied on each copy. A sync
 step is applied once every worker's push is in, in worker order, so copies that received
 the same pushes hold the same rows, bit for bit. Restores go to every server and reload
 every copy from the checkpoint, each from its own data directory: saves write every copy,
@@ -37,6 +40,7 @@ from parallax.protocol.refusals import STEP_AHEAD
 log = logging.getLogger("parallax")
 WRITES = frozenset({"CreateTable", "DeleteTable", "InitRows", "Push", "PushMany",
                     "ImportRows"})  # sent to every live copy; any other method reads one
+WAITS = frozenset({"WaitStep"})  # waited for on every live copy (the lowest step answers)
 MAX_REPLICAS = 2  # copies of a shard: the server it is placed on and the next one
 GONE_CHECK_S = 2.0  # a health check's deadline, asked after a copy failed UNAVAILABLE
 CATCH_UP_PAUSE_S = 0.001  # first pause before a write is sent again to a copy behind,
@@ -154,7 +158,7 @@ class ReplicaSet:
         return lambda: not self.liveness.alive(conn.address) or not conn.healthy(GONE_CHECK_S)
 
     def future(self, method: str, request, timeout: float | None = None):
-        if method in WRITES:
+        if method in WRITES or method in WAITS:
             return _Fanout([(c, c.future(method, request, timeout)) for c in self.live()])
         conn = self.serving()
         return _Read(conn, conn.future(method, request, timeout))
@@ -163,6 +167,8 @@ class ReplicaSet:
                done_on_retry: tuple = ()):
         if method in WRITES:
             return self._write(future, method, request, table, timeout, done_on_retry)
+        if method in WAITS:
+            return self._wait(future, method, request, table, timeout, done_on_retry)
         return self._read(future, method, request, table, timeout, done_on_retry)
 
     def call(self, method: str, request, table=None, timeout: float | None = None,
@@ -180,6 +186,23 @@ class ReplicaSet:
                 if not self._lost(conn, err):
                     raise
                 conn, pending = self.serving(err), None  # the same read, on the copy
+
+    def _wait(self, future, method, request, table, timeout, done_on_retry):
+        """A step wait on every live copy; the answer of the copy furthest behind."""
+        calls = future.calls if future is not None else [(c, None) for c in self.live()]
+        replies, lost = [], None
+        for conn, pending in calls:
+            try:
+                replies.append(conn.result(pending, method, request, table, timeout,
+                                           done_on_retry, self._gone(conn)))
+            except ServerError as err:
+                if not self._lost(conn, err):
+                    raise
+                lost = err
+        if not replies:
+            return self._read(None, method, request, table, timeout, done_on_retry) \
+                if self.serving(lost) else None  # (serving raises: no copy left)
+        return min(replies, key=lambda reply: reply.step)
 
     def _write(self, future, method, request, table, timeout, done_on_retry):
         calls = future.calls if future is not None else self._start(method, request, timeout)

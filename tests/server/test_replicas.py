@@ -8,6 +8,7 @@ pushing through PushMany and per-table pushes, as the strategy does.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -367,3 +368,60 @@ def _shard_rows(conn, spec: TableSpec, shard: int) -> np.ndarray:
     wire.encode(ids[ids % spec.shard_count == shard], request.ids)
     values, _ = conn.call("Pull", request, spec.name)
     return values
+
+
+
+@contextlib.contextmanager
+def _lagging_copy(tmp_path):
+    """Two servers with a data directory each, a 1-shard table of 2 workers with its copy on
+    the second: worker 0's push of step 0 reached both copies, worker 1's the first only
+    (its request to the second still on its way). Yields (client, table, send the rest)."""
+    from parallax.protocol import bulk_codec
+
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(1, data_dir=tmp_path / "s0") as c0, \
+            LocalCluster(1, data_dir=tmp_path / "s1") as c1, \
+            PSClient(c0.addresses + c1.addresses, options) as client:
+        spec = TableSpec(name="lag_t", vocabulary_size=10, dim=2, num_workers=2,
+                         initializer=Initializer("uniform", seed=3))
+        table = client.create_table(spec)
+        table.push([1], np.ones((1, 2), np.float32), step=0, worker=0)
+        writer = bulk_codec.PushRequestWriter(spec.name, 0, 0, 1, 1, 2, np.dtype(np.float32),
+                                              0.0, 0, 1, table.session)
+        writer.ids[...] = [2]
+        writer.grads[...] = 1.0
+        late = writer.data()
+        client.servers[0].call("Push", late, spec.name)
+        yield client, table, lambda: client.servers[1].call("Push", late, spec.name)
+
+
+def _step_of(conn, table) -> int:
+    from parallax.ps.v1 import ps_pb2
+    return conn.call("WaitStep", ps_pb2.StepRequest(table=table.name, shard_index=0),
+                     table.name).step
+
+
+def test_a_step_wait_waits_for_every_copy_so_a_save_after_it_is_whole(tmp_path):
+    """`wait_step(k)` (what a worker's `land_pushes` does before a checkpoint, an assign or
+    an export) returns once every live copy applied step k, not the first alone: else a save
+    wrote the copy a push behind at the step before, and a restore left the copies apart."""
+    with _lagging_copy(tmp_path) as (client, table, send_late):
+        timer = threading.Timer(0.5, send_late)
+        timer.start()
+        try:
+            assert table.wait_step(1) == 1
+            assert _step_of(client.servers[1], table) == 1
+        finally:
+            timer.join()
+        saved = client.save("ckpt", [table.name])
+        assert [s.step for s in saved] == [1]
+
+
+def test_a_save_that_catches_a_copy_a_push_behind_is_refused(tmp_path):
+    """A save not preceded by a step wait, with one copy a push behind: refused as caught
+    mid-step (it wrote each copy at its own step: a restore left them apart)."""
+    with _lagging_copy(tmp_path) as (client, table, send_late):
+        with pytest.raises(ConfigError, match="mid-step"):
+            client.save("ckpt", [table.name])
+        send_late()
+        assert [s.step for s in client.save("ckpt", [table.name])] == [1]
