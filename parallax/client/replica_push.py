@@ -46,15 +46,21 @@ class CopyConnection:
             return self.conn.result(future, method, request, table, timeout, done_on_retry,
                                     self._gone)
         except ServerError as err:
-            if err.code == grpc.StatusCode.UNAVAILABLE:
-                self.liveness.lose(self.address, err)
-                if self.survives():
-                    return None
-                raise
-            if err.code == grpc.StatusCode.FAILED_PRECONDITION and STEP_AHEAD in str(err):
+            if err.code != grpc.StatusCode.FAILED_PRECONDITION or STEP_AHEAD not in str(err):
+                return self._failed(err)
+            try:
                 return caught_up(self.conn, err, method, request, table, timeout,
                                  done_on_retry)
-            raise
+            except ServerError as again:  # (lost while it caught up: as any other loss)
+                return self._failed(again)
+
+    def _failed(self, err: ServerError):
+        """None for a lost server while every shard keeps a live copy; else raise `err`."""
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            self.liveness.lose(self.address, err)
+            if self.survives():
+                return None
+        raise err
 
     def call(self, method: str, request, table=None, timeout: float | None = None,
              done_on_retry: tuple = (), pending=None):

@@ -222,8 +222,14 @@ class ReplicaSet:
         if refused is not None:
             raise refused
         if behind and (replies or self.liveness.lost):
-            replies += [caught_up(conn, err, method, request, table, timeout, done_on_retry)
-                        for conn, err in behind]
+            for conn, err in behind:
+                try:
+                    replies.append(caught_up(conn, err, method, request, table, timeout,
+                                             done_on_retry))
+                except ServerError as again:  # (lost while it caught up: left out)
+                    if not self._lost(conn, again):
+                        raise
+                    lost = again
         elif behind:
             raise behind[0][1]
         if not replies:

@@ -48,3 +48,54 @@ def test_parallax_run_passes_the_copies_on():
     config = parse_args(["--replicas", "2", "--servers", "3", "--", "python", "-c", "pass"])
     validate(config)
     assert config.replicas == 2
+
+
+class _Copy:
+    """A server holding a copy (the interface of ServerConnection that replicas use): its
+    first answer refuses the push as ahead of its open step, and it dies as it is sent again."""
+
+    def __init__(self, address: str, behind: bool) -> None:
+        from parallax.client.connection import ClientOptions
+        self.address, self.options, self.behind = address, ClientOptions(timeout=5), behind
+
+    def _error(self, code, words: str):
+        from parallax.errors import ServerError
+        return ServerError(f"Push on server {self.address} failed: {words}",
+                           address=self.address, table="t", code=code)
+
+    def future(self, method, request, timeout=None):
+        return None
+
+    def result(self, future, method, request, table=None, timeout=None, done_on_retry=(),
+               gone=None):
+        import grpc
+        from parallax.protocol.refusals import STEP_AHEAD
+        if self.behind:
+            raise self._error(grpc.StatusCode.FAILED_PRECONDITION, f"step 3 {STEP_AHEAD} 2")
+        return "applied"
+
+    def call(self, method, request, table=None, timeout=None, done_on_retry=(), pending=None,
+             gone=None):
+        import grpc
+        raise self._error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    def healthy(self, timeout=2.0):
+        return False
+
+
+def test_a_copy_lost_while_it_catches_up_is_left_out_like_any_loss():
+    """A copy a push behind is sent the push again until it takes it; if its server dies
+    meanwhile (UNAVAILABLE), the push is done on the other copy, as for a loss at the first
+    attempt, not failed (while every shard keeps a copy)."""
+    from parallax.client.replica_push import CopyConnection
+    from parallax.client.replicas import Liveness, ReplicaSet
+
+    liveness = Liveness()
+    holder = CopyConnection(_Copy("b:1", behind=True), liveness, lambda: True)
+    assert holder.result(None, "PushMany", b"") is None
+    assert liveness.lost == {"b:1"}
+
+    liveness = Liveness()
+    copies = ReplicaSet([_Copy("a:1", behind=False), _Copy("b:1", behind=True)], liveness)
+    assert copies.call("Push", b"", "t") == "applied"
+    assert liveness.lost == {"b:1"}
