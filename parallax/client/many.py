@@ -17,7 +17,7 @@ import numpy as np
 from parallax.client.many_calls import (_DONE_ON_RETRY, _PART_FIELDS_BYTES, PullPart,
                                         PushPart, _abandon, _by_server, _in_flight,
                                         _Names, _packed, _request_limit, land_pull_answer)
-from parallax.client import replica_push
+from parallax.client import replica_push, replicas
 from parallax.client.table import ShardedTable
 from parallax.errors import InternalError
 from parallax.protocol import bulk_codec
@@ -125,17 +125,20 @@ def pull_requests(tables, grouped, parts, min_steps) -> tuple[list, list]:
     """(waits, requests), each (conn, parts, request): the requests of a pull, and the
     empty requests to wait with first. Several requests to one server: one empty request
     waits first, then the pulls do not wait, so that a worker holds at most one waiting
-    server thread."""
+    server thread; but each waits itself where the shards have copies (`ReplicaSet`): a
+    pull sent again to the copy after a loss must wait there, as the copy can be a push
+    behind."""
     limit = _request_limit(tables[0].shards[0].options)
     waits, requests = [], []
     for conn, server_parts in _by_server(tables, parts).values():
         packed = _packed(server_parts, limit)
-        if len(packed) > 1:
+        each_waits = len(packed) == 1 or isinstance(conn, replicas.ReplicaSet)
+        if not each_waits:
             wait = _wait_request(tables, server_parts, min_steps)
             if wait is not None:
                 waits.append((conn, server_parts, wait))
         requests += [(conn, chunk, _pull_request(tables, grouped, chunk, min_steps,
-                                                 len(packed) == 1)) for chunk in packed]
+                                                 each_waits)) for chunk in packed]
     return waits, requests
 
 

@@ -425,3 +425,22 @@ def test_a_save_that_catches_a_copy_a_push_behind_is_refused(tmp_path):
             client.save("ckpt", [table.name])
         send_late()
         assert [s.step for s in client.save("ckpt", [table.name])] == [1]
+
+
+def test_a_pull_of_several_requests_to_a_copied_server_waits_in_each():
+    """A pull too large for one request per server: with copies, every request carries its
+    step (a request sent again to the copy after a loss waits there too); without, one
+    empty request waits first and the pulls do not."""
+    from parallax.client.many import pull_requests
+    from parallax.client.many_calls import PullPart
+
+    spec = TableSpec(name="big_t", vocabulary_size=100, dim=4, shard_count=1)
+    parts = [PullPart(0, 0, lo, lo + 10, 40 << 20) for lo in (0, 10)]  # 2 requests (no RPC)
+    for replicas, waiting in ((2, [5, 5]), (1, [0, 0])):
+        with PSClient(["127.0.0.1:1", "127.0.0.1:2"],
+                      ClientOptions(replicas=replicas)) as client:
+            table = client.table(spec)
+            ids = np.arange(20, dtype=np.int64)
+            waits, requests = pull_requests([table], [ids], parts, [5])
+            assert [r.min_steps[0] for _, _, r in requests] == waiting
+            assert len(waits) == (replicas == 1)
