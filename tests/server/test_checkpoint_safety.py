@@ -500,8 +500,8 @@ def test_a_checkpoint_pruned_during_a_restore_is_retried_with_the_newest(client,
     with PSClient(client.addresses, ClientOptions(timeout=20)) as other:
         raced = []
 
-        def racing(method, request, skips=None):
-            replies = answers(method, request, skips)
+        def racing(method, request):
+            replies = answers(method, request)
             if method == "Restore" and request.verify_only and not raced:
                 raced.append(other.save(path, [table_name], keep=1))
             return replies
