@@ -287,3 +287,25 @@ def _thread_state(pid: int, tid: str) -> str:
     except OSError:
         return ""
     return stat.rsplit(")", 1)[1].split()[0]
+
+
+def in_threads(work, count: int, timeout: float = 120.0) -> list:
+    """`work(i)` for i in range(count), each on its own thread (workers of a test job);
+    returns their results in order once all have ended, raising the first error."""
+    results: list = [None] * count
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(i)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
+    if errors:
+        raise errors[0]
+    return results

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from conftest import in_threads
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import LocalCluster
 from parallax.client.many import pull_many, push_many
@@ -63,20 +64,7 @@ def _train(addresses, prefix: str, replicas: int, kill=None) -> list[np.ndarray]
     try:
         for spec in specs:
             clients[0].create_table(spec)
-        errors: list[BaseException] = []
-
-        def run(worker: int) -> None:
-            try:
-                _work(clients[worker], specs, worker, kill if worker == 0 else None)
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(WORKERS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not errors, errors
+        in_threads(lambda w: _work(clients[w], specs, w, kill if w == 0 else None), WORKERS)
         final = [clients[0].table(s) for s in specs]
         assert all(t.wait_step(STEPS) == STEPS for t in final)
         return [t.pull_all() for t in final]
@@ -274,23 +262,13 @@ def test_a_barrier_outlives_the_first_server():
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         clients = [PSClient(cluster.addresses, options) for _ in range(2)]
-        results, errors = [], []
-
-        def meet(rank: int) -> None:
-            try:
-                results.append(clients[rank].barrier("after", rank, 2, timeout=20))
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                errors.append(exc)
-
-        threads = [threading.Thread(target=meet, args=(r,)) for r in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        for client in clients:
-            client.close()
-    assert not errors, errors
-    assert len(results) == 2 and len(set(results)) == 1, results
+        try:
+            results = in_threads(lambda rank: clients[rank].barrier("after", rank, 2,
+                                                                    timeout=20), 2, 30)
+        finally:
+            for client in clients:
+                client.close()
+    assert len(set(results)) == 1, results
 
 
 class _Unavailable(grpc.RpcError):
