@@ -183,10 +183,8 @@ class PSClient:
     def _lost(self, server: ServerConnection, err: ServerError) -> bool:
         """Replicated shards: whether `err` lost `server` (left out from now on), which the
         job survives while every shard has a live copy; else the error stands."""
-        if self.options.replicas == 1 or err.code != grpc.StatusCode.UNAVAILABLE:
-            return False
-        self.liveness.lose(server.address, err)
-        return self._survives()
+        return self.options.replicas > 1 and self.liveness.loses(server.address, err) and \
+            self._survives()
 
     def _survives(self) -> bool:
         """Whether every shard still has a live copy."""

@@ -15,12 +15,9 @@ from __future__ import annotations
 import weakref
 from typing import Sequence
 
-import grpc
-
-from parallax.client.replicas import GONE_CHECK_S, Liveness, ReplicaSet, caught_up
+from parallax.client.replicas import Liveness, ReplicaSet, caught_up, is_behind
 from parallax.client.table import ShardedTable
 from parallax.errors import ServerError
-from parallax.protocol.refusals import STEP_AHEAD
 
 
 class CopyConnection:
@@ -35,7 +32,7 @@ class CopyConnection:
         self.address, self.options = conn.address, conn.options
 
     def _gone(self) -> bool:
-        return not self.liveness.alive(self.address) or not self.conn.healthy(GONE_CHECK_S)
+        return self.liveness.gone(self.conn)
 
     def future(self, method: str, request, timeout: float | None = None):
         return self.conn.future(method, request, timeout)
@@ -46,7 +43,7 @@ class CopyConnection:
             return self.conn.result(future, method, request, table, timeout, done_on_retry,
                                     self._gone)
         except ServerError as err:
-            if err.code != grpc.StatusCode.FAILED_PRECONDITION or STEP_AHEAD not in str(err):
+            if not is_behind(err):
                 return self._failed(err)
             try:
                 return caught_up(self.conn, err, method, request, table, timeout,
@@ -56,10 +53,8 @@ class CopyConnection:
 
     def _failed(self, err: ServerError):
         """None for a lost server while every shard keeps a live copy; else raise `err`."""
-        if err.code == grpc.StatusCode.UNAVAILABLE:
-            self.liveness.lose(self.address, err)
-            if self.survives():
-                return None
+        if self.liveness.loses(self.address, err) and self.survives():
+            return None
         raise err
 
     def call(self, method: str, request, table=None, timeout: float | None = None,

@@ -75,6 +75,20 @@ class Liveness:
     def alive(self, address: str) -> bool:
         return address not in self._lost
 
+    def loses(self, address: str, err: ServerError) -> bool:
+        """Whether `err` means the server at `address` is gone (UNAVAILABLE): then it is
+        lost, left out from now on."""
+        if err.code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        self.lose(address, err)
+        return True
+
+    def gone(self, conn) -> bool:
+        """What a copy's retries ask after an UNAVAILABLE: whether its server is lost
+        already, or answers no health check (its process is gone: the connection is refused
+        at once). A server that answers is retried as usual."""
+        return not self.alive(conn.address) or not conn.healthy(GONE_CHECK_S)
+
     def lose(self, address: str, err: ServerError) -> None:
         with self._lock:
             if address in self._lost:
@@ -143,19 +157,13 @@ class ReplicaSet:
         return self.serving().data_plane
 
     def _lost(self, conn, err: ServerError) -> bool:
-        """Whether `err` means `conn`'s server is gone (then it is left out from now on)."""
-        if err.code != grpc.StatusCode.UNAVAILABLE:
-            return False
-        self.liveness.lose(conn.address, err)
-        return True
+        return self.liveness.loses(conn.address, err)
 
     def _gone(self, conn):
-        """What `conn`'s retries ask after an UNAVAILABLE while another copy lives: whether
-        the server is lost already, or answers no health check (its process is gone: the
-        connection is refused at once). A server that answers is retried as usual."""
+        """`Liveness.gone` for `conn`'s retries while another copy lives, else None."""
         if len(self.live()) < 2:
             return None
-        return lambda: not self.liveness.alive(conn.address) or not conn.healthy(GONE_CHECK_S)
+        return lambda: self.liveness.gone(conn)
 
     def future(self, method: str, request, timeout: float | None = None):
         if method in WRITES or method in WAITS:
@@ -214,8 +222,7 @@ class ReplicaSet:
             except ServerError as err:
                 if self._lost(conn, err):
                     lost = err
-                elif err.code == grpc.StatusCode.FAILED_PRECONDITION and \
-                        STEP_AHEAD in str(err):
+                elif is_behind(err):
                     behind.append((conn, err))
                 else:
                     refused = refused or err
@@ -269,11 +276,15 @@ def caught_up(conn, err: ServerError, method: str, request, table, timeout: floa
         try:
             return conn.call(method, request, table, timeout, done_on_retry)
         except ServerError as again:
-            if again.code != grpc.StatusCode.FAILED_PRECONDITION or \
-                    STEP_AHEAD not in str(again):
+            if not is_behind(again):
                 raise
             err = again
     raise err
+
+
+def is_behind(err: ServerError) -> bool:
+    """Whether a write was refused as ahead of the shard's open step (`STEP_AHEAD`)."""
+    return err.code == grpc.StatusCode.FAILED_PRECONDITION and STEP_AHEAD in str(err)
 
 
 def replica_sets(servers: Sequence, replicas: int, liveness: Liveness,
