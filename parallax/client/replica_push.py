@@ -69,8 +69,10 @@ def views(tables: Sequence[ShardedTable]) -> list[ShardedTable] | None:
     """The tables once per copy, each shard on that copy's `CopyConnection` (first copies,
     then second copies); None unless every shard of every table is replicated and every copy
     is live."""
+    if not tables or not isinstance(tables[0].shards[0], ReplicaSet):
+        return None  # (every step's push asks: without copies, one look)
     sets = [rs for table in tables for rs in table.shards]
-    if not sets or not all(isinstance(rs, ReplicaSet) and rs.holders for rs in sets):
+    if not all(isinstance(rs, ReplicaSet) and rs.holders for rs in sets):
         return None
     if any(not rs.liveness.alive(c.address) for rs in sets for c in rs.copies):
         return None

@@ -57,6 +57,20 @@ def check_replicas(replicas: int, servers: int) -> None:
                           f"of a shard on its own; the job has {servers}")
 
 
+def check_flag(replicas: int, servers: int, sync: bool) -> None:
+    """What `parallax run` and `parallax k8s` refuse of `--replicas` (with 1: nothing)."""
+    if replicas == 1:
+        return
+    try:
+        check_replicas(replicas, servers)
+    except ConfigError as exc:
+        raise ConfigError(f"--replicas {replicas}: {exc}") from None
+    if not sync:
+        raise ConfigError(f"--replicas {replicas} with --async: copies of a shard stay equal "
+                          f"only in sync mode (an async shard applies pushes as they arrive); "
+                          f"drop one of them")
+
+
 def check_replicable(spec) -> None:
     """Raise for a table whose copies could not stay equal."""
     if spec.sync_mode != "sync":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Mapping
 
-from parallax.client.replicas import check_replicas
+from parallax.client.replicas import check_flag
 from parallax.env import PLAN_KEYS, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.launch import k8s_security as secure
@@ -107,18 +107,6 @@ def _label(value: str, what: str, fix: str) -> None:
                           f"most 63 characters); {fix}")
 
 
-def _check_replicas(config: K8sConfig) -> None:
-    if config.replicas == 1:
-        return
-    try:
-        check_replicas(config.replicas, config.servers)
-    except ConfigError as exc:
-        raise ConfigError(f"--replicas {config.replicas}: {exc}") from None
-    if not config.sync:
-        raise ConfigError(f"--replicas {config.replicas} with --async: copies of a shard stay "
-                          f"equal only in sync mode; drop one of them")
-
-
 def validate(config: K8sConfig) -> None:
     """Raise ConfigError naming the first bad field and the fix."""
     if config.format not in FORMATS:
@@ -158,7 +146,7 @@ def validate(config: K8sConfig) -> None:
     if config.servers == 0 and config.mode != "allreduce":
         raise ConfigError(f"--servers 0 with --mode {config.mode}: the plan puts variables on "
                           f"parameter servers; give --servers 1 or more, or --mode allreduce")
-    _check_replicas(config)
+    check_flag(config.replicas, config.servers, config.sync)
     if config.collectives not in K8S_COLLECTIVES:
         raise ConfigError(f"--collectives {config.collectives!r} must be one of "
                           f"{', '.join(K8S_COLLECTIVES)} (the image decides: horovod needs an "

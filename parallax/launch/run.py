@@ -50,7 +50,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.client.replicas import check_replicas, survives
+from parallax.client.replicas import check_flag, survives
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESTART_COUNT_ENV,
                           RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV,
                           WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX, is_run_id, new_run_id,
@@ -281,14 +281,7 @@ def _check_replicas(config: LaunchConfig) -> None:
     if config.hosts is not None and config.num_servers:
         from parallax.launch.hosts import load_hosts
         servers = load_hosts(config.hosts).num_servers
-    try:
-        check_replicas(config.replicas, servers)
-    except ConfigError as exc:
-        raise ConfigError(f"--replicas {config.replicas}: {exc}") from None
-    if config.sync is False:
-        raise ConfigError(f"--replicas {config.replicas} with --async: copies of a shard stay "
-                          f"equal only in sync mode (an async shard applies pushes as they "
-                          f"arrive); drop one of them")
+    check_flag(config.replicas, servers, config.sync is not False)
 
 
 def _check_restart_storage(config: LaunchConfig, layout) -> None:
