@@ -28,6 +28,10 @@ MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run 
 SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
 REPLICAS_ENV = "PARALLAX_REPLICAS"       # 1 or 2: copies of each shard (--replicas)
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
+RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # elastic jobs: the launcher asks for another
+#                                         worker count there; the workers stop at their next
+#                                         checkpoint (`rescale_request`, `note_rescale_stop`)
+RESCALE_EXIT = 75  # a worker's exit code when it stopped for a rescale (EX_TEMPFAIL)
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
 WORKERS_ENV = "PARALLAX_WORKERS"         # without Horovod: every worker's host:port for
 WORKER_RANK_ENV = "PARALLAX_WORKER_RANK"  # TensorFlow's collectives, and this one's index
@@ -133,6 +137,38 @@ def parse_worker_metrics_line(line: str) -> tuple[int, str] | None:
     if not fields.get("rank", "").isdigit() or "address" not in fields:
         return None
     return int(fields["rank"]), fields["address"]
+
+
+def ask_rescale(path: str | Path, workers: int) -> None:
+    """The launcher's request: stop at the next checkpoint, to go on with `workers` workers
+    (written whole, then renamed: a worker never reads half of it)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"workers": workers}))
+    os.replace(partial, path)
+
+
+def rescale_request(path: str | Path) -> int | None:
+    """The worker count the launcher asked for in `path`; None when it asked nothing."""
+    try:
+        workers = json.loads(Path(path).read_text()).get("workers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return workers if isinstance(workers, int) and workers > 0 else None
+
+
+def note_rescale_stop(path: str | Path, epoch: int) -> None:
+    """The chief's answer: the workers stopped right after the checkpoint of `epoch`."""
+    Path(f"{path}.stopped").write_text(json.dumps({"epoch": epoch}))
+
+
+def stopped_for_rescale(path: str | Path) -> bool:
+    """Whether the workers answered `ask_rescale` by stopping (and clears the answer)."""
+    answer = Path(f"{path}.stopped")
+    if not answer.exists():
+        return False
+    answer.unlink()
+    return True
 
 
 def is_run_id(text: str) -> bool:

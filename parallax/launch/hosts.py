@@ -174,6 +174,21 @@ def parse_host_string(text: str, source: str = "-H") -> ClusterLayout:
     return _layout(hosts, 0, f"{source} {text}")
 
 
+def parse_discovered(text: str, source: str) -> ClusterLayout:
+    """A host discovery script's output (Horovod Elastic's): `host:N` or `host` (1 slot)
+    lines, one server placed on none of them (an elastic job's servers are fixed)."""
+    hosts = []
+    for line, raw, where in _lines(text, source):
+        name, sep, slots = line.rpartition(":") if ":" in line else ("", "", line)
+        name, slots = (name, slots) if sep else (slots, "1")
+        if not slots.isdigit() or int(slots) < 1:
+            raise ConfigError(f"{where}: {raw.strip()!r} should be `host:N` (N >= 1 slots) "
+                              f"or `host`")
+        spec = _host(name, int(slots), where)
+        hosts.append((HostSpec(spec.host, spec.slots, 0, spec.ssh_user), where))
+    return _layout(hosts, 0, source) if hosts else ClusterLayout(())
+
+
 _HOSTFILE_LINE = re.compile(r"^(?P<host>\S+)(?:\s+slots\s*=\s*(?P<slots>\S+))?$")
 
 

@@ -27,11 +27,14 @@ RESTART_DELAY_S = 1.0  # default pause before a restart: let ports and sockets c
 @dataclass(frozen=True)
 class Outcome:
     """How one attempt ended: `code` (the job's exit code), `cause` (a sentence, "" for a
-    clean exit) and whether a restart can help (`restartable`)."""
+    clean exit), whether a restart can help (`restartable`), and whether the workers stopped
+    at a checkpoint for a new worker count (`rescale`: an elastic job goes on, using no
+    restart)."""
 
     code: int
     cause: str = ""
     restartable: bool = False
+    rescale: bool = False
 
     @classmethod
     def failed(cls, code: int, cause: str) -> "Outcome":

@@ -51,13 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.replicas import check_flag, survives
-from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESTART_COUNT_ENV,
-                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV,
-                          WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX, is_run_id, new_run_id,
-                          parse_worker_metrics_line)
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_FILE_ENV,
+                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
+                          WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
+                          is_run_id, new_run_id, parse_worker_metrics_line, stopped_for_rescale)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
+from parallax.launch.elastic import ELASTIC_TIMEOUT_S, Elastic, RescaleWatch
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
 from parallax.runtime import lifeline, logs
 
@@ -110,6 +111,13 @@ class LaunchConfig:
                                           # launch backend (parallax.launch.backends)
     replicas: int = 1                     # --replicas 2: a copy of each shard on the next
                                           # server; a server's death then stops nothing
+    discovery_script: str | None = None   # --host-discovery-script: an elastic job, whose
+                                          # workers run on the slots it lists
+                                          # (parallax.launch.elastic)
+    min_workers: int | None = None        # --min-np (default: num_workers)
+    max_workers: int | None = None        # --max-np (default: num_workers)
+    elastic_timeout: float = ELASTIC_TIMEOUT_S  # --elastic-timeout: seconds to wait for
+                                          # --min-np slots
     metrics_port: int | None = None       # --metrics-port: each started server's and each
                                           # worker's /metrics (0: free ports; P: the i-th
                                           # server of a machine at P+i, then its workers);
@@ -245,6 +253,7 @@ def validate(config: LaunchConfig) -> list[str]:
                               f"the data directory is --data-dir; drop it")
     _check_metrics_port(config)
     _check_replicas(config)
+    _check_elastic(config)
     if config.run_id is not None and not is_run_id(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
@@ -272,6 +281,22 @@ def validate(config: LaunchConfig) -> list[str]:
                               f"give a host servers >= 1, or use --ps-addresses")
         _check_restart_storage(config, layout)
     return program_argv(config.command)
+
+
+def _check_elastic(config: LaunchConfig) -> None:
+    if config.discovery_script is None:
+        given = [flag for flag, value in (("--min-np", config.min_workers),
+                                          ("--max-np", config.max_workers)) if value is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} without --host-discovery-script: the "
+                              f"worker count changes with the hosts a discovery script lists "
+                              f"(Horovod Elastic's flags); give one, or drop {given[0]}")
+        return
+    if config.hosts is not None:
+        raise ConfigError(f"--host-discovery-script and --hosts/-H/--hostfile "
+                          f"{config.hosts} both given: an elastic job's hosts are the ones its "
+                          f"script lists; give one of them")
+    _elastic(config)  # its bounds
 
 
 def _check_replicas(config: LaunchConfig) -> None:
@@ -779,22 +804,57 @@ def _progress(config: LaunchConfig, addresses: list[str], run_id: str, env: dict
 
 
 def run(config: LaunchConfig) -> int:
-    """Run the job, restarting it after a failure up to `config.max_restarts` times; returns
-    its exit code. Raises ConfigError before starting anything."""
+    """Run the job, restarting it after a failure up to `config.max_restarts` times (and,
+    elastic, with a new worker count whenever its workers stopped for one); returns its exit
+    code. Raises ConfigError before starting anything."""
     if config.log_level is not None:
         logs.configure(config.log_level)
-    argv, backend = workers_argv(config, validate(config))
+    program = validate(config)
+    elastic = _elastic(config)
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
     with _credentials(config) as credentials, _Signals() as signals, \
-            _restart_data_dir(config, run_id) as config:
+            _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale:
         attempt = 0
         while True:
-            outcome = _attempt(config, argv, backend, run_id, attempt,
-                               credentials, signals)
-            if signals.signum is not None or not _restarting(budget, outcome, signals):
-                return outcome.code if signals.signum is None else 128 + signals.signum
+            outcome = _attempt(config, program, run_id, attempt, credentials, signals,
+                               (elastic, rescale))
+            if signals.signum is not None:
+                return 128 + signals.signum
+            if not outcome.rescale and not _restarting(budget, outcome, signals):
+                return outcome.code
             attempt += 1
+
+
+def _elastic(config: LaunchConfig) -> Elastic | None:
+    if config.discovery_script is None:
+        return None
+    return Elastic(config.discovery_script, config.min_workers or config.num_workers,
+                   config.max_workers or config.num_workers, config.elastic_timeout, _say)
+
+
+@contextlib.contextmanager
+def _rescale_file(elastic: Elastic | None):
+    """Where the launcher asks an elastic job's workers for a new count (None: not elastic)."""
+    if elastic is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="parallax-elastic-") as directory:
+        yield Path(directory) / "rescale.json"
+
+
+def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
+    """(config with this attempt's worker count, the workers' argv, the backend, the
+    watch of an elastic job's hosts, to start once the workers run)."""
+    elastic, rescale = elastic
+    if elastic is None:
+        return (config, *workers_argv(config, program), None)
+    layout, count = elastic.wait()
+    for stale in (rescale, Path(f"{rescale}.stopped")):
+        stale.unlink(missing_ok=True)
+    config = dataclasses.replace(config, num_workers=count)
+    return (config, *workers_argv(config, program, layout),
+            RescaleWatch(elastic, layout, count, rescale))
 
 
 def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> bool:
@@ -812,12 +872,14 @@ def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> b
     return restart
 
 
-def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], WorkerBackend]:
-    """The workers' command, and the launch backend that made it
-    (`parallax.launch.backends.choose`)."""
+def workers_argv(config: LaunchConfig, program: list[str],
+                 layout=None) -> tuple[list[str], WorkerBackend]:
+    """The workers' command on `layout` (default: --hosts, else this machine), and the
+    launch backend that made it (`parallax.launch.backends.choose`)."""
     from parallax.launch.hosts import load_hosts, parse_host_string, with_devices
-    layout = (load_hosts(config.hosts) if config.hosts is not None
-              else parse_host_string(f"localhost:{config.num_workers}"))
+    if layout is None:
+        layout = (load_hosts(config.hosts) if config.hosts is not None
+                  else parse_host_string(f"localhost:{config.num_workers}"))
     backend = choose(layout, config.num_workers, config.collectives)
     if config.secure and backend.name == "tensorflow":
         raise ConfigError("--secure with TensorFlow's collectives: each worker's TensorFlow "
@@ -831,7 +893,8 @@ def workers_argv(config: LaunchConfig, program: list[str]) -> tuple[list[str], W
 def _makes_data_dir(config: LaunchConfig) -> bool:
     """Whether the launcher makes the servers' data directory: restarts are on, it starts
     the servers, and no --data-dir was given."""
-    return bool(config.max_restarts) and config.data_dir is None and config.num_servers > 0
+    return bool(config.max_restarts or config.discovery_script) and config.data_dir is None \
+        and config.num_servers > 0
 
 
 @contextlib.contextmanager
@@ -847,11 +910,12 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
         yield dataclasses.replace(config, data_dir=data_dir)
 
 
-def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_id: str,
-             attempt: int, credentials, signals: _Signals) -> Outcome:
+def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int,
+             credentials, signals: _Signals, elastic) -> Outcome:
     """One run of every server and worker; how it ended."""
-    cluster = None
+    cluster = watch = None
     try:
+        config, argv, backend, watch = _workers_of(config, program, elastic)
         if config.num_servers > 0:
             cluster = _start_servers(config, credentials)
             addresses, where = cluster.addresses, "started here"
@@ -868,6 +932,8 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
+        if watch is not None:
+            env[RESCALE_FILE_ENV] = str(watch.path)
         if config.replicas > 1:
             env[REPLICAS_ENV] = str(config.replicas)
         env.update(worker_metrics_env(config))
@@ -877,18 +943,33 @@ def _attempt(config: LaunchConfig, argv: list[str], backend: WorkerBackend, run_
         progress = _progress(config, addresses, run_id, env)
         health = _HealthWatch(addresses, config.health_timeout,
                               _monitor_options(env)).start()
+        if watch is not None:
+            watch.start()
         try:
-            return _supervise(job, _ServerLosses(cluster, config.replicas), signals, health)
+            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health)
         finally:
             health.stop()
             progress.stop()
+        return _rescaled(outcome, watch)
     except _Interrupted as exc:
         _say(f"got {exc}: stopped before the job started")
         return Outcome(128 + exc.signum, f"got {exc}")
     finally:
         signals.abortable = False  # a signal now must not interrupt the cleanup
+        if watch is not None:
+            watch.stop()
         if cluster is not None:
             cluster.stop()
+
+
+def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
+    """An elastic job's workers that stopped at a checkpoint for a new count: a rescale
+    (using none of --max-restarts), whatever their exit codes said."""
+    if watch is None or outcome.code == 0 or not stopped_for_rescale(watch.path):
+        return outcome
+    _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
+         f"goes on with {watch.asked} from it")
+    return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:
@@ -904,7 +985,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
               "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
               "[--replicas 1|2] "
-              "[-H HOST:N,... | --hosts FILE | --hostfile FILE] [--horovodrun-arg=ARG ...] "
+              "[-H HOST:N,... | --hosts FILE | --hostfile FILE | --host-discovery-script SCRIPT "
+              "[--min-np N] [--max-np N] [--elastic-timeout S]] [--horovodrun-arg=ARG ...] "
               "[--collectives auto|horovod|tensorflow] [--log-level LEVEL] [--] COMMAND "
               "[ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
@@ -919,6 +1001,20 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     parser.add_argument("--hostfile", default=None, metavar="FILE",
                         help="horovodrun's host file (`host slots=N` lines; parallax's YAML "
                              "works too); like --hosts FILE")
+    parser.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                        help="an elastic job (Horovod Elastic's flag): SCRIPT prints the hosts "
+                             "workers may run on now (`host:N` lines; this machine's for now); "
+                             "each attempt runs min(slots, --max-np) workers, and when the "
+                             "count it allows changes, the workers stop at their next "
+                             "checkpoint and go on with the new count from it")
+    parser.add_argument("--min-np", dest="min_workers", type=int, default=None, metavar="N",
+                        help="with --host-discovery-script: the fewest workers to run with "
+                             "(default -np)")
+    parser.add_argument("--max-np", dest="max_workers", type=int, default=None, metavar="N",
+                        help="with --host-discovery-script: the most workers (default -np)")
+    parser.add_argument("--elastic-timeout", type=float, default=ELASTIC_TIMEOUT_S,
+                        metavar="S", help="with --host-discovery-script: seconds to wait for "
+                        f"--min-np slots before the job fails (default {ELASTIC_TIMEOUT_S:g})")
     parser.add_argument("--horovodrun-arg", action="append", default=[], metavar="ARG",
                         help="extra argument(s) for horovodrun, e.g. "
                              "--horovodrun-arg=--start-timeout=120 (repeatable)")
@@ -986,6 +1082,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                           "comma-separated (e.g. 127.0.0.1:7000,127.0.0.1:7001)")
     servers = args.servers if args.servers is not None else (0 if addresses else 2)
     workers = args.num_workers if args.num_workers is not None else 1
+    if args.host_discovery_script is not None and args.num_workers is None:
+        if args.max_workers is None:
+            raise ConfigError("--host-discovery-script needs -np N or --max-np N: the most "
+                              "workers the job runs with when its hosts allow")
+        workers = args.max_workers
     if hosts is not None:
         from parallax.launch.hosts import load_hosts
         layout = load_hosts(hosts)
@@ -1006,7 +1107,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         max_restarts=args.max_restarts, restart_delay=args.restart_delay,
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
         log_level=args.log_level, collectives=args.collectives,
-        metrics_port=args.metrics_port, replicas=args.replicas)
+        metrics_port=args.metrics_port, replicas=args.replicas,
+        discovery_script=args.host_discovery_script, min_workers=args.min_workers,
+        max_workers=args.max_workers, elastic_timeout=args.elastic_timeout)
 
 
 def _split_each(values: list[str]) -> tuple[str, ...]:

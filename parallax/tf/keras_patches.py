@@ -46,6 +46,10 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   step) too. One `BackupAndRestore` directory on several workers is refused there
   (`_refuse_shared_backups`): each would delete it at the end of `fit`, one while another
   still saved.
+- An elastic job (`parallax run --host-discovery-script`) stops for a new worker count at the
+  end of an epoch whose callbacks saved a checkpoint (`_rescale_point`,
+  `parallax.tf.state.rescale`), before `on_train_end` (where `BackupAndRestore` would delete
+  its backup).
 
 Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_atomic`,
 `attach_to_keras_optimizers`):
@@ -85,7 +89,7 @@ from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
 from parallax.tf.graph.variables import ParallaxVariable, raised_in_op, remote_of
 from parallax.tf.keras_support import refuse_horovod_optimizer
-from parallax.tf.state import resume
+from parallax.tf.state import rescale, resume
 
 log = logging.getLogger("parallax")
 # The Keras versions these patches are written for and tested on (the minor releases pinned
@@ -123,6 +127,7 @@ def install(extended) -> None:
     trainer.TFEpochIterator = _covering_iterator(trainer.TFEpochIterator)
     from keras.src.callbacks.callback_list import CallbackList
     _patch(CallbackList, "on_train_begin", _chiefs_epoch(CallbackList.on_train_begin))
+    _patch(CallbackList, "on_epoch_end", _rescale_point(CallbackList.on_epoch_end))
 
 
 def _patch(owner, name: str, replacement) -> None:
@@ -333,6 +338,23 @@ def _chiefs_epoch(original):
                         workers.info.rank, initial, epoch)
         model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
     return on_train_begin
+
+
+def _rescale_point(original):
+    """`CallbackList.on_epoch_end`, then an elastic job's stop for a new worker count when
+    the launcher asked for one and this epoch's callbacks saved a checkpoint
+    (`rescale.stop_if_asked`)."""
+    @functools.wraps(original)
+    def on_epoch_end(self, epoch, logs=None):
+        model = getattr(self, "model", None)
+        extended = _extended_of(model) if model is not None else None
+        saves = extended.server_tables.saves if extended is not None else 0
+        original(self, epoch, logs)
+        if extended is not None:
+            epochs = (getattr(self, "params", None) or {}).get("epochs")
+            rescale.stop_if_asked(extended, extended.server_tables.saves > saves, epoch + 1,
+                                  last=epochs is not None and epoch + 1 >= epochs)
+    return on_epoch_end
 
 
 def _backup_dirs(callbacks) -> list[str]:

@@ -190,6 +190,53 @@ def test_a_killed_server_with_replicas_stops_nothing_and_changes_no_weight(tmp_p
     _assert_same_weights(tmp_path / "copies.npz", uninterrupted())
 
 
+@pytest.mark.timeout(600)
+def test_an_elastic_job_goes_2_1_2_workers_at_a_fixed_global_batch(tmp_path, mark,
+                                                                  uninterrupted):
+    """`--host-discovery-script` with `--min-np 1`: rank 1's host leaves (it is SIGKILLed and
+    the script lists one slot), the job restarts with 1 worker from its checkpoint; the host
+    comes back, the launcher asks the worker to stop at its next checkpoint and the job
+    goes on with 2 from it, redoing nothing. Each step consumed the same global batch
+    throughout: the weights are the uninterrupted 2-worker run's."""
+    hosts, script = tmp_path / "hosts", tmp_path / "discover.sh"
+    hosts.write_text("localhost:2\n")
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    chaos = _start(tmp_path, "elastic", mark, STEP_DELAY,
+                   launch=("--min-np", "1", "--host-discovery-script", str(script)))
+    try:
+        _wait_for(chaos, f"step {SERVER_KILL_STEP}",
+                  lambda e: e["attempt"] == 0 and e["step"] >= SERVER_KILL_STEP)
+        hosts.write_text("localhost:1\n")
+        killed_at = _kill(_start_of(chaos, 0, 1)["pid"])
+        alone = _wait_for(chaos, "the restart with 1 worker",
+                          lambda e: e["chaos"] == "start" and e["attempt"] == 1)
+        _wait_for(chaos, "a step with 1 worker",
+                  lambda e: e["attempt"] == 1 and e["step"] > alone["step"] + 1)
+        hosts.write_text("localhost:2\n")
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 1 and "worker rank 1" in causes[0], chaos.output()
+    assert "stopped after their checkpoint, as asked; the job goes on with 2" in \
+        chaos.output()
+    events = _events(chaos)
+    starts = {(e["attempt"], e["rank"]): e for e in events if e["chaos"] == "start"}
+    assert sorted(starts) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)], sorted(starts)
+    assert starts[1, 0]["workers"] == "SingleWorker", starts
+    assert starts[2, 0]["workers"] == starts[0, 0]["workers"] != "SingleWorker", starts
+    failure, = _failures(events, [killed_at])
+    assert 0 <= failure["steps_lost"] <= INTERVAL, failure
+    alone_done = max(e["step"] for e in events if e["attempt"] == 1)
+    assert starts[2, 0]["step"] == starts[2, 1]["step"] == alone_done, (starts, alone_done)
+    assert alone_done % INTERVAL == 0 and alone_done < INTERVAL * EPOCHS
+    rescaled = min(e["time"] for e in events if e["attempt"] == 2 and e["chaos"] == "step")
+    print(f"\nchaos: elastic 2 -> 1 -> 2: worker killed: {json.dumps(failure)}; "
+          f"stopped for 2 workers at step {alone_done} (none redone), first step again "
+          f"{rescaled - max(e['time'] for e in events if e['attempt'] == 1):.1f}s later")
+    _assert_same_weights(tmp_path / "elastic.npz", uninterrupted())
+
+
 def _assert_same_weights(chaos: Path, full: Path) -> None:
     """The whole table and the dense layer of both runs, within 1e-6."""
     with np.load(chaos) as got, np.load(full) as want:

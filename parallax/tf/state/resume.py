@@ -69,6 +69,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         self.pending: dict | None = None  # restored before the plan: applied when binding
         self._warned = False
         self._rows = b""  # the tables' rows of the file restored last, when it carries them
+        self.saves = 0  # checkpoints this worker saved (the tables' part of each)
 
     def _obj_type(self) -> str:
         return "Loss"  # Keras walks only known kinds; this one adds nothing to skip
@@ -105,6 +106,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         """Checkpoint the tables (chief): (the JSON reference, the tables' rows, slots and
         steps when the servers cannot checkpoint them: `inline_tables`; else empty)."""
         reference, rows = self._reference()
+        self.saves += 1
         if self._strategy_extended.remotes:
             self._strategy_extended.table_client.invalidate()  # as a resume from it starts
         return json.dumps(reference, sort_keys=True), rows

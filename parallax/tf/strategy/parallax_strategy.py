@@ -52,7 +52,7 @@ from parallax.tf.graph.fusion import StepFusion
 from parallax.tf.graph.remote import RemoteTable, StepTrace, in_xla_function
 from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                          remote_of, restore_storage)
-from parallax.tf.state import resume
+from parallax.tf.state import rescale, resume
 from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.tf.state.tuner import PartitionTuner
 from parallax.tf.strategy import binding
@@ -923,6 +923,18 @@ class ParallaxStrategy(distribute_lib.Strategy):
                               "(outside tf.function), on every worker")
         extended = self.extended
         return extended.reshard(extended.layouts_for(shards, servers))
+
+    def rescale_point(self, step: int) -> None:
+        """Call on every worker right after a checkpoint (the custom loop's; Keras `fit`
+        does it itself at the end of every epoch that saved one). Under `parallax run
+        --host-discovery-script`, when the launcher asked for another worker count, every
+        worker ends here (SystemExit, code 75) and the job starts again with that count,
+        resuming from this checkpoint (`step`: where it is, for the log). Elsewhere it does
+        nothing."""
+        if tf.inside_function():
+            raise ConfigError("strategy.rescale_point() may end the process: call it eagerly "
+                              "(outside tf.function), on every worker, after a checkpoint")
+        rescale.stop_if_asked(self.extended, saved=True, epoch=step)
 
     def cache_stats(self) -> CacheStats | None:
         """What this worker's row cache did (hits, misses, stale refreshes, rows and bytes

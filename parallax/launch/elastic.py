@@ -1,0 +1,163 @@
+"""Elastic worker counts for `parallax run`: `--host-discovery-script`, `--min-np`, `--max-np`
+and `--elastic-timeout`, Horovod Elastic's flags.
+
+The script prints the hosts workers may run on now, one `host:N` (N slots) or `host` line
+each, as Horovod's does. Every attempt of the job runs `min(slots listed, --max-np)` workers
+(`Elastic.workers`), once at least `--min-np` slots are listed (`Elastic.wait`: up to
+`--elastic-timeout` seconds, Horovod's 600 by default). The servers are not on those hosts:
+they are this launcher's (`--servers`) or external (`--ps-addresses`). The hosts must be
+this machine for now (`localhost:N`): the request below is a file here.
+
+While an attempt runs, the script runs every DISCOVERY_PERIOD_S (`RescaleWatch`). When the
+count it allows differs from the attempt's, or a host the attempt uses is no longer listed,
+the launcher asks the workers to stop at their next checkpoint (`parallax.env.ask_rescale`,
+the file named by PARALLAX_RESCALE_FILE). They stop right after it
+(`parallax.tf.state.rescale`; Keras `fit`: the end of an epoch that saved one), and the next
+attempt starts with the new count, resuming from that checkpoint: nothing is redone, and the
+stop uses none of `--max-restarts`. A worker that fails is restarted as before
+(`--max-restarts`), with the count listed then. Each worker's part of a step is the global
+batch over the worker count (`parallax.tf.strategy.datasets`), so the job trains as one
+with a fixed worker count would, on the same global batches.
+"""
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from parallax.env import ask_rescale
+from parallax.errors import ConfigError, ParallaxError
+from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
+
+DISCOVERY_PERIOD_S = 1.0     # how often a running job's hosts are discovered again
+DISCOVERY_TIMEOUT_S = 30.0   # the most one run of the script may take
+ELASTIC_TIMEOUT_S = 600.0    # default --elastic-timeout: waiting for --min-np slots
+
+
+class Elastic:
+    """The discovery script and the bounds on the worker count."""
+
+    def __init__(self, script: str, min_np: int, max_np: int,
+                 timeout_s: float = ELASTIC_TIMEOUT_S, say: Callable[[str], None] = print) -> None:
+        if not 1 <= min_np <= max_np:
+            raise ConfigError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= --min-np "
+                              f"<= --max-np (-np is --max-np's default)")
+        if timeout_s <= 0:
+            raise ConfigError(f"--elastic-timeout {timeout_s:g} must be > 0 seconds")
+        self.script, self.min_np, self.max_np = script, min_np, max_np
+        self.timeout_s, self.say = timeout_s, say
+        self._failed = ""  # the script's last failure, said once
+
+    def discover(self) -> ClusterLayout | None:
+        """The hosts listed now; None (said once) when the script fails or says nonsense."""
+        try:
+            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
+                                  timeout=DISCOVERY_TIMEOUT_S, check=False)
+            if done.returncode:
+                raise ParallaxError(f"exited with code {done.returncode}: "
+                                    f"{done.stderr.strip()[-300:] or '(no output)'}")
+            layout = parse_discovered(done.stdout, "its output")
+        except (OSError, subprocess.TimeoutExpired, ParallaxError) as exc:
+            self.say_once(f"--host-discovery-script {self.script!r}: {exc}")
+            return None
+        self._failed = ""
+        _check_local(self.script, layout)
+        return layout
+
+    def say_once(self, message: str) -> None:
+        """Say a failure of discovery, unless it is the one said last."""
+        if message != self._failed:
+            self._failed = message
+            self.say(message)
+
+    def workers(self, layout: ClusterLayout | None) -> int:
+        """Workers for `layout`: min(its slots, --max-np); 0 below --min-np."""
+        slots = layout.num_slots if layout is not None else 0
+        return min(slots, self.max_np) if slots >= self.min_np else 0
+
+    def wait(self, interrupted: Callable[[], bool] = lambda: False) -> tuple[ClusterLayout, int]:
+        """The layout and worker count of the next attempt, once --min-np slots are listed;
+        ParallaxError after --elastic-timeout seconds without."""
+        deadline, said = time.monotonic() + self.timeout_s, False
+        while True:
+            layout = self.discover()
+            count = self.workers(layout)
+            if count:
+                return layout, count
+            if interrupted() or time.monotonic() > deadline:
+                raise ParallaxError(f"--host-discovery-script listed {_slots(layout)} for "
+                                    f"{self.timeout_s:g}s (--elastic-timeout); --min-np "
+                                    f"{self.min_np} needs {self.min_np}")
+            if not said:
+                said = True
+                self.say(f"waiting up to {self.timeout_s:g}s for --min-np {self.min_np} "
+                          f"slots; the host discovery script lists {_slots(layout)}")
+            time.sleep(DISCOVERY_PERIOD_S)
+
+
+def _check_local(script: str, layout: ClusterLayout) -> None:
+    remote = [h.host for h in layout.hosts if not is_local(h.host)]
+    if remote:
+        raise ConfigError(f"--host-discovery-script {script!r} lists {', '.join(remote)}: an "
+                          f"elastic job's workers run on this machine for now (the request "
+                          f"to stop for a new count is a file here); list this machine's "
+                          f"slots (localhost:N)")
+
+
+def _slots(layout: ClusterLayout | None) -> str:
+    return "no hosts" if layout is None else f"{layout.num_slots} slot(s)"
+
+
+def _uses(layout: ClusterLayout, workers: int) -> set[str]:
+    """The hosts an attempt of `workers` workers on `layout` runs on."""
+    left, used = workers, set()
+    for host in layout.hosts:
+        if left > 0:
+            used.add(host.host)
+        left -= host.slots
+    return used
+
+
+class RescaleWatch:
+    """While an attempt runs: discovers the hosts every DISCOVERY_PERIOD_S and asks the
+    workers (`ask_rescale` into `path`) to stop at their next checkpoint when another worker
+    count is called for; `asked` is that count (None: none asked)."""
+
+    def __init__(self, elastic: Elastic, layout: ClusterLayout, workers: int,
+                 path: Path) -> None:
+        self.elastic, self.workers, self.path = elastic, workers, path
+        self._using = _uses(layout, workers)
+        self.asked: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="parallax-discovery",
+                                        daemon=True)
+
+    def start(self) -> "RescaleWatch":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(DISCOVERY_PERIOD_S):
+            try:
+                layout = self.elastic.discover()
+            except ConfigError as exc:  # the hosts of the running attempt stay
+                layout = None
+                self.elastic.say_once(str(exc))
+            if layout is None:
+                continue  # a failing script changes nothing (said once)
+            wanted = self.elastic.workers(layout)
+            gone = self._using - {h.host for h in layout.hosts}
+            if wanted and (wanted != self.workers or gone) and wanted != self.asked:
+                self.asked = wanted
+                ask_rescale(self.path, wanted)
+                self.elastic.say(
+                    f"the host discovery script lists {layout.num_slots} slot(s)"
+                    + (f" (no longer {', '.join(sorted(gone))})" if gone else "")
+                    + f": asking the {self.workers} worker(s) to stop at their next "
+                    f"checkpoint, to go on with {wanted}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(DISCOVERY_TIMEOUT_S + 1)

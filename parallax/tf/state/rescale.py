@@ -1,0 +1,57 @@
+"""Where an elastic job's workers stop for a new worker count: right after a checkpoint.
+
+`parallax run --host-discovery-script` (parallax.launch.elastic) asks for another worker
+count by writing it to the file named by PARALLAX_RESCALE_FILE. Keras `fit` calls
+`stop_if_asked` at the end of every epoch, after its callbacks (`BackupAndRestore` saves
+there); a custom loop calls `ParallaxStrategy.rescale_point()` after its checkpoint. When the
+launcher asked, and this point followed a checkpoint, every worker stops there together (the
+chief decides, the others follow its broadcast): the chief notes it for the launcher, and
+each worker ends with exit code `RESCALE_EXIT`. The launcher then starts the job again with
+the new count, which resumes from that checkpoint: nothing is redone, and each step still
+consumes the same global batch (`datasets.shard_for_worker` splits it by the new count).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from parallax.env import RESCALE_EXIT, RESCALE_FILE_ENV, note_rescale_stop, rescale_request
+
+log = logging.getLogger("parallax")
+_warned: set[str] = set()
+
+
+def stop_if_asked(extended, saved: bool, epoch: int, last: bool = False) -> None:
+    """At a point every worker reaches together (`epoch`: where it is): raise SystemExit
+    with RESCALE_EXIT on every worker when the launcher asked for another worker count and
+    the chief `saved` a checkpoint just before; `last`: the job's training ends here anyway
+    (no stop). Without PARALLAX_RESCALE_FILE (no elastic launcher), nothing."""
+    path = os.environ.get(RESCALE_FILE_ENV)
+    if not path:
+        return
+    workers = extended.workers
+    stop = workers.info.is_chief and _chief_stops(path, workers.info.size, saved, last)
+    if workers.info.size > 1:
+        stop = workers.broadcast_object(stop if workers.info.is_chief else None)
+    if not stop:
+        return
+    if workers.info.is_chief:
+        note_rescale_stop(path, epoch)
+        log.info("stopping after the checkpoint of epoch %d: the launcher asked for %s "
+                 "worker(s) instead of %d", epoch, rescale_request(path), workers.info.size)
+    raise SystemExit(RESCALE_EXIT)
+
+
+def _chief_stops(path: str, size: int, saved: bool, last: bool) -> bool:
+    wanted = rescale_request(path)  # (the count may be this one: a host was replaced)
+    if wanted is None or last:
+        return False
+    if not saved:
+        if path not in _warned:
+            _warned.add(path)
+            log.warning("the launcher asks for %d worker(s) instead of %d, but no checkpoint "
+                        "was saved here: going on with %d until one is (save at every "
+                        "epoch's end, e.g. keras.callbacks.BackupAndRestore, or call "
+                        "strategy.rescale_point() after a save)", wanted, size, size)
+        return False
+    return True
