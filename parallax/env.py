@@ -157,9 +157,9 @@ def rescale_request(path: str | Path) -> int | None:
     return workers if isinstance(workers, int) and workers > 0 else None
 
 
-def note_rescale_stop(path: str | Path, epoch: int) -> None:
-    """The chief's answer: the workers stopped right after the checkpoint of `epoch`."""
-    Path(f"{path}.stopped").write_text(json.dumps({"epoch": epoch}))
+def note_rescale_stop(path: str | Path, at: str) -> None:
+    """The chief's answer: the workers stopped right after the checkpoint `at` ("epoch 3")."""
+    Path(f"{path}.stopped").write_text(json.dumps({"at": at}))
 
 
 def stopped_for_rescale(path: str | Path) -> bool:

@@ -334,7 +334,8 @@ def _chiefs_epoch(original):
         epoch = workers.broadcast_object(initial if workers.info.is_chief else None)
         if epoch != initial:
             log.warning("worker %d: its backup resumes at epoch %s, the chief's at %s: "
-                        "starting at the chief's (a save was cut short on one of them)",
+                        "starting at the chief's (a save was cut short on one of them, or this "
+                        "worker was not in the job at the chief's last save: an elastic job's)",
                         workers.info.rank, initial, epoch)
         model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
     return on_train_begin
@@ -352,8 +353,8 @@ def _rescale_point(original):
         original(self, epoch, logs)
         if extended is not None:
             epochs = (getattr(self, "params", None) or {}).get("epochs")
-            rescale.stop_if_asked(extended, extended.server_tables.saves > saves, epoch + 1,
-                                  last=epochs is not None and epoch + 1 >= epochs)
+            rescale.stop_if_asked(extended, extended.server_tables.saves > saves,
+                                  f"epoch {epoch + 1}", last=epochs is not None and epoch + 1 >= epochs)
     return on_epoch_end
 
 

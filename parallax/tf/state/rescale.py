@@ -21,8 +21,8 @@ log = logging.getLogger("parallax")
 _warned: set[str] = set()
 
 
-def stop_if_asked(extended, saved: bool, epoch: int, last: bool = False) -> None:
-    """At a point every worker reaches together (`epoch`: where it is): raise SystemExit
+def stop_if_asked(extended, saved: bool, at: str, last: bool = False) -> None:
+    """At a point every worker reaches together (`at`: where, "epoch 3", "step 20"): raise SystemExit
     with RESCALE_EXIT on every worker when the launcher asked for another worker count and
     the chief `saved` a checkpoint just before; `last`: the job's training ends here anyway
     (no stop). Without PARALLAX_RESCALE_FILE (no elastic launcher), nothing."""
@@ -36,9 +36,9 @@ def stop_if_asked(extended, saved: bool, epoch: int, last: bool = False) -> None
     if not stop:
         return
     if workers.info.is_chief:
-        note_rescale_stop(path, epoch)
-        log.info("stopping after the checkpoint of epoch %d: the launcher asked for %s "
-                 "worker(s) instead of %d", epoch, rescale_request(path), workers.info.size)
+        note_rescale_stop(path, at)
+        log.info("stopping after the checkpoint at %s: the launcher asked for %s worker(s) "
+                 "instead of %d", at, rescale_request(path), workers.info.size)
     raise SystemExit(RESCALE_EXIT)
 
 

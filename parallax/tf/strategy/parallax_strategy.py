@@ -934,7 +934,7 @@ class ParallaxStrategy(distribute_lib.Strategy):
         if tf.inside_function():
             raise ConfigError("strategy.rescale_point() may end the process: call it eagerly "
                               "(outside tf.function), on every worker, after a checkpoint")
-        rescale.stop_if_asked(self.extended, saved=True, epoch=step)
+        rescale.stop_if_asked(self.extended, saved=True, at=f"step {step}")
 
     def cache_stats(self) -> CacheStats | None:
         """What this worker's row cache did (hits, misses, stale refreshes, rows and bytes
