@@ -2,9 +2,10 @@
 
 One attempt of a job ends in an `Outcome`: its exit code and why it ended. A failure (a
 worker exited non-zero or was killed, a parameter server died or stopped answering health
-checks) is followed by a restart of every server and every worker, at most N times in all. A
-clean exit, a signal the user sent to the launcher, and a configuration error are never
-restarted.
+checks) is followed by a restart of every worker, at most N times in all; the servers start
+again too when one of them failed (`server_failed`), and otherwise keep running, the job's
+tables dropped from them. A clean exit, a signal the user sent to the launcher, and a
+configuration error are never restarted.
 
 Restarted workers find their attempt in PARALLAX_RESTART_COUNT (0 for the first run, as
 torchrun's TORCHELASTIC_RESTART_COUNT) and resume from the last checkpoint their script
@@ -35,10 +36,11 @@ class Outcome:
     cause: str = ""
     restartable: bool = False
     rescale: bool = False
+    server_failed: bool = False  # a parameter server died or hung: they all start again
 
     @classmethod
-    def failed(cls, code: int, cause: str) -> "Outcome":
-        return cls(code, cause, restartable=code != 0)
+    def failed(cls, code: int, cause: str, server_failed: bool = False) -> "Outcome":
+        return cls(code, cause, restartable=code != 0, server_failed=server_failed)
 
 
 class RestartBudget:
@@ -66,7 +68,10 @@ class RestartBudget:
         self.restarts += 1
         self.causes.append(outcome.cause)
         self._say(f"restart {self.restarts} of {self.max_restarts} in {self.delay_s:g}s, "
-                  f"after: {outcome.cause}; every server and worker starts again and the "
-                  f"workers resume from their last checkpoint")
+                  f"after: {outcome.cause}; "
+                  + ("every server and worker starts again and the workers resume"
+                     if outcome.server_failed else
+                     "the workers start again (the servers keep running) and resume")
+                  + " from their last checkpoint")
         time.sleep(self.delay_s)
         return True

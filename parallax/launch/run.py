@@ -671,7 +671,8 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
             _report_dead_server(dead)
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
-                                  f"({dead.address}) exited with code {dead.proc.returncode}")
+                                  f"({dead.address}) exited with code {dead.proc.returncode}",
+                                  server_failed=True)
         silent = health.silent(losses.addresses) if job.proc.returncode is None else None
         if silent is not None and losses.outlives(silent, health.servers):
             continue
@@ -680,7 +681,7 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {silent[0]} "
                                   f"({silent[1]}) answered no health check for "
-                                  f"{silent[2]:.0f}s")
+                                  f"{silent[2]:.0f}s", server_failed=True)
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
             return _job_outcome(job)
@@ -718,6 +719,67 @@ def _peer_failure(job: _Job, rank: int) -> str:
             f"failed, or had already finished its script while this one still ran a "
             f"collective (fit, evaluate, predict and reading a metric: every worker must run "
             f"them)")
+
+
+DROP_TIMEOUT_S = 10.0  # the most dropping a run's tables from kept servers may take
+
+
+class _Servers:
+    """The job's servers across its attempts. The launcher's own are started for the first
+    attempt and kept for the next while every one still runs and the attempt did not end
+    for a server's failure (a worker failed, or the workers stopped for a new count): the
+    run's tables are then dropped from them, so the workers restore them from their
+    checkpoint as onto fresh servers, without the servers' start. External servers
+    (--ps-addresses) get the same drop before every attempt but the first."""
+
+    def __init__(self, config: LaunchConfig, credentials, run_id: str) -> None:
+        self.config, self.credentials, self.run_id = config, credentials, run_id
+        self.cluster = None
+
+    def for_attempt(self, config: LaunchConfig, attempt: int):
+        """This attempt's servers (None: external ones, at config.ps_addresses)."""
+        if config.num_servers == 0:
+            if attempt:
+                self._drop([a.strip() for a in config.ps_addresses])
+            return None
+        if self.cluster is not None and self._running() and self._drop(self.cluster.addresses):
+            return self.cluster
+        self.stop()
+        self.cluster = _start_servers(config, self.credentials)
+        return self.cluster
+
+    def _running(self) -> bool:
+        return all(server.proc.poll() is None for server in self.cluster.servers)
+
+    def _drop(self, addresses: list[str]) -> bool:
+        """Drop the run's tables from `addresses`; whether it worked."""
+        from parallax.client.connection import ClientOptions, client_options_from_env
+        from parallax.client.ps_client import PSClient
+        environ = self.credentials.worker_env() if self.credentials is not None else None
+        options = client_options_from_env(ClientOptions(timeout=DROP_TIMEOUT_S),
+                                          environ=environ)
+        try:
+            with PSClient(addresses, options) as client:
+                dropped = client.delete_tables(f"{self.run_id}.")
+        except ParallaxError as err:
+            _say(f"could not drop run {self.run_id}'s tables from the servers ({err}); "
+                 f"{'starting them again' if self.cluster is not None else 'going on'}")
+            return False
+        if dropped:
+            _say(f"the servers keep running; dropped {len(dropped)} table(s) of run "
+                 f"{self.run_id} from them: the workers restore them from their checkpoint")
+        return True
+
+    def after(self, outcome: Outcome | None) -> None:
+        """Stop the servers unless the next attempt may keep them."""
+        if outcome is None or outcome.server_failed or not (outcome.restartable
+                                                            or outcome.rescale):
+            self.stop()
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.stop()
 
 
 def _start_servers(config: LaunchConfig, credentials=None):
@@ -815,15 +877,20 @@ def run(config: LaunchConfig) -> int:
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
     with _credentials(config) as credentials, _Signals() as signals, \
             _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale:
-        attempt = 0
-        while True:
-            outcome = _attempt(config, program, run_id, attempt, credentials, signals,
-                               (elastic, rescale))
-            if signals.signum is not None:
-                return 128 + signals.signum
-            if not outcome.rescale and not _restarting(budget, outcome, signals):
-                return outcome.code
-            attempt += 1
+        servers = _Servers(config, credentials, run_id)
+        try:
+            attempt = 0
+            while True:
+                outcome = _attempt(config, program, run_id, attempt, signals,
+                                   (elastic, rescale), servers)
+                if signals.signum is None and (outcome.rescale or
+                                               _restarting(budget, outcome, signals)):
+                    attempt += 1
+                    continue
+                return outcome.code if signals.signum is None else 128 + signals.signum
+        finally:
+            signals.abortable = False  # a signal now must not interrupt the cleanup
+            servers.stop()
 
 
 def _elastic(config: LaunchConfig) -> Elastic | None:
@@ -911,13 +978,14 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
 
 
 def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int,
-             credentials, signals: _Signals, elastic) -> Outcome:
-    """One run of every server and worker; how it ended."""
-    cluster = watch = None
+             signals: _Signals, elastic, servers: _Servers) -> Outcome:
+    """One run of every worker, on the servers `servers` keeps or starts; how it ended."""
+    outcome = watch = None
+    credentials = servers.credentials
     try:
         config, argv, backend, watch = _workers_of(config, program, elastic)
-        if config.num_servers > 0:
-            cluster = _start_servers(config, credentials)
+        cluster = servers.for_attempt(config, attempt)
+        if cluster is not None:
             addresses, where = cluster.addresses, "started here"
         else:
             addresses, where = [a.strip() for a in config.ps_addresses], "external"
@@ -950,7 +1018,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         finally:
             health.stop()
             progress.stop()
-        return _rescaled(outcome, watch)
+        outcome = _rescaled(outcome, watch)
+        return outcome
     except _Interrupted as exc:
         _say(f"got {exc}: stopped before the job started")
         return Outcome(128 + exc.signum, f"got {exc}")
@@ -958,8 +1027,7 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         signals.abortable = False  # a signal now must not interrupt the cleanup
         if watch is not None:
             watch.stop()
-        if cluster is not None:
-            cluster.stop()
+        servers.after(outcome)
 
 
 def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:

@@ -1,6 +1,8 @@
 """`parallax run --max-restarts N`: a failed job (a worker killed or failing, a server killed)
-is restarted whole, at most N times, with PARALLAX_RESTART_COUNT telling the workers which
-attempt they are; a clean exit and the user's own signals are never restarted.
+is restarted, at most N times, with PARALLAX_RESTART_COUNT telling the workers which
+attempt they are; a clean exit and the user's own signals are never restarted. The servers
+start again only when one of them failed; after a worker's failure they keep running, the
+run's tables (and only its) dropped, on the launcher's servers and on external ones alike.
 
 The policy itself (`parallax.launch.restarts`) is tested without processes; the rest through the CLI
 with real servers and workers (tests/helpers/launch_probe.py), with the orphan check of
@@ -14,7 +16,9 @@ import time
 
 import pytest
 
+from parallax.client import PSClient
 from parallax.errors import ConfigError
+from parallax.protocol.specs import SGD, TableSpec
 from parallax.launch.restarts import Outcome, RestartBudget
 from launching import PROBE, Launcher, mark, marked_processes  # noqa: F401 (fixture)
 
@@ -72,6 +76,45 @@ def test_restarts_are_bounded_and_the_last_exit_code_is_the_jobs(mark):
     assert any("all 2 restart(s) of --max-restarts are used" in line for line in launcher.err)
 
 
+def _tables(addresses: list[str], *names: str) -> set[str]:
+    """Create tables `names` (one shard each) on the servers; the names of every table
+    they hold."""
+    with PSClient(addresses) as client:
+        for name in names:
+            client.create_table(TableSpec(name=name, vocabulary_size=10, dim=2, shard_count=1,
+                                          optimizer=SGD(learning_rate=0.1)))
+        return {t.table for reply in client.stats().values() for t in reply.tables}
+
+
+@pytest.mark.multiprocess
+def test_a_failed_worker_restarts_on_the_same_servers_without_the_runs_tables(mark):
+    launcher = Launcher("--max-restarts", "1", "--restart-delay", "0", "--servers", "2",
+                        "--run-id", "kept", "--", "python", PROBE, "--sleep", "3",
+                        "--exit", "5", "--until-restart", "1", mark=mark)
+    first = launcher.wait_for_probes(1)[0]
+    assert _tables(first["addresses"], "kept.t", "other.t") >= {"kept.t", "other.t"}
+    assert launcher.wait(120) == 0, launcher.output()
+    second = launcher.probes()[1]
+    assert second["restart"] == 1 and second["addresses"] == first["addresses"]
+    assert "the workers start again (the servers keep running)" in _restarts(launcher)[0]
+    assert any("dropped 1 table(s) of run kept" in line for line in launcher.err), \
+        launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_external_servers_lose_only_the_runs_tables_at_a_restart(mark, cluster):
+    """--ps-addresses: the restarted workers find none of the run's tables of the attempt
+    before (the checkpoint brings them back); another run's tables stay."""
+    _tables(cluster.addresses, "ext1.t", "ext2.t")
+    launcher = Launcher("--max-restarts", "1", "--restart-delay", "0", "--servers", "0",
+                        "--ps-addresses", ",".join(cluster.addresses), "--run-id", "ext1",
+                        "--", "python", PROBE, "--exit", "5", "--until-restart", "1",
+                        mark=mark)
+    assert launcher.wait(120) == 0, launcher.output()
+    held = _tables(cluster.addresses)
+    assert "ext1.t" not in held and "ext2.t" in held, held
+
+
 @pytest.mark.multiprocess
 def test_a_killed_server_restarts_every_server_and_worker(mark):
     launcher = Launcher("--max-restarts", "1", "--restart-delay", "0", "--servers", "2",
@@ -84,8 +127,10 @@ def test_a_killed_server_restarts_every_server_and_worker(mark):
     assert launcher.wait(120) == 0, launcher.output()
     second = launcher.probes()[1]
     assert second["restart"] == 1 and second["pid"] != first["pid"]
+    assert not set(second["addresses"]) & set(first["addresses"]), (first, second)
     lines = _restarts(launcher)
     assert len(lines) == 1 and "exited with code -9" in lines[0], lines
+    assert "every server and worker starts again" in lines[0]
 
 
 @pytest.mark.multiprocess
