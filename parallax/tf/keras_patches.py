@@ -37,11 +37,13 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   end of its first epoch, where that one warning is dropped). Keras' other such warnings
   (a `steps_per_epoch` the data cannot feed) stay.
 - A resumed `fit` starts at the epoch Keras' `BackupAndRestore` read from each worker's own
-  backup, and the workers' backups need not agree: one killed while saving (or whose save of
+  backup (and, for a batch-level backup, after the batches of it that backup had trained:
+  `parallax.tf.state.batch_resume`; the training iterator skips them), and the workers'
+  backups need not agree: one killed while saving (or whose save of
   the tables on the servers failed) keeps the epoch before, while another had already written
   the next. The workers would then run different numbers of steps and the job fail at the
   first collective one of them no longer joins. Every worker's `fit` starts at the chief's
-  epoch instead (`_chiefs_epoch`, a broadcast once its callbacks began training), as every
+  epoch and batch instead (`_chiefs_epoch`, a broadcast once its callbacks began training), as every
   worker resumes the chief's tables and the chief's dense variables (broadcast at the first
   step) too. One `BackupAndRestore` directory on several workers is refused there
   (`_refuse_shared_backups`): each would delete it at the end of `fit`, one while another
@@ -89,7 +91,7 @@ from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
 from parallax.tf.graph.variables import ParallaxVariable, raised_in_op, remote_of
 from parallax.tf.keras_support import refuse_horovod_optimizer
-from parallax.tf.state import rescale, resume
+from parallax.tf.state import batch_resume, rescale, resume
 
 log = logging.getLogger("parallax")
 # The Keras versions these patches are written for and tested on (the minor releases pinned
@@ -318,27 +320,50 @@ def covering_rows() -> bool:
 
 
 def _chiefs_epoch(original):
-    """`CallbackList.on_train_begin`, then (several workers) the chief's `_initial_epoch` on
-    every worker: where `fit` starts, as `BackupAndRestore` restored it on the chief."""
+    """`CallbackList.on_train_begin`, then where `fit` starts, on every worker the chief's:
+    the epoch `BackupAndRestore` restored and, for a batch-level backup, the batches of it
+    already trained, which the training iterator skips (`batch_resume`)."""
     @functools.wraps(original)
     def on_train_begin(self, logs=None):
         original(self, logs)
         model = getattr(self, "model", None)
         extended = _extended_of(model) if model is not None else None
-        if extended is None or extended.workers.info.size < 2:
+        if extended is None:
             return
         workers = extended.workers
-        _refuse_shared_backups(workers.allgather_object(_backup_dirs(self.callbacks)))
         # the epoch this worker's fit starts at, in Keras' own field
-        initial = model._initial_epoch  # noqa: SLF001 - Keras' field, no public accessor
-        epoch = workers.broadcast_object(initial if workers.info.is_chief else None)
-        if epoch != initial:
-            log.warning("worker %d: its backup resumes at epoch %s, the chief's at %s: "
-                        "starting at the chief's (a save was cut short on one of them, or this "
-                        "worker was not in the job at the chief's last save: an elastic job's)",
-                        workers.info.rank, initial, epoch)
+        mine = batch_resume.position(self.callbacks, model._initial_epoch)  # noqa: SLF001
+        epoch, done = mine
+        if workers.info.size > 1:
+            _refuse_shared_backups(workers.allgather_object(_backup_dirs(self.callbacks)))
+            epoch, done = workers.broadcast_object(mine if workers.info.is_chief else None)
+            if (epoch, done) != mine:
+                log.warning("worker %d: its backup resumes at epoch %s (batch %d), the "
+                            "chief's at %s (batch %d): starting at the chief's (a save was cut "
+                            "short on one of them, or this worker was not in the job at the "
+                            "chief's last save: an elastic job's)", workers.info.rank, mine[0],
+                            mine[1], epoch, done)
+        epoch, done = _whole_epochs(epoch, done)
         model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
+        training = getattr(_state, "training", None)
+        if training is not None and training() is not None:
+            training()._parallax_skip = done
+        batch_resume.continue_backups(self.callbacks, epoch, done)
+        if done:
+            log.info("resuming epoch %d after its first %d batch(es), which the backup "
+                     "already trained", epoch + 1, done)
     return on_train_begin
+
+
+def _whole_epochs(epoch: int | None, done: int) -> tuple[int | None, int]:
+    """(epoch, done) with an epoch whose every batch was done counted as the next one's
+    start (its length known: steps_per_epoch, or the data's)."""
+    training = getattr(_state, "training", None)
+    iterator = training() if training is not None else None
+    steps = iterator.num_batches if iterator is not None else None
+    if epoch is not None and done and steps and done >= steps:
+        return epoch + 1, 0
+    return epoch, done
 
 
 def _rescale_point(original):
@@ -399,12 +424,29 @@ def _covering_iterator(base):
                 _state.covering = False
             self._parallax_drops = "class_weight" in kwargs and _several_workers(
                 self._distribute_strategy)
+            self._parallax_skip = 0  # batches of the first epoch a resumed backup trained
+            if "class_weight" in kwargs:  # fit's training data: where it resumes is set
+                _state.training = weakref.ref(self)  # at on_train_begin (_chiefs_epoch)
             self._parallax_full: int | None = None  # full batches, once learned
             self._count_full_batches()
 
         def reset(self):
             super().reset()
             self._count_full_batches()
+
+        def _enumerate_iterator(self):
+            """Keras' steps of an epoch; the first `_parallax_skip` of the first epoch
+            after a mid-epoch resume are read and dropped (trained before the backup)."""
+            skip, self._parallax_skip = self._parallax_skip, 0
+            for begin, end, iterator in super()._enumerate_iterator():
+                if begin >= skip:
+                    yield begin, end, iterator
+                    continue
+                try:
+                    for _ in range(self.steps_per_execution):
+                        next(iterator)
+                except StopIteration:  # the data ended within the skipped batches
+                    return
 
         def _count_full_batches(self) -> None:
             """Keras' count of training batches, less a last, partial global batch, which

@@ -2,17 +2,15 @@
 servers) and a dense layer (all-reduced), with `BackupAndRestore` saving every epoch, run
 under `parallax run --max-restarts N` while the test kills processes.
 
-The checkpoint interval is one epoch of --interval steps. Keras 3's `BackupAndRestore`
-restores the epoch only: the batch it records is not used on restore, so with an integer
-`save_freq` a resumed fit starts the epoch again from its first batch on top of weights saved
-later in it (and `save_freq` equal to the epoch's length records the epoch as unfinished, so
-it runs twice). Saving at epoch ends is the only exact mode; every epoch then sees the same
---interval batches (`shuffle=False`), so a restarted fit sees exactly what an uninterrupted
-one does from the restored epoch on.
+The checkpoint interval is one epoch of --interval steps, or --save-freq N steps
+(`BackupAndRestore(save_freq=N)`: a resumed fit starts after the batches its backup trained,
+parallax.tf.state.batch_resume; plain Keras 3 would start the epoch again from its first
+batch). Every epoch sees the same --interval batches (`shuffle=False`), so a restarted fit
+sees exactly what an uninterrupted one does from where it resumed on.
 
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
 {"chaos": "start", "attempt", "rank", "step", "time", "pid", "workers"} when training
-(re)starts at `step` (steps already done; workers: the class that sums the dense
+(re)starts at `step` (steps already done, at its first step; workers: the class that sums the dense
 gradients), {"chaos": "step", "attempt", "rank", "step", "time"} after each step (steps
 done; time: time.time()), and {"chaos": "end", ..., "cache_hits", "wire"} after fit (rows
 the row cache served, null without one; the tables' wire dtypes). --step-delay paces the
@@ -54,9 +52,12 @@ class Progress(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
-        if not self.started:  # BackupAndRestore chose the first epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self.started:  # BackupAndRestore chose the first epoch (and batch)
             self.started = True
-            self._say("start", epoch * self.interval, pid=os.getpid(), workers=self.workers)
+            self._say("start", self.epoch * self.interval + batch, pid=os.getpid(),
+                      workers=self.workers)
 
     def on_train_batch_end(self, batch, logs=None):
         self._say("step", self.epoch * self.interval + batch + 1)
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--paced-attempts", type=int, default=1 << 30,
                         help="--step-delay paces only the first N attempts (those with kills)")
+    parser.add_argument("--save-freq", type=int, default=None,
+                        help="BackupAndRestore saves every N steps (default: every epoch)")
     parser.add_argument("--backup", required=True, help="BackupAndRestore's directory")
     parser.add_argument("--out", required=True, help="worker 0's final weights (.npz)")
     parser.add_argument("--cache-staleness", type=int, default=None)
@@ -86,7 +89,8 @@ def main() -> None:
     progress = Progress(args.interval, rank,
                         args.step_delay if attempt < args.paced_attempts else 0.0,
                         type(strategy.extended.workers).__name__)
-    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}")),
+    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}"),
+                                                  save_freq=args.save_freq or "epoch"),
                  progress]
     model.fit(x=ids, y=labels, batch_size=BATCH, epochs=args.epochs,
               steps_per_epoch=args.interval, shuffle=False, verbose=0, callbacks=callbacks)

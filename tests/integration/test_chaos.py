@@ -191,6 +191,30 @@ def test_a_killed_server_with_replicas_stops_nothing_and_changes_no_weight(tmp_p
 
 
 @pytest.mark.timeout(600)
+def test_a_killed_worker_with_a_backup_every_step_redoes_at_most_one(tmp_path, mark,
+                                                                    uninterrupted):
+    """`BackupAndRestore(save_freq=1)`: worker rank 1 SIGKILLed inside an epoch; the
+    restarted workers resume mid-epoch, after the last step backed up, so at most one step
+    is redone, and the weights are the uninterrupted run's. Printed: steps redone and the
+    seconds from the kill to the first step again."""
+    chaos = _start(tmp_path, "steps", mark, STEP_DELAY, "--save-freq", "1", paced=1)
+    try:
+        _wait_for(chaos, "step 10", lambda e: e["attempt"] == 0 and e["step"] >= 10)
+        killed_at = _kill(_start_of(chaos, 0, 1)["pid"])
+    finally:
+        _run_to_end(chaos, mark)
+    assert len(_restart_causes(chaos)) == 1, chaos.output()
+    events = _events(chaos)
+    failure, = _failures(events, [killed_at])
+    print(f"\nchaos: worker killed, a backup every step: {json.dumps(failure)}")
+    assert 0 <= failure["steps_lost"] <= 1, failure
+    assert failure["resumed_at"] % INTERVAL, failure  # mid-epoch
+    assert {e["step"] for e in events if e["chaos"] == "start" and e["attempt"] == 1} == \
+        {failure["resumed_at"]}  # both workers, at the chief's batch
+    _assert_same_weights(tmp_path / "steps.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
 def test_an_elastic_job_goes_2_1_2_workers_at_a_fixed_global_batch(tmp_path, mark,
                                                                   uninterrupted):
     """`--host-discovery-script` with `--min-np 1`: rank 1's host leaves (it is SIGKILLed and
