@@ -347,7 +347,7 @@ def _chiefs_epoch(original):
         model._initial_epoch = epoch  # noqa: SLF001 - Keras' field
         training = getattr(_state, "training", None)
         if training is not None and training() is not None:
-            training()._parallax_skip = done
+            training().parallax_skip = done
         batch_resume.continue_backups(self.callbacks, epoch, done)
         if done:
             log.info("resuming epoch %d after its first %d batch(es), which the backup "
@@ -424,7 +424,7 @@ def _covering_iterator(base):
                 _state.covering = False
             self._parallax_drops = "class_weight" in kwargs and _several_workers(
                 self._distribute_strategy)
-            self._parallax_skip = 0  # batches of the first epoch a resumed backup trained
+            self.parallax_skip = 0  # batches of the first epoch a resumed backup trained
             if "class_weight" in kwargs:  # fit's training data: where it resumes is set
                 _state.training = weakref.ref(self)  # at on_train_begin (_chiefs_epoch)
             self._parallax_full: int | None = None  # full batches, once learned
@@ -435,9 +435,9 @@ def _covering_iterator(base):
             self._count_full_batches()
 
         def _enumerate_iterator(self):
-            """Keras' steps of an epoch; the first `_parallax_skip` of the first epoch
+            """Keras' steps of an epoch; the first `parallax_skip` of the first epoch
             after a mid-epoch resume are read and dropped (trained before the backup)."""
-            skip, self._parallax_skip = self._parallax_skip, 0
+            skip, self.parallax_skip = self.parallax_skip, 0
             for begin, end, iterator in super()._enumerate_iterator():
                 if begin >= skip:
                     yield begin, end, iterator
