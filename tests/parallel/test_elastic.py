@@ -1,0 +1,173 @@
+"""Elastic `parallax run` (--host-discovery-script, --min-np, --max-np, --elastic-timeout):
+real launchers, servers and workers. The discovery script is a shell script printing a file
+the test rewrites; the workers are tests/helpers/launch_probe.py, whose --checkpoint-every
+answers the launcher's request for another worker count as parallax.tf.state.rescale does
+(rank 0 notes the stop at a "checkpoint", every rank exits 75). TensorFlow's collectives
+(`--collectives tensorflow`: the supervisor, no Horovod start-up) keep each job to seconds.
+
+Every launcher runs with a LAUNCH_TEST_MARK; after each test no process may carry it (the
+orphan check, tests/helpers/launching.py), the discovery script's children included.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from launching import PROBE, Launcher, mark  # noqa: F401 (mark: a fixture)
+
+
+class Hosts:
+    """A discovery script that prints `hosts` (and, while `fail` exists, prints it to
+    stderr and exits 3; while `hang` exists, sleeps first)."""
+
+    def __init__(self, tmp_path: Path, text: str) -> None:
+        tmp_path.mkdir(exist_ok=True)
+        self.file, self.fail, self.hang = (tmp_path / n for n in ("hosts", "fail", "hang"))
+        self.script = tmp_path / "discover.sh"
+        self.script.write_text(f"#!/bin/sh\n"
+                               f"if [ -e {self.hang} ]; then sleep 120; fi\n"
+                               f"if [ -e {self.fail} ]; then cat {self.fail} >&2; exit 3; fi\n"
+                               f"cat {self.file}\n")
+        self.script.chmod(0o755)
+        self.set(text)
+
+    def set(self, text: str) -> None:
+        """The hosts listed from now on (whole: the script never reads half of it)."""
+        partial = self.file.with_name("hosts.partial")
+        partial.write_text(text)
+        os.replace(partial, self.file)
+
+
+def elastic(hosts: Hosts, *args: str, mark: str) -> Launcher:
+    return Launcher("--servers", "1", "--collectives", "tensorflow",
+                    "--host-discovery-script", str(hosts.script), *args, mark=mark)
+
+
+def wait_for_line(launcher: Launcher, text: str, timeout: float = 30.0) -> str:
+    """The first line of the launcher's stderr with `text`, once it came."""
+    deadline = time.monotonic() + timeout
+    while not (found := [line for line in launcher.err if text in line]):
+        assert launcher.proc.poll() is None or time.monotonic() < deadline, \
+            f"no {text!r}:\n{launcher.output()}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout}s:\n{launcher.output()}"
+        time.sleep(0.05)
+    return found[0]
+
+
+def said(launcher: Launcher, text: str) -> int:
+    return sum(text in line for line in launcher.err)
+
+
+def starts(launcher: Launcher) -> list[str]:
+    """The launcher's line at the start of each attempt."""
+    return [line for line in launcher.err if " worker(s); 1 parameter server(s)" in line]
+
+
+@pytest.mark.multiprocess
+def test_the_scripts_slots_capped_by_max_np_decide_the_worker_count(tmp_path, mark):
+    hosts = Hosts(tmp_path, "# this machine\nlocalhost:3\n")
+    three = elastic(hosts, "-np", "2", "--min-np", "1", PROBE, mark=mark)
+    assert three.wait() == 0, three.output()
+    assert sorted((p["rank"], p["size"]) for p in three.probes()) == [(0, 2), (1, 2)]
+    assert {p["asked"] for p in three.probes()} == {None}  # nothing asked at the start
+    hosts.set("localhost\n")  # one slot
+    one = elastic(hosts, "--max-np", "2", "--min-np", "1", PROBE, mark=mark)
+    assert one.wait() == 0, one.output()
+    assert [(p["rank"], p["size"]) for p in one.probes()] == [(0, 1)], one.output()
+    assert starts(one)[0].startswith("parallax run: 1 worker(s)"), one.output()
+
+
+@pytest.mark.multiprocess
+def test_below_min_np_the_launcher_waits_says_so_once_and_fails_naming_the_flags(tmp_path,
+                                                                                 mark):
+    short = elastic(Hosts(tmp_path / "short", "localhost:1\n"), "-np", "2",
+                    "--elastic-timeout", "2.5", PROBE, mark=mark)
+    later_hosts = Hosts(tmp_path / "later", "")
+    later = elastic(later_hosts, "-np", "2", "--elastic-timeout", "60", PROBE, mark=mark)
+    wait_for_line(later, "waiting up to 60s for --min-np 2 slots; the host discovery script "
+                         "lists 0 slot(s)")
+    time.sleep(2.5)  # discovered again meanwhile, without a word
+    later_hosts.set("localhost:2\n")
+    assert later.wait() == 0, later.output()
+    assert sorted(p["rank"] for p in later.probes()) == [0, 1], later.output()
+    assert said(later, "waiting up to") == 1, later.output()
+    assert short.wait() == 1, short.output()
+    assert said(short, "waiting up to 2.5s for --min-np 2 slots; the host discovery script "
+                       "lists 1 slot(s)") == 1, short.output()
+    assert short.err[-1] == ("parallax run: error: --host-discovery-script listed 1 slot(s) "
+                             "for 2.5s (--elastic-timeout); --min-np 2 needs 2"), short.output()
+    assert not short.probes() and not starts(short), short.output()  # no server started
+
+
+@pytest.mark.multiprocess
+def test_a_failing_script_and_bad_lines_are_said_once_and_change_nothing(tmp_path, mark):
+    hosts = Hosts(tmp_path, "localhost:two\n")
+    launcher = elastic(hosts, "-np", "1", "--", "python", PROBE, "--sleep", "4",
+                       "--checkpoint-every", "0.5", mark=mark)
+    wait_for_line(launcher, "'localhost:two' should be `host:N` (N >= 1 slots) or `host`")
+    (tmp_path / "fail").write_text("no inventory yet\n")
+    wait_for_line(launcher, "exited with code 3: no inventory yet")
+    time.sleep(2.5)
+    (tmp_path / "fail").unlink()
+    hosts.set("localhost:1\n")
+    launcher.wait_for_probes(1)
+    (tmp_path / "fail").write_text("inventory down\n")  # while the job runs
+    assert launcher.wait() == 0, launcher.output()
+    assert said(launcher, "should be `host:N`") == 1, launcher.output()
+    assert said(launcher, "exited with code 3: no inventory yet") == 1, launcher.output()
+    assert said(launcher, "exited with code 3: inventory down") == 1, launcher.output()
+    assert said(launcher, "waiting up to") == 1, launcher.output()
+    assert len(starts(launcher)) == 1 and len(launcher.probes()) == 1, launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_host_that_is_not_this_machine_is_refused(tmp_path, mark):
+    launcher = elastic(Hosts(tmp_path, "localhost:1\n192.0.2.7:2\n"), "-np", "2", PROBE,
+                       mark=mark)
+    assert launcher.wait() == 2, launcher.output()
+    assert "lists 192.0.2.7: an elastic job's workers run on this machine for now" in \
+        launcher.err[-1] and "(localhost:N)" in launcher.err[-1], launcher.output()
+    assert not starts(launcher), launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_failed_worker_restarts_with_the_count_the_script_lists_then(tmp_path, mark):
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--max-restarts", "1",
+                       "--restart-delay", "2", "--", "python", PROBE, "--exit", "3",
+                       "--until-restart", "1", mark=mark)
+    launcher.wait_for_probes(2)
+    hosts.set("localhost:1\n")  # during the restart delay
+    assert launcher.wait() == 0, launcher.output()
+    assert sorted((p["restart"], p["rank"], p["size"]) for p in launcher.probes()) == \
+        [(0, 0, 2), (0, 1, 2), (1, 0, 1)], launcher.output()
+    assert said(launcher, "restart 1 of 1 in 2s, after: worker rank") == 1, launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_rescale_goes_1_2_1_workers_using_no_restart_and_a_fresh_request_file(tmp_path,
+                                                                               mark):
+    """No --max-restarts: each rescale is a new attempt all the same, whose workers find no
+    request left from the last one."""
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep",
+                       "30", "--checkpoint-every", "0.3", "--until-restart", "2", mark=mark)
+    launcher.wait_for_probes(1)
+    hosts.set("localhost:2\n")
+    launcher.wait_for_probes(3)
+    hosts.set("localhost:1\n")
+    assert launcher.wait() == 0, launcher.output()
+    probes = sorted((p["restart"], p["rank"], p["size"], p["asked"]) for p in launcher.probes())
+    assert probes == [(0, 0, 1, None), (1, 0, 2, None), (1, 1, 2, None), (2, 0, 1, None)], \
+        launcher.output()
+    assert [line.split(";")[0] for line in starts(launcher)] == [
+        "parallax run: 1 worker(s)", "parallax run: 2 worker(s)", "parallax run: 1 worker(s)"]
+    assert said(launcher, "asking the 1 worker(s) to stop at their next checkpoint, to go on "
+                          "with 2") == 1, launcher.output()
+    assert said(launcher, "stopped after their checkpoint, as asked; the job goes on with "
+                          "1") == 1, launcher.output()
+    assert not said(launcher, "restart 1 of"), launcher.output()
