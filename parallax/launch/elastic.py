@@ -159,5 +159,7 @@ class RescaleWatch:
                     f"checkpoint, to go on with {wanted}")
 
     def stop(self) -> None:
+        """Stop watching (the attempt ended, or never got to start its workers)."""
         self._stop.set()
-        self._thread.join(DISCOVERY_TIMEOUT_S + 1)
+        if self._thread.is_alive():
+            self._thread.join(DISCOVERY_TIMEOUT_S + 1)

@@ -17,21 +17,25 @@ from pathlib import Path
 
 import pytest
 
-from launching import PROBE, Launcher, mark  # noqa: F401 (mark: a fixture)
+from launching import PROBE, Launcher, marked_processes
+from launching import mark  # noqa: F401 (a fixture)
 
 
 class Hosts:
     """A discovery script that prints `hosts` (and, while `fail` exists, prints it to
-    stderr and exits 3; while `hang` exists, sleeps first)."""
+    stderr and exits 3; while `hang` exists, sleeps first); `then` queues the hosts listed
+    after the next run, which leaves no time between two changes to a test's timing."""
 
     def __init__(self, tmp_path: Path, text: str) -> None:
         tmp_path.mkdir(exist_ok=True)
-        self.file, self.fail, self.hang = (tmp_path / n for n in ("hosts", "fail", "hang"))
+        self.file, self.fail, self.hang, self.next = (
+            tmp_path / n for n in ("hosts", "fail", "hang", "next"))
         self.script = tmp_path / "discover.sh"
         self.script.write_text(f"#!/bin/sh\n"
                                f"if [ -e {self.hang} ]; then sleep 120; fi\n"
                                f"if [ -e {self.fail} ]; then cat {self.fail} >&2; exit 3; fi\n"
-                               f"cat {self.file}\n")
+                               f"cat {self.file}\n"
+                               f"if [ -e {self.next} ]; then mv {self.next} {self.file}; fi\n")
         self.script.chmod(0o755)
         self.set(text)
 
@@ -40,6 +44,11 @@ class Hosts:
         partial = self.file.with_name("hosts.partial")
         partial.write_text(text)
         os.replace(partial, self.file)
+
+    def then(self, now: str, after: str) -> None:
+        """List `now` once, then `after`."""
+        self.next.write_text(after)
+        self.set(now)
 
 
 def elastic(hosts: Hosts, *args: str, mark: str) -> Launcher:
@@ -171,3 +180,27 @@ def test_a_rescale_goes_1_2_1_workers_using_no_restart_and_a_fresh_request_file(
     assert said(launcher, "stopped after their checkpoint, as asked; the job goes on with "
                           "1") == 1, launcher.output()
     assert not said(launcher, "restart 1 of"), launcher.output()
+
+
+def script_runs(mark: str, what: str = "sleep 120", timeout: float = 30.0) -> None:
+    """Wait until a process of the launcher's runs `what` (the discovery script hangs)."""
+    deadline = time.monotonic() + timeout
+    while not any(what in line for line in marked_processes(mark).values()):
+        assert time.monotonic() < deadline, f"no {what!r} in {timeout}s"
+        time.sleep(0.05)
+
+
+def temporary_dirs(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir())
+
+
+@pytest.mark.multiprocess
+def test_servers_that_fail_to_start_are_the_error_said(tmp_path, mark):
+    """The attempt's discovery watch had not started yet: stopping it raised RuntimeError
+    (a traceback instead of the error, and the servers left to the lifeline)."""
+    launcher = elastic(Hosts(tmp_path, "localhost:1\n"), "-np", "1",
+                       "--server-start-timeout", "0.01", PROBE, mark=mark)
+    assert launcher.wait() == 1, launcher.output()
+    assert "Traceback" not in launcher.output(), launcher.output()
+    assert any("error: parameter server 0 did not start within" in line
+               for line in launcher.err), launcher.output()
