@@ -21,6 +21,8 @@ with a fixed worker count would, on the same global batches.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -49,22 +51,57 @@ class Elastic:
         self.script, self.min_np, self.max_np = script, min_np, max_np
         self.timeout_s, self.say = timeout_s, say
         self._failed = ""  # the script's last failure, said once
+        self._lock = threading.Lock()
+        self._running: subprocess.Popen | None = None  # the script, while it runs
 
-    def discover(self) -> ClusterLayout | None:
-        """The hosts listed now; None (said once) when the script fails or says nonsense."""
+    def discover(self, cancelled: threading.Event | None = None) -> ClusterLayout | None:
+        """The hosts listed now; None (said once) when the script fails or says nonsense, and
+        None (unsaid) when `cancelled` was set meanwhile (`cancel` ended the script)."""
         try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=DISCOVERY_TIMEOUT_S, check=False)
-            if done.returncode:
-                raise ParallaxError(f"exited with code {done.returncode}: "
-                                    f"{done.stderr.strip()[-300:] or '(no output)'}")
-            layout = parse_discovered(done.stdout, "its output")
+            code, out, err = self._run(cancelled)
+            if cancelled is not None and cancelled.is_set():
+                return None
+            if code:
+                raise ParallaxError(f"exited with code {code}: "
+                                    f"{err.strip()[-300:] or '(no output)'}")
+            layout = parse_discovered(out, "its output")
         except (OSError, subprocess.TimeoutExpired, ParallaxError) as exc:
             self.say_once(f"--host-discovery-script {self.script!r}: {exc}")
             return None
         self._failed = ""
         _check_local(self.script, layout)
         return layout
+
+    def _run(self, cancelled: threading.Event | None) -> tuple[int, str, str]:
+        """The script's exit code, output and error output. It runs in a process group of
+        its own, all of which is killed when it runs past DISCOVERY_TIMEOUT_S, when the
+        launcher is interrupted meanwhile (SIGINT/SIGTERM) and on `cancel`: what the shell
+        started ends with it."""
+        proc = subprocess.Popen(self.script, shell=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        with self._lock:
+            self._running = proc
+        try:
+            if cancelled is not None and cancelled.is_set():  # before `cancel` saw it
+                _end_group(proc)
+            out, err = proc.communicate(timeout=DISCOVERY_TIMEOUT_S)
+        except BaseException:
+            _end_group(proc)
+            proc.wait()
+            for stream in (proc.stdout, proc.stderr):
+                stream.close()
+            raise
+        finally:
+            with self._lock:
+                self._running = None
+        return proc.returncode, out, err
+
+    def cancel(self) -> None:
+        """End the script that runs now, if one does (from another thread than its)."""
+        with self._lock:
+            if self._running is not None:
+                _end_group(self._running)
 
     def say_once(self, message: str) -> None:
         """Say a failure of discovery, unless it is the one said last."""
@@ -95,6 +132,13 @@ class Elastic:
                 self.say(f"waiting up to {self.timeout_s:g}s for --min-np {self.min_np} "
                           f"slots; the host discovery script lists {_slots(layout)}")
             time.sleep(DISCOVERY_PERIOD_S)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # all of it ended
 
 
 def _check_local(script: str, layout: ClusterLayout) -> None:
@@ -141,10 +185,12 @@ class RescaleWatch:
     def _loop(self) -> None:
         while not self._stop.wait(DISCOVERY_PERIOD_S):
             try:
-                layout = self.elastic.discover()
+                layout = self.elastic.discover(self._stop)
             except ConfigError as exc:  # the hosts of the running attempt stay
                 layout = None
                 self.elastic.say_once(str(exc))
+            if self._stop.is_set():
+                return
             if layout is None:
                 continue  # a failing script changes nothing (said once)
             wanted = self.elastic.workers(layout)
@@ -161,5 +207,6 @@ class RescaleWatch:
     def stop(self) -> None:
         """Stop watching (the attempt ended, or never got to start its workers)."""
         self._stop.set()
+        self.elastic.cancel()  # a script that hangs now would hold the launcher up
         if self._thread.is_alive():
             self._thread.join(DISCOVERY_TIMEOUT_S + 1)

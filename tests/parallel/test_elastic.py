@@ -204,3 +204,53 @@ def test_servers_that_fail_to_start_are_the_error_said(tmp_path, mark):
     assert "Traceback" not in launcher.output(), launcher.output()
     assert any("error: parameter server 0 did not start within" in line
                for line in launcher.err), launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_sigint_while_the_script_hangs_ends_it_and_leaves_nothing(tmp_path, mark,
+                                                                  monkeypatch):
+    """The shell was killed, not what it ran: that outlived the launcher."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    hosts.hang.touch()
+    launcher = elastic(hosts, "-np", "1", PROBE, mark=mark)
+    script_runs(mark)
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=10) == 130, launcher.output()
+    assert launcher.err[-1] == "parallax run: got SIGINT: stopped before the job started"
+    assert temporary_dirs(tmp_path / "tmp") == [], launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_script_hanging_while_the_job_runs_neither_delays_its_end_nor_outlives_it(
+        tmp_path, mark):
+    """The launcher waited for the script's timeout (30 s) at the job's end, then left
+    what the shell ran behind."""
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    launcher = elastic(hosts, "-np", "1", "--", "python", PROBE, "--sleep", "2", mark=mark)
+    launcher.wait_for_probes(1)
+    hosts.hang.touch()
+    script_runs(mark)
+    hung = time.monotonic()
+    assert launcher.wait(timeout=60) == 0, launcher.output()
+    assert time.monotonic() - hung < 10, launcher.output()
+    assert not said(launcher, "--host-discovery-script"), launcher.output()  # no failure
+
+
+@pytest.mark.multiprocess
+def test_a_script_past_its_timeout_is_ended_whole_and_said_once(tmp_path, mark, monkeypatch):
+    """Its timeout (DISCOVERY_TIMEOUT_S, 30 s: shortened here) killed the shell, not what
+    it ran."""
+    from launching import MARK
+    from parallax.launch import elastic as elastic_module
+    monkeypatch.setenv(MARK, mark)  # the script's processes carry the mark: the orphan check
+    monkeypatch.setattr(elastic_module, "DISCOVERY_TIMEOUT_S", 0.5)
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    hosts.hang.touch()
+    messages: list[str] = []
+    discovery = elastic_module.Elastic(str(hosts.script), 1, 1, say=messages.append)
+    assert discovery.discover() is None and discovery.discover() is None
+    assert len(messages) == 1 and "timed out after 0.5 seconds" in messages[0], messages
+    hosts.hang.unlink()
+    assert discovery.discover().num_slots == 1
