@@ -821,7 +821,10 @@ def run(config: LaunchConfig) -> int:
                                (elastic, rescale))
             if signals.signum is not None:
                 return 128 + signals.signum
-            if not outcome.rescale and not _restarting(budget, outcome, signals):
+            if outcome.rescale:
+                if not _rescaling(signals):
+                    return 128 + signals.signum
+            elif not _restarting(budget, outcome, signals):
                 return outcome.code
             attempt += 1
 
@@ -855,6 +858,14 @@ def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
     config = dataclasses.replace(config, num_workers=count)
     return (config, *workers_argv(config, program, layout),
             RescaleWatch(elastic, layout, count, rescale))
+
+
+def _rescaling(signals: _Signals) -> bool:
+    """Whether to start the attempt with the new worker count: yes, unless a signal came
+    as the last one ended. From now on a signal aborts its start (the wait for --min-np
+    slots included), as for a restart: there is no job to forward it to."""
+    signals.job, signals.abortable = None, True
+    return signals.signum is None
 
 
 def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> bool:

@@ -241,6 +241,28 @@ def test_a_script_hanging_while_the_job_runs_neither_delays_its_end_nor_outlives
 
 
 @pytest.mark.multiprocess
+def test_a_signal_while_waiting_for_slots_after_a_rescale_ends_the_launcher(tmp_path, mark,
+                                                                            monkeypatch):
+    """After a rescale the launcher still forwarded signals to the last attempt's job, gone:
+    SIGTERM during the wait for --min-np slots was lost (and --elastic-timeout is 600 s)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = elastic(hosts, "-np", "3", "--min-np", "2", "--", "python", PROBE, "--sleep",
+                       "30", "--checkpoint-every", "0.5", mark=mark)
+    launcher.wait_for_probes(2)
+    hosts.then("localhost:3\n", "localhost:1\n")  # a rescale to 3 asked, then one slot
+    wait_for_line(launcher, "stopped after their checkpoint, as asked")
+    wait_for_line(launcher, "waiting up to 600s for --min-np 2 slots; the host discovery "
+                            "script lists 1 slot(s)")
+    launcher.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert launcher.wait(timeout=20) == 143, launcher.output()
+    assert time.monotonic() - signalled < 5, launcher.output()
+    assert temporary_dirs(tmp_path / "tmp") == [], launcher.output()
+
+
+@pytest.mark.multiprocess
 def test_a_script_past_its_timeout_is_ended_whole_and_said_once(tmp_path, mark, monkeypatch):
     """Its timeout (DISCOVERY_TIMEOUT_S, 30 s: shortened here) killed the shell, not what
     it ran."""
