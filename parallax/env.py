@@ -148,6 +148,11 @@ def ask_rescale(path: str | Path, workers: int) -> None:
     os.replace(partial, path)
 
 
+def withdraw_rescale(path: str | Path) -> None:
+    """The launcher's request is void: the workers go on as they are."""
+    Path(path).unlink(missing_ok=True)
+
+
 def rescale_request(path: str | Path) -> int | None:
     """The worker count the launcher asked for in `path`; None when it asked nothing."""
     try:

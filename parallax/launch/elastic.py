@@ -11,7 +11,8 @@ this machine for now (`localhost:N`): the request below is a file here.
 While an attempt runs, the script runs every DISCOVERY_PERIOD_S (`RescaleWatch`). When the
 count it allows differs from the attempt's, or a host the attempt uses is no longer listed,
 the launcher asks the workers to stop at their next checkpoint (`parallax.env.ask_rescale`,
-the file named by PARALLAX_RESCALE_FILE). They stop right after it
+the file named by PARALLAX_RESCALE_FILE; withdrawn when the count comes back before they
+stopped). They stop right after it
 (`parallax.tf.state.rescale`; Keras `fit`: the end of an epoch that saved one), and the next
 attempt starts with the new count, resuming from that checkpoint: nothing is redone, and the
 stop uses none of `--max-restarts`. A worker that fails is restarted as before
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from parallax.env import ask_rescale
+from parallax.env import ask_rescale, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
 
@@ -167,7 +168,8 @@ def _uses(layout: ClusterLayout, workers: int) -> set[str]:
 class RescaleWatch:
     """While an attempt runs: discovers the hosts every DISCOVERY_PERIOD_S and asks the
     workers (`ask_rescale` into `path`) to stop at their next checkpoint when another worker
-    count is called for; `asked` is that count (None: none asked)."""
+    count is called for, and withdraws the request (`withdraw_rescale`) when the attempt's
+    own count is back first; `asked` is the count asked (None: none)."""
 
     def __init__(self, elastic: Elastic, layout: ClusterLayout, workers: int,
                  path: Path) -> None:
@@ -203,6 +205,12 @@ class RescaleWatch:
                     + (f" (no longer {', '.join(sorted(gone))})" if gone else "")
                     + f": asking the {self.workers} worker(s) to stop at their next "
                     f"checkpoint, to go on with {wanted}")
+            elif wanted == self.workers and not gone and self.asked is not None:
+                self.asked = None  # back before the workers' checkpoint: they go on
+                withdraw_rescale(self.path)
+                self.elastic.say(
+                    f"the host discovery script lists {layout.num_slots} slot(s) again: the "
+                    f"{self.workers} worker(s) go on; the request to stop is withdrawn")
 
     def stop(self) -> None:
         """Stop watching (the attempt ended, or never got to start its workers)."""

@@ -979,7 +979,8 @@ def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
     if watch is None or outcome.code == 0 or not stopped_for_rescale(watch.path):
         return outcome
     _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
-         f"goes on with {watch.asked} from it")
+         + (f"goes on with {watch.asked} from it" if watch.asked is not None else
+            "goes on from it with the count listed now"))  # (stopped as it was withdrawn)
     return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
 
 

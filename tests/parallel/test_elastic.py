@@ -263,6 +263,23 @@ def test_a_signal_while_waiting_for_slots_after_a_rescale_ends_the_launcher(tmp_
 
 
 @pytest.mark.multiprocess
+def test_hosts_back_before_the_next_checkpoint_withdraw_the_request(tmp_path, mark):
+    """2 -> 1 -> 2 slots within a checkpoint interval: the request for 1 stayed, and the
+    workers stopped at their checkpoint to go on with the 2 they were."""
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep",
+                       "7", "--checkpoint-every", "5", "--until-restart", "1", mark=mark)
+    launcher.wait_for_probes(2)
+    hosts.then("localhost:1\n", "localhost:2\n")
+    assert launcher.wait() == 0, launcher.output()
+    assert said(launcher, "to go on with 1") == 1, launcher.output()
+    assert said(launcher, "lists 2 slot(s) again: the 2 worker(s) go on; the request to "
+                          "stop is withdrawn") == 1, launcher.output()
+    assert len(starts(launcher)) == 1, launcher.output()
+    assert not said(launcher, "stopped after their checkpoint"), launcher.output()
+
+
+@pytest.mark.multiprocess
 def test_a_script_past_its_timeout_is_ended_whole_and_said_once(tmp_path, mark, monkeypatch):
     """Its timeout (DISCOVERY_TIMEOUT_S, 30 s: shortened here) killed the shell, not what
     it ran."""

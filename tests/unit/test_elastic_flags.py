@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.env import ask_rescale, note_rescale_stop, rescale_request, stopped_for_rescale
+from parallax.env import (ask_rescale, note_rescale_stop, rescale_request, stopped_for_rescale,
+                          withdraw_rescale)
 from parallax.errors import ConfigError
 from parallax.launch.elastic import Elastic
 from parallax.launch.hosts import parse_discovered
@@ -85,6 +86,10 @@ def test_a_request_is_read_whole_or_not_at_all(tmp_path):
     for garbage in ("", "{", '{"workers": 0}', '{"workers": "2"}', "[2]"):
         path.write_text(garbage)
         assert rescale_request(path) is None, garbage
+    ask_rescale(path, 2)
+    withdraw_rescale(path)  # the count came back before the workers stopped
+    assert rescale_request(path) is None
+    withdraw_rescale(path)  # nothing left to withdraw
     assert not stopped_for_rescale(path)
     note_rescale_stop(path, 4)
     assert stopped_for_rescale(path) and not stopped_for_rescale(path)  # read once
