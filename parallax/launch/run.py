@@ -832,8 +832,9 @@ def run(config: LaunchConfig) -> int:
 def _elastic(config: LaunchConfig) -> Elastic | None:
     if config.discovery_script is None:
         return None
-    return Elastic(config.discovery_script, config.min_workers or config.num_workers,
-                   config.max_workers or config.num_workers, config.elastic_timeout, _say)
+    bounds = [config.num_workers if value is None else value  # (0 is a value, refused)
+              for value in (config.min_workers, config.max_workers)]
+    return Elastic(config.discovery_script, *bounds, config.elastic_timeout, _say)
 
 
 @contextlib.contextmanager
@@ -1099,6 +1100,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             raise ConfigError("--host-discovery-script needs -np N or --max-np N: the most "
                               "workers the job runs with when its hosts allow")
         workers = args.max_workers
+        if workers < 1:
+            raise ConfigError(f"--max-np {workers} must be at least 1 (the most workers the "
+                              f"job runs with)")
     if hosts is not None:
         from parallax.launch.hosts import load_hosts
         layout = load_hosts(hosts)

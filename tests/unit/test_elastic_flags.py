@@ -30,6 +30,10 @@ def config(*argv: str):
                                              r"--min-np <= --max-np \(-np is --max-np's"),
     ([*SCRIPT, "--min-np", "3", "--max-np", "2"], "--min-np 3 and --max-np 2: need"),
     ([*SCRIPT, "-np", "2", "--elastic-timeout", "0"], "--elastic-timeout 0 must be > 0"),
+    # 0 is a bound given, not the default (-np): it was taken for -np
+    ([*SCRIPT, "-np", "2", "--min-np", "0"], "--min-np 0 and --max-np 2: need 1 <= --min-np"),
+    ([*SCRIPT, "-np", "2", "--max-np", "0"], "--min-np 2 and --max-np 0: need 1 <= --min-np"),
+    ([*SCRIPT, "--max-np", "0"], "--max-np 0 must be at least 1"),
 ])
 def test_elastic_flags_that_cannot_work_are_refused(argv, words):
     with pytest.raises(ConfigError, match=words):
