@@ -917,8 +917,11 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
         yield config
         return
     with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:
-        _say(f"--max-restarts without --data-dir: the servers keep their checkpoints in "
-             f"{data_dir} for the restarts (removed at the end)")
+        given = " and ".join(flag for flag, on in (
+            ("--max-restarts", config.max_restarts),
+            ("--host-discovery-script", config.discovery_script)) if on)
+        _say(f"{given} without --data-dir: the servers keep their checkpoints in {data_dir} "
+             f"for the next attempts (removed at the end)")
         yield dataclasses.replace(config, data_dir=data_dir)
 
 

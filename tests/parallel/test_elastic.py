@@ -83,6 +83,8 @@ def test_the_scripts_slots_capped_by_max_np_decide_the_worker_count(tmp_path, ma
     assert three.wait() == 0, three.output()
     assert sorted((p["rank"], p["size"]) for p in three.probes()) == [(0, 2), (1, 2)]
     assert {p["asked"] for p in three.probes()} == {None}  # nothing asked at the start
+    assert "parallax run: --host-discovery-script without --data-dir: the servers keep " \
+        "their checkpoints in" in three.output(), three.output()  # said --max-restarts
     hosts.set("localhost\n")  # one slot
     one = elastic(hosts, "--max-np", "2", "--min-np", "1", PROBE, mark=mark)
     assert one.wait() == 0, one.output()
