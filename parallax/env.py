@@ -167,12 +167,14 @@ def note_rescale_stop(path: str | Path, epoch: int) -> None:
     Path(f"{path}.stopped").write_text(json.dumps({"epoch": epoch}))
 
 
-def stopped_for_rescale(path: str | Path) -> bool:
-    """Whether the workers answered `ask_rescale` by stopping (and clears the answer)."""
+def stopped_for_rescale(path: str | Path, clear: bool = True) -> bool:
+    """Whether the workers answered `ask_rescale` by stopping (and, `clear`, clears the
+    answer)."""
     answer = Path(f"{path}.stopped")
     if not answer.exists():
         return False
-    answer.unlink()
+    if clear:
+        answer.unlink()
     return True
 
 

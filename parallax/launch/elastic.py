@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from parallax.env import ask_rescale, withdraw_rescale
+from parallax.env import ask_rescale, stopped_for_rescale, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
 
@@ -211,6 +211,11 @@ class RescaleWatch:
                 self.elastic.say(
                     f"the host discovery script lists {layout.num_slots} slot(s) again: the "
                     f"{self.workers} worker(s) go on; the request to stop is withdrawn")
+
+    def answered(self, clear: bool = False) -> bool:
+        """Whether the workers stopped for the count asked (the chief noted it); `clear`:
+        the note is read once, for the attempt that ends."""
+        return stopped_for_rescale(self.path, clear)
 
     def stop(self) -> None:
         """Stop watching (the attempt ended, or never got to start its workers)."""

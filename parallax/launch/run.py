@@ -54,7 +54,7 @@ from parallax.client.replicas import check_flag, survives
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_FILE_ENV,
                           RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
-                          is_run_id, new_run_id, parse_worker_metrics_line, stopped_for_rescale)
+                          is_run_id, new_run_id, parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -651,7 +651,7 @@ def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
 
 
 def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
-               health: _HealthWatch) -> Outcome:
+               health: _HealthWatch, watch: RescaleWatch | None = None) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
@@ -683,14 +683,16 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
                                   f"{silent[2]:.0f}s")
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
-            return _job_outcome(job)
+            return _job_outcome(job, watch is not None and watch.answered())
 
 
-def _job_outcome(job: _Job) -> Outcome:
+def _job_outcome(job: _Job, rescale: bool = False) -> Outcome:
+    """How the job ended when its workers did; `rescale`: they stopped for a new worker
+    count (`_rescaled`), no failure to report."""
     code = job.exit_code()
     if not code:
         return Outcome(0)
-    if job.first_failure is None:
+    if job.first_failure is None or rescale:
         return Outcome.failed(code, f"{job.backend.who} exited with code {code}")
     rank, failed = job.first_failure
     _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
@@ -961,7 +963,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         if watch is not None:
             watch.start()
         try:
-            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health)
+            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health,
+                                 watch)
         finally:
             health.stop()
             progress.stop()
@@ -980,7 +983,7 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
 def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
     """An elastic job's workers that stopped at a checkpoint for a new count: a rescale
     (using none of --max-restarts), whatever their exit codes said."""
-    if watch is None or outcome.code == 0 or not stopped_for_rescale(watch.path):
+    if watch is None or outcome.code == 0 or not watch.answered(clear=True):
         return outcome
     _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
          + (f"goes on with {watch.asked} from it" if watch.asked is not None else
