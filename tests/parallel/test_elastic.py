@@ -20,6 +20,8 @@ import pytest
 from launching import PROBE, Launcher, marked_processes
 from launching import mark  # noqa: F401 (a fixture)
 
+RESCALE_WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "rescale_worker.py")
+
 
 class Hosts:
     """A discovery script that prints `hosts` (and, while `fail` exists, prints it to
@@ -298,3 +300,26 @@ def test_a_script_past_its_timeout_is_ended_whole_and_said_once(tmp_path, mark, 
     assert len(messages) == 1 and "timed out after 0.5 seconds" in messages[0], messages
     hosts.hang.unlink()
     assert discovery.discover().num_slots == 1
+
+
+@pytest.mark.multiprocess
+def test_a_chief_slow_to_note_its_stop_still_rescales(tmp_path, mark):
+    """A custom loop's rescale point (tests/helpers/rescale_worker.py), 2 -> 1 workers, the
+    launcher's default collectives. Rank 1 left as soon as the chief's broadcast said stop,
+    and its exit (75) ended the job (horovodrun and the supervisor stop the other workers)
+    before the chief noted the stop: a failure, the job's end without --max-restarts."""
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = Launcher("--servers", "1", "--host-discovery-script", str(hosts.script),
+                        "-np", "2", "--min-np", "1", "--", "python", RESCALE_WORKER,
+                        "--slow-note", "3", mark=mark)
+    deadline = time.monotonic() + 90
+    while sum('"ready"' in line for line in launcher.out) < 2:
+        assert launcher.proc.poll() is None and time.monotonic() < deadline, launcher.output()
+        time.sleep(0.1)
+    hosts.set("localhost:1\n")
+    assert launcher.wait(timeout=90) == 0, launcher.output()
+    assert said(launcher, "stopped after their checkpoint, as asked; the job goes on with "
+                          "1") == 1, launcher.output()
+    again = [line[line.index("{"):] for line in launcher.out if '"again"' in line]
+    assert again == ['{"rescale_worker": "again", "attempt": 1, "rank": 0, "size": 1}'], \
+        launcher.output()
