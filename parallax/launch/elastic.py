@@ -69,8 +69,8 @@ class Elastic:
         except (OSError, subprocess.TimeoutExpired, ParallaxError) as exc:
             self.say_once(f"--host-discovery-script {self.script!r}: {exc}")
             return None
+        _check_local(self.script, layout)  # (a refusal, said once by the watch)
         self._failed = ""
-        _check_local(self.script, layout)
         return layout
 
     def _run(self, cancelled: threading.Event | None) -> tuple[int, str, str]:

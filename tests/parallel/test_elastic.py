@@ -323,3 +323,19 @@ def test_a_chief_slow_to_note_its_stop_still_rescales(tmp_path, mark):
     again = [line[line.index("{"):] for line in launcher.out if '"again"' in line]
     assert again == ['{"rescale_worker": "again", "attempt": 1, "rank": 0, "size": 1}'], \
         launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_remote_host_listed_while_the_job_runs_is_said_once_and_changes_nothing(tmp_path,
+                                                                                mark):
+    """The refusal was said at every discovery (every second): discovery forgot the last
+    failure before it checked the hosts."""
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep",
+                       "4", "--checkpoint-every", "0.3", mark=mark)
+    launcher.wait_for_probes(1)
+    hosts.set("localhost:1\n192.0.2.7:1\n")
+    assert launcher.wait() == 0, launcher.output()
+    assert said(launcher, "lists 192.0.2.7: an elastic job's workers run on this machine") \
+        == 1, launcher.output()
+    assert len(starts(launcher)) == 1, launcher.output()
