@@ -23,6 +23,7 @@ with a fixed worker count would, on the same global batches.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -51,7 +52,7 @@ class Elastic:
             raise ConfigError(f"--elastic-timeout {timeout_s:g} must be > 0 seconds")
         self.script, self.min_np, self.max_np = script, min_np, max_np
         self.timeout_s, self.say = timeout_s, say
-        self._failed = ""  # the script's last failure, said once
+        self._failed = ""  # the kind of the script's last failure, said once
         self._lock = threading.Lock()
         self._running: subprocess.Popen | None = None  # the script, while it runs
 
@@ -105,9 +106,11 @@ class Elastic:
                 _end_group(self._running)
 
     def say_once(self, message: str) -> None:
-        """Say a failure of discovery, unless it is the one said last."""
-        if message != self._failed:
-            self._failed = message
+        """Say a failure of discovery, unless it is the one said last (numbers aside: a
+        script's error often names the time, as kubectl's do)."""
+        kind = re.sub(r"\d+", "#", message)
+        if kind != self._failed:
+            self._failed = kind
             self.say(message)
 
     def workers(self, layout: ClusterLayout | None) -> int:

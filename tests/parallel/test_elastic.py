@@ -339,3 +339,20 @@ def test_a_remote_host_listed_while_the_job_runs_is_said_once_and_changes_nothin
     assert said(launcher, "lists 192.0.2.7: an elastic job's workers run on this machine") \
         == 1, launcher.output()
     assert len(starts(launcher)) == 1, launcher.output()
+
+
+@pytest.mark.multiprocess
+def test_a_failure_that_prints_the_time_is_said_once(tmp_path, mark):
+    """Each failure was compared whole with the last one said: a script whose error names
+    the time (kubectl's do) was said every second."""
+    hosts = Hosts(tmp_path, "localhost:1\n")
+    hosts.script.write_text(f"#!/bin/sh\nif [ -e {hosts.fail} ]; then\n"
+                            f"  echo \"E$(date +%H%M%S.%N) inventory down\" >&2; exit 3\nfi\n"
+                            f"cat {hosts.file}\n")
+    hosts.fail.touch()
+    launcher = elastic(hosts, "-np", "1", PROBE, mark=mark)
+    wait_for_line(launcher, "inventory down")
+    time.sleep(2.5)
+    hosts.fail.unlink()
+    assert launcher.wait() == 0, launcher.output()
+    assert said(launcher, "inventory down") == 1, launcher.output()
