@@ -58,6 +58,13 @@ def elastic(hosts: Hosts, *args: str, mark: str) -> Launcher:
                     "--host-discovery-script", str(hosts.script), *args, mark=mark)
 
 
+def rescalable(hosts: Hosts, sleep: str, *more: str, mark: str) -> Launcher:
+    """Probes (-np 2 --min-np 1) that sleep `sleep` s, answering the launcher's requests
+    at checkpoints 0.3 s apart."""
+    return elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep", sleep,
+                   "--checkpoint-every", "0.3", *more, mark=mark)
+
+
 def wait_for_line(launcher: Launcher, text: str, timeout: float = 30.0) -> str:
     """The first line of the launcher's stderr with `text`, once it came."""
     deadline = time.monotonic() + timeout
@@ -169,8 +176,7 @@ def test_a_rescale_goes_1_2_1_workers_using_no_restart_and_a_fresh_request_file(
     """No --max-restarts: each rescale is a new attempt all the same, whose workers find no
     request left from the last one."""
     hosts = Hosts(tmp_path, "localhost:1\n")
-    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep",
-                       "30", "--checkpoint-every", "0.3", "--until-restart", "2", mark=mark)
+    launcher = rescalable(hosts, "30", "--until-restart", "2", mark=mark)
     launcher.wait_for_probes(1)
     hosts.set("localhost:2\n")
     launcher.wait_for_probes(3)
@@ -242,7 +248,8 @@ def test_a_script_hanging_while_the_job_runs_neither_delays_its_end_nor_outlives
     hung = time.monotonic()
     assert launcher.wait(timeout=60) == 0, launcher.output()
     assert time.monotonic() - hung < 10, launcher.output()
-    assert not said(launcher, "--host-discovery-script"), launcher.output()  # no failure
+    assert not said(launcher, f"--host-discovery-script '{hosts.script}'"), \
+        launcher.output()  # no failure said
 
 
 @pytest.mark.multiprocess
@@ -331,8 +338,7 @@ def test_a_remote_host_listed_while_the_job_runs_is_said_once_and_changes_nothin
     """The refusal was said at every discovery (every second): discovery forgot the last
     failure before it checked the hosts."""
     hosts = Hosts(tmp_path, "localhost:1\n")
-    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", PROBE, "--sleep",
-                       "4", "--checkpoint-every", "0.3", mark=mark)
+    launcher = rescalable(hosts, "4", mark=mark)
     launcher.wait_for_probes(1)
     hosts.set("localhost:1\n192.0.2.7:1\n")
     assert launcher.wait() == 0, launcher.output()
