@@ -148,6 +148,11 @@ def ask_rescale(path: str | Path, workers: int) -> None:
     os.replace(partial, path)
 
 
+def withdraw_rescale(path: str | Path) -> None:
+    """The launcher's request is void: the workers go on as they are."""
+    Path(path).unlink(missing_ok=True)
+
+
 def rescale_request(path: str | Path) -> int | None:
     """The worker count the launcher asked for in `path`; None when it asked nothing."""
     try:
@@ -162,12 +167,14 @@ def note_rescale_stop(path: str | Path, at: str) -> None:
     Path(f"{path}.stopped").write_text(json.dumps({"at": at}))
 
 
-def stopped_for_rescale(path: str | Path) -> bool:
-    """Whether the workers answered `ask_rescale` by stopping (and clears the answer)."""
+def stopped_for_rescale(path: str | Path, clear: bool = True) -> bool:
+    """Whether the workers answered `ask_rescale` by stopping (and, `clear`, clears the
+    answer)."""
     answer = Path(f"{path}.stopped")
     if not answer.exists():
         return False
-    answer.unlink()
+    if clear:
+        answer.unlink()
     return True
 
 

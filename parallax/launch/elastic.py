@@ -11,7 +11,8 @@ this machine for now (`localhost:N`): the request below is a file here.
 While an attempt runs, the script runs every DISCOVERY_PERIOD_S (`RescaleWatch`). When the
 count it allows differs from the attempt's, or a host the attempt uses is no longer listed,
 the launcher asks the workers to stop at their next checkpoint (`parallax.env.ask_rescale`,
-the file named by PARALLAX_RESCALE_FILE). They stop right after it
+the file named by PARALLAX_RESCALE_FILE; withdrawn when the count comes back before they
+stopped). They stop right after it
 (`parallax.tf.state.rescale`; Keras `fit`: the end of an epoch that saved one), and the next
 attempt starts with the new count, resuming from that checkpoint: nothing is redone, and the
 stop uses none of `--max-restarts`. A worker that fails is restarted as before
@@ -21,13 +22,16 @@ with a fixed worker count would, on the same global batches.
 """
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from parallax.env import ask_rescale
+from parallax.env import ask_rescale, stopped_for_rescale, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
 
@@ -48,28 +52,65 @@ class Elastic:
             raise ConfigError(f"--elastic-timeout {timeout_s:g} must be > 0 seconds")
         self.script, self.min_np, self.max_np = script, min_np, max_np
         self.timeout_s, self.say = timeout_s, say
-        self._failed = ""  # the script's last failure, said once
+        self._failed = ""  # the kind of the script's last failure, said once
+        self._lock = threading.Lock()
+        self._running: subprocess.Popen | None = None  # the script, while it runs
 
-    def discover(self) -> ClusterLayout | None:
-        """The hosts listed now; None (said once) when the script fails or says nonsense."""
+    def discover(self, cancelled: threading.Event | None = None) -> ClusterLayout | None:
+        """The hosts listed now; None (said once) when the script fails or says nonsense, and
+        None (unsaid) when `cancelled` was set meanwhile (`cancel` ended the script)."""
         try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=DISCOVERY_TIMEOUT_S, check=False)
-            if done.returncode:
-                raise ParallaxError(f"exited with code {done.returncode}: "
-                                    f"{done.stderr.strip()[-300:] or '(no output)'}")
-            layout = parse_discovered(done.stdout, "its output")
+            code, out, err = self._run(cancelled)
+            if cancelled is not None and cancelled.is_set():
+                return None
+            if code:
+                raise ParallaxError(f"exited with code {code}: "
+                                    f"{err.strip()[-300:] or '(no output)'}")
+            layout = parse_discovered(out, "its output")
         except (OSError, subprocess.TimeoutExpired, ParallaxError) as exc:
             self.say_once(f"--host-discovery-script {self.script!r}: {exc}")
             return None
+        _check_local(self.script, layout)  # (a refusal, said once by the watch)
         self._failed = ""
-        _check_local(self.script, layout)
         return layout
 
+    def _run(self, cancelled: threading.Event | None) -> tuple[int, str, str]:
+        """The script's exit code, output and error output. It runs in a process group of
+        its own, all of which is killed when it runs past DISCOVERY_TIMEOUT_S, when the
+        launcher is interrupted meanwhile (SIGINT/SIGTERM) and on `cancel`: what the shell
+        started ends with it."""
+        proc = subprocess.Popen(self.script, shell=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        with self._lock:
+            self._running = proc
+        try:
+            if cancelled is not None and cancelled.is_set():  # before `cancel` saw it
+                _end_group(proc)
+            out, err = proc.communicate(timeout=DISCOVERY_TIMEOUT_S)
+        except BaseException:
+            _end_group(proc)
+            proc.wait()
+            for stream in (proc.stdout, proc.stderr):
+                stream.close()
+            raise
+        finally:
+            with self._lock:
+                self._running = None
+        return proc.returncode, out, err
+
+    def cancel(self) -> None:
+        """End the script that runs now, if one does (from another thread than its)."""
+        with self._lock:
+            if self._running is not None:
+                _end_group(self._running)
+
     def say_once(self, message: str) -> None:
-        """Say a failure of discovery, unless it is the one said last."""
-        if message != self._failed:
-            self._failed = message
+        """Say a failure of discovery, unless it is the one said last (numbers aside: a
+        script's error often names the time, as kubectl's do)."""
+        kind = re.sub(r"\d+", "#", message)
+        if kind != self._failed:
+            self._failed = kind
             self.say(message)
 
     def workers(self, layout: ClusterLayout | None) -> int:
@@ -95,6 +136,13 @@ class Elastic:
                 self.say(f"waiting up to {self.timeout_s:g}s for --min-np {self.min_np} "
                           f"slots; the host discovery script lists {_slots(layout)}")
             time.sleep(DISCOVERY_PERIOD_S)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # all of it ended
 
 
 def _check_local(script: str, layout: ClusterLayout) -> None:
@@ -123,7 +171,8 @@ def _uses(layout: ClusterLayout, workers: int) -> set[str]:
 class RescaleWatch:
     """While an attempt runs: discovers the hosts every DISCOVERY_PERIOD_S and asks the
     workers (`ask_rescale` into `path`) to stop at their next checkpoint when another worker
-    count is called for; `asked` is that count (None: none asked)."""
+    count is called for, and withdraws the request (`withdraw_rescale`) when the attempt's
+    own count is back first; `asked` is the count asked (None: none)."""
 
     def __init__(self, elastic: Elastic, layout: ClusterLayout, workers: int,
                  path: Path) -> None:
@@ -141,10 +190,12 @@ class RescaleWatch:
     def _loop(self) -> None:
         while not self._stop.wait(DISCOVERY_PERIOD_S):
             try:
-                layout = self.elastic.discover()
+                layout = self.elastic.discover(self._stop)
             except ConfigError as exc:  # the hosts of the running attempt stay
                 layout = None
                 self.elastic.say_once(str(exc))
+            if self._stop.is_set():
+                return
             if layout is None:
                 continue  # a failing script changes nothing (said once)
             wanted = self.elastic.workers(layout)
@@ -157,7 +208,21 @@ class RescaleWatch:
                     + (f" (no longer {', '.join(sorted(gone))})" if gone else "")
                     + f": asking the {self.workers} worker(s) to stop at their next "
                     f"checkpoint, to go on with {wanted}")
+            elif wanted == self.workers and not gone and self.asked is not None:
+                self.asked = None  # back before the workers' checkpoint: they go on
+                withdraw_rescale(self.path)
+                self.elastic.say(
+                    f"the host discovery script lists {layout.num_slots} slot(s) again: the "
+                    f"{self.workers} worker(s) go on; the request to stop is withdrawn")
+
+    def answered(self, clear: bool = False) -> bool:
+        """Whether the workers stopped for the count asked (the chief noted it); `clear`:
+        the note is read once, for the attempt that ends."""
+        return stopped_for_rescale(self.path, clear)
 
     def stop(self) -> None:
+        """Stop watching (the attempt ended, or never got to start its workers)."""
         self._stop.set()
-        self._thread.join(DISCOVERY_TIMEOUT_S + 1)
+        self.elastic.cancel()  # a script that hangs now would hold the launcher up
+        if self._thread.is_alive():
+            self._thread.join(DISCOVERY_TIMEOUT_S + 1)

@@ -54,7 +54,7 @@ from parallax.client.replicas import check_flag, survives
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_FILE_ENV,
                           RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
-                          is_run_id, new_run_id, parse_worker_metrics_line, stopped_for_rescale)
+                          is_run_id, new_run_id, parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -651,7 +651,7 @@ def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
 
 
 def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
-               health: _HealthWatch) -> Outcome:
+               health: _HealthWatch, watch: RescaleWatch | None = None) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
@@ -684,14 +684,16 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
                                   f"{silent[2]:.0f}s", server_failed=True)
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
-            return _job_outcome(job)
+            return _job_outcome(job, watch is not None and watch.answered())
 
 
-def _job_outcome(job: _Job) -> Outcome:
+def _job_outcome(job: _Job, rescale: bool = False) -> Outcome:
+    """How the job ended when its workers did; `rescale`: they stopped for a new worker
+    count (`_rescaled`), no failure to report."""
     code = job.exit_code()
     if not code:
         return Outcome(0)
-    if job.first_failure is None:
+    if job.first_failure is None or rescale:
         return Outcome.failed(code, f"{job.backend.who} exited with code {code}")
     rank, failed = job.first_failure
     _say(f"worker rank {rank} exited with code {failed} first; the job exits with "
@@ -883,8 +885,9 @@ def run(config: LaunchConfig) -> int:
             while True:
                 outcome = _attempt(config, program, run_id, attempt, signals,
                                    (elastic, rescale), servers)
-                if signals.signum is None and (outcome.rescale or
-                                               _restarting(budget, outcome, signals)):
+                if signals.signum is None and (
+                        _rescaling(signals) if outcome.rescale
+                        else _restarting(budget, outcome, signals)):
                     attempt += 1
                     continue
                 return outcome.code if signals.signum is None else 128 + signals.signum
@@ -896,8 +899,9 @@ def run(config: LaunchConfig) -> int:
 def _elastic(config: LaunchConfig) -> Elastic | None:
     if config.discovery_script is None:
         return None
-    return Elastic(config.discovery_script, config.min_workers or config.num_workers,
-                   config.max_workers or config.num_workers, config.elastic_timeout, _say)
+    bounds = [config.num_workers if value is None else value  # (0 is a value, refused)
+              for value in (config.min_workers, config.max_workers)]
+    return Elastic(config.discovery_script, *bounds, config.elastic_timeout, _say)
 
 
 @contextlib.contextmanager
@@ -922,6 +926,14 @@ def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
     config = dataclasses.replace(config, num_workers=count)
     return (config, *workers_argv(config, program, layout),
             RescaleWatch(elastic, layout, count, rescale))
+
+
+def _rescaling(signals: _Signals) -> bool:
+    """Whether to start the attempt with the new worker count: yes, unless a signal came
+    as the last one ended. From now on a signal aborts its start (the wait for --min-np
+    slots included), as for a restart: there is no job to forward it to."""
+    signals.job, signals.abortable = None, True
+    return signals.signum is None
 
 
 def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> bool:
@@ -972,8 +984,11 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
         yield config
         return
     with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:
-        _say(f"--max-restarts without --data-dir: the servers keep their checkpoints in "
-             f"{data_dir} for the restarts (removed at the end)")
+        given = " and ".join(flag for flag, on in (
+            ("--max-restarts", config.max_restarts),
+            ("--host-discovery-script", config.discovery_script)) if on)
+        _say(f"{given} without --data-dir: the servers keep their checkpoints in {data_dir} "
+             f"for the next attempts (removed at the end)")
         yield dataclasses.replace(config, data_dir=data_dir)
 
 
@@ -1014,7 +1029,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         if watch is not None:
             watch.start()
         try:
-            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health)
+            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health,
+                                 watch)
         finally:
             health.stop()
             progress.stop()
@@ -1033,10 +1049,11 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
 def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
     """An elastic job's workers that stopped at a checkpoint for a new count: a rescale
     (using none of --max-restarts), whatever their exit codes said."""
-    if watch is None or outcome.code == 0 or not stopped_for_rescale(watch.path):
+    if watch is None or outcome.code == 0 or not watch.answered(clear=True):
         return outcome
     _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
-         f"goes on with {watch.asked} from it")
+         + (f"goes on with {watch.asked} from it" if watch.asked is not None else
+            "goes on from it with the count listed now"))  # (stopped as it was withdrawn)
     return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
 
 
@@ -1155,6 +1172,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             raise ConfigError("--host-discovery-script needs -np N or --max-np N: the most "
                               "workers the job runs with when its hosts allow")
         workers = args.max_workers
+        if workers < 1:
+            raise ConfigError(f"--max-np {workers} must be at least 1 (the most workers the "
+                              f"job runs with)")
     if hosts is not None:
         from parallax.launch.hosts import load_hosts
         layout = load_hosts(hosts)

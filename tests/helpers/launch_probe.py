@@ -9,7 +9,12 @@ every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "s
 exits with --exit CODE (only on --exit-rank R when given, at once; the other ranks sleep
 and exit 0). With
 --until-restart A, the sleep and the exit code apply only while PARALLAX_RESTART_COUNT < A
-(later attempts exit 0 at once).
+(later attempts exit 0 at once). With --checkpoint-every S (an elastic job's worker, for
+`parallax run --host-discovery-script`), the sleep is cut into "checkpoints" S seconds apart:
+at each, rank 0 stops for a rescale when the launcher asked for one (PARALLAX_RESCALE_FILE:
+it notes the stop, prints {"rescale_stop": 1, ...} and exits 75, as
+parallax.tf.state.rescale does), and the other ranks exit 75 once rank 0 noted it. The probe's
+line also says what the request file held when it started ("asked").
 """
 import argparse
 import json
@@ -23,6 +28,7 @@ parser.add_argument("--exit-rank", type=int, default=None)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--until-restart", type=int, default=None)
 parser.add_argument("--collective", action="store_true")
+parser.add_argument("--checkpoint-every", type=float, default=None)
 args = parser.parse_args()
 restart = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
 if args.until_restart is not None and restart >= args.until_restart:
@@ -50,6 +56,10 @@ if args.collective:
 
 from parallax import PSClient  # noqa: E402
 from parallax.client.connection import client_options_from_env  # noqa: E402
+from parallax.env import (RESCALE_EXIT, RESCALE_FILE_ENV, note_rescale_stop,  # noqa: E402
+                          rescale_request)
+
+rescale_file = os.environ.get(RESCALE_FILE_ENV)
 
 addresses = os.environ["PARALLAX_PS_ADDRESSES"].split(",")
 with PSClient(addresses, client_options_from_env()) as client:
@@ -61,6 +71,30 @@ print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses
                   "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart, "sum": total,
                   "replicas": os.environ.get("PARALLAX_REPLICAS"),
                   "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                  "log_level": os.environ.get("PARALLAX_LOG_LEVEL")}), flush=True)
-time.sleep(0.0 if args.exit_rank == rank else args.sleep)
+                  "log_level": os.environ.get("PARALLAX_LOG_LEVEL"),
+                  "asked": rescale_request(rescale_file) if rescale_file else None}),
+      flush=True)
+
+
+def sleep_to_checkpoints(seconds: float) -> None:
+    """Sleep; stop for a rescale at a checkpoint every --checkpoint-every seconds when
+    asked (rank 0 decides; the others follow its note)."""
+    end, checkpoint = time.monotonic() + seconds, time.monotonic() + args.checkpoint_every
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        if rank and os.path.exists(f"{rescale_file}.stopped"):
+            sys.exit(RESCALE_EXIT)
+        if rank == 0 and time.monotonic() >= checkpoint:
+            checkpoint += args.checkpoint_every
+            if rescale_request(rescale_file) is not None:
+                note_rescale_stop(rescale_file, 0)
+                print(json.dumps({"rescale_stop": 1, "size": size,
+                                  "asked": rescale_request(rescale_file)}), flush=True)
+                sys.exit(RESCALE_EXIT)
+
+
+if args.checkpoint_every is not None and rescale_file and args.exit_rank != rank:
+    sleep_to_checkpoints(args.sleep)
+else:
+    time.sleep(0.0 if args.exit_rank == rank else args.sleep)
 sys.exit(args.exit if args.exit_rank in (None, rank) else 0)

@@ -5,8 +5,9 @@ count by writing it to the file named by PARALLAX_RESCALE_FILE. Keras `fit` call
 `stop_if_asked` at the end of every epoch, after its callbacks (`BackupAndRestore` saves
 there); a custom loop calls `ParallaxStrategy.rescale_point()` after its checkpoint. When the
 launcher asked, and this point followed a checkpoint, every worker stops there together (the
-chief decides, the others follow its broadcast): the chief notes it for the launcher, and
-each worker ends with exit code `RESCALE_EXIT`. The launcher then starts the job again with
+chief decides and notes it for the launcher, then the others follow its broadcast: a worker
+that exits first ends the others, so the note comes before), and each worker ends with exit
+code `RESCALE_EXIT`. The launcher then starts the job again with
 the new count, which resumes from that checkpoint: nothing is redone, and each step still
 consumes the same global batch (`datasets.shard_for_worker` splits it by the new count).
 """
@@ -31,15 +32,14 @@ def stop_if_asked(extended, saved: bool, at: str, last: bool = False) -> None:
         return
     workers = extended.workers
     stop = workers.info.is_chief and _chief_stops(path, workers.info.size, saved, last)
-    if workers.info.size > 1:
-        stop = workers.broadcast_object(stop if workers.info.is_chief else None)
-    if not stop:
-        return
-    if workers.info.is_chief:
+    if stop:  # noted before the others learn it: the first of them to exit ends the job
         note_rescale_stop(path, at)
         log.info("stopping after the checkpoint at %s: the launcher asked for %s worker(s) "
                  "instead of %d", at, rescale_request(path), workers.info.size)
-    raise SystemExit(RESCALE_EXIT)
+    if workers.info.size > 1:
+        stop = workers.broadcast_object(stop if workers.info.is_chief else None)
+    if stop:
+        raise SystemExit(RESCALE_EXIT)
 
 
 def _chief_stops(path: str, size: int, saved: bool, last: bool) -> bool:

@@ -1,0 +1,99 @@
+"""Elastic `parallax run` without processes: its flags and their refusals, the discovery
+script's output format, the worker count it allows, and the request files between the
+launcher and the workers (tests/parallel/test_elastic.py runs the jobs)."""
+from __future__ import annotations
+
+import pytest
+
+from parallax.env import (ask_rescale, note_rescale_stop, rescale_request, stopped_for_rescale,
+                          withdraw_rescale)
+from parallax.errors import ConfigError
+from parallax.launch.elastic import Elastic
+from parallax.launch.hosts import parse_discovered
+from parallax.launch.run import parse_args, validate
+
+SCRIPT = ["--host-discovery-script", "./discover.sh"]
+
+
+def config(*argv: str):
+    return parse_args([*argv, "--", "python", "-c", "pass"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-np", "2", "--min-np", "1"], "--min-np without --host-discovery-script"),
+    (["--max-np", "4"], "--max-np without --host-discovery-script"),
+    (["--min-np", "1", "--max-np", "4"], "--min-np and --max-np without"),
+    ([*SCRIPT, "-np", "2", "-H", "localhost:2"], "--host-discovery-script and --hosts/-H/"
+                                                 "--hostfile localhost:2 both given"),
+    ([*SCRIPT, "-np", "2", "--hosts", "localhost:2"], "both given: an elastic job's hosts"),
+    ([*SCRIPT, "-np", "2", "--min-np", "3"], r"--min-np 3 and --max-np 2: need 1 <= "
+                                             r"--min-np <= --max-np \(-np is --max-np's"),
+    ([*SCRIPT, "--min-np", "3", "--max-np", "2"], "--min-np 3 and --max-np 2: need"),
+    ([*SCRIPT, "-np", "2", "--elastic-timeout", "0"], "--elastic-timeout 0 must be > 0"),
+    # 0 is a bound given, not the default (-np): it was taken for -np
+    ([*SCRIPT, "-np", "2", "--min-np", "0"], "--min-np 0 and --max-np 2: need 1 <= --min-np"),
+    ([*SCRIPT, "-np", "2", "--max-np", "0"], "--min-np 2 and --max-np 0: need 1 <= --min-np"),
+    ([*SCRIPT, "--max-np", "0"], "--max-np 0 must be at least 1"),
+])
+def test_elastic_flags_that_cannot_work_are_refused(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(config(*argv))
+
+
+def test_a_script_needs_np_or_max_np():
+    with pytest.raises(ConfigError, match="--host-discovery-script needs -np N or --max-np N"):
+        config(*SCRIPT)
+
+
+@pytest.mark.parametrize("argv, bounds, workers", [
+    (["-np", "2"], (2, 2), 2),                        # -np: both bounds
+    (["--max-np", "4"], (4, 4), 4),                   # --max-np alone: -np too
+    (["-np", "2", "--min-np", "1"], (1, 2), 2),
+    (["-np", "2", "--min-np", "1", "--max-np", "3"], (1, 3), 2)])
+def test_the_bounds_default_to_np(argv, bounds, workers):
+    from parallax.launch.run import _elastic
+    job = config(*SCRIPT, *argv)
+    validate(job)
+    elastic = _elastic(job)
+    assert (elastic.min_np, elastic.max_np, job.num_workers) == (*bounds, workers)
+
+
+def test_the_scripts_output_gives_the_hosts_and_their_slots():
+    layout = parse_discovered("# now\nlocalhost:2\n\n127.0.0.1  # one slot\n[::1]:3\n", "out")
+    assert [(h.host, h.slots, h.servers) for h in layout.hosts] == [
+        ("localhost", 2, 0), ("127.0.0.1", 1, 0), ("[::1]", 3, 0)]
+    assert layout.num_slots == 6
+    assert parse_discovered("", "out").num_slots == 0  # no hosts now: wait for some
+
+
+@pytest.mark.parametrize("text, words", [
+    ("localhost:0\n", r"out, line 1: 'localhost:0' should be `host:N` \(N >= 1"),
+    ("localhost:two\n", "should be `host:N`"),
+    ("localhost:1\nlocalhost:2\n", "line 2: host 'localhost' is listed again")])
+def test_bad_lines_are_named(text, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_discovered(text, "out")
+
+
+def test_the_workers_are_the_slots_capped_by_max_np_and_none_below_min_np():
+    elastic = Elastic("true", min_np=2, max_np=3)
+    assert [elastic.workers(parse_discovered(f"localhost:{n}", "out")) for n in (1, 2, 3, 5)] \
+        == [0, 2, 3, 3]
+    assert elastic.workers(None) == 0  # the script failed
+
+
+def test_a_request_is_read_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "rescale.json"
+    assert rescale_request(path) is None  # none asked
+    ask_rescale(path, 3)
+    assert rescale_request(path) == 3 and not (tmp_path / "rescale.json.partial").exists()
+    for garbage in ("", "{", '{"workers": 0}', '{"workers": "2"}', "[2]"):
+        path.write_text(garbage)
+        assert rescale_request(path) is None, garbage
+    ask_rescale(path, 2)
+    withdraw_rescale(path)  # the count came back before the workers stopped
+    assert rescale_request(path) is None
+    withdraw_rescale(path)  # nothing left to withdraw
+    assert not stopped_for_rescale(path)
+    note_rescale_stop(path, 4)
+    assert stopped_for_rescale(path) and not stopped_for_rescale(path)  # read once
