@@ -178,6 +178,23 @@ def stopped_for_rescale(path: str | Path, clear: bool = True) -> bool:
     return True
 
 
+def note_global_batch(path: str | Path, batch: int) -> None:
+    """The chief's note of its training data's global batch: the worker counts that split
+    it evenly are the ones the launcher may start next (`global_batch`)."""
+    partial = Path(f"{path}.batch.partial")
+    partial.write_text(json.dumps({"global_batch": batch}))
+    os.replace(partial, f"{path}.batch")
+
+
+def global_batch(path: str | Path) -> int | None:
+    """The global batch the chief noted last; None before it noted one."""
+    try:
+        batch = json.loads(Path(f"{path}.batch").read_text()).get("global_batch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return batch if isinstance(batch, int) and batch > 0 else None
+
+
 def is_run_id(text: str) -> bool:
     """Whether `text` may be a run id: 1-48 letters, digits, '_' or '-'."""
     return bool(_RUN_ID.fullmatch(text))  # (match's $ would take a trailing newline)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from parallax.env import ask_rescale, stopped_for_rescale, withdraw_rescale
+from parallax.env import ask_rescale, global_batch, stopped_for_rescale, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
 
@@ -52,7 +52,10 @@ class Elastic:
             raise ConfigError(f"--elastic-timeout {timeout_s:g} must be > 0 seconds")
         self.script, self.min_np, self.max_np = script, min_np, max_np
         self.timeout_s, self.say = timeout_s, say
+        self.request: Path | None = None  # where the launcher asks for a count (and the
+        #                                   chief notes its global batch): parallax.env
         self._failed = ""  # the kind of the script's last failure, said once
+        self._split = ""  # the last count lowered to split the global batch, said once
         self._lock = threading.Lock()
         self._running: subprocess.Popen | None = None  # the script, while it runs
 
@@ -114,9 +117,18 @@ class Elastic:
             self.say(message)
 
     def workers(self, layout: ClusterLayout | None) -> int:
-        """Workers for `layout`: min(its slots, --max-np); 0 below --min-np."""
-        slots = layout.num_slots if layout is not None else 0
-        return min(slots, self.max_np) if slots >= self.min_np else 0
+        """Workers for `layout`: the most, up to min(its slots, --max-np), that split the
+        global batch the chief noted evenly (`request`; any count before it noted one);
+        0 below --min-np."""
+        most = min(layout.num_slots if layout is not None else 0, self.max_np)
+        batch = global_batch(self.request) if self.request is not None else None
+        count = next((n for n in range(most, 0, -1) if not batch or batch % n == 0), 0)
+        said = f"{most} worker(s) would not split the global batch of {batch} evenly: " \
+               f"running {count}"
+        if count < most and count >= self.min_np and said != self._split:
+            self._split = said  # (said once, not at every discovery)
+            self.say(said)
+        return count if count >= self.min_np else 0
 
     def wait(self, interrupted: Callable[[], bool] = lambda: False) -> tuple[ClusterLayout, int]:
         """The layout and worker count of the next attempt, once --min-np slots are listed;
@@ -128,9 +140,12 @@ class Elastic:
             if count:
                 return layout, count
             if interrupted() or time.monotonic() > deadline:
+                batch = global_batch(self.request) if self.request is not None else None
                 raise ParallaxError(f"--host-discovery-script listed {_slots(layout)} for "
                                     f"{self.timeout_s:g}s (--elastic-timeout); --min-np "
-                                    f"{self.min_np} needs {self.min_np}")
+                                    f"{self.min_np} needs {self.min_np}"
+                                    + (f", and a count that splits the global batch of "
+                                       f"{batch} evenly" if batch else ""))
             if not said:
                 said = True
                 self.say(f"waiting up to {self.timeout_s:g}s for --min-np {self.min_np} "

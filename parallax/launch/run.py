@@ -911,7 +911,8 @@ def _rescale_file(elastic: Elastic | None):
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="parallax-elastic-") as directory:
-        yield Path(directory) / "rescale.json"
+        elastic.request = Path(directory) / "rescale.json"
+        yield elastic.request
 
 
 def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:

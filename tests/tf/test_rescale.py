@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 import parallax
-from parallax.env import RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale, stopped_for_rescale
+from parallax.env import (RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale, global_batch,
+                          stopped_for_rescale)
 
 _ids = itertools.count()
 STEPS, EPOCHS, BATCH = 3, 4, 8
@@ -60,6 +61,7 @@ def test_fit_stops_right_after_the_checkpoint_of_the_epoch_it_is_asked_in(cluste
     assert json.loads((tmp_path / "rescale.json.stopped").read_text()) == {"at": "epoch 1"}
     assert stopped_for_rescale(request_file) and not stopped_for_rescale(request_file)
     assert list(backup.rglob("*.weights.h5")), "the backup to resume from is kept"
+    assert global_batch(request_file) == BATCH  # the counts the launcher may start next
     assert ended == [0]  # every callback's end of epoch 1 ran, then the stop
 
 

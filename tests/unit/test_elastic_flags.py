@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.env import (ask_rescale, note_rescale_stop, rescale_request, stopped_for_rescale,
-                          withdraw_rescale)
+from parallax.env import (ask_rescale, global_batch, note_global_batch, note_rescale_stop,
+                          rescale_request, stopped_for_rescale, withdraw_rescale)
 from parallax.errors import ConfigError
 from parallax.launch.elastic import Elastic
 from parallax.launch.hosts import parse_discovered
@@ -82,6 +82,28 @@ def test_the_workers_are_the_slots_capped_by_max_np_and_none_below_min_np():
     assert elastic.workers(None) == 0  # the script failed
 
 
+def test_the_workers_split_the_global_batch_the_chief_noted_evenly(tmp_path):
+    """A count that does not divide the global batch would fail every worker at its first
+    step (`shard_for_worker`): the most that do, within the bounds, once the chief noted
+    the batch (any count before)."""
+    said = []
+    elastic = Elastic("true", min_np=2, max_np=8, say=said.append)
+    elastic.request = tmp_path / "rescale.json"
+    slots = [parse_discovered(f"localhost:{n}", "out") for n in (3, 5, 8)]
+    assert [elastic.workers(layout) for layout in slots] == [3, 5, 8]  # nothing noted yet
+    note_global_batch(elastic.request, 16)
+    assert global_batch(elastic.request) == 16
+    assert [elastic.workers(layout) for layout in slots] == [2, 4, 8]
+    assert said == ["3 worker(s) would not split the global batch of 16 evenly: running 2",
+                    "5 worker(s) would not split the global batch of 16 evenly: running 4"]
+    note_global_batch(elastic.request, 9)
+    assert [elastic.workers(layout) for layout in slots] == [3, 3, 3]
+    note_global_batch(elastic.request, 7)  # only 1 (and 7) split it: below --min-np 2
+    assert [elastic.workers(layout) for layout in slots] == [0, 0, 7]
+    (tmp_path / "rescale.json.batch").write_text("{")
+    assert global_batch(elastic.request) is None
+
+
 def test_a_request_is_read_whole_or_not_at_all(tmp_path):
     path = tmp_path / "rescale.json"
     assert rescale_request(path) is None  # none asked
@@ -95,5 +117,5 @@ def test_a_request_is_read_whole_or_not_at_all(tmp_path):
     assert rescale_request(path) is None
     withdraw_rescale(path)  # nothing left to withdraw
     assert not stopped_for_rescale(path)
-    note_rescale_stop(path, 4)
+    note_rescale_stop(path, "epoch 4")
     assert stopped_for_rescale(path) and not stopped_for_rescale(path)  # read once

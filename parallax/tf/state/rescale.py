@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 
-from parallax.env import RESCALE_EXIT, RESCALE_FILE_ENV, note_rescale_stop, rescale_request
+from parallax.env import (RESCALE_EXIT, RESCALE_FILE_ENV, note_global_batch, note_rescale_stop,
+                          rescale_request)
 
 log = logging.getLogger("parallax")
 _warned: set[str] = set()
@@ -40,6 +41,15 @@ def stop_if_asked(extended, saved: bool, at: str, last: bool = False) -> None:
         stop = workers.broadcast_object(stop if workers.info.is_chief else None)
     if stop:
         raise SystemExit(RESCALE_EXIT)
+
+
+def publish_global_batch(workers, batch) -> None:
+    """The chief of an elastic job notes its training data's global batch for the launcher,
+    which then starts only worker counts that split it evenly; `batch`: a callable (read
+    only in an elastic job: it may peek at the data)."""
+    path = os.environ.get(RESCALE_FILE_ENV)
+    if path and workers.info.is_chief:
+        note_global_batch(path, batch())
 
 
 def _chief_stops(path: str, size: int, saved: bool, last: bool) -> bool:

@@ -57,7 +57,7 @@ from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check
 from parallax.tf.state.tuner import PartitionTuner
 from parallax.tf.strategy import binding
 from parallax.tf.strategy.config import StrategyConfig
-from parallax.tf.strategy.datasets import cover_for_worker, shard_for_worker
+from parallax.tf.strategy.datasets import cover_for_worker, global_batch_size, shard_for_worker
 
 _OPTIMIZER_UPDATE = "apply_grad_to_update_var"  # Keras 3's per-variable update function
 
@@ -631,6 +631,8 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         info = self.workers.info
         split = cover_for_worker if keras_patches.covering_rows() else shard_for_worker
+        if split is shard_for_worker:  # training: an elastic job's counts must split it
+            rescale.publish_global_batch(self.workers, lambda: global_batch_size(dataset))
         return super()._experimental_distribute_dataset(
             split(dataset, info.rank, info.size), options)
 
