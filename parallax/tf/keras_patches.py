@@ -50,8 +50,9 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   still saved.
 - An elastic job (`parallax run --host-discovery-script`) stops for a new worker count at the
   end of an epoch whose callbacks saved a checkpoint (`_rescale_point`,
-  `parallax.tf.state.rescale`), before `on_train_end` (where `BackupAndRestore` would delete
-  its backup).
+  `parallax.tf.state.rescale`), or with a batch-level `BackupAndRestore`, at the end of a
+  batch it backed up (`_rescale_at_backups`), before `on_train_end` (where `BackupAndRestore`
+  would delete its backup).
 
 Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_atomic`,
 `attach_to_keras_optimizers`):
@@ -130,6 +131,8 @@ def install(extended) -> None:
     from keras.src.callbacks.callback_list import CallbackList
     _patch(CallbackList, "on_train_begin", _chiefs_epoch(CallbackList.on_train_begin))
     _patch(CallbackList, "on_epoch_end", _rescale_point(CallbackList.on_epoch_end))
+    _patch(CallbackList, "on_train_batch_end",
+           _rescale_at_backups(CallbackList.on_train_batch_end))
 
 
 def _patch(owner, name: str, replacement) -> None:
@@ -378,9 +381,35 @@ def _rescale_point(original):
         original(self, epoch, logs)
         if extended is not None:
             epochs = (getattr(self, "params", None) or {}).get("epochs")
-            rescale.stop_if_asked(extended, extended.server_tables.saves > saves,
-                                  f"epoch {epoch + 1}", last=epochs is not None and epoch + 1 >= epochs)
+            rescale.stop_if_asked(
+                extended, extended.server_tables.saves > saves, f"epoch {epoch + 1}",
+                last=epochs is not None and epoch + 1 >= epochs,
+                warn=batch_resume.batch_level_epoch(self.callbacks) is None)  # (batch ends)
     return on_epoch_end
+
+
+def _rescale_at_backups(original):
+    """`CallbackList.on_train_batch_end`, then, in an elastic job with a batch-level
+    `BackupAndRestore` (whose backups come at batch ends, never at the epoch's end), the
+    same stop as `_rescale_point` when this batch's callbacks saved one. Every worker
+    joins the decision at every batch of such a job (a broadcast: it stops at the same
+    step everywhere)."""
+    @functools.wraps(original)
+    def on_train_batch_end(self, batch, logs=None):
+        model = getattr(self, "model", None)
+        extended = _extended_of(model) if model is not None else None
+        epoch = batch_resume.batch_level_epoch(self.callbacks) \
+            if extended is not None and rescale.elastic() else None
+        if epoch is None:
+            return original(self, batch, logs)
+        saves = extended.server_tables.saves
+        original(self, batch, logs)
+        params = getattr(self, "params", None) or {}
+        last = epoch + 1 >= (params.get("epochs") or 0) and batch + 1 >= (params.get("steps")
+                                                                            or 0)
+        rescale.stop_if_asked(extended, extended.server_tables.saves > saves,
+                              f"epoch {epoch + 1}, batch {batch + 1}", last=last, warn=False)
+    return on_train_batch_end
 
 
 def _backup_dirs(callbacks) -> list[str]:

@@ -65,6 +65,22 @@ def test_fit_stops_right_after_the_checkpoint_of_the_epoch_it_is_asked_in(cluste
     assert ended == [0]  # every callback's end of epoch 1 ran, then the stop
 
 
+def test_fit_with_batch_level_backups_stops_right_after_one(cluster, tmp_path, request_file,
+                                                            caplog):
+    """`BackupAndRestore(save_freq=2)` backs up at batch ends only, never at an epoch's end:
+    the stop comes right after the first backup once asked, without a warning."""
+    ask_rescale(request_file, 2)
+    ended: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="parallax"), \
+            pytest.raises(SystemExit) as stop:
+        _fit(cluster, [keras.callbacks.BackupAndRestore(str(tmp_path / "b"), save_freq=2)],
+             ended=ended)
+    assert stop.value.code == RESCALE_EXIT and ended == []
+    assert json.loads((tmp_path / "rescale.json.stopped").read_text()) == \
+        {"at": "epoch 1, batch 2"}
+    assert not [r for r in caplog.records if "no checkpoint" in r.getMessage()]
+
+
 def test_fit_without_a_checkpoint_goes_on_and_warns_once(cluster, request_file, caplog):
     ask_rescale(request_file, 2)
     with caplog.at_level(logging.WARNING, logger="parallax"):

@@ -56,6 +56,15 @@ def position(callbacks, initial_epoch: int | None) -> tuple[int | None, int]:
     return initial_epoch, 0
 
 
+def batch_level_epoch(callbacks) -> int | None:
+    """The epoch a batch-level `BackupAndRestore` among `callbacks` counts now (Keras'
+    0-based, as `continue_backups` set it); None without one."""
+    for backup in _backups(callbacks):
+        if backup.save_freq != "epoch":
+            return backup._current_epoch  # noqa: SLF001 - Keras' field
+    return None
+
+
 def continue_backups(callbacks, epoch: int | None, done: int) -> None:
     """Have every `BackupAndRestore` go on from epoch `epoch`, `done` batches into it: the
     epoch its next saves record, and its count of batches since the last save."""

@@ -23,16 +23,23 @@ log = logging.getLogger("parallax")
 _warned: set[str] = set()
 
 
-def stop_if_asked(extended, saved: bool, at: str, last: bool = False) -> None:
-    """At a point every worker reaches together (`at`: where, "epoch 3", "step 20"): raise SystemExit
-    with RESCALE_EXIT on every worker when the launcher asked for another worker count and
-    the chief `saved` a checkpoint just before; `last`: the job's training ends here anyway
-    (no stop). Without PARALLAX_RESCALE_FILE (no elastic launcher), nothing."""
+def elastic() -> bool:
+    """Whether this worker runs in an elastic job (PARALLAX_RESCALE_FILE set)."""
+    return bool(os.environ.get(RESCALE_FILE_ENV))
+
+
+def stop_if_asked(extended, saved: bool, at: str, last: bool = False,
+                  warn: bool = True) -> None:
+    """At a point every worker reaches together (`at`: where, "epoch 3", "step 20"): raise
+    SystemExit with RESCALE_EXIT on every worker when the launcher asked for another worker
+    count and the chief `saved` a checkpoint just before; `last`: the job's training ends
+    here anyway (no stop); `warn`: say once when asked where nothing was saved. Without
+    PARALLAX_RESCALE_FILE (no elastic launcher), nothing."""
     path = os.environ.get(RESCALE_FILE_ENV)
     if not path:
         return
     workers = extended.workers
-    stop = workers.info.is_chief and _chief_stops(path, workers.info.size, saved, last)
+    stop = workers.info.is_chief and _chief_stops(path, workers.info.size, saved, last, warn)
     if stop:  # noted before the others learn it: the first of them to exit ends the job
         note_rescale_stop(path, at)
         log.info("stopping after the checkpoint at %s: the launcher asked for %s worker(s) "
@@ -52,12 +59,12 @@ def publish_global_batch(workers, batch) -> None:
         note_global_batch(path, batch())
 
 
-def _chief_stops(path: str, size: int, saved: bool, last: bool) -> bool:
+def _chief_stops(path: str, size: int, saved: bool, last: bool, warn: bool) -> bool:
     wanted = rescale_request(path)  # (the count may be this one: a host was replaced)
     if wanted is None or last:
         return False
     if not saved:
-        if path not in _warned:
+        if warn and path not in _warned:
             _warned.add(path)
             log.warning("the launcher asks for %d worker(s) instead of %d, but no checkpoint "
                         "was saved here: going on with %d until one is (save at every "
