@@ -130,6 +130,7 @@ def install(extended) -> None:
     trainer.TFEpochIterator = _covering_iterator(trainer.TFEpochIterator)
     from keras.src.callbacks.callback_list import CallbackList
     _patch(CallbackList, "on_train_begin", _chiefs_epoch(CallbackList.on_train_begin))
+    _patch(CallbackList, "on_epoch_begin", _backups_epoch(CallbackList.on_epoch_begin))
     _patch(CallbackList, "on_epoch_end", _rescale_point(CallbackList.on_epoch_end))
     _patch(CallbackList, "on_train_batch_end",
            _rescale_at_backups(CallbackList.on_train_batch_end))
@@ -356,6 +357,19 @@ def _chiefs_epoch(original):
             log.info("resuming epoch %d after its first %d batch(es), which the backup "
                      "already trained", epoch + 1, done)
     return on_train_begin
+
+
+def _backups_epoch(original):
+    """`CallbackList.on_epoch_begin`, with every `BackupAndRestore` recording the epoch `fit`
+    runs (`batch_resume.begin_epoch`): Keras counts it from epoch ends only, so a `fit` from
+    `initial_epoch=E` recorded epoch 0 in its batch-level backups until epoch E ended."""
+    @functools.wraps(original)
+    def on_epoch_begin(self, epoch, logs=None):
+        model = getattr(self, "model", None)
+        if model is not None and _extended_of(model) is not None:
+            batch_resume.begin_epoch(self.callbacks, epoch)
+        return original(self, epoch, logs)
+    return on_epoch_begin
 
 
 def _whole_epochs(epoch: int | None, done: int) -> tuple[int | None, int]:

@@ -45,7 +45,8 @@ def _data():
     return ids, rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
 
 
-def _fit(cluster, run_id: str, backup, fail_at=None) -> tuple[dict, list]:
+def _fit(cluster, run_id: str, backup, fail_at=None, initial_epoch: int = 0,
+         save_freq: int = SAVE_FREQ) -> tuple[dict, list]:
     """(the weights, the steps trained) of one fit process-worth, failing at `fail_at`."""
     strategy = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, log_plan=False,
                                          run_id=run_id)
@@ -57,10 +58,10 @@ def _fit(cluster, run_id: str, backup, fail_at=None) -> tuple[dict, list]:
             keras.layers.Flatten()(rows)))
         model.compile(keras.optimizers.Adagrad(0.2), loss="mse")
     trace = Trace(fail_at)
-    callbacks = [keras.callbacks.BackupAndRestore(str(backup), save_freq=SAVE_FREQ), trace]
+    callbacks = [keras.callbacks.BackupAndRestore(str(backup), save_freq=save_freq), trace]
     try:
         model.fit(*_data(), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                  callbacks=callbacks)
+                  callbacks=callbacks, initial_epoch=initial_epoch)
     except Failure:
         return {}, trace.steps
     return {w.path: w.numpy() for w in model.weights}, trace.steps
@@ -86,5 +87,21 @@ def test_a_fit_failing_mid_epoch_resumes_after_its_last_backup(cluster, tmp_path
     redone = sum(map(len, runs)) - STEPS * EPOCHS
     assert redone == 1, runs  # (1, 3) once: the second failure came right after a backup
     assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_fit_from_initial_epoch_resumes_at_the_epoch_it_backed_up(cluster, tmp_path):
+    """fit(initial_epoch=1): its backups record the epoch it runs (Keras recorded 0 until
+    that epoch's end), so a failure right after the backup at epoch 1's last batch resumes
+    at epoch 2 (Keras' epoch 0, all its batches done, resumed at epoch 1: trained twice; from
+    initial_epoch=2, at epoch 1, before the one fit was asked to start at)."""
+    stamp = f"{next(_ids)}-{int(time.time())}"
+    want, _ = _fit(cluster, f"if{stamp}", tmp_path / "full", initial_epoch=1, save_freq=STEPS)
+    run_id, backup = f"ii{stamp}", tmp_path / "backup"
+    got, steps = _fit(cluster, run_id, backup, (1, STEPS - 1), 1, STEPS)
+    assert not got and steps[-1] == (1, STEPS - 1)
+    got, steps = _fit(cluster, run_id, backup, initial_epoch=1, save_freq=STEPS)
+    assert steps == [(EPOCHS - 1, b) for b in range(STEPS)], steps
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=name)

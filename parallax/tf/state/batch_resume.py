@@ -4,15 +4,16 @@ Keras 3 records the epoch and the last batch of a batch-level backup ({"epoch": 
 "batch": b} beside the weights), but restores the epoch only: a resumed `fit` starts epoch E
 again from its first batch, on top of weights that had already trained on batches 0..b, so
 those batches are trained twice and the run differs from an uninterrupted one. It also
-forgets the epoch it resumed (`_current_epoch` stays 0 until that epoch ends), so a
-batch-level save during the resumed epoch records epoch 0, and a second failure there would
-resume at the very beginning.
+forgets the epoch it resumed (`_current_epoch` stays 0 until that epoch ends, as in a `fit`
+from `initial_epoch=E`), so a batch-level save during that epoch records epoch 0, and a
+second failure there would resume at the very beginning.
 
 In a `ParallaxStrategy`'s `fit` (`parallax.tf.keras_patches`, at `on_train_begin`):
 `position` reads where the backup was taken, every worker takes the chief's, the training
 iterator skips the b + 1 batches of epoch E already trained (read, not trained: the data
 stays in order, as MultiWorkerMirroredStrategy's does not need since it only resumes
-epochs), and `continue_backups` has the callbacks count epoch and batches from there. So a
+epochs), and `continue_backups` has the callbacks count epoch and batches from there
+(`begin_epoch`: each epoch's saves record the epoch `fit` runs). So a
 failure costs at most N steps (the steps since the last backup), and the resumed run equals
 an uninterrupted one. Epoch-level backups (`save_freq="epoch"`) resume as Keras does.
 """
@@ -63,6 +64,13 @@ def batch_level_epoch(callbacks) -> int | None:
         if backup.save_freq != "epoch":
             return backup._current_epoch  # noqa: SLF001 - Keras' field
     return None
+
+
+def begin_epoch(callbacks, epoch: int) -> None:
+    """Have every `BackupAndRestore` record `epoch`, the one `fit` begins now, in its next
+    saves (Keras sets it at epoch ends only: 0 until then, whatever `initial_epoch` was)."""
+    for backup in _backups(callbacks):
+        backup._current_epoch = epoch  # noqa: SLF001 - Keras' field
 
 
 def continue_backups(callbacks, epoch: int | None, done: int) -> None:
