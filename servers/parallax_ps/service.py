@@ -484,8 +484,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc("Barrier")
     def Barrier(self, request, context):
+        active = getattr(context, "is_active", None)
+        if active is not None and hasattr(context, "add_callback"):
+            context.add_callback(self.barriers.wake)  # (when the RPC ends: it may be cancelled)
         generation = self.barriers.wait(request.name, request.rank, request.count,
-                                        _deadline(context))
+                                        _deadline(context),
+                                        (lambda: not active()) if active else lambda: False)
         return ps_pb2.BarrierResponse(generation=generation), "", 0, 0
 
     # ---- live resharding ---------------------------------------------------------------------

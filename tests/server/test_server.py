@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.errors import ServerError
+from parallax.ps.v1 import ps_pb2
 from parallax.protocol.initial_values import initial_rows
 from parallax.protocol.specs import SGD, Initializer, TableSpec
 
@@ -173,6 +175,30 @@ def test_health_and_barrier(client):
     assert results == [0, 0, 0]
     with pytest.raises(ServerError, match="rank 5 must be in"):
         client.barrier("b2", 5, 2)
+
+
+def test_a_barrier_outlives_the_job_that_met_in_it(client, table_name):
+    """parallax run keeps the servers across a job's restarts and elastic stops: a rank whose
+    caller was killed while it waited (its RPC cancelled) leaves the barrier (it stayed: the
+    restarted rank 0 was refused as already waiting, a restarted rank 1 passed with it), and
+    a barrier nobody waits in is met by a new worker count (it was refused for good)."""
+    name = f"{table_name}-end"
+    waiting = client.servers[0].stub().Barrier.future(
+        ps_pb2.BarrierRequest(name=name, rank=0, count=2))
+    time.sleep(0.5)
+    waiting.cancel()  # as a killed worker's
+    time.sleep(1.5)
+    with pytest.raises(ServerError, match="1 of 2 ranks arrived before the deadline"):
+        client.barrier(name, 1, 2, timeout=1.5)  # the killed rank 0 is not there
+    results = []
+    threads = [threading.Thread(target=lambda r=r: results.append(client.barrier(name, r, 2)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [0, 0]
+    assert client.barrier(name, 0, 1) == 1  # one worker now
 
 
 def test_unreachable_server_error_names_address_after_bounded_retries():
