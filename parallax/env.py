@@ -32,6 +32,7 @@ RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # elastic jobs: the launcher asks fo
 #                                         worker count there; the workers stop at their next
 #                                         checkpoint (`rescale_request`, `note_rescale_stop`)
 RESCALE_EXIT = 75  # a worker's exit code when it stopped for a rescale (EX_TEMPFAIL)
+RESCALE_AT_START = "the start"  # where workers whose count cannot split the global batch stop
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
 WORKERS_ENV = "PARALLAX_WORKERS"         # without Horovod: every worker's host:port for
 WORKER_RANK_ENV = "PARALLAX_WORKER_RANK"  # TensorFlow's collectives, and this one's index
@@ -167,15 +168,20 @@ def note_rescale_stop(path: str | Path, at: str) -> None:
     Path(f"{path}.stopped").write_text(json.dumps({"at": at}))
 
 
-def stopped_for_rescale(path: str | Path, clear: bool = True) -> bool:
-    """Whether the workers answered `ask_rescale` by stopping (and, `clear`, clears the
-    answer)."""
+def stopped_for_rescale(path: str | Path, clear: bool = True) -> str | None:
+    """Where the workers stopped for a new count (`note_rescale_stop`'s `at`; RESCALE_AT_START:
+    before their first step, as their count did not split the global batch), None when
+    they did not (and, `clear`, clears the answer)."""
     answer = Path(f"{path}.stopped")
-    if not answer.exists():
-        return False
+    try:
+        at = json.loads(answer.read_text()).get("at")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        at = None
     if clear:
-        answer.unlink()
-    return True
+        answer.unlink(missing_ok=True)
+    return at if isinstance(at, str) and at else "a checkpoint"
 
 
 def note_global_batch(path: str | Path, batch: int) -> None:

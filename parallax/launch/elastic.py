@@ -230,9 +230,9 @@ class RescaleWatch:
                     f"the host discovery script lists {layout.num_slots} slot(s) again: the "
                     f"{self.workers} worker(s) go on; the request to stop is withdrawn")
 
-    def answered(self, clear: bool = False) -> bool:
-        """Whether the workers stopped for the count asked (the chief noted it); `clear`:
-        the note is read once, for the attempt that ends."""
+    def answered(self, clear: bool = False) -> str | None:
+        """Where the workers stopped for a new count (the chief noted it), None when they
+        did not; `clear`: the note is read once, for the attempt that ends."""
         return stopped_for_rescale(self.path, clear)
 
     def stop(self) -> None:

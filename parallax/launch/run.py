@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.replicas import check_flag, survives
-from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_FILE_ENV,
-                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_AT_START,
+                          RESCALE_FILE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
                           is_run_id, new_run_id, parse_worker_metrics_line)
 from parallax.errors import ConfigError, ParallaxError
@@ -684,7 +684,7 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
                                   f"{silent[2]:.0f}s", server_failed=True)
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
-            return _job_outcome(job, watch is not None and watch.answered())
+            return _job_outcome(job, watch is not None and watch.answered() is not None)
 
 
 def _job_outcome(job: _Job, rescale: bool = False) -> Outcome:
@@ -1050,8 +1050,13 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
 def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
     """An elastic job's workers that stopped at a checkpoint for a new count: a rescale
     (using none of --max-restarts), whatever their exit codes said."""
-    if watch is None or outcome.code == 0 or not watch.answered(clear=True):
+    at = watch.answered(clear=True) if watch is not None and outcome.code else None
+    if at is None:
         return outcome
+    if at == RESCALE_AT_START:
+        _say(f"the {watch.workers} worker(s) stopped before their first step: they cannot "
+             f"split the global batch evenly; the job goes on with a count that does")
+        return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
     _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
          + (f"goes on with {watch.asked} from it" if watch.asked is not None else
             "goes on from it with the count listed now"))  # (stopped as it was withdrawn)

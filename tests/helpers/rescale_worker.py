@@ -4,7 +4,8 @@ prints {"rescale_worker": "ready", "attempt", "rank", "size"}, then calls the st
 rescale point every --every seconds, --points times, and prints "end". --slow-note S makes
 the chief take S seconds to note its stop for the launcher (a loaded machine's scheduling
 may); attempts after the first (PARALLAX_RESTART_COUNT >= 1) print "again" with their size,
-and end at once.
+and end at once. --global-batch N first distributes a dataset of global batches of N
+(`experimental_distribute_dataset`, which splits each among the workers).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--points", type=int, default=60)
 parser.add_argument("--every", type=float, default=0.5)
 parser.add_argument("--slow-note", type=float, default=0.0)
+parser.add_argument("--global-batch", type=int, default=0)
 args = parser.parse_args()
 attempt = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
 
@@ -44,6 +46,10 @@ if args.slow_note:
         note(path, epoch)
     rescale.note_rescale_stop = slow_note
 say("ready", strategy.worker.rank, strategy.worker.size)
+if args.global_batch:
+    import tensorflow as tf
+    strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(4 * args.global_batch).batch(args.global_batch))
 for point in range(1, args.points + 1):
     time.sleep(args.every)
     strategy.rescale_point(point)

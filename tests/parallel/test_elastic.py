@@ -333,6 +333,25 @@ def test_a_chief_slow_to_note_its_stop_still_rescales(tmp_path, mark):
 
 
 @pytest.mark.multiprocess
+def test_a_count_that_cannot_split_the_global_batch_stops_before_the_first_step(tmp_path,
+                                                                              mark):
+    """2 slots and a global batch of 15: the first attempt starts 2 workers, before the
+    chief noted the batch. They stop where they distribute the data (each failed there, 'not
+    divisible by the 2 workers': without --max-restarts, the job's end), and the job goes
+    on with 1, using no restart."""
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", RESCALE_WORKER,
+                       "--global-batch", "15", mark=mark)
+    assert launcher.wait(timeout=90) == 0, launcher.output()
+    assert said(launcher, "the 2 worker(s) stopped before their first step: they cannot "
+                          "split the global batch evenly") == 1, launcher.output()
+    assert not said(launcher, "restart 1 of"), launcher.output()
+    again = [line[line.index("{"):] for line in launcher.out if '"again"' in line]
+    assert again == ['{"rescale_worker": "again", "attempt": 1, "rank": 0, "size": 1}'], \
+        launcher.output()
+
+
+@pytest.mark.multiprocess
 def test_a_remote_host_listed_while_the_job_runs_is_said_once_and_changes_nothing(tmp_path,
                                                                                 mark):
     """The refusal was said at every discovery (every second): discovery forgot the last

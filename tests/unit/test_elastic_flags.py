@@ -3,14 +3,18 @@ script's output format, the worker count it allows, and the request files betwee
 launcher and the workers (tests/parallel/test_elastic.py runs the jobs)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
-from parallax.env import (ask_rescale, global_batch, note_global_batch, note_rescale_stop,
-                          rescale_request, stopped_for_rescale, withdraw_rescale)
+from parallax.env import (RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale,
+                          global_batch, note_global_batch, note_rescale_stop, rescale_request,
+                          stopped_for_rescale, withdraw_rescale)
 from parallax.errors import ConfigError
 from parallax.launch.elastic import Elastic
 from parallax.launch.hosts import parse_discovered
 from parallax.launch.run import parse_args, validate
+from parallax.tf.state import rescale
 
 SCRIPT = ["--host-discovery-script", "./discover.sh"]
 
@@ -118,4 +122,34 @@ def test_a_request_is_read_whole_or_not_at_all(tmp_path):
     withdraw_rescale(path)  # nothing left to withdraw
     assert not stopped_for_rescale(path)
     note_rescale_stop(path, "epoch 4")
-    assert stopped_for_rescale(path) and not stopped_for_rescale(path)  # read once
+    assert stopped_for_rescale(path) == "epoch 4" and not stopped_for_rescale(path)  # once
+
+
+class FakeWorkers:
+    """`Workers` of `size`, as rank 0 sees them (its broadcast: its own object)."""
+
+    def __init__(self, size: int) -> None:
+        self.info = types.SimpleNamespace(size=size, rank=0, is_chief=True)
+
+    def broadcast_object(self, obj):
+        return obj
+
+
+def test_the_chief_notes_a_batch_every_count_must_split_and_stops_a_count_that_cannot(
+        tmp_path, monkeypatch):
+    """Several datasets distributed (a custom loop's training and evaluation data): the
+    note is the greatest common divisor of their batches, so a count the launcher picks
+    splits each of them (the last one's alone could send the job back and forth between
+    counts). A count that cannot split the batch stops the workers before their first step
+    (the first attempt, started before any note), noted as such for the launcher."""
+    path = tmp_path / "rescale.json"
+    monkeypatch.setenv(RESCALE_FILE_ENV, str(path))
+    rescale.publish_global_batch(FakeWorkers(1), lambda: 16)
+    rescale.publish_global_batch(FakeWorkers(1), lambda: 12)
+    assert global_batch(path) == 4
+    rescale.publish_global_batch(FakeWorkers(2), lambda: 16)
+    assert global_batch(path) == 4 and not stopped_for_rescale(path)
+    with pytest.raises(SystemExit) as stop:
+        rescale.publish_global_batch(FakeWorkers(2), lambda: 15)
+    assert stop.value.code == RESCALE_EXIT and global_batch(path) == 1
+    assert stopped_for_rescale(path) == RESCALE_AT_START

@@ -14,10 +14,11 @@ consumes the same global batch (`datasets.shard_for_worker` splits it by the new
 from __future__ import annotations
 
 import logging
+import math
 import os
 
-from parallax.env import (RESCALE_EXIT, RESCALE_FILE_ENV, note_global_batch, note_rescale_stop,
-                          rescale_request)
+from parallax.env import (RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV, global_batch,
+                          note_global_batch, note_rescale_stop, rescale_request)
 
 log = logging.getLogger("parallax")
 _warned: set[str] = set()
@@ -52,11 +53,29 @@ def stop_if_asked(extended, saved: bool, at: str, last: bool = False,
 
 def publish_global_batch(workers, batch) -> None:
     """The chief of an elastic job notes its training data's global batch for the launcher,
-    which then starts only worker counts that split it evenly; `batch`: a callable (read
-    only in an elastic job: it may peek at the data)."""
+    which then starts only worker counts that split it evenly (several datasets: the
+    greatest common divisor of their batches, which every count that splits it splits);
+    `batch`: a callable (read only in an elastic job: it may peek at the data). When this
+    count does not split it (the first attempt, started before the note), every worker
+    stops here, before its first step, as for a new count (RESCALE_EXIT, the chief's note
+    first): the launcher goes on with one that splits it, where every worker would have
+    failed at its first step (without --max-restarts, the job's end)."""
     path = os.environ.get(RESCALE_FILE_ENV)
-    if path and workers.info.is_chief:
-        note_global_batch(path, batch())
+    if not path:
+        return
+    value, size = batch(), workers.info.size
+    if workers.info.is_chief:
+        noted = global_batch(path)
+        note_global_batch(path, math.gcd(noted, value) if noted else value)
+    if not value % size:
+        return
+    if workers.info.is_chief:  # noted before the others learn it, as in stop_if_asked
+        note_rescale_stop(path, RESCALE_AT_START)
+        log.warning("the global batch of %d does not split evenly among %d workers: "
+                    "stopping before the first step, for the launcher to go on with a count "
+                    "that splits it", value, size)
+    workers.broadcast_object(True if workers.info.is_chief else None)  # (every worker: the
+    raise SystemExit(RESCALE_EXIT)                      # same batch, so the same decision)
 
 
 def _chief_stops(path: str, size: int, saved: bool, last: bool, warn: bool) -> bool:
