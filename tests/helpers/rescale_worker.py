@@ -5,7 +5,9 @@ rescale point every --every seconds, --points times, and prints "end". --slow-no
 the chief take S seconds to note its stop for the launcher (a loaded machine's scheduling
 may); attempts after the first (PARALLAX_RESTART_COUNT >= 1) print "again" with their size,
 and end at once. --global-batch N first distributes a dataset of global batches of N
-(`experimental_distribute_dataset`, which splits each among the workers).
+(`experimental_distribute_dataset`, which splits each among the workers; with --from-function,
+`distribute_datasets_from_function`, whose function batches by its context's
+`get_per_replica_batch_size(N)`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ parser.add_argument("--points", type=int, default=60)
 parser.add_argument("--every", type=float, default=0.5)
 parser.add_argument("--slow-note", type=float, default=0.0)
 parser.add_argument("--global-batch", type=int, default=0)
+parser.add_argument("--from-function", action="store_true")
 args = parser.parse_args()
 attempt = int(os.environ.get("PARALLAX_RESTART_COUNT", "0"))
 
@@ -48,8 +51,12 @@ if args.slow_note:
 say("ready", strategy.worker.rank, strategy.worker.size)
 if args.global_batch:
     import tensorflow as tf
-    strategy.experimental_distribute_dataset(
-        tf.data.Dataset.range(4 * args.global_batch).batch(args.global_batch))
+    data = tf.data.Dataset.range(4 * args.global_batch)
+    if args.from_function:
+        strategy.distribute_datasets_from_function(
+            lambda context: data.batch(context.get_per_replica_batch_size(args.global_batch)))
+    else:
+        strategy.experimental_distribute_dataset(data.batch(args.global_batch))
 for point in range(1, args.points + 1):
     time.sleep(args.every)
     strategy.rescale_point(point)

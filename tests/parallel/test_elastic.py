@@ -333,15 +333,17 @@ def test_a_chief_slow_to_note_its_stop_still_rescales(tmp_path, mark):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("how", [(), ("--from-function",)], ids=["dataset", "function"])
 def test_a_count_that_cannot_split_the_global_batch_stops_before_the_first_step(tmp_path,
-                                                                              mark):
+                                                                              mark, how):
     """2 slots and a global batch of 15: the first attempt starts 2 workers, before the
     chief noted the batch. They stop where they distribute the data (each failed there, 'not
-    divisible by the 2 workers': without --max-restarts, the job's end), and the job goes
-    on with 1, using no restart."""
+    divisible by the 2 workers', or for distribute_datasets_from_function, whose batch was
+    never noted, TensorFlow's 'not divisible by num_replicas_in_sync' in every attempt), and
+    the job goes on with 1, using no restart."""
     hosts = Hosts(tmp_path, "localhost:2\n")
     launcher = elastic(hosts, "-np", "2", "--min-np", "1", "--", "python", RESCALE_WORKER,
-                       "--global-batch", "15", mark=mark)
+                       "--global-batch", "15", *how, mark=mark)
     assert launcher.wait(timeout=90) == 0, launcher.output()
     assert said(launcher, "the 2 worker(s) stopped before their first step: they cannot "
                           "split the global batch evenly") == 1, launcher.output()

@@ -152,6 +152,22 @@ def _size_tf_pools() -> None:
         (log.info if applied else log.warning)(said)
 
 
+class _NotingInputContext(distribute_lib.InputContext):
+    """`distribute_datasets_from_function`'s context: the global batch a dataset function
+    asks its part of (`get_per_replica_batch_size`) is noted for an elastic job's launcher,
+    as `experimental_distribute_dataset`'s is (`rescale.publish_global_batch`), so it starts
+    only counts that split it: TensorFlow's ValueError for a count that does not failed
+    every worker, in every attempt with that count."""
+
+    def __init__(self, workers, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._parallax_workers = workers
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        rescale.publish_global_batch(self._parallax_workers, lambda: int(global_batch_size))
+        return super().get_per_replica_batch_size(global_batch_size)
+
+
 class ParallaxExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container, config: StrategyConfig, client_options: ClientOptions | None,
                  connect_timeout: float, search_partitions="auto",
@@ -638,9 +654,9 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         info = self.workers.info
-        context = distribute_lib.InputContext(num_input_pipelines=info.size,
-                                              input_pipeline_id=info.rank,
-                                              num_replicas_in_sync=info.size)
+        context = _NotingInputContext(self.workers, num_input_pipelines=info.size,
+                                      input_pipeline_id=info.rank,
+                                      num_replicas_in_sync=info.size)
         return input_util.get_distributed_datasets_from_function(
             dataset_fn, self._input_workers_with_options(options), [context],
             self._container_strategy(), options=options)
