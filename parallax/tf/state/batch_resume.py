@@ -15,7 +15,10 @@ stays in order, as MultiWorkerMirroredStrategy's does not need since it only res
 epochs), and `continue_backups` has the callbacks count epoch and batches from there
 (`begin_epoch`: each epoch's saves record the epoch `fit` runs). So a
 failure costs at most N steps (the steps since the last backup), and the resumed run equals
-an uninterrupted one. Epoch-level backups (`save_freq="epoch"`) resume as Keras does.
+an uninterrupted one when every epoch reads its data from the start (not with a
+`steps_per_epoch` shorter than the data: Keras' iterator then goes on across epochs in an
+uninterrupted fit, but starts again in a resumed one). Epoch-level backups
+(`save_freq="epoch"`) resume as Keras does.
 """
 from __future__ import annotations
 
