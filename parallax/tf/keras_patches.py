@@ -38,7 +38,8 @@ Around Keras' `fit`, `evaluate` and `predict` (`install`):
   (a `steps_per_epoch` the data cannot feed) stay.
 - A resumed `fit` starts at the epoch Keras' `BackupAndRestore` read from each worker's own
   backup (and, for a batch-level backup, after the batches of it that backup had trained:
-  `parallax.tf.state.batch_resume`; the training iterator skips them), and the workers'
+  `parallax.tf.state.batch_resume`; the training iterator skips them, and each epoch's
+  backups record that epoch, `_backups_epoch`), and the workers'
   backups need not agree: one killed while saving (or whose save of
   the tables on the servers failed) keeps the epoch before, while another had already written
   the next. The workers would then run different numbers of steps and the job fail at the
