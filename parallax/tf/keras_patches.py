@@ -67,6 +67,8 @@ Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_
   table's whole size on every step, and impossible for a keyed table (a DynamicEmbedding's),
   whose ids are keys beyond any dense shape. `check_sparse_values_only()` has it test the
   slices' values (the same answer: the rows a dense gradient adds are zeros).
+- `BackupAndRestore` writes its record of where a backup was taken ({"epoch", "batch"}) in
+  place: `make_backup_records_atomic()` writes it whole, then renames it into place.
 - Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
   their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
   restart can resume. `make_weight_saves_atomic()` has local files written under a temporary
@@ -80,6 +82,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import os
 import socket
@@ -563,6 +566,51 @@ def make_weight_saves_atomic() -> None:
     save_weights.__wrapped__ = original
     save_weights.__doc__ = original.__doc__
     keras.Model.save_weights = save_weights
+
+
+def make_backup_records_atomic() -> None:
+    """Replace `BackupAndRestore._save_model` once (Keras 3.15's, with one change): its
+    record of where the backup was taken ({"epoch", "batch"}, beside the weights) is written
+    under a temporary name and renamed into place, as the weights are
+    (`make_weight_saves_atomic`). Keras writes it in place: a process killed while writing
+    it left an empty or half JSON file, which failed every later resume (JSONDecodeError;
+    the `.bkp` fallback only takes OSError). Remote paths (`scheme://`) are written as Keras
+    does."""
+    import keras
+    from keras.src.utils import file_utils
+    backup = keras.callbacks.BackupAndRestore
+    if getattr(backup._save_model, _ATOMIC_MARK, False):  # noqa: SLF001 - Keras' method
+        return
+
+    def _save_model(self):
+        if not file_utils.exists(self.backup_dir):
+            file_utils.makedirs(self.backup_dir)
+        for path, previous in ((self._weights_path, self._prev_weights_path),
+                               (self._training_metadata_path,
+                                self._prev_training_metadata_path)):
+            if self.double_checkpoint and file_utils.exists(path):
+                file_utils.copy(path, previous)
+        self.model.save_weights(filepath=self._weights_path, overwrite=True)
+        record = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
+        _write_whole(self._training_metadata_path, record, file_utils)
+
+    setattr(_save_model, _ATOMIC_MARK, True)
+    backup._save_model = _save_model  # noqa: SLF001 - Keras' method
+
+
+def _write_whole(path: str, text: str, file_utils) -> None:
+    if "://" in path:
+        with file_utils.File(path, "w") as f:
+            f.write(text)
+        return
+    temporary = f"{path}.parallax-{os.getpid()}"
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def _remote_storage(x):

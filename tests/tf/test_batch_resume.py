@@ -7,6 +7,7 @@ there too (Keras recorded epoch 0 for a backup taken there)."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import keras
@@ -105,3 +106,25 @@ def test_a_fit_from_initial_epoch_resumes_at_the_epoch_it_backed_up(cluster, tmp
     assert steps == [(EPOCHS - 1, b) for b in range(STEPS)], steps
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_a_backup_record_cut_short_leaves_the_one_before(cluster, tmp_path, monkeypatch):
+    """The record of where a backup was taken is written whole or not at all: a save that
+    fails while writing it (a kill, a full disk) leaves the previous record, which a resume
+    reads (Keras truncates the file first: a resume then failed with JSONDecodeError)."""
+    dumps, records = json.dumps, []
+
+    def failing(value, *args, **kwargs):
+        if isinstance(value, dict) and set(value) == {"epoch", "batch"}:
+            records.append(value)
+            if len(records) == 3:
+                raise OSError("no space left on device")
+        return dumps(value, *args, **kwargs)
+    monkeypatch.setattr(json, "dumps", failing)
+    backup = tmp_path / "backup"
+    with pytest.raises(OSError, match="no space"):
+        _fit(cluster, f"ba{next(_ids)}-{int(time.time())}", backup)
+    monkeypatch.setattr(json, "dumps", dumps)
+    assert json.loads((backup / "training_metadata.json").read_text()) == records[1]
+    assert sorted(p.name for p in backup.iterdir()) == ["latest.weights.h5",
+                                                        "training_metadata.json"]

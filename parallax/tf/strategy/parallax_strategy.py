@@ -202,6 +202,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         self.server_tables = resume.ServerTables(self)  # in TF checkpoints and Keras files
         keras_patches.attach_to_keras_optimizers()
         keras_patches.make_weight_saves_atomic()
+        keras_patches.make_backup_records_atomic()
         keras_patches.install(self)  # fit/evaluate/predict: scope checks, rows, logs
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and _wants_servers(config) and resolve_cluster(
