@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -89,6 +90,24 @@ def test_horovodrun_listens_on_loopback_for_one_host(mark):
     lines = [line for line in launcher.out if "RENDEZVOUS" in line]
     assert len(lines) == 2, launcher.output()
     assert all("addr=127.0.0.1 listen=0100007F" in line for line in lines), lines
+
+
+@pytest.mark.horovod
+def test_horovodruns_gloo_check_asks_the_extension_not_tensorflow(monkeypatch):
+    """horovodrun asks "was Horovod built with Gloo?" before every launch, restarts too, by
+    importing TensorFlow in a child (2-3 s here); horovodrun_bound asks the TensorFlow
+    extension's own horovod_gloo_built() in a child that loads it with ctypes. Only its yes
+    is taken: anything else leaves the answer to Horovod's own check."""
+    from horovod.runner import launch
+
+    from parallax.launch.backends import horovodrun_bound as bound
+    assert bound.extension_said_yes(bound.ask_extension())
+    for child, answer in (("print(True)", True), ("print(False)", "horovod's"),
+                          ("raise SystemExit(3)", "horovod's"), (None, "horovod's")):
+        monkeypatch.setattr(launch, "gloo_built", lambda verbose=False: "horovod's")
+        bound.quick_gloo_built(None if child is None else subprocess.Popen(
+            [sys.executable, "-c", child], stdout=subprocess.PIPE))
+        assert launch.gloo_built() == answer, child
 
 
 @pytest.mark.multiprocess

@@ -9,12 +9,28 @@ interface of 127.0.0.1. This script runs horovodrun's own command line with the 
 server bound to that very address: loopback for a single host, the job's interface for
 several.
 
+It also answers horovodrun's "was Horovod built with Gloo?" sooner. Horovod asks it before
+every launch by importing `horovod.tensorflow`, TensorFlow and all, in a forked child: 2-3 s
+on a 2-core machine, in series before any worker starts, on each `--max-restarts` restart
+too. The answer is the extension's own `horovod_gloo_built()`, which a child started first
+thing here calls through ctypes, loading the extension and the TensorFlow libraries it
+links to but not TensorFlow's Python (~0.3 s, while horovodrun imports itself). When that
+child does not say yes (another layout, no TensorFlow extension, a failure), horovodrun's
+own check decides, as before.
+
 `parallax run` starts it with horovodrun's interpreter (the script imports Horovod only, not
 parallax): `python horovodrun_bound.py -np 2 -H localhost:2 --gloo COMMAND`.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import subprocess
 import sys
+import sysconfig
+
+GLOO_BUILT = "--parallax-gloo-built"  # argv[1] of the child that answers for the extension
 
 
 def _bind_rendezvous_to_server_ip() -> None:
@@ -37,11 +53,92 @@ def _bind_rendezvous_to_server_ip() -> None:
     gloo_run.launch_gloo = bound_launch_gloo
 
 
+def ask_extension() -> subprocess.Popen | None:
+    """Start the child that asks Horovod's TensorFlow extension whether it was built with
+    Gloo (`_print_gloo_built`), both found without importing them: it answers while
+    horovodrun imports itself and looks at the network. None when either is missing."""
+    horovod = importlib.util.find_spec("horovod")
+    tensorflow = importlib.util.find_spec("tensorflow")
+    if not (horovod and horovod.submodule_search_locations and tensorflow
+            and tensorflow.submodule_search_locations):
+        return None
+    # where horovod.common.util.get_extension_full_path puts it
+    extension = os.path.join(horovod.submodule_search_locations[0], "tensorflow",
+                             "mpi_lib" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    try:
+        return subprocess.Popen([sys.executable, __file__, GLOO_BUILT, extension,
+                                 tensorflow.submodule_search_locations[0]],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def quick_gloo_built(asked: subprocess.Popen | None) -> None:
+    """horovodrun's Gloo check (`horovod.common.util.gloo_built`, as `launch` imported it)
+    takes the extension's yes from the child `asked`; anything else, and it checks as
+    before."""
+    from horovod.runner import launch
+
+    gloo_built = launch.gloo_built
+
+    def asked_first(verbose: bool = False):
+        return True if extension_said_yes(asked) else gloo_built(verbose=verbose)
+
+    launch.gloo_built = asked_first
+
+
+def extension_said_yes(asked: subprocess.Popen | None) -> bool:
+    """Whether the child said yes."""
+    if asked is None:
+        return False
+    try:
+        out, _ = asked.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _end(asked)
+        return False
+    return asked.returncode == 0 and out.strip() == b"True"
+
+
+def _end(asked: subprocess.Popen | None) -> None:
+    if asked is not None and asked.poll() is None:
+        asked.kill()
+        asked.communicate()
+
+
+def _print_gloo_built(extension: str, libraries: str) -> None:
+    """The child: print the extension's horovod_gloo_built(), loading it with ctypes; the
+    shared libraries it needs that the loader cannot find (TensorFlow's, which its Python
+    loads first) come from `libraries`, TensorFlow's package directory."""
+    import ctypes
+    for _ in range(8):
+        try:
+            library = ctypes.CDLL(extension, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError as err:
+            missing = re.match(r"([^/:\s]+): cannot open shared object file", str(err))
+            if missing is None:
+                raise
+            ctypes.CDLL(os.path.join(libraries, missing[1]), mode=ctypes.RTLD_GLOBAL)
+    else:
+        raise OSError(f"{extension}: its libraries did not load")
+    print(bool(library.horovod_gloo_built()), flush=True)
+
+
 def main() -> None:
-    _bind_rendezvous_to_server_ip()
-    from horovod.runner.launch import run_commandline
-    sys.argv[0] = "horovodrun"
-    sys.exit(run_commandline())
+    if sys.argv[1:2] == [GLOO_BUILT]:
+        _print_gloo_built(*sys.argv[2:4])
+        return
+    asked = ask_extension()
+    try:
+        _bind_rendezvous_to_server_ip()
+        quick_gloo_built(asked)
+        from horovod.runner.launch import run_commandline
+        sys.argv[0] = "horovodrun"
+        code = run_commandline()
+    finally:
+        _end(asked)  # horovodrun never asked (--help, a bad flag)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
