@@ -18,14 +18,25 @@ links to but not TensorFlow's Python (~0.3 s, while horovodrun imports itself). 
 child does not say yes (another layout, no TensorFlow extension, a failure), horovodrun's
 own check decides, as before.
 
+And it ends a rank's shell without horovodrun's 5 s stall. When one rank fails, horovodrun's
+middleman process of every other rank SIGTERMs the children of that rank's shell (`sh -c
+"VARS... COMMAND"`), waits for them, then SIGSTOPs the shell before it SIGTERMs it; a shell
+stopped before it could exit (it had just reaped its command: a race, lost more often on a
+busy machine) holds the SIGTERM pending until SIGKILL 5 s later, and the job's end, with
+the next restart, waits for it. Here the shell is stopped only while children of it that
+outlived their SIGTERM are killed, as horovodrun does it then; the middlemen get that by
+importing this script (multiprocessing's spawn imports the main script in each child).
+
 `parallax run` starts it with horovodrun's interpreter (the script imports Horovod only, not
 parallax): `python horovodrun_bound.py -np 2 -H localhost:2 --gloo COMMAND`.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -106,6 +117,44 @@ def _end(asked: subprocess.Popen | None) -> None:
         asked.communicate()
 
 
+def end_shell_and_children(pid: int) -> None:
+    """horovodrun's end of a rank's shell and its command
+    (`safe_shell_exec.terminate_executor_shell_and_children`), but for its SIGSTOP of the
+    shell, kept for when a child of it outlived its SIGTERM."""
+    import psutil
+    from horovod.runner.common.util.safe_shell_exec import GRACEFUL_TERMINATION_TIME_S as grace
+    try:
+        shell = psutil.Process(pid)
+        children = shell.children()
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    if alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            shell.send_signal(signal.SIGSTOP)  # it starts nothing new meanwhile
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for grandchild in child.children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        grandchild.kill()
+                child.kill()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        shell.terminate()
+    try:
+        shell.wait(timeout=grace)
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            shell.kill()
+
+
+def _end_shells_unstopped() -> None:
+    from horovod.runner.common.util import safe_shell_exec
+    safe_shell_exec.terminate_executor_shell_and_children = end_shell_and_children
+
+
 def _print_gloo_built(extension: str, libraries: str) -> None:
     """The child: print the extension's horovod_gloo_built(), loading it with ctypes; the
     shared libraries it needs that the loader cannot find (TensorFlow's, which its Python
@@ -143,3 +192,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # a middleman of horovodrun's, spawned by multiprocessing
+    _end_shells_unstopped()
