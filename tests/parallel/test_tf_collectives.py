@@ -210,6 +210,36 @@ def test_small_integer_and_bool_tensors_are_summed_and_broadcast_exactly(tmp_pat
     assert results == [f"0 {expected}", f"1 {expected}"], output
 
 
+@pytest.mark.horovod
+def test_horovods_broadcast_of_variables_is_bit_exact_as_an_object_and_through_horovod(
+        tmp_path):
+    """HorovodWorkers.broadcast_variables: up to OBJECT_BROADCAST_BYTES as one pickled object
+    (no tf.function traced), more through Horovod's own; either way every worker ends with
+    rank 0's bits (-0.0 and a NaN's payload included) and dtypes."""
+    script = tmp_path / "broadcast.py"
+    script.write_text(
+        "import sys\n"
+        "import numpy as np, tensorflow as tf\n"
+        "from parallax.tf.collectives import horovod, make_collectives\n"
+        "horovod.OBJECT_BROADCAST_BYTES = int(sys.argv[1])\n"
+        "w = make_collectives('horovod')\n"
+        "r = w.info.rank\n"
+        "bits = np.array([0x80000000, 0x7fc00123, 0x3f800000 + r], np.uint32)\n"
+        "variables = [tf.Variable(bits.view(np.float32)), tf.Variable(r == 0),\n"
+        "             tf.Variable(tf.constant([r + 1, 100], tf.int8))]\n"
+        "w.broadcast_variables(variables)\n"
+        "print('RESULT', r, variables[0].numpy().view(np.uint32).tolist(),\n"
+        "      [v.numpy().tolist() for v in variables[1:]], [v.dtype.name for v in variables],\n"
+        "      flush=True)\n")
+    expected = "[2147483648, 2143289635, 1065353216] [True, [1, 100]] ['float32', 'bool', 'int8']"
+    for limit in ("1024", "0"):  # as an object; through Horovod's broadcast_variables
+        output = _ok(_run([PARALLAX, "run", "-np", "2", "--servers", "1", "--collectives",
+                           "horovod", "--", sys.executable, str(script), limit], timeout=300))
+        results = sorted(line.split("RESULT ", 1)[1] for line in output.splitlines()
+                         if "RESULT " in line)
+        assert results == [f"0 {expected}", f"1 {expected}"], (limit, output)
+
+
 def test_a_secure_job_or_horovodrun_flags_are_refused_with_tensorflows_collectives(tmp_path):
     for extra in (["--secure"], ["--horovodrun-arg=--verbose"]):
         proc = _two_workers([sys.executable, "-c", "pass"], *extra, timeout=120)
