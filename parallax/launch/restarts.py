@@ -44,14 +44,16 @@ class Outcome:
 
 
 class RestartBudget:
-    """At most `max_restarts` restarts, `delay_s` apart; `should_restart` says whether the
-    attempt that just ended gets another, and logs why through `say`."""
+    """At most `max_restarts` restarts, `delay_s` apart (None: RESTART_DELAY_S after a
+    server's failure, whose replacements take ports again, none after a worker's, whose
+    servers keep running); `should_restart` says whether the attempt that just ended gets
+    another, and logs why through `say`."""
 
-    def __init__(self, max_restarts: int, delay_s: float = RESTART_DELAY_S,
+    def __init__(self, max_restarts: int, delay_s: float | None = RESTART_DELAY_S,
                  say: Callable[[str], None] = print) -> None:
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts {max_restarts} must be >= 0 (0: no restarts)")
-        if delay_s < 0:
+        if delay_s is not None and not delay_s >= 0:
             raise ConfigError(f"--restart-delay {delay_s} must be >= 0 seconds")
         self.max_restarts, self.delay_s, self._say = max_restarts, delay_s, say
         self.restarts = 0
@@ -67,11 +69,13 @@ class RestartBudget:
             return False
         self.restarts += 1
         self.causes.append(outcome.cause)
-        self._say(f"restart {self.restarts} of {self.max_restarts} in {self.delay_s:g}s, "
+        delay = self.delay_s if self.delay_s is not None else \
+            RESTART_DELAY_S if outcome.server_failed else 0.0
+        self._say(f"restart {self.restarts} of {self.max_restarts} in {delay:g}s, "
                   f"after: {outcome.cause}; "
                   + ("every server and worker starts again and the workers resume"
                      if outcome.server_failed else
                      "the workers start again (the servers keep running) and resume")
                   + " from their last checkpoint")
-        time.sleep(self.delay_s)
+        time.sleep(delay)
         return True

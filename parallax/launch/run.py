@@ -100,7 +100,9 @@ class LaunchConfig:
     health_timeout: float = 30.0          # --health-timeout: a server silent this long
                                           # stops the job (0: never)
     max_restarts: int = 0                 # --max-restarts: restarts after failures
-    restart_delay: float = RESTART_DELAY_S  # --restart-delay: seconds before each restart
+    restart_delay: float | None = None    # --restart-delay: seconds before each restart
+                                          # (None: RESTART_DELAY_S after a server's failure,
+                                          # 0 after a worker's: parallax.launch.restarts)
     hosts: str | None = None              # --hosts FILE, -H host:N,..., --hostfile FILE
                                           # (parallax.launch.hosts): where workers and servers
                                           # run; servers as it says unless num_servers is
@@ -1146,8 +1148,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "server and worker again, at most N times; workers get "
                              f"{RESTART_COUNT_ENV} and resume from their last checkpoint "
                              "(default 0: the job ends)")
-    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY_S, metavar="S",
-                        help=f"seconds before each restart (default {RESTART_DELAY_S:g})")
+    parser.add_argument("--restart-delay", type=float, default=None, metavar="S",
+                        help=f"seconds before each restart (default: {RESTART_DELAY_S:g} after "
+                             f"a server's failure, 0 after a worker's, whose servers keep "
+                             f"running)")
     parser.add_argument("--secure", action="store_true",
                         help="TLS with client certificates and a cluster token: credentials "
                              "made for this job (removed at the end), passed to the workers "

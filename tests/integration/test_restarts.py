@@ -35,6 +35,23 @@ def test_budget_restarts_failures_at_most_n_times_and_says_why():
     assert "all 2 restart(s) of --max-restarts are used; the job exits with 3" in said[-1]
 
 
+def test_by_default_only_a_servers_failure_waits_before_the_restart(monkeypatch):
+    """--restart-delay unset: 1 s after a server's failure (its replacements take ports
+    again), none after a worker's (the servers keep running)."""
+    slept: list[float] = []
+    monkeypatch.setattr("parallax.launch.restarts.time.sleep", slept.append)
+    said: list[str] = []
+    budget = RestartBudget(3, delay_s=None, say=said.append)
+    assert budget.should_restart(Outcome.failed(3, "worker rank 1 exited with code 3"))
+    assert budget.should_restart(Outcome.failed(1, "parameter server 0 exited",
+                                                server_failed=True))
+    assert slept == [0.0, 1.0]
+    assert said[0].startswith("restart 1 of 3 in 0s") and said[1].startswith("restart 2 of 3 "
+                                                                              "in 1s")
+    assert RestartBudget(1, delay_s=7, say=said.append).should_restart(
+        Outcome.failed(3, "worker")) and slept[-1] == 7
+
+
 @pytest.mark.parametrize("outcome", [Outcome(0), Outcome(130, "got SIGINT"),
                                      Outcome.failed(0, "nothing failed")])
 def test_budget_never_restarts_a_clean_exit_or_a_signal(outcome):
