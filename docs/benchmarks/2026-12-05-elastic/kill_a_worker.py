@@ -1,0 +1,86 @@
+"""Issue 32's worker-kill measurement: an N-worker Keras fit (tests/helpers/chaos_worker.py:
+Adagrad on a table on 2 co-located servers, a dense layer all-reduced) under `parallax run
+--max-restarts 1`, worker rank 1 SIGKILLed at step KILL_AT; printed: the steps redone, the
+seconds from the kill to the first step of the restarted workers, and the largest weight
+difference from an uninterrupted run of the same job.
+
+    python docs/benchmarks/2026-12-05-elastic/kill_a_worker.py --workers 4 [--save-freq 1]
+
+Run from the repository root, with `parallax` installed (or PYTHONPATH set to the tree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = ROOT / "tests" / "helpers" / "chaos_worker.py"
+PARALLAX = str(Path(sys.executable).parent / "parallax")
+
+
+def _job(tmp: Path, name: str, workers: int, save_freq: int | None, delay: float):
+    command = [PARALLAX, "run", "-np", str(workers), "--servers", "2", "--max-restarts", "1",
+               "--restart-delay", "0", "--data-dir", str(tmp / name / "data"), "--run-id", name,
+               "--", sys.executable, str(WORKER), "--interval", "4", "--epochs", "8",
+               "--step-delay", str(delay), "--paced-attempts", "1",
+               "--backup", str(tmp / name / "backup"), "--out", str(tmp / f"{name}.npz")]
+    if save_freq:
+        command += ["--save-freq", str(save_freq)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(ROOT), str(ROOT / "servers"), str(ROOT / "tests" / "helpers"),
+                                 os.environ.get("PYTHONPATH", "")])})
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line[line.index('{"chaos"'):]) for line in lines if '{"chaos"' in line]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--save-freq", type=int, default=None)
+    parser.add_argument("--kill-at", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        full = _job(tmp, "full", args.workers, args.save_freq, 0.0)
+        full_out = full.communicate()[0]
+        assert full.returncode == 0, full_out[-3000:]
+        job = _job(tmp, "chaos", args.workers, args.save_freq, 0.3)
+        lines, killed_at = [], None
+        for line in job.stdout:
+            lines.append(line)
+            events = _events(lines[-1:])
+            if killed_at is None and events and events[0]["chaos"] == "step" \
+                    and events[0]["step"] >= args.kill_at:
+                victim = next(e for e in _events(lines) if e["chaos"] == "start"
+                              and e["rank"] == 1)
+                os.kill(victim["pid"], signal.SIGKILL)
+                killed_at = time.time()
+        assert job.wait() == 0, "".join(lines[-60:])
+        events = _events(lines)
+        done = max(e["step"] for e in events if e["attempt"] == 0)
+        later = [e for e in events if e["attempt"] == 1]
+        resumed = min(e["step"] for e in later if e["chaos"] == "start")
+        first = min(e["time"] for e in later if e["chaos"] == "step")
+        with np.load(tmp / "full.npz") as want, np.load(tmp / "chaos.npz") as got:
+            diff = max(float(np.abs(got[k] - want[k]).max()) for k in want.files)
+        print(json.dumps({"workers": args.workers, "save_freq": args.save_freq or "epoch",
+                          "killed_after_step": done, "resumed_at": resumed,
+                          "steps_redone": done - resumed,
+                          "kill_to_first_step_s": round(first - killed_at, 2),
+                          "max_weight_diff": diff}))
+
+
+if __name__ == "__main__":
+    main()
