@@ -48,7 +48,7 @@ class Elastic:
         if not 1 <= min_np <= max_np:
             raise ConfigError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= --min-np "
                               f"<= --max-np (-np is --max-np's default)")
-        if timeout_s <= 0:
+        if not timeout_s > 0:  # (nan too)
             raise ConfigError(f"--elastic-timeout {timeout_s:g} must be > 0 seconds")
         self.script, self.min_np, self.max_np = script, min_np, max_np
         self.timeout_s, self.say = timeout_s, say

@@ -34,6 +34,7 @@ def config(*argv: str):
                                              r"--min-np <= --max-np \(-np is --max-np's"),
     ([*SCRIPT, "--min-np", "3", "--max-np", "2"], "--min-np 3 and --max-np 2: need"),
     ([*SCRIPT, "-np", "2", "--elastic-timeout", "0"], "--elastic-timeout 0 must be > 0"),
+    ([*SCRIPT, "-np", "2", "--elastic-timeout", "nan"], "--elastic-timeout nan must be > 0"),
     # 0 is a bound given, not the default (-np): it was taken for -np
     ([*SCRIPT, "-np", "2", "--min-np", "0"], "--min-np 0 and --max-np 2: need 1 <= --min-np"),
     ([*SCRIPT, "-np", "2", "--max-np", "0"], "--min-np 2 and --max-np 0: need 1 <= --min-np"),
