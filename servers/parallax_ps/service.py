@@ -323,6 +323,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard(request.table, request.shard_index)
         with self._lock:
             self._shards.pop((request.table, request.shard_index), None)
+            if not any(table == request.table for table, _ in self._shards):
+                self.stats.forget(request.table)  # (its last shard here)
         shard.close("the table was deleted")
         return ps_pb2.DeleteTableResponse(), request.table, 0, 0
 

@@ -63,6 +63,14 @@ class ServerStats:
                                                     counts.nbytes, False)
             self._server[method].add(seconds, 1, rows, nbytes, error)
 
+    def forget(self, table: str) -> None:
+        """Drop a deleted table's counts: a table made again under its name (a restarted job
+        on servers kept running) counts from zero. The server's totals and the Prometheus
+        counters (monotonic by contract) keep them."""
+        with self._lock:
+            for key in [k for k in self._counters if k[0] == table]:
+                del self._counters[key]
+
     def methods(self, table: str) -> list[ps_pb2.MethodStats]:
         with self._lock:
             items = [(m, c) for (t, m), c in self._counters.items() if t == table]

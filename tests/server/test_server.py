@@ -296,3 +296,19 @@ def test_async_restarted_worker_counting_from_zero_is_not_taken_for_a_retry(clus
     with PSClient(cluster.addresses) as restarted:  # a new process: a new session
         restarted.table(spec).push([1], np.ones((1, 4)), step=0)
         np.testing.assert_allclose(restarted.table(spec).pull([1]), start - 2, rtol=1e-6)
+
+
+def test_a_table_made_again_after_its_deletion_counts_from_zero(client, table_name):
+    """A restarted job on servers kept running drops its tables and makes them again under
+    the same names: their counts (the Stats the progress lines read) start again, not on top
+    of the dropped table's."""
+    def pulled() -> int:  # (a server reports a table's counts with each of its shards)
+        per_server = [next(t for t in reply.tables if t.table == table_name)
+                      for reply in client.stats([table_name]).values()]
+        return sum(m.rows for t in per_server for m in t.methods if m.method == "Pull")
+    table = client.create_table(_spec(table_name))
+    table.pull(np.arange(30))
+    assert pulled() == 30
+    assert client.delete_tables(table_name) == [table_name]
+    client.create_table(_spec(table_name)).pull(np.arange(5))
+    assert pulled() == 5
