@@ -33,7 +33,7 @@ from typing import Callable
 
 from parallax.env import ask_rescale, global_batch, stopped_for_rescale, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
-from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered
+from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered, worker_hosts
 
 DISCOVERY_PERIOD_S = 1.0     # how often a running job's hosts are discovered again
 DISCOVERY_TIMEOUT_S = 30.0   # the most one run of the script may take
@@ -121,7 +121,7 @@ class Elastic:
         global batch the chief noted evenly (`request`; any count before it noted one);
         0 below --min-np."""
         most = min(layout.num_slots if layout is not None else 0, self.max_np)
-        batch = global_batch(self.request) if self.request is not None else None
+        batch = self._batch()
         count = next((n for n in range(most, 0, -1) if not batch or batch % n == 0), 0)
         said = f"{most} worker(s) would not split the global batch of {batch} evenly: " \
                f"running {count}"
@@ -129,6 +129,10 @@ class Elastic:
             self._split = said  # (said once, not at every discovery)
             self.say(said)
         return count if count >= self.min_np else 0
+
+    def _batch(self) -> int | None:
+        """The global batch the chief noted (None before, or outside `parallax run`)."""
+        return global_batch(self.request) if self.request is not None else None
 
     def wait(self, interrupted: Callable[[], bool] = lambda: False) -> tuple[ClusterLayout, int]:
         """The layout and worker count of the next attempt, once --min-np slots are listed;
@@ -140,7 +144,7 @@ class Elastic:
             if count:
                 return layout, count
             if interrupted() or time.monotonic() > deadline:
-                batch = global_batch(self.request) if self.request is not None else None
+                batch = self._batch()
                 raise ParallaxError(f"--host-discovery-script listed {_slots(layout)} for "
                                     f"{self.timeout_s:g}s (--elastic-timeout); --min-np "
                                     f"{self.min_np} needs {self.min_np}"
@@ -173,16 +177,6 @@ def _slots(layout: ClusterLayout | None) -> str:
     return "no hosts" if layout is None else f"{layout.num_slots} slot(s)"
 
 
-def _uses(layout: ClusterLayout, workers: int) -> set[str]:
-    """The hosts an attempt of `workers` workers on `layout` runs on."""
-    left, used = workers, set()
-    for host in layout.hosts:
-        if left > 0:
-            used.add(host.host)
-        left -= host.slots
-    return used
-
-
 class RescaleWatch:
     """While an attempt runs: discovers the hosts every DISCOVERY_PERIOD_S and asks the
     workers (`ask_rescale` into `path`) to stop at their next checkpoint when another worker
@@ -192,7 +186,7 @@ class RescaleWatch:
     def __init__(self, elastic: Elastic, layout: ClusterLayout, workers: int,
                  path: Path) -> None:
         self.elastic, self.workers, self.path = elastic, workers, path
-        self._using = _uses(layout, workers)
+        self._using = {h.host for h, _, _ in worker_hosts(layout, workers)}
         self.asked: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="parallax-discovery",
