@@ -60,6 +60,7 @@ from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
 from parallax.launch.elastic import ELASTIC_TIMEOUT_S, Elastic, RescaleWatch
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
+from parallax.launch.warm import WARM_STARTS, warm_process, why_cold, wanted
 from parallax.runtime import lifeline, logs
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
@@ -124,6 +125,9 @@ class LaunchConfig:
                                           # worker's /metrics (0: free ports; P: the i-th
                                           # server of a machine at P+i, then its workers);
                                           # None: none
+    warm_starts: str = "auto"             # --warm-starts auto|on|off: fork workers from a
+                                          # process with TensorFlow imported
+                                          # (parallax.launch.warm); auto: with restarts
 
 
 def _check_metrics_port(config: LaunchConfig) -> None:
@@ -268,6 +272,9 @@ def validate(config: LaunchConfig) -> list[str]:
     if config.collectives not in COLLECTIVES:
         raise ConfigError(f"--collectives {config.collectives!r} must be one of "
                           f"{', '.join(COLLECTIVES)}")
+    if config.warm_starts not in WARM_STARTS:
+        raise ConfigError(f"--warm-starts {config.warm_starts!r} must be one of "
+                          f"{', '.join(WARM_STARTS)}")
     if config.mode is not None and config.mode not in RUN_MODES:
         raise ConfigError(f"--mode {config.mode!r} must be one of {', '.join(RUN_MODES)}")
     if config.sync is not None and not isinstance(config.sync, bool):
@@ -879,14 +886,16 @@ def run(config: LaunchConfig) -> int:
     elastic = _elastic(config)
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
+    warm = wanted(config.warm_starts, bool(config.max_restarts or elastic))
     with _credentials(config) as credentials, _Signals() as signals, \
-            _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale:
+            _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale, \
+            warm_process(warm, worker_env([], run_id, config.mode, config.sync), _say) as warm:
         servers = _Servers(config, credentials, run_id)
         try:
             attempt = 0
             while True:
                 outcome = _attempt(config, program, run_id, attempt, signals,
-                                   (elastic, rescale), servers)
+                                   (elastic, rescale, warm), servers)
                 if signals.signum is None and (
                         _rescaling(signals) if outcome.rescale
                         else _restarting(budget, outcome, signals)):
@@ -920,14 +929,14 @@ def _rescale_file(elastic: Elastic | None):
 def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
     """(config with this attempt's worker count, the workers' argv, the backend, the
     watch of an elastic job's hosts, to start once the workers run)."""
-    elastic, rescale = elastic
+    elastic, rescale, warm = elastic
     if elastic is None:
-        return (config, *workers_argv(config, program), None)
+        return (config, *workers_argv(config, program, warm=warm), None)
     layout, count = elastic.wait()
     for stale in (rescale, Path(f"{rescale}.stopped")):
         stale.unlink(missing_ok=True)
     config = dataclasses.replace(config, num_workers=count)
-    return (config, *workers_argv(config, program, layout),
+    return (config, *workers_argv(config, program, layout, warm),
             RescaleWatch(elastic, layout, count, rescale))
 
 
@@ -954,10 +963,11 @@ def _restarting(budget: RestartBudget, outcome: Outcome, signals: _Signals) -> b
     return restart
 
 
-def workers_argv(config: LaunchConfig, program: list[str],
-                 layout=None) -> tuple[list[str], WorkerBackend]:
+def workers_argv(config: LaunchConfig, program: list[str], layout=None,
+                 warm=None) -> tuple[list[str], WorkerBackend]:
     """The workers' command on `layout` (default: --hosts, else this machine), and the
-    launch backend that made it (`parallax.launch.backends.choose`)."""
+    launch backend that made it (`parallax.launch.backends.choose`); forked from `warm`
+    (a `parallax.launch.warm.WarmProcess`) where they can be."""
     from parallax.launch.hosts import load_hosts, parse_host_string, with_devices
     if layout is None:
         layout = (load_hosts(config.hosts) if config.hosts is not None
@@ -968,8 +978,22 @@ def workers_argv(config: LaunchConfig, program: list[str],
                           "server listens, unauthenticated, on every interface (TensorFlow has "
                           "no bind address or credentials for it); use --collectives horovod "
                           "for a secure job")
+    if warm is not None:
+        program = _warm(warm, config, program, layout)
     program = with_devices(layout, config.num_workers, program)
     return backend.argv(layout, config.num_workers, program, config.horovodrun_args), backend
+
+
+def _warm(warm, config: LaunchConfig, program: list[str], layout) -> list[str]:
+    """`program` through the warm process's stub, or as it is (said when --warm-starts on
+    asked for it)."""
+    why = why_cold(program, layout, config.num_workers, worker_path())
+    if why is not None:
+        if config.warm_starts == "on":
+            _say(f"--warm-starts on: the workers start cold ({why})")
+        return program
+    warm.ensure()
+    return warm.wrap(program)
 
 
 def _makes_data_dir(config: LaunchConfig) -> bool:
@@ -1080,7 +1104,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--replicas 1|2] "
               "[-H HOST:N,... | --hosts FILE | --hostfile FILE | --host-discovery-script SCRIPT "
               "[--min-np N] [--max-np N] [--elastic-timeout S]] [--horovodrun-arg=ARG ...] "
-              "[--collectives auto|horovod|tensorflow] [--log-level LEVEL] [--] COMMAND "
+              "[--collectives auto|horovod|tensorflow] [--warm-starts auto|on|off] "
+              "[--log-level LEVEL] [--] COMMAND "
               "[ARGS ...]")
     parser.add_argument("-np", "--num-workers", dest="num_workers", type=int, default=None,
                         help="number of workers (default 1, or every slot of --hosts; more "
@@ -1116,6 +1141,12 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "starts the workers), tensorflow (TensorFlow's collective ops, no "
                              "Horovod; here and over ssh) or auto (default): horovod "
                              "where Horovod is installed, else tensorflow")
+    parser.add_argument("--warm-starts", choices=WARM_STARTS, default="auto",
+                        help="fork the workers on this machine from one process that imported "
+                             "TensorFlow, Keras, Horovod and parallax once (each worker "
+                             "otherwise spends ~3.5 s of CPU on them, at every restart): on, "
+                             "off, or auto (default): when the job restarts or rescales its "
+                             "workers (--max-restarts, --host-discovery-script)")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")
     parser.add_argument("--ps-addresses", default=None,
@@ -1207,7 +1238,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         log_level=args.log_level, collectives=args.collectives,
         metrics_port=args.metrics_port, replicas=args.replicas,
         discovery_script=args.host_discovery_script, min_workers=args.min_workers,
-        max_workers=args.max_workers, elastic_timeout=args.elastic_timeout)
+        max_workers=args.max_workers, elastic_timeout=args.elastic_timeout,
+        warm_starts=args.warm_starts)
 
 
 def _split_each(values: list[str]) -> tuple[str, ...]:

@@ -1,0 +1,124 @@
+"""Warm starts: workers forked from a process that has TensorFlow imported already.
+
+A worker spends ~3.5 s of CPU importing TensorFlow, Keras and parallax before its first
+line runs; a restart after a worker's death pays that for every worker at once (4 workers
+on 2 cores: 7-9 s before training again). With warm starts, `parallax run` keeps one
+process (`warm_fork`) that imported them once and forks each worker from it, through a
+stub (`warm_stub`, ~20 ms, standard library only) that the launch backend starts in the
+worker's place: horovodrun, the TensorFlow supervisor and the launcher's signals, lifelines
+and exit codes see the stub, which passes its environment, arguments, working directory and
+standard streams to the fork and then stands in for it (signals forwarded, exit status
+mirrored, its death killing the fork).
+
+`--warm-starts auto` (the default) keeps the warm process where restarts are expected
+(--max-restarts, --host-discovery-script); `on` always, `off` never. Only for commands it
+can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
+on this machine's workers (a remote host's would need a warm process there), and not where
+the hosts name GPU slots (a fork must not inherit a CUDA context; untested there). A worker
+that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable or
+sys.path) starts cold, as it would have without it; so does every worker when the warm
+process is gone.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from parallax.runtime import lifeline
+
+WARM_STARTS = ("auto", "on", "off")
+STUB = Path(__file__).with_name("warm_stub.py")
+STOP_GRACE_S = 5.0
+
+
+class WarmProcess:
+    """The warm process of one launcher, listening on a socket in a private directory."""
+
+    def __init__(self, env: dict[str, str], say) -> None:
+        self._env, self._say = env, say
+        self._dir = tempfile.mkdtemp(prefix="parallax-warm-")  # 0700: this user's only
+        self.socket = str(Path(self._dir) / "fork.sock")
+        self._proc: subprocess.Popen | None = None
+        self._starts = 0
+
+    def ensure(self) -> None:
+        """Start the warm process, or again if it has ended (its next workers are then
+        forked from the new one; any that asked in between started cold)."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        if self._proc is not None:
+            self._say(f"the warm process ended ({self._proc.returncode}); starting another")
+        Path(self.socket).unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket]
+        self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid()), env=self._env,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        self._starts += 1
+
+    def wrap(self, program: list[str]) -> list[str]:
+        """`program` started through the stub."""
+        return [sys.executable, "-I", "-S", str(STUB), self.socket, "--", *program]
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def wanted(setting: str, restarts: bool) -> bool:
+    """Whether --warm-starts SETTING asks for a warm process (`restarts`: the job restarts
+    or rescales its workers)."""
+    return setting == "on" or (setting == "auto" and restarts)
+
+
+def why_cold(program: list[str], layout, num_workers: int, path: str) -> str | None:
+    """Why this job's workers cannot start warm, or None (`path`: the workers' PATH)."""
+    from parallax.launch.hosts import is_local, worker_hosts
+    hosts = worker_hosts(layout, num_workers)
+    if any(not is_local(host.host) for host, _, _ in hosts):
+        return "workers on other hosts"
+    if any(host.gpus for host, _, _ in hosts):
+        return "GPU slots named"
+    if not _same_python(program[0], path):
+        return f"{program[0]} is not {sys.executable}"
+    rest = program[1:]
+    if rest[:1] == ["-m"] and len(rest) > 1 and not rest[1].startswith("-"):
+        return None
+    if rest and not rest[0].startswith("-"):
+        return None
+    return "not `python SCRIPT` or `python -m MODULE`"
+
+
+def _same_python(command: str, path: str) -> bool:
+    """Whether `command` runs this interpreter: found on the workers' PATH in the same
+    directory as sys.executable (a virtual environment's bin, not the Python it links to),
+    and the same file."""
+    found = shutil.which(command, path=path)
+    if found is None:
+        return False
+    found, mine = os.path.abspath(found), os.path.abspath(sys.executable)
+    return (os.path.realpath(os.path.dirname(found)) == os.path.realpath(os.path.dirname(mine))
+            and os.path.realpath(found) == os.path.realpath(mine))
+
+
+@contextlib.contextmanager
+def warm_process(enabled: bool, env: dict[str, str], say):
+    """A WarmProcess for the life of the launcher (None when not `enabled`)."""
+    if not enabled:
+        yield None
+        return
+    warm = WarmProcess(env, say)
+    try:
+        yield warm
+    finally:
+        warm.stop()

@@ -1,0 +1,162 @@
+"""A worker's command, started warm: `python -S warm_stub.py SOCKET -- PYTHON SCRIPT ARGS...`.
+
+What horovodrun (or any backend) starts in place of the worker when `parallax run` keeps a
+warm process (`parallax.launch.warm`). It asks the warm process at SOCKET to fork the worker
+with this process's arguments, environment, working directory and standard streams (passed
+as file descriptors), then stands in for it: signals sent to it go to the worker, and it
+exits as the worker did (by the same signal, for a death by a signal). Its own death ends
+the worker (the worker watches the connection). Where the warm process cannot start the
+worker (gone, refusing: another network namespace, cgroup, user or rlimit), it runs the
+command itself (exec), as if it had never been there: a cold start.
+
+Standard library only, and started with -S (no site-packages): it costs ~20 ms, not the
+seconds TensorFlow's import does. The wire contract, shared with `parallax.launch.warm_fork`:
+messages are a 4-byte big-endian length and that many bytes of JSON; the request
+{"argv", "env", "cwd", "identity", "umask", "nice", "cpus"} carries fds 0, 1 and 2 (SCM_RIGHTS);
+the replies are {"pid": N} or {"cold": why}, then {"status": os.wait status} when it ends.
+"""
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+_NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+_LENGTH = struct.Struct(">I")
+_worker = None  # the forked worker's pid, once the warm process said it
+
+
+def identity():
+    """What a forked worker cannot change and must share with the command it replaces:
+    namespaces, cgroups, user and groups, resource limits."""
+    spaces = {}
+    for name in _NAMESPACES:
+        try:
+            spaces[name] = os.readlink(f"/proc/self/ns/{name}")
+        except OSError:
+            spaces[name] = None
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as file:
+            cgroups = file.read()
+    except OSError:
+        cgroups = None
+    limits = {name: resource.getrlimit(getattr(resource, name))
+              for name in sorted(dir(resource)) if name.startswith("RLIMIT_")}
+    return {"ns": spaces, "cgroup": cgroups, "uid": os.getuid(), "gid": os.getgid(),
+            "groups": sorted(os.getgroups()), "rlimits": limits}
+
+
+def send(sock, message, fds=()):
+    data = json.dumps(message).encode()
+    data = _LENGTH.pack(len(data)) + data
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    sock.sendall(data[sent:])
+
+
+def receive(sock):
+    """The next message, or None at the end of the connection."""
+    head = _exactly(sock, _LENGTH.size)
+    if head is None:
+        return None
+    body = _exactly(sock, _LENGTH.unpack(head)[0])
+    return None if body is None else json.loads(body)
+
+
+def _exactly(sock, count):
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _request(program):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return {"argv": program, "env": dict(os.environ), "cwd": os.getcwd(),
+            "identity": identity(), "umask": umask, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "cpus": sorted(os.sched_getaffinity(0))}
+
+
+def _ask(path, program):
+    """(the connection, the worker's pid) once the warm process forked it; (None, why) when
+    it will not."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        send(sock, _request(program), (0, 1, 2))
+        reply = receive(sock)
+    except OSError as exc:
+        sock.close()
+        return None, f"the warm process at {path} is not there ({exc.strerror or exc})"
+    if reply is None or "pid" not in reply:
+        sock.close()
+        return None, (reply or {}).get("cold", "the warm process closed the connection")
+    return sock, reply["pid"]
+
+
+def _forward(signum, frame):
+    if _worker is None:  # not started yet: end as the command would have
+        _die_by(signum)
+    try:
+        os.kill(_worker, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _die_by(signum):
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os._exit(128 + signum)
+
+
+def _cold(program, why):
+    if why and os.environ.get("PARALLAX_WARM_DEBUG"):
+        print(f"parallax warm start: {why}; starting {program[0]} cold", file=sys.stderr,
+              flush=True)
+    try:
+        os.execvp(program[0], program)
+    except OSError as exc:
+        print(f"parallax warm start: cannot run {program[0]}: {exc}", file=sys.stderr,
+              flush=True)
+        os._exit(127)
+
+
+def main(argv):
+    global _worker
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python -S warm_stub.py SOCKET -- PROGRAM [ARGS...]", file=sys.stderr)
+        return 2
+    path, program = argv[1], argv[3:]
+    for signum in FORWARDED:
+        signal.signal(signum, _forward)
+    sock, pid = _ask(path, program)
+    if sock is None:
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        _cold(program, pid)
+    _worker = pid
+    try:
+        ended = receive(sock)
+    except OSError:
+        ended = None
+    if ended is None:  # the warm process died; its workers die with it (PR_SET_PDEATHSIG)
+        print(f"parallax warm start: the warm process ended before worker {pid}",
+              file=sys.stderr, flush=True)
+        return 1
+    code = os.waitstatus_to_exitcode(ended["status"])
+    if code < 0:
+        _die_by(-code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
