@@ -34,6 +34,7 @@ from parallax.runtime import lifeline
 WARM_STARTS = ("auto", "on", "off")
 STUB = Path(__file__).with_name("warm_stub.py")
 STOP_GRACE_S = 5.0
+TITLE_ROOM_BYTES = 4096  # of the warm process's command line, which each worker overwrites
 
 
 class WarmProcess:
@@ -54,7 +55,8 @@ class WarmProcess:
         if self._proc is not None:
             self._say(f"the warm process ended ({self._proc.returncode}); starting another")
         Path(self.socket).unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket]
+        argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket,
+                "-" * TITLE_ROOM_BYTES]
         self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid()), env=self._env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)

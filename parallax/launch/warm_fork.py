@@ -45,9 +45,11 @@ _held = []  # this process's own standard streams, kept so that closing them nev
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m parallax.launch.warm_fork SOCKET", file=sys.stderr)
+    if len(argv) != 3:
+        print("usage: python -m parallax.launch.warm_fork SOCKET ROOM (ROOM: a long string "
+              "whose space a worker's command line takes, for ps)", file=sys.stderr)
         return 2
+    _retitle(["parallax-warm-process", argv[1]])
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(argv[1])  # before the imports: stubs that come early wait, not go cold
     listener.listen(128)
@@ -262,8 +264,24 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh process draws its own
     kind, name, args = _target(request["argv"])
+    _retitle(request["argv"])
+    sys.orig_argv = list(request["argv"])
     sys.path[:] = request["path"]
     return _run(kind, name, args)
+
+
+def _retitle(argv: list[str]) -> None:
+    """Show `argv` as this process's command line (/proc/PID/cmdline: ps, pgrep -f, what
+    finds a worker by its script), written over the arguments this process was started
+    with (the launcher leaves room), cut to fit."""
+    try:
+        with open("/proc/self/stat", "rb") as file:
+            fields = file.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): 48, 49)
+    except (OSError, IndexError, ValueError):
+        return
+    title = b"\0".join(os.fsencode(arg) for arg in argv)[:max(end - start - 1, 0)]
+    ctypes.memmove(start, title + b"\0" * (end - start - len(title)), end - start)
 
 
 def _adopt(request: dict) -> None:

@@ -1,0 +1,97 @@
+"""Warm starts without processes: the flag, when the launcher keeps a warm process, which
+commands its stub replaces, and the stub's wire format (tests/parallel/test_warm_starts.py
+runs workers through it)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallax.errors import ConfigError
+from parallax.launch import warm, warm_fork, warm_stub
+from parallax.launch.hosts import load_hosts, parse_host_string
+from parallax.launch.run import parse_args, validate, worker_path
+
+LOCAL = parse_host_string("localhost:2")
+PY = sys.executable
+
+
+def test_the_flag_defaults_to_auto_and_takes_its_three_settings():
+    assert parse_args(["--", "python", "-c", "pass"]).warm_starts == "auto"
+    for setting in warm.WARM_STARTS:
+        assert parse_args(["--warm-starts", setting, "--", "x"]).warm_starts == setting
+    with pytest.raises(SystemExit):
+        parse_args(["--warm-starts", "yes", "--", "x"])
+
+
+def test_a_bad_setting_in_a_config_is_refused_by_name():
+    import dataclasses
+    config = dataclasses.replace(parse_args(["--", "true"]), warm_starts="always")
+    with pytest.raises(ConfigError, match="--warm-starts 'always' must be one of auto, on, off"):
+        validate(config)
+
+
+@pytest.mark.parametrize("setting, restarts, want", [
+    ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
+def test_auto_keeps_a_warm_process_only_for_jobs_that_restart(setting, restarts, want):
+    assert warm.wanted(setting, restarts) is want
+
+
+@pytest.mark.parametrize("program", [[PY, "train.py", "--epochs", "2"], [PY, "-m", "pkg.mod"],
+                                     ["python", "train.py"]])
+def test_python_scripts_and_modules_of_this_interpreter_start_warm(program):
+    assert warm.why_cold(program, LOCAL, 2, worker_path()) is None
+
+
+@pytest.mark.parametrize("program, why", [
+    ([PY, "-c", "pass"], "not `python SCRIPT` or `python -m MODULE`"),
+    ([PY, "-u", "train.py"], "not `python SCRIPT`"),  # flags a fork could not take
+    ([PY, "-m"], "not `python SCRIPT`"),
+    (["sh", "-c", "true"], "sh is not"),
+    (["no-such-command-here", "x.py"], "no-such-command-here is not"),
+])
+def test_other_commands_start_cold_and_say_why(program, why):
+    assert why in warm.why_cold(program, LOCAL, 2, worker_path())
+
+
+def test_a_python_outside_this_environment_starts_cold(tmp_path):
+    """Another interpreter file (a copy here; a base Python a venv links to, in life) has
+    its own site-packages: its workers must not be forked from this one."""
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "python").symlink_to(Path(PY).resolve())
+    assert "is not" in warm.why_cold(["python", "t.py"], LOCAL, 1, str(other))
+
+
+def test_workers_on_other_hosts_or_gpu_slots_start_cold(tmp_path):
+    assert warm.why_cold([PY, "t.py"], parse_host_string("localhost:1,otherhost:1"), 2,
+                         worker_path()) == "workers on other hosts"
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n  - {host: localhost, slots: 2, gpus: [0, 1]}\n")
+    assert warm.why_cold([PY, "t.py"], load_hosts(hosts), 2, worker_path()) == \
+        "GPU slots named"
+
+
+def test_the_stub_and_the_warm_process_frame_messages_and_pass_descriptors_alike():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        warm_stub.send(ours, {"argv": ["python", "x.py"], "env": {"A": "1" * 70000}}, (0, 1, 2))
+        request, fds = warm_fork._request(theirs)
+        for fd in fds:
+            os.close(fd)
+        assert request["env"]["A"] == "1" * 70000 and len(fds) == 3  # longer than one recv
+        warm_stub.send(theirs, {"pid": 7})
+        assert warm_stub.receive(ours) == {"pid": 7}
+        theirs.close()
+        assert warm_stub.receive(ours) is None  # the end of the connection
+
+
+@pytest.mark.parametrize("argv, target", [
+    (["python", "t.py", "-x"], ("script", "t.py", ["-x"])),
+    (["python", "-m", "a.b", "c"], ("module", "a.b", ["c"])),
+    (["python", "-c", "1"], None), (["python"], None), (["python", ""], None)])
+def test_the_warm_process_takes_the_commands_the_launcher_sends(argv, target):
+    assert warm_fork._target(argv) == target
