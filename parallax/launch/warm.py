@@ -57,7 +57,10 @@ class WarmProcess:
         Path(self.socket).unlink(missing_ok=True)
         argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket,
                 "-" * TITLE_ROOM_BYTES]
-        self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid()), env=self._env,
+        # its own process group: a terminal's Ctrl-C reaches the workers once, forwarded by
+        # their stubs, and never this process
+        self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid(), new_group=True),
+                                      env=self._env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
         self._starts += 1

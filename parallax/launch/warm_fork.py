@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
               "whose space a worker's command line takes, for ps)", file=sys.stderr)
         return 2
     _retitle(["parallax-warm-process", argv[1]])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its workers' is theirs (reset there)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(argv[1])  # before the imports: stubs that come early wait, not go cold
     listener.listen(128)
