@@ -50,7 +50,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.client.replicas import check_flag, survives
+from parallax.client.replicas import check_flag
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_AT_START,
                           RESCALE_FILE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
@@ -59,6 +59,8 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
 from parallax.launch.elastic import ELASTIC_TIMEOUT_S, Elastic, RescaleWatch
+from parallax.launch.job_servers import (HealthWatch, JobServers, ServerLosses, check_external,
+                                         report_dead_server, report_silent_server)
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
 from parallax.launch.warm import WARM_STARTS, warm_process, why_cold, wanted
 from parallax.runtime import lifeline, logs
@@ -544,123 +546,8 @@ class _Signals:
             job.signal(self.signum)
 
 
-class _ServerLosses:
-    """The servers of ours that died; with --replicas 2, those the job goes on without (every
-    shard still has a live copy: `parallax.client.replicas.survives`)."""
-
-    def __init__(self, cluster, replicas: int) -> None:
-        self.cluster, self.replicas = cluster, replicas
-        self.lost: set[int] = set()
-        self.addresses: set[str] = set()  # of the servers lost and gone on without
-
-    def fatal(self):
-        """The first newly dead server the job cannot go on without, or None."""
-        for server in (self.cluster.servers if self.cluster is not None else ()):
-            if server.index in self.lost or server.proc.poll() is None:
-                continue
-            if not survives(self.lost | {server.index}, len(self.cluster.servers),
-                            self.replicas):
-                return server
-            self.lost.add(server.index)
-            self.addresses.add(server.address)
-            _say(f"parameter server {server.index} ({server.address}) exited with code "
-                 f"{server.proc.returncode}; with --replicas {self.replicas} its shards go on "
-                 f"on their copies (server {(server.index + 1) % len(self.cluster.servers)}) "
-                 f"and the job continues; the death of a neighbour of it would end the job")
-        return None
-
-    def outlives(self, silent: tuple[int, str, float], servers: int) -> bool:
-        """With --replicas 2, whether the job goes on without a server silent past
-        --health-timeout: one of ours is killed (its workers' requests then fail over to its
-        copies) and judged by `fatal` as it exits; one started elsewhere is left out, if
-        every shard keeps a copy (a hung one fails its workers' requests at their deadline)."""
-        index, address, age = silent
-        if self.replicas == 1 or not survives(self.lost | {index}, servers, self.replicas):
-            return False
-        ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
-        if ours:
-            if ours[0].proc.poll() is None:
-                _say(f"parameter server {index} ({address}) has not answered a health check "
-                     f"for {age:.0f}s (--health-timeout); with --replicas {self.replicas} it "
-                     f"is stopped (SIGKILL) and its copies take over")
-                ours[0].proc.kill()
-            return True
-        self.lost.add(index)
-        self.addresses.add(address)
-        _say(f"parameter server {index} ({address}) has not answered a health check for "
-             f"{age:.0f}s (--health-timeout); with --replicas {self.replicas} the job goes on "
-             f"with its copies")
-        return True
-
-
-def _report_dead_server(server) -> None:
-    reader = getattr(server, "_reader", None)
-    if reader is not None:
-        reader.join(1.0)  # the last lines it printed
-    _say(f"parameter server {server.index} ({server.address}) exited with code "
-         f"{server.proc.returncode} while the job was running; stopping the workers. "
-         f"Its last output:\n{server.tail(10)}")
-
-
-class _HealthWatch:
-    """Health checks of every server from a daemon thread; `silent()` gives the server that
-    has not answered SERVING for longer than `timeout` seconds, if any (0: no checks)."""
-
-    def __init__(self, addresses: list[str], timeout: float, options) -> None:
-        from parallax.client.connection import ServerConnection
-        self.timeout = timeout
-        self.servers = len(addresses)
-        self._servers = [ServerConnection(a, options) for a in addresses] if timeout else []
-        self._answered = [time.monotonic()] * len(self._servers)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="parallax-health", daemon=True)
-
-    def start(self) -> "_HealthWatch":
-        if self._servers:
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        check = min(2.0, self.timeout / 3)  # one silent server delays the others this much
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            for index, server in enumerate(self._servers):
-                try:
-                    if server.healthy(timeout=check):
-                        self._answered[index] = time.monotonic()
-                except ParallaxError:
-                    pass  # refused credentials: not an answer
-
-    def silent(self, lost: set[str] = frozenset()) -> tuple[int, str, float] | None:
-        """(index, address, seconds) of the server silent the longest, past the timeout,
-        but for those `lost` that the job goes on without."""
-        ages = [(time.monotonic() - t, i) for i, t in enumerate(self._answered)
-                if self._servers[i].address not in lost]
-        if not ages:
-            return None
-        age, index = max(ages)
-        return (index, self._servers[index].address, age) if age > self.timeout else None
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        for server in self._servers:
-            server.close()
-
-
-def _report_silent_server(silent: tuple[int, str, float], cluster) -> None:
-    """Say which server stopped answering; resume it if it is ours and SIGSTOPped, so that
-    the cleanup can stop it gracefully."""
-    index, address, age = silent
-    _say(f"parameter server {index} ({address}) has not answered a health check for "
-         f"{age:.0f}s (hung, stopped or overloaded; --health-timeout); stopping the workers")
-    for server in getattr(cluster, "servers", ()):
-        if server.address == address and server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGCONT)
-
-
-def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
-               health: _HealthWatch, watch: RescaleWatch | None = None) -> Outcome:
+def _supervise(job: _Job, losses: ServerLosses, signals: _Signals,
+               health: HealthWatch, watch: RescaleWatch | None = None) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
@@ -677,7 +564,7 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
             return Outcome(128 + signals.signum, f"got {name}")
         dead = losses.fatal()
         if dead is not None:
-            _report_dead_server(dead)
+            report_dead_server(dead, _say)
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {dead.index} "
                                   f"({dead.address}) exited with code {dead.proc.returncode}",
@@ -686,7 +573,7 @@ def _supervise(job: _Job, losses: _ServerLosses, signals: _Signals,
         if silent is not None and losses.outlives(silent, health.servers):
             continue
         if silent is not None:
-            _report_silent_server(silent, losses.cluster)
+            report_silent_server(silent, losses.cluster, _say)
             job.stop()
             return Outcome.failed(SERVER_DIED_EXIT, f"parameter server {silent[0]} "
                                   f"({silent[1]}) answered no health check for "
@@ -732,93 +619,6 @@ def _peer_failure(job: _Job, rank: int) -> str:
             f"them)")
 
 
-DROP_TIMEOUT_S = 10.0  # the most dropping a run's tables from kept servers may take
-
-
-class _Servers:
-    """The job's servers across its attempts. The launcher's own are started for the first
-    attempt and kept for the next while every one still runs and the attempt did not end
-    for a server's failure (a worker failed, or the workers stopped for a new count): the
-    run's tables are then dropped from them, so the workers restore them from their
-    checkpoint as onto fresh servers, without the servers' start. External servers
-    (--ps-addresses) get the same drop before every attempt but the first."""
-
-    def __init__(self, config: LaunchConfig, credentials, run_id: str) -> None:
-        self.config, self.credentials, self.run_id = config, credentials, run_id
-        self.cluster = None
-
-    def for_attempt(self, config: LaunchConfig, attempt: int):
-        """This attempt's servers (None: external ones, at config.ps_addresses)."""
-        if config.num_servers == 0:
-            if attempt:
-                self._drop([a.strip() for a in config.ps_addresses])
-            return None
-        if self.cluster is not None and self._running() and self._drop(self.cluster.addresses):
-            return self.cluster
-        self.stop()
-        self.cluster = _start_servers(config, self.credentials)
-        return self.cluster
-
-    def _running(self) -> bool:
-        return all(server.proc.poll() is None for server in self.cluster.servers)
-
-    def _drop(self, addresses: list[str]) -> bool:
-        """Drop the run's tables from `addresses`; whether it worked."""
-        from parallax.client.connection import ClientOptions, client_options_from_env
-        from parallax.client.ps_client import PSClient
-        environ = self.credentials.worker_env() if self.credentials is not None else None
-        options = client_options_from_env(ClientOptions(timeout=DROP_TIMEOUT_S),
-                                          environ=environ)
-        try:
-            with PSClient(addresses, options) as client:
-                dropped = client.delete_tables(f"{self.run_id}.")
-        except ParallaxError as err:
-            _say(f"could not drop run {self.run_id}'s tables from the servers ({err}); "
-                 f"{'starting them again' if self.cluster is not None else 'going on'}")
-            return False
-        if dropped:
-            _say(f"the servers keep running; dropped {len(dropped)} table(s) of run "
-                 f"{self.run_id} from them: the workers restore them from their checkpoint")
-        return True
-
-    def after(self, outcome: Outcome | None) -> None:
-        """Stop the servers unless the next attempt may keep them."""
-        if outcome is None or outcome.server_failed or not (outcome.restartable
-                                                            or outcome.rescale):
-            self.stop()
-
-    def stop(self) -> None:
-        if self.cluster is not None:
-            cluster, self.cluster = self.cluster, None
-            cluster.stop()
-
-
-def _start_servers(config: LaunchConfig, credentials=None):
-    if config.hosts is not None:
-        from parallax.launch.hosts import HostCluster, load_hosts
-        return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
-                           extra_args=[*config.server_args, *(credentials.server_args()
-                                                              if credentials else [])],
-                           echo=sys.stderr, start_timeout=config.start_timeout,
-                           metrics_port=config.metrics_port).start()
-    from parallax.client.connection import client_options_from_env
-    from parallax.client.local_cluster import LocalCluster
-    cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
-                           extra_args=[*config.server_args, *(credentials.server_args()
-                                                              if credentials else [])],
-                           echo=sys.stderr, start_timeout=config.start_timeout,
-                           metrics_port=config.metrics_port)
-    cluster.start()
-    if credentials is not None:  # they serve what the workers will present
-        try:
-            _check_external(cluster.addresses, config.start_timeout,
-                            client_options_from_env(environ=credentials.worker_env()))
-        except BaseException:
-            cluster.stop()
-            raise
-    return cluster
-
-
 @contextlib.contextmanager
 def _credentials(config: LaunchConfig):
     """With --secure: the job's credentials in a private temporary directory, for this
@@ -856,12 +656,6 @@ def _secured(credentials, env: dict[str, str]) -> dict[str, str]:
     return {**env, **credentials.worker_env()} if credentials is not None else env
 
 
-def _check_external(addresses: list[str], timeout: float, options=None) -> None:
-    from parallax.client import PSClient
-    with PSClient(addresses, options) as client:
-        client.wait_ready(timeout)
-
-
 def _monitor_options(env: dict):
     """Client options for the launcher's own calls (progress, health): the job's
     credentials, short timeouts, no retries."""
@@ -890,7 +684,7 @@ def run(config: LaunchConfig) -> int:
     with _credentials(config) as credentials, _Signals() as signals, \
             _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale, \
             warm_process(warm, worker_env([], run_id, config.mode, config.sync), _say) as warm:
-        servers = _Servers(config, credentials, run_id)
+        servers = JobServers(config, credentials, run_id, _say)
         try:
             attempt = 0
             while True:
@@ -1020,7 +814,7 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
 
 
 def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int,
-             signals: _Signals, elastic, servers: _Servers) -> Outcome:
+             signals: _Signals, elastic, servers: JobServers) -> Outcome:
     """One run of every worker, on the servers `servers` keeps or starts; how it ended."""
     outcome = watch = None
     credentials = servers.credentials
@@ -1032,7 +826,7 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         else:
             addresses, where = [a.strip() for a in config.ps_addresses], "external"
             from parallax.client.connection import client_options_from_env
-            _check_external(addresses, config.start_timeout, client_options_from_env())
+            check_external(addresses, config.start_timeout, client_options_from_env())
         _say(f"{config.num_workers} worker(s); {len(addresses)} parameter server(s) "
              f"({where}): {','.join(addresses)}; run id {run_id}"
              + (f"; restart {attempt}" if attempt else ""))
@@ -1051,12 +845,12 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
                    if config.metrics_port is not None else None)
         signals.attach(job)
         progress = _progress(config, addresses, run_id, env)
-        health = _HealthWatch(addresses, config.health_timeout,
+        health = HealthWatch(addresses, config.health_timeout,
                               _monitor_options(env)).start()
         if watch is not None:
             watch.start()
         try:
-            outcome = _supervise(job, _ServerLosses(cluster, config.replicas), signals, health,
+            outcome = _supervise(job, ServerLosses(cluster, config.replicas, _say), signals, health,
                                  watch)
         finally:
             health.stop()

@@ -36,7 +36,7 @@ import sys
 import threading
 import traceback
 
-from parallax.launch.warm_stub import identity, receive, send
+from parallax.launch.warm_stub import identity, send
 
 PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf")
 _PR_SET_PDEATHSIG = 1

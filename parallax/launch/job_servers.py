@@ -1,0 +1,229 @@
+"""The parameter servers of one `parallax run` job across its attempts (`JobServers`): started
+for the first attempt, kept for the next where a worker failed or the workers stopped for a
+new count (the run's tables dropped from them), started again after a server's failure; and
+what the launcher watches them for while an attempt runs: deaths (`ServerLosses`, which
+with --replicas 2 tells the deaths the job goes on without) and silence (`HealthWatch`)."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from parallax.client.replicas import survives
+from parallax.errors import ParallaxError
+from parallax.launch.restarts import Outcome
+
+if TYPE_CHECKING:
+    from parallax.launch.run import LaunchConfig
+
+
+class ServerLosses:
+    """The servers of ours that died; with --replicas 2, those the job goes on without (every
+    shard still has a live copy: `parallax.client.replicas.survives`)."""
+
+    def __init__(self, cluster, replicas: int, say: Callable[[str], None]) -> None:
+        self.cluster, self.replicas, self.say = cluster, replicas, say
+        self.lost: set[int] = set()
+        self.addresses: set[str] = set()  # of the servers lost and gone on without
+
+    def fatal(self):
+        """The first newly dead server the job cannot go on without, or None."""
+        for server in (self.cluster.servers if self.cluster is not None else ()):
+            if server.index in self.lost or server.proc.poll() is None:
+                continue
+            if not survives(self.lost | {server.index}, len(self.cluster.servers),
+                            self.replicas):
+                return server
+            self.lost.add(server.index)
+            self.addresses.add(server.address)
+            self.say(f"parameter server {server.index} ({server.address}) exited with code "
+                     f"{server.proc.returncode}; with --replicas {self.replicas} its shards go on "
+                     f"on their copies (server {(server.index + 1) % len(self.cluster.servers)}) "
+                     f"and the job continues; the death of a neighbour of it would end the job")
+        return None
+
+    def outlives(self, silent: tuple[int, str, float], servers: int) -> bool:
+        """With --replicas 2, whether the job goes on without a server silent past
+        --health-timeout: one of ours is killed (its workers' requests then fail over to its
+        copies) and judged by `fatal` as it exits; one started elsewhere is left out, if
+        every shard keeps a copy (a hung one fails its workers' requests at their deadline)."""
+        index, address, age = silent
+        if self.replicas == 1 or not survives(self.lost | {index}, servers, self.replicas):
+            return False
+        ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
+        if ours:
+            if ours[0].proc.poll() is None:
+                self.say(f"parameter server {index} ({address}) has not answered a health check "
+                         f"for {age:.0f}s (--health-timeout); with --replicas {self.replicas} it "
+                         f"is stopped (SIGKILL) and its copies take over")
+                ours[0].proc.kill()
+            return True
+        self.lost.add(index)
+        self.addresses.add(address)
+        self.say(f"parameter server {index} ({address}) has not answered a health check for "
+                 f"{age:.0f}s (--health-timeout); with --replicas {self.replicas} the job goes on "
+                 f"with its copies")
+        return True
+
+
+def report_dead_server(server, say: Callable[[str], None]) -> None:
+    reader = getattr(server, "_reader", None)
+    if reader is not None:
+        reader.join(1.0)  # the last lines it printed
+    say(f"parameter server {server.index} ({server.address}) exited with code "
+       f"{server.proc.returncode} while the job was running; stopping the workers. "
+        f"Its last output:\n{server.tail(10)}")
+
+
+class HealthWatch:
+    """Health checks of every server from a daemon thread; `silent()` gives the server that
+    has not answered SERVING for longer than `timeout` seconds, if any (0: no checks)."""
+
+    def __init__(self, addresses: list[str], timeout: float, options) -> None:
+        from parallax.client.connection import ServerConnection
+        self.timeout = timeout
+        self.servers = len(addresses)
+        self._servers = [ServerConnection(a, options) for a in addresses] if timeout else []
+        self._answered = [time.monotonic()] * len(self._servers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="parallax-health", daemon=True)
+
+    def start(self) -> "HealthWatch":
+        if self._servers:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        check = min(2.0, self.timeout / 3)  # one silent server delays the others this much
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            for index, server in enumerate(self._servers):
+                try:
+                    if server.healthy(timeout=check):
+                        self._answered[index] = time.monotonic()
+                except ParallaxError:
+                    pass  # refused credentials: not an answer
+
+    def silent(self, lost: set[str] = frozenset()) -> tuple[int, str, float] | None:
+        """(index, address, seconds) of the server silent the longest, past the timeout,
+        but for those `lost` that the job goes on without."""
+        ages = [(time.monotonic() - t, i) for i, t in enumerate(self._answered)
+                if self._servers[i].address not in lost]
+        if not ages:
+            return None
+        age, index = max(ages)
+        return (index, self._servers[index].address, age) if age > self.timeout else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for server in self._servers:
+            server.close()
+
+
+def report_silent_server(silent: tuple[int, str, float], cluster,
+                         say: Callable[[str], None]) -> None:
+    """Say which server stopped answering; resume it if it is ours and SIGSTOPped, so that
+    the cleanup can stop it gracefully."""
+    index, address, age = silent
+    say(f"parameter server {index} ({address}) has not answered a health check for "
+       f"{age:.0f}s (hung, stopped or overloaded; --health-timeout); stopping the workers")
+    for server in getattr(cluster, "servers", ()):
+        if server.address == address and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+
+
+DROP_TIMEOUT_S = 10.0  # the most dropping a run's tables from kept servers may take
+
+
+class JobServers:
+    """The job's servers across its attempts. The launcher's own are started for the first
+    attempt and kept for the next while every one still runs and the attempt did not end
+    for a server's failure (a worker failed, or the workers stopped for a new count): the
+    run's tables are then dropped from them, so the workers restore them from their
+    checkpoint as onto fresh servers, without the servers' start. External servers
+    (--ps-addresses) get the same drop before every attempt but the first."""
+
+    def __init__(self, config: LaunchConfig, credentials, run_id: str,
+                 say: Callable[[str], None]) -> None:
+        self.config, self.credentials, self.run_id, self.say = config, credentials, run_id, say
+        self.cluster = None
+
+    def for_attempt(self, config: LaunchConfig, attempt: int):
+        """This attempt's servers (None: external ones, at config.ps_addresses)."""
+        if config.num_servers == 0:
+            if attempt:
+                self._drop([a.strip() for a in config.ps_addresses])
+            return None
+        if self.cluster is not None and self._running() and self._drop(self.cluster.addresses):
+            return self.cluster
+        self.stop()
+        self.cluster = start_servers(config, self.credentials)
+        return self.cluster
+
+    def _running(self) -> bool:
+        return all(server.proc.poll() is None for server in self.cluster.servers)
+
+    def _drop(self, addresses: list[str]) -> bool:
+        """Drop the run's tables from `addresses`; whether it worked."""
+        from parallax.client.connection import ClientOptions, client_options_from_env
+        from parallax.client.ps_client import PSClient
+        environ = self.credentials.worker_env() if self.credentials is not None else None
+        options = client_options_from_env(ClientOptions(timeout=DROP_TIMEOUT_S),
+                                          environ=environ)
+        try:
+            with PSClient(addresses, options) as client:
+                dropped = client.delete_tables(f"{self.run_id}.")
+        except ParallaxError as err:
+            self.say(f"could not drop run {self.run_id}'s tables from the servers ({err}); "
+                     f"{'starting them again' if self.cluster is not None else 'going on'}")
+            return False
+        if dropped:
+            self.say(f"the servers keep running; dropped {len(dropped)} table(s) of run "
+                     f"{self.run_id} from them: the workers restore them from their checkpoint")
+        return True
+
+    def after(self, outcome: Outcome | None) -> None:
+        """Stop the servers unless the next attempt may keep them."""
+        if outcome is None or outcome.server_failed or not (outcome.restartable
+                                                            or outcome.rescale):
+            self.stop()
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.stop()
+
+
+def start_servers(config: LaunchConfig, credentials=None):
+    if config.hosts is not None:
+        from parallax.launch.hosts import HostCluster, load_hosts
+        return HostCluster(load_hosts(config.hosts), data_dir=config.data_dir,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr, start_timeout=config.start_timeout,
+                           metrics_port=config.metrics_port).start()
+    from parallax.client.connection import client_options_from_env
+    from parallax.client.local_cluster import LocalCluster
+    cluster = LocalCluster(config.num_servers, data_dir=config.data_dir,
+                           extra_args=[*config.server_args, *(credentials.server_args()
+                                                              if credentials else [])],
+                           echo=sys.stderr, start_timeout=config.start_timeout,
+                           metrics_port=config.metrics_port)
+    cluster.start()
+    if credentials is not None:  # they serve what the workers will present
+        try:
+            check_external(cluster.addresses, config.start_timeout,
+                            client_options_from_env(environ=credentials.worker_env()))
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+def check_external(addresses: list[str], timeout: float, options=None) -> None:
+    from parallax.client import PSClient
+    with PSClient(addresses, options) as client:
+        client.wait_ready(timeout)
