@@ -28,9 +28,12 @@ MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run 
 SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
 REPLICAS_ENV = "PARALLAX_REPLICAS"       # 1 or 2: copies of each shard (--replicas)
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
-RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # elastic jobs: the launcher asks for another
-#                                         worker count there; the workers stop at their next
-#                                         checkpoint (`rescale_request`, `note_rescale_stop`)
+RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # the launcher asks the workers there to stop at
+#                                         their next checkpoint (`rescale_request`,
+#                                         `note_rescale_stop`): an elastic job's, for another
+#                                         worker count; one whose servers keep copies, to
+#                                         start a lost server again with copies of its shards
+ELASTIC_ENV = "PARALLAX_ELASTIC"  # "1": an elastic job (its chief notes the global batch)
 RESCALE_EXIT = 75  # a worker's exit code when it stopped for a rescale (EX_TEMPFAIL)
 RESCALE_AT_START = "the start"  # where workers whose count cannot split the global batch stop
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
@@ -140,12 +143,13 @@ def parse_worker_metrics_line(line: str) -> tuple[int, str] | None:
     return int(fields["rank"]), fields["address"]
 
 
-def ask_rescale(path: str | Path, workers: int) -> None:
+def ask_rescale(path: str | Path, workers: int, why: str = "") -> None:
     """The launcher's request: stop at the next checkpoint, to go on with `workers` workers
-    (written whole, then renamed: a worker never reads half of it)."""
+    (`why`: what for, when not for a new count; written whole, then renamed: a worker never
+    reads half of it)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"workers": workers}))
+    partial.write_text(json.dumps({"workers": workers, "why": why}))
     os.replace(partial, path)
 
 
@@ -161,6 +165,15 @@ def rescale_request(path: str | Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return workers if isinstance(workers, int) and workers > 0 else None
+
+
+def rescale_reason(path: str | Path) -> str:
+    """What the launcher's request in `path` is for ("" when for a new worker count)."""
+    try:
+        why = json.loads(Path(path).read_text()).get("why")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return why if isinstance(why, str) else ""
 
 
 def note_rescale_stop(path: str | Path, at: str) -> None:

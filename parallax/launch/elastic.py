@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from parallax.env import ask_rescale, global_batch, stopped_for_rescale, withdraw_rescale
+from parallax.env import ask_rescale, global_batch, withdraw_rescale
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.hosts import ClusterLayout, is_local, parse_discovered, worker_hosts
 
@@ -223,11 +223,6 @@ class RescaleWatch:
                 self.elastic.say(
                     f"the host discovery script lists {layout.num_slots} slot(s) again: the "
                     f"{self.workers} worker(s) go on; the request to stop is withdrawn")
-
-    def answered(self, clear: bool = False) -> str | None:
-        """Where the workers stopped for a new count (the chief noted it), None when they
-        did not; `clear`: the note is read once, for the attempt that ends."""
-        return stopped_for_rescale(self.path, clear)
 
     def stop(self) -> None:
         """Stop watching (the attempt ended, or never got to start its workers)."""

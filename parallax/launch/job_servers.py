@@ -23,8 +23,10 @@ class ServerLosses:
     """The servers of ours that died; with --replicas 2, those the job goes on without (every
     shard still has a live copy: `parallax.client.replicas.survives`)."""
 
-    def __init__(self, cluster, replicas: int, say: Callable[[str], None]) -> None:
+    def __init__(self, cluster, replicas: int, say: Callable[[str], None],
+                 on_loss: Callable | None = None) -> None:
         self.cluster, self.replicas, self.say = cluster, replicas, say
+        self.on_loss = on_loss  # called with each server the job goes on without
         self.lost: set[int] = set()
         self.addresses: set[str] = set()  # of the servers lost and gone on without
 
@@ -42,6 +44,8 @@ class ServerLosses:
                      f"{server.proc.returncode}; with --replicas {self.replicas} its shards go on "
                      f"on their copies (server {(server.index + 1) % len(self.cluster.servers)}) "
                      f"and the job continues; the death of a neighbour of it would end the job")
+            if self.on_loss is not None:
+                self.on_loss(server)
         return None
 
     def outlives(self, silent: tuple[int, str, float], servers: int) -> bool:

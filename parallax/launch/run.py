@@ -51,10 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.replicas import check_flag
-from parallax.env import (ADDRESSES_ENV, COLLECTIVES, MODE_ENV, REPLICAS_ENV, RESCALE_AT_START,
-                          RESCALE_FILE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV,
-                          WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX,
-                          is_run_id, new_run_id, parse_worker_metrics_line)
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, MODE_ENV, REPLICAS_ENV,
+                          RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
+                          RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
+                          WORKER_METRICS_PREFIX, ask_rescale, is_run_id, new_run_id,
+                          parse_worker_metrics_line, rescale_reason, stopped_for_rescale)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -547,7 +548,7 @@ class _Signals:
 
 
 def _supervise(job: _Job, losses: ServerLosses, signals: _Signals,
-               health: HealthWatch, watch: RescaleWatch | None = None) -> Outcome:
+               health: HealthWatch, stops: Path | None = None) -> Outcome:
     while True:
         try:
             job.proc.wait(0.2)
@@ -580,7 +581,8 @@ def _supervise(job: _Job, losses: ServerLosses, signals: _Signals,
                                   f"{silent[2]:.0f}s", server_failed=True)
         if job.proc.returncode is not None:
             job.stop()  # leftovers in its process group
-            return _job_outcome(job, watch is not None and watch.answered() is not None)
+            return _job_outcome(job, stops is not None
+                                and stopped_for_rescale(stops, clear=False) is not None)
 
 
 def _job_outcome(job: _Job, rescale: bool = False) -> Outcome:
@@ -680,9 +682,11 @@ def run(config: LaunchConfig) -> int:
     elastic = _elastic(config)
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
-    warm = wanted(config.warm_starts, bool(config.max_restarts or elastic))
+    warm = wanted(config.warm_starts,
+                  bool(config.max_restarts or elastic or _rereplicates(config)))
     with _credentials(config) as credentials, _Signals() as signals, \
-            _restart_data_dir(config, run_id) as config, _rescale_file(elastic) as rescale, \
+            _restart_data_dir(config, run_id) as config, \
+            _rescale_file(config, elastic) as rescale, \
             warm_process(warm, worker_env([], run_id, config.mode, config.sync), _say) as warm:
         servers = JobServers(config, credentials, run_id, _say)
         try:
@@ -709,26 +713,36 @@ def _elastic(config: LaunchConfig) -> Elastic | None:
     return Elastic(config.discovery_script, *bounds, config.elastic_timeout, _say)
 
 
+def _rereplicates(config: LaunchConfig) -> bool:
+    """Whether the launcher starts a lost server again (at the workers' next checkpoint):
+    its servers, on this machine, keep copies of their shards."""
+    return config.replicas > 1 and config.num_servers > 0 and config.hosts is None
+
+
 @contextlib.contextmanager
-def _rescale_file(elastic: Elastic | None):
-    """Where the launcher asks an elastic job's workers for a new count (None: not elastic)."""
-    if elastic is None:
+def _rescale_file(config: LaunchConfig, elastic: Elastic | None):
+    """Where the launcher asks the workers to stop at their next checkpoint: an elastic
+    job's, for a new count; one whose servers (started here) keep copies of their shards,
+    to start a lost one again. None for any other job."""
+    if elastic is None and not _rereplicates(config):
         yield None
         return
-    with tempfile.TemporaryDirectory(prefix="parallax-elastic-") as directory:
-        elastic.request = Path(directory) / "rescale.json"
-        yield elastic.request
+    with tempfile.TemporaryDirectory(prefix="parallax-stops-") as directory:
+        path = Path(directory) / "rescale.json"
+        if elastic is not None:
+            elastic.request = path
+        yield path
 
 
 def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
     """(config with this attempt's worker count, the workers' argv, the backend, the
     watch of an elastic job's hosts, to start once the workers run)."""
     elastic, rescale, warm = elastic
+    for stale in (rescale, Path(f"{rescale}.stopped")) if rescale is not None else ():
+        stale.unlink(missing_ok=True)
     if elastic is None:
         return (config, *workers_argv(config, program, warm=warm), None)
     layout, count = elastic.wait()
-    for stale in (rescale, Path(f"{rescale}.stopped")):
-        stale.unlink(missing_ok=True)
     config = dataclasses.replace(config, num_workers=count)
     return (config, *workers_argv(config, program, layout, warm),
             RescaleWatch(elastic, layout, count, rescale))
@@ -836,8 +850,11 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
+        stops = elastic[1]  # where the launcher asks the workers to stop at a checkpoint
+        if stops is not None:
+            env[RESCALE_FILE_ENV] = str(stops)
         if watch is not None:
-            env[RESCALE_FILE_ENV] = str(watch.path)
+            env[ELASTIC_ENV] = "1"
         if config.replicas > 1:
             env[REPLICAS_ENV] = str(config.replicas)
         env.update(worker_metrics_env(config))
@@ -845,18 +862,17 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
                    if config.metrics_port is not None else None)
         signals.attach(job)
         progress = _progress(config, addresses, run_id, env)
-        health = HealthWatch(addresses, config.health_timeout,
-                              _monitor_options(env)).start()
+        health = HealthWatch(addresses, config.health_timeout, _monitor_options(env)).start()
         if watch is not None:
             watch.start()
+        losses = ServerLosses(cluster, config.replicas, _say,
+                              _rereplication(stops, config.num_workers) if cluster else None)
         try:
-            outcome = _supervise(job, ServerLosses(cluster, config.replicas, _say), signals, health,
-                                 watch)
+            outcome = _supervise(job, losses, signals, health, stops)
         finally:
             health.stop()
             progress.stop()
-        outcome = _rescaled(outcome, watch)
-        return outcome
+        return _rescaled(outcome, stops, config.num_workers, watch)
     except _Interrupted as exc:
         _say(f"got {exc}: stopped before the job started")
         return Outcome(128 + exc.signum, f"got {exc}")
@@ -867,20 +883,41 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         servers.after(outcome)
 
 
-def _rescaled(outcome: Outcome, watch: RescaleWatch | None) -> Outcome:
-    """An elastic job's workers that stopped at a checkpoint for a new count: a rescale
-    (using none of --max-restarts), whatever their exit codes said."""
-    at = watch.answered(clear=True) if watch is not None and outcome.code else None
+def _rescaled(outcome: Outcome, stops: Path | None, workers: int,
+              watch: RescaleWatch | None) -> Outcome:
+    """Workers that stopped at a checkpoint as the launcher asked (in `stops`), for a new
+    count or to start a lost server again: a rescale (using none of --max-restarts),
+    whatever their exit codes said."""
+    at = stopped_for_rescale(stops, clear=True) if stops is not None and outcome.code else None
     if at is None:
         return outcome
     if at == RESCALE_AT_START:
-        _say(f"the {watch.workers} worker(s) stopped before their first step: they cannot "
+        _say(f"the {workers} worker(s) stopped before their first step: they cannot "
              f"split the global batch evenly; the job goes on with a count that does")
         return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
-    _say(f"the {watch.workers} worker(s) stopped after their checkpoint, as asked; the job "
-         + (f"goes on with {watch.asked} from it" if watch.asked is not None else
-            "goes on from it with the count listed now"))  # (stopped as it was withdrawn)
-    return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
+    why = rescale_reason(stops)
+    _say(f"the {workers} worker(s) stopped after their checkpoint, as asked; the job goes on "
+         + (f"from it with {why}" if why else
+            f"with {watch.asked} from it" if watch is not None and watch.asked is not None
+            else "from it with the count listed now"))  # (stopped as it was withdrawn)
+    return Outcome(outcome.code, f"stopped for {why or 'a new worker count'}", rescale=True)
+
+
+def _rereplication(stops: Path | None, workers: int):
+    """What the launcher does when the job goes on without a lost server of its own (the
+    copies of its shards serve): ask the workers to stop at their next checkpoint, so that
+    the job goes on from it on every server again (`JobServers` starts them afresh, and the
+    workers' restore fills every copy). None without a request file."""
+    if stops is None:
+        return None
+
+    def ask(server) -> None:
+        ask_rescale(stops, workers, f"every server again (parameter server {server.index} "
+                                    f"started anew, the copies of its shards restored)")
+        _say(f"asking the {workers} worker(s) to stop at their next checkpoint, to go on "
+             f"from it with parameter server {server.index} started again and the copies of "
+             f"its shards restored (until then the job has one copy of them)")
+    return ask
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:

@@ -407,7 +407,8 @@ def _rescale_point(original):
 
 
 def _rescale_at_backups(original):
-    """`CallbackList.on_train_batch_end`, then, in an elastic job with a batch-level
+    """`CallbackList.on_train_batch_end`, then, in a job the launcher may stop at a
+    checkpoint (`rescale.stoppable`: elastic, or servers with copies) with a batch-level
     `BackupAndRestore` (whose backups come at batch ends, never at the epoch's end), the
     same stop as `_rescale_point` when this batch's callbacks saved one. Every worker
     joins the decision at every batch of such a job (a broadcast: it stops at the same
@@ -417,7 +418,7 @@ def _rescale_at_backups(original):
         model = getattr(self, "model", None)
         extended = _extended_of(model) if model is not None else None
         epoch = batch_resume.batch_level_epoch(self.callbacks) \
-            if extended is not None and rescale.elastic() else None
+            if extended is not None and rescale.stoppable() else None
         if epoch is None:
             return original(self, batch, logs)
         saves = extended.server_tables.saves

@@ -164,29 +164,45 @@ def test_killed_server_then_killed_worker_end_with_the_uninterrupted_weights(tmp
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_server_with_replicas_stops_nothing_and_changes_no_weight(tmp_path, mark,
-                                                                          uninterrupted):
-    """`--replicas 2`: the job goes on through a server's SIGKILL, in the same attempt,
-    with no step redone, and ends with the uninterrupted run's weights (which ran without
-    copies). Printed: the longest pause between two steps after the kill."""
+def test_killed_servers_with_replicas_lose_no_step_and_their_copies_come_back(tmp_path, mark,
+                                                                            uninterrupted):
+    """`--replicas 2`: the job goes on through a server's SIGKILL with no step redone; at
+    its next checkpoint the workers stop, as the launcher asks, and the job goes on from it
+    on every server again, the lost one's copies restored (no --max-restarts used). So it
+    also goes on through the death of the other server, which held the only copies of the
+    first one's shards before that. It ends with the uninterrupted run's weights (which ran
+    without copies). Printed: the longest pause between two steps after each kill, and the
+    pause of each stop."""
     chaos = _start(tmp_path, "copies", mark, STEP_DELAY, launch=("--replicas", "2"))
+    kills = []
     try:
-        killed_at = _kill_a_server(chaos, mark)
+        kills.append(_kill_a_server(chaos, mark))
+        _wait_for(chaos, "the job going on after the stop", lambda e: e["attempt"] == 1
+                  and e["chaos"] == "step" and e["step"] % INTERVAL == 2)
+        kills.append(_kill(_server_pids(mark)[0]))  # the copies' server of the first kill
     finally:
         _run_to_end(chaos, mark)
     assert not _restart_causes(chaos), chaos.output()
-    assert "with --replicas 2 its shards go on on their copies" in chaos.output()
+    assert chaos.output().count("with --replicas 2 its shards go on on their copies") == 2
+    assert chaos.output().count("the job goes on from it with every server again") == 2
     events = _events(chaos)
-    assert {e["attempt"] for e in events} == {0}, events
-    assert [e["step"] for e in events if e["chaos"] == "start"] == [0, 0]
+    assert {e["attempt"] for e in events} == {0, 1, 2}, events
+    starts = dict(sorted({(e["attempt"], e["step"]) for e in events if e["chaos"] == "start"}))
+    assert starts[0] == 0 and starts[1] in (8, 12), starts  # the next checkpoint (or the one
+    assert starts[2] > starts[1] and starts[2] % INTERVAL == 0, starts  # after: the ask
+    # comes while the workers fail over, in the same epoch or the next)
     for rank in (0, 1):
         steps = [e["step"] for e in events if e["chaos"] == "step" and e["rank"] == rank]
         assert steps == list(range(1, INTERVAL * EPOCHS + 1)), (rank, steps)  # none redone
-    after = sorted(e["time"] for e in events if e["chaos"] == "step" and e["rank"] == 0
-                   and e["time"] > killed_at)
-    pause = max(b - a for a, b in zip([killed_at] + after, after))
-    print(f"\nchaos: server killed with --replicas 2: longest pause after the kill "
-          f"{pause:.2f}s (steps take {STEP_DELAY}s)")
+    times = sorted(e["time"] for e in events if e["chaos"] == "step" and e["rank"] == 0)
+    for n, killed_at in enumerate(kills):
+        stop = min(e["time"] for e in events if e["chaos"] == "step" and e["rank"] == 0
+                   and e["attempt"] == n + 1)
+        after = [t for t in times if killed_at < t < stop]
+        pause = max(b - a for a, b in zip([killed_at] + after, after))
+        print(f"\nchaos: server killed with --replicas 2: longest pause after the kill "
+              f"{pause:.2f}s (steps take {STEP_DELAY}s); the stop to start it again "
+              f"{stop - after[-1]:.2f}s")
     _assert_same_weights(tmp_path / "copies.npz", uninterrupted())
 
 

@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 
 import parallax
-from parallax.env import (RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale, global_batch,
-                          stopped_for_rescale)
+from parallax.env import (ELASTIC_ENV, RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale,
+                          global_batch, stopped_for_rescale)
 
 _ids = itertools.count()
 STEPS, EPOCHS, BATCH = 3, 4, 8
@@ -28,6 +28,7 @@ STEPS, EPOCHS, BATCH = 3, 4, 8
 def request_file(tmp_path, monkeypatch):
     path = tmp_path / "rescale.json"
     monkeypatch.setenv(RESCALE_FILE_ENV, str(path))
+    monkeypatch.setenv(ELASTIC_ENV, "1")
     return path
 
 
@@ -63,6 +64,22 @@ def test_fit_stops_right_after_the_checkpoint_of_the_epoch_it_is_asked_in(cluste
     assert list(backup.rglob("*.weights.h5")), "the backup to resume from is kept"
     assert global_batch(request_file) == BATCH  # the counts the launcher may start next
     assert ended == [0]  # every callback's end of epoch 1 ran, then the stop
+
+
+def test_a_job_with_copies_stops_at_its_checkpoint_for_the_reason_given_and_notes_no_batch(
+        cluster, tmp_path, request_file, monkeypatch, caplog):
+    """`--replicas 2` after a server's death: not elastic (no PARALLAX_ELASTIC), the same
+    count asked, for a reason the chief logs; the global batch is not noted (the count is
+    fixed)."""
+    monkeypatch.delenv(ELASTIC_ENV)
+    ask_rescale(request_file, 1, "parameter server 1 started again with copies of its shards")
+    with caplog.at_level(logging.INFO, logger="parallax"), pytest.raises(SystemExit) as stop:
+        _fit(cluster, [keras.callbacks.BackupAndRestore(str(tmp_path / "b"))])
+    assert stop.value.code == RESCALE_EXIT
+    assert stopped_for_rescale(request_file) == "epoch 1"
+    assert global_batch(request_file) is None
+    assert any("the launcher asked for parameter server 1 started again" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_fit_with_batch_level_backups_stops_right_after_one(cluster, tmp_path, request_file,

@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from parallax.env import (RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV, ask_rescale,
-                          global_batch, note_global_batch, note_rescale_stop, rescale_request,
-                          stopped_for_rescale, withdraw_rescale)
+from parallax.env import (ELASTIC_ENV, RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV,
+                          ask_rescale, global_batch, note_global_batch, note_rescale_stop,
+                          rescale_request, stopped_for_rescale, withdraw_rescale)
 from parallax.errors import ConfigError
 from parallax.launch.elastic import Elastic
 from parallax.launch.hosts import parse_discovered
@@ -145,6 +145,9 @@ def test_the_chief_notes_a_batch_every_count_must_split_and_stops_a_count_that_c
     (the first attempt, started before any note), noted as such for the launcher."""
     path = tmp_path / "rescale.json"
     monkeypatch.setenv(RESCALE_FILE_ENV, str(path))
+    rescale.publish_global_batch(FakeWorkers(2), lambda: 15)  # not elastic: a fixed count
+    assert global_batch(path) is None and not stopped_for_rescale(path)
+    monkeypatch.setenv(ELASTIC_ENV, "1")
     rescale.publish_global_batch(FakeWorkers(1), lambda: 16)
     rescale.publish_global_batch(FakeWorkers(1), lambda: 12)
     assert global_batch(path) == 4

@@ -10,6 +10,9 @@ that exits first ends the others, so the note comes before), and each worker end
 code `RESCALE_EXIT`. The launcher then starts the job again with
 the new count, which resumes from that checkpoint: nothing is redone, and each step still
 consumes the same global batch (`datasets.shard_for_worker` splits it by the new count).
+`parallax run --replicas 2` asks the same way, with the same count, after a server died:
+the job goes on from that checkpoint with every server again (the lost one started anew,
+the copies of its shards restored).
 """
 from __future__ import annotations
 
@@ -17,15 +20,23 @@ import logging
 import math
 import os
 
-from parallax.env import (RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV, global_batch,
-                          note_global_batch, note_rescale_stop, rescale_request)
+from parallax.env import (ELASTIC_ENV, RESCALE_AT_START, RESCALE_EXIT, RESCALE_FILE_ENV,
+                          global_batch, note_global_batch, note_rescale_stop, rescale_reason,
+                          rescale_request)
 
 log = logging.getLogger("parallax")
 _warned: set[str] = set()
 
 
 def elastic() -> bool:
-    """Whether this worker runs in an elastic job (PARALLAX_RESCALE_FILE set)."""
+    """Whether this worker runs in an elastic job (PARALLAX_ELASTIC=1): its count may
+    change, so its chief notes the global batch."""
+    return os.environ.get(ELASTIC_ENV) == "1" and stoppable()
+
+
+def stoppable() -> bool:
+    """Whether the launcher may ask this worker to stop at its next checkpoint
+    (PARALLAX_RESCALE_FILE set: an elastic job, or one whose servers keep copies)."""
     return bool(os.environ.get(RESCALE_FILE_ENV))
 
 
@@ -43,8 +54,8 @@ def stop_if_asked(extended, saved: bool, at: str, last: bool = False,
     stop = workers.info.is_chief and _chief_stops(path, workers.info.size, saved, last, warn)
     if stop:  # noted before the others learn it: the first of them to exit ends the job
         note_rescale_stop(path, at)
-        log.info("stopping after the checkpoint at %s: the launcher asked for %s worker(s) "
-                 "instead of %d", at, rescale_request(path), workers.info.size)
+        log.info("stopping after the checkpoint at %s: the launcher asked for %s", at,
+                 _asked(path, workers.info.size))
     if workers.info.size > 1:
         stop = workers.broadcast_object(stop if workers.info.is_chief else None)
     if stop:
@@ -61,7 +72,7 @@ def publish_global_batch(workers, batch) -> None:
     first): the launcher goes on with one that splits it, where every worker would have
     failed at its first step (without --max-restarts, the job's end)."""
     path = os.environ.get(RESCALE_FILE_ENV)
-    if not path:
+    if not path or not elastic():
         return
     value, size = batch(), workers.info.size
     if workers.info.is_chief:
@@ -85,9 +96,15 @@ def _chief_stops(path: str, size: int, saved: bool, last: bool, warn: bool) -> b
     if not saved:
         if warn and path not in _warned:
             _warned.add(path)
-            log.warning("the launcher asks for %d worker(s) instead of %d, but no checkpoint "
-                        "was saved here: going on with %d until one is (save at every "
-                        "epoch's end, e.g. keras.callbacks.BackupAndRestore, or call "
-                        "strategy.rescale_point() after a save)", wanted, size, size)
+            log.warning("the launcher asks for %s, but no checkpoint was saved here: going "
+                        "on with %d worker(s) until one is (save at every epoch's end, e.g. "
+                        "keras.callbacks.BackupAndRestore, or call strategy.rescale_point() "
+                        "after a save)", _asked(path, size), size)
         return False
     return True
+
+
+def _asked(path: str, size: int) -> str:
+    """What the launcher's request is for, in words."""
+    why = rescale_reason(path)
+    return why or f"{rescale_request(path)} worker(s) instead of {size}"
