@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import select
 import signal
 import struct
@@ -204,6 +205,30 @@ def test_killed_servers_with_replicas_lose_no_step_and_their_copies_come_back(tm
               f"{pause:.2f}s (steps take {STEP_DELAY}s); the stop to start it again "
               f"{stop - after[-1]:.2f}s")
     _assert_same_weights(tmp_path / "copies.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_killed_during_a_servers_takeover_resumes_with_every_server(tmp_path, mark,
+                                                                             uninterrupted):
+    """`--replicas 2`: server 1 SIGKILLed at a random step, and worker rank 1 right after,
+    while the workers fail over to the copies: the worker's death restarts the job (one of
+    --max-restarts) from its last checkpoint on every server, started again, and it ends
+    with the uninterrupted run's weights. Printed: the steps and the failure's cost."""
+    step = random.Random().randint(SERVER_KILL_STEP - 1, SERVER_KILL_STEP + 1)
+    chaos = _start(tmp_path, "takeover", mark, STEP_DELAY, launch=("--replicas", "2"))
+    try:
+        _wait_for(chaos, f"step {step}", lambda e: e["attempt"] == 0 and e["step"] >= step)
+        _kill(_server_pids(mark)[1])
+        killed_at = _kill(_start_of(chaos, 0, 1)["pid"])
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 1 and "worker rank 1" in causes[0], chaos.output()
+    failure, = _failures(_events(chaos), [killed_at])
+    print(f"\nchaos: server then worker killed at step {step}, during the takeover: "
+          f"{json.dumps(failure)}")
+    assert failure["resumed_at"] % INTERVAL == 0 and 0 <= failure["steps_lost"] <= INTERVAL
+    _assert_same_weights(tmp_path / "takeover.npz", uninterrupted())
 
 
 @pytest.mark.timeout(600)
