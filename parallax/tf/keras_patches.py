@@ -411,8 +411,8 @@ def _rescale_at_backups(original):
     checkpoint (`rescale.stoppable`: elastic, or servers with copies) with a batch-level
     `BackupAndRestore` (whose backups come at batch ends, never at the epoch's end), the
     same stop as `_rescale_point` when this batch's callbacks saved one. Every worker
-    joins the decision at every batch of such a job (a broadcast: it stops at the same
-    step everywhere)."""
+    joins the decision at each batch backed up (a broadcast: it stops at the same step
+    everywhere), and only there."""
     @functools.wraps(original)
     def on_train_batch_end(self, batch, logs=None):
         model = getattr(self, "model", None)
@@ -423,6 +423,8 @@ def _rescale_at_backups(original):
             return original(self, batch, logs)
         saves = extended.server_tables.saves
         original(self, batch, logs)
+        if not batch_resume.backed_up_now(self.callbacks):
+            return None
         params = getattr(self, "params", None) or {}
         last = epoch + 1 >= (params.get("epochs") or 0) and batch + 1 >= (params.get("steps")
                                                                             or 0)

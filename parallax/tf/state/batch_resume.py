@@ -69,6 +69,15 @@ def batch_level_epoch(callbacks) -> int | None:
     return None
 
 
+def backed_up_now(callbacks) -> bool:
+    """Whether a batch-level `BackupAndRestore` among `callbacks` saved at the batch that
+    just ended (its count of batches since the last save went back to 0: the same on every
+    worker, which all count the same batches)."""
+    return any(backup.save_freq != "epoch"
+               and backup._batches_seen_since_last_saving == 0  # noqa: SLF001 - Keras' field
+               for backup in _backups(callbacks))
+
+
 def begin_epoch(callbacks, epoch: int) -> None:
     """Have every `BackupAndRestore` record `epoch`, the one `fit` begins now, in its next
     saves (Keras sets it at epoch ends only: 0 until then, whatever `initial_epoch` was)."""
