@@ -63,7 +63,7 @@ from parallax.launch.elastic import ELASTIC_TIMEOUT_S, Elastic, RescaleWatch
 from parallax.launch.job_servers import (HealthWatch, JobServers, ServerLosses, check_external,
                                          report_dead_server, report_silent_server)
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
-from parallax.launch.warm import WARM_STARTS, warm_process, why_cold, wanted
+from parallax.launch.warm import WARM_STARTS, gpu_machine, wanted, warm_process, why_cold
 from parallax.runtime import lifeline, logs
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
@@ -683,7 +683,7 @@ def run(config: LaunchConfig) -> int:
     run_id = config.run_id or new_run_id()
     budget = RestartBudget(config.max_restarts, config.restart_delay, _say)
     warm = wanted(config.warm_starts,
-                  bool(config.max_restarts or elastic or _rereplicates(config)))
+                  bool(config.max_restarts or elastic or _rereplicates(config)), gpu_machine())
     with _credentials(config) as credentials, _Signals() as signals, \
             _restart_data_dir(config, run_id) as config, \
             _rescale_file(config, elastic) as rescale, \

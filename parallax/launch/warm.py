@@ -14,7 +14,8 @@ mirrored, its death killing the fork).
 (--max-restarts, --host-discovery-script); `on` always, `off` never. Only for commands it
 can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
 on this machine's workers (a remote host's would need a warm process there), and not where
-the hosts name GPU slots (a fork must not inherit a CUDA context; untested there). A worker
+the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
+inherit a CUDA context: untested there). A worker
 that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable or
 sys.path) starts cold, as it would have without it; so does every worker when the warm
 process is gone.
@@ -80,10 +81,16 @@ class WarmProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def wanted(setting: str, restarts: bool) -> bool:
+def wanted(setting: str, restarts: bool, gpus: bool = False) -> bool:
     """Whether --warm-starts SETTING asks for a warm process (`restarts`: the job restarts
-    or rescales its workers)."""
-    return setting == "on" or (setting == "auto" and restarts)
+    or rescales its workers; `gpus`: this machine has NVIDIA GPUs, where auto says no: a
+    fork after TensorFlow's import is untested with CUDA)."""
+    return setting == "on" or (setting == "auto" and restarts and not gpus)
+
+
+def gpu_machine() -> bool:
+    """Whether this machine has NVIDIA GPUs (their device files)."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def why_cold(program: list[str], layout, num_workers: int, path: str) -> str | None:

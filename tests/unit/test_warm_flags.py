@@ -34,10 +34,12 @@ def test_a_bad_setting_in_a_config_is_refused_by_name():
         validate(config)
 
 
-@pytest.mark.parametrize("setting, restarts, want", [
-    ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
-def test_auto_keeps_a_warm_process_only_for_jobs_that_restart(setting, restarts, want):
-    assert warm.wanted(setting, restarts) is want
+@pytest.mark.parametrize("setting, restarts, gpus, want", [
+    ("auto", True, False, True), ("auto", False, False, False), ("on", False, False, True),
+    ("off", True, False, False), ("auto", True, True, False), ("on", True, True, True)])
+def test_auto_keeps_a_warm_process_for_jobs_that_restart_off_gpu_machines(setting, restarts,
+                                                                          gpus, want):
+    assert warm.wanted(setting, restarts, gpus) is want
 
 
 @pytest.mark.parametrize("program", [[PY, "train.py", "--epochs", "2"], [PY, "-m", "pkg.mod"],
