@@ -872,6 +872,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         finally:
             health.stop()
             progress.stop()
+        if losses.lost and outcome.restartable:  # (with --replicas 2: one already gone)
+            outcome = dataclasses.replace(outcome, server_failed=True)
         return _rescaled(outcome, stops, config.num_workers, watch)
     except _Interrupted as exc:
         _say(f"got {exc}: stopped before the job started")
