@@ -1,0 +1,131 @@
+"""Warm starts (`parallax.launch.warm`): a worker forked from the warm process behaves as the
+same command started cold would, and the launcher's guarantees (no orphans, signals, exit
+codes) hold for it.
+
+Most cases run the stub (`warm_stub.py`) against one warm process shared by the module (its
+start imports TensorFlow, ~3 s) and compare with the command run cold; those about the
+launcher run `parallax run --warm-starts on`, with the orphan check of
+tests/helpers/launching.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from parallax.launch.warm import warm_process
+
+WARM_EVIDENCE = "import sys; print('warm' if 'tensorflow' in sys.modules else 'cold', flush=True)"
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with warm_process(True, dict(os.environ), lambda message: None) as warm:
+        warm.ensure()
+        deadline = time.monotonic() + 30
+        while not Path(warm.socket).exists():  # bound before its imports: stubs then wait
+            assert time.monotonic() < deadline, "the warm process did not listen"
+            time.sleep(0.02)
+        yield warm
+
+
+def _script(tmp_path, text: str, name: str = "main.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def _both(warm, program: list[str], **kwargs):
+    """(warm, cold) results of `program`."""
+    return _run(warm.wrap(program), **kwargs), _run(program, **kwargs)
+
+
+FAILING = f"""
+{WARM_EVIDENCE}
+def inner():
+    raise ValueError("boom")
+inner()
+"""
+
+
+def test_an_uncaught_exceptions_traceback_is_the_programs_only(warm, tmp_path):
+    # defect: three "<frozen runpy>" frames led it (runpy is frozen: its frames do not name
+    # runpy.__file__, which the filter compared with)
+    script = _script(tmp_path, FAILING)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\n" and cold.stdout == "cold\n"
+    assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (1, cold.stderr)
+    assert "runpy" not in hot.stderr
+
+
+def test_a_modules_uncaught_exception_too(warm, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    _script(tmp_path / "pkg", FAILING, "job.py")
+    hot, cold = _both(warm, [sys.executable, "-m", "pkg.job"], cwd=tmp_path)
+    assert hot.stdout == "warm\n"
+    # (`python -m` shows two frames of runpy's own; the warm worker shows none of it)
+    ours = "".join(line for line in cold.stderr.splitlines(True) if "frozen runpy" not in line)
+    assert (hot.returncode, hot.stderr) == (cold.returncode, ours)
+
+
+def test_the_programs_excepthook_reports_an_uncaught_exception(warm, tmp_path):
+    # defect: the warm worker printed the traceback itself; sys.excepthook was never called
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import sys
+        sys.excepthook = lambda kind, exc, tb: print("hooked", kind.__name__, exc)
+        raise ValueError("boom")
+        """)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\nhooked ValueError boom\n", hot.stderr
+    assert (hot.returncode, hot.stdout[5:]) == (cold.returncode, cold.stdout[5:])
+
+
+def test_a_keyboard_interrupt_runs_the_exits_work_then_ends_by_sigint(warm, tmp_path):
+    # defect: the worker killed itself with SIGINT at once: no atexit handler ran, and a
+    # non-daemon thread's last output was lost
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import atexit, sys, threading, time
+        atexit.register(lambda: print("atexit ran"))
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended"))).start()
+        sys.stdout.write("partial ")
+        raise KeyboardInterrupt
+        """)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\npartial thread ended\natexit ran\n", hot.stderr
+    assert (hot.returncode, hot.stdout[5:]) == (cold.returncode, cold.stdout[5:])
+    assert hot.returncode == -signal.SIGINT
+    assert hot.stderr.endswith("KeyboardInterrupt\n") and "runpy" not in hot.stderr
+
+
+def test_a_module_imported_warm_that_the_scripts_directory_has_starts_cold(warm, tmp_path):
+    # defect: only the five preloaded packages were checked; `import secrets` got the
+    # standard library's (imported by the preloads), not the script's secrets.py
+    (tmp_path / "secrets.py").write_text("TOKEN = 'mine'\n")
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import secrets
+        print(secrets.TOKEN)
+        """)
+    hot = _run(warm.wrap([sys.executable, script]),
+               env={**os.environ, "PARALLAX_WARM_DEBUG": "1"})
+    assert hot.stdout == "cold\nmine\n", hot.stderr
+    assert f"{tmp_path} has a secrets of its own" in hot.stderr
+
+
+def test_a_script_whose_directory_shadows_nothing_starts_warm(warm, tmp_path):
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport helpers\nprint(helpers.X)\n")
+    assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n1\n"
