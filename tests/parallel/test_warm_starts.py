@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from parallax.launch.warm import warm_process
+from launching import Launcher, wait_gone
+from launching import mark  # noqa: F401 (a fixture)
 
 WARM_EVIDENCE = "import sys; print('warm' if 'tensorflow' in sys.modules else 'cold', flush=True)"
 
@@ -129,3 +131,72 @@ def test_a_script_whose_directory_shadows_nothing_starts_warm(warm, tmp_path):
     (tmp_path / "helpers.py").write_text("X = 1\n")
     script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport helpers\nprint(helpers.X)\n")
     assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n1\n"
+
+
+CHILD = f"""
+{WARM_EVIDENCE}
+import os, subprocess, time
+subprocess.Popen(["sleep", "600"])
+print("child started", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_warm_workers_children_end_when_parallax_run_is_sigkilled(mark, tmp_path):
+    # defect: the workers died with the warm process, their children (a worker's
+    # subprocesses, multiprocessing's) lived on, re-parented to init: they were in no
+    # group or subreaper of the launcher's
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, CHILD), mark=mark)
+    _wait_lines(launcher, "child started", 2)
+    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    launcher.proc.kill()
+    launcher.wait(10)
+    left = wait_gone(mark, 15)
+    assert not left, f"left behind: {left}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_warm_workers_children_end_with_the_launcher(mark, tmp_path):
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, CHILD), mark=mark)
+    _wait_lines(launcher, "child started", 2)
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) == 128 + signal.SIGTERM, launcher.output()
+    assert not wait_gone(mark, 5)
+
+
+SLEEPER = f"""
+{WARM_EVIDENCE}
+import time
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_terminals_ctrl_c_reaches_the_launcher_not_the_warm_workers(mark, tmp_path):
+    # defect: the warm process and its workers were in the launcher's process group, the
+    # terminal's foreground group: Ctrl-C interrupted each worker directly (KeyboardInterrupt
+    # tracebacks) and killed the warm process, whose death killed them; cold workers run in
+    # sessions of horovodrun's and hear of it from the launcher only
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, SLEEPER), mark=mark, start_new_session=True)
+    _wait_lines(launcher, "ready", 2)
+    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    os.killpg(launcher.proc.pid, signal.SIGINT)  # what the terminal does
+    assert launcher.wait(30) == 128 + signal.SIGINT, launcher.output()
+    assert "KeyboardInterrupt" not in launcher.output()
+    assert "warm process ended" not in launcher.output()
+
+
+def _wait_lines(launcher: Launcher, text: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(text in line for line in launcher.out) < count:
+        assert launcher.proc.poll() is None, f"launcher exited early:\n{launcher.output()}"
+        assert time.monotonic() < deadline, f"no {count} {text!r}:\n{launcher.output()}"
+        time.sleep(0.05)
