@@ -462,7 +462,7 @@ class _Job:
         horovodrun, which ignores SIGTERM and leaves when its last user has gone)."""
         self.signal(signal.SIGTERM)
         deadline, killed = time.monotonic() + grace, False
-        while _group_alive(self.proc.pid):
+        while lifeline.group_alive(self.proc.pid):
             if time.monotonic() > deadline:
                 if killed:
                     _say(f"processes of group {self.proc.pid} survived SIGKILL; giving up")
@@ -478,26 +478,6 @@ class _Job:
         if code and self.first_failure is not None:  # e.g. horovodrun itself exits 1
             return self.first_failure[1]
         return code or 0
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs; zombies (exited, waiting for whoever
-    adopted them to reap them) do not count."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def _write(out, data: bytes) -> None:

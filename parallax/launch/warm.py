@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from parallax.runtime import lifeline
@@ -55,15 +57,18 @@ class WarmProcess:
             return
         if self._proc is not None:
             self._say(f"the warm process ended ({self._proc.returncode}); starting another")
+            self._signal(signal.SIGKILL)  # its workers' children, left in its group
         Path(self.socket).unlink(missing_ok=True)
         argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket,
                 "-" * TITLE_ROOM_BYTES]
-        # its own process group: a terminal's Ctrl-C reaches the workers once, forwarded by
-        # their stubs, and never this process
-        self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid(), new_group=True),
-                                      env=self._env,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
+        # as the job is: in a group of its own, whose leader ends all of it (the workers'
+        # children too: they are re-parented to it) when the launcher dies; and out of the
+        # terminal's group, so that its Ctrl-C reaches the launcher only, not the workers
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}  # before exec
+        self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid(), reap_group=True),
+                                      env=self._env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      **group)
         self._starts += 1
 
     def wrap(self, program: list[str]) -> list[str]:
@@ -71,14 +76,23 @@ class WarmProcess:
         return [sys.executable, "-I", "-S", str(STUB), self.socket, "--", *program]
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        """SIGTERM the warm process's group (its leader waits for the warm process, whose
+        workers die with it; a worker's children that outlived it were re-parented to the
+        leader, in the group), then SIGKILL what is left after STOP_GRACE_S."""
+        if self._proc is not None:
+            self._signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while lifeline.group_alive(self._proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._signal(signal.SIGKILL)
+            self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.killpg(self._proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def wanted(setting: str, restarts: bool, gpus: bool = False) -> bool:

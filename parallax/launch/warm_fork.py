@@ -10,8 +10,9 @@ A forked worker becomes what `python SCRIPT ARGS` (or `python -m MODULE ARGS`) w
 been, started by the stub: its environment, arguments, working directory, standard streams,
 umask, niceness and CPU affinity are the stub's; `sys.path` starts with the script's
 directory. It refuses (the stub then starts the command cold) where a fork cannot be the
-same: another namespace, cgroup, user or rlimit, other PYTHON* variables, or a preloaded
-package that the worker's `sys.path` would find elsewhere. What a fork shares with its
+same: another namespace, cgroup, user or rlimit, other PYTHON* variables, or a module
+imported here that the worker's `sys.path` would find elsewhere (its script's directory
+holding a `secrets.py`, say). What a fork shares with its
 siblings and cold workers would not: the interpreter's hash seed (set iteration order).
 Numpy's global random state is drawn again in each worker, as Python's `random` is.
 
@@ -22,6 +23,8 @@ inherits imports (numpy's OpenBLAS threads restart themselves after a fork).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import importlib.machinery
@@ -34,7 +37,6 @@ import signal
 import socket
 import sys
 import threading
-import traceback
 
 from parallax.launch.warm_stub import identity, send
 
@@ -92,6 +94,9 @@ class _Same:
         for name in {n.split(".")[0] for n in PRELOAD} & set(sys.modules):
             if not _found_at(name, path):
                 return f"the worker's sys.path finds another {name}"
+        shadow = _shadowed(path[0]) if len(path) > len(self.path) else None
+        if shadow is not None:
+            return f"{path[0]} has a {shadow} of its own (the warm process imported another)"
         return None
 
     def worker_path(self, target: tuple[str, str, list], cwd: str) -> list[str]:
@@ -123,6 +128,23 @@ def _target(argv: list[str]) -> tuple[str, str, list] | None:
         return "module", rest[1], rest[2:]
     if rest and rest[0] and not rest[0].startswith("-"):
         return "script", rest[0], rest[1:]
+    return None
+
+
+def _shadowed(first: str) -> str | None:
+    """A module imported here (by the preloads, stdlib ones too: `secrets`, `code`, `six`)
+    of which `first`, the entry a worker's sys.path starts with and this process's lacks,
+    holds another: a cold worker would import that one, a fork has this one already."""
+    for name in sorted({name.partition(".")[0] for name in list(sys.modules)}):
+        module = sys.modules.get(name)
+        if module is None or name in ("__main__", "__mp_main__"):
+            continue
+        spec = importlib.machinery.PathFinder.find_spec(name, [first])
+        if spec is None:
+            continue
+        where = getattr(module, "__file__", None)  # None: builtin, or a namespace package
+        if where is None or os.path.realpath(spec.origin or "") != os.path.realpath(where):
+            return name
     return None
 
 
@@ -326,8 +348,8 @@ def _die_with(conn: socket.socket) -> None:
 
 
 def _run(kind: str, name: str, args: list[str]) -> int:
-    """The script or module as __main__; an uncaught exception is reported as Python's
-    top level would (without this module's and runpy's frames), KeyboardInterrupt included."""
+    """The script or module as __main__; an uncaught exception ends it as at Python's top
+    level (`_uncaught`)."""
     sys.argv = [name, *args]
     try:
         if kind == "module":
@@ -337,16 +359,30 @@ def _run(kind: str, name: str, args: list[str]) -> int:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - the top level of the worker's program
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
-            tb = tb.tb_next
-        traceback.print_exception(type(exc), exc, tb)
-        sys.stderr.flush()
-        if isinstance(exc, KeyboardInterrupt):
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
+        _uncaught(exc)
         return 1
     return 0
+
+
+def _uncaught(exc: BaseException) -> None:
+    """Report `exc` through sys.excepthook (the program may have set its own), without this
+    module's and runpy's frames (runpy is frozen: its frames name "<frozen runpy>", not its
+    __file__). A KeyboardInterrupt then ends the worker by SIGINT, as Python's top level
+    does, but only after the exit's work: non-daemon threads joined, atexit handlers run,
+    output flushed (the kill skips the interpreter's own)."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_globals is vars(runpy)):
+        tb = tb.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    if isinstance(exc, KeyboardInterrupt):
+        getattr(threading, "_shutdown", lambda: None)()
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 if __name__ == "__main__":

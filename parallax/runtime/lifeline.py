@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from parallax.env import PARENT_ENV
@@ -205,6 +206,26 @@ if os.WIFSIGNALED(status):  # end as the command did, without a core of our own
     os.kill(os.getpid(), number)
 os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 """
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs; zombies (exited, waiting for whoever
+    adopted them to reap them) do not count."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def dying_with(argv: list[str], parent: int, new_group: bool = False,

@@ -61,10 +61,11 @@ def port_closed(address: str) -> bool:
 class Launcher:
     """`parallax run ARGS` as a child process; its output is collected line by line."""
 
-    def __init__(self, *args: str, mark: str) -> None:
+    def __init__(self, *args: str, mark: str, start_new_session: bool = False) -> None:
         self.proc = subprocess.Popen(
             [PARALLAX, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env={**os.environ, MARK: mark, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            text=True, env={**os.environ, MARK: mark, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            start_new_session=start_new_session)  # its own group: a terminal's, for killpg
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)

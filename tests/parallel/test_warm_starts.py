@@ -1,0 +1,202 @@
+"""Warm starts (`parallax.launch.warm`): a worker forked from the warm process behaves as the
+same command started cold would, and the launcher's guarantees (no orphans, signals, exit
+codes) hold for it.
+
+Most cases run the stub (`warm_stub.py`) against one warm process shared by the module (its
+start imports TensorFlow, ~3 s) and compare with the command run cold; those about the
+launcher run `parallax run --warm-starts on`, with the orphan check of
+tests/helpers/launching.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from parallax.launch.warm import warm_process
+from launching import Launcher, wait_gone
+from launching import mark  # noqa: F401 (a fixture)
+
+WARM_EVIDENCE = "import sys; print('warm' if 'tensorflow' in sys.modules else 'cold', flush=True)"
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with warm_process(True, dict(os.environ), lambda message: None) as warm:
+        warm.ensure()
+        deadline = time.monotonic() + 30
+        while not Path(warm.socket).exists():  # bound before its imports: stubs then wait
+            assert time.monotonic() < deadline, "the warm process did not listen"
+            time.sleep(0.02)
+        yield warm
+
+
+def _script(tmp_path, text: str, name: str = "main.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def _both(warm, program: list[str], **kwargs):
+    """(warm, cold) results of `program`."""
+    return _run(warm.wrap(program), **kwargs), _run(program, **kwargs)
+
+
+FAILING = f"""
+{WARM_EVIDENCE}
+def inner():
+    raise ValueError("boom")
+inner()
+"""
+
+
+def test_an_uncaught_exceptions_traceback_is_the_programs_only(warm, tmp_path):
+    # defect: three "<frozen runpy>" frames led it (runpy is frozen: its frames do not name
+    # runpy.__file__, which the filter compared with)
+    script = _script(tmp_path, FAILING)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\n" and cold.stdout == "cold\n"
+    assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (1, cold.stderr)
+    assert "runpy" not in hot.stderr
+
+
+def test_a_modules_uncaught_exception_too(warm, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    _script(tmp_path / "pkg", FAILING, "job.py")
+    hot, cold = _both(warm, [sys.executable, "-m", "pkg.job"], cwd=tmp_path)
+    assert hot.stdout == "warm\n"
+    # (`python -m` shows two frames of runpy's own; the warm worker shows none of it)
+    ours = "".join(line for line in cold.stderr.splitlines(True) if "frozen runpy" not in line)
+    assert (hot.returncode, hot.stderr) == (cold.returncode, ours)
+
+
+def test_the_programs_excepthook_reports_an_uncaught_exception(warm, tmp_path):
+    # defect: the warm worker printed the traceback itself; sys.excepthook was never called
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import sys
+        sys.excepthook = lambda kind, exc, tb: print("hooked", kind.__name__, exc)
+        raise ValueError("boom")
+        """)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\nhooked ValueError boom\n", hot.stderr
+    assert (hot.returncode, hot.stdout[5:]) == (cold.returncode, cold.stdout[5:])
+
+
+def test_a_keyboard_interrupt_runs_the_exits_work_then_ends_by_sigint(warm, tmp_path):
+    # defect: the worker killed itself with SIGINT at once: no atexit handler ran, and a
+    # non-daemon thread's last output was lost
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import atexit, sys, threading, time
+        atexit.register(lambda: print("atexit ran"))
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended"))).start()
+        sys.stdout.write("partial ")
+        raise KeyboardInterrupt
+        """)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\npartial thread ended\natexit ran\n", hot.stderr
+    assert (hot.returncode, hot.stdout[5:]) == (cold.returncode, cold.stdout[5:])
+    assert hot.returncode == -signal.SIGINT
+    assert hot.stderr.endswith("KeyboardInterrupt\n") and "runpy" not in hot.stderr
+
+
+def test_a_module_imported_warm_that_the_scripts_directory_has_starts_cold(warm, tmp_path):
+    # defect: only the five preloaded packages were checked; `import secrets` got the
+    # standard library's (imported by the preloads), not the script's secrets.py
+    (tmp_path / "secrets.py").write_text("TOKEN = 'mine'\n")
+    script = _script(tmp_path, f"""
+        {WARM_EVIDENCE}
+        import secrets
+        print(secrets.TOKEN)
+        """)
+    hot = _run(warm.wrap([sys.executable, script]),
+               env={**os.environ, "PARALLAX_WARM_DEBUG": "1"})
+    assert hot.stdout == "cold\nmine\n", hot.stderr
+    assert f"{tmp_path} has a secrets of its own" in hot.stderr
+
+
+def test_a_script_whose_directory_shadows_nothing_starts_warm(warm, tmp_path):
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport helpers\nprint(helpers.X)\n")
+    assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n1\n"
+
+
+CHILD = f"""
+{WARM_EVIDENCE}
+import os, subprocess, time
+subprocess.Popen(["sleep", "600"])
+print("child started", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_warm_workers_children_end_when_parallax_run_is_sigkilled(mark, tmp_path):
+    # defect: the workers died with the warm process, their children (a worker's
+    # subprocesses, multiprocessing's) lived on, re-parented to init: they were in no
+    # group or subreaper of the launcher's
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, CHILD), mark=mark)
+    _wait_lines(launcher, "child started", 2)
+    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    launcher.proc.kill()
+    launcher.wait(10)
+    left = wait_gone(mark, 15)
+    assert not left, f"left behind: {left}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_warm_workers_children_end_with_the_launcher(mark, tmp_path):
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, CHILD), mark=mark)
+    _wait_lines(launcher, "child started", 2)
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) == 128 + signal.SIGTERM, launcher.output()
+    assert not wait_gone(mark, 5)
+
+
+SLEEPER = f"""
+{WARM_EVIDENCE}
+import time
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+def test_a_terminals_ctrl_c_reaches_the_launcher_not_the_warm_workers(mark, tmp_path):
+    # defect: the warm process and its workers were in the launcher's process group, the
+    # terminal's foreground group: Ctrl-C interrupted each worker directly (KeyboardInterrupt
+    # tracebacks) and killed the warm process, whose death killed them; cold workers run in
+    # sessions of horovodrun's and hear of it from the launcher only
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, SLEEPER), mark=mark, start_new_session=True)
+    _wait_lines(launcher, "ready", 2)
+    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    os.killpg(launcher.proc.pid, signal.SIGINT)  # what the terminal does
+    assert launcher.wait(30) == 128 + signal.SIGINT, launcher.output()
+    assert "KeyboardInterrupt" not in launcher.output()
+    assert "warm process ended" not in launcher.output()
+
+
+def _wait_lines(launcher: Launcher, text: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(text in line for line in launcher.out) < count:
+        assert launcher.proc.poll() is None, f"launcher exited early:\n{launcher.output()}"
+        assert time.monotonic() < deadline, f"no {count} {text!r}:\n{launcher.output()}"
+        time.sleep(0.05)
