@@ -37,6 +37,7 @@ from parallax.runtime import lifeline
 WARM_STARTS = ("auto", "on", "off")
 STUB = Path(__file__).with_name("warm_stub.py")
 STOP_GRACE_S = 5.0
+BIND_WAIT_S = 5.0  # the most a launch waits for the warm process to listen
 TITLE_ROOM_BYTES = 4096  # of the warm process's command line, which each worker overwrites
 
 
@@ -70,6 +71,15 @@ class WarmProcess:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       **group)
         self._starts += 1
+        self._listening()
+
+    def _listening(self) -> None:
+        """Wait (up to BIND_WAIT_S) until the new warm process listens: a stub that came
+        before would start cold (it binds before its imports, ~0.3 s after its start)."""
+        deadline = time.monotonic() + BIND_WAIT_S
+        while not Path(self.socket).exists() and self._proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def wrap(self, program: list[str]) -> list[str]:
         """`program` started through the stub."""

@@ -200,3 +200,17 @@ def _wait_lines(launcher: Launcher, text: str, count: int, timeout: float = 60.0
         assert launcher.proc.poll() is None, f"launcher exited early:\n{launcher.output()}"
         assert time.monotonic() < deadline, f"no {count} {text!r}:\n{launcher.output()}"
         time.sleep(0.05)
+
+
+def test_the_first_worker_of_a_single_worker_job_starts_warm(tmp_path, mark):
+    """The one worker of `-np 1` is started at once, with no horovodrun before it: the
+    launcher waits for the warm process to listen (it binds before its imports), so that
+    worker does not come too early and start cold."""
+    from parallax.client.local_cluster import LocalCluster
+    script = tmp_path / "probe.py"
+    script.write_text("import sys\nprint('warm' if 'tensorflow' in sys.modules else 'cold')\n")
+    with LocalCluster(1) as cluster:  # servers already up: nothing started before the worker
+        launcher = Launcher("--warm-starts", "on", "--servers", "0", "--ps-addresses",
+                            cluster.addresses[0], "--", sys.executable, str(script), mark=mark)
+        assert launcher.wait(120) == 0, launcher.output()
+    assert "warm" in launcher.out, launcher.output()
