@@ -40,7 +40,8 @@ import threading
 
 from parallax.launch.warm_stub import identity, send
 
-PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf")
+PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf",
+           "parallax.tf.strategy.parallax_strategy")  # (the client, gRPC, the planner too)
 _PR_SET_PDEATHSIG = 1
 _REQUEST_TIMEOUT_S = 10.0
 _held = []  # this process's own standard streams, kept so that closing them never closes 0-2
