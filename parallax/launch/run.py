@@ -959,7 +959,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                              "TensorFlow, Keras, Horovod and parallax once (each worker "
                              "otherwise spends ~3.5 s of CPU on them, at every restart): on, "
                              "off, or auto (default): when the job restarts or rescales its "
-                             "workers (--max-restarts, --host-discovery-script)")
+                             "workers (--max-restarts, --host-discovery-script, --replicas 2)")
     parser.add_argument("--servers", type=int, default=None,
                         help="parameter servers to start (default 2; 0 with --ps-addresses)")
     parser.add_argument("--ps-addresses", default=None,
