@@ -148,10 +148,7 @@ def test_a_warm_workers_children_end_when_parallax_run_is_sigkilled(mark, tmp_pa
     # defect: the workers died with the warm process, their children (a worker's
     # subprocesses, multiprocessing's) lived on, re-parented to init: they were in no
     # group or subreaper of the launcher's
-    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
-                        _script(tmp_path, CHILD), mark=mark)
-    _wait_lines(launcher, "child started", 2)
-    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    launcher = _two_warm_workers(mark, tmp_path, CHILD, "child started")
     launcher.proc.kill()
     launcher.wait(10)
     left = wait_gone(mark, 15)
@@ -161,9 +158,7 @@ def test_a_warm_workers_children_end_when_parallax_run_is_sigkilled(mark, tmp_pa
 @pytest.mark.multiprocess
 @pytest.mark.horovod
 def test_a_warm_workers_children_end_with_the_launcher(mark, tmp_path):
-    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
-                        _script(tmp_path, CHILD), mark=mark)
-    _wait_lines(launcher, "child started", 2)
+    launcher = _two_warm_workers(mark, tmp_path, CHILD, "child started")
     launcher.proc.send_signal(signal.SIGTERM)
     assert launcher.wait(30) == 128 + signal.SIGTERM, launcher.output()
     assert not wait_gone(mark, 5)
@@ -184,14 +179,22 @@ def test_a_terminals_ctrl_c_reaches_the_launcher_not_the_warm_workers(mark, tmp_
     # terminal's foreground group: Ctrl-C interrupted each worker directly (KeyboardInterrupt
     # tracebacks) and killed the warm process, whose death killed them; cold workers run in
     # sessions of horovodrun's and hear of it from the launcher only
-    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
-                        _script(tmp_path, SLEEPER), mark=mark, start_new_session=True)
-    _wait_lines(launcher, "ready", 2)
-    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    launcher = _two_warm_workers(mark, tmp_path, SLEEPER, "ready", start_new_session=True)
     os.killpg(launcher.proc.pid, signal.SIGINT)  # what the terminal does
     assert launcher.wait(30) == 128 + signal.SIGINT, launcher.output()
     assert "KeyboardInterrupt" not in launcher.output()
     assert "warm process ended" not in launcher.output()
+
+
+def _two_warm_workers(mark: str, tmp_path: Path, body: str, ready: str,
+                      **options) -> Launcher:
+    """`parallax run -np 2 --warm-starts on` of a script `body`, once both workers printed
+    `ready`, checked to be warm."""
+    launcher = Launcher("-np", "2", "--warm-starts", "on", "--", sys.executable,
+                        _script(tmp_path, body), mark=mark, **options)
+    _wait_lines(launcher, ready, 2)
+    assert sum("warm" in line for line in launcher.out) == 2, launcher.output()
+    return launcher
 
 
 def _wait_lines(launcher: Launcher, text: str, count: int, timeout: float = 60.0) -> None:
