@@ -27,6 +27,12 @@ DEFAULT_KEEP = 3  # checkpoints kept under a path
 _VANISHED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)
 
 
+def _unique_shards(replies) -> list:
+    """The shards that `replies` name, each once (a copy's server may name one too)."""
+    return list({(s.table, s.shard_index): s for reply in replies
+                 for s in reply.shards}.values())
+
+
 def _mixed_steps(shards) -> dict[str, list[int]]:
     """Sync tables whose shards are at different steps: {table: steps}."""
     steps: dict[str, set[int]] = {}
@@ -201,8 +207,7 @@ class PSClient:
                 for shard in reply.tables}
 
     def _shards_of(self, replies, tables: Sequence[str], verb: str) -> list:
-        shards = list({(s.table, s.shard_index): s for reply in replies  # (copies: once)
-                       for s in reply.shards}.values())
+        shards = _unique_shards(replies)
         missing = set(tables) - {s.table for s in shards}
         if missing:
             raise ConfigError(f"cannot {verb} tables {sorted(missing)}: no server of "
@@ -239,8 +244,10 @@ class PSClient:
         try:
             held = self._held_shards(tables)
             replies = self._each("Save", request(phase=ps_pb2.SAVE_PREPARE))
+            # first: shards a server lost as it wrote them start the save again, even when
+            # they were all of a table's (else refused below as a table no server holds)
+            self._check_all_written(held, _unique_shards(replies), lost)
             shards = self._shards_of(replies, tables, "save")
-            self._check_all_written(held, shards, lost)
             mixed = _mixed_steps([s for reply in replies for s in reply.shards])  # (copies)
             if mixed:
                 raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "

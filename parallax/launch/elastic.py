@@ -181,13 +181,17 @@ class RescaleWatch:
     """While an attempt runs: discovers the hosts every DISCOVERY_PERIOD_S and asks the
     workers (`ask_rescale` into `path`) to stop at their next checkpoint when another worker
     count is called for, and withdraws the request (`withdraw_rescale`) when the attempt's
-    own count is back first; `asked` is the count asked (None: none)."""
+    own count is back first; `asked` is the count asked (None: none). The launcher's own
+    request (`stop_anyway`: a lost server to start again) shares the file, and no
+    withdrawal of a count ends it."""
 
     def __init__(self, elastic: Elastic, layout: ClusterLayout, workers: int,
                  path: Path) -> None:
         self.elastic, self.workers, self.path = elastic, workers, path
         self._using = {h.host for h, _, _ in worker_hosts(layout, workers)}
         self.asked: int | None = None
+        self.why = ""  # the launcher's own reason to stop ("": none)
+        self._writing = threading.Lock()  # the file's two writers: this thread, the launcher
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="parallax-discovery",
                                         daemon=True)
@@ -210,19 +214,38 @@ class RescaleWatch:
             wanted = self.elastic.workers(layout)
             gone = self._using - {h.host for h in layout.hosts}
             if wanted and (wanted != self.workers or gone) and wanted != self.asked:
-                self.asked = wanted
-                ask_rescale(self.path, wanted)
+                with self._writing:
+                    self.asked = wanted
+                    ask_rescale(self.path, wanted, self.why)
                 self.elastic.say(
                     f"the host discovery script lists {layout.num_slots} slot(s)"
                     + (f" (no longer {', '.join(sorted(gone))})" if gone else "")
                     + f": asking the {self.workers} worker(s) to stop at their next "
                     f"checkpoint, to go on with {wanted}")
             elif wanted == self.workers and not gone and self.asked is not None:
-                self.asked = None  # back before the workers' checkpoint: they go on
+                self._withdraw(layout)
+
+    def _withdraw(self, layout: ClusterLayout) -> None:
+        """The attempt's own count is back before the workers' checkpoint: they go on as
+        they are, or stop there all the same for the launcher's own request."""
+        with self._writing:
+            self.asked = None
+            if self.why:
+                ask_rescale(self.path, self.workers, self.why)
+            else:
                 withdraw_rescale(self.path)
-                self.elastic.say(
-                    f"the host discovery script lists {layout.num_slots} slot(s) again: the "
-                    f"{self.workers} worker(s) go on; the request to stop is withdrawn")
+        self.elastic.say(
+            f"the host discovery script lists {layout.num_slots} slot(s) again: the "
+            f"{self.workers} worker(s) go on"
+            + (f"; they still stop at their next checkpoint, to go on from it with "
+               f"{self.why}" if self.why else "; the request to stop is withdrawn"))
+
+    def stop_anyway(self, why: str) -> None:
+        """The launcher's own request: stop at the next checkpoint for `why`, with the count
+        asked meanwhile, if any (else this one)."""
+        with self._writing:
+            self.why = why
+            ask_rescale(self.path, self.asked or self.workers, why)
 
     def stop(self) -> None:
         """Stop watching (the attempt ended, or never got to start its workers)."""

@@ -845,8 +845,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         health = HealthWatch(addresses, config.health_timeout, _monitor_options(env)).start()
         if watch is not None:
             watch.start()
-        losses = ServerLosses(cluster, config.replicas, _say,
-                              _rereplication(stops, config.num_workers) if cluster else None)
+        losses = ServerLosses(cluster, config.replicas, _say, _rereplication(
+            stops, config.num_workers, watch) if cluster else None)
         try:
             outcome = _supervise(job, losses, signals, health, stops)
         finally:
@@ -879,23 +879,35 @@ def _rescaled(outcome: Outcome, stops: Path | None, workers: int,
         return Outcome(outcome.code, "stopped for a new worker count", rescale=True)
     why = rescale_reason(stops)
     _say(f"the {workers} worker(s) stopped after their checkpoint, as asked; the job goes on "
-         + (f"from it with {why}" if why else
-            f"with {watch.asked} from it" if watch is not None and watch.asked is not None
-            else "from it with the count listed now"))  # (stopped as it was withdrawn)
+         f"{_goes_on(why, watch.asked if watch is not None else None)}")
     return Outcome(outcome.code, f"stopped for {why or 'a new worker count'}", rescale=True)
 
 
-def _rereplication(stops: Path | None, workers: int):
+def _goes_on(why: str, asked: int | None) -> str:
+    """Where the job goes on after its workers' stop, in words (`why`: the launcher's own
+    reason; `asked`: the worker count asked, None when it was withdrawn or never asked)."""
+    if why:  # (an elastic job may also have asked for another count)
+        return f"from it with {why}" + (f", and {asked} worker(s)" if asked is not None else "")
+    return f"with {asked} from it" if asked is not None else "from it with the count listed now"
+
+
+def _rereplication(stops: Path | None, workers: int, watch: RescaleWatch | None = None):
     """What the launcher does when the job goes on without a lost server of its own (the
     copies of its shards serve): ask the workers to stop at their next checkpoint, so that
     the job goes on from it on every server again (`JobServers` starts them afresh, and the
-    workers' restore fills every copy). None without a request file."""
+    workers' restore fills every copy); in an elastic job through its `watch`, which writes
+    the same file (its withdrawal of a count must leave this request). None without a
+    request file."""
     if stops is None:
         return None
 
     def ask(server) -> None:
-        ask_rescale(stops, workers, f"every server again (parameter server {server.index} "
-                                    f"started anew, the copies of its shards restored)")
+        why = (f"every server again (parameter server {server.index} started anew, the "
+               f"copies of its shards restored)")
+        if watch is not None:
+            watch.stop_anyway(why)
+        else:
+            ask_rescale(stops, workers, why)
         _say(f"asking the {workers} worker(s) to stop at their next checkpoint, to go on "
              f"from it with parameter server {server.index} started again and the copies of "
              f"its shards restored (until then the job has one copy of them)")

@@ -290,6 +290,30 @@ def test_hosts_back_before_the_next_checkpoint_withdraw_the_request(tmp_path, ma
 
 
 @pytest.mark.multiprocess
+def test_a_lost_servers_request_outlives_a_count_asked_and_withdrawn(tmp_path, mark):
+    """--replicas 2: a server killed, so the launcher asks the workers to stop at their next
+    checkpoint to start it again; then 2 -> 1 -> 2 slots before it. The request for 1 and
+    its withdrawal share the file: the withdrawal deleted the server's request too, and the
+    job ran to its end on one copy of the lost server's shards (the launcher had said it
+    asked). It must stop there and go on with every server again."""
+    hosts = Hosts(tmp_path, "localhost:2\n")
+    launcher = Launcher("--servers", "2", "--replicas", "2", "--collectives", "tensorflow",
+                        "--host-discovery-script", str(hosts.script), "-np", "2",
+                        "--min-np", "1", "--", "python", PROBE, "--sleep", "14",
+                        "--checkpoint-every", "9", "--until-restart", "1", mark=mark)
+    launcher.wait_for_probes(2)
+    os.kill(max(pid for pid, cmd in marked_processes(mark).items() if "parallax_ps" in cmd),
+            signal.SIGKILL)
+    wait_for_line(launcher, "asking the 2 worker(s) to stop at their next checkpoint")
+    hosts.then("localhost:1\n", "localhost:2\n")
+    wait_for_line(launcher, "lists 2 slot(s) again")
+    assert launcher.wait() == 0, launcher.output()
+    assert said(launcher, "stopped after their checkpoint, as asked; the job goes on from it "
+                          "with every server again") == 1, launcher.output()
+    assert said(launcher, " worker(s); 2 parameter server(s)") == 2, launcher.output()
+
+
+@pytest.mark.multiprocess
 def test_a_script_past_its_timeout_is_ended_whole_and_said_once(tmp_path, mark, monkeypatch):
     """Its timeout (DISCOVERY_TIMEOUT_S, 30 s: shortened here) killed the shell, not what
     it ran."""

@@ -127,9 +127,9 @@ def test_what_cannot_be_replicated_is_refused():
             client.table(spec)
 
 
-def _trained_copies(client: PSClient, prefix: str):
-    """A 3-shard table with replicas=2, trained one step (every row touched)."""
-    spec = TableSpec(name=f"{prefix}_t", vocabulary_size=90, dim=4, shard_count=3,
+def _trained_copies(client: PSClient, prefix: str, shards: int = 3):
+    """A table of `shards` shards with replicas=2, trained one step (every row touched)."""
+    spec = TableSpec(name=f"{prefix}_t", vocabulary_size=90, dim=4, shard_count=shards,
                      optimizer=Adagrad(0.1), initializer=Initializer("uniform", seed=3),
                      num_workers=1)
     table = client.create_table(spec)
@@ -199,6 +199,42 @@ def test_a_server_killed_during_a_save_leaves_a_whole_checkpoint(tmp_path, when)
         saved = client.save("ckpt", [spec.name])
         assert sorted(s.shard_index for s in saved) == [0, 1, 2]
         assert client.liveness.lost == {cluster.addresses[0]}
+        table.push([1, 2], np.ones((2, 4), np.float32), step=1, worker=0)
+        client.restore("ckpt", [spec.name])
+        np.testing.assert_array_equal(table.pull_all(), want)
+
+
+def test_a_server_killed_as_it_wrote_a_tables_only_shard_leaves_a_whole_checkpoint(tmp_path):
+    """Servers sharing a data directory: the one that claimed a 1-shard table's shard dies
+    before it answers the save (its copy's server, seeing the claim, wrote nothing). The
+    round's answers then hold no shard of that table: the save starts again without the
+    dead server, as for any shard left out. It was refused as a table no server holds
+    (ConfigError, never retried), which failed the Keras backup of a --replicas 2 job whose
+    server was killed during it."""
+    from parallax.ps.v1 import ps_pb2
+
+    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": 2})
+    with LocalCluster(3, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, options) as client:
+        spec, table = _trained_copies(client, "claimed_then_killed", shards=1)
+        want = table.pull_all()
+        index, server = next((i, s) for i, s in enumerate(client.servers) if s.call(
+            "Stats", ps_pb2.StatsRequest(tables=[spec.name])).tables)
+        victim = cluster.servers[index].proc
+        answers = client._answers  # noqa: SLF001
+
+        def claim_then_die(method, request, *args):
+            if method == "Save" and request.phase == ps_pb2.SAVE_PREPARE and \
+                    victim.poll() is None:
+                server.call("Save", request)  # it claims the shard, then dies unanswered
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.wait(10)
+            return answers(method, request, *args)
+
+        client._answers = claim_then_die
+        saved = client.save("ckpt", [spec.name])
+        assert [s.shard_index for s in saved] == [0]
+        assert client.liveness.lost == {cluster.addresses[index]}
         table.push([1, 2], np.ones((2, 4), np.float32), step=1, worker=0)
         client.restore("ckpt", [spec.name])
         np.testing.assert_array_equal(table.pull_all(), want)
