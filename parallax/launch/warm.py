@@ -66,8 +66,10 @@ class WarmProcess:
         # children too: they are re-parented to it) when the launcher dies; and out of the
         # terminal's group, so that its Ctrl-C reaches the launcher only, not the workers
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {}  # before exec
+        # started in its private directory, which `-m` puts first on its sys.path: not in
+        # the launcher's, whose modules (a checkout's parallax/, say) a worker would not see
         self._proc = subprocess.Popen(lifeline.dying_with(argv, os.getpid(), reap_group=True),
-                                      env=self._env, stdin=subprocess.DEVNULL,
+                                      env=self._env, cwd=self._dir, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       **group)
         self._starts += 1

@@ -151,12 +151,27 @@ def _shadowed(first: str) -> str | None:
 
 def _found_at(name: str, path: list[str]) -> bool:
     """Whether a fresh import of top-level `name` on `path` finds the module loaded here."""
-    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    spec = _find_spec(name, path)
     loaded = sys.modules[name]
     where = getattr(loaded, "__file__", None)
     if spec is None or where is None:
         return spec is None and where is None
     return os.path.realpath(spec.origin or "") == os.path.realpath(where)
+
+
+def _find_spec(name: str, path: list[str]):
+    """What `import name` (top-level) finds in a process whose sys.path is `path`: the
+    import system's finders in order, the path finder searching `path` (the others, such as
+    the finder of an editable install, `pip install -e`, answer whatever the path)."""
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder:
+            spec = finder.find_spec(name, path)
+        else:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, None) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def _serve(listener: socket.socket, same: _Same):

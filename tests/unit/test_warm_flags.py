@@ -97,3 +97,23 @@ def test_the_stub_and_the_warm_process_frame_messages_and_pass_descriptors_alike
     (["python", "-c", "1"], None), (["python"], None), (["python", ""], None)])
 def test_the_warm_process_takes_the_commands_the_launcher_sends(argv, target):
     assert warm_fork._target(argv) == target
+
+
+def test_an_editable_installs_finder_counts_in_what_a_worker_would_import(tmp_path,
+                                                                          monkeypatch):
+    """`pip install -e` maps a package to its checkout through a finder on sys.meta_path,
+    whatever sys.path says: a worker finds it there too (the path finder alone found
+    nothing, so every worker of such an install, CI's, started cold)."""
+    import importlib.util
+    module = tmp_path / "checkout" / "editable_pkg_x.py"
+    module.parent.mkdir()
+    module.write_text("X = 1\n")
+
+    class Editable:
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_file_location(name, module) \
+                if name == "editable_pkg_x" else None
+
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Editable()])
+    assert warm_fork._find_spec("editable_pkg_x", [str(tmp_path)]).origin == str(module)
+    assert warm_fork._find_spec("no_such_module_here", [str(tmp_path)]) is None
