@@ -38,7 +38,7 @@ import socket
 import sys
 import threading
 
-from parallax.launch.warm_stub import identity, send
+from parallax.launch.warm_stub import LENGTH, exactly, identity, send
 
 PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf",
            "parallax.tf.strategy.parallax_strategy")  # (the client, gRPC, the planner too)
@@ -266,18 +266,22 @@ def _start(listener: socket.socket, same: _Same, workers: dict[int, socket.socke
 
 
 def _request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One stub's request (`warm_stub.send`'s framing) and the descriptors it carried;
+    ValueError for an unreadable one, whose descriptors are closed again."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    if not data:
-        raise ValueError("empty")
-    rest = io.BytesIO(data)
-    length = int.from_bytes(rest.read(4), "big")
-    body = rest.read()
-    while len(body) < length:
-        chunk = conn.recv(length - len(body))
-        if not chunk:
+    try:
+        data += exactly(conn, max(LENGTH.size - len(data), 0)) or b""
+        if len(data) < LENGTH.size:
             raise ValueError("cut short")
-        body += chunk
-    return json.loads(body[:length]), list(fds)
+        length, body = LENGTH.unpack(data[:LENGTH.size])[0], data[LENGTH.size:]
+        body += exactly(conn, max(length - len(body), 0)) or b""
+        if len(body) < length:
+            raise ValueError("cut short")
+        return json.loads(body[:length]), list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 # ---------------------------------------------------------------------------- in the worker

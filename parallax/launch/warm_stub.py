@@ -26,7 +26,7 @@ import sys
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 _NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
-_LENGTH = struct.Struct(">I")
+LENGTH = struct.Struct(">I")  # a message's length, before its JSON
 _worker = None  # the forked worker's pid, once the warm process said it
 
 
@@ -52,21 +52,22 @@ def identity():
 
 def send(sock, message, fds=()):
     data = json.dumps(message).encode()
-    data = _LENGTH.pack(len(data)) + data
+    data = LENGTH.pack(len(data)) + data
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
     sock.sendall(data[sent:])
 
 
 def receive(sock):
     """The next message, or None at the end of the connection."""
-    head = _exactly(sock, _LENGTH.size)
+    head = exactly(sock, LENGTH.size)
     if head is None:
         return None
-    body = _exactly(sock, _LENGTH.unpack(head)[0])
+    body = exactly(sock, LENGTH.unpack(head)[0])
     return None if body is None else json.loads(body)
 
 
-def _exactly(sock, count):
+def exactly(sock, count):
+    """The next `count` bytes from `sock`; None when it ends first."""
     data = b""
     while len(data) < count:
         chunk = sock.recv(count - len(data))

@@ -91,6 +91,21 @@ def test_the_stub_and_the_warm_process_frame_messages_and_pass_descriptors_alike
         assert warm_stub.receive(ours) is None  # the end of the connection
 
 
+@pytest.mark.parametrize("sent", [b"\x00\x00", b"\x00\x00\x00\x09{}", b"\x00\x00\x00\x02[x"])
+def test_an_unreadable_request_is_refused_and_its_descriptors_closed(sent):
+    """Cut short (in its length or its body) or not JSON: ValueError, and the descriptors
+    it carried are closed again (the warm process lives as long as the launcher: a stub or
+    a stray client that sent half a request must not leak three descriptors each)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        before = len(os.listdir("/proc/self/fd"))
+        socket.send_fds(ours, [sent], [0, 1, 2])
+        ours.shutdown(socket.SHUT_WR)
+        with pytest.raises(ValueError):
+            warm_fork._request(theirs)
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.parametrize("argv, target", [
     (["python", "t.py", "-x"], ("script", "t.py", ["-x"])),
     (["python", "-m", "a.b", "c"], ("module", "a.b", ["c"])),
