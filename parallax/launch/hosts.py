@@ -51,7 +51,7 @@ from parallax.client.local_cluster import (SERVER_COMMAND, ServerProcess, metric
                                           stop_servers)
 from parallax.env import WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError, ParallaxError
-from parallax.runtime import lifeline
+from parallax.runtime import leftovers, lifeline
 
 log = logging.getLogger("parallax")
 
@@ -557,6 +557,7 @@ def _serve(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: threading.Thread(target=stop, daemon=True).start())
     threading.Thread(target=watch_stdin, daemon=True).start()
     code = proc.wait()
+    leftovers.end_holders([1, 2], f"{Path(argv[0]).name} on {socket.gethostname()}")
     return 128 - code if code < 0 else code
 
 

@@ -16,7 +16,9 @@ holding a `secrets.py`, say). What a fork shares with its
 siblings and cold workers would not: the interpreter's hash seed (set iteration order).
 Numpy's global random state is drawn again in each worker, as Python's `random` is.
 
-Signals and ends: the worker gets SIGKILL when this process ends (PR_SET_PDEATHSIG) and when
+Signals and ends: each worker leads a session of its own (horovodrun's cold ranks run in
+sessions of their middlemen), so that what it signals as its process group is its own. It
+gets SIGKILL when this process ends (PR_SET_PDEATHSIG) and when
 its stub's connection closes (the stub was killed); this process reaps it and sends the
 stub its wait status. Nothing here runs a worker's code before the fork: a fork only
 inherits imports (numpy's OpenBLAS threads restart themselves after a fork).
@@ -291,6 +293,7 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         os._exit(1)  # the warm process died before the line above
+    os.setsid()  # its own session and process group, as a cold rank's: its killpg(0) is its own
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                    signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)

@@ -112,6 +112,21 @@ def test_a_keyboard_interrupt_runs_the_exits_work_then_ends_by_sigint(warm, tmp_
     assert hot.stderr.endswith("KeyboardInterrupt\n") and "runpy" not in hot.stderr
 
 
+GROUPED = f"""
+{WARM_EVIDENCE}
+import os
+print(os.getpid() == os.getpgid(0) == os.getsid(0), flush=True)
+"""
+
+
+def test_a_warm_worker_leads_its_own_session_and_process_group(warm, tmp_path):
+    # defect: every warm worker was in the warm process's group, so a worker's
+    # os.killpg(0, ...) (its own children, it meant) reached the other workers and the warm
+    # process too
+    hot = _run(warm.wrap([sys.executable, _script(tmp_path, GROUPED)]))
+    assert hot.returncode == 0 and hot.stdout.split() == ["warm", "True"], hot
+
+
 def test_a_module_imported_warm_that_the_scripts_directory_has_starts_cold(warm, tmp_path):
     # defect: only the five preloaded packages were checked; `import secrets` got the
     # standard library's (imported by the preloads), not the script's secrets.py

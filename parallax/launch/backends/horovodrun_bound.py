@@ -42,8 +42,23 @@ import signal
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
+
+
+def _load_leftovers():
+    """`parallax/runtime/leftovers.py` (standard library only), loaded from its file: the
+    interpreter horovodrun runs with need not import parallax."""
+    path = Path(__file__).resolve().parents[2] / "runtime" / "leftovers.py"
+    spec = importlib.util.spec_from_file_location("parallax_leftovers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 GLOO_BUILT = "--parallax-gloo-built"  # argv[1] of the child that answers for the extension
+_RANK_VAR = re.compile(r"\bHOROVOD_RANK=(\d+)")  # in the command gloo_run gives a middleman
+# what horovodrun raises once a rank failed, after its "Process N exit with status code C."
+_RANK_FAILED = "Horovod detected that one or more processes exited with non-zero status"
 
 
 def _bind_rendezvous_to_server_ip() -> None:
@@ -175,6 +190,21 @@ def _end_session_rest(pids: list[int]) -> None:
 def _end_shells_unstopped() -> None:
     from horovod.runner.common.util import safe_shell_exec
     safe_shell_exec.terminate_executor_shell_and_children = end_shell_and_children
+    safe_shell_exec._exec_middleman = _middleman_ending_leftovers(safe_shell_exec._exec_middleman)
+
+
+def _middleman_ending_leftovers(middleman):
+    """horovodrun's middleman (`safe_shell_exec._exec_middleman`), which ends what the rank
+    left holding its output pipes once its shell exited (`leftovers`): horovodrun waits for
+    the pipes' end of file before it reports the rank's exit."""
+    def ending_leftovers(command, env, exit_event, stdout, stderr, rw):
+        try:
+            middleman(command, env, exit_event, stdout, stderr, rw)
+        finally:
+            rank = _RANK_VAR.search(command if isinstance(command, str) else "")
+            who = f"worker rank {rank[1] if rank else '?'}"
+            _load_leftovers().end_holders([stdout[1].fileno(), stderr[1].fileno()], who)
+    return ending_leftovers
 
 
 def _print_gloo_built(extension: str, libraries: str) -> None:
@@ -207,6 +237,10 @@ def main() -> None:
         from horovod.runner.launch import run_commandline
         sys.argv[0] = "horovodrun"
         code = run_commandline()
+    except RuntimeError as err:
+        if not str(err).startswith(_RANK_FAILED):
+            raise
+        code = 1  # reported already, line by line (`parallax run` names the first failure)
     finally:
         _end(asked)  # horovodrun never asked (--help, a bad flag)
     sys.exit(code)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from parallax.env import PARENT_ENV, WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError
-from parallax.runtime import lifeline
+from parallax.runtime import leftovers, lifeline
 
 STOP_GRACE_S = 10.0  # after a failure: how long the other workers have to stop on SIGTERM
 PORTS_TIMEOUT_S = 60.0  # for the ssh call that asks a remote host for free ports
@@ -159,16 +159,21 @@ class _Supervisor:
                                 **pipes)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        """Relay worker `rank`'s stdout and stderr; then report its exit, once both are out."""
+        """Relay worker `rank`'s stdout and stderr; then report its exit, once both are out
+        (what it left holding them is ended: `leftovers`)."""
         relays = [threading.Thread(target=self._relay, args=(rank, stream, name, out),
                                    daemon=True)
                   for stream, name, out in ((proc.stdout, "stdout", sys.stdout),
                                             (proc.stderr, "stderr", sys.stderr))]
         for relay in relays:
             relay.start()
+        code = exit_code(proc.wait())
+        if any(relay.is_alive() for relay in relays):  # (a worker elsewhere: its ssh's pipes)
+            leftovers.end_holders([proc.stdout.fileno(), proc.stderr.fileno()],
+                                  f"worker rank {rank}")
         for relay in relays:
             relay.join()
-        self.exits.put((rank, exit_code(proc.wait())))
+        self.exits.put((rank, code))
 
     def _relay(self, rank: int, stream, name: str, out) -> None:
         """Each line of one of worker `rank`'s streams to the same stream here, prefixed as

@@ -1,0 +1,93 @@
+"""A worker that exits while a child of it still holds its output (`runtime.leftovers`).
+
+Both multi-worker backends relay a worker's output until the pipe's end of file; a child the
+worker left running (a `subprocess.Popen` without `stdout=`) kept the pipe open, and the
+backend waited for it: a failed worker was never reported and `parallax run` hung until it
+was killed, cold or warm. Real `parallax run` launches, on this machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+LEFT_BEHIND = """
+import os, subprocess, sys
+rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK", "0")))
+print("rank", rank, "started", flush=True)
+if rank == 1:
+    child = subprocess.Popen(["sleep", "300"])  # it inherits the worker's stdout and stderr
+    open(sys.argv[1], "w").write(str(child.pid))
+    sys.exit(int(sys.argv[2]))
+"""
+JOB_TIMEOUT_S = 120  # without the fix the job hangs for the child's 300 s
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _run(tmp_path, code: int, *flags: str) -> tuple[subprocess.CompletedProcess, int, float]:
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "parallax.cli", "run", "-np", "2",
+                           "--servers", "1", "--progress-seconds", "0", *flags, "--",
+                           sys.executable, "-c", LEFT_BEHIND, str(pid_file), str(code)],
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    return done, int(pid_file.read_text()), time.monotonic() - started
+
+
+@pytest.mark.parametrize("flags", [("--collectives", "horovod", "--warm-starts", "off"),
+                                   ("--collectives", "horovod", "--warm-starts", "on"),
+                                   ("--collectives", "tensorflow", "--warm-starts", "off")],
+                         ids=["horovodrun", "horovodrun-warm", "tensorflow"])
+def test_a_failed_worker_is_reported_though_its_child_holds_its_output(tmp_path, flags):
+    done, child, seconds = _run(tmp_path, 3, *flags)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out[-3000:]
+    assert "worker rank 1 exited with code 3 first" in out, out[-3000:]
+    assert f"its process {child} (sleep 300) still held its output" in out, out[-3000:]
+    assert not _alive(child), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]  # horovodrun's RuntimeError is reported already
+    assert seconds < 60, (seconds, out[-3000:])
+
+
+def test_a_job_whose_worker_left_a_child_holding_its_output_ends(tmp_path):
+    done, child, _ = _run(tmp_path, 0, "--collectives", "horovod", "--warm-starts", "off")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert f"its process {child} (sleep 300) still held its output" in out, out[-3000:]
+    assert not _alive(child), out[-3000:]
+
+
+def test_only_writers_of_the_pipe_are_ended(tmp_path):
+    """The reader of a worker's pipe (the backend itself) and processes that closed it are
+    spared; a writer that ignores SIGTERM is killed after the grace."""
+    from parallax.runtime import leftovers
+    read, write = os.pipe()
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('ready', end='', flush=True); time.sleep(300)"],
+                                stdout=write, pass_fds=(write,))
+    closed = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL)
+    os.close(write)
+    try:
+        assert os.read(read, 5) == b"ready"
+        started = time.monotonic()
+        ended = leftovers.end_holders([read], "the test", settle=0.2, grace=0.5)
+        assert ended == [stubborn.pid]
+        assert stubborn.wait(10) == -9 and closed.poll() is None
+        assert time.monotonic() - started < 5
+        assert os.read(read, 1) == b""  # the pipe's end of file
+    finally:
+        for proc in (stubborn, closed):
+            proc.kill()
+            proc.wait()
+        os.close(read)
