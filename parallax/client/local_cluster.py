@@ -23,6 +23,9 @@ from parallax.runtime import lifeline
 
 
 SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
+# -m would put the working directory first on the server's sys.path (a numpy/ there broke
+# it); Python 3.11's PYTHONSAFEPATH leaves it out (3.10 ignores it)
+SERVER_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
 
 
 _EXIT_AFTER_OUTPUT_S = 5.0  # a server whose output ended is given this long to exit
@@ -57,7 +60,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             command, stdin=stdin, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env=lifeline.child_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
+            env=lifeline.child_env({**os.environ, **SERVER_ENV}))
         self.address: str | None = None
         self.metrics: str | None = None  # host:port of its /metrics, when it serves them
         self._ready = threading.Event()

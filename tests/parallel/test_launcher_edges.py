@@ -137,3 +137,24 @@ def test_first_reported_failure_is_kept_while_the_other_stream_is_read():
     job.stop(grace=5.0)
     assert job.first_failure == (1, 3)
     assert job.exit_code() == 3
+
+
+# ---- the launcher's working directory is the workers', not its children's sys.path -----------
+@pytest.mark.parametrize("collectives", ["horovod", "tensorflow"])
+def test_a_numpy_directory_where_the_job_starts_breaks_none_of_parallaxs_processes(
+        tmp_path, collectives):
+    # defect: the servers (`python -m parallax_ps`) and the TensorFlow supervisor
+    # (`python -m ...tf_supervisor`) had the launcher's working directory first on their
+    # sys.path, as -m puts it there: a numpy/ (or parallax/) of the user's project there was
+    # imported instead, and they died at start
+    for package in ("numpy", "parallax"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError('my {package}')\n")
+    parallax = Path(sys.executable).parent / "parallax"  # the console script, as users run it
+    done = subprocess.run([str(parallax), "run", "-np", "2", "--servers", "1",
+                           "--collectives", collectives, "--progress-seconds", "0", "--",
+                           sys.executable, "-c", "print('worker ran')"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert out.count("worker ran") == 2 and "my numpy" not in out, out[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from pathlib import Path
 
 from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
@@ -35,11 +36,24 @@ class TensorFlowRun(WorkerBackend):
             raise ConfigError(f"--horovodrun-arg {' '.join(extra_args)}: the workers start "
                               f"without horovodrun (--collectives tensorflow, or Horovod "
                               f"missing); drop it, or use --collectives horovod")
-        return [sys.executable, "-m", SUPERVISOR, "--hosts",
+        return [*own_module(SUPERVISOR), "--hosts",
                 json.dumps(supervisor_hosts(layout, num_workers)), "--", *program]
 
     rank_line = Horovodrun.rank_line  # the same output contract as horovodrun's
     failure = Horovodrun.failure
+
+
+# `python -m MODULE` with the directory parallax was imported from first on sys.path where -m
+# would put the working directory (whose own numpy/ or parallax/ the child would import)
+_RUN_MODULE = ("import runpy, sys; sys.path[0] = sys.argv[1]; sys.argv[:] = sys.argv[2:]; "
+               "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def own_module(module: str) -> list[str]:
+    """The argv that runs parallax's `module` as `python -m` would, but from the same
+    parallax as this process's and with the working directory off its sys.path."""
+    root = Path(__file__).resolve().parents[3]  # (parallax/launch/backends/ is 0-2)
+    return [sys.executable, "-c", _RUN_MODULE, str(root), module]
 
 
 def supervisor_hosts(layout: ClusterLayout, num_workers: int) -> list[dict]:
