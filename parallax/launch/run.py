@@ -673,7 +673,7 @@ def run(config: LaunchConfig) -> int:
             attempt = 0
             while True:
                 outcome = _attempt(config, program, run_id, attempt, signals,
-                                   (elastic, rescale, warm), servers)
+                                   _Context(elastic, rescale, warm), servers)
                 if signals.signum is None and (
                         _rescaling(signals) if outcome.rescale
                         else _restarting(budget, outcome, signals)):
@@ -714,18 +714,26 @@ def _rescale_file(config: LaunchConfig, elastic: Elastic | None):
         yield path
 
 
-def _workers_of(config: LaunchConfig, program: list[str], elastic) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every attempt of a job starts its workers with."""
+    elastic: Elastic | None  # the hosts' discovery of an elastic job
+    stops: Path | None  # where the launcher asks the workers to stop at a checkpoint
+    warm: object  # the warm process (`parallax.launch.warm`), or None: workers start cold
+
+
+def _workers_of(config: LaunchConfig, program: list[str], context: _Context) -> tuple:
     """(config with this attempt's worker count, the workers' argv, the backend, the
     watch of an elastic job's hosts, to start once the workers run)."""
-    elastic, rescale, warm = elastic
-    for stale in (rescale, Path(f"{rescale}.stopped")) if rescale is not None else ():
+    stops, warm = context.stops, context.warm
+    for stale in (stops, Path(f"{stops}.stopped")) if stops is not None else ():
         stale.unlink(missing_ok=True)
-    if elastic is None:
+    if context.elastic is None:
         return (config, *workers_argv(config, program, warm=warm), None)
-    layout, count = elastic.wait()
+    layout, count = context.elastic.wait()
     config = dataclasses.replace(config, num_workers=count)
     return (config, *workers_argv(config, program, layout, warm),
-            RescaleWatch(elastic, layout, count, rescale))
+            RescaleWatch(context.elastic, layout, count, stops))
 
 
 def _rescaling(signals: _Signals) -> bool:
@@ -808,12 +816,12 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
 
 
 def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int,
-             signals: _Signals, elastic, servers: JobServers) -> Outcome:
+             signals: _Signals, context: _Context, servers: JobServers) -> Outcome:
     """One run of every worker, on the servers `servers` keeps or starts; how it ended."""
     outcome = watch = None
     credentials = servers.credentials
     try:
-        config, argv, backend, watch = _workers_of(config, program, elastic)
+        config, argv, backend, watch = _workers_of(config, program, context)
         cluster = servers.for_attempt(config, attempt)
         if cluster is not None:
             addresses, where = cluster.addresses, "started here"
@@ -830,7 +838,7 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         signals.abortable = False
         env = _secured(credentials, worker_env(addresses, run_id, config.mode, config.sync))
         env[RESTART_COUNT_ENV] = str(attempt)
-        stops = elastic[1]  # where the launcher asks the workers to stop at a checkpoint
+        stops = context.stops
         if stops is not None:
             env[RESCALE_FILE_ENV] = str(stops)
         if watch is not None:
