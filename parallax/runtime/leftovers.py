@@ -87,6 +87,20 @@ def _command(pid: int) -> str:
     return text[:120] or "?"
 
 
+def _ancestors() -> set[int]:
+    """This process and its ancestors: a shell that ssh ran the caller from may hold the same
+    pipe, and is no leftover of the worker's."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
 def _signal(pids, number: int) -> None:
     for pid in pids:
         try:
@@ -108,10 +122,11 @@ def _wait(names: set[str], exclude: set[int], seconds: float) -> dict[int, str]:
 def end_holders(fds, who: str, exclude: set[int] = frozenset(), settle: float = SETTLE_S,
                 grace: float = GRACE_S) -> list[int]:
     """End what still holds the pipes among `fds` once `who` (a worker, named in the
-    message) has exited; this process and `exclude` are spared. Returns the pids ended."""
+    message) has exited; this process, its ancestors and `exclude` are spared. Returns the
+    pids ended."""
     if not os.path.isdir("/proc/self/fd"):
         return []
-    names, spared = pipe_names(fds), {os.getpid(), *exclude}
+    names, spared = pipe_names(fds), {*_ancestors(), *exclude}
     left = _wait(names, spared, settle)
     if not left:
         return []

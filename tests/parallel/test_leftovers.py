@@ -67,27 +67,45 @@ def test_a_job_whose_worker_left_a_child_holding_its_output_ends(tmp_path):
     assert not _alive(child), out[-3000:]
 
 
-def test_only_writers_of_the_pipe_are_ended(tmp_path):
-    """The reader of a worker's pipe (the backend itself) and processes that closed it are
-    spared; a writer that ignores SIGTERM is killed after the grace."""
-    from parallax.runtime import leftovers
+ENDER_PARENT = """
+import subprocess, sys
+sys.stdin.read(1)  # once the test let go of the pipe (only this process keeps the write end)
+ender = ("import sys; from parallax.runtime import leftovers; "
+         "print(leftovers.end_holders([int(sys.argv[1])], 'the test', settle=0.2, grace=0.5))")
+done = subprocess.run([sys.executable, "-c", ender, sys.argv[1]], pass_fds=(int(sys.argv[1]),))
+sys.exit(done.returncode)
+"""
+
+
+def test_only_the_workers_leftovers_are_ended(tmp_path):
+    """A writer of the pipe that ignores SIGTERM is killed after the grace; the readers (the
+    backend), processes that closed the pipe and the caller's ancestors (a shell that ssh ran
+    it from) are spared."""
     read, write = os.pipe()
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                  "print('ready', end='', flush=True); time.sleep(300)"],
                                 stdout=write, pass_fds=(write,))
     closed = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL)
-    os.close(write)
     try:
         assert os.read(read, 5) == b"ready"
         started = time.monotonic()
-        ended = leftovers.end_holders([read], "the test", settle=0.2, grace=0.5)
-        assert ended == [stubborn.pid]
+        middle = subprocess.Popen(  # holds the write end, as a shell ssh ran `serve` from
+            [sys.executable, "-c", ENDER_PARENT, str(read)], pass_fds=(read, write),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.close(write)
+        write = -1
+        out, err = middle.communicate("go", timeout=60)
+        assert middle.returncode == 0, (middle.returncode, out, err)  # (a leftover's: -15)
+        assert out.strip() == f"[{stubborn.pid}]", (out, err)
+        assert f"its process {stubborn.pid} (" in err, err
         assert stubborn.wait(10) == -9 and closed.poll() is None
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 10
         assert os.read(read, 1) == b""  # the pipe's end of file
     finally:
         for proc in (stubborn, closed):
             proc.kill()
             proc.wait()
-        os.close(read)
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
