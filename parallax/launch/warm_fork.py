@@ -18,9 +18,10 @@ Numpy's global random state is drawn again in each worker, as Python's `random` 
 
 Signals and ends: each worker leads a session of its own (horovodrun's cold ranks run in
 sessions of their middlemen), so that what it signals as its process group is its own. It
-gets SIGKILL when this process ends (PR_SET_PDEATHSIG) and when
-its stub's connection closes (the stub was killed); this process reaps it and sends the
-stub its wait status. Nothing here runs a worker's code before the fork: a fork only
+gets SIGKILL when this process ends (PR_SET_PDEATHSIG) and, from this process, which
+watches the stubs' connections, when its stub's connection closes (the stub was killed): a
+worker holds no descriptor or thread of ours. This process reaps it and sends the stub its
+wait status. Nothing here runs a worker's code before the fork: a fork only
 inherits imports (numpy's OpenBLAS threads restart themselves after a fork).
 """
 from __future__ import annotations
@@ -178,7 +179,8 @@ def _find_spec(name: str, path: list[str]):
 
 def _serve(listener: socket.socket, same: _Same):
     """Fork a worker for each stub that asks, reap them and tell their stubs how they ended;
-    returns (connection, request, fds) in a forked worker."""
+    a worker whose stub is gone (killed) is killed. Returns (connection, request, fds) in a
+    forked worker."""
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
@@ -187,21 +189,23 @@ def _serve(listener: socket.socket, same: _Same):
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    workers: dict[int, socket.socket] = {}
+    workers = _Workers(selector)
     while True:
         for key, _ in selector.select():
-            if key.fileobj is not listener:
+            if key.fileobj is wake_r:
                 _drain(wake_r)
-                _reap(workers)
-                continue
-            started = _start(listener, same, workers)
-            if started is not None:  # the forked worker: leave the warm process behind
-                signal.set_wakeup_fd(-1)
-                selector.close()
-                listener.close()
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
-                return started
+                workers.reap()
+            elif key.fileobj is not listener:
+                workers.heard(key.fileobj, key.data)
+            else:
+                started = _start(listener, same, workers)
+                if started is not None:  # the forked worker: leave the warm process behind
+                    signal.set_wakeup_fd(-1)
+                    selector.close()
+                    listener.close()
+                    for fd in (wake_r, wake_w):
+                        os.close(fd)
+                    return started
 
 
 def _drain(fd: int) -> None:
@@ -212,17 +216,47 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _reap(workers: dict[int, socket.socket]) -> None:
-    while workers:
+class _Workers:
+    """The forked workers (pid -> their stub's connection), each connection watched: the
+    stub sends nothing after its request, so the connection's end means the stub was
+    killed, and its worker is killed too (here, not in the worker: a worker holds no
+    descriptor and no thread of ours, and closing every descriptor does not end it)."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.selector, self.conns = selector, {}
+
+    def add(self, pid: int, conn: socket.socket) -> None:
+        self.conns[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def heard(self, conn: socket.socket, pid: int) -> None:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = workers.pop(pid, None)
-        if conn is not None:
-            _tell(conn, {"status": status})
+            if conn.recv(1):
+                return  # (nothing is expected: ignored)
+        except OSError:
+            pass
+        self.selector.unregister(conn)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # its stub is gone; reaped as any other
+
+    def reap(self) -> None:
+        while self.conns:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.conns.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.selector.unregister(conn)
+                _tell(conn, {"status": status})
+
+    def close_all(self) -> None:
+        """In a forked worker: its siblings' connections are not its own."""
+        for conn in self.conns.values():
+            conn.close()
 
 
 def _tell(conn: socket.socket, message: dict) -> None:
@@ -233,7 +267,7 @@ def _tell(conn: socket.socket, message: dict) -> None:
     conn.close()
 
 
-def _start(listener: socket.socket, same: _Same, workers: dict[int, socket.socket]):
+def _start(listener: socket.socket, same: _Same, workers: _Workers):
     """Take one stub's request and fork its worker; (conn, request, fds) in the worker."""
     conn, _ = listener.accept()
     fds: list[int] = []
@@ -254,16 +288,15 @@ def _start(listener: socket.socket, same: _Same, workers: dict[int, socket.socke
         return None
     pid = os.fork()
     if pid == 0:
-        for other in workers.values():
-            other.close()
+        workers.close_all()
         return conn, request, fds
     for fd in fds:
         os.close(fd)
-    workers[pid] = conn
+    workers.add(pid, conn)
     try:
         send(conn, {"pid": pid})
     except OSError:
-        pass  # the stub is gone: its worker sees the closed connection and ends
+        pass  # the stub is gone: the connection's end kills its worker
     return None
 
 
@@ -298,6 +331,7 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
                    signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    conn.close()  # (the warm process watches it: the stub's death kills this worker there)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -306,7 +340,6 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     os.environ.update(request["env"])
     _adopt(request)
     _streams()
-    _die_with(conn)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh process draws its own
     kind, name, args = _target(request["argv"])
@@ -356,18 +389,6 @@ def _streams() -> None:
     _held.extend(s for s in (sys.__stdin__, sys.__stdout__, sys.__stderr__) if s is not None)
     sys.stdin, sys.stdout, sys.stderr = made
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
-
-
-def _die_with(conn: socket.socket) -> None:
-    """SIGKILL this worker when its stub's connection closes (the stub was killed)."""
-    def watch() -> None:
-        try:
-            while conn.recv(1):
-                pass
-        except OSError:
-            pass
-        os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=watch, name="parallax-warm-lifeline", daemon=True).start()
 
 
 def _run(kind: str, name: str, args: list[str]) -> int:

@@ -5,7 +5,7 @@ warm process (`parallax.launch.warm`). It asks the warm process at SOCKET to for
 with this process's arguments, environment, working directory and standard streams (passed
 as file descriptors), then stands in for it: signals sent to it go to the worker, and it
 exits as the worker did (by the same signal, for a death by a signal). Its own death ends
-the worker (the worker watches the connection). Where the warm process cannot start the
+the worker (the warm process watches the connection). Where the warm process cannot start the
 worker (gone, refusing: another network namespace, cgroup, user or rlimit), it runs the
 command itself (exec), as if it had never been there: a cold start.
 

@@ -127,6 +127,61 @@ def test_a_warm_worker_leads_its_own_session_and_process_group(warm, tmp_path):
     assert hot.returncode == 0 and hot.stdout.split() == ["warm", "True"], hot
 
 
+CLOSES_ALL = f"""
+{WARM_EVIDENCE}
+import os, threading, time
+os.closerange(3, 65536)  # as a daemonizing library does
+time.sleep(0.5)
+print("threads", threading.active_count(), flush=True)
+"""
+
+
+def test_a_warm_worker_that_closes_every_descriptor_runs_on_as_a_cold_one(warm, tmp_path):
+    # defect: a warm worker watched its stub's connection from a thread of its own: closing
+    # every descriptor closed it and killed the worker (SIGKILL), and the thread was one
+    # more than a cold worker's
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, CLOSES_ALL)])
+    assert hot.returncode == cold.returncode == 0, (hot, cold)
+    assert hot.stdout.split() == ["warm", "threads", "1"], hot
+    assert cold.stdout.split() == ["cold", "threads", "1"], cold
+
+
+def test_a_killed_stubs_worker_is_killed(warm, tmp_path):
+    pid_file = tmp_path / "pid"
+    script = _script(tmp_path, f"""
+        import os, time
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(600)
+        """)
+    stub = subprocess.Popen(warm.wrap([sys.executable, script]))
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and stub.poll() is None, "the worker did not start"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        assert worker != stub.pid  # (forked by the warm process, not exec'd by the stub)
+        stub.kill()
+        stub.wait()
+        assert _gone(worker, 5), "the worker outlived its stub"
+    finally:
+        stub.kill()
+        stub.wait()
+
+
+def _gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rpartition(")")[2].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_a_module_imported_warm_that_the_scripts_directory_has_starts_cold(warm, tmp_path):
     # defect: only the five preloaded packages were checked; `import secrets` got the
     # standard library's (imported by the preloads), not the script's secrets.py
