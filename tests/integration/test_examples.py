@@ -187,6 +187,19 @@ def test_the_server_handler_benchmark_runs(grouped):
                      rf"ms per step", run.stdout), run.stdout
 
 
+def test_the_copy_rows_benchmark_counts_rows():
+    """examples/benchmarks/copy_rows.py: one worker changes exactly the rows it pushes;
+    two push some rows both, which a step changes once."""
+    run = subprocess.run([sys.executable, str(EXAMPLES / "benchmarks" / "copy_rows.py"),
+                          "--workers", "1,2", "--steps", "2", "--workloads", "lm"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = re.findall(r"lm (\d) workers: pushed (\d+) rows a step, changed (\d+)", run.stdout)
+    assert [w for w, _, _ in found] == ["1", "2"], run.stdout
+    (_, one_pushed, one_changed), (_, two_pushed, two_changed) = found
+    assert one_pushed == one_changed and int(two_changed) < int(two_pushed), run.stdout
+
+
 def test_the_request_floor_benchmark_runs(tmp_path):
     """examples/benchmarks/request_floor.py sends pulls and pushes of one part to a real
     server and prints, per kind and size, the server's and the client's CPU per request."""
