@@ -862,6 +862,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
             progress.stop()
         if losses.lost and outcome.restartable:  # (with --replicas 2: one already gone)
             outcome = dataclasses.replace(outcome, server_failed=True)
+        if signals.signum is not None:
+            return outcome  # the job ends: it does not go on from the stop it may have made
         return _rescaled(outcome, stops, config.num_workers, watch)
     except _Interrupted as exc:
         _say(f"got {exc}: stopped before the job started")
@@ -908,10 +910,14 @@ def _rereplication(stops: Path | None, workers: int, watch: RescaleWatch | None 
     request file."""
     if stops is None:
         return None
+    lost: list[int] = []  # this attempt's, in order: a second loss must not hide the first
 
     def ask(server) -> None:
-        why = (f"every server again (parameter server {server.index} started anew, the "
-               f"copies of its shards restored)")
+        lost.append(server.index)
+        named = (f"parameter server {lost[0]}" if len(lost) == 1 else
+                 "parameter servers " + ", ".join(map(str, lost[:-1])) + f" and {lost[-1]}")
+        why = (f"every server again ({named} started anew, the copies of "
+               f"{'its' if len(lost) == 1 else 'their'} shards restored)")
         if watch is not None:
             watch.stop_anyway(why)
         else:

@@ -99,3 +99,20 @@ def test_a_copy_lost_while_it_catches_up_is_left_out_like_any_loss():
     copies = ReplicaSet([_Copy("a:1", behind=False), _Copy("b:1", behind=True)], liveness)
     assert copies.call("Push", b"", "t") == "applied"
     assert liveness.lost == {"b:1"}
+
+
+def test_the_stop_after_a_second_loss_names_both_servers(tmp_path):
+    # defect: each loss wrote its own reason over the last one's, so the workers' stop (and
+    # the launcher's "the job goes on ..." line) named only the second of two lost servers
+    from types import SimpleNamespace
+
+    from parallax.env import rescale_reason, rescale_request
+    from parallax.launch.run import _rereplication
+    stops = tmp_path / "rescale.json"
+    ask = _rereplication(stops, 4)
+    ask(SimpleNamespace(index=1))
+    assert "parameter server 1 started anew, the copies of its shards" in rescale_reason(stops)
+    ask(SimpleNamespace(index=3))
+    assert "parameter servers 1 and 3 started anew, the copies of their shards" in \
+        rescale_reason(stops)
+    assert rescale_request(stops) == 4
