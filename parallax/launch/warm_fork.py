@@ -231,8 +231,8 @@ class _Workers:
 
     def heard(self, conn: socket.socket, pid: int) -> None:
         try:
-            if conn.recv(1):
-                return  # (nothing is expected: ignored)
+            if conn.recv(4096):
+                return  # (nothing is expected: read and ignored)
         except OSError:
             pass
         self.selector.unregister(conn)
