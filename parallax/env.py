@@ -73,6 +73,7 @@ RENDEZVOUS_ENV = "PARALLAX_RENDEZVOUS"   # host:port of rank 0's rendezvous serv
 RENDEZVOUS_TIMEOUT_ENV = "PARALLAX_RENDEZVOUS_TIMEOUT"
 MAX_RESTARTS_ENV = "PARALLAX_K8S_MAX_RESTARTS"  # set by the manifests: the gang's N
 GANG_TIMEOUT_ENV = "PARALLAX_GANG_TIMEOUT"       # seconds without contact that lose a rank
+WARM_STARTS_ENV = "PARALLAX_WARM_STARTS"  # auto|on|off: a worker pod's `parallax k8s --warm-starts`
 
 # ---- Horovod's, as a parallax worker starts it (parallax.tf.collectives.horovod) -------------
 HOROVOD_CYCLE_TIME_ENV = "HOROVOD_CYCLE_TIME"  # ms; horovodrun --cycle-time-ms sets it

@@ -119,6 +119,7 @@ from parallax.launch.k8s_watch import _watch_parser  # noqa: F401 - tests call i
 from parallax.launch.k8s_watch import (SERVICE_ACCOUNT_DIR, WATCH_POLL_S, JobWatch, KubeAPI,
                                        job_finished, watch_job, watch_main)
 from parallax.launch.rendezvous import horovod_env, start_rendezvous
+from parallax.launch.warm import WARM_STARTS
 from parallax.runtime import logs
 
 __all__ = [
@@ -211,6 +212,12 @@ def _job_options(g) -> None:
                         f"they get {RESTART_COUNT_ENV} and resume from their last "
                         "checkpoint. The Job recreates lost pods within backoffLimit = N x "
                         "workers")
+    g.add_argument("--warm-starts", choices=WARM_STARTS, default="auto",
+                   help="with --max-restarts: each worker pod keeps a process that imported "
+                        "TensorFlow, Keras, Horovod and parallax once, and forks each "
+                        "attempt's command from it (`python SCRIPT` or `python -m MODULE` "
+                        "with the image's Python); auto (default): on, but not on a node "
+                        "with NVIDIA GPUs; off: every attempt starts its command cold")
 
 
 def _resource_options(g) -> None:
@@ -306,6 +313,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         collectives=args.collectives, collective_port=args.collective_port,
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
+        warm_starts=args.warm_starts,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
         storage_class=args.storage_class, gpus=args.gpus, **resources,
         worker_node_selector=tuple(args.worker_node_selector),

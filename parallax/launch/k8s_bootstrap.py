@@ -4,6 +4,7 @@ rank of TensorFlow's collectives, or, with --max-restarts, the gang's supervisio
 docstring of parallax.launch.k8s describes the whole)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,12 +16,13 @@ from typing import Mapping
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
                           RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          TOKEN_FILE_ENV, WORKER_RANK_ENV, WORKERS_ENV)
+                          TOKEN_FILE_ENV, WARM_STARTS_ENV, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch.rendezvous import host_plan as _host_plan
 from parallax.launch.rendezvous import horovod_env, start_rendezvous
 from parallax.launch.restarts import RestartBudget
+from parallax.launch.warm import gpu_machine, wanted, warm_process, why_cold_command
 from parallax.protocol.security import read_token
 
 
@@ -106,6 +108,24 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
     return code if code >= 0 else 128 - code
 
 
+@contextlib.contextmanager
+def _warm(command: list[str], environ: Mapping[str, str]):
+    """`command`, forked from a warm process of this pod for each attempt where
+    PARALLAX_WARM_STARTS (`parallax k8s --warm-starts`) allows it (`parallax.launch.warm`);
+    else as it is. A warm process that ends lets the next attempts start cold."""
+    setting = environ.get(WARM_STARTS_ENV, "auto")
+    why = why_cold_command(command, environ.get("PATH", os.defpath))
+    if why is not None and setting == "on":
+        _say(f"--warm-starts on: the command starts cold ({why})")
+    enabled = why is None and wanted(setting, True, gpu_machine())
+    with warm_process(enabled, dict(environ), _say) as warm:
+        if warm is None:
+            yield command
+            return
+        warm.ensure()
+        yield warm.wrap(command)
+
+
 def _tensorflow(environ: Mapping[str, str]) -> bool:
     """Whether the manifests gave this job TensorFlow's collectives (--collectives)."""
     return bool(environ.get(WORKERS_ENV))
@@ -178,8 +198,9 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
             env.update(horovod_env(rank, size, address, port,
                                    environ.get("HOROVOD_GLOO_IFACE", "eth0")))
         return env
-    code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
-                           timeout, token).run()
+    with _warm(command, environ) as command:
+        code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
+                               timeout, token).run()
     if coordinator is not None:  # let the others read the final state before leaving
         deadline = time.monotonic() + timeout
         while not coordinator.everyone_told() and time.monotonic() < deadline:

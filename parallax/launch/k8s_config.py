@@ -14,6 +14,7 @@ from parallax.env import PLAN_KEYS, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_labels import _SUBDOMAIN, key_problem, parse_selector, value_problem
+from parallax.launch.warm import WARM_STARTS
 
 CONFIG_DIR = "/etc/parallax"
 CONFIG_FILE = "job.json"
@@ -64,6 +65,7 @@ class K8sConfig:
     gloo_iface: str = "eth0"              # the pod network interface gloo binds to
     image_pull_policy: str = "IfNotPresent"
     max_restarts: int = 0                 # gang restarts of all workers after a failure
+    warm_starts: str = "auto"             # each restart's command forked warm in its pod
     data_dir: str | None = None           # the servers' --data-dir (checkpoints)
     data_volume_size: str | None = None   # a PersistentVolumeClaim per server, e.g. "10Gi"
     storage_class: str | None = None      # its storageClassName (None: the cluster default)
@@ -365,6 +367,9 @@ def _validate_restarts(config: K8sConfig) -> None:
             or config.max_restarts < 0:
         raise ConfigError(f"--max-restarts {config.max_restarts!r} must be an integer >= 0 "
                           f"(0: a failure ends the job)")
+    if config.warm_starts not in WARM_STARTS:
+        raise ConfigError(f"--warm-starts {config.warm_starts!r}: give one of "
+                          f"{', '.join(WARM_STARTS)}")
     if config.data_volume_size is not None and not _QUANTITY.match(str(config.data_volume_size)):
         raise ConfigError(f"--data-volume-size {config.data_volume_size!r} is not a Kubernetes "
                           f"quantity; e.g. --data-volume-size 10Gi")

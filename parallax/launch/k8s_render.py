@@ -10,7 +10,7 @@ import yaml
 
 from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
                           MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, REPLICAS_ENV, RUN_ID_ENV,
-                          SYNC_ENV, WORKERS_ENV)
+                          SYNC_ENV, WARM_STARTS_ENV, WORKERS_ENV)
 from parallax.launch import gang
 from parallax.launch import k8s_jobset, k8s_patch
 from parallax.launch import k8s_security as secure
@@ -141,6 +141,7 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
     if config.max_restarts:
         env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
         env[MAX_RESTARTS_ENV] = str(config.max_restarts)
+        env[WARM_STARTS_ENV] = config.warm_starts
     env.update(secure.worker_env(config))
     return env
 

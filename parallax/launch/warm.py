@@ -13,7 +13,8 @@ mirrored, its death killing the fork).
 `--warm-starts auto` (the default) keeps the warm process where restarts are expected
 (--max-restarts, --host-discovery-script, --replicas 2); `on` always, `off` never. Only for commands it
 can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
-on this machine's workers (a remote host's would need a warm process there), and not where
+on this machine's workers (a remote host's would need a warm process there; a Kubernetes
+worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and not where
 the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
 inherit a CUDA context: untested there). A worker
 that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable or
@@ -127,6 +128,11 @@ def why_cold(program: list[str], layout, num_workers: int, path: str) -> str | N
         return "workers on other hosts"
     if any(host.gpus for host, _, _ in hosts):
         return "GPU slots named"
+    return why_cold_command(program, path)
+
+
+def why_cold_command(program: list[str], path: str) -> str | None:
+    """Why `program` cannot be forked from the warm process, or None (`path`: its PATH)."""
     if not _same_python(program[0], path):
         return f"{program[0]} is not {sys.executable}"
     rest = program[1:]

@@ -566,6 +566,8 @@ def test_replicas_reach_the_workers_only_when_asked():
     ({"server_args": ("--port=1",)}, ["--server-arg '--port=1'"]),
     ({"gloo_iface": "eth 0"}, ["--gloo-iface"]),
     ({"max_restarts": -1}, ["--max-restarts -1", ">= 0"]),
+    ({"max_restarts": 1, "warm_starts": "sometimes"}, ["--warm-starts 'sometimes'",
+                                                       "auto, on, off"]),
     ({"data_volume_size": "ten"}, ["--data-volume-size 'ten'", "10Gi"]),
     ({"storage_class": "fast"}, ["--storage-class 'fast'", "--data-volume-size"]),
     ({"data_volume_size": "1Gi", "storage_class": "Fast_SSD"}, ["'Fast_SSD'"]),
@@ -1459,7 +1461,9 @@ RESTART_PROBE = """
 import os, sys, time
 rank = os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK"))
 attempt = os.environ["PARALLAX_RESTART_COUNT"]
-print(f"rank={rank} attempt={attempt} run={os.environ['PARALLAX_RUN_ID']}", flush=True)
+start = "warm" if "tensorflow" in sys.modules else "cold"  # (forked from the pod's warm process)
+print(f"rank={rank} attempt={attempt} run={os.environ['PARALLAX_RUN_ID']} start={start}",
+      flush=True)
 if attempt == "0":
     if rank == "1":
         sys.exit(3)
@@ -1469,12 +1473,12 @@ sys.exit(int(os.environ.get("FINAL_CODE", "0")) if attempt == os.environ["LAST"]
 
 
 def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
-               collectives: str = "horovod") -> dict:
+               collectives: str = "horovod", warm_starts: str = "auto") -> dict:
     script = tmp_path / "probe.py"
     script.write_text(RESTART_PROBE)
     config = K8sConfig(name="g", image="x", workers=2, servers=0, mode="allreduce",
                        max_restarts=max_restarts, command=(sys.executable, str(script)),
-                       collectives=collectives)
+                       collectives=collectives, warm_starts=warm_starts)
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     image = _without_horovod(tmp_path) if collectives == "tensorflow" else {}
@@ -1533,16 +1537,20 @@ def test_gang_bootstrap_restarts_both_ranks_when_one_fails(tmp_path, collectives
     results = _gang_pods(tmp_path, 1, {"LAST": "1"}, collectives)
     for rank, (code, out) in results.items():
         assert code == 0, out[-3000:]
-        assert f"rank={rank} attempt=0 run=g" in out and f"rank={rank} attempt=1 run=g" in out
+        # each attempt's command forked from the pod's warm process (the default with restarts)
+        assert f"rank={rank} attempt=0 run=g start=warm" in out, out[-3000:]
+        assert f"rank={rank} attempt=1 run=g start=warm" in out, out[-3000:]
     assert "restart 1 of 1" in results[0][1] and "worker 1's command exited with 3" in \
         results[0][1]
 
 
 @pytest.mark.multiprocess
 def test_gang_bootstrap_exits_with_the_failure_once_restarts_are_used(tmp_path):
-    results = _gang_pods(tmp_path, 1, {"LAST": "1", "FINAL_CODE": "5"})
+    results = _gang_pods(tmp_path, 1, {"LAST": "1", "FINAL_CODE": "5"}, warm_starts="off")
     assert {rank: code for rank, (code, _) in results.items()} == {0: 5, 1: 5}
     assert "not restarting" in results[0][1]
+    for rank, (_, out) in results.items():  # --warm-starts off: every attempt cold
+        assert f"rank={rank} attempt=1 run=g start=cold" in out, out[-3000:]
 
 
 def test_gang_worker_without_worker_0_exits_so_the_job_recreates_the_pods():
