@@ -158,3 +158,16 @@ def test_a_numpy_directory_where_the_job_starts_breaks_none_of_parallaxs_process
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert out.count("worker ran") == 2 and "my numpy" not in out, out[-3000:]
+
+
+def test_a_server_command_of_the_users_own_keeps_its_scripts_directory_on_sys_path(tmp_path):
+    # defect: the servers' PYTHONSAFEPATH=1 (meant for their own `python -m parallax_ps`)
+    # reached whatever LocalCluster's `command` (or a remote server's ssh, its ProxyCommand)
+    # runs: a Python script there lost its own directory from sys.path
+    from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster
+    (tmp_path / "site_setup.py").write_text("READY = True\n")
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text("import os, sys, site_setup\n"  # beside it, as a script imports it
+                       f"os.execv(sys.executable, [*{list(SERVER_COMMAND)!r}, *sys.argv[1:]])\n")
+    with LocalCluster(1, command=(sys.executable, str(wrapper)), start_timeout=60) as cluster:
+        assert len(cluster.addresses) == 1
