@@ -171,3 +171,24 @@ def test_a_server_command_of_the_users_own_keeps_its_scripts_directory_on_sys_pa
                        f"os.execv(sys.executable, [*{list(SERVER_COMMAND)!r}, *sys.argv[1:]])\n")
     with LocalCluster(1, command=(sys.executable, str(wrapper)), start_timeout=60) as cluster:
         assert len(cluster.addresses) == 1
+
+
+def test_the_supervisors_start_keeps_the_standard_library_before_site_packages(tmp_path):
+    # defect: the TensorFlow supervisor's start (tfrun.own_module) put the directory parallax
+    # was imported from first on its sys.path; for a parallax installed from a wheel that is
+    # site-packages, then ahead of the standard library (a `typing` backport there, say,
+    # shadowed the standard library's own)
+    import json
+    import os
+    import sysconfig
+    from parallax.launch.backends.tfrun import _RUN_MODULE
+    (tmp_path / "path_probe.py").write_text("import json, sys; print(json.dumps(sys.path))\n")
+    paths = sysconfig.get_paths()
+    site_packages, stdlib = os.path.realpath(paths["purelib"]), os.path.realpath(paths["stdlib"])
+    done = subprocess.run([sys.executable, "-c", _RUN_MODULE, site_packages, "path_probe"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path = [os.path.realpath(p) for p in json.loads(done.stdout)]
+    assert path.index(stdlib) < path.index(site_packages), path
+    assert str(tmp_path) in path and "" not in json.loads(done.stdout)  # (cwd: not there)

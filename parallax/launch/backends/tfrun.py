@@ -43,9 +43,13 @@ class TensorFlowRun(WorkerBackend):
     failure = Horovodrun.failure
 
 
-# `python -m MODULE` with the directory parallax was imported from first on sys.path where -m
-# would put the working directory (whose own numpy/ or parallax/ the child would import)
-_RUN_MODULE = ("import runpy, sys; sys.path[0] = sys.argv[1]; sys.argv[:] = sys.argv[2:]; "
+# `python -m MODULE` with the directory parallax was imported from where -m would put the
+# working directory (whose own numpy/ or parallax/ the child would import), first on
+# sys.path; or left where it is when sys.path has it already (an installed parallax's
+# site-packages: first, it would come before the standard library)
+_RUN_MODULE = ("import os, runpy, sys; root = sys.argv[1]; "
+               "sys.path[0:1] = [] if root in map(os.path.realpath, sys.path[1:]) else [root]; "
+               "sys.argv[:] = sys.argv[2:]; "
                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
 
