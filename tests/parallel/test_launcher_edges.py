@@ -160,6 +160,28 @@ def test_a_numpy_directory_where_the_job_starts_breaks_none_of_parallaxs_process
     assert out.count("worker ran") == 2 and "my numpy" not in out, out[-3000:]
 
 
+@pytest.mark.parametrize("package", ["numpy", "parallax"])
+def test_a_numpy_directory_where_the_job_starts_breaks_no_worker_given_its_gpu(
+        tmp_path, package):
+    # defect: a host file naming GPU ids runs each worker through
+    # `python -m parallax.launch.hosts gpus` (its CUDA_VISIBLE_DEVICES), in the job's working
+    # directory, first on its sys.path: a numpy/ or parallax/ there was imported instead and
+    # every worker died at start (so did `hosts serve`, a TensorFlow worker on another host)
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(f"raise ImportError('my {package}')\n")
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n  - {host: localhost, gpus: [0, 1]}\n")
+    parallax = Path(sys.executable).parent / "parallax"
+    done = subprocess.run([str(parallax), "run", "-np", "2", "--hosts", str(hosts),
+                           "--collectives", "tensorflow", "--progress-seconds", "0", "--",
+                           sys.executable, "-c",
+                           "import os; print('worker ran on', os.environ['CUDA_VISIBLE_DEVICES'])"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "worker ran on 0" in out and "worker ran on 1" in out, out[-3000:]
+
+
 def test_a_server_command_of_the_users_own_keeps_its_scripts_directory_on_sys_path(tmp_path):
     # defect: the servers' PYTHONSAFEPATH=1 (meant for their own `python -m parallax_ps`)
     # reached whatever LocalCluster's `command` (or a remote server's ssh, its ProxyCommand)
