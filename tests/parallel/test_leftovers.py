@@ -14,6 +14,9 @@ import time
 
 import pytest
 
+from launching import Launcher, wait_gone
+from launching import mark  # noqa: F401 (a fixture)
+
 LEFT_BEHIND = """
 import os, subprocess, sys
 rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK", "0")))
@@ -109,3 +112,34 @@ def test_only_the_workers_leftovers_are_ended(tmp_path):
         for fd in (read, write):
             if fd >= 0:
                 os.close(fd)
+
+
+STOPPED = """
+import os, subprocess, sys, time
+rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK", "0")))
+if rank == 1:
+    time.sleep(2)
+    sys.exit(3)
+subprocess.Popen(["sleep", "300"])  # it inherits the worker's stdout and stderr
+print("rank 0 running", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("flags", [("--collectives", "horovod", "--warm-starts", "on"),
+                                   ("--collectives", "tensorflow", "--warm-starts", "on"),
+                                   ("--collectives", "tensorflow", "--warm-starts", "off")],
+                         ids=["horovodrun-warm", "tensorflow-warm", "tensorflow"])
+def test_the_children_of_a_worker_stopped_after_anothers_failure_end_with_the_job(
+        tmp_path, mark, flags):
+    # defect: the TensorFlow supervisor stopped the other workers and exited without waiting
+    # for their leftovers' end; a warm worker's child (in the worker's own session, out of
+    # the warm process's group) outlived the job
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    launcher = Launcher("-np", "2", "--servers", "1", "--progress-seconds", "0", *flags, "--",
+                        sys.executable, str(script), mark=mark)
+    assert launcher.wait(JOB_TIMEOUT_S) == 3, launcher.output()
+    assert "worker rank 1 exited with code 3 first" in launcher.output(), launcher.output()
+    left = wait_gone(mark, 5)
+    assert not left, f"left behind: {left}"
