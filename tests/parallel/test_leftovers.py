@@ -8,6 +8,8 @@ was killed, cold or warm. Real `parallax run` launches, on this machine.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -143,3 +145,25 @@ def test_the_children_of_a_worker_stopped_after_anothers_failure_end_with_the_jo
     assert "worker rank 1 exited with code 3 first" in launcher.output(), launcher.output()
     left = wait_gone(mark, 5)
     assert not left, f"left behind: {left}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare (a PID namespace)")
+@pytest.mark.parametrize("first", ["the caller", "its parent"])
+def test_a_containers_first_process_is_no_leftover(first):
+    # defect: the caller and its ancestors were spared only above pid 1: the serve wrapper as
+    # a container's (a PID namespace's) first process, or under one that holds the same
+    # stdout (tini, a shell), named that process the worker's leftover and signalled it
+    # (tini passes a SIGTERM on to the whole container)
+    ender = ("import os; from parallax.runtime import leftovers; "
+             "print(os.getpid(), leftovers.end_holders([1], 'the test', settle=0.2, "
+             "grace=0.2), flush=True)")
+    command = [sys.executable, "-c", ender]
+    if first == "its parent":  # a shell that keeps the same stdout and waits for it
+        command = ["sh", "-c", f'{shlex.join(command)}; exit "$?"']
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *command],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1" if first == "the caller" else "2", "[]"], (
+        done.stdout, done.stderr)
+    assert "still held" not in done.stderr, done.stderr
