@@ -203,11 +203,11 @@ def test_the_supervisors_start_keeps_the_standard_library_before_site_packages(t
     import json
     import os
     import sysconfig
-    from parallax.launch.backends.tfrun import _RUN_MODULE
+    from parallax.launch.module_argv import RUN_MODULE
     (tmp_path / "path_probe.py").write_text("import json, sys; print(json.dumps(sys.path))\n")
     paths = sysconfig.get_paths()
     site_packages, stdlib = os.path.realpath(paths["purelib"]), os.path.realpath(paths["stdlib"])
-    done = subprocess.run([sys.executable, "-c", _RUN_MODULE, site_packages, "path_probe"],
+    done = subprocess.run([sys.executable, "-c", RUN_MODULE, site_packages, "path_probe"],
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

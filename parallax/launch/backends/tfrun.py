@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 
 from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
 from parallax.launch.backends.horovodrun import Horovodrun, horovod_installed
 from parallax.launch.hosts import ClusterLayout, is_local, worker_hosts
-from parallax.launch.module_argv import RUN_MODULE as _RUN_MODULE, own_module  # noqa: F401
+from parallax.launch.module_argv import own_module
 
 SUPERVISOR = "parallax.launch.backends.tf_supervisor"
 
