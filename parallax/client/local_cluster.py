@@ -22,10 +22,13 @@ from parallax.runtime import lifeline
 
 
 
-SERVER_COMMAND = (sys.executable, "-u", "-m", "parallax_ps")
 # -m would put the working directory first on the server's sys.path (a numpy/ there broke
-# it); Python 3.11's PYTHONSAFEPATH leaves it out (3.10 ignores it)
-SERVER_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+# it); Python 3.11's -P leaves it out (3.10 has no -P). A flag, not PYTHONSAFEPATH: the
+# environment reaches whatever a `command` of the user's runs (a wrapper script, a remote
+# server's ssh and its ProxyCommand), whose scripts would lose their own directory
+SERVER_COMMAND = (sys.executable, "-u", *(("-P",) if sys.version_info >= (3, 11) else ()),
+                  "-m", "parallax_ps")
+SERVER_ENV = {"PYTHONUNBUFFERED": "1"}
 
 
 _EXIT_AFTER_OUTPUT_S = 5.0  # a server whose output ended is given this long to exit

@@ -51,6 +51,7 @@ from parallax.client.local_cluster import (SERVER_COMMAND, ServerProcess, metric
                                           stop_servers)
 from parallax.env import WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError, ParallaxError
+from parallax.launch.module_argv import own_module
 from parallax.runtime import leftovers, lifeline
 
 log = logging.getLogger("parallax")
@@ -466,7 +467,7 @@ def with_devices(layout: ClusterLayout, num_workers: int, program: list[str]) ->
              for h, name, take in worker_hosts(layout, num_workers) if h.gpus]
     if not pairs:
         return program
-    return [sys.executable, "-m", "parallax.launch.hosts", "gpus", *pairs, "--", *program]
+    return [*own_module("parallax.launch.hosts"), "gpus", *pairs, "--", *program]
 
 
 def ssh_command(host: HostSpec, remote_argv: list[str]) -> list[str]:
@@ -519,8 +520,8 @@ class _RemoteServer(ServerProcess):
     def __init__(self, index: int, host: HostSpec, args: list[str], echo) -> None:
         self.host = host
         super().__init__(index, ssh_command(host, [
-            sys.executable, "-m", "parallax.launch.hosts", "serve",
-            sys.executable, "-u", "-m", "parallax_ps", *args]), echo, stdin=subprocess.PIPE)
+            *own_module("parallax.launch.hosts"), "serve",
+            *own_module("parallax_ps", ("-u",)), *args]), echo, stdin=subprocess.PIPE)
 
     def request_stop(self) -> None:
         """Close ssh's stdin: the remote wrapper stops its server, then ssh exits."""

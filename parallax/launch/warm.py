@@ -59,7 +59,7 @@ class WarmProcess:
             return
         if self._proc is not None:
             self._say(f"the warm process ended ({self._proc.returncode}); starting another")
-            self._signal(signal.SIGKILL)  # its workers' children, left in its group
+            self._signal(signal.SIGKILL)  # what is left in its group (its leader ended the rest)
         Path(self.socket).unlink(missing_ok=True)
         argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket,
                 "-" * TITLE_ROOM_BYTES]
@@ -91,7 +91,8 @@ class WarmProcess:
     def stop(self) -> None:
         """SIGTERM the warm process's group (its leader waits for the warm process, whose
         workers die with it; a worker's children that outlived it were re-parented to the
-        leader, in the group), then SIGKILL what is left after STOP_GRACE_S."""
+        leader, which ends them before it exits: each worker leads a session of its own, out
+        of the group), then SIGKILL what is left after STOP_GRACE_S."""
         if self._proc is not None:
             self._signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S

@@ -88,10 +88,11 @@ def _command(pid: int) -> str:
 
 
 def _ancestors() -> set[int]:
-    """This process and its ancestors: a shell that ssh ran the caller from may hold the same
-    pipe, and is no leftover of the worker's."""
+    """This process and its ancestors, up to and with pid 1: a shell that ssh ran the caller
+    from may hold the same pipe, and so may a container's first process (tini, a shell), or
+    the caller may be that process; none is a leftover of the worker's."""
     found, pid = set(), os.getpid()
-    while pid > 1 and pid not in found:
+    while pid > 0 and pid not in found:
         found.add(pid)
         try:
             with open(f"/proc/{pid}/stat") as stat:

@@ -24,8 +24,10 @@ Two mechanisms, one per kind of child:
   to init, so it stays in the job. Without that, a process forked after a sweep by one that
   the sweep's signal then killed escaped (a rank's shell, forked by horovodrun's middleman,
   in the middleman's session). So it sweeps again and again, signalling what is new, until
-  it has no child left. Otherwise it only waits (reaping the job's orphans), and exits as
-  its command did (a signal's death by the same signal).
+  it has no child left. Otherwise it waits (reaping the job's orphans); once its command
+  exited, it ends what is left of the job the same way (a worker's child that holds none
+  of its output, re-parented here: a warm worker leads a session of its own, out of the
+  group), and exits as its command did (a signal's death by the same signal).
 """
 from __future__ import annotations
 
@@ -195,6 +197,10 @@ if os.getppid() != parent:
 ended = status = 0
 while ended != child:  # the job's orphans, re-parented here, are reaped meanwhile
     ended, status = os.waitpid(-1, 0)
+# what the command left: its descendants' orphans, re-parented here (a warm worker's children
+# too: each worker leads a session of its own, out of this group), end with it
+if not signal_job(signal.SIGTERM, grace):
+    signal_job(signal.SIGKILL, grace)
 if os.WIFSIGNALED(status):  # end as the command did, without a core of our own
     import resource
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

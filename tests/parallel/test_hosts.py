@@ -14,6 +14,7 @@ import pytest
 from parallax.errors import ConfigError
 from parallax.launch.backends import BACKENDS, choose
 from parallax.launch.backends.horovodrun import horovodrun_argv
+from parallax.launch.module_argv import own_module
 from parallax.launch.hosts import (ClusterLayout, HostSpec, _gpus, is_local, load_hosts,
                                    parse_host_string, parse_hosts, with_devices)
 
@@ -171,15 +172,16 @@ def test_gpu_ids_become_each_workers_cuda_visible_devices():
     assert layout.hosts[0].gpus == (2, 3)
     program = ["python", "train.py"]
     argv = with_devices(layout, 3, program)
-    assert argv == [sys.executable, "-m", "parallax.launch.hosts", "gpus", "localhost=2,3",
+    assert argv == [*own_module("parallax.launch.hosts"), "gpus", "localhost=2,3",
                     "worker-b=0", "--", *program]
+    argv = argv[argv.index("gpus"):]
     assert with_devices(parse_host_string("localhost:2"), 2, program) == program
     env = {"HOROVOD_HOSTNAME": "localhost", "HOROVOD_LOCAL_RANK": "1"}
-    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert _gpus(argv[1:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "3"
     env = {"HOROVOD_HOSTNAME": "worker-c", "CUDA_VISIBLE_DEVICES": "7"}  # not listed: as is
-    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "7"
+    assert _gpus(argv[1:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "7"
     env = {}  # one worker, no Horovod: the first host's first id
-    assert _gpus(argv[4:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert _gpus(argv[1:], env) == program and env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
 def test_gpu_ids_of_the_tensorflow_supervisors_workers_follow_their_host_and_local_rank():
@@ -187,7 +189,8 @@ def test_gpu_ids_of_the_tensorflow_supervisors_workers_follow_their_host_and_loc
     supervisor maps "localhost" to 127.0.0.1, and names an ssh host by its address)."""
     layout = parse_hosts("hosts: [{host: localhost, gpus: [2, 3]}, "
                          "{host: 192.0.2.1, ssh_user: carol, gpus: [5, 6]}]")
-    argv = with_devices(layout, 4, ["prog"])[4:]
+    argv = with_devices(layout, 4, ["prog"])
+    argv = argv[argv.index("gpus") + 1:]
     workers = "127.0.0.1:1,127.0.0.1:2,192.0.2.1:3,192.0.2.1:4"
     for rank, device in enumerate(["2", "3", "5", "6"]):
         env = {"PARALLAX_WORKERS": workers, "PARALLAX_WORKER_RANK": str(rank)}

@@ -158,3 +158,59 @@ def test_a_numpy_directory_where_the_job_starts_breaks_none_of_parallaxs_process
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert out.count("worker ran") == 2 and "my numpy" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("package", ["numpy", "parallax"])
+def test_a_numpy_directory_where_the_job_starts_breaks_no_worker_given_its_gpu(
+        tmp_path, package):
+    # defect: a host file naming GPU ids runs each worker through
+    # `python -m parallax.launch.hosts gpus` (its CUDA_VISIBLE_DEVICES), in the job's working
+    # directory, first on its sys.path: a numpy/ or parallax/ there was imported instead and
+    # every worker died at start (so did `hosts serve`, a TensorFlow worker on another host)
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(f"raise ImportError('my {package}')\n")
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n  - {host: localhost, gpus: [0, 1]}\n")
+    parallax = Path(sys.executable).parent / "parallax"
+    done = subprocess.run([str(parallax), "run", "-np", "2", "--hosts", str(hosts),
+                           "--collectives", "tensorflow", "--progress-seconds", "0", "--",
+                           sys.executable, "-c",
+                           "import os; print('worker ran on', os.environ['CUDA_VISIBLE_DEVICES'])"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "worker ran on 0" in out and "worker ran on 1" in out, out[-3000:]
+
+
+def test_a_server_command_of_the_users_own_keeps_its_scripts_directory_on_sys_path(tmp_path):
+    # defect: the servers' PYTHONSAFEPATH=1 (meant for their own `python -m parallax_ps`)
+    # reached whatever LocalCluster's `command` (or a remote server's ssh, its ProxyCommand)
+    # runs: a Python script there lost its own directory from sys.path
+    from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster
+    (tmp_path / "site_setup.py").write_text("READY = True\n")
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text("import os, sys, site_setup\n"  # beside it, as a script imports it
+                       f"os.execv(sys.executable, [*{list(SERVER_COMMAND)!r}, *sys.argv[1:]])\n")
+    with LocalCluster(1, command=(sys.executable, str(wrapper)), start_timeout=60) as cluster:
+        assert len(cluster.addresses) == 1
+
+
+def test_the_supervisors_start_keeps_the_standard_library_before_site_packages(tmp_path):
+    # defect: the TensorFlow supervisor's start (tfrun.own_module) put the directory parallax
+    # was imported from first on its sys.path; for a parallax installed from a wheel that is
+    # site-packages, then ahead of the standard library (a `typing` backport there, say,
+    # shadowed the standard library's own)
+    import json
+    import os
+    import sysconfig
+    from parallax.launch.module_argv import RUN_MODULE
+    (tmp_path / "path_probe.py").write_text("import json, sys; print(json.dumps(sys.path))\n")
+    paths = sysconfig.get_paths()
+    site_packages, stdlib = os.path.realpath(paths["purelib"]), os.path.realpath(paths["stdlib"])
+    done = subprocess.run([sys.executable, "-c", RUN_MODULE, site_packages, "path_probe"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path = [os.path.realpath(p) for p in json.loads(done.stdout)]
+    assert path.index(stdlib) < path.index(site_packages), path
+    assert str(tmp_path) in path and "" not in json.loads(done.stdout)  # (cwd: not there)

@@ -8,11 +8,16 @@ was killed, cold or warm. Real `parallax run` launches, on this machine.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+
+from launching import Launcher, wait_gone
+from launching import mark  # noqa: F401 (a fixture)
 
 LEFT_BEHIND = """
 import os, subprocess, sys
@@ -109,3 +114,56 @@ def test_only_the_workers_leftovers_are_ended(tmp_path):
         for fd in (read, write):
             if fd >= 0:
                 os.close(fd)
+
+
+STOPPED = """
+import os, subprocess, sys, time
+rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("PARALLAX_WORKER_RANK", "0")))
+if rank == 1:
+    time.sleep(2)
+    sys.exit(3)
+subprocess.Popen(["sleep", "300"])  # it inherits the worker's stdout and stderr
+print("rank 0 running", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("flags", [("--collectives", "horovod", "--warm-starts", "on"),
+                                   ("--collectives", "tensorflow", "--warm-starts", "on"),
+                                   ("--collectives", "tensorflow", "--warm-starts", "off")],
+                         ids=["horovodrun-warm", "tensorflow-warm", "tensorflow"])
+def test_the_children_of_a_worker_stopped_after_anothers_failure_end_with_the_job(
+        tmp_path, mark, flags):
+    # defect: the TensorFlow supervisor stopped the other workers and exited without waiting
+    # for their leftovers' end; a warm worker's child (in the worker's own session, out of
+    # the warm process's group) outlived the job
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    launcher = Launcher("-np", "2", "--servers", "1", "--progress-seconds", "0", *flags, "--",
+                        sys.executable, str(script), mark=mark)
+    assert launcher.wait(JOB_TIMEOUT_S) == 3, launcher.output()
+    assert "worker rank 1 exited with code 3 first" in launcher.output(), launcher.output()
+    left = wait_gone(mark, 5)
+    assert not left, f"left behind: {left}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare (a PID namespace)")
+@pytest.mark.parametrize("first", ["the caller", "its parent"])
+def test_a_containers_first_process_is_no_leftover(first):
+    # defect: the caller and its ancestors were spared only above pid 1: the serve wrapper as
+    # a container's (a PID namespace's) first process, or under one that holds the same
+    # stdout (tini, a shell), named that process the worker's leftover and signalled it
+    # (tini passes a SIGTERM on to the whole container)
+    ender = ("import os; from parallax.runtime import leftovers; "
+             "print(os.getpid(), leftovers.end_holders([1], 'the test', settle=0.2, "
+             "grace=0.2), flush=True)")
+    command = [sys.executable, "-c", ender]
+    if first == "its parent":  # a shell that keeps the same stdout and waits for it
+        command = ["sh", "-c", f'{shlex.join(command)}; exit "$?"']
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *command],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1" if first == "the caller" else "2", "[]"], (
+        done.stdout, done.stderr)
+    assert "still held" not in done.stderr, done.stderr

@@ -25,6 +25,7 @@ from parallax.launch.backends.horovodrun import horovod_installed
 from parallax.launch.backends.tf_supervisor import WorkerHost, remote_command
 from parallax.launch.backends.tfrun import supervisor_hosts
 from parallax.launch.hosts import is_local, parse_host_string
+from parallax.launch.module_argv import own_module
 from parallax.tf.collectives.tensorflow import collective_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +153,7 @@ def test_a_remote_worker_runs_here_in_this_directory_with_the_exportable_environ
     script = shlex.split(words[2])
     assert script[:4] == ["cd", os.getcwd(), "&&", "exec"]
     assert script[4:7] == ["env", "ODD=it's", "PARALLAX_RUN_ID=r1"]
-    assert script[7:] == [sys.executable, "-m", "parallax.launch.hosts", "serve", "python",
+    assert script[7:] == [*own_module("parallax.launch.hosts"), "serve", "python",
                           "train.py", "--name", "a b"]
 
 

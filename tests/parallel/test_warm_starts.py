@@ -234,6 +234,31 @@ def test_a_warm_workers_children_end_with_the_launcher(mark, tmp_path):
     assert not wait_gone(mark, 5)
 
 
+DETACHED = f"""
+{WARM_EVIDENCE}
+import subprocess
+subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)  # holds none of the worker's output
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.parametrize("warm_starts", ["on", "off"])
+def test_a_workers_detached_children_end_with_the_job(mark, tmp_path, warm_starts):
+    # defect: a worker's child that holds none of its output outlived a job that ended
+    # normally. Warm: the warm process's group caught it until each warm worker led a
+    # session of its own (os.setsid); cold: it was never caught (re-parented to the job's
+    # subreaper, which exited with horovodrun, then to init)
+    launcher = Launcher("-np", "2", "--warm-starts", warm_starts, "--", sys.executable,
+                        _script(tmp_path, DETACHED), mark=mark)
+    assert launcher.wait(120) == 0, launcher.output()
+    assert sum(line.endswith("warm") for line in launcher.out) == (
+        2 if warm_starts == "on" else 0), launcher.output()
+    left = wait_gone(mark, 5)
+    assert not left, f"left behind: {left}"
+
+
 SLEEPER = f"""
 {WARM_EVIDENCE}
 import time

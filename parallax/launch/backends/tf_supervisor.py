@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from parallax.env import PARENT_ENV, WORKER_RANK_ENV, WORKERS_ENV
 from parallax.errors import ConfigError
+from parallax.launch.module_argv import own_module
 from parallax.runtime import leftovers, lifeline
 
 STOP_GRACE_S = 10.0  # after a failure: how long the other workers have to stop on SIGTERM
@@ -121,7 +122,7 @@ def remote_command(host: WorkerHost, program: list[str], env: dict[str, str]) ->
     variables, under the `serve` wrapper (it ends the program when ssh's stdin closes)."""
     exported = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
                         if not _LOCAL_ONLY.match(k) and re.fullmatch(r"[A-Za-z_]\w*", k))
-    serve = shlex.join([sys.executable, "-m", "parallax.launch.hosts", "serve", *program])
+    serve = shlex.join([*own_module("parallax.launch.hosts"), "serve", *program])
     script = f"cd {shlex.quote(os.getcwd())} && exec env {exported} {serve}"
     return host.ssh(["sh", "-c", script])
 

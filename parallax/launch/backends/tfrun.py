@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
-from pathlib import Path
 
 from parallax.errors import ConfigError
 from parallax.launch.backends.base import WorkerBackend
 from parallax.launch.backends.horovodrun import Horovodrun, horovod_installed
 from parallax.launch.hosts import ClusterLayout, is_local, worker_hosts
+from parallax.launch.module_argv import own_module
 
 SUPERVISOR = "parallax.launch.backends.tf_supervisor"
 
@@ -41,19 +40,6 @@ class TensorFlowRun(WorkerBackend):
 
     rank_line = Horovodrun.rank_line  # the same output contract as horovodrun's
     failure = Horovodrun.failure
-
-
-# `python -m MODULE` with the directory parallax was imported from first on sys.path where -m
-# would put the working directory (whose own numpy/ or parallax/ the child would import)
-_RUN_MODULE = ("import runpy, sys; sys.path[0] = sys.argv[1]; sys.argv[:] = sys.argv[2:]; "
-               "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
-
-
-def own_module(module: str) -> list[str]:
-    """The argv that runs parallax's `module` as `python -m` would, but from the same
-    parallax as this process's and with the working directory off its sys.path."""
-    root = Path(__file__).resolve().parents[3]  # (parallax/launch/backends/ is 0-2)
-    return [sys.executable, "-c", _RUN_MODULE, str(root), module]
 
 
 def supervisor_hosts(layout: ClusterLayout, num_workers: int) -> list[dict]:
