@@ -54,7 +54,8 @@ def send(sock, message, fds=()):
     data = json.dumps(message).encode()
     data = LENGTH.pack(len(data)) + data
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    sock.sendall(data[sent:])
+    if sent < len(data):  # (sendall of nothing still sends: EPIPE once the peer answered)
+        sock.sendall(data[sent:])
 
 
 def receive(sock):

@@ -132,3 +132,22 @@ def test_an_editable_installs_finder_counts_in_what_a_worker_would_import(tmp_pa
     monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Editable()])
     assert warm_fork._find_spec("editable_pkg_x", [str(tmp_path)]).origin == str(module)
     assert warm_fork._find_spec("no_such_module_here", [str(tmp_path)]) is None
+
+
+def test_a_message_sent_whole_is_not_followed_by_an_empty_send():
+    """send_fds sends a request whole (its few KB); sendall of the empty rest still calls
+    send(2), which fails with EPIPE once the warm process has read the request, refused it
+    and closed: the stub then took the warm process for gone ("not there (Broken pipe)")."""
+    class Whole:
+        def sendmsg(self, buffers, *args):
+            return sum(len(b) for b in buffers)
+
+        def send(self, data):
+            return len(data)
+
+        def sendall(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    warm_stub.send(Whole(), {"argv": ["python", "x.py"]}, (0, 1, 2))
+    warm_stub.send(Whole(), {"pid": 7})
+
