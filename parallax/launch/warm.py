@@ -16,9 +16,10 @@ can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's in
 on this machine's workers (a remote host's would need a warm process there), and not where
 the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
 inherit a CUDA context: untested there). A worker
-that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable or
-sys.path) starts cold, as it would have without it; so does every worker when the warm
-process is gone.
+that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable,
+a variable TensorFlow or Keras reads at import, sys.path, or a script that sets such a
+variable or sets up logging before its `import tensorflow`) starts cold, as it would have
+without it; so does every worker when the warm process is gone.
 """
 from __future__ import annotations
 

@@ -148,6 +148,114 @@ def test_a_script_whose_directory_shadows_nothing_starts_warm(warm, tmp_path):
     assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n1\n"
 
 
+MAIN_MODULE = f"""
+{WARM_EVIDENCE}
+import atexit, builtins, pickle, sys, threading, time
+class Job:
+    pass
+def later():
+    time.sleep(0.2)
+    print("thread pickled", len(pickle.dumps(Job())) > 0, flush=True)
+threading.Thread(target=later).start()
+atexit.register(lambda: print("atexit pickled", len(pickle.dumps(Job())) > 0))
+print(__builtins__ is builtins, type(__loader__).__name__, __file__ == sys.argv[0])
+main = sys.modules["__main__"]
+print([t.name for t in threading.enumerate()], sys.modules.get("__mp_main__", main) is main)
+"""
+
+
+def test_the_scripts_main_module_outlives_its_body_as_pythons_does(warm, tmp_path):
+    # defect: runpy.run_path put the warm process's __main__ back once the script's body
+    # returned: its thread and its atexit handler could not pickle its classes ("attribute
+    # lookup Job on __main__ failed"); its __builtins__ was a dict, __loader__ None, the
+    # warm process's lifeline thread was one of threading.enumerate()'s, and __mp_main__
+    # (multiprocessing's alias of __main__) was the warm process's
+    script = _script(tmp_path, MAIN_MODULE)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout.startswith("warm\n"), hot
+    assert (hot.returncode, hot.stdout[5:], hot.stderr) == (cold.returncode, cold.stdout[5:],
+                                                            cold.stderr)
+    assert hot.stdout.endswith("thread pickled True\natexit pickled True\n"), hot.stdout
+
+
+def test_a_relative_scripts_file_is_joined_to_the_directory_as_pythons_is(warm, tmp_path):
+    # defect: its __file__ (and its frames' file names) were normalized: "/d/main.py" for
+    # `python ./main.py`, where Python says "/d/./main.py"
+    _script(tmp_path, f"{WARM_EVIDENCE}\nimport sys\nprint(__file__, sys.argv[0])\n")
+    hot, cold = _both(warm, [sys.executable, "./main.py"], cwd=tmp_path)
+    assert hot.stdout == f"warm\n{tmp_path}/./main.py ./main.py\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
+@pytest.mark.parametrize("program", [["missing.py"], ["-m", "no_such_module_here"],
+                                     ["."]])
+def test_a_missing_script_or_module_fails_as_pythons_does(warm, tmp_path, program):
+    # defect: a mistyped script ended with a FileNotFoundError traceback and exit status 1
+    # (Python: "can't open file ...", 2); a missing module or a directory without a
+    # __main__.py with runpy's traceback (Python: one line)
+    hot, cold = _both(warm, [sys.executable, *program], cwd=tmp_path)
+    assert (hot.returncode, hot.stdout, hot.stderr) == (cold.returncode, cold.stdout,
+                                                        cold.stderr)
+    assert cold.returncode in (1, 2) and "Traceback" not in hot.stderr
+
+
+DEBUG = {**os.environ, "PARALLAX_WARM_DEBUG": "1"}
+QUIETED = f"""
+{WARM_EVIDENCE}
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+print([int(x) for x in tf.data.Dataset.range(3)])  # (TensorFlow logs "End of sequence")
+"""
+
+
+def test_a_script_that_sets_a_variable_read_at_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow, imported already, had read TF_CPP_MIN_LOG_LEVEL: the script's
+    # "3" did not quiet its C++ log (nor would KERAS_BACKEND have picked Keras's backend)
+    hot = _run(warm.wrap([sys.executable, _script(tmp_path, QUIETED)]), env=DEBUG)
+    assert hot.stdout == "cold\n[0, 1, 2]\n", hot.stderr
+    assert "may set TF_CPP_MIN_LOG_LEVEL" in hot.stderr and "rendezvous" not in hot.stderr
+
+
+def test_a_script_that_sets_such_a_variable_to_the_value_it_has_starts_warm(warm, tmp_path):
+    value = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    setting = (f"os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')" if value is not None
+               else "os.environ.get('X')")
+    script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport os\n{setting}\n")
+    assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n"
+
+
+def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp_path):
+    script = _script(tmp_path, WARM_EVIDENCE)
+    hot = _run(warm.wrap([sys.executable, script]), env={**DEBUG, "KERAS_BACKEND": "jax-x"})
+    assert hot.stdout == "cold\n" and "KERAS_BACKEND is not the warm process's" in hot.stderr
+
+
+LOGS_FIRST = f"""
+{WARM_EVIDENCE}
+import logging
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+import tensorflow as tf
+tf.get_logger().warning("once")
+"""
+
+
+def test_logging_set_up_before_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's logger got a handler of its own in the warm process (no root
+    # handler then); a cold import after basicConfig adds none: each message came twice
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, LOGS_FIRST)])
+    assert hot.stdout == "cold\n", hot.stderr
+    assert hot.stderr.count("once") == cold.stderr.count("once") == 1, hot.stderr
+
+
+def test_logging_set_up_after_tensorflows_import_starts_warm_and_logs_as_cold(warm, tmp_path):
+    script = _script(tmp_path, LOGS_FIRST.replace("import tensorflow as tf\n", "").replace(
+        "import logging\n", "import logging\nimport tensorflow as tf\n"))
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\n", hot.stderr
+    assert hot.stderr.count("once") == cold.stderr.count("once") == 2, hot.stderr
+
+
 CHILD = f"""
 {WARM_EVIDENCE}
 import os, subprocess, time

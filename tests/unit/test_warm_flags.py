@@ -151,3 +151,38 @@ def test_a_message_sent_whole_is_not_followed_by_an_empty_send():
     warm_stub.send(Whole(), {"argv": ["python", "x.py"]}, (0, 1, 2))
     warm_stub.send(Whole(), {"pid": 7})
 
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.parametrize("source, changed", [
+    ('import os\nos.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"\nimport tensorflow',
+     "TF_CPP_MIN_LOG_LEVEL"),
+    ('import os\nos.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"\n', None),  # its value already
+    ('import os\nos.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")\n', None),  # set: a no-op
+    ('import os\nos.environ.setdefault("KERAS_BACKEND", "jax")\n', "KERAS_BACKEND"),
+    ('import os\nos.environ.update(KERAS_BACKEND="jax")\n', "KERAS_BACKEND"),
+    ('from os import environ\nenviron.update({"TF_USE_LEGACY_KERAS": "1"})\n',
+     "TF_USE_LEGACY_KERAS"),
+    ('import os\nos.environ.pop("CUDA_VISIBLE_DEVICES")\n', "CUDA_VISIBLE_DEVICES"),
+    ('print("TF_CPP_MIN_LOG_LEVEL=3 quiets TensorFlow")\n', None),  # text, not the name
+])
+def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, changed):
+    import ast
+    assert warm_fork._sets_import_env(ast.parse(source), ENV) == changed
+
+
+@pytest.mark.parametrize("source, first", [
+    ("import logging\nlogging.basicConfig()\nimport tensorflow as tf\n", True),
+    ("import tensorflow as tf\nimport logging\nlogging.basicConfig()\n", False),
+    ("import logging\nfrom keras import layers\nlogging.basicConfig()\n", False),
+    ("import logging\ndef main():\n    logging.basicConfig()\n    import tensorflow\nmain()\n",
+     True),
+    ("import logging\nlogging.getLogger().addHandler(logging.StreamHandler())\nimport parallax\n",
+     True),
+    ("import logging\nlogging.basicConfig()\n", True),  # what it imports may import TensorFlow
+    ("import tensorflow as tf\nprint(1)\n", False),
+])
+def test_logging_set_up_before_tensorflows_import_is_told(source, first):
+    import ast
+    assert warm_fork._logs_first(ast.parse(source)) is first
