@@ -10,13 +10,14 @@ A forked worker becomes what `python SCRIPT ARGS` (or `python -m MODULE ARGS`) w
 been, started by the stub: its environment, arguments, working directory, standard streams,
 umask, niceness and CPU affinity are the stub's; `sys.path` starts with the script's
 directory. It refuses (the stub then starts the command cold) where a fork cannot be the
-same: another namespace, cgroup, user or rlimit, other PYTHON* variables or variables that
-TensorFlow and Keras read as they are imported (IMPORT_TIME_ENV), a module imported here
-that the worker's `sys.path` would find elsewhere (its script's directory holding a
-`secrets.py`, say), a script Python cannot open as a file, and one whose source may set
-such a variable or sets up logging before it imports TensorFlow (what a cold worker's
-`import tensorflow` would see: `_source_refusal`). What a fork shares with its
-siblings and cold workers would not: the interpreter's hash seed (set iteration order).
+same: another namespace, cgroup, user or rlimit, other PYTHON* variables, variables read as
+a process starts (START_ENV: locale, LD_PRELOAD) or as TensorFlow and Keras are imported
+(IMPORT_TIME_ENV), a module imported here that the worker's `sys.path` would find
+elsewhere (its script's directory holding a `secrets.py`, say), a script Python cannot open
+as a file, and one whose source may set such a variable or sets up logging before it
+imports TensorFlow (what a cold worker's `import tensorflow` would see: `_source_refusal`).
+What a fork shares with its siblings and cold workers would not: the interpreter's hash
+seed (set iteration order).
 Numpy's global random state is drawn again in each worker, as Python's `random` is.
 
 Signals and ends: each worker leads a session of its own (horovodrun's cold ranks run in
@@ -58,6 +59,10 @@ IMPORT_TIME_ENV = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MIN_VLOG_LEVEL", "TF_CPP_MAX_
                    "TF_CPP_VMODULE", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS",
                    "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "KERAS_BACKEND",
                    "KERAS_HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# what the interpreter and the dynamic loader read as a process starts (the standard
+# streams' encoding, the libraries loaded): compared, not looked for in a script, which
+# cannot change them for itself, cold or warm
+START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH")
 IMPORTS_TENSORFLOW = ("tensorflow", "keras", "tf_keras", "horovod", "parallax")
 LOGGING_SETUP = ("basicConfig", "dictConfig", "fileConfig", "addHandler")
 _PR_SET_PDEATHSIG = 1
@@ -94,7 +99,9 @@ class _Same:
 
     def __init__(self, ident: dict, python_env: dict, path: list[str]) -> None:
         self.identity, self.python_env, self.path = ident, python_env, path
-        self.import_env = _import_env(os.environ)
+        self.start_env = {k: os.environ[k] for k in (*START_ENV, *IMPORT_TIME_ENV)
+                          if k in os.environ}
+        self.import_env = {k: v for k, v in self.start_env.items() if k in IMPORT_TIME_ENV}
 
     @classmethod
     def now(cls) -> "_Same":
@@ -108,10 +115,10 @@ class _Same:
                 return f"the worker's {key} is not the warm process's"
         if _python_env(request["env"]) != self.python_env:
             return "the worker's PYTHON* variables are not the warm process's"
-        changed = sorted(k for k in IMPORT_TIME_ENV
-                         if request["env"].get(k) != self.import_env.get(k))
+        changed = [k for k in (*START_ENV, *IMPORT_TIME_ENV)
+                   if request["env"].get(k) != self.start_env.get(k)]
         if changed:
-            return f"the worker's {changed[0]} is not the warm process's (read at import)"
+            return f"the worker's {changed[0]} is not the warm process's (read as it started)"
         target = _target(request["argv"])
         if target is None:
             return f"{request['argv'][:3]} is not `python SCRIPT` or `python -m MODULE`"
@@ -147,10 +154,6 @@ def _plain(value):
 
 def _python_env(env) -> dict:
     return {k: v for k, v in env.items() if k.startswith("PYTHON")}
-
-
-def _import_env(env) -> dict:
-    return {k: env[k] for k in IMPORT_TIME_ENV if k in env}
 
 
 def _source_refusal(target: tuple[str, str, list], path: list[str], cwd: str,
@@ -486,11 +489,14 @@ def _streams() -> None:
                           (2, "w", sys.__stderr__)):
         raw = unbuffered and fd != 0
         buffer = open(fd, mode + "b", buffering=0 if raw else -1, closefd=False)
-        made.append(io.TextIOWrapper(
+        getattr(buffer, "raw", buffer).name = ("<stdin>", "<stdout>", "<stderr>")[fd]
+        text = io.TextIOWrapper(
             buffer, encoding=getattr(old, "encoding", None) or "utf-8",
             errors="backslashreplace" if fd == 2 else getattr(old, "errors", "strict"),
-            newline="\n", write_through=raw,
-            line_buffering=not raw and (fd == 2 or os.isatty(fd))))
+            newline="\n", write_through=unbuffered,  # (stdin's too, as Python's)
+            line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)))
+        text.mode = mode  # (Python's have it, and the names above; open's have neither)
+        made.append(text)
     _held.extend(s for s in (sys.__stdin__, sys.__stdout__, sys.__stderr__) if s is not None)
     sys.stdin, sys.stdout, sys.stderr = made
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made

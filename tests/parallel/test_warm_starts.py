@@ -225,10 +225,32 @@ def test_a_script_that_sets_such_a_variable_to_the_value_it_has_starts_warm(warm
     assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n"
 
 
-def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp_path):
+@pytest.mark.parametrize("variable, value", [("KERAS_BACKEND", "jax-x"),
+                                             ("LC_ALL", "C.UTF-8x")])
+def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp_path,
+                                                                       variable, value):
+    # defect: its Keras ran on the warm process's backend; its standard streams had the
+    # warm process's encoding (LC_ALL, LANG: read as the interpreter starts)
     script = _script(tmp_path, WARM_EVIDENCE)
-    hot = _run(warm.wrap([sys.executable, script]), env={**DEBUG, "KERAS_BACKEND": "jax-x"})
-    assert hot.stdout == "cold\n" and "KERAS_BACKEND is not the warm process's" in hot.stderr
+    hot = _run(warm.wrap([sys.executable, script]), env={**DEBUG, variable: value})
+    assert hot.stdout == "cold\n" and f"{variable} is not the warm process's" in hot.stderr
+
+
+STREAMS = f"""
+{WARM_EVIDENCE}
+import sys
+for stream in (sys.stdin, sys.stdout, sys.stderr):
+    print(stream.name, stream.mode, stream.write_through, stream.line_buffering,
+          stream.buffer.name, stream.encoding, stream.errors)
+"""
+
+
+def test_the_standard_streams_are_named_and_moded_as_pythons(warm, tmp_path):
+    # defect: sys.stdout.mode raised AttributeError; names were 0, 1, 2, not "<stdout>"...
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, STREAMS)])
+    assert hot.stdout.startswith("warm\n<stdin> r "), hot.stderr
+    assert (hot.returncode, hot.stdout[5:], hot.stderr) == (cold.returncode, cold.stdout[5:],
+                                                            cold.stderr)
 
 
 LOGS_FIRST = f"""
