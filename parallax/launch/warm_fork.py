@@ -439,6 +439,8 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
                    signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in request.get("ignored", ()):  # the stub's, inherited: Python keeps them so
+        signal.signal(signum, signal.SIG_IGN)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

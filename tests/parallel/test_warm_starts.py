@@ -112,6 +112,32 @@ def test_a_keyboard_interrupt_runs_the_exits_work_then_ends_by_sigint(warm, tmp_
     assert hot.stderr.endswith("KeyboardInterrupt\n") and "runpy" not in hot.stderr
 
 
+DISPOSITIONS = f"""
+{WARM_EVIDENCE}
+import signal
+print([str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                                          signal.SIGTERM)])
+"""
+
+
+def _ignoring() -> None:
+    """As nohup (SIGHUP) and a shell's background job (SIGINT, SIGQUIT) start a command."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTHONWARMREFUSED": "1"}])  # warm; the stub's cold
+def test_signals_ignored_where_the_worker_starts_stay_ignored(warm, tmp_path, env):
+    # defect: the stub caught them to forward them and the warm worker set them to their
+    # defaults (SIGINT: KeyboardInterrupt): `nohup parallax run` workers died of a SIGHUP
+    # that cold ones ignore; the stub's cold start reset them to their defaults too
+    program = [sys.executable, _script(tmp_path, DISPOSITIONS)]
+    hot = _run(warm.wrap(program), preexec_fn=_ignoring, env={**os.environ, **env})
+    cold = _run(program, preexec_fn=_ignoring)
+    assert hot.stdout == ("cold\n" if env else "warm\n") + cold.stdout[5:], hot.stderr
+    assert cold.stdout[5:] == "['1', '1', '1', '0']\n"
+
+
 GROUPED = f"""
 {WARM_EVIDENCE}
 import os
