@@ -52,13 +52,15 @@ from parallax.launch.warm_stub import LENGTH, exactly, identity, send
 
 PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf",
            "parallax.tf.strategy.parallax_strategy")  # (the client, gRPC, the planner too)
-# what TensorFlow, Keras, XLA and numpy's BLAS read from the environment as they are imported
-# (or at their first log line, which their imports here wrote): a warm worker runs with the
-# values this process had then, whatever its own environment or its script says
+# what TensorFlow, Keras, XLA, gRPC and numpy's BLAS read from the environment as they are
+# imported (or at their first log line, which their imports here wrote): a warm worker runs
+# with the values this process had then, whatever its own environment or its script says
 IMPORT_TIME_ENV = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MIN_VLOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
                    "TF_CPP_VMODULE", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS",
                    "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "KERAS_BACKEND",
-                   "KERAS_HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+                   "KERAS_HOME", "GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT",
+                   "GRPC_POLL_STRATEGY", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                   "OPENBLAS_NUM_THREADS")
 # what the interpreter and the dynamic loader read as a process starts (the standard
 # streams' encoding, the libraries loaded): compared, not looked for in a script, which
 # cannot change them for itself, cold or warm

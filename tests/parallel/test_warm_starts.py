@@ -243,6 +243,24 @@ def test_a_script_that_sets_a_variable_read_at_tensorflows_import_starts_cold(wa
     assert "may set TF_CPP_MIN_LOG_LEVEL" in hot.stderr and "rendezvous" not in hot.stderr
 
 
+GRPC_TRACED = f"""
+{WARM_EVIDENCE}
+import os
+os.environ["GRPC_VERBOSITY"] = "DEBUG"
+os.environ["GRPC_TRACE"] = "api"
+import grpc
+grpc.insecure_channel("localhost:1").close()
+"""
+
+
+def test_a_script_that_sets_grpcs_log_variables_starts_cold(warm, tmp_path):
+    # defect: gRPC, imported with parallax, had read GRPC_VERBOSITY and GRPC_TRACE: the
+    # script's did nothing (commonly "ERROR", to quiet it)
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, GRPC_TRACED)])
+    assert hot.stdout == cold.stdout == "cold\n", hot.stderr
+    assert "grpc_channel_create" in hot.stderr and "grpc_channel_create" in cold.stderr
+
+
 def test_a_script_that_sets_such_a_variable_to_the_value_it_has_starts_warm(warm, tmp_path):
     value = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
     setting = (f"os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')" if value is not None

@@ -165,6 +165,7 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     ('from os import environ\nenviron.update({"TF_USE_LEGACY_KERAS": "1"})\n',
      "TF_USE_LEGACY_KERAS"),
     ('import os\nos.environ.pop("CUDA_VISIBLE_DEVICES")\n', "CUDA_VISIBLE_DEVICES"),
+    ('import os\nos.environ["GRPC_VERBOSITY"] = "ERROR"\n', "GRPC_VERBOSITY"),  # gRPC's too
     ('print("TF_CPP_MIN_LOG_LEVEL=3 quiets TensorFlow")\n', None),  # text, not the name
 ])
 def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, changed):
