@@ -198,12 +198,20 @@ def _source_refusal(target: tuple[str, str, list], path: list[str], cwd: str,
 def _sets_import_env(tree: ast.AST, import_env: dict) -> str | None:
     """The first variable of IMPORT_TIME_ENV that the program may set to another value than
     `import_env`'s (this process's and, checked before, the worker's), or None. Harmless:
+    reading NAME (`os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`),
     `os.environ[NAME] = "VALUE"` with this process's VALUE, and `os.environ.setdefault(NAME,
     ...)` where NAME is set; any other mention of NAME (a dict's key, `update(NAME=...)`,
     `pop`, a value computed) counts as a change."""
     harmless = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and _is_environ(node.value):
+            harmless.add(id(node.slice))
+        elif isinstance(node, ast.Call) and node.args and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                 and _is_environ(node.func.value)) or _called(node.func) == "getenv"):
+            harmless.add(id(node.args[0]))
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
                 and isinstance(node.targets[0], ast.Subscript) \
                 and _is_environ(node.targets[0].value) \
                 and isinstance(node.value, ast.Constant) \

@@ -167,6 +167,8 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     ('import os\nos.environ.pop("CUDA_VISIBLE_DEVICES")\n', "CUDA_VISIBLE_DEVICES"),
     ('import os\nos.environ["GRPC_VERBOSITY"] = "ERROR"\n', "GRPC_VERBOSITY"),  # gRPC's too
     ('print("TF_CPP_MIN_LOG_LEVEL=3 quiets TensorFlow")\n', None),  # text, not the name
+    ('import os\nprint(os.environ.get("CUDA_VISIBLE_DEVICES"), os.getenv("KERAS_BACKEND"),\n'
+     '      os.environ["TF_CPP_MIN_LOG_LEVEL"])\n', None),  # read only
 ])
 def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, changed):
     import ast
