@@ -67,6 +67,7 @@ IMPORT_TIME_ENV = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MIN_VLOG_LEVEL", "TF_CPP_MAX_
 START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH")
 IMPORTS_TENSORFLOW = ("tensorflow", "keras", "tf_keras", "horovod", "parallax")
 LOGGING_SETUP = ("basicConfig", "dictConfig", "fileConfig", "addHandler")
+STREAMS = ("stdout", "stderr")  # sys's, which TensorFlow's and absl's log handlers take
 _PR_SET_PDEATHSIG = 1
 _REQUEST_TIMEOUT_S = 10.0
 _held = []  # this process's own standard streams, kept so that closing them never closes 0-2
@@ -180,7 +181,7 @@ def _source_refusal(target: tuple[str, str, list], path: list[str], cwd: str,
             source = file.read()
     except OSError:
         return f"cannot read {name} as a file"
-    if not any(v.encode() in source for v in (*IMPORT_TIME_ENV, *LOGGING_SETUP)):
+    if not any(v.encode() in source for v in (*IMPORT_TIME_ENV, *LOGGING_SETUP, *STREAMS)):
         return None
     try:
         tree = ast.parse(source)
@@ -190,8 +191,8 @@ def _source_refusal(target: tuple[str, str, list], path: list[str], cwd: str,
     if variable is not None:
         return f"{name} may set {variable}, which TensorFlow read here as it was imported"
     if _logs_first(tree):
-        return f"{name} sets up logging before importing TensorFlow (whose import then " \
-               "adds no handler of its own)"
+        return f"{name} sets up logging or replaces sys.stdout/stderr before importing " \
+               "TensorFlow (whose import then adds no handler, or one on those)"
     return None
 
 
@@ -252,16 +253,26 @@ def _module_file(name: str, path: list[str]) -> str | None:
 
 
 def _logs_first(tree: ast.Module) -> bool:
-    """Whether the source sets up logging (LOGGING_SETUP) before (in its text, as a guess at
-    the order it runs in) it first imports TensorFlow (IMPORTS_TENSORFLOW): a cold worker's
-    `import tensorflow` then sees the root logger's handler and gives TensorFlow's logger
-    none; here it has one already (each TensorFlow message twice, once through the root's)."""
+    """Whether the source sets up logging (LOGGING_SETUP) or replaces sys.stdout or
+    sys.stderr before (in its text, as a guess at the order it runs in) it first imports
+    TensorFlow (IMPORTS_TENSORFLOW): a cold worker's `import tensorflow` then sees the root
+    logger's handler and gives TensorFlow's logger none, or gives it one on the new stream;
+    here it has one on the worker's own stderr already (each TensorFlow message twice, once
+    through the root's; or not in the script's log file)."""
     first = min(((node.lineno, node.col_offset, _imports_tensorflow(node))
                  for node in ast.walk(tree)
-                 if _imports_tensorflow(node) or (isinstance(node, ast.Call)
-                                                  and _called(node.func) in LOGGING_SETUP)),
-                default=None)
+                 if _imports_tensorflow(node) or _sets_up_output(node)), default=None)
     return first is not None and not first[2]
+
+
+def _sets_up_output(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call):
+        return _called(node.func) in LOGGING_SETUP
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List))
+                                            else [t])]  # (`real, sys.stderr = ...`)
+    return any(isinstance(t, ast.Attribute) and t.attr in STREAMS
+               and getattr(t.value, "id", None) == "sys" for t in targets)
 
 
 def _imports_tensorflow(node: ast.AST) -> bool:
@@ -510,8 +521,26 @@ def _streams() -> None:
         text.mode = mode  # (Python's have it, and the names above; open's have neither)
         made.append(text)
     _held.extend(s for s in (sys.__stdin__, sys.__stdout__, sys.__stderr__) if s is not None)
+    _repoint_handlers({id(sys.__stdout__): made[1], id(sys.__stderr__): made[2]})
     sys.stdin, sys.stdout, sys.stderr = made
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
+
+
+def _repoint_handlers(new: dict) -> None:
+    """The logging handlers that the preloads made on this process's sys.stdout or stderr
+    (TensorFlow's logger's, absl's), on the worker's instead: a cold worker's imports
+    make them on its own streams (sys.stderr is its sys.stderr; a script that replaces
+    sys.stderr and then logs through them reaches the same object)."""
+    import logging
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = [h for lg in loggers for h in getattr(lg, "handlers", ())]
+    absl = sys.modules.get("absl.logging")
+    if absl is not None and hasattr(absl, "get_absl_handler"):
+        handlers.append(absl.get_absl_handler().python_handler)
+    for handler in handlers:
+        stream = vars(handler).get("stream")  # (not lastResort's: a property, sys.stderr)
+        if isinstance(handler, logging.StreamHandler) and id(stream) in new:
+            handler.stream = new[id(stream)]
 
 
 def _die_with(conn: socket.socket) -> None:

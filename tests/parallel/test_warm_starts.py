@@ -280,6 +280,42 @@ def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp
     assert hot.stdout == "cold\n" and f"{variable} is not the warm process's" in hot.stderr
 
 
+HANDLERS = f"""
+{WARM_EVIDENCE}
+import sys
+import absl.logging
+import tensorflow as tf
+print([h.stream is sys.stderr for h in tf.get_logger().handlers],
+      absl.logging.get_absl_handler().python_handler.stream is sys.stderr)
+"""
+
+
+def test_tensorflows_and_absls_log_handlers_write_to_the_workers_stderr(warm, tmp_path):
+    # defect: they held the warm process's sys.stderr (on the same fd, another object): a
+    # script that replaced sys.stderr's object, or closed it, parted from them
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, HANDLERS)])
+    assert hot.stdout == "warm\n[True] True\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
+CAPTURED = f"""
+{WARM_EVIDENCE}
+import io, sys
+real, sys.stderr = sys.stderr, io.StringIO()
+import tensorflow as tf
+tf.get_logger().warning("captured")
+captured, sys.stderr = sys.stderr.getvalue(), real
+print("captured" in captured)
+"""
+
+
+def test_a_script_that_replaces_stderr_before_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's log handler, made in the warm process, wrote to the real stderr;
+    # a cold import makes it on the script's replacement
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, CAPTURED)])
+    assert hot.stdout == "cold\nTrue\n" and cold.stdout == "cold\nTrue\n", hot.stderr
+
+
 STREAMS = f"""
 {WARM_EVIDENCE}
 import sys

@@ -185,6 +185,10 @@ def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, cha
      True),
     ("import logging\nlogging.basicConfig()\n", True),  # what it imports may import TensorFlow
     ("import tensorflow as tf\nprint(1)\n", False),
+    ("import sys\nsys.stderr = open('log.txt', 'w')\nimport tensorflow\n", True),
+    ("import sys, tensorflow\nsys.stdout = open('log.txt', 'w')\n", False),
+    ("import io, sys\nreal, sys.stderr = sys.stderr, io.StringIO()\nimport keras\n", True),
+    ("import sys\nprint('x', file=sys.stderr)\nimport tensorflow\n", False),
 ])
 def test_logging_set_up_before_tensorflows_import_is_told(source, first):
     import ast
