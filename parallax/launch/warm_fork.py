@@ -60,11 +60,13 @@ IMPORT_TIME_ENV = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MIN_VLOG_LEVEL", "TF_CPP_MAX_
                    "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "KERAS_BACKEND",
                    "KERAS_HOME", "GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT",
                    "GRPC_POLL_STRATEGY", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                   "OPENBLAS_NUM_THREADS")
+                   "OPENBLAS_NUM_THREADS",
+                   "TMPDIR", "TEMP", "TMP",  # (TensorFlow's import caches tempfile.tempdir)
+                   "HOME")  # (Keras reads ~/.keras/keras.json as it is imported)
 # what the interpreter and the dynamic loader read as a process starts (the standard
 # streams' encoding, the libraries loaded): compared, not looked for in a script, which
 # cannot change them for itself, cold or warm
-START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH")
+START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH", "TZ")
 IMPORTS_TENSORFLOW = ("tensorflow", "keras", "tf_keras", "horovod", "parallax")
 LOGGING_SETUP = ("basicConfig", "dictConfig", "fileConfig", "addHandler")
 STREAMS = ("stdout", "stderr")  # sys's, which TensorFlow's and absl's log handlers take

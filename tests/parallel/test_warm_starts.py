@@ -253,6 +253,22 @@ grpc.insecure_channel("localhost:1").close()
 """
 
 
+TEMPORARY = f"""
+{WARM_EVIDENCE}
+import os, tempfile
+os.environ["TMPDIR"] = os.path.dirname(os.path.abspath(__file__))
+import tensorflow
+print(tempfile.gettempdir() == os.environ["TMPDIR"])
+"""
+
+
+def test_a_script_that_sets_tmpdir_before_importing_tensorflow_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's import in the warm process had cached tempfile.tempdir ("/tmp"):
+    # the script's temporary files went there, not to its TMPDIR
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, TEMPORARY)])
+    assert hot.stdout == cold.stdout == "cold\nTrue\n", hot.stderr
+
+
 def test_a_script_that_sets_grpcs_log_variables_starts_cold(warm, tmp_path):
     # defect: gRPC, imported with parallax, had read GRPC_VERBOSITY and GRPC_TRACE: the
     # script's did nothing (commonly "ERROR", to quiet it)
