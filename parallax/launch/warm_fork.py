@@ -467,7 +467,7 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.chdir(request["cwd"])
+    _moved(os.getcwd(), request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     _adopt(request)
@@ -480,6 +480,20 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     sys.orig_argv = list(request["argv"])
     sys.path[:] = request["path"]
     return _run(kind, name, args)
+
+
+def _moved(here: str, cwd: str) -> None:
+    """Change to the worker's working directory, and make what the preloads noted as the
+    directory they were imported in (`here`, this process's private one) `cwd`, as a cold
+    worker's imports would have: module globals equal to it (multiprocessing's
+    ORIGINAL_DIR, which its spawned children start from; rich's _IMPORT_CWD, Keras's
+    tracebacks')."""
+    os.chdir(cwd)
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for key in [k for k, v in names.items() if isinstance(v, str) and v == here]:
+                names[key] = cwd
 
 
 def _retitle(argv: list[str]) -> None:

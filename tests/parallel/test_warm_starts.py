@@ -314,6 +314,22 @@ def test_tensorflows_and_absls_log_handlers_write_to_the_workers_stderr(warm, tm
     assert hot.stdout[5:] == cold.stdout[5:]
 
 
+IMPORTED_HERE = f"""
+{WARM_EVIDENCE}
+import os, multiprocessing.process, keras, rich.traceback
+print(multiprocessing.process.ORIGINAL_DIR == os.getcwd(),
+      sys.modules["rich"]._IMPORT_CWD == os.getcwd())
+"""
+
+
+def test_the_directory_the_preloads_noted_as_theirs_is_the_workers(warm, tmp_path):
+    # defect: multiprocessing's ORIGINAL_DIR (where its spawned children start) and rich's
+    # _IMPORT_CWD were the warm process's private directory, removed with the launcher
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, IMPORTED_HERE)], cwd=tmp_path)
+    assert hot.stdout == "warm\nTrue True\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
 CAPTURED = f"""
 {WARM_EVIDENCE}
 import io, sys
