@@ -141,12 +141,14 @@ def why_cold(program: list[str], layout, num_workers: int, path: str) -> str | N
 def _same_python(command: str, path: str) -> bool:
     """Whether `command` runs this interpreter: found on the workers' PATH in the same
     directory as sys.executable (a virtual environment's bin, not the Python it links to),
-    and the same file."""
+    spelled alike (Python derives sys.executable, sys.prefix and so every module's path
+    from the path it was started by: through a symlinked directory, a cold worker's
+    differ from the warm process's), and the same file."""
     found = shutil.which(command, path=path)
     if found is None:
         return False
     found, mine = os.path.abspath(found), os.path.abspath(sys.executable)
-    return (os.path.realpath(os.path.dirname(found)) == os.path.realpath(os.path.dirname(mine))
+    return (os.path.dirname(found) == os.path.dirname(mine)
             and os.path.realpath(found) == os.path.realpath(mine))
 
 

@@ -68,6 +68,15 @@ def test_a_python_outside_this_environment_starts_cold(tmp_path):
     assert "is not" in warm.why_cold(["python", "t.py"], LOCAL, 1, str(other))
 
 
+def test_this_python_through_a_symlinked_directory_starts_cold(tmp_path):
+    """The same file, by another path: a cold worker's sys.executable, sys.prefix and its
+    modules' __file__ are spelled by that path, the warm process's by its own."""
+    (tmp_path / "env").symlink_to(Path(PY).parent.parent)
+    linked = tmp_path / "env" / Path(PY).parent.name / Path(PY).name
+    assert os.path.realpath(linked) == os.path.realpath(PY)
+    assert "is not" in warm.why_cold([str(linked), "t.py"], LOCAL, 1, worker_path())
+
+
 def test_workers_on_other_hosts_or_gpu_slots_start_cold(tmp_path):
     assert warm.why_cold([PY, "t.py"], parse_host_string("localhost:1,otherhost:1"), 2,
                          worker_path()) == "workers on other hosts"
