@@ -17,9 +17,10 @@ on this machine's workers (a remote host's would need a warm process there; a Ku
 worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and not where
 the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
 inherit a CUDA context: untested there). A worker
-that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable or
-sys.path) starts cold, as it would have without it; so does every worker when the warm
-process is gone.
+that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable,
+a variable TensorFlow or Keras reads at import, sys.path, or a script that sets such a
+variable or sets up logging before its `import tensorflow`) starts cold, as it would have
+without it; so does every worker when the warm process is gone.
 """
 from __future__ import annotations
 
@@ -147,12 +148,14 @@ def why_cold_command(program: list[str], path: str) -> str | None:
 def _same_python(command: str, path: str) -> bool:
     """Whether `command` runs this interpreter: found on the workers' PATH in the same
     directory as sys.executable (a virtual environment's bin, not the Python it links to),
-    and the same file."""
+    spelled alike (Python derives sys.executable, sys.prefix and so every module's path
+    from the path it was started by: through a symlinked directory, a cold worker's
+    differ from the warm process's), and the same file."""
     found = shutil.which(command, path=path)
     if found is None:
         return False
     found, mine = os.path.abspath(found), os.path.abspath(sys.executable)
-    return (os.path.realpath(os.path.dirname(found)) == os.path.realpath(os.path.dirname(mine))
+    return (os.path.dirname(found) == os.path.dirname(mine)
             and os.path.realpath(found) == os.path.realpath(mine))
 
 

@@ -10,10 +10,14 @@ A forked worker becomes what `python SCRIPT ARGS` (or `python -m MODULE ARGS`) w
 been, started by the stub: its environment, arguments, working directory, standard streams,
 umask, niceness and CPU affinity are the stub's; `sys.path` starts with the script's
 directory. It refuses (the stub then starts the command cold) where a fork cannot be the
-same: another namespace, cgroup, user or rlimit, other PYTHON* variables, or a module
-imported here that the worker's `sys.path` would find elsewhere (its script's directory
-holding a `secrets.py`, say). What a fork shares with its
-siblings and cold workers would not: the interpreter's hash seed (set iteration order).
+same: another namespace, cgroup, user or rlimit, other PYTHON* variables, variables read as
+a process starts (START_ENV: locale, LD_PRELOAD) or as TensorFlow and Keras are imported
+(IMPORT_TIME_ENV), a module imported here that the worker's `sys.path` would find
+elsewhere (its script's directory holding a `secrets.py`, say), a script Python cannot open
+as a file, and one whose source may set such a variable or sets up logging before it
+imports TensorFlow (what a cold worker's `import tensorflow` would see: `_source_refusal`).
+What a fork shares with its siblings and cold workers would not: the interpreter's hash
+seed (set iteration order).
 Numpy's global random state is drawn again in each worker, as Python's `random` is.
 
 Signals and ends: each worker leads a session of its own (horovodrun's cold ranks run in
@@ -26,7 +30,9 @@ inherits imports (numpy's OpenBLAS threads restart themselves after a fork).
 """
 from __future__ import annotations
 
+import ast
 import atexit
+import builtins
 import contextlib
 import ctypes
 import importlib
@@ -40,14 +46,34 @@ import signal
 import socket
 import sys
 import threading
+import types
 
 from parallax.launch.warm_stub import LENGTH, exactly, identity, send
 
 PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf",
            "parallax.tf.strategy.parallax_strategy")  # (the client, gRPC, the planner too)
+# what TensorFlow, Keras, XLA, gRPC and numpy's BLAS read from the environment as they are
+# imported (or at their first log line, which their imports here wrote): a warm worker runs
+# with the values this process had then, whatever its own environment or its script says
+IMPORT_TIME_ENV = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MIN_VLOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
+                   "TF_CPP_VMODULE", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS",
+                   "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "KERAS_BACKEND",
+                   "KERAS_HOME", "GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT",
+                   "GRPC_POLL_STRATEGY", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                   "OPENBLAS_NUM_THREADS",
+                   "TMPDIR", "TEMP", "TMP",  # (TensorFlow's import caches tempfile.tempdir)
+                   "HOME")  # (Keras reads ~/.keras/keras.json as it is imported)
+# what the interpreter and the dynamic loader read as a process starts (the standard
+# streams' encoding, the libraries loaded): compared, not looked for in a script, which
+# cannot change them for itself, cold or warm
+START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH", "TZ")
+IMPORTS_TENSORFLOW = ("tensorflow", "keras", "tf_keras", "horovod", "parallax")
+LOGGING_SETUP = ("basicConfig", "dictConfig", "fileConfig", "addHandler")
+STREAMS = ("stdout", "stderr")  # sys's, which TensorFlow's and absl's log handlers take
 _PR_SET_PDEATHSIG = 1
 _REQUEST_TIMEOUT_S = 10.0
 _held = []  # this process's own standard streams, kept so that closing them never closes 0-2
+# (and, in a worker, this module's __main__, which the program's replaced)
 
 
 def main(argv: list[str]) -> int:
@@ -78,6 +104,9 @@ class _Same:
 
     def __init__(self, ident: dict, python_env: dict, path: list[str]) -> None:
         self.identity, self.python_env, self.path = ident, python_env, path
+        self.start_env = {k: os.environ[k] for k in (*START_ENV, *IMPORT_TIME_ENV)
+                          if k in os.environ}
+        self.import_env = {k: v for k, v in self.start_env.items() if k in IMPORT_TIME_ENV}
 
     @classmethod
     def now(cls) -> "_Same":
@@ -91,10 +120,17 @@ class _Same:
                 return f"the worker's {key} is not the warm process's"
         if _python_env(request["env"]) != self.python_env:
             return "the worker's PYTHON* variables are not the warm process's"
+        changed = [k for k in (*START_ENV, *IMPORT_TIME_ENV)
+                   if request["env"].get(k) != self.start_env.get(k)]
+        if changed:
+            return f"the worker's {changed[0]} is not the warm process's (read as it started)"
         target = _target(request["argv"])
         if target is None:
             return f"{request['argv'][:3]} is not `python SCRIPT` or `python -m MODULE`"
         path = self.worker_path(target, request["cwd"])
+        why = _source_refusal(target, path, request["cwd"], self.import_env)
+        if why is not None:
+            return why
         for name in {n.split(".")[0] for n in PRELOAD} & set(sys.modules):
             if not _found_at(name, path):
                 return f"the worker's sys.path finds another {name}"
@@ -123,6 +159,133 @@ def _plain(value):
 
 def _python_env(env) -> dict:
     return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+
+
+def _source_refusal(target: tuple[str, str, list], path: list[str], cwd: str,
+                    import_env: dict) -> str | None:
+    """Why the program's own source rules a fork out, or None. A script Python cannot read
+    (missing, a directory or zip file with a __main__.py) starts cold, where Python itself
+    says so or runs it. What a script does before its `import tensorflow`, a fork cannot
+    replay (TensorFlow is imported already): a source that may change a variable of
+    IMPORT_TIME_ENV from this process's value (`_sets_import_env`: `os.environ[
+    "TF_CPP_MIN_LOG_LEVEL"] = "3"`, `KERAS_BACKEND`), or that sets up logging before it
+    imports TensorFlow (`_logs_first`), starts cold. Only the script (or the module of `-m`,
+    where found on `path`) is read, not what it imports: a helper module that sets these,
+    or a script that builds their names, is not seen."""
+    kind, name, _ = target
+    where = os.path.join(cwd, name) if kind == "script" else _module_file(name, path)
+    if where is None:
+        return None  # (a module found by another finder: nothing to read here)
+    try:
+        if not os.path.isfile(where):
+            raise IsADirectoryError(where)
+        with open(where, "rb") as file:
+            source = file.read()
+    except OSError:
+        return f"cannot read {name} as a file"
+    if not any(v.encode() in source for v in (*IMPORT_TIME_ENV, *LOGGING_SETUP, *STREAMS)):
+        return None
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None  # (it fails alike, warm or cold)
+    variable = _sets_import_env(tree, import_env)
+    if variable is not None:
+        return f"{name} may set {variable}, which TensorFlow read here as it was imported"
+    if _logs_first(tree):
+        return f"{name} sets up logging or replaces sys.stdout/stderr before importing " \
+               "TensorFlow (whose import then adds no handler, or one on those)"
+    return None
+
+
+def _sets_import_env(tree: ast.AST, import_env: dict) -> str | None:
+    """The first variable of IMPORT_TIME_ENV that the program may set to another value than
+    `import_env`'s (this process's and, checked before, the worker's), or None. Harmless:
+    reading NAME (`os.environ[NAME]`, `os.environ.get(NAME)`, `os.getenv(NAME)`),
+    `os.environ[NAME] = "VALUE"` with this process's VALUE, and `os.environ.setdefault(NAME,
+    ...)` where NAME is set; any other mention of NAME (a dict's key, `update(NAME=...)`,
+    `pop`, a value computed) counts as a change."""
+    harmless = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and _is_environ(node.value):
+            harmless.add(id(node.slice))
+        elif isinstance(node, ast.Call) and node.args and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                 and _is_environ(node.func.value)) or _called(node.func) == "getenv"):
+            harmless.add(id(node.args[0]))
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Subscript) \
+                and _is_environ(node.targets[0].value) \
+                and isinstance(node.value, ast.Constant) \
+                and import_env.get(_text(node.targets[0].slice)) == node.value.value:
+            harmless.add(id(node.targets[0].slice))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "setdefault" and _is_environ(node.func.value) \
+                and node.args and _text(node.args[0]) in import_env:
+            harmless.add(id(node.args[0]))
+    for node in ast.walk(tree):
+        named = _text(node) if isinstance(node, ast.Constant) else getattr(node, "arg", None)
+        if named in IMPORT_TIME_ENV and (isinstance(node, ast.keyword)
+                                         or id(node) not in harmless):
+            return named
+    return None
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or \
+        (isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _text(node: ast.AST) -> str | None:
+    value = getattr(node, "value", None) if isinstance(node, ast.Constant) else None
+    return value if isinstance(value, str) else None
+
+
+def _module_file(name: str, path: list[str]) -> str | None:
+    """The file `python -m name` runs, looked up on `path` without importing its packages
+    here (their __init__ is the worker's code)."""
+    parts = name.split(".")
+    for entry in path:
+        base = os.path.join(entry or ".", *parts)
+        for candidate in (base + ".py", os.path.join(base, "__main__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def _logs_first(tree: ast.Module) -> bool:
+    """Whether the source sets up logging (LOGGING_SETUP) or replaces sys.stdout or
+    sys.stderr before (in its text, as a guess at the order it runs in) it first imports
+    TensorFlow (IMPORTS_TENSORFLOW): a cold worker's `import tensorflow` then sees the root
+    logger's handler and gives TensorFlow's logger none, or gives it one on the new stream;
+    here it has one on the worker's own stderr already (each TensorFlow message twice, once
+    through the root's; or not in the script's log file)."""
+    first = min(((node.lineno, node.col_offset, _imports_tensorflow(node))
+                 for node in ast.walk(tree)
+                 if _imports_tensorflow(node) or _sets_up_output(node)), default=None)
+    return first is not None and not first[2]
+
+
+def _sets_up_output(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call):
+        return _called(node.func) in LOGGING_SETUP
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List))
+                                            else [t])]  # (`real, sys.stderr = ...`)
+    return any(isinstance(t, ast.Attribute) and t.attr in STREAMS
+               and getattr(t.value, "id", None) == "sys" for t in targets)
+
+
+def _imports_tensorflow(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name.partition(".")[0] in IMPORTS_TENSORFLOW for a in node.names)
+    return isinstance(node, ast.ImportFrom) and not node.level and \
+        (node.module or "").partition(".")[0] in IMPORTS_TENSORFLOW
+
+
+def _called(func: ast.AST) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
 
 
 def _target(argv: list[str]) -> tuple[str, str, list] | None:
@@ -331,11 +494,13 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
                    signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in request.get("ignored", ()):  # the stub's, inherited: Python keeps them so
+        signal.signal(signum, signal.SIG_IGN)
     conn.close()  # (the warm process watches it: the stub's death kills this worker there)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.chdir(request["cwd"])
+    _moved(os.getcwd(), request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     _adopt(request)
@@ -347,6 +512,20 @@ def _work(conn: socket.socket, request: dict, fds: list[int]) -> int:
     sys.orig_argv = list(request["argv"])
     sys.path[:] = request["path"]
     return _run(kind, name, args)
+
+
+def _moved(here: str, cwd: str) -> None:
+    """Change to the worker's working directory, and make what the preloads noted as the
+    directory they were imported in (`here`, this process's private one) `cwd`, as a cold
+    worker's imports would have: module globals equal to it (multiprocessing's
+    ORIGINAL_DIR, which its spawned children start from; rich's _IMPORT_CWD, Keras's
+    tracebacks')."""
+    os.chdir(cwd)
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for key in [k for k, v in names.items() if isinstance(v, str) and v == here]:
+                names[key] = cwd
 
 
 def _retitle(argv: list[str]) -> None:
@@ -381,31 +560,71 @@ def _streams() -> None:
                           (2, "w", sys.__stderr__)):
         raw = unbuffered and fd != 0
         buffer = open(fd, mode + "b", buffering=0 if raw else -1, closefd=False)
-        made.append(io.TextIOWrapper(
+        getattr(buffer, "raw", buffer).name = ("<stdin>", "<stdout>", "<stderr>")[fd]
+        text = io.TextIOWrapper(
             buffer, encoding=getattr(old, "encoding", None) or "utf-8",
             errors="backslashreplace" if fd == 2 else getattr(old, "errors", "strict"),
-            newline="\n", write_through=raw,
-            line_buffering=not raw and (fd == 2 or os.isatty(fd))))
+            newline="\n", write_through=unbuffered,  # (stdin's too, as Python's)
+            line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)))
+        text.mode = mode  # (Python's have it, and the names above; open's have neither)
+        made.append(text)
     _held.extend(s for s in (sys.__stdin__, sys.__stdout__, sys.__stderr__) if s is not None)
+    _repoint_handlers({id(sys.__stdout__): made[1], id(sys.__stderr__): made[2]})
     sys.stdin, sys.stdout, sys.stderr = made
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
 
 
+def _repoint_handlers(new: dict) -> None:
+    """The logging handlers that the preloads made on this process's sys.stdout or stderr
+    (TensorFlow's logger's, absl's), on the worker's instead: a cold worker's imports
+    make them on its own streams (sys.stderr is its sys.stderr; a script that replaces
+    sys.stderr and then logs through them reaches the same object)."""
+    import logging
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = [h for lg in loggers for h in getattr(lg, "handlers", ())]
+    absl = sys.modules.get("absl.logging")
+    if absl is not None and hasattr(absl, "get_absl_handler"):
+        handlers.append(absl.get_absl_handler().python_handler)
+    for handler in handlers:
+        stream = vars(handler).get("stream")  # (not lastResort's: a property, sys.stderr)
+        if isinstance(handler, logging.StreamHandler) and id(stream) in new:
+            handler.stream = new[id(stream)]
+
+
 def _run(kind: str, name: str, args: list[str]) -> int:
-    """The script or module as __main__; an uncaught exception ends it as at Python's top
-    level (`_uncaught`)."""
-    sys.argv = [name, *args]
+    """The script or module as __main__, in a module that stays sys.modules["__main__"]
+    for the worker's life, as Python's own does (runpy.run_path put the warm process's back
+    once the script's body returned: its threads and atexit handlers could not pickle its
+    classes); an uncaught exception ends it as at Python's top level (`_uncaught`)."""
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins  # the module, as in Python's __main__ (exec puts its dict)
+    _held.append(sys.modules["__main__"])  # this module's, whose globals run on here
+    sys.modules["__main__"] = main
+    if "__mp_main__" in sys.modules:  # multiprocessing's import made it __main__'s alias
+        sys.modules["__mp_main__"] = main
     try:
         if kind == "module":
-            runpy.run_module(name, run_name="__main__", alter_sys=True)
+            sys.argv = ["-m", *args]  # as `python -m` has it while it finds the module
+            runpy._run_module_as_main(name)  # its errors finding it: one line, as Python's
         else:
-            runpy.run_path(os.path.abspath(name), run_name="__main__")
+            sys.argv = [name, *args]
+            _run_script(main, os.path.join(os.getcwd(), name))  # as Python's: not normalized
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - the top level of the worker's program
         _uncaught(exc)
         return 1
     return 0
+
+
+def _run_script(main: types.ModuleType, path: str) -> None:
+    """Run the script at `path` in `main` as `python SCRIPT` does (its globals included:
+    __file__, __cached__ None, a SourceFileLoader as __loader__)."""
+    main.__file__, main.__cached__ = path, None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    with io.open_code(path) as file:
+        code = compile(file.read(), path, "exec")
+    exec(code, vars(main))  # noqa: S102 - the worker's own program
 
 
 def _uncaught(exc: BaseException) -> None:

@@ -12,7 +12,8 @@ command itself (exec), as if it had never been there: a cold start.
 Standard library only, and started with -S (no site-packages): it costs ~20 ms, not the
 seconds TensorFlow's import does. The wire contract, shared with `parallax.launch.warm_fork`:
 messages are a 4-byte big-endian length and that many bytes of JSON; the request
-{"argv", "env", "cwd", "identity", "umask", "nice", "cpus"} carries fds 0, 1 and 2 (SCM_RIGHTS);
+{"argv", "env", "cwd", "identity", "umask", "nice", "cpus", "ignored"} carries fds 0, 1 and 2
+(SCM_RIGHTS; "ignored": the FORWARDED signals this process inherited ignored);
 the replies are {"pid": N} or {"cold": why}, then {"status": os.wait status} when it ends.
 """
 import json
@@ -54,7 +55,8 @@ def send(sock, message, fds=()):
     data = json.dumps(message).encode()
     data = LENGTH.pack(len(data)) + data
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    sock.sendall(data[sent:])
+    if sent < len(data):  # (sendall of nothing still sends: EPIPE once the peer answered)
+        sock.sendall(data[sent:])
 
 
 def receive(sock):
@@ -77,21 +79,21 @@ def exactly(sock, count):
     return data
 
 
-def _request(program):
+def _request(program, ignored=()):
     umask = os.umask(0o022)
     os.umask(umask)
     return {"argv": program, "env": dict(os.environ), "cwd": os.getcwd(),
             "identity": identity(), "umask": umask, "nice": os.getpriority(os.PRIO_PROCESS, 0),
-            "cpus": sorted(os.sched_getaffinity(0))}
+            "cpus": sorted(os.sched_getaffinity(0)), "ignored": [int(s) for s in ignored]}
 
 
-def _ask(path, program):
+def _ask(path, program, ignored=()):
     """(the connection, the worker's pid) once the warm process forked it; (None, why) when
     it will not."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        send(sock, _request(program), (0, 1, 2))
+        send(sock, _request(program, ignored), (0, 1, 2))
         reply = receive(sock)
     except OSError as exc:
         sock.close()
@@ -137,12 +139,17 @@ def main(argv):
         print("usage: python -S warm_stub.py SOCKET -- PROGRAM [ARGS...]", file=sys.stderr)
         return 2
     path, program = argv[1], argv[3:]
+    # one ignored here (nohup's SIGHUP; SIGINT and SIGQUIT of a shell's background job)
+    # stays ignored, by the worker too, as an exec'd command keeps it: not forwarded
+    ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
     for signum in FORWARDED:
-        signal.signal(signum, _forward)
-    sock, pid = _ask(path, program)
+        if signum not in ignored:
+            signal.signal(signum, _forward)
+    sock, pid = _ask(path, program, ignored)
     if sock is None:
         for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL)
+            if signum not in ignored:
+                signal.signal(signum, signal.SIG_DFL)
         _cold(program, pid)
     _worker = pid
     try:

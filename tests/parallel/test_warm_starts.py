@@ -112,6 +112,32 @@ def test_a_keyboard_interrupt_runs_the_exits_work_then_ends_by_sigint(warm, tmp_
     assert hot.stderr.endswith("KeyboardInterrupt\n") and "runpy" not in hot.stderr
 
 
+DISPOSITIONS = f"""
+{WARM_EVIDENCE}
+import signal
+print([str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                                          signal.SIGTERM)])
+"""
+
+
+def _ignoring() -> None:
+    """As nohup (SIGHUP) and a shell's background job (SIGINT, SIGQUIT) start a command."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTHONWARMREFUSED": "1"}])  # warm; the stub's cold
+def test_signals_ignored_where_the_worker_starts_stay_ignored(warm, tmp_path, env):
+    # defect: the stub caught them to forward them and the warm worker set them to their
+    # defaults (SIGINT: KeyboardInterrupt): `nohup parallax run` workers died of a SIGHUP
+    # that cold ones ignore; the stub's cold start reset them to their defaults too
+    program = [sys.executable, _script(tmp_path, DISPOSITIONS)]
+    hot = _run(warm.wrap(program), preexec_fn=_ignoring, env={**os.environ, **env})
+    cold = _run(program, preexec_fn=_ignoring)
+    assert hot.stdout == ("cold\n" if env else "warm\n") + cold.stdout[5:], hot.stderr
+    assert cold.stdout[5:] == "['1', '1', '1', '0']\n"
+
+
 GROUPED = f"""
 {WARM_EVIDENCE}
 import os
@@ -201,6 +227,222 @@ def test_a_script_whose_directory_shadows_nothing_starts_warm(warm, tmp_path):
     (tmp_path / "helpers.py").write_text("X = 1\n")
     script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport helpers\nprint(helpers.X)\n")
     assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n1\n"
+
+
+MAIN_MODULE = f"""
+{WARM_EVIDENCE}
+import atexit, builtins, pickle, sys, threading, time
+class Job:
+    pass
+def later():
+    time.sleep(0.2)
+    print("thread pickled", len(pickle.dumps(Job())) > 0, flush=True)
+threading.Thread(target=later).start()
+atexit.register(lambda: print("atexit pickled", len(pickle.dumps(Job())) > 0))
+print(__builtins__ is builtins, type(__loader__).__name__, __file__ == sys.argv[0])
+main = sys.modules["__main__"]
+print([t.name for t in threading.enumerate()], sys.modules.get("__mp_main__", main) is main)
+"""
+
+
+def test_the_scripts_main_module_outlives_its_body_as_pythons_does(warm, tmp_path):
+    # defect: runpy.run_path put the warm process's __main__ back once the script's body
+    # returned: its thread and its atexit handler could not pickle its classes ("attribute
+    # lookup Job on __main__ failed"); its __builtins__ was a dict, __loader__ None, the
+    # warm process's lifeline thread was one of threading.enumerate()'s, and __mp_main__
+    # (multiprocessing's alias of __main__) was the warm process's
+    script = _script(tmp_path, MAIN_MODULE)
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout.startswith("warm\n"), hot
+    assert (hot.returncode, hot.stdout[5:], hot.stderr) == (cold.returncode, cold.stdout[5:],
+                                                            cold.stderr)
+    assert hot.stdout.endswith("thread pickled True\natexit pickled True\n"), hot.stdout
+
+
+def test_a_relative_scripts_file_is_joined_to_the_directory_as_pythons_is(warm, tmp_path):
+    # defect: its __file__ (and its frames' file names) were normalized: "/d/main.py" for
+    # `python ./main.py`, where Python says "/d/./main.py"
+    _script(tmp_path, f"{WARM_EVIDENCE}\nimport sys\nprint(__file__, sys.argv[0])\n")
+    hot, cold = _both(warm, [sys.executable, "./main.py"], cwd=tmp_path)
+    assert hot.stdout == f"warm\n{tmp_path}/./main.py ./main.py\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
+@pytest.mark.parametrize("program", [["missing.py"], ["-m", "no_such_module_here"],
+                                     ["."]])
+def test_a_missing_script_or_module_fails_as_pythons_does(warm, tmp_path, program):
+    # defect: a mistyped script ended with a FileNotFoundError traceback and exit status 1
+    # (Python: "can't open file ...", 2); a missing module or a directory without a
+    # __main__.py with runpy's traceback (Python: one line)
+    hot, cold = _both(warm, [sys.executable, *program], cwd=tmp_path)
+    assert (hot.returncode, hot.stdout, hot.stderr) == (cold.returncode, cold.stdout,
+                                                        cold.stderr)
+    assert cold.returncode in (1, 2) and "Traceback" not in hot.stderr
+
+
+DEBUG = {**os.environ, "PARALLAX_WARM_DEBUG": "1"}
+QUIETED = f"""
+{WARM_EVIDENCE}
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+print([int(x) for x in tf.data.Dataset.range(3)])  # (TensorFlow logs "End of sequence")
+"""
+
+
+def test_a_script_that_sets_a_variable_read_at_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow, imported already, had read TF_CPP_MIN_LOG_LEVEL: the script's
+    # "3" did not quiet its C++ log (nor would KERAS_BACKEND have picked Keras's backend)
+    hot = _run(warm.wrap([sys.executable, _script(tmp_path, QUIETED)]), env=DEBUG)
+    assert hot.stdout == "cold\n[0, 1, 2]\n", hot.stderr
+    assert "may set TF_CPP_MIN_LOG_LEVEL" in hot.stderr and "rendezvous" not in hot.stderr
+
+
+GRPC_TRACED = f"""
+{WARM_EVIDENCE}
+import os
+os.environ["GRPC_VERBOSITY"] = "DEBUG"
+os.environ["GRPC_TRACE"] = "api"
+import grpc
+grpc.insecure_channel("localhost:1").close()
+"""
+
+
+TEMPORARY = f"""
+{WARM_EVIDENCE}
+import os, tempfile
+os.environ["TMPDIR"] = os.path.dirname(os.path.abspath(__file__))
+import tensorflow
+print(tempfile.gettempdir() == os.environ["TMPDIR"])
+"""
+
+
+def test_a_script_that_sets_tmpdir_before_importing_tensorflow_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's import in the warm process had cached tempfile.tempdir ("/tmp"):
+    # the script's temporary files went there, not to its TMPDIR
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, TEMPORARY)])
+    assert hot.stdout == cold.stdout == "cold\nTrue\n", hot.stderr
+
+
+def test_a_script_that_sets_grpcs_log_variables_starts_cold(warm, tmp_path):
+    # defect: gRPC, imported with parallax, had read GRPC_VERBOSITY and GRPC_TRACE: the
+    # script's did nothing (commonly "ERROR", to quiet it)
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, GRPC_TRACED)])
+    assert hot.stdout == cold.stdout == "cold\n", hot.stderr
+    assert "grpc_channel_create" in hot.stderr and "grpc_channel_create" in cold.stderr
+
+
+def test_a_script_that_sets_such_a_variable_to_the_value_it_has_starts_warm(warm, tmp_path):
+    value = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    setting = (f"os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')" if value is not None
+               else "os.environ.get('X')")
+    script = _script(tmp_path, f"{WARM_EVIDENCE}\nimport os\n{setting}\n")
+    assert _run(warm.wrap([sys.executable, script])).stdout == "warm\n"
+
+
+@pytest.mark.parametrize("variable, value", [("KERAS_BACKEND", "jax-x"),
+                                             ("LC_ALL", "C.UTF-8x")])
+def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp_path,
+                                                                       variable, value):
+    # defect: its Keras ran on the warm process's backend; its standard streams had the
+    # warm process's encoding (LC_ALL, LANG: read as the interpreter starts)
+    script = _script(tmp_path, WARM_EVIDENCE)
+    hot = _run(warm.wrap([sys.executable, script]), env={**DEBUG, variable: value})
+    assert hot.stdout == "cold\n" and f"{variable} is not the warm process's" in hot.stderr
+
+
+HANDLERS = f"""
+{WARM_EVIDENCE}
+import sys
+import absl.logging
+import tensorflow as tf
+print([h.stream is sys.stderr for h in tf.get_logger().handlers],
+      absl.logging.get_absl_handler().python_handler.stream is sys.stderr)
+"""
+
+
+def test_tensorflows_and_absls_log_handlers_write_to_the_workers_stderr(warm, tmp_path):
+    # defect: they held the warm process's sys.stderr (on the same fd, another object): a
+    # script that replaced sys.stderr's object, or closed it, parted from them
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, HANDLERS)])
+    assert hot.stdout == "warm\n[True] True\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
+IMPORTED_HERE = f"""
+{WARM_EVIDENCE}
+import os, multiprocessing.process, keras, rich.traceback
+print(multiprocessing.process.ORIGINAL_DIR == os.getcwd(),
+      sys.modules["rich"]._IMPORT_CWD == os.getcwd())
+"""
+
+
+def test_the_directory_the_preloads_noted_as_theirs_is_the_workers(warm, tmp_path):
+    # defect: multiprocessing's ORIGINAL_DIR (where its spawned children start) and rich's
+    # _IMPORT_CWD were the warm process's private directory, removed with the launcher
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, IMPORTED_HERE)], cwd=tmp_path)
+    assert hot.stdout == "warm\nTrue True\n", hot.stderr
+    assert hot.stdout[5:] == cold.stdout[5:]
+
+
+CAPTURED = f"""
+{WARM_EVIDENCE}
+import io, sys
+real, sys.stderr = sys.stderr, io.StringIO()
+import tensorflow as tf
+tf.get_logger().warning("captured")
+captured, sys.stderr = sys.stderr.getvalue(), real
+print("captured" in captured)
+"""
+
+
+def test_a_script_that_replaces_stderr_before_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's log handler, made in the warm process, wrote to the real stderr;
+    # a cold import makes it on the script's replacement
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, CAPTURED)])
+    assert hot.stdout == "cold\nTrue\n" and cold.stdout == "cold\nTrue\n", hot.stderr
+
+
+STREAMS = f"""
+{WARM_EVIDENCE}
+import sys
+for stream in (sys.stdin, sys.stdout, sys.stderr):
+    print(stream.name, stream.mode, stream.write_through, stream.line_buffering,
+          stream.buffer.name, stream.encoding, stream.errors)
+"""
+
+
+def test_the_standard_streams_are_named_and_moded_as_pythons(warm, tmp_path):
+    # defect: sys.stdout.mode raised AttributeError; names were 0, 1, 2, not "<stdout>"...
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, STREAMS)])
+    assert hot.stdout.startswith("warm\n<stdin> r "), hot.stderr
+    assert (hot.returncode, hot.stdout[5:], hot.stderr) == (cold.returncode, cold.stdout[5:],
+                                                            cold.stderr)
+
+
+LOGS_FIRST = f"""
+{WARM_EVIDENCE}
+import logging
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+import tensorflow as tf
+tf.get_logger().warning("once")
+"""
+
+
+def test_logging_set_up_before_tensorflows_import_starts_cold(warm, tmp_path):
+    # defect: TensorFlow's logger got a handler of its own in the warm process (no root
+    # handler then); a cold import after basicConfig adds none: each message came twice
+    hot, cold = _both(warm, [sys.executable, _script(tmp_path, LOGS_FIRST)])
+    assert hot.stdout == "cold\n", hot.stderr
+    assert hot.stderr.count("once") == cold.stderr.count("once") == 1, hot.stderr
+
+
+def test_logging_set_up_after_tensorflows_import_starts_warm_and_logs_as_cold(warm, tmp_path):
+    script = _script(tmp_path, LOGS_FIRST.replace("import tensorflow as tf\n", "").replace(
+        "import logging\n", "import logging\nimport tensorflow as tf\n"))
+    hot, cold = _both(warm, [sys.executable, script])
+    assert hot.stdout == "warm\n", hot.stderr
+    assert hot.stderr.count("once") == cold.stderr.count("once") == 2, hot.stderr
 
 
 CHILD = f"""

@@ -68,6 +68,15 @@ def test_a_python_outside_this_environment_starts_cold(tmp_path):
     assert "is not" in warm.why_cold(["python", "t.py"], LOCAL, 1, str(other))
 
 
+def test_this_python_through_a_symlinked_directory_starts_cold(tmp_path):
+    """The same file, by another path: a cold worker's sys.executable, sys.prefix and its
+    modules' __file__ are spelled by that path, the warm process's by its own."""
+    (tmp_path / "env").symlink_to(Path(PY).parent.parent)
+    linked = tmp_path / "env" / Path(PY).parent.name / Path(PY).name
+    assert os.path.realpath(linked) == os.path.realpath(PY)
+    assert "is not" in warm.why_cold([str(linked), "t.py"], LOCAL, 1, worker_path())
+
+
 def test_workers_on_other_hosts_or_gpu_slots_start_cold(tmp_path):
     assert warm.why_cold([PY, "t.py"], parse_host_string("localhost:1,otherhost:1"), 2,
                          worker_path()) == "workers on other hosts"
@@ -132,3 +141,64 @@ def test_an_editable_installs_finder_counts_in_what_a_worker_would_import(tmp_pa
     monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Editable()])
     assert warm_fork._find_spec("editable_pkg_x", [str(tmp_path)]).origin == str(module)
     assert warm_fork._find_spec("no_such_module_here", [str(tmp_path)]) is None
+
+
+def test_a_message_sent_whole_is_not_followed_by_an_empty_send():
+    """send_fds sends a request whole (its few KB); sendall of the empty rest still calls
+    send(2), which fails with EPIPE once the warm process has read the request, refused it
+    and closed: the stub then took the warm process for gone ("not there (Broken pipe)")."""
+    class Whole:
+        def sendmsg(self, buffers, *args):
+            return sum(len(b) for b in buffers)
+
+        def send(self, data):
+            return len(data)
+
+        def sendall(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    warm_stub.send(Whole(), {"argv": ["python", "x.py"]}, (0, 1, 2))
+    warm_stub.send(Whole(), {"pid": 7})
+
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.parametrize("source, changed", [
+    ('import os\nos.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"\nimport tensorflow',
+     "TF_CPP_MIN_LOG_LEVEL"),
+    ('import os\nos.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"\n', None),  # its value already
+    ('import os\nos.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")\n', None),  # set: a no-op
+    ('import os\nos.environ.setdefault("KERAS_BACKEND", "jax")\n', "KERAS_BACKEND"),
+    ('import os\nos.environ.update(KERAS_BACKEND="jax")\n', "KERAS_BACKEND"),
+    ('from os import environ\nenviron.update({"TF_USE_LEGACY_KERAS": "1"})\n',
+     "TF_USE_LEGACY_KERAS"),
+    ('import os\nos.environ.pop("CUDA_VISIBLE_DEVICES")\n', "CUDA_VISIBLE_DEVICES"),
+    ('import os\nos.environ["GRPC_VERBOSITY"] = "ERROR"\n', "GRPC_VERBOSITY"),  # gRPC's too
+    ('print("TF_CPP_MIN_LOG_LEVEL=3 quiets TensorFlow")\n', None),  # text, not the name
+    ('import os\nprint(os.environ.get("CUDA_VISIBLE_DEVICES"), os.getenv("KERAS_BACKEND"),\n'
+     '      os.environ["TF_CPP_MIN_LOG_LEVEL"])\n', None),  # read only
+])
+def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, changed):
+    import ast
+    assert warm_fork._sets_import_env(ast.parse(source), ENV) == changed
+
+
+@pytest.mark.parametrize("source, first", [
+    ("import logging\nlogging.basicConfig()\nimport tensorflow as tf\n", True),
+    ("import tensorflow as tf\nimport logging\nlogging.basicConfig()\n", False),
+    ("import logging\nfrom keras import layers\nlogging.basicConfig()\n", False),
+    ("import logging\ndef main():\n    logging.basicConfig()\n    import tensorflow\nmain()\n",
+     True),
+    ("import logging\nlogging.getLogger().addHandler(logging.StreamHandler())\nimport parallax\n",
+     True),
+    ("import logging\nlogging.basicConfig()\n", True),  # what it imports may import TensorFlow
+    ("import tensorflow as tf\nprint(1)\n", False),
+    ("import sys\nsys.stderr = open('log.txt', 'w')\nimport tensorflow\n", True),
+    ("import sys, tensorflow\nsys.stdout = open('log.txt', 'w')\n", False),
+    ("import io, sys\nreal, sys.stderr = sys.stderr, io.StringIO()\nimport keras\n", True),
+    ("import sys\nprint('x', file=sys.stderr)\nimport tensorflow\n", False),
+])
+def test_logging_set_up_before_tensorflows_import_is_told(source, first):
+    import ast
+    assert warm_fork._logs_first(ast.parse(source)) is first
