@@ -21,7 +21,6 @@ from parallax.errors import ParallaxError
 from parallax.runtime import lifeline
 
 
-
 # -m would put the working directory first on the server's sys.path (a numpy/ there broke
 # it); Python 3.11's -P leaves it out (3.10 has no -P). A flag, not PYTHONSAFEPATH: the
 # environment reaches whatever a `command` of the user's runs (a wrapper script, a remote

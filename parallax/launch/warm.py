@@ -11,8 +11,8 @@ standard streams to the fork and then stands in for it (signals forwarded, exit 
 mirrored, its death killing the fork).
 
 `--warm-starts auto` (the default) keeps the warm process where restarts are expected
-(--max-restarts, --host-discovery-script, --replicas 2); `on` always, `off` never. Only for commands it
-can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
+(--max-restarts, --host-discovery-script, --replicas 2); `on` always, `off` never. Only for
+commands it can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
 on this machine's workers (a remote host's would need a warm process there; a Kubernetes
 worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and not where
 the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
