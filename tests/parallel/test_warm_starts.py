@@ -280,7 +280,13 @@ def test_a_missing_script_or_module_fails_as_pythons_does(warm, tmp_path, progra
     assert cold.returncode in (1, 2) and "Traceback" not in hot.stderr
 
 
-DEBUG = {**os.environ, "PARALLAX_WARM_DEBUG": "1"}
+def _debug(**more: str) -> dict[str, str]:
+    """The environment now (the warm process's: an earlier test of the session may have set
+    a variable read at TensorFlow's import since this module was collected), with the stub's
+    reasons for a cold start printed."""
+    return {**os.environ, "PARALLAX_WARM_DEBUG": "1", **more}
+
+
 QUIETED = f"""
 {WARM_EVIDENCE}
 import os
@@ -293,7 +299,7 @@ print([int(x) for x in tf.data.Dataset.range(3)])  # (TensorFlow logs "End of se
 def test_a_script_that_sets_a_variable_read_at_tensorflows_import_starts_cold(warm, tmp_path):
     # defect: TensorFlow, imported already, had read TF_CPP_MIN_LOG_LEVEL: the script's
     # "3" did not quiet its C++ log (nor would KERAS_BACKEND have picked Keras's backend)
-    hot = _run(warm.wrap([sys.executable, _script(tmp_path, QUIETED)]), env=DEBUG)
+    hot = _run(warm.wrap([sys.executable, _script(tmp_path, QUIETED)]), env=_debug())
     assert hot.stdout == "cold\n[0, 1, 2]\n", hot.stderr
     assert "may set TF_CPP_MIN_LOG_LEVEL" in hot.stderr and "rendezvous" not in hot.stderr
 
@@ -347,7 +353,7 @@ def test_a_worker_whose_environment_has_another_such_value_starts_cold(warm, tmp
     # defect: its Keras ran on the warm process's backend; its standard streams had the
     # warm process's encoding (LC_ALL, LANG: read as the interpreter starts)
     script = _script(tmp_path, WARM_EVIDENCE)
-    hot = _run(warm.wrap([sys.executable, script]), env={**DEBUG, variable: value})
+    hot = _run(warm.wrap([sys.executable, script]), env=_debug(**{variable: value}))
     assert hot.stdout == "cold\n" and f"{variable} is not the warm process's" in hot.stderr
 
 
