@@ -42,6 +42,15 @@ def marked_processes(mark: str) -> dict[int, str]:
     return found
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_gone(mark: str, timeout: float = 10.0) -> dict[int, str]:
     deadline = time.monotonic() + timeout
     while (left := marked_processes(mark)) and time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launching import Launcher, wait_gone
+from launching import Launcher, pid_alive, wait_gone
 from launching import mark  # noqa: F401 (a fixture)
 
 LEFT_BEHIND = """
@@ -29,14 +29,6 @@ if rank == 1:
     sys.exit(int(sys.argv[2]))
 """
 JOB_TIMEOUT_S = 120  # without the fix the job hangs for the child's 300 s
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _run(tmp_path, code: int, *flags: str) -> tuple[subprocess.CompletedProcess, int, float]:
@@ -59,7 +51,7 @@ def test_a_failed_worker_is_reported_though_its_child_holds_its_output(tmp_path,
     assert done.returncode == 3, out[-3000:]
     assert "worker rank 1 exited with code 3 first" in out, out[-3000:]
     assert f"its process {child} (sleep 300) still held its output" in out, out[-3000:]
-    assert not _alive(child), out[-3000:]
+    assert not pid_alive(child), out[-3000:]
     assert "Traceback" not in out, out[-3000:]  # horovodrun's RuntimeError is reported already
     assert seconds < 60, (seconds, out[-3000:])
 
@@ -69,7 +61,7 @@ def test_a_job_whose_worker_left_a_child_holding_its_output_ends(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert f"its process {child} (sleep 300) still held its output" in out, out[-3000:]
-    assert not _alive(child), out[-3000:]
+    assert not pid_alive(child), out[-3000:]
 
 
 ENDER_PARENT = """

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parallax.launch.warm import warm_process
-from launching import Launcher, wait_gone
+from launching import Launcher, pid_alive, wait_gone
 from launching import mark  # noqa: F401 (a fixture)
 
 WARM_EVIDENCE = "import sys; print('warm' if 'tensorflow' in sys.modules else 'cold', flush=True)"
@@ -198,11 +198,7 @@ def test_a_killed_stubs_worker_is_killed(warm, tmp_path):
 def _gone(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rpartition(")")[2].split()[0] == "Z":
-                    return True
-        except OSError:
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False
