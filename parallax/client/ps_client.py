@@ -215,7 +215,7 @@ class PSClient:
         return shards
 
     def save(self, path: str, tables: Sequence[str] = (),
-             keep: int = DEFAULT_KEEP) -> list[ps_pb2.ShardCheckpoint]:
+             keep: int = DEFAULT_KEEP, held: bool = False) -> list[ps_pb2.ShardCheckpoint]:
         """Every server writes its shards into a new checkpoint under `path` (in its data
         directory); it becomes the newest only once every server has written, checked,
         sealed and committed it, and only then are checkpoints beyond the newest `keep`
@@ -223,23 +223,28 @@ class PSClient:
         between steps (after table.wait_step(k), before any push of step k): a sync table
         caught mid-step is refused. With replicated shards, a server lost during the save
         (every shard keeping a live copy) makes it start again, without that server: its
-        copies are then written by the servers holding the others."""
+        copies are then written by the servers holding the others.
+
+        `held=True`: the servers keep it in memory instead (servers/parallax_ps/held.py):
+        instant, then each row's first write after it copies that row aside; restore it with
+        `restore(path, tables, name, held=True)` while the servers run. Fixed-vocabulary sync
+        tables only; `keep` bounds the held ones apart from those on disk."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
         while True:
             lost = self.liveness.lost
             try:
-                return self._save(path, tables, keep)
+                return self._save(path, tables, keep, held)
             except ServerError as err:
                 if self.liveness.lost == lost or not self._survives():
                     raise
                 log.warning("checkpoint %r: a server was lost while it was written (%s); "
                             "writing it again from the copies left", path, err)
 
-    def _save(self, path: str, tables: Sequence[str], keep: int
+    def _save(self, path: str, tables: Sequence[str], keep: int, held: bool = False
               ) -> list[ps_pb2.ShardCheckpoint]:
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
-                                    checkpoint=checkpoint_names.new_name())
+                                    checkpoint=checkpoint_names.new_name(), held=held)
         lost = self.liveness.lost
         try:
             held = self._held_shards(tables)
@@ -293,13 +298,18 @@ class PSClient:
                 log.warning("could not abort checkpoint %s on %s: %s", request.checkpoint,
                             server.address, exc)
 
-    def restore(self, path: str, tables: Sequence[str] = (),
-                checkpoint: str = "") -> list[ps_pb2.ShardCheckpoint]:
+    def restore(self, path: str, tables: Sequence[str] = (), checkpoint: str = "",
+                held: bool = False) -> list[ps_pb2.ShardCheckpoint]:
         """Every server reloads its shards (any saved shard count) from the newest checkpoint
         under `path` (or `checkpoint`, or `path` naming one). Every server first verifies it,
         and all must hold the same one: a checkpoint any server cannot read changes none.
         The newest is the newest every server completed; one removed by a concurrent save
-        between the verification and the load is restored again from the then newest."""
+        between the verification and the load is restored again from the then newest.
+        `held=True`: held checkpoint `checkpoint` (`save(held=True)`), rolled back to on
+        every server once every server has verified it holds it; the pushes of the open
+        step are dropped."""
+        if held:
+            return self._restore_held(tables, checkpoint)
         try:
             return self._restore(path, tables, checkpoint)
         except ServerError as err:
@@ -323,6 +333,12 @@ class PSClient:
                         held, name)
         return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
                                "restore")
+
+    def _restore_held(self, tables: Sequence[str], checkpoint: str) -> list:
+        request = functools.partial(ps_pb2.RestoreRequest, tables=list(tables),
+                                    checkpoint=checkpoint, held=True)
+        self._shards_of(self._each("Restore", request(verify_only=True)), tables, "restore")
+        return self._shards_of(self._each("Restore", request()), tables, "restore")
 
     def _held(self, replies) -> dict[str, list[str]]:
         """{server address: checkpoint names its reply names}."""

@@ -10,6 +10,7 @@ nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -342,3 +343,46 @@ def load_for_shard(shard: TableShard, directory: Path,
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
     """The arrays one after another (one array as it is: no copy)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+# ---- held checkpoints (in memory: `held.py`) ---------------------------------------------------
+def save_held(request, shards: list[TableShard]) -> ps_pb2.SaveResponse:
+    """One phase of a held save: PREPARE marks every shard (all or none), COMMIT with keep
+    >= 1 keeps each shard's newest `keep` marks, ABORT drops the mark."""
+    name = versions.checked_name(request.checkpoint)
+    response = ps_pb2.SaveResponse()
+    if request.phase == ps_pb2.SAVE_PREPARE:
+        marked = []
+        try:
+            for shard in shards:
+                step = shard.hold(name)
+                marked.append(shard)
+                response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
+                                     rows=shard.storage.num_rows, step=step, checkpoint=name,
+                                     sync=True)
+        except BaseException:
+            for shard in marked:
+                shard.keep_held(0, name)
+            raise
+    elif request.phase == ps_pb2.SAVE_ABORT or request.keep:
+        for shard in shards:
+            shard.keep_held(0 if request.phase == ps_pb2.SAVE_ABORT else request.keep, name)
+    return response
+
+
+def restore_held(request, shards: list[TableShard]) -> ps_pb2.RestoreResponse:
+    """Roll every shard back to held checkpoint `request.checkpoint` (all or none; with
+    verify_only, only check that each holds it)."""
+    name = versions.checked_name(request.checkpoint)
+    response = ps_pb2.RestoreResponse()
+    with contextlib.ExitStack() as held:
+        for shard in shards:
+            held.enter_context(shard.cond)
+        steps = [shard.held_step(name) for shard in shards]
+        for shard, step in zip(shards, steps):
+            if not request.verify_only:
+                shard.roll_back(name)
+            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
+                                 rows=shard.storage.num_rows, step=step, checkpoint=name,
+                                 sync=True)
+    return response

@@ -539,6 +539,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- checkpoints -------------------------------------------------------------------------
     @_rpc("Save")
     def Save(self, request, context):
+        if request.held:
+            response = checkpoint.save_held(request, self.selected(request.tables))
+            return response, "", 0, 0
         root = checkpoint.resolve(self.data_dir, request.path)
         shards = self.selected(request.tables) if request.phase == ps_pb2.SAVE_PREPARE else []
         response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards,
@@ -550,6 +553,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         shards = self.selected(request.tables)
         if not shards:  # nothing to restore here, whatever this data directory holds
             return ps_pb2.RestoreResponse(), "", 0, 0
+        if request.held:
+            return checkpoint.restore_held(request, shards), "", 0, 0
         directory, manifest = checkpoint.open_checkpoint(self.data_dir, request)
         loaded = [checkpoint.load_for_shard(shard, directory, manifest) for shard in shards]
         response = ps_pb2.RestoreResponse()

@@ -30,8 +30,9 @@ from parallax.ps.v1 import ps_pb2
 from parallax_ps import native_path, waits
 from parallax_ps.admission import SKETCH_BYTES, needs_sketch
 from parallax_ps.budget import MemoryBudget
-from parallax_ps.errors import RequestError, invalid
+from parallax_ps.errors import RequestError, invalid, precondition
 from parallax_ps.eviction import Change, Vocabulary
+from parallax_ps.held import HeldMarks
 from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
 from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
@@ -125,6 +126,7 @@ class TableShard:
         self.vocab = Vocabulary(spec, self.label) if spec.dynamic else None
         self.steps = StepState(spec.num_workers, spec.sync_mode == "sync",
                                spec.aggregation == "mean")
+        self.held = HeldMarks(self.storage.num_rows)  # held checkpoints (`held.py`)
         self.cond = threading.Condition()
         self.closed = ""  # why the shard stopped serving, once it has
         self.wire = wire_dtypes.get(spec.wire_dtype) if spec.wire_dtype else None
@@ -249,7 +251,7 @@ class TableShard:
         if not self.closed:
             self.budget.update(self, self.storage.bytes_held(self.storage.num_rows,
                                                              self.row_bytes) +
-                               self.steps.buffered_bytes)
+                               self.steps.buffered_bytes + self.held.nbytes)
 
     # ---- reads and writes ----------------------------------------------------------------
     def wait_for_step(self, min_step: int, deadline: float | None) -> int:
@@ -439,6 +441,10 @@ class TableShard:
             {n: np.take(s, rows, axis=0) for n, s in self.storage.slots.items()}
 
     def _write(self, rows: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        self.held.before_write(rows, self._rows_of)
+        self._overwrite(rows, values, slots)
+
+    def _overwrite(self, rows: np.ndarray, values: np.ndarray, slots: Slots) -> None:
         for storage, new in [(self.storage.values, values),
                              *((slot, slots[name]) for name, slot in self.storage.slots.items())]:
             if not native_path.scatter(storage, rows, new):
@@ -506,6 +512,7 @@ class TableShard:
         with self.cond:
             self.check_capacity(ids, exact=True)
             rows = self.storage.locate(ids, create=True)
+            self.held.before_write(rows, self._rows_of)
             self.storage.values[rows] = values
             self.storage.mark_changed(rows)
             if self.vocab is not None:  # assigned rows count as used now (not as a use)
@@ -551,6 +558,7 @@ class TableShard:
         rows count as used at `step`, never before); push bookkeeping starts afresh."""
         with self.cond:
             self.check_between_steps()
+            self.held.clear()  # what the restore replaces was never copied
             self.storage.replace(ids, values, slots)
             if self.vocab is not None:
                 state = state or {}
@@ -560,6 +568,49 @@ class TableShard:
             self.steps.reset(step)
             self._account()
             self._changed()
+
+    # ---- held checkpoints (`held.py`) ---------------------------------------------------
+    def hold(self, name: str) -> int:
+        """Mark the state now as held checkpoint `name`; returns its step. Between steps
+        only, fixed-vocabulary sync shards only."""
+        if self.spec.hashed_keys or not self.steps.sync:
+            kind = "keyed" if self.spec.hashed_keys else "async"
+            raise precondition(f"{self.label} is {kind}: held checkpoints keep fixed-"
+                               f"vocabulary sync tables only; save it to disk (a checkpoint "
+                               f"without held=True)")
+        with self.cond:
+            self.check_between_steps("hold a checkpoint")
+            self.held.mark(name, self.steps.step)
+            return self.steps.step
+
+    def held_step(self, name: str) -> int:
+        """The step of held checkpoint `name`; NOT_FOUND when this shard holds none."""
+        with self.cond:
+            step = self.held.step_of(name)
+        if step is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"{self.label} holds no checkpoint {name!r} (it holds "
+                               f"{self.held.names()}; held checkpoints are gone once their "
+                               f"server restarts): restore one from disk")
+        return step
+
+    def roll_back(self, name: str) -> int:
+        """Go back to held checkpoint `name` (the caller checked it is held, and holds
+        `cond`): its rows, slots and step; the pushes of the open step are dropped."""
+        step = self.held.roll_back(name, self._overwrite)
+        self.steps.reset(step)
+        self._account()
+        self._changed()
+        return step
+
+    def keep_held(self, newest: int, name: str = "") -> None:
+        """Keep the newest `newest` held checkpoints, or drop `name` (newest=0)."""
+        with self.cond:
+            if newest:
+                self.held.keep(newest)
+            else:
+                self.held.drop(name)
+            self._account()
 
     # ---- live resharding ---------------------------------------------------------------
     def export(self, offset: int, max_rows: int, changed_only: bool = False
@@ -630,6 +681,7 @@ class TableShard:
             if self.closed:
                 raise ShuttingDown(self.closed)
             self.check_between_steps("import")
+            self.held.clear()  # what the import replaces was never copied
             if self.vocab is not None:
                 self._import_dynamic(ids, values, slots, step, history)
             else:

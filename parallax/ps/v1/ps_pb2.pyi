@@ -406,18 +406,20 @@ class BarrierResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "phase", "keep")
+    __slots__ = ("path", "tables", "checkpoint", "phase", "keep", "held")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     phase: SavePhase
     keep: int
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ...) -> None: ...
+    held: bool
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ..., held: bool = ...) -> None: ...
 
 class ShardCheckpoint(_message.Message):
     __slots__ = ("table", "shard_index", "rows", "step", "file", "checkpoint", "sync")
@@ -444,16 +446,18 @@ class SaveResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "verify_only")
+    __slots__ = ("path", "tables", "checkpoint", "verify_only", "held")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     verify_only: bool
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ...) -> None: ...
+    held: bool
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ..., held: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("shards",)
