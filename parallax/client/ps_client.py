@@ -1,7 +1,6 @@
 """The client of a set of parameter servers: create tables, place shards, checkpoints, stats."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import secrets

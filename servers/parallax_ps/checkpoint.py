@@ -29,6 +29,7 @@ from parallax_ps.eviction import Counters
 from parallax_ps.shard import TableShard
 from parallax_ps.versions import data_loss
 
+
 def resolve(data_dir: Path | None, path: str) -> Path:
     """The checkpoint directory for a client-given path, confined to the data directory."""
     if data_dir is None:
@@ -358,8 +359,8 @@ def save_held(request, shards: list[TableShard]) -> ps_pb2.SaveResponse:
                 step = shard.hold(name)
                 marked.append(shard)
                 response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                     rows=shard.storage.num_rows, step=step, checkpoint=name,
-                                     sync=True)
+                                    rows=shard.storage.num_rows, step=step, checkpoint=name,
+                                    sync=True)
         except BaseException:
             for shard in marked:
                 shard.keep_held(0, name)
@@ -383,6 +384,6 @@ def restore_held(request, shards: list[TableShard]) -> ps_pb2.RestoreResponse:
             if not request.verify_only:
                 shard.roll_back(name)
             response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                 rows=shard.storage.num_rows, step=step, checkpoint=name,
-                                 sync=True)
+                                rows=shard.storage.num_rows, step=step, checkpoint=name,
+                                sync=True)
     return response
