@@ -34,6 +34,9 @@ RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # the launcher asks the workers ther
 #                                         worker count; one whose servers keep copies, to
 #                                         start a lost server again with copies of its shards
 ELASTIC_ENV = "PARALLAX_ELASTIC"  # "1": an elastic job (its chief notes the global batch)
+HELD_BACKUPS_ENV = "PARALLAX_HELD_BACKUPS"  # N >= 1 (--held-backups): Keras' BackupAndRestore
+#                                         keeps the tables of every backup but each N-th in the
+#                                         servers' memory (parallax.tf.state.held_backups)
 RESCALE_EXIT = 75  # a worker's exit code when it stopped for a rescale (EX_TEMPFAIL)
 RESCALE_AT_START = "the start"  # where workers whose count cannot split the global batch stop
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written
@@ -127,6 +130,23 @@ def worker_metrics_port(environ: Mapping[str, str] | None = None) -> int | None:
         raise ConfigError(f"{WORKER_METRICS_PORT_ENV}={text!r} must be 0 (a free port) or a "
                           f"port in 1-65535 (the worker of local rank i listens on it + i)")
     return int(text)
+
+
+def held_backups(environ: Mapping[str, str] | None = None) -> int:
+    """PARALLAX_HELD_BACKUPS: 0 (unset: every backup on disk), or N >= 1: one backup in N
+    on disk, the others held in the servers' memory."""
+    text = (os.environ if environ is None else environ).get(HELD_BACKUPS_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        every = int(text)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ConfigError(f"{HELD_BACKUPS_ENV}={text!r} must be a whole number >= 0 (N: one "
+                          f"backup in N on disk, the others held by the servers; 0: all on "
+                          f"disk)")
+    return every
 
 
 def worker_metrics_line(rank: int, address: str) -> str:

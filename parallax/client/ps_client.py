@@ -298,7 +298,8 @@ class PSClient:
                             server.address, exc)
 
     def restore(self, path: str, tables: Sequence[str] = (), checkpoint: str = "",
-                held: bool = False) -> list[ps_pb2.ShardCheckpoint]:
+                held: bool = False, discard_pending: bool = False
+                ) -> list[ps_pb2.ShardCheckpoint]:
         """Every server reloads its shards (any saved shard count) from the newest checkpoint
         under `path` (or `checkpoint`, or `path` naming one). Every server first verifies it,
         and all must hold the same one: a checkpoint any server cannot read changes none.
@@ -306,20 +307,23 @@ class PSClient:
         between the verification and the load is restored again from the then newest.
         `held=True`: held checkpoint `checkpoint` (`save(held=True)`), rolled back to on
         every server once every server has verified it holds it; the pushes of the open
-        step are dropped."""
+        step are dropped. `discard_pending`: so are those of a disk checkpoint's restore (a
+        new attempt's, whose tables the workers of the attempt before left mid-step)."""
         if held:
             return self._restore_held(tables, checkpoint)
         try:
-            return self._restore(path, tables, checkpoint)
+            return self._restore(path, tables, checkpoint, discard_pending)
         except ServerError as err:
             if checkpoint or err.code not in _VANISHED:
                 raise
             log.warning("restoring %r again from its newest checkpoint: %s (a concurrent "
                         "save with keep= may have removed the one verified)", path, err)
-            return self._restore(path, tables, checkpoint)
+            return self._restore(path, tables, checkpoint, discard_pending)
 
-    def _restore(self, path: str, tables: Sequence[str], checkpoint: str) -> list:
-        request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables))
+    def _restore(self, path: str, tables: Sequence[str], checkpoint: str,
+                 discard_pending: bool = False) -> list:
+        request = functools.partial(ps_pb2.RestoreRequest, path=path, tables=list(tables),
+                                    discard_pending=discard_pending)
         answers = self._answers("Restore", request(checkpoint=checkpoint, verify_only=True))
         self._shards_of([reply for _, reply in answers], tables, "restore")
         held = self._held(answers)
@@ -332,6 +336,21 @@ class PSClient:
                         held, name)
         return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
                                "restore")
+
+    def holds(self, tables: Sequence[str], checkpoint: str) -> bool:
+        """Whether every server holds held checkpoint `checkpoint` of `tables` (changes
+        nothing): False when a server has no such mark or no shard of a table."""
+        request = ps_pb2.RestoreRequest(tables=list(tables), checkpoint=checkpoint, held=True,
+                                        verify_only=True)
+        try:
+            self._shards_of(self._each("Restore", request), tables, "restore")
+        except ConfigError:
+            return False  # a table none holds (dropped, or the servers started anew)
+        except ServerError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            return False
+        return True
 
     def _restore_held(self, tables: Sequence[str], checkpoint: str) -> list:
         request = functools.partial(ps_pb2.RestoreRequest, tables=list(tables),

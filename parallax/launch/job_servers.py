@@ -148,24 +148,36 @@ class JobServers:
     for a server's failure (a worker failed, or the workers stopped for a new count): the
     run's tables are then dropped from them, so the workers restore them from their
     checkpoint as onto fresh servers, without the servers' start. External servers
-    (--ps-addresses) get the same drop before every attempt but the first."""
+    (--ps-addresses) get the same drop before every attempt but the first. With
+    --held-backups and as many workers as the attempt before, the tables are kept instead:
+    the workers roll them back to their newest held backup (`parallax.tf.state.held_backups`),
+    or restore them from disk over what the attempt before left."""
 
     def __init__(self, config: LaunchConfig, credentials, run_id: str,
                  say: Callable[[str], None]) -> None:
         self.config, self.credentials, self.run_id, self.say = config, credentials, run_id, say
         self.cluster = None
+        self._workers = 0  # the attempt before's worker count
 
     def for_attempt(self, config: LaunchConfig, attempt: int):
         """This attempt's servers (None: external ones, at config.ps_addresses)."""
+        keep = bool(config.held_backups) and self._workers == config.num_workers
+        self._workers = config.num_workers
         if config.num_servers == 0:
-            if attempt:
+            if attempt and not (keep and self._keep()):
                 self._drop([a.strip() for a in config.ps_addresses])
             return None
-        if self.cluster is not None and self._running() and self._drop(self.cluster.addresses):
+        if self.cluster is not None and self._running() and \
+                (keep and self._keep() or self._drop(self.cluster.addresses)):
             return self.cluster
         self.stop()
         self.cluster = start_servers(config, self.credentials)
         return self.cluster
+
+    def _keep(self) -> bool:
+        self.say(f"the servers keep running with run {self.run_id}'s tables: the workers "
+                 f"roll them back to their newest held backup (--held-backups)")
+        return True
 
     def _running(self) -> bool:
         return all(server.proc.poll() is None for server in self.cluster.servers)

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.client.replicas import check_flag
-from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, MODE_ENV, REPLICAS_ENV,
-                          RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
-                          WORKER_METRICS_PREFIX, ask_rescale, is_run_id, new_run_id,
-                          parse_worker_metrics_line, rescale_reason, stopped_for_rescale)
+from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, HELD_BACKUPS_ENV, MODE_ENV,
+                          REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV,
+                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV,
+                          WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX, ask_rescale,
+                          is_run_id, new_run_id, parse_worker_metrics_line, rescale_reason,
+                          stopped_for_rescale)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
@@ -117,6 +118,10 @@ class LaunchConfig:
                                           # launch backend (parallax.launch.backends)
     replicas: int = 1                     # --replicas 2: a copy of each shard on the next
                                           # server; a server's death then stops nothing
+    held_backups: int = 0                 # --held-backups N: one Keras backup in N on disk,
+                                          # the others' tables held by the servers, kept
+                                          # across a worker's failure
+                                          # (parallax.tf.state.held_backups); 0: all on disk
     discovery_script: str | None = None   # --host-discovery-script: an elastic job, whose
                                           # workers run on the slots it lists
                                           # (parallax.launch.elastic)
@@ -263,6 +268,9 @@ def validate(config: LaunchConfig) -> list[str]:
     _check_metrics_port(config)
     _check_replicas(config)
     _check_elastic(config)
+    if config.held_backups < 0:
+        raise ConfigError(f"--held-backups {config.held_backups} must be >= 0 (N: one backup "
+                          f"in N on disk, the others held by the servers; 0: all on disk)")
     if config.run_id is not None and not is_run_id(config.run_id):
         raise ConfigError(f"--run-id {config.run_id!r} must be 1-48 letters, digits, "
                           f"'_' or '-'")
@@ -845,6 +853,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
             env[ELASTIC_ENV] = "1"
         if config.replicas > 1:
             env[REPLICAS_ENV] = str(config.replicas)
+        if config.held_backups:
+            env[HELD_BACKUPS_ENV] = str(config.held_backups)
         env.update(worker_metrics_env(config))
         job = _Job(argv, env, backend, _WorkerMetrics(config.num_workers, "http")
                    if config.metrics_port is not None else None)
@@ -940,7 +950,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] "
               "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
               "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
-              "[--replicas 1|2] "
+              "[--replicas 1|2] [--held-backups N] "
               "[-H HOST:N,... | --hosts FILE | --hostfile FILE | --host-discovery-script SCRIPT "
               "[--min-np N] [--max-np N] [--elastic-timeout S]] [--horovodrun-arg=ARG ...] "
               "[--collectives auto|horovod|tensorflow] [--warm-starts auto|on|off] "
@@ -1033,6 +1043,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                         help="copies of each table shard: 2 keeps one on the next server too, "
                              "so that the death of a server loses no step and stops nothing "
                              "(sync mode, at least 2 servers; default 1)")
+    parser.add_argument("--held-backups", type=int, default=0, metavar="N",
+                        help="Keras BackupAndRestore: one backup in N on disk, the tables of "
+                             "the others held in the servers' memory (a backup every step "
+                             "then costs the step's rows, not the tables); the servers keep "
+                             "them across a worker's failure (default 0: all on disk)")
     parser.add_argument("--async", dest="sync", action="store_false", default=None,
                         help="asynchronous parameter-server updates (PARALLAX_SYNC=async)")
     logs.add_argument(parser)
@@ -1076,6 +1091,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
         log_level=args.log_level, collectives=args.collectives,
         metrics_port=args.metrics_port, replicas=args.replicas,
+        held_backups=args.held_backups,
         discovery_script=args.host_discovery_script, min_workers=args.min_workers,
         max_workers=args.max_workers, elastic_timeout=args.elastic_timeout,
         warm_starts=args.warm_starts)

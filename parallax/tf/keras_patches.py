@@ -68,7 +68,9 @@ Beside them (`route_keras_take`, `check_sparse_values_only`, `make_weight_saves_
   whose ids are keys beyond any dense shape. `check_sparse_values_only()` has it test the
   slices' values (the same answer: the rows a dense gradient adds are zeros).
 - `BackupAndRestore` writes its record of where a backup was taken ({"epoch", "batch"}) in
-  place: `make_backup_records_atomic()` writes it whole, then renames it into place.
+  place: `make_backup_records_atomic()` writes it whole, then renames it into place. With
+  PARALLAX_HELD_BACKUPS it also saves and loads the held backups of a `ParallaxStrategy`
+  model (`parallax.tf.state.held_backups`).
 - Keras writes `save_weights` files in place: a save that fails half-way (the servers refuse
   their checkpoint, a full disk) leaves `BackupAndRestore`'s only backup truncated, and no
   restart can resume. `make_weight_saves_atomic()` has local files written under a temporary
@@ -96,7 +98,7 @@ from parallax.env import RUN_ID_ENV
 from parallax.errors import ConfigError
 from parallax.tf.graph.variables import ParallaxVariable, raised_in_op, remote_of
 from parallax.tf.keras_support import refuse_horovod_optimizer
-from parallax.tf.state import batch_resume, rescale, resume
+from parallax.tf.state import batch_resume, held_backups, rescale, resume
 
 log = logging.getLogger("parallax")
 # The Keras versions these patches are written for and tested on (the minor releases pinned
@@ -578,16 +580,22 @@ def make_backup_records_atomic() -> None:
     (`make_weight_saves_atomic`). Keras writes it in place: a process killed while writing
     it left an empty or half JSON file, which failed every later resume (JSONDecodeError;
     the `.bkp` fallback only takes OSError). Remote paths (`scheme://`) are written as Keras
-    does."""
+    does. `_load_model` too, for held backups (`held_backups`: a local directory only)."""
     import keras
     from keras.src.utils import file_utils
     backup = keras.callbacks.BackupAndRestore
     if getattr(backup._save_model, _ATOMIC_MARK, False):  # noqa: SLF001 - Keras' method
         return
 
+    original_load = backup._load_model  # noqa: SLF001 - Keras' method
+
     def _save_model(self):
         if not file_utils.exists(self.backup_dir):
             file_utils.makedirs(self.backup_dir)
+        extended = _extended_of(self.model)
+        if extended is not None and extended.remotes and "://" not in self.backup_dir and \
+                held_backups.save(self, extended):
+            return
         for path, previous in ((self._weights_path, self._prev_weights_path),
                                (self._training_metadata_path,
                                 self._prev_training_metadata_path)):
@@ -596,9 +604,18 @@ def make_backup_records_atomic() -> None:
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         record = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
         _write_whole(self._training_metadata_path, record, file_utils)
+        if extended is not None:
+            held_backups.saved_on_disk(self)
+
+    def _load_model(self):
+        extended = _extended_of(self.model)
+        if extended is None or "://" in self.backup_dir or \
+                not held_backups.load(self, extended):
+            original_load(self)
 
     setattr(_save_model, _ATOMIC_MARK, True)
     backup._save_model = _save_model  # noqa: SLF001 - Keras' method
+    backup._load_model = _load_model  # noqa: SLF001 - Keras' method
 
 
 def _write_whole(path: str, text: str, file_utils) -> None:

@@ -562,12 +562,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             for shard in shards:
                 held.enter_context(shard.cond)
             for shard in shards:
-                shard.check_between_steps()
+                if not request.discard_pending:
+                    shard.check_between_steps()
             shards[0].budget.check_together([(shard, *shard.restore_need(len(ids)))
                                              for shard, (ids, *_) in zip(shards, loaded)])
             for shard, (ids, values, slots, step, state) in zip(shards, loaded):
                 if not request.verify_only:
-                    shard.restore(ids, values, slots, step, state)
+                    shard.restore(ids, values, slots, step, state, request.discard_pending)
                 response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
                                     rows=len(ids), step=step, checkpoint=directory.name,
                                     file=str(directory / shard.spec.name),

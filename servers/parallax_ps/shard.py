@@ -553,11 +553,14 @@ class TableShard:
                                    f"landed")
 
     def restore(self, ids: np.ndarray, values: np.ndarray, slots: Slots, step: int,
-                state: dict[str, np.ndarray] | None = None) -> None:
+                state: dict[str, np.ndarray] | None = None,
+                discard_pending: bool = False) -> None:
         """Adopt checkpointed rows, step and dynamic state (without one, a dynamic table's
-        rows count as used at `step`, never before); push bookkeeping starts afresh."""
+        rows count as used at `step`, never before); push bookkeeping starts afresh (pushes
+        of the open step refuse the restore, or are dropped with `discard_pending`)."""
         with self.cond:
-            self.check_between_steps()
+            if not discard_pending:
+                self.check_between_steps()
             self.held.clear()  # what the restore replaces was never copied
             self.storage.replace(ids, values, slots)
             if self.vocab is not None:
@@ -571,15 +574,15 @@ class TableShard:
 
     # ---- held checkpoints (`held.py`) ---------------------------------------------------
     def hold(self, name: str) -> int:
-        """Mark the state now as held checkpoint `name`; returns its step. Between steps
-        only, fixed-vocabulary sync shards only."""
+        """Mark the applied steps' state as held checkpoint `name`; returns its step.
+        Pushes of the open step may be in: they are applied (and copied on write) when it
+        completes, and dropped by a rollback. Fixed-vocabulary sync shards only."""
         if self.spec.hashed_keys or not self.steps.sync:
             kind = "keyed" if self.spec.hashed_keys else "async"
             raise precondition(f"{self.label} is {kind}: held checkpoints keep fixed-"
                                f"vocabulary sync tables only; save it to disk (a checkpoint "
                                f"without held=True)")
         with self.cond:
-            self.check_between_steps("hold a checkpoint")
             self.held.mark(name, self.steps.step)
             return self.steps.step
 

@@ -3,7 +3,9 @@ Adagrad on a table on 2 co-located servers, a dense layer all-reduced) under `pa
 --max-restarts 1`, worker rank 1 SIGKILLed at step KILL_AT; printed: the steps redone, the
 seconds from the kill to the first step of the restarted workers, and the largest weight
 difference from an uninterrupted run of the same job. With --warm-starts on,off and
---rounds R, R rounds alternate the settings (`parallax run --warm-starts`), one line each.
+--rounds R, R rounds alternate the settings (`parallax run --warm-starts`), one line each;
+--held-backups 0,4 alternates `parallax run --held-backups` the same way (with --save-freq 1:
+a backup every step, one in 4 on disk, the others' tables held by the servers).
 
     python docs/benchmarks/2026-12-05-elastic/kill_a_worker.py --workers 4 [--save-freq 1]
     python docs/benchmarks/2026-12-05-elastic/kill_a_worker.py --workers 4 --save-freq 1 \
@@ -31,10 +33,11 @@ PARALLAX = str(Path(sys.executable).parent / "parallax")
 
 
 def _job(tmp: Path, name: str, workers: int, save_freq: int | None, delay: float,
-         warm: str = "auto"):
+         warm: str = "auto", held: str = "0"):
     command = [PARALLAX, "run", "-np", str(workers), "--servers", "2", "--max-restarts", "1",
-               "--restart-delay", "0", "--warm-starts", warm, "--data-dir", str(tmp / name / "data"), "--run-id", name,
-               "--", sys.executable, str(WORKER), "--interval", "4", "--epochs", "8",
+               "--restart-delay", "0", "--warm-starts", warm, "--held-backups", held,
+               "--data-dir", str(tmp / name / "data"), "--run-id", name, "--", sys.executable,
+               str(WORKER), "--interval", "4", "--epochs", "8",
                "--step-delay", str(delay), "--paced-attempts", "1",
                "--backup", str(tmp / name / "backup"), "--out", str(tmp / f"{name}.npz")]
     if save_freq:
@@ -57,6 +60,9 @@ def main() -> None:
     parser.add_argument("--warm-starts", default="auto",
                         help="parallax run's --warm-starts, or several, comma-separated, "
                              "alternated in each round")
+    parser.add_argument("--held-backups", default="0",
+                        help="parallax run's --held-backups, or several, comma-separated, "
+                             "alternated in each round")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
@@ -66,14 +72,16 @@ def main() -> None:
         assert full.returncode == 0, full_out[-3000:]
         for round_ in range(args.rounds):
             for warm in args.warm_starts.split(","):
-                name = f"chaos{round_}{warm}"
-                print(json.dumps({"round": round_, "warm_starts": warm,
-                                  **_killed_run(tmp, name, args, warm)}), flush=True)
+                for held in args.held_backups.split(","):
+                    name = f"chaos{round_}{warm}{held}"
+                    print(json.dumps({"round": round_, "warm_starts": warm,
+                                      "held_backups": int(held),
+                                      **_killed_run(tmp, name, args, warm, held)}), flush=True)
 
 
-def _killed_run(tmp: Path, name: str, args, warm: str) -> dict:
+def _killed_run(tmp: Path, name: str, args, warm: str, held: str = "0") -> dict:
     """One job with rank 1 killed after step --kill-at; what it cost."""
-    job = _job(tmp, name, args.workers, args.save_freq, 0.3, warm)
+    job = _job(tmp, name, args.workers, args.save_freq, 0.3, warm, held)
     lines, killed_at = [], None
     for line in job.stdout:
         lines.append(line)

@@ -446,18 +446,20 @@ class SaveResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "verify_only", "held")
+    __slots__ = ("path", "tables", "checkpoint", "verify_only", "held", "discard_pending")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ONLY_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_PENDING_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     verify_only: bool
     held: bool
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ..., held: bool = ...) -> None: ...
+    discard_pending: bool
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ..., held: bool = ..., discard_pending: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("shards",)

@@ -27,6 +27,8 @@ import logging
 
 import keras
 
+from parallax.tf.state import held_backups
+
 log = logging.getLogger("parallax")
 
 
@@ -39,6 +41,9 @@ def _batch_backup(backup) -> dict | None:
     or none at all."""
     if backup.save_freq == "epoch":
         return None
+    held = held_backups.position(backup)
+    if held is not None:
+        return held
     try:
         with open(backup._training_metadata_path) as f:  # noqa: SLF001 - Keras' path
             saved = json.load(f)

@@ -59,6 +59,10 @@ ROWS_KEY = "_rows"  # (in the chief's reference, once restored: those bytes)
 log = logging.getLogger("parallax")
 # The file being loaded ("Keras file PATH"), while Keras or TF loads one: warnings name it.
 LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("parallax_loading", default="")
+# Set while a save is a held backup's (`held_backups`): the servers keep the tables' part in
+# memory (`PSClient.save(held=True)`), the newest HELD_KEPT of them.
+HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("parallax_held", default=False)
+HELD_KEPT = 2  # the newest, and the one before it while a save is under way
 
 
 class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
@@ -69,7 +73,8 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         self.pending: dict | None = None  # restored before the plan: applied when binding
         self._warned = False
         self._rows = b""  # the tables' rows of the file restored last, when it carries them
-        self.saves = 0  # checkpoints this worker saved (the tables' part of each)
+        self.saves = 0  # checkpoints this worker saved (the tables' part of each) on disk
+        self.held_saves = 0  # and held in the servers' memory (`HELD`)
 
     def _obj_type(self) -> str:
         return "Loss"  # Keras walks only known kinds; this one adds nothing to skip
@@ -106,7 +111,10 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         """Checkpoint the tables (chief): (the JSON reference, the tables' rows, slots and
         steps when the servers cannot checkpoint them: `inline_tables`; else empty)."""
         reference, rows = self._reference()
-        self.saves += 1
+        if HELD.get():
+            self.held_saves += 1
+        else:
+            self.saves += 1
         if self._strategy_extended.remotes:
             self._strategy_extended.table_client.invalidate()  # as a resume from it starts
         return json.dumps(reference, sort_keys=True), rows
@@ -122,18 +130,23 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         for remote in tables.values():
             remote.land_pushes()
         path = f"resume/{extended.cluster.run_id}"
+        held = HELD.get()
         try:
             names = list(dict.fromkeys(r.table.name for r in tables.values()))  # groups once
-            shards = extended.client.save(path, names,
-                                          keep=extended.config.checkpoints_kept)
+            shards = extended.client.save(
+                path, names, keep=HELD_KEPT if held else extended.config.checkpoints_kept,
+                held=held)
         except ServerError as err:
+            if held:
+                raise  # (`held_backups` saves this backup on disk instead)
             if not without_data_dir(err):
                 raise  # a failing disk, ...: the user's save must fail, not lose the slots
             return self._inline(tables)  # no data directory: the rows travel in the file
-        return reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
-                                           for i, r in tables.items()},
-                            {r.table.name: r.table.spec for r in tables.values()},
-                            extended.plan), b""
+        reference = reference_to(path, shards, {i: (r.label, r.table.name, r.offset)
+                                                for i, r in tables.items()},
+                                 {r.table.name: r.table.spec for r in tables.values()},
+                                 extended.plan)
+        return {**reference, "held": True} if held else reference, b""
 
     def _inline(self, tables: dict) -> tuple[dict, bytes]:
         """The reference and the tables' rows, slots and steps, for servers that cannot
@@ -360,9 +373,17 @@ def restore_into_servers(client, reference: dict, before_plan: bool = True) -> b
     tables = {t["table"]: t["step"] for t in reference["tables"].values()}
     if reference.get(INLINE):
         return False  # the file's rows: written after the tables are filled (`import_rows`)
+    held = bool(reference.get("held"))
     try:
-        shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"])
+        shards = client.restore(reference["path"], sorted(tables), reference["checkpoint"],
+                                held=held, discard_pending=before_plan)
     except ServerError as err:
+        if held and err.code == grpc.StatusCode.NOT_FOUND:
+            raise ConfigError(f"{reference.get('source', 'this checkpoint')} refers to held "
+                              f"checkpoint {reference['checkpoint']} of the tables, which the "
+                              f"servers no longer hold (they started anew, or its tables "
+                              f"were dropped), and it carries no rows: restore a backup on "
+                              f"disk") from err
         if err.code != grpc.StatusCode.NOT_FOUND and not without_data_dir(err):
             raise
         _warn_rows_only(reference, err, before_plan)
