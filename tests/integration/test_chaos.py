@@ -255,6 +255,45 @@ def test_a_killed_worker_with_a_backup_every_step_redoes_at_most_one(tmp_path, m
     _assert_same_weights(tmp_path / "steps.npz", uninterrupted())
 
 
+HELD_EVERY = 3  # --held-backups: one backup in 3 on disk (each attempt's first, then every 3rd)
+
+
+@pytest.mark.timeout(600)
+def test_held_backups_through_a_killed_worker_and_a_killed_server(tmp_path, mark,
+                                                                  uninterrupted):
+    """`--held-backups 3` with a backup every step: worker rank 1 SIGKILLed at a random
+    step resumes from the held backup (the servers kept the run's tables and roll them back),
+    at most one step redone; then a server SIGKILLed: every server starts anew, the held
+    marks are gone, and the job resumes from the newest backup on disk (at most 3 steps
+    redone). The weights are the uninterrupted run's."""
+    chaos = _start(tmp_path, "held", mark, STEP_DELAY, "--save-freq", "1", paced=2,
+                   launch=("--held-backups", str(HELD_EVERY)))
+    kill_step = random.randint(6, 14)
+    try:
+        _wait_for(chaos, f"step {kill_step}",
+                  lambda e: e["attempt"] == 0 and e["step"] >= kill_step)
+        kill_times = [_kill(_start_of(chaos, 0, 1)["pid"])]
+        resumed = _start_of(chaos, 1, 0)["step"]
+        _wait_for(chaos, f"step {resumed + 5}",
+                  lambda e: e["attempt"] == 1 and e["step"] >= resumed + 5)
+        kill_times.append(_kill(_server_pids(mark)[1]))
+    finally:
+        _run_to_end(chaos, mark)
+    causes = _restart_causes(chaos)
+    assert len(causes) == 2 and "worker rank 1" in causes[0] and "parameter server" in \
+        causes[1], chaos.output()
+    events = _events(chaos)
+    failures = _failures(events, kill_times)
+    print(f"\nchaos: held backups (kill at step {kill_step}): {json.dumps(failures)}")
+    assert 0 <= failures[0]["steps_lost"] <= 1, failures
+    assert 0 <= failures[1]["steps_lost"] <= HELD_EVERY, failures
+    err = "\n".join(chaos.err)
+    assert "the servers keep running with run held's tables" in err, chaos.output()
+    if (failures[0]["resumed_at"] - 1) % HELD_EVERY:  # that step's backup was a held one
+        assert "resuming from the held backup" in err, chaos.output()
+    _assert_same_weights(tmp_path / "held.npz", uninterrupted())
+
+
 @pytest.mark.timeout(600)
 def test_an_elastic_job_goes_2_1_2_workers_at_a_fixed_global_batch(tmp_path, mark,
                                                                   uninterrupted):
