@@ -13,12 +13,12 @@ mirrored, its death killing the fork).
 `--warm-starts auto` (the default) keeps the warm process where restarts are expected
 (--max-restarts, --host-discovery-script, --replicas 2); `on` always, `off` never. Only for
 commands it can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's
-interpreter), on this machine and on each other host of --hosts, where the launcher keeps one more over
-ssh (`parallax.launch.warm_remote`: same interpreter and parallax paths there; a host whose
-warm process cannot start sends the job's workers cold, said once; a Kubernetes worker pod
-keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and not where the hosts name
-GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not inherit a CUDA
-context: untested there). A worker
+interpreter), on this machine and on each other host of --hosts, where the launcher keeps
+one more over ssh (`parallax.launch.warm_remote`: the same interpreter and parallax paths
+there; a host whose warm process cannot start sends the job's workers cold, said once; a
+Kubernetes worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and
+not where the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork
+must not inherit a CUDA context: untested there). A worker
 that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable,
 a variable TensorFlow or Keras reads at import, sys.path, or a script that sets such a
 variable or sets up logging before its `import tensorflow`) starts cold, as it would have

@@ -234,6 +234,8 @@ def test_a_failing_worker_ends_the_tensorflow_job_on_both_hosts(cluster, tmp_pat
     time.sleep(1)
     assert not _servers(), "servers left behind"
     assert not [p for p in _probe_processes()], "a worker was left behind"
+
+
 @pytest.mark.multiprocess
 def test_secure_job_on_two_hosts(cluster, tmp_path):
     """--secure with --hosts: certificates for every host, copied over ssh to the other
@@ -334,3 +336,30 @@ def test_a_socket_directory_other_users_can_change_sends_the_workers_cold(cluste
     assert refused.returncode == 3, refused.stderr
     assert "can be changed by other users" in refused.stderr
     assert not _warm_processes(), "a warm process was left behind"
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_leaves_no_warm_process_on_either_host(cluster, tmp_path):
+    """kill -9 of `parallax run` while warm workers run on both hosts: the other host's warm
+    process ends with its ssh connection (the `serve` wrapper there), this host's with its
+    lifeline, and every worker with its warm process."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--warm-starts", "on", "--", "python", PROBE,
+                       "--sleep", "60")
+    try:
+        lines, deadline = _read_lines(launcher), time.monotonic() + 90
+        while len(_probes("".join(lines))) < 2 and launcher.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        probes = _probes("".join(lines))
+        assert all(p["warm"] for p in probes) and len(probes) == 2, "".join(lines)
+        assert {_namespace(pid) for pid in _warm_processes()} == set(NS.values())
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while (_warm_processes() or _probe_processes()) and time.monotonic() < deadline:
+            time.sleep(0.3)
+    finally:
+        launcher.kill()
+    assert not _warm_processes(), "a warm process outlived the launcher"
+    assert not _probe_processes(), "a worker outlived the launcher"
