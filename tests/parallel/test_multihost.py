@@ -363,3 +363,21 @@ def test_a_killed_launcher_leaves_no_warm_process_on_either_host(cluster, tmp_pa
         launcher.kill()
     assert not _warm_processes(), "a warm process outlived the launcher"
     assert not _probe_processes(), "a worker outlived the launcher"
+
+
+@pytest.mark.multiprocess
+def test_a_host_ssh_cannot_reach_gets_no_warm_process_and_says_why(tmp_path):
+    """ssh fails (no such host): the launcher's wait ends with ssh, and the reason names its
+    exit and what it said (the workers then start cold: `WarmProcess.ensure_hosts`)."""
+    from parallax.launch.hosts import HostSpec
+    from parallax.launch.warm import STUB
+    from parallax.launch.warm_remote import RemoteWarm
+    remote = RemoteWarm(HostSpec("no-such-host.invalid"), str(tmp_path / "w" / "fork.sock"),
+                        {}, 16)
+    try:
+        why = remote.refusal(str(STUB), gpus_ok=True, timeout=60)
+    finally:
+        remote.close()
+        remote.wait(5)
+    assert why.startswith("its warm process did not start (ssh exit 255: ") and \
+        "no-such-host.invalid" in why, why
