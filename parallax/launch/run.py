@@ -783,20 +783,26 @@ def workers_argv(config: LaunchConfig, program: list[str], layout=None,
                           "no bind address or credentials for it); use --collectives horovod "
                           "for a secure job")
     if warm is not None:
-        program = _warm(warm, config, program, layout)
+        program = _warm(warm, config, program, layout, backend)
     program = with_devices(layout, config.num_workers, program)
     return backend.argv(layout, config.num_workers, program, config.horovodrun_args), backend
 
 
-def _warm(warm, config: LaunchConfig, program: list[str], layout) -> list[str]:
-    """`program` through the warm process's stub, or as it is (said when --warm-starts on
-    asked for it)."""
+def _warm(warm, config: LaunchConfig, program: list[str], layout,
+          backend: WorkerBackend) -> list[str]:
+    """`program` through the warm processes' stub (this machine's and, over ssh, each other
+    host's), or as it is (said when --warm-starts on asked for it, or a warm process could
+    not start)."""
+    from parallax.launch.hosts import is_local, worker_hosts
     why = why_cold(program, layout, config.num_workers, worker_path())
     if why is not None:
         if config.warm_starts == "on":
             _say(f"--warm-starts on: the workers start cold ({why})")
         return program
-    warm.ensure()
+    others = [h for h, _, _ in worker_hosts(layout, config.num_workers) if not is_local(h.host)]
+    if warm.ensure() is not None or (others and warm.ensure_hosts(
+            others, backend.forwarded, config.warm_starts == "on") is not None):
+        return program
     return warm.wrap(program)
 
 

@@ -12,11 +12,13 @@ mirrored, its death killing the fork).
 
 `--warm-starts auto` (the default) keeps the warm process where restarts are expected
 (--max-restarts, --host-discovery-script, --replicas 2); `on` always, `off` never. Only for
-commands it can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's interpreter),
-on this machine's workers (a remote host's would need a warm process there; a Kubernetes
-worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and not where
-the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork must not
-inherit a CUDA context: untested there). A worker
+commands it can become (`python SCRIPT ...` or `python -m MODULE ...` with the launcher's
+interpreter), on this machine and on each other host of --hosts, where the launcher keeps
+one more over ssh (`parallax.launch.warm_remote`: the same interpreter and parallax paths
+there; a host whose warm process cannot start sends the job's workers cold, said once; a
+Kubernetes worker pod keeps its own: `parallax k8s --warm-starts`, `k8s_bootstrap`), and
+not where the hosts name GPU slots, nor by default on a machine with NVIDIA GPUs (a fork
+must not inherit a CUDA context: untested there). A worker
 that the warm process refuses (another namespace, cgroup, user, rlimit, PYTHON* variable,
 a variable TensorFlow or Keras reads at import, sys.path, or a script that sets such a
 variable or sets up logging before its `import tensorflow`) starts cold, as it would have
@@ -34,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from parallax.launch.warm_stub import host_socket, private_refusal
 from parallax.runtime import lifeline
 
 WARM_STARTS = ("auto", "on", "off")
@@ -49,20 +52,28 @@ class WarmProcess:
     def __init__(self, env: dict[str, str], say) -> None:
         self._env, self._say = env, say
         self._dir = tempfile.mkdtemp(prefix="parallax-warm-")  # 0700: this user's only
-        self.socket = str(Path(self._dir) / "fork.sock")
+        self.base = str(Path(self._dir) / "fork.sock")  # the stubs' argument, on every host
+        self.socket = host_socket(self.base)  # this machine's
         self._proc: subprocess.Popen | None = None
         self._starts = 0
+        self._remotes: dict = {}  # ssh target -> its `warm_remote.RemoteWarm`
+        self._said: set[str] = set()
 
-    def ensure(self) -> None:
+    def ensure(self) -> str | None:
         """Start the warm process, or again if it has ended (its next workers are then
-        forked from the new one; any that asked in between started cold)."""
+        forked from the new one; any that asked in between started cold); why the workers
+        start cold (its directory is not private: said once), or None."""
+        Path(self._dir).mkdir(mode=0o700, exist_ok=True)  # (a warm process ended removes it)
+        why = private_refusal(self._dir)
+        if why is not None:
+            return self._once(f"this machine: {why}")
         if self._proc is not None and self._proc.poll() is None:
-            return
+            return None
         if self._proc is not None:
             self._say(f"the warm process ended ({self._proc.returncode}); starting another")
             self._signal(signal.SIGKILL)  # what is left in its group (its leader ended the rest)
         Path(self.socket).unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.socket,
+        argv = [sys.executable, "-m", "parallax.launch.warm_fork", self.base,
                 "-" * TITLE_ROOM_BYTES]
         # as the job is: in a group of its own, whose leader ends all of it (the workers'
         # children too: they are re-parented to it) when the launcher dies; and out of the
@@ -76,6 +87,7 @@ class WarmProcess:
                                       **group)
         self._starts += 1
         self._listening()
+        return None
 
     def _listening(self) -> None:
         """Wait (up to BIND_WAIT_S) until the new warm process listens: a stub that came
@@ -87,13 +99,41 @@ class WarmProcess:
 
     def wrap(self, program: list[str]) -> list[str]:
         """`program` started through the stub."""
-        return [sys.executable, "-I", "-S", str(STUB), self.socket, "--", *program]
+        return [sys.executable, "-I", "-S", str(STUB), self.base, "--", *program]
+
+    def ensure_hosts(self, hosts, forwarded, gpus_ok: bool) -> str | None:
+        """Start the warm process of each of `hosts` (other machines' HostSpecs) that has
+        none (again where one ended), with the compared variables of `forwarded(env)`
+        (what the backend gives the workers there); why the workers must start cold (one
+        of them has none: said once), or None. `gpus_ok`: fork on a host with GPUs."""
+        from parallax.launch.warm_remote import RemoteWarm, compared
+        env = compared(forwarded(self._env))
+        for host in hosts:
+            old = self._remotes.get(host.ssh_target)
+            if old is None or (old.said is not None and not old.alive()):
+                if old is not None:
+                    self._say(f"the warm process on {host.ssh_target} ended; starting another")
+                self._remotes[host.ssh_target] = RemoteWarm(
+                    host, self.base, env, TITLE_ROOM_BYTES)
+        for host in hosts:
+            why = self._remotes[host.ssh_target].refusal(str(STUB), gpus_ok)
+            if why is not None:
+                return self._once(f"{host.ssh_target}: {why}")
+        return None
+
+    def _once(self, why: str) -> str:
+        if why not in self._said:
+            self._said.add(why)
+            self._say(f"warm starts: the workers start cold ({why})")
+        return why
 
     def stop(self) -> None:
         """SIGTERM the warm process's group (its leader waits for the warm process, whose
         workers die with it; a worker's children that outlived it were re-parented to the
         leader, which ends them before it exits: each worker leads a session of its own, out
         of the group), then SIGKILL what is left after STOP_GRACE_S."""
+        for remote in self._remotes.values():
+            remote.close()  # (the wrapper there ends it and its workers: waited for below)
         if self._proc is not None:
             self._signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
@@ -101,6 +141,8 @@ class WarmProcess:
                 time.sleep(0.05)
             self._signal(signal.SIGKILL)
             self._proc.wait()
+        for remote in self._remotes.values():
+            remote.wait(STOP_GRACE_S + 10)  # (the wrapper there waits 10 s for its SIGTERM)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _signal(self, signum: int) -> None:
@@ -124,10 +166,8 @@ def gpu_machine() -> bool:
 
 def why_cold(program: list[str], layout, num_workers: int, path: str) -> str | None:
     """Why this job's workers cannot start warm, or None (`path`: the workers' PATH)."""
-    from parallax.launch.hosts import is_local, worker_hosts
+    from parallax.launch.hosts import worker_hosts
     hosts = worker_hosts(layout, num_workers)
-    if any(not is_local(host.host) for host, _, _ in hosts):
-        return "workers on other hosts"
     if any(host.gpus for host, _, _ in hosts):
         return "GPU slots named"
     return why_cold_command(program, path)

@@ -3,8 +3,11 @@ worker for each `warm_stub.py` that asks (`python -m parallax.launch.warm_fork S
 
 Importing TensorFlow costs each worker ~2.5 s of CPU and Keras and parallax ~1 s more; a
 restart pays it again for every worker, all at once. Here it is paid once per launcher:
-the fork is ready in milliseconds. `parallax.launch.warm` starts this process and rewrites
-the workers' command; the contract with the stub is in `warm_stub`.
+the fork is ready in milliseconds. `parallax.launch.warm` starts this process (and, over ssh,
+`warm_remote` one on each other host) and rewrites the workers' command; the contract with
+the stub is in `warm_stub`. SOCKET's directory is made private (0700) here, or refused
+(exit 3, the reason on stderr) where it is not this user's own; the process starts in it,
+and says on stdout that it listens (LISTENING, then JSON), before its imports.
 
 A forked worker becomes what `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would have
 been, started by the stub: its environment, arguments, working directory, standard streams,
@@ -35,6 +38,7 @@ import atexit
 import builtins
 import contextlib
 import ctypes
+import functools
 import importlib
 import importlib.machinery
 import io
@@ -48,7 +52,8 @@ import sys
 import threading
 import types
 
-from parallax.launch.warm_stub import LENGTH, exactly, identity, send
+from parallax.launch.warm_stub import (LENGTH, exactly, host_socket, identity,
+                                       private_refusal, send)
 
 PRELOAD = ("numpy", "tensorflow", "keras", "horovod.tensorflow", "parallax.tf",
            "parallax.tf.strategy.parallax_strategy")  # (the client, gRPC, the planner too)
@@ -70,6 +75,8 @@ START_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "LD_PRELOAD", "LD_LIBRARY_PATH", "TZ"
 IMPORTS_TENSORFLOW = ("tensorflow", "keras", "tf_keras", "horovod", "parallax")
 LOGGING_SETUP = ("basicConfig", "dictConfig", "fileConfig", "addHandler")
 STREAMS = ("stdout", "stderr")  # sys's, which TensorFlow's and absl's log handlers take
+LISTENING = "parallax-warm-process listening "  # then JSON: what the launcher checks
+STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_stub.py")
 _PR_SET_PDEATHSIG = 1
 _REQUEST_TIMEOUT_S = 10.0
 _held = []  # this process's own standard streams, kept so that closing them never closes 0-2
@@ -83,12 +90,61 @@ def main(argv: list[str]) -> int:
         return 2
     _retitle(["parallax-warm-process", argv[1]])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its workers' is theirs (reset there)
+    why = _settle(os.path.dirname(argv[1]))
+    if why is not None:
+        print(f"parallax warm process: {why}", file=sys.stderr, flush=True)
+        return 3
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(argv[1])  # before the imports: stubs that come early wait, not go cold
+    path = host_socket(argv[1])
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # (a socket left by a warm process of this directory that was killed)
+    listener.bind(path)  # before the imports: stubs that come early wait, not go cold
     listener.listen(128)
+    signal.signal(signal.SIGTERM, functools.partial(_leave, os.getpid(), path))
+    print(LISTENING + json.dumps({"socket": path, "python": sys.executable, "stub": STUB,
+                                  "gpus": _gpus()}), flush=True)
     _preload()
     conn, request, fds = _serve(listener, _Same.now())  # returns in a forked worker only
     return _work(conn, request, fds)
+
+
+def _settle(directory: str) -> str | None:
+    """Make `directory` (0700) unless there, check that it is this user's private one (the
+    stubs send it their environment: `private_refusal`), and start in it as a cold worker
+    starts in its script's directory: the working directory, and first on sys.path in place
+    of the one `-m` put there (the directory the process was started in: over ssh, the
+    home directory). Returns why it cannot be used, or None."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot make {directory} ({exc.strerror or exc})"
+    why = private_refusal(directory)
+    if why is not None:
+        return why
+    os.chdir(directory)
+    if not sys.flags.safe_path:
+        sys.path[0] = directory
+    return None
+
+
+def _leave(me: int, path: str, signum: int, frame) -> None:
+    """On SIGTERM: remove the socket and its directory if that is empty (another host's is
+    left behind otherwise), then end by the signal (the workers end with this process). A
+    worker that gets it before it reset the handler just ends."""
+    if os.getpid() == me:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _gpus() -> bool:
+    """Whether this machine has NVIDIA GPUs (`parallax.launch.warm.gpu_machine`)."""
+    return any(name.startswith("nvidia") and name[6:].isdigit() for name in os.listdir("/dev"))
 
 
 def _preload() -> None:

@@ -7,7 +7,13 @@ as file descriptors), then stands in for it: signals sent to it go to the worker
 exits as the worker did (by the same signal, for a death by a signal). Its own death ends
 the worker (the warm process watches the connection). Where the warm process cannot start the
 worker (gone, refusing: another network namespace, cgroup, user or rlimit), it runs the
-command itself (exec), as if it had never been there: a cold start.
+command itself (exec), as if it had never been there: a cold start. So it does where SOCKET's
+directory is not this user's own, private (0700) one: the request carries the environment,
+tokens included, and another user's directory may hold another user's listener.
+
+SOCKET names one socket per network namespace (`host_socket`): the launcher gives every
+host's workers the same command line, and the warm process serves only the workers of its
+own namespace (hosts emulated by namespaces on one machine share the directory).
 
 Standard library only, and started with -S (no site-packages): it costs ~20 ms, not the
 seconds TensorFlow's import does. The wire contract, shared with `parallax.launch.warm_fork`:
@@ -21,6 +27,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import struct
 import sys
 
@@ -87,12 +94,48 @@ def _request(program, ignored=()):
             "cpus": sorted(os.sched_getaffinity(0)), "ignored": [int(s) for s in ignored]}
 
 
+def host_socket(path):
+    """The socket of this network namespace's warm process: PATH-INODE (the namespace's
+    inode number), or PATH where /proc does not say."""
+    try:
+        space = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return path
+    return f"{path}-{''.join(c for c in space if c.isdigit())}"
+
+
+def private_refusal(directory):
+    """Why `directory` is not this user's private one (a directory, not a link, owned by
+    this user, mode 0700, in a parent that no other user can change), or None."""
+    try:
+        info = os.lstat(directory)
+        parent = os.stat(os.path.dirname(os.path.abspath(directory)))
+    except OSError as exc:
+        return f"cannot use {directory} ({exc.strerror or exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory (a link or a file): remove it"
+    if info.st_uid != os.geteuid():
+        return f"{directory} is owned by uid {info.st_uid}, not this user (uid " \
+               f"{os.geteuid()}): remove it, or set TMPDIR to a directory of your own"
+    if info.st_mode & 0o077:
+        return f"{directory} has mode {stat.S_IMODE(info.st_mode):o}, not 700: remove it"
+    if parent.st_uid not in (0, os.geteuid()) or (parent.st_mode & 0o022
+                                                  and not parent.st_mode & stat.S_ISVTX):
+        return f"{os.path.dirname(os.path.abspath(directory))}, the parent of {directory}, " \
+               f"can be changed by other users (uid {parent.st_uid}, mode " \
+               f"{stat.S_IMODE(parent.st_mode):o}): set TMPDIR to a directory of your own"
+    return None
+
+
 def _ask(path, program, ignored=()):
     """(the connection, the worker's pid) once the warm process forked it; (None, why) when
     it will not."""
+    why = private_refusal(os.path.dirname(path))
+    if why is not None:
+        return None, why
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
+        sock.connect(host_socket(path))
         send(sock, _request(program, ignored), (0, 1, 2))
         reply = receive(sock)
     except OSError as exc:

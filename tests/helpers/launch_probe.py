@@ -5,7 +5,8 @@ and size from PARALLAX_WORKERS and PARALLAX_WORKER_RANK (the TensorFlow supervis
 --collective it also sums rank + 1 over the workers through their collectives ("sum"); waits until
 every server in PARALLAX_PS_ADDRESSES is serving, prints {"probe": 1, "rank", "size",
 "addresses", "run_id", "pid", "netns", "mode", "sync", "restart", "cuda" (CUDA_VISIBLE_DEVICES),
-"log_level" (PARALLAX_LOG_LEVEL)}, optionally sleeps, and
+"log_level" (PARALLAX_LOG_LEVEL), "warm" (TensorFlow imported before its first line: forked
+from a warm process)}, optionally sleeps, and
 exits with --exit CODE (only on --exit-rank R when given, at once; the other ranks sleep
 and exit 0). With
 --until-restart A, the sleep and the exit code apply only while PARALLAX_RESTART_COUNT < A
@@ -22,6 +23,7 @@ import os
 import sys
 import time
 
+WARM = "tensorflow" in sys.modules  # forked from a warm process (parallax.launch.warm)
 parser = argparse.ArgumentParser()
 parser.add_argument("--exit", type=int, default=0)
 parser.add_argument("--exit-rank", type=int, default=None)
@@ -71,7 +73,7 @@ print(json.dumps({"probe": 1, "rank": rank, "size": size, "addresses": addresses
                   "sync": os.environ.get("PARALLAX_SYNC"), "restart": restart, "sum": total,
                   "replicas": os.environ.get("PARALLAX_REPLICAS"),
                   "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                  "log_level": os.environ.get("PARALLAX_LOG_LEVEL"),
+                  "log_level": os.environ.get("PARALLAX_LOG_LEVEL"), "warm": WARM,
                   "asked": rescale_request(rescale_file) if rescale_file else None}),
       flush=True)
 

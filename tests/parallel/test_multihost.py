@@ -97,9 +97,9 @@ def _probe_wrappers() -> list[int]:
             if PROBE.encode() in cmd and b"parallax.launch.hosts" in cmd and b"serve" in cmd]
 
 
-def _launch(nc: Path, hosts: Path, *args: str) -> subprocess.Popen:
+def _launch(nc: Path, hosts: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "PATH": f"{nc / 'bin'}:{os.environ['PATH']}",
-           "TF_CPP_MIN_LOG_LEVEL": "2", "MULTIHOST_MARK": uuid.uuid4().hex}
+           "TF_CPP_MIN_LOG_LEVEL": "2", "MULTIHOST_MARK": uuid.uuid4().hex, **(env or {})}
     return subprocess.Popen(["ip", "netns", "exec", NS["10.77.0.1"], PARALLAX, "run",
                              "--hosts", str(hosts), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -234,6 +234,8 @@ def test_a_failing_worker_ends_the_tensorflow_job_on_both_hosts(cluster, tmp_pat
     time.sleep(1)
     assert not _servers(), "servers left behind"
     assert not [p for p in _probe_processes()], "a worker was left behind"
+
+
 @pytest.mark.multiprocess
 def test_secure_job_on_two_hosts(cluster, tmp_path):
     """--secure with --hosts: certificates for every host, copied over ssh to the other
@@ -248,3 +250,134 @@ def test_secure_job_on_two_hosts(cluster, tmp_path):
         "credentials left behind"
     time.sleep(1)
     assert not _servers(), "servers left behind"
+
+
+def _warm_processes() -> list[int]:
+    """pids of warm processes (`parallax.launch.warm_fork`, retitled) still running."""
+    return [pid for pid, cmd in _cmdlines() if cmd[0] == b"parallax-warm-process"]
+
+
+def _namespace(pid: int) -> str:
+    return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _read_lines(launcher: subprocess.Popen) -> list[str]:
+    """The launcher's output lines, appended as they come (a reader thread)."""
+    import threading
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
+    return lines
+
+
+@pytest.mark.multiprocess
+def test_remote_workers_start_warm_on_every_attempt(cluster, tmp_path):
+    """--max-restarts: the other host gets a warm process too (over ssh, under the `serve`
+    wrapper); its worker, killed -9, comes back forked warm again, as does this host's, and
+    the job ends 0 with no warm process left on either host."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--max-restarts", "1", "--data-dir",
+                       str(tmp_path / "data"), "--", "python", PROBE, "--sleep", "60",
+                       "--until-restart", "1")
+    try:
+        lines, deadline = _read_lines(launcher), time.monotonic() + 90
+        while len(_probes("".join(lines))) < 2 and launcher.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first = _probes("".join(lines))
+        remote = [p for p in first if _namespace(p["pid"]) == NS["10.77.0.2"]]
+        assert len(first) == 2 and len(remote) == 1, "".join(lines)
+        os.kill(remote[0]["pid"], signal.SIGKILL)
+        launcher.wait(120)
+        time.sleep(0.5)  # (the reader's last lines)
+        output = "".join(lines)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output
+    probes = _probes(output)
+    assert sorted({(p["restart"], p["rank"]) for p in probes}) == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)], output
+    assert all(p["warm"] for p in probes), output
+    assert "start cold" not in output, output
+    time.sleep(1)
+    assert not _warm_processes(), "a warm process was left behind"
+    assert not _servers(), "servers left behind"
+
+
+@pytest.mark.multiprocess
+def test_a_socket_directory_other_users_can_change_sends_the_workers_cold(cluster, tmp_path):
+    """TMPDIR (where the warm processes' directory is made, the same path on every host) is
+    another user's, writable by all: the workers of both attempts start cold, the reason
+    named once, and the job ends 0. The other host's warm process refuses such a directory
+    alike (exit 3, the reason on stderr)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    os.chown(shared, 65534, 65534)
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    env = {"TMPDIR": str(shared)}
+    launcher = _launch(cluster, hosts, "--max-restarts", "1", "--data-dir",
+                       str(tmp_path / "data"), "--", "python", PROBE, "--exit", "3",
+                       "--exit-rank", "1", "--until-restart", "1", env=env)
+    try:
+        output = launcher.communicate(timeout=180)[0]
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output
+    probes = _probes(output)
+    assert len({(p["restart"], p["rank"]) for p in probes}) == 4, output
+    assert not any(p["warm"] for p in probes), output
+    assert output.count("warm starts: the workers start cold") == 1, output
+    assert f"{shared}, the parent of" in output and "can be changed by other users" in output
+    refused = subprocess.run(
+        ["ip", "netns", "exec", NS["10.77.0.2"], sys.executable, "-m",
+         "parallax.launch.warm_fork", str(shared / "parallax-warm-x" / "fork.sock"), "-"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode == 3, refused.stderr
+    assert "can be changed by other users" in refused.stderr
+    assert not _warm_processes(), "a warm process was left behind"
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_leaves_no_warm_process_on_either_host(cluster, tmp_path):
+    """kill -9 of `parallax run` while warm workers run on both hosts: the other host's warm
+    process ends with its ssh connection (the `serve` wrapper there), this host's with its
+    lifeline, and every worker with its warm process."""
+    hosts = _write_hosts(tmp_path / "two.yaml")
+    launcher = _launch(cluster, hosts, "--warm-starts", "on", "--", "python", PROBE,
+                       "--sleep", "60")
+    try:
+        lines, deadline = _read_lines(launcher), time.monotonic() + 90
+        while len(_probes("".join(lines))) < 2 and launcher.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        probes = _probes("".join(lines))
+        assert all(p["warm"] for p in probes) and len(probes) == 2, "".join(lines)
+        assert {_namespace(pid) for pid in _warm_processes()} == set(NS.values())
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while (_warm_processes() or _probe_processes()) and time.monotonic() < deadline:
+            time.sleep(0.3)
+    finally:
+        launcher.kill()
+    assert not _warm_processes(), "a warm process outlived the launcher"
+    assert not _probe_processes(), "a worker outlived the launcher"
+
+
+@pytest.mark.multiprocess
+def test_a_host_ssh_cannot_reach_gets_no_warm_process_and_says_why(tmp_path):
+    """ssh fails (no such host): the launcher's wait ends with ssh, and the reason names its
+    exit and what it said (the workers then start cold: `WarmProcess.ensure_hosts`)."""
+    from parallax.launch.hosts import HostSpec
+    from parallax.launch.warm import STUB
+    from parallax.launch.warm_remote import RemoteWarm
+    remote = RemoteWarm(HostSpec("no-such-host.invalid"), str(tmp_path / "w" / "fork.sock"),
+                        {}, 16)
+    try:
+        why = remote.refusal(str(STUB), gpus_ok=True, timeout=60)
+    finally:
+        remote.close()
+        remote.wait(5)
+    assert why.startswith("its warm process did not start (ssh exit 255: ") and \
+        "no-such-host.invalid" in why, why

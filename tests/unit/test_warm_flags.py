@@ -77,9 +77,10 @@ def test_this_python_through_a_symlinked_directory_starts_cold(tmp_path):
     assert "is not" in warm.why_cold([str(linked), "t.py"], LOCAL, 1, worker_path())
 
 
-def test_workers_on_other_hosts_or_gpu_slots_start_cold(tmp_path):
+def test_workers_on_other_hosts_may_start_warm_but_gpu_slots_start_cold(tmp_path):
+    # (another host's workers are forked from a warm process there: `warm_remote`)
     assert warm.why_cold([PY, "t.py"], parse_host_string("localhost:1,otherhost:1"), 2,
-                         worker_path()) == "workers on other hosts"
+                         worker_path()) is None
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n  - {host: localhost, slots: 2, gpus: [0, 1]}\n")
     assert warm.why_cold([PY, "t.py"], load_hosts(hosts), 2, worker_path()) == \
@@ -202,3 +203,26 @@ def test_a_script_that_may_change_a_variable_read_at_import_is_named(source, cha
 def test_logging_set_up_before_tensorflows_import_is_told(source, first):
     import ast
     assert warm_fork._logs_first(ast.parse(source)) is first
+
+
+def test_the_warm_processes_directory_must_be_this_users_private_one(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir(0o700)
+    assert warm_stub.private_refusal(str(mine)) is None
+    mine.chmod(0o755)
+    assert "has mode 755, not 700" in warm_stub.private_refusal(str(mine))
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert "not a directory" in warm_stub.private_refusal(str(link))
+    assert "cannot use" in warm_stub.private_refusal(str(tmp_path / "missing"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by all, not sticky: another user could swap what is in it
+    (shared / "d").mkdir(0o700)
+    assert "can be changed by other users" in warm_stub.private_refusal(str(shared / "d"))
+
+
+def test_each_network_namespace_has_a_socket_of_its_own():
+    space = os.readlink("/proc/self/ns/net")
+    assert warm_stub.host_socket("/x/fork.sock") == \
+        "/x/fork.sock-" + "".join(c for c in space if c.isdigit())

@@ -28,6 +28,11 @@ class WorkerBackend(abc.ABC):
         """The command that starts the workers (`extra_args`: --horovodrun-arg's, for a
         backend that takes them); raises ConfigError when it cannot be made."""
 
+    def forwarded(self, env: dict[str, str]) -> dict[str, str]:
+        """What a worker on another host gets of the launcher's environment `env` (the rest
+        is that host's own: `parallax.launch.warm_remote` matches it)."""
+        return dict(env)
+
     def rank_line(self, line: bytes) -> tuple[int, bytes] | None:
         """(rank, text) when an output line is a worker's, marked with its rank."""
         return None

@@ -29,6 +29,9 @@ _OWN_FLAGS = {"-np": _NP, "--num-proc": _NP, "-H": _HOSTS, "--hosts": _HOSTS,
 # horovodrun prints this for each worker that exits non-zero, the first failure first
 _HVD_EXIT = re.compile(rb"^Process (\d+) exit with status code (-?\d+)\.")
 _RANK_LINE = re.compile(rb"^\[(\d+)\]<std(?:out|err)>:(.*)")  # horovodrun's prefixes
+# what horovodrun does not forward to a remote worker (Horovod 0.28's env_util.IGNORE_REGEXES,
+# matched as it does, from a name's start)
+_NOT_FORWARDED = re.compile(r"BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES|HOROVOD_SECRET_KEY")
 
 
 class Horovodrun(WorkerBackend):
@@ -38,6 +41,9 @@ class Horovodrun(WorkerBackend):
     def accepts(self, layout: ClusterLayout, num_workers: int, collectives: str = "auto"
                 ) -> bool:
         return collectives != "tensorflow"
+
+    def forwarded(self, env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if not _NOT_FORWARDED.match(k)}
 
     def argv(self, layout: ClusterLayout, num_workers: int, program: list[str],
              extra_args: tuple[str, ...] = ()) -> list[str]:

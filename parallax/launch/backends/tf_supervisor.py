@@ -117,11 +117,16 @@ def host_addresses(host: WorkerHost) -> list[str]:
     return addresses
 
 
+def forwarded(env: dict[str, str]) -> dict[str, str]:
+    """What of `env` a worker on another host gets (the rest is that host's own)."""
+    return {k: v for k, v in env.items()
+            if not _LOCAL_ONLY.match(k) and re.fullmatch(r"[A-Za-z_]\w*", k)}
+
+
 def remote_command(host: WorkerHost, program: list[str], env: dict[str, str]) -> list[str]:
     """ssh running `program` on `host` in this working directory with `env`'s exportable
     variables, under the `serve` wrapper (it ends the program when ssh's stdin closes)."""
-    exported = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
-                        if not _LOCAL_ONLY.match(k) and re.fullmatch(r"[A-Za-z_]\w*", k))
+    exported = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forwarded(env).items()))
     serve = shlex.join([*own_module("parallax.launch.hosts"), "serve", *program])
     script = f"cd {shlex.quote(os.getcwd())} && exec env {exported} {serve}"
     return host.ssh(["sh", "-c", script])

@@ -38,6 +38,10 @@ class TensorFlowRun(WorkerBackend):
         return [*own_module(SUPERVISOR), "--hosts",
                 json.dumps(supervisor_hosts(layout, num_workers)), "--", *program]
 
+    def forwarded(self, env: dict[str, str]) -> dict[str, str]:
+        from parallax.launch.backends.tf_supervisor import forwarded
+        return forwarded(env)
+
     rank_line = Horovodrun.rank_line  # the same output contract as horovodrun's
     failure = Horovodrun.failure
 
