@@ -218,6 +218,11 @@ def _job_options(g) -> None:
                         "attempt's command from it (`python SCRIPT` or `python -m MODULE` "
                         "with the image's Python); auto (default): on, but not on a node "
                         "with NVIDIA GPUs; off: every attempt starts its command cold")
+    g.add_argument("--held-backups", type=int, default=0, metavar="N",
+                   help="with --max-restarts: Keras BackupAndRestore keeps one backup in N "
+                        "on disk and the tables of the others in the servers' memory; the "
+                        "servers keep the run's tables across restarts (default 0: every "
+                        "backup on disk, the tables dropped before each restart)")
 
 
 def _resource_options(g) -> None:
@@ -313,7 +318,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         collectives=args.collectives, collective_port=args.collective_port,
         server_args=tuple(args.server_arg), gloo_iface=args.gloo_iface,
         image_pull_policy=args.image_pull_policy, max_restarts=args.max_restarts,
-        warm_starts=args.warm_starts,
+        warm_starts=args.warm_starts, held_backups=args.held_backups,
         data_dir=args.data_dir, data_volume_size=args.data_volume_size,
         storage_class=args.storage_class, gpus=args.gpus, **resources,
         worker_node_selector=tuple(args.worker_node_selector),

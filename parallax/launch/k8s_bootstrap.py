@@ -16,7 +16,8 @@ from typing import Mapping
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
                           RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          TOKEN_FILE_ENV, WARM_STARTS_ENV, WORKER_RANK_ENV, WORKERS_ENV)
+                          TOKEN_FILE_ENV, WARM_STARTS_ENV, WORKER_RANK_ENV, WORKERS_ENV,
+                          held_backups)
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch.rendezvous import host_plan as _host_plan
@@ -138,12 +139,17 @@ def _say(text: str) -> None:
 def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
     """Worker 0, before each attempt: a new rendezvous (a fresh gloo context), and none of
     this run's tables left on the servers, as if they had restarted (the checkpoints on
-    their data volume stay; the workers' scripts restore from them)."""
+    their data volume stay; the workers' scripts restore from them); with held backups
+    (PARALLAX_HELD_BACKUPS) a restart keeps them: the workers roll them back."""
     def start(attempt: int) -> None:
         if size > 1 and not _tensorflow(environ):
             server.init(_host_plan(size))
         addresses = environ.get(ADDRESSES_ENV)
         if not addresses:
+            return
+        if attempt and held_backups(environ):
+            _say(f"attempt {attempt}: the servers keep run {environ[RUN_ID_ENV]}'s tables; the "
+                 f"workers roll them back to their newest held backup")
             return
         from parallax.client.connection import client_options_from_env
         from parallax.client.ps_client import PSClient

@@ -66,6 +66,9 @@ class K8sConfig:
     image_pull_policy: str = "IfNotPresent"
     max_restarts: int = 0                 # gang restarts of all workers after a failure
     warm_starts: str = "auto"             # each restart's command forked warm in its pod
+    held_backups: int = 0                 # with max_restarts: one Keras backup in N on disk,
+                                          # the others held by the servers, which keep the
+                                          # run's tables across restarts
     data_dir: str | None = None           # the servers' --data-dir (checkpoints)
     data_volume_size: str | None = None   # a PersistentVolumeClaim per server, e.g. "10Gi"
     storage_class: str | None = None      # its storageClassName (None: the cluster default)
@@ -370,6 +373,10 @@ def _validate_restarts(config: K8sConfig) -> None:
     if config.warm_starts not in WARM_STARTS:
         raise ConfigError(f"--warm-starts {config.warm_starts!r}: give one of "
                           f"{', '.join(WARM_STARTS)}")
+    if isinstance(config.held_backups, bool) or not isinstance(config.held_backups, int) \
+            or config.held_backups < 0:
+        raise ConfigError(f"--held-backups {config.held_backups!r} must be an integer >= 0 "
+                          f"(N: one backup in N on disk, the others held by the servers)")
     if config.data_volume_size is not None and not _QUANTITY.match(str(config.data_volume_size)):
         raise ConfigError(f"--data-volume-size {config.data_volume_size!r} is not a Kubernetes "
                           f"quantity; e.g. --data-volume-size 10Gi")

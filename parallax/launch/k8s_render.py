@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, JOB_CONFIG_ENV,
+from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, HELD_BACKUPS_ENV, JOB_CONFIG_ENV,
                           MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, REPLICAS_ENV, RUN_ID_ENV,
                           SYNC_ENV, WARM_STARTS_ENV, WORKERS_ENV)
 from parallax.launch import gang
@@ -142,6 +142,8 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
         env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
         env[MAX_RESTARTS_ENV] = str(config.max_restarts)
         env[WARM_STARTS_ENV] = config.warm_starts
+        if config.held_backups:
+            env[HELD_BACKUPS_ENV] = str(config.held_backups)
     env.update(secure.worker_env(config))
     return env
 

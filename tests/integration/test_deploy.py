@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from parallax import cli
-from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, GANG_TIMEOUT_ENV, JOB_CONFIG_ENV,
-                          MAX_RESTARTS_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
+from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, GANG_TIMEOUT_ENV, HELD_BACKUPS_ENV,
+                          JOB_CONFIG_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV, RENDEZVOUS_TIMEOUT_ENV,
                           TOKEN_FILE_ENV, strategy_options)
 from parallax.errors import ConfigError
 from parallax.launch import k8s
@@ -568,6 +568,7 @@ def test_replicas_reach_the_workers_only_when_asked():
     ({"max_restarts": -1}, ["--max-restarts -1", ">= 0"]),
     ({"max_restarts": 1, "warm_starts": "sometimes"}, ["--warm-starts 'sometimes'",
                                                        "auto, on, off"]),
+    ({"max_restarts": 1, "held_backups": -2}, ["--held-backups -2", ">= 0"]),
     ({"data_volume_size": "ten"}, ["--data-volume-size 'ten'", "10Gi"]),
     ({"storage_class": "fast"}, ["--storage-class 'fast'", "--data-volume-size"]),
     ({"data_volume_size": "1Gi", "storage_class": "Fast_SSD"}, ["'Fast_SSD'"]),
@@ -1485,6 +1486,19 @@ def _gang_pods(tmp_path, max_restarts: int, extra_env: dict,
     return _two_pods(container, {RENDEZVOUS_ENV: f"localhost:{_free_port()}",
                                  GANG_TIMEOUT_ENV: "20", **image, **_mounted_token(tmp_path),
                                  **extra_env}, 90)
+
+
+def test_held_backups_reach_the_worker_pods_and_keep_the_tables_across_restarts(capsys):
+    import dataclasses
+    from parallax.launch.k8s_bootstrap import _fresh_start
+    config = CONFIGS[RESTART_CONFIGS[0]]
+    assert HELD_BACKUPS_ENV not in _env(_objects(config)[3])
+    env = _env(_objects(dataclasses.replace(config, held_backups=4))[3])
+    assert env[HELD_BACKUPS_ENV] == "4"
+    # worker 0's gang supervisor before attempt 1: no drop (no server is even asked)
+    start = _fresh_start({**env, ADDRESSES_ENV: "127.0.0.1:1"}, None, 1, 0.1)
+    start(1)
+    assert "attempt 1: the servers keep run " in capsys.readouterr().out
 
 
 def _mounted_token(tmp_path: Path) -> dict[str, str]:
