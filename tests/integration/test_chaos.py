@@ -294,6 +294,36 @@ def test_held_backups_through_a_killed_worker_and_a_killed_server(tmp_path, mark
     _assert_same_weights(tmp_path / "held.npz", uninterrupted())
 
 
+NO_BACKUP = """
+import os, sys
+import keras, numpy as np, parallax
+strategy = parallax.ParallaxStrategy()
+with strategy.scope():
+    inputs = keras.Input((2,), dtype="int64")
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Embedding(50, 2)(inputs)))
+    model = keras.Model(inputs, out)
+    model.compile(keras.optimizers.Adagrad(0.1), loss="mse")
+ids = np.arange(32, dtype="int64").reshape(16, 2) % 50
+model.fit(ids, np.ones((16, 1), "float32"), batch_size=8, epochs=2, verbose=0)
+sys.exit(3 if os.environ["PARALLAX_RESTART_COUNT"] == "0" else 0)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_held_backups_restart_a_job_without_backups_on_fresh_tables(tmp_path, mark):
+    """--held-backups keeps the run's tables for the next attempt, but one that resumes from
+    no held backup (here: none at all) drops them first and starts as on fresh servers
+    (else: "already exists on the servers and has applied 4 steps")."""
+    script = tmp_path / "no_backup.py"
+    script.write_text(NO_BACKUP)
+    job = Launcher("-np", "1", "--servers", "1", "--max-restarts", "1", "--restart-delay",
+                   "0", "--held-backups", "2", "--", sys.executable, str(script), mark=mark)
+    _run_to_end(job, mark, timeout=120)
+    err = "\n".join(job.err)
+    assert "the servers keep running with run" in err, job.output()
+    assert "dropped 1 table(s) the attempt before left on the servers" in err, job.output()
+
+
 @pytest.mark.timeout(600)
 def test_an_elastic_job_goes_2_1_2_workers_at_a_fixed_global_batch(tmp_path, mark,
                                                                   uninterrupted):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import zlib
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ from parallax import native
 from parallax.client import ClientOptions, PSClient
 from parallax.client.cluster import ClusterSpec
 from parallax.client.connection import client_options_from_env
+from parallax.env import RESTART_COUNT_ENV, held_backups
 from parallax.errors import ConfigError
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
@@ -221,6 +223,7 @@ class TableBinder:
             memory = [stats[a].memory_bytes if a in stats else 0 for a in self.client.addresses]
             check_fits(self.plan, {vp.index: spec for vp, spec in zip(on_servers, specs)},
                        memory, self.client.options.replicas)
+            drop_kept_tables(self.client, self.cluster.run_id, restore)
             tables: dict = {}
             for vp, spec in zip(on_servers, specs):
                 if spec.name not in tables:  # a table group's spec comes once per member
@@ -278,6 +281,21 @@ def _server_slot_name(slot: tf.Variable, spec: TableSpec) -> str | None:
     variable's path and the slot: `..._embeddings_velocity`; the servers use Keras' names)."""
     base = slot.name.split(":")[0]
     return next((n for n in spec.optimizer.slot_names() if base.endswith(f"_{n}")), None)
+
+
+def drop_kept_tables(client: PSClient, run_id: str, restore) -> None:
+    """Chief, in a restarted attempt of a job with held backups: the launcher kept the run's
+    tables for a resume from a held backup (`parallax.tf.state.held_backups`); any other
+    start (a backup on disk, none at all) drops them first, as the launcher does without
+    held backups, so the tables start as on fresh servers."""
+    if not held_backups() or not int(os.environ.get(RESTART_COUNT_ENV, "0") or 0):
+        return
+    reference = getattr(restore, "reference", None) or {}
+    if not reference.get("held"):
+        dropped = client.delete_tables(f"{run_id}.")
+        if dropped:
+            log.info("dropped %d table(s) the attempt before left on the servers: this "
+                     "attempt does not resume from a held backup", len(dropped))
 
 
 def broadcast_replicated(variables: Sequence[tf.Variable], workers: Workers) -> None:
