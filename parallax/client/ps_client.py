@@ -337,6 +337,11 @@ class PSClient:
         return self._shards_of(self._each("Restore", request(checkpoint=name)), tables,
                                "restore")
 
+    def drop_held(self, tables: Sequence[str], checkpoint: str) -> None:
+        """Every server drops held checkpoint `checkpoint` of `tables` (and its copies)."""
+        self._each("Save", ps_pb2.SaveRequest(tables=list(tables), checkpoint=checkpoint,
+                                              held=True, phase=ps_pb2.SAVE_ABORT))
+
     def holds(self, tables: Sequence[str], checkpoint: str) -> bool:
         """Whether every server holds held checkpoint `checkpoint` of `tables` (changes
         nothing): False when a server has no such mark or no shard of a table."""

@@ -604,8 +604,8 @@ def make_backup_records_atomic() -> None:
         self.model.save_weights(filepath=self._weights_path, overwrite=True)
         record = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
         _write_whole(self._training_metadata_path, record, file_utils)
-        if extended is not None:
-            held_backups.saved_on_disk(self)
+        if extended is not None and extended.remotes:
+            held_backups.saved_on_disk(self, extended)
 
     def _load_model(self):
         extended = _extended_of(self.model)
@@ -613,9 +613,18 @@ def make_backup_records_atomic() -> None:
                 not held_backups.load(self, extended):
             original_load(self)
 
+    original_end = backup.on_train_end
+
+    def on_train_end(self, logs=None):
+        original_end(self, logs)
+        extended = _extended_of(self.model)
+        if extended is not None and extended.remotes and self.delete_checkpoint:
+            extended.server_tables.release_held()  # (their held.npz went with the directory)
+
     setattr(_save_model, _ATOMIC_MARK, True)
     backup._save_model = _save_model  # noqa: SLF001 - Keras' method
     backup._load_model = _load_model  # noqa: SLF001 - Keras' method
+    backup.on_train_end = on_train_end
 
 
 def _write_whole(path: str, text: str, file_utils) -> None:

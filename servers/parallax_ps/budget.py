@@ -82,6 +82,13 @@ class MemoryBudget:
             self._refuse_over(owner, nbytes, label, what)
             self._set(owner, nbytes)
 
+    def may_hold(self, owner: object, nbytes: int) -> bool:
+        """Whether `owner` may hold `nbytes` in all beside the other claims (changes
+        nothing)."""
+        with self._lock:
+            others = self._total - self._claims.get(owner, 0)
+            return not self.limit or others + nbytes <= self.limit
+
     def update(self, owner: object, nbytes: int) -> None:
         """Record what `owner` holds now (after a checked change)."""
         with self._lock:

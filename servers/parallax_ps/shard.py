@@ -15,6 +15,7 @@ gradients) is claimed from the server's `MemoryBudget` before it is allocated.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from parallax_ps.held import HeldMarks
 from parallax_ps.optimizers import ServerOptimizer, Slots, quiet_float_errors
 from parallax_ps.steps import StepState
 from parallax_ps.storage import new_storage
+
+log = logging.getLogger("parallax_ps")
 
 
 History = tuple[np.ndarray, np.ndarray]  # a dynamic table's (uses, last_used) of some rows
@@ -248,10 +251,16 @@ class TableShard:
     def _account(self) -> None:
         """Tell the budget what this shard holds now (after a checked change); a closed
         (deleted) shard has released its claim."""
-        if not self.closed:
-            self.budget.update(self, self.storage.bytes_held(self.storage.num_rows,
-                                                             self.row_bytes) +
-                               self.steps.buffered_bytes + self.held.nbytes)
+        if self.closed:
+            return
+        held = self.storage.bytes_held(self.storage.num_rows, self.row_bytes) + \
+            self.steps.buffered_bytes
+        if self.held.nbytes and not self.budget.may_hold(self, held + self.held.nbytes):
+            log.warning("%s: the copies of held checkpoints %s would take this server past "
+                        "--memory-mb; dropped them (a resume from them restores from disk "
+                        "instead)", self.label, self.held.names())
+            self.held.clear()
+        self.budget.update(self, held + self.held.nbytes)
 
     # ---- reads and writes ----------------------------------------------------------------
     def wait_for_step(self, min_step: int, deadline: float | None) -> int:
@@ -600,11 +609,15 @@ class TableShard:
     def roll_back(self, name: str) -> int:
         """Go back to held checkpoint `name` (the caller checked it is held, and holds
         `cond`): its rows, slots and step; the pushes of the open step are dropped."""
-        step = self.held.roll_back(name, self._overwrite)
+        step = self.held.roll_back(name, self._written_back)
         self.steps.reset(step)
         self._account()
         self._changed()
         return step
+
+    def _written_back(self, rows: np.ndarray, values: np.ndarray, slots: Slots) -> None:
+        self._overwrite(rows, values, slots)
+        self.storage.mark_changed(rows)  # (changed-only exports find them)
 
     def keep_held(self, newest: int, name: str = "") -> None:
         """Keep the newest `newest` held checkpoints, or drop `name` (newest=0)."""

@@ -85,3 +85,15 @@ def test_held_checkpoints_refuse_keyed_tables(client, table_name):
         client.save("held", [keyed.name], held=True)
     with pytest.raises(ServerError, match="holds no checkpoint"):  # the refused save held none
         client.restore("", [keyed.name], "ckpt-00000000000000000001-0000abcd", held=True)
+
+
+def test_dropped_held_checkpoints_stop_copying(client, table_name):
+    table = client.create_table(_spec(table_name))
+    name = client.save("held", [table_name], held=True)[0].checkpoint
+    assert client.holds([table_name], name)
+    client.drop_held([table_name], name)
+    assert not client.holds([table_name], name)
+    assert not client.holds([f"{table_name}_none"], name)  # a table no server holds
+    _steps(table, 0, 1, seed=5)
+    with pytest.raises(ServerError, match="holds no checkpoint"):
+        client.restore("", [table_name], name, held=True)

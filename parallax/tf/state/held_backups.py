@@ -58,17 +58,42 @@ def save(backup, extended) -> bool:
         return False
     finally:
         resume.HELD.reset(token)
+    arrays = _dense(backup.model)
     record = {"epoch": backup._current_epoch, "batch": backup._last_batch_seen,  # noqa: SLF001
-              "reference": text}
-    _write(os.path.join(backup.backup_dir, HELD_FILE), record, _dense(backup.model))
+              "reference": text, "variables": _layout(backup.model, arrays)}
+    _write(os.path.join(backup.backup_dir, HELD_FILE), record, arrays)
     return True
 
 
-def saved_on_disk(backup) -> None:
-    """After a backup on disk: the held one is older now."""
+def saved_on_disk(backup, extended) -> None:
+    """After a backup on disk: the held one is older now, and the servers' marks useless."""
     path = os.path.join(backup.backup_dir, HELD_FILE)
     if os.path.exists(path):
         os.remove(path)
+    extended.server_tables.release_held()
+
+
+def _layout(model, arrays: dict[str, np.ndarray]) -> dict:
+    """What a held backup was saved from: every variable's key and name (those it holds
+    with their shapes; the tables and their slots, on the servers, without)."""
+    return {key: [getattr(v, "path", v.name), list(arrays[key].shape) if key in arrays else None]
+            for key, v in _variables(model)}
+
+
+def _checked(model, record: dict, path: str) -> bool:
+    """Whether the held backup was saved from this model: the same variables, in the same
+    order, by name, and the same shape for each it holds."""
+    saved = record.get("variables") or {}
+    here = _layout(model, {key: np.empty(tuple(v.shape)) for key, v in _variables(model)})
+    differ = [key for key in here.keys() | saved.keys()
+              if key not in here or key not in saved or here[key][0] != saved[key][0]
+              or (saved[key][1] is not None and here[key][1] != saved[key][1])]
+    if not differ:
+        return True
+    log.warning("the held backup %s was saved from another model (%d of its %d variables "
+                "differ, e.g. %s): resuming from the backup on disk", path, len(differ),
+                len(saved), sorted(differ)[0])
+    return False
 
 
 def load(backup, extended) -> bool:
@@ -89,6 +114,8 @@ def load(backup, extended) -> bool:
     model = backup.model
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)  # (as Keras' own load does)
+    if not _checked(model, record, path):
+        return False
     _assign(model, arrays)
     extended.server_tables.restore(record["reference"], b"", f"held backup {path}")
     model._initial_epoch = record["epoch"]  # noqa: SLF001 - as Keras' `_load_model`
@@ -130,11 +157,6 @@ def _dense(model) -> dict[str, np.ndarray]:
 
 def _assign(model, arrays: dict[str, np.ndarray]) -> None:
     variables = dict(_variables(model))
-    missing = sorted(set(arrays) - set(variables))
-    if missing:
-        raise ParallaxError(f"the held backup holds variables {missing} this model does not "
-                            f"have: it was saved by another model; delete it to resume from "
-                            f"the backup on disk")
     for key, value in arrays.items():
         variables[key].assign(value)
 

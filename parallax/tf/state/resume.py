@@ -75,6 +75,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         self._rows = b""  # the tables' rows of the file restored last, when it carries them
         self.saves = 0  # checkpoints this worker saved (the tables' part of each) on disk
         self.held_saves = 0  # and held in the servers' memory (`HELD`)
+        self._held: list[tuple[list[str], str]] = []  # (tables, name) the chief had held
 
     def _obj_type(self) -> str:
         return "Loss"  # Keras walks only known kinds; this one adds nothing to skip
@@ -146,7 +147,10 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                                                 for i, r in tables.items()},
                                  {r.table.name: r.table.spec for r in tables.values()},
                                  extended.plan)
-        return {**reference, "held": True} if held else reference, b""
+        if not held:
+            return reference, b""
+        self._held = [*self._held[-HELD_KEPT + 1:], (names, reference["checkpoint"])]
+        return {**reference, "held": True}, b""
 
     def _inline(self, tables: dict) -> tuple[dict, bytes]:
         """The reference and the tables' rows, slots and steps, for servers that cannot
@@ -158,6 +162,16 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                                              for i, r in tables.items()},
                                  {r.table.name: r.table.spec for r in tables.values()})
         return {**reference, INLINE: True}, rows
+
+    def release_held(self) -> None:
+        """Chief: have the servers drop the held checkpoints it made (a newer backup is on
+        disk, or the backups are deleted), so that they stop copying rows for them."""
+        held, self._held = self._held, []
+        for names, name in held:
+            try:
+                self._strategy_extended.client.drop_held(names, name)
+            except ServerError as err:  # (a server gone: its copies went with it)
+                log.warning("could not drop held checkpoint %s from the servers: %s", name, err)
 
     def restore(self, text: str, rows: bytes = b"", source: str = "this checkpoint") -> None:
         """Load the referenced checkpoint (or the tables' `rows` the file carries) into the
