@@ -294,6 +294,43 @@ def test_held_backups_through_a_killed_worker_and_a_killed_server(tmp_path, mark
     _assert_same_weights(tmp_path / "held.npz", uninterrupted())
 
 
+@pytest.mark.timeout(600)
+def test_held_backups_with_replicas_through_a_killed_server_then_a_killed_worker(
+        tmp_path, mark, uninterrupted):
+    """(helper-55's) `--replicas 2 --held-backups 3`, a backup every step: server 1
+    SIGKILLed (the job goes on with the copies, then stops after a backup on disk for the
+    server to come back: held marks die with the servers), then worker rank 1 in the next
+    attempt (its held backups are on the new servers). The uninterrupted run's weights."""
+    chaos = _start(tmp_path, "repl", mark, STEP_DELAY, "--save-freq", "1", paced=3,
+                   launch=("--replicas", "2", "--held-backups", str(HELD_EVERY)))
+    try:
+        _wait_for(chaos, "step 6", lambda e: e["attempt"] == 0 and e["step"] >= 6)
+        _kill(_server_pids(mark)[1])
+        start = _start_of(chaos, 1, 1)
+        _wait_for(chaos, "attempt 1 steps",  # (its backups: disk, held, held, disk, ...)
+                  lambda e: e["attempt"] == 1 and e["step"] >= start["step"] + 2)
+        _kill(start["pid"])
+    finally:
+        _run_to_end(chaos, mark)
+    assert "resuming from the held backup" in chaos.output(), chaos.output()
+    _assert_same_weights(tmp_path / "repl.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
+def test_held_backups_of_async_tables_go_on_disk(tmp_path, mark):
+    """(helper-55's) `--async --held-backups 3`: the servers refuse to hold async tables,
+    so every backup goes on disk, said once, and a killed worker resumes from it."""
+    chaos = _start(tmp_path, "async", mark, STEP_DELAY, "--save-freq", "1", paced=1,
+                   launch=("--async", "--held-backups", str(HELD_EVERY)))
+    try:
+        _wait_for(chaos, "step 9", lambda e: e["attempt"] == 0 and e["step"] >= 9)
+        _kill(_start_of(chaos, 0, 1)["pid"])
+    finally:
+        _run_to_end(chaos, mark)
+    assert len(_restart_causes(chaos)) == 1, chaos.output()
+    assert chaos.output().count("every backup is saved on disk") == 2, chaos.output()
+
+
 NO_BACKUP = """
 import os, sys
 import keras, numpy as np, parallax
