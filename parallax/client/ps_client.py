@@ -233,17 +233,17 @@ class PSClient:
         while True:
             lost = self.liveness.lost
             try:
-                return self._save(path, tables, keep, held)
+                return self._save(path, tables, keep, in_memory=held)
             except ServerError as err:
                 if self.liveness.lost == lost or not self._survives():
                     raise
                 log.warning("checkpoint %r: a server was lost while it was written (%s); "
                             "writing it again from the copies left", path, err)
 
-    def _save(self, path: str, tables: Sequence[str], keep: int, held: bool = False
+    def _save(self, path: str, tables: Sequence[str], keep: int, in_memory: bool = False
               ) -> list[ps_pb2.ShardCheckpoint]:
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
-                                    checkpoint=checkpoint_names.new_name(), held=held)
+                                    checkpoint=checkpoint_names.new_name(), held=in_memory)
         lost = self.liveness.lost
         try:
             held = self._held_shards(tables)
@@ -257,7 +257,8 @@ class PSClient:
                 raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
                                   f"steps {mixed}); save between steps, after "
                                   f"table.wait_step(k) and before any push of step k")
-            self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
+            if not in_memory:  # (a held save has nothing to seal: its PREPARE marked it)
+                self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
         except BaseException:
             self._abort(request(phase=ps_pb2.SAVE_ABORT))
             raise

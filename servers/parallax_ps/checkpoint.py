@@ -358,9 +358,7 @@ def save_held(request, shards: list[TableShard]) -> ps_pb2.SaveResponse:
             for shard in shards:
                 step = shard.hold(name)
                 marked.append(shard)
-                response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                    rows=shard.storage.num_rows, step=step, checkpoint=name,
-                                    sync=True)
+                _add_held(response, shard, step, name)
         except BaseException:
             for shard in marked:
                 shard.keep_held(0, name)
@@ -383,7 +381,11 @@ def restore_held(request, shards: list[TableShard]) -> ps_pb2.RestoreResponse:
         for shard, step in zip(shards, steps):
             if not request.verify_only:
                 shard.roll_back(name)
-            response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
-                                rows=shard.storage.num_rows, step=step, checkpoint=name,
-                                sync=True)
+            _add_held(response, shard, step, name)
     return response
+
+
+def _add_held(response, shard: TableShard, step: int, name: str) -> None:
+    """A held checkpoint's shard in a Save or Restore response."""
+    response.shards.add(table=shard.spec.name, shard_index=shard.shard_index,
+                        rows=shard.storage.num_rows, step=step, checkpoint=name, sync=True)

@@ -50,8 +50,8 @@ class HeldMarks:
         return [m.name for m in self.marks]
 
     def step_of(self, name: str) -> int | None:
-        mark = self._find(name)
-        return None if mark is None else mark.step
+        index = self._index(name)
+        return None if index is None else self.marks[index].step
 
     def mark(self, name: str, step: int) -> None:
         """Take a mark at `step` (the shard's state now); the same name again moves it."""
@@ -78,7 +78,7 @@ class HeldMarks:
                   ) -> int:
         """Write back every copy down to mark `name` (`write(rows, values, slots)`); the
         marks after it are dropped and `name` stays, now with no copies. Returns its step."""
-        index = self.names().index(name)
+        index = self._index(name)
         for mark in reversed(self.marks[index:]):
             for rows, values, slots in reversed(mark.copies):  # (a dropped mark's last)
                 write(rows, values, slots)
@@ -97,7 +97,7 @@ class HeldMarks:
     def drop(self, name: str) -> None:
         """Drop mark `name` (an aborted save): its copies go to the mark before it, which
         needs them to be reached; the newest mark's record of copied rows is rebuilt."""
-        index = next((i for i, m in enumerate(self.marks) if m.name == name), None)
+        index = self._index(name)
         if index is None:
             return
         mark = self.marks.pop(index)
@@ -119,5 +119,5 @@ class HeldMarks:
         for rows, _, _ in self.marks[-1].copies:
             self._copied[rows] = True
 
-    def _find(self, name: str) -> _Mark | None:
-        return next((m for m in self.marks if m.name == name), None)
+    def _index(self, name: str) -> int | None:
+        return next((i for i, m in enumerate(self.marks) if m.name == name), None)

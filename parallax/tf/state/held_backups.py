@@ -60,7 +60,8 @@ def save(backup, extended) -> bool:
         resume.HELD.reset(token)
     arrays = _dense(backup.model)
     record = {"epoch": backup._current_epoch, "batch": backup._last_batch_seen,  # noqa: SLF001
-              "reference": text, "variables": _layout(backup.model, arrays)}
+              "reference": text,
+              "variables": _layout(backup.model, {k: a.shape for k, a in arrays.items()})}
     _write(os.path.join(backup.backup_dir, HELD_FILE), record, arrays)
     return True
 
@@ -73,10 +74,11 @@ def saved_on_disk(backup, extended) -> None:
     extended.server_tables.release_held()
 
 
-def _layout(model, arrays: dict[str, np.ndarray]) -> dict:
-    """What a held backup was saved from: every variable's key and name (those it holds
-    with their shapes; the tables and their slots, on the servers, without)."""
-    return {key: [getattr(v, "path", v.name), list(arrays[key].shape) if key in arrays else None]
+def _layout(model, shapes: dict[str, tuple]) -> dict:
+    """What a held backup was saved from: every variable's key and name, with its shape
+    (`shapes`) where it has one there (the tables and their slots, on the servers, have
+    none)."""
+    return {key: [getattr(v, "path", v.name), list(shapes[key]) if key in shapes else None]
             for key, v in _variables(model)}
 
 
@@ -84,7 +86,7 @@ def _checked(model, record: dict, path: str) -> bool:
     """Whether the held backup was saved from this model: the same variables, in the same
     order, by name, and the same shape for each it holds."""
     saved = record.get("variables") or {}
-    here = _layout(model, {key: np.empty(tuple(v.shape)) for key, v in _variables(model)})
+    here = _layout(model, {key: tuple(v.shape) for key, v in _variables(model)})
     differ = [key for key in here.keys() | saved.keys()
               if key not in here or key not in saved or here[key][0] != saved[key][0]
               or (saved[key][1] is not None and here[key][1] != saved[key][1])]
