@@ -254,11 +254,19 @@ class Started:
         with self._lock:
             sock, self._sock = self._sock, None
             if not self._done:
-                forked = " by a forked process" if os.getpid() != self._pid else ""
-                self._error = _lost(f"the call to {self._plane.where} was abandoned{forked}")
+                self._error = self._abandoned()
                 self._done = True
         if sock is not None:
             _close(sock)
+
+    def _abandoned(self) -> DataPlaneError:
+        """What reading an abandoned call raises: in a forked child, a lost connection (the
+        child's retry sends the call again on its own); in this process, CANCELLED, retried
+        by nobody (its step failed: a retry would only wait for a step nobody pushes)."""
+        where = self._plane.where
+        if os.getpid() != self._pid:
+            return _lost(f"the call to {where} was abandoned by a forked process")
+        return DataPlaneError(grpc.StatusCode.CANCELLED, f"the call to {where} was abandoned")
 
 
 def _still_open(sock: socket.socket) -> bool:
