@@ -37,6 +37,9 @@ ELASTIC_ENV = "PARALLAX_ELASTIC"  # "1": an elastic job (its chief notes the glo
 HELD_BACKUPS_ENV = "PARALLAX_HELD_BACKUPS"  # N >= 1 (--held-backups): Keras' BackupAndRestore
 #                                         keeps the tables of every backup but each N-th in the
 #                                         servers' memory (parallax.tf.state.held_backups)
+TABLES_KEPT_ENV = "PARALLAX_TABLES_KEPT"  # "1": the launcher kept the run's tables on the
+#                                         servers for this attempt (held backups): the chief
+#                                         rolls them back to a held backup or drops them
 RESCALE_EXIT = 75  # a worker's exit code when it stopped for a rescale (EX_TEMPFAIL)
 RESCALE_AT_START = "the start"  # where workers whose count cannot split the global batch stop
 TF_CONFIG_ENV = "TF_CONFIG"  # TensorFlow's cluster description (JSON), read, never written

@@ -157,12 +157,13 @@ class JobServers:
                  say: Callable[[str], None]) -> None:
         self.config, self.credentials, self.run_id, self.say = config, credentials, run_id, say
         self.cluster = None
+        self.kept = False  # this attempt's servers kept the run's tables (TABLES_KEPT_ENV)
         self._workers = 0  # the attempt before's worker count
 
     def for_attempt(self, config: LaunchConfig, attempt: int):
         """This attempt's servers (None: external ones, at config.ps_addresses)."""
         keep = bool(config.held_backups) and self._workers == config.num_workers
-        self._workers = config.num_workers
+        self._workers, self.kept = config.num_workers, False
         if config.num_servers == 0:
             if attempt and not (keep and self._keep()):
                 self._drop([a.strip() for a in config.ps_addresses])
@@ -177,6 +178,7 @@ class JobServers:
     def _keep(self) -> bool:
         self.say(f"the servers keep running with run {self.run_id}'s tables: the workers "
                  f"roll them back to their newest held backup (--held-backups)")
+        self.kept = True
         return True
 
     def _running(self) -> bool:

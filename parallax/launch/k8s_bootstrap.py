@@ -16,8 +16,8 @@ from typing import Mapping
 
 from parallax.env import (ADDRESSES_ENV, GANG_TIMEOUT_ENV, MAX_RESTARTS_ENV, RENDEZVOUS_ENV,
                           RENDEZVOUS_TIMEOUT_ENV, RESTART_COUNT_ENV, RUN_ID_ENV,
-                          TOKEN_FILE_ENV, WARM_STARTS_ENV, WORKER_RANK_ENV, WORKERS_ENV,
-                          held_backups)
+                          TABLES_KEPT_ENV, TOKEN_FILE_ENV, WARM_STARTS_ENV, WORKER_RANK_ENV,
+                          WORKERS_ENV, held_backups)
 from parallax.errors import ConfigError
 from parallax.launch import gang
 from parallax.launch.rendezvous import host_plan as _host_plan
@@ -139,17 +139,20 @@ def _say(text: str) -> None:
 def _fresh_start(environ: Mapping[str, str], server, size: int, timeout: float):
     """Worker 0, before each attempt: a new rendezvous (a fresh gloo context), and none of
     this run's tables left on the servers, as if they had restarted (the checkpoints on
-    their data volume stay; the workers' scripts restore from them); with held backups
-    (PARALLAX_HELD_BACKUPS) a restart keeps them: the workers roll them back."""
+    their data volume stay; the workers' scripts restore from them). With held backups
+    (PARALLAX_HELD_BACKUPS) every attempt keeps them, a recreated gang's first one too (its
+    pods replaced after a node's loss, their disks with them): the chief rolls them back to
+    the servers' newest held backup, or drops them when it resumes from none
+    (`binding.drop_kept_tables`)."""
     def start(attempt: int) -> None:
         if size > 1 and not _tensorflow(environ):
             server.init(_host_plan(size))
         addresses = environ.get(ADDRESSES_ENV)
         if not addresses:
             return
-        if attempt and held_backups(environ):
+        if held_backups(environ):
             _say(f"attempt {attempt}: the servers keep run {environ[RUN_ID_ENV]}'s tables; the "
-                 f"workers roll them back to their newest held backup")
+                 f"workers roll them back to their newest held backup, if they hold one")
             return
         from parallax.client.connection import client_options_from_env
         from parallax.client.ps_client import PSClient
@@ -200,6 +203,8 @@ def _gang_main(command: list[str], environ: dict[str, str], rank: int, size: int
 
     def child_env(attempt: int) -> dict[str, str]:
         env = dict(environ, **{RESTART_COUNT_ENV: str(attempt)})
+        if held_backups(environ) and environ.get(ADDRESSES_ENV):
+            env[TABLES_KEPT_ENV] = "1"  # (worker 0's `_fresh_start` keeps them)
         if size > 1 and not _tensorflow(environ):
             env.update(horovod_env(rank, size, address, port,
                                    environ.get("HOROVOD_GLOO_IFACE", "eth0")))

@@ -53,8 +53,9 @@ from pathlib import Path
 from parallax.client.replicas import check_flag
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, HELD_BACKUPS_ENV, MODE_ENV,
                           REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV,
-                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, WORKER_METRICS_HOST_ENV,
-                          WORKER_METRICS_PORT_ENV, WORKER_METRICS_PREFIX, ask_rescale,
+                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, TABLES_KEPT_ENV,
+                          WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
+                          WORKER_METRICS_PREFIX, ask_rescale,
                           is_run_id, new_run_id, parse_worker_metrics_line, rescale_reason,
                           stopped_for_rescale)
 from parallax.errors import ConfigError, ParallaxError
@@ -861,6 +862,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
             env[REPLICAS_ENV] = str(config.replicas)
         if config.held_backups:
             env[HELD_BACKUPS_ENV] = str(config.held_backups)
+        if servers.kept:
+            env[TABLES_KEPT_ENV] = "1"
         env.update(worker_metrics_env(config))
         job = _Job(argv, env, backend, _WorkerMetrics(config.num_workers, "http")
                    if config.metrics_port is not None else None)

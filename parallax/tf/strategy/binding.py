@@ -21,7 +21,7 @@ from parallax import native
 from parallax.client import ClientOptions, PSClient
 from parallax.client.cluster import ClusterSpec
 from parallax.client.connection import client_options_from_env
-from parallax.env import RESTART_COUNT_ENV, held_backups
+from parallax.env import TABLES_KEPT_ENV
 from parallax.errors import ConfigError
 from parallax.placement.capacity import check_fits
 from parallax.placement.plan import Plan, VariablePlan
@@ -284,11 +284,12 @@ def _server_slot_name(slot: tf.Variable, spec: TableSpec) -> str | None:
 
 
 def drop_kept_tables(client: PSClient, run_id: str, restore) -> None:
-    """Chief, in a restarted attempt of a job with held backups: the launcher kept the run's
-    tables for a resume from a held backup (`parallax.tf.state.held_backups`); any other
-    start (a backup on disk, none at all) drops them first, as the launcher does without
-    held backups, so the tables start as on fresh servers."""
-    if not held_backups() or not int(os.environ.get(RESTART_COUNT_ENV, "0") or 0):
+    """Chief, where the launcher kept the run's tables for a resume from a held backup
+    (TABLES_KEPT_ENV, `parallax.tf.state.held_backups`: a restarted attempt's, or every
+    attempt of a Kubernetes gang, a recreated one's first too): any other start (a backup on
+    disk, none at all) drops them first, as the launcher does without held backups, so the
+    tables start as on fresh servers."""
+    if os.environ.get(TABLES_KEPT_ENV) != "1":
         return
     reference = getattr(restore, "reference", None) or {}
     if not reference.get("held"):
