@@ -387,17 +387,18 @@ class PSClient:
                 if not self._lost(server, err):
                     raise
 
-    def held_state(self, path: str) -> tuple[str, bytes] | None:
+    def held_state(self, path: str, after: str = "") -> tuple[str, bytes] | None:
         """(name, state) of the newest held checkpoint under `path` whose state
-        (`hold_state`) the live servers keep whole; None when none is. The caller checks
-        that its tables' marks are held too (`holds`)."""
+        (`hold_state`) the live servers keep whole; None when none is, or when it is not
+        newer than checkpoint `after` (then nothing is read). The caller checks that its
+        tables' marks are held too (`holds`)."""
         listing = ps_pb2.RestoreRequest(path=path, held=True, verify_only=True)
         position = {server.address: i for i, server in enumerate(self.servers)}
         newest = held_state.newest_complete(
             (position[server.address], held_state.Listed(p.checkpoint, p.index, p.count,
                                                          p.bytes))
             for server, reply in self._answers("Restore", listing) for p in reply.states)
-        if newest is None:
+        if newest is None or newest[0] <= after:
             return None
         name, where = newest
         calls = []
