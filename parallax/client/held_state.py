@@ -6,7 +6,8 @@ taken: `parallax.tf.state.held_backups`) goes to the servers beside the tables' 
 evenly into at least one piece per server, of at most `piece_bytes` each (a message limit's
 worth: a large dense model makes more pieces, never a larger message), piece i on server
 i % S and, with replicated shards, also on the next server, so that one server's death keeps
-every piece as it keeps every shard. No server holds the whole state (with two or more).
+every piece as it keeps every shard. No server holds the whole state with two servers or
+more (three or more with replicated shards: with two, each keeps every piece).
 Reading it back (`PSClient.held_state`) is all or nothing: a checkpoint that misses a piece
 on every live server is not held.
 """

@@ -69,15 +69,17 @@ def test_a_held_state_is_split_over_the_servers_read_back_whole_and_dropped_with
     assert client.held_state(table_name) is None and _kept(client, table_name) == [0, 0]
 
 
-def test_a_state_piece_needs_its_mark(client, table_name):
+def test_a_state_piece_needs_its_mark_and_goes_with_its_table(client, table_name):
     table = client.create_table(_spec(table_name))
     name = client.save(table_name, [table.name], held=True)[0].checkpoint
     client.drop_held([table.name], name)
     with pytest.raises(ServerError, match="which .* does not hold: send it after the save's "
                                           "PREPARE"):
         client.hold_state(table_name, [table.name], name, b"state")
+    name = _commit(client, table_name, table, 0, b"state")
+    assert client.held_state(table_name) == (name, b"state")
     client.delete_table(table)
-    assert client.held_state(table_name) is None
+    assert client.held_state(table_name) is None and _kept(client, table_name) == [0, 0]
 
 
 def test_held_state_counts_against_memory_mb():

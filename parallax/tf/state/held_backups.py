@@ -86,6 +86,11 @@ def _hold_on_servers(extended, reference: dict, data: bytes) -> None:
         extended.client.hold_state(reference["path"], _tables(reference),
                                    reference["checkpoint"], data, keep=resume.HELD_KEPT)
     except ServerError as err:
+        if err.code == grpc.StatusCode.NOT_FOUND:  # (its copies passed --memory-mb)
+            log.warning("the servers dropped held checkpoint %s before its dense state "
+                        "reached them (%s): a resume goes back to a backup before it",
+                        reference["checkpoint"], err)
+            return
         if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
         _state_refused.append(str(err))
