@@ -301,10 +301,10 @@ def test_held_backups_with_replicas_through_a_killed_server_then_a_killed_worker
     """(helper-55's) `--replicas 2 --held-backups 3`, a backup every step: server 1
     SIGKILLed (the job goes on with the copies, then stops after a backup on disk for the
     server to come back: held marks die with the servers), then the chief (worker rank 0)
-    in the next attempt, its held.npz deleted (a chief rescheduled on a new host, without
-    its backup directory): it resumes from the servers' copy of the held backup (a piece on
-    each server, and on the other), at most one step redone. The uninterrupted run's
-    weights."""
+    in the next attempt, every worker's held.npz deleted (hosts without their backup
+    directories): the chief resumes from the servers' copy of the held backup (a piece on
+    each server, and on the other), at most one step redone, and rank 1 from the chief's
+    position and variables. The uninterrupted run's weights."""
     chaos = _start(tmp_path, "repl", mark, STEP_DELAY, "--save-freq", "1", paced=3,
                    launch=("--replicas", "2", "--held-backups", str(HELD_EVERY)))
     try:
@@ -315,7 +315,9 @@ def test_held_backups_with_replicas_through_a_killed_server_then_a_killed_worker
                   lambda e: e["attempt"] == 1 and e["rank"] == 0  # step printed: backed up)
                   and e["step"] >= start["step"] + 2)
         _kill(start["pid"])
-        (tmp_path / "repl" / "backup" / "worker-0" / HELD_FILE).unlink(missing_ok=True)
+        for rank in (0, 1):  # (rank 1, blocked without the chief, writes no newer one)
+            (tmp_path / "repl" / "backup" / f"worker-{rank}" / HELD_FILE).unlink(
+                missing_ok=True)
     finally:
         _run_to_end(chaos, mark)
     output = chaos.output()
@@ -324,7 +326,7 @@ def test_held_backups_with_replicas_through_a_killed_server_then_a_killed_worker
     events = _events(chaos)
     done = max(e["step"] for e in events if e["attempt"] == 1)
     resumed = min(e["step"] for e in events if e["attempt"] == 2 and e["chaos"] == "start")
-    print(f"\nchaos: chief killed, its held.npz deleted: resumed at step {resumed} from "
+    print(f"\nchaos: chief killed, every held.npz deleted: resumed at step {resumed} from "
           f"the servers' copy, {done - resumed} step(s) redone")
     assert 0 <= done - resumed <= 1, (done, resumed)
     _assert_same_weights(tmp_path / "repl.npz", uninterrupted())
