@@ -9,6 +9,7 @@ from typing import Sequence
 
 import grpc
 
+from parallax.client import held_state
 from parallax.client.connection import ClientOptions, ServerConnection
 from parallax.client.replica_push import CopyConnection
 from parallax.client.replicas import (Liveness, check_replicable, check_replicas, replica_sets,
@@ -357,6 +358,66 @@ class PSClient:
                 raise
             return False
         return True
+
+    def hold_state(self, path: str, tables: Sequence[str], checkpoint: str, state: bytes,
+                   keep: int = DEFAULT_KEEP) -> None:
+        """Keep `state` (bytes) on the servers with held checkpoint `checkpoint` of
+        `tables`, which `save(path, tables, held=True)` made: split over the servers, a
+        piece on each (and on the next with replicated shards: `held_state`), dropped with
+        the mark; the pieces of the newest `keep` held checkpoints under `path` are kept.
+        Raises ServerError RESOURCE_EXHAUSTED where a server's --memory-mb has no room
+        (the pieces sent stay until their mark goes)."""
+        pieces = held_state.split(state, len(self.servers), self.options.chunk_bytes)
+        calls = []
+        for index, data in enumerate(pieces):
+            request = ps_pb2.SaveRequest(
+                path=path, tables=list(tables), checkpoint=checkpoint, held=True,
+                phase=ps_pb2.SAVE_COMMIT, keep=keep, state=ps_pb2.StatePiece(
+                    checkpoint=checkpoint, index=index, count=len(pieces), data=data))
+            for position in held_state.holders(index, len(self.servers),
+                                               self.options.replicas):
+                server = self.servers[position]
+                if self.liveness.alive(server.address):
+                    calls.append((server, request, server.future("Save", request)))
+        futures.wait([future for *_, future in calls])
+        for server, request, future in calls:
+            try:
+                server.result(future, "Save", request)
+            except ServerError as err:
+                if not self._lost(server, err):
+                    raise
+
+    def held_state(self, path: str, after: str = "") -> tuple[str, bytes] | None:
+        """(name, state) of the newest held checkpoint under `path` whose state
+        (`hold_state`) the live servers keep whole; None when none is, or when it is not
+        newer than checkpoint `after` (then nothing is read). The caller checks that its
+        tables' marks are held too (`holds`)."""
+        listing = ps_pb2.RestoreRequest(path=path, held=True, verify_only=True)
+        position = {server.address: i for i, server in enumerate(self.servers)}
+        newest = held_state.newest_complete(
+            (position[server.address], held_state.Listed(p.checkpoint, p.index, p.count,
+                                                         p.bytes))
+            for server, reply in self._answers("Restore", listing) for p in reply.states)
+        if newest is None or newest[0] <= after:
+            return None
+        name, where = newest
+        calls = []
+        for index, servers in sorted(where.items()):
+            server = self.servers[servers[0]]
+            request = ps_pb2.RestoreRequest(path=path, held=True, verify_only=True,
+                                            checkpoint=name, state_piece=index + 1)
+            calls.append((index, server, request, server.future("Restore", request)))
+        futures.wait([future for *_, future in calls])
+        pieces = {}
+        for index, server, request, future in calls:
+            for piece in server.result(future, "Restore", request).states:
+                if piece.index == index and len(piece.data) == piece.bytes:
+                    pieces[index] = piece.data
+        try:
+            return name, held_state.joined(pieces, len(where), name)
+        except ConfigError as err:  # a piece dropped since it was listed
+            log.warning("%s: resuming without it", err)
+            return None
 
     def _restore_held(self, tables: Sequence[str], checkpoint: str) -> list:
         request = functools.partial(ps_pb2.RestoreRequest, tables=list(tables),

@@ -30,10 +30,11 @@ from parallax.protocol import bulk_codec, dataplane, packed_codec, wire
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION, __version__
-from parallax_ps import checkpoint, inflight, many, waits
+from parallax_ps import checkpoint, inflight, many, versions, waits
 from parallax_ps.barrier import Barriers
 from parallax_ps.budget import MemoryBudget
 from parallax_ps.errors import RequestError, bounded, invalid
+from parallax_ps.held_state import HeldStates
 from parallax_ps.shard import TableShard
 from parallax_ps.stats import ServerStats
 
@@ -226,6 +227,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.data_idle_timeout_s = 0
         self.memory_bytes = memory_bytes
         self.budget = MemoryBudget(memory_bytes, baseline_bytes)
+        self.held_states = HeldStates(self.budget)  # held checkpoints' state pieces
         self.stats = ServerStats()
         self.barriers = Barriers()
         self._shards: dict[tuple[str, int], TableShard] = {}
@@ -326,6 +328,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             if not any(table == request.table for table, _ in self._shards):
                 self.stats.forget(request.table)  # (its last shard here)
         shard.close("the table was deleted")
+        self._prune_held()  # (the pieces held with its marks)
         return ps_pb2.DeleteTableResponse(), request.table, 0, 0
 
     @_rpc("InitRows")
@@ -540,8 +543,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     @_rpc("Save")
     def Save(self, request, context):
         if request.held:
-            response = checkpoint.save_held(request, self.selected(request.tables))
-            return response, "", 0, 0
+            return self._save_held(request), "", 0, 0
         root = checkpoint.resolve(self.data_dir, request.path)
         shards = self.selected(request.tables) if request.phase == ps_pb2.SAVE_PREPARE else []
         response = ps_pb2.SaveResponse(shards=checkpoint.save(root, request, shards,
@@ -550,11 +552,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc("Restore")
     def Restore(self, request, context):
+        if request.held:
+            return self._restore_held(request), "", 0, 0
         shards = self.selected(request.tables)
         if not shards:  # nothing to restore here, whatever this data directory holds
             return ps_pb2.RestoreResponse(), "", 0, 0
-        if request.held:
-            return checkpoint.restore_held(request, shards), "", 0, 0
         directory, manifest = checkpoint.open_checkpoint(self.data_dir, request)
         loaded = [checkpoint.load_for_shard(shard, directory, manifest) for shard in shards]
         response = ps_pb2.RestoreResponse()
@@ -573,7 +575,56 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                     rows=len(ids), step=step, checkpoint=directory.name,
                                     file=str(directory / shard.spec.name),
                                     sync=shard.spec.sync_mode == "sync")
+        self._prune_held()  # (a restore drops the marks)
         return response, "", sum(s.rows for s in response.shards), 0
+
+    # ---- held checkpoints (`held.py`) and their state pieces (`held_state.py`) -------------
+    def _save_held(self, request) -> ps_pb2.SaveResponse:
+        name = versions.checked_name(request.checkpoint)
+        shards = self.selected(request.tables)
+        if request.HasField("state"):
+            unmarked = [s.label for s in shards if not s.holds_mark(name)]
+            if unmarked:
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"a state piece of held checkpoint {name!r}, which "
+                                   f"{unmarked[0]} does not hold: send it after the save's "
+                                   f"PREPARE (PSClient.save)")
+            self.held_states.add(request.path, name, [(s.spec.name, s.shard_index)
+                                                      for s in shards],
+                                 request.state, request.keep)
+            return ps_pb2.SaveResponse()
+        response = checkpoint.save_held(request, shards)
+        if request.phase == ps_pb2.SAVE_ABORT:
+            self.held_states.drop(name)
+        self._prune_held()
+        return response
+
+    def _restore_held(self, request) -> ps_pb2.RestoreResponse:
+        """Roll back to a held checkpoint, or verify it; a verification lists the state
+        pieces kept of it (`checkpoint` empty: of every one under `path`; no shard verified
+        then, nor while a piece is read)."""
+        self._prune_held()
+        shards = self.selected(request.tables)
+        response = ps_pb2.RestoreResponse()
+        if shards and not request.state_piece and (request.checkpoint or
+                                                   not request.verify_only):
+            response = checkpoint.restore_held(request, shards)
+        if request.verify_only:
+            for name, index, count, size, data in self.held_states.listing(
+                    request.path, request.checkpoint, request.state_piece):
+                response.states.add(checkpoint=name, index=index, count=count, bytes=size,
+                                    data=data)
+        else:
+            self._prune_held()  # (a rollback drops the later marks)
+        return response
+
+    def _prune_held(self) -> None:
+        """Drop the state pieces whose marks are gone."""
+        def holds(name: str, keys: tuple) -> bool:
+            with self._lock:
+                shards = [self._shards.get(key) for key in keys]
+            return all(s is not None and s.holds_mark(name) for s in shards)
+        self.held_states.prune(holds)
 
     # ---- observability -----------------------------------------------------------------------
     @_rpc("Stats")

@@ -606,6 +606,10 @@ class TableShard:
                                f"server restarts): restore one from disk")
         return step
 
+    def holds_mark(self, name: str) -> bool:
+        with self.cond:
+            return self.held.step_of(name) is not None
+
     def roll_back(self, name: str) -> int:
         """Go back to held checkpoint `name` (the caller checked it is held, and holds
         `cond`): its rows, slots and step; the pushes of the open step are dropped."""

@@ -255,6 +255,7 @@ def test_a_killed_worker_with_a_backup_every_step_redoes_at_most_one(tmp_path, m
     _assert_same_weights(tmp_path / "steps.npz", uninterrupted())
 
 
+HELD_FILE = "held.npz"  # (parallax.tf.state.held_backups.HELD_FILE, in each worker's backup)
 HELD_EVERY = 3  # --held-backups: one backup in 3 on disk (each attempt's first, then every 3rd)
 
 
@@ -299,20 +300,35 @@ def test_held_backups_with_replicas_through_a_killed_server_then_a_killed_worker
         tmp_path, mark, uninterrupted):
     """(helper-55's) `--replicas 2 --held-backups 3`, a backup every step: server 1
     SIGKILLed (the job goes on with the copies, then stops after a backup on disk for the
-    server to come back: held marks die with the servers), then worker rank 1 in the next
-    attempt (its held backups are on the new servers). The uninterrupted run's weights."""
+    server to come back: held marks die with the servers), then the chief (worker rank 0)
+    in the next attempt, every worker's held.npz deleted (hosts without their backup
+    directories): the chief resumes from the servers' copy of the held backup (a piece on
+    each server, and on the other), at most one step redone, and rank 1 from the chief's
+    position and variables. The uninterrupted run's weights."""
     chaos = _start(tmp_path, "repl", mark, STEP_DELAY, "--save-freq", "1", paced=3,
                    launch=("--replicas", "2", "--held-backups", str(HELD_EVERY)))
     try:
         _wait_for(chaos, "step 6", lambda e: e["attempt"] == 0 and e["step"] >= 6)
         _kill(_server_pids(mark)[1])
-        start = _start_of(chaos, 1, 1)
-        _wait_for(chaos, "attempt 1 steps",  # (its backups: disk, held, held, disk, ...)
-                  lambda e: e["attempt"] == 1 and e["step"] >= start["step"] + 2)
+        start = _start_of(chaos, 1, 0)
+        _wait_for(chaos, "attempt 1 steps",  # (its backups: disk, held, held, disk, ...; a
+                  lambda e: e["attempt"] == 1 and e["rank"] == 0  # step printed: backed up)
+                  and e["step"] >= start["step"] + 2)
         _kill(start["pid"])
+        for rank in (0, 1):  # (rank 1, blocked without the chief, writes no newer one)
+            (tmp_path / "repl" / "backup" / f"worker-{rank}" / HELD_FILE).unlink(
+                missing_ok=True)
     finally:
         _run_to_end(chaos, mark)
-    assert "resuming from the held backup" in chaos.output(), chaos.output()
+    output = chaos.output()
+    assert "resuming from the held backup" in output, output
+    assert "(the servers' copy of held checkpoint ckpt-" in output, output
+    events = _events(chaos)
+    done = max(e["step"] for e in events if e["attempt"] == 1)
+    resumed = min(e["step"] for e in events if e["attempt"] == 2 and e["chaos"] == "start")
+    print(f"\nchaos: chief killed, every held.npz deleted: resumed at step {resumed} from "
+          f"the servers' copy, {done - resumed} step(s) redone")
+    assert 0 <= done - resumed <= 1, (done, resumed)
     _assert_same_weights(tmp_path / "repl.npz", uninterrupted())
 
 

@@ -406,20 +406,36 @@ class BarrierResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "phase", "keep", "held")
+    __slots__ = ("path", "tables", "checkpoint", "phase", "keep", "held", "state")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     phase: SavePhase
     keep: int
     held: bool
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ..., held: bool = ...) -> None: ...
+    state: StatePiece
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., phase: _Optional[_Union[SavePhase, str]] = ..., keep: _Optional[int] = ..., held: bool = ..., state: _Optional[_Union[StatePiece, _Mapping]] = ...) -> None: ...
+
+class StatePiece(_message.Message):
+    __slots__ = ("checkpoint", "index", "count", "data", "bytes")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    index: int
+    count: int
+    data: bytes
+    bytes: int
+    def __init__(self, checkpoint: _Optional[str] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ShardCheckpoint(_message.Message):
     __slots__ = ("table", "shard_index", "rows", "step", "file", "checkpoint", "sync")
@@ -446,26 +462,30 @@ class SaveResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("path", "tables", "checkpoint", "verify_only", "held", "discard_pending")
+    __slots__ = ("path", "tables", "checkpoint", "verify_only", "held", "discard_pending", "state_piece")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ONLY_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     DISCARD_PENDING_FIELD_NUMBER: _ClassVar[int]
+    STATE_PIECE_FIELD_NUMBER: _ClassVar[int]
     path: str
     tables: _containers.RepeatedScalarFieldContainer[str]
     checkpoint: str
     verify_only: bool
     held: bool
     discard_pending: bool
-    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ..., held: bool = ..., discard_pending: bool = ...) -> None: ...
+    state_piece: int
+    def __init__(self, path: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ..., verify_only: bool = ..., held: bool = ..., discard_pending: bool = ..., state_piece: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("shards",)
+    __slots__ = ("shards", "states")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[StatePiece]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ..., states: _Optional[_Iterable[_Union[StatePiece, _Mapping]]] = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
     __slots__ = ("table", "shard_index", "offset", "max_rows", "changed_only")

@@ -9,26 +9,33 @@ that way; the others are held: the servers mark the tables in memory
 (`PSClient.save(held=True)`, copy on write: servers/parallax_ps/held.py) and the worker
 writes HELD_FILE beside Keras' files: its dense variables and dense optimizer state, where
 the backup was taken ({"epoch", "batch"}, as Keras records it) and the reference to the
-mark.
+mark. The chief sends the same bytes to the servers, split over them beside the mark
+(`PSClient.hold_state`: the dense part of the commit, outside the workers).
 
 A resumed `fit` loads the newer of the two backups: the held one only where the chief finds
 every server still holding its mark (a worker died, the servers and the run's tables were
 kept: `parallax run` keeps them with --held-backups); after a server's restart, or with the
 run's tables dropped for a new worker count, the one on disk, older by at most N - 1
-backups. A job stops for the launcher (`rescale`) only after a backup on disk. Tables the
+backups. The chief reads the held backup from the servers when its HELD_FILE is gone or
+older (a chief rescheduled on a new host, its backup directory lost); the other workers
+take the chief's position and dense variables, whichever backup they had.
+A job stops for the launcher (`rescale`) only after a backup on disk. Tables the
 servers cannot hold (keyed, async) make every backup one on disk, said once.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
+import zipfile
 
 import grpc
 import numpy as np
 import tensorflow as tf
 
-from parallax.env import RESCALE_FILE_ENV, held_backups, rescale_request
+from parallax.env import RESCALE_FILE_ENV, RUN_ID_ENV, held_backups, rescale_request
 from parallax.errors import ParallaxError, ServerError
 from parallax.tf.graph.variables import is_released, remote_of
 from parallax.tf.state import resume
@@ -36,6 +43,7 @@ from parallax.tf.state import resume
 HELD_FILE = "held.npz"  # in BackupAndRestore's directory, beside Keras' own files
 log = logging.getLogger("parallax")
 _refused: list[str] = []  # why the servers cannot hold this job's tables (said once)
+_state_refused: list[str] = []  # why they cannot keep the held backups' bytes (said once)
 REFUSED = "held checkpoints keep fixed-vocabulary sync tables only"  # (servers' shard.hold)
 
 
@@ -62,8 +70,33 @@ def save(backup, extended) -> bool:
     record = {"epoch": backup._current_epoch, "batch": backup._last_batch_seen,  # noqa: SLF001
               "reference": text,
               "variables": _layout(backup.model, {k: a.shape for k, a in arrays.items()})}
-    _write(os.path.join(backup.backup_dir, HELD_FILE), record, arrays)
+    data = _packed(record, arrays)
+    if extended.workers.info.is_chief:
+        _hold_on_servers(extended, json.loads(text), data)
+    _write(os.path.join(backup.backup_dir, HELD_FILE), data)
     return True
+
+
+def _hold_on_servers(extended, reference: dict, data: bytes) -> None:
+    """Chief: the held backup's bytes (those of HELD_FILE) to the servers too, beside the
+    tables' mark (`PSClient.hold_state`), unless they refused them once (--memory-mb)."""
+    if _state_refused:
+        return
+    try:
+        extended.client.hold_state(reference["path"], _tables(reference),
+                                   reference["checkpoint"], data, keep=resume.HELD_KEPT)
+    except ServerError as err:
+        if err.code == grpc.StatusCode.NOT_FOUND:  # (its copies passed --memory-mb)
+            log.warning("the servers dropped held checkpoint %s before its dense state "
+                        "reached them (%s): a resume goes back to a backup before it",
+                        reference["checkpoint"], err)
+            return
+        if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        _state_refused.append(str(err))
+        log.warning("the servers have no room for the held backups' dense state (%s): it "
+                    "stays on the workers' disks only, and a chief whose backup directory is "
+                    "lost resumes from the backup on disk", err)
 
 
 def saved_on_disk(backup, extended) -> None:
@@ -99,31 +132,76 @@ def _checked(model, record: dict, path: str) -> bool:
 
 
 def load(backup, extended) -> bool:
-    """Resume from the held backup when it is the newer one and still held; False: the
-    caller loads the one on disk."""
+    """Resume from the newest held backup when it is newer than the one on disk and still
+    held; False: the caller loads the one on disk. The chief's is the newer of its
+    HELD_FILE and the servers' copy (`PSClient.held_state`: its HELD_FILE gone with its
+    disk); the other workers read theirs, and take the chief's position and dense
+    variables."""
     path = os.path.join(backup.backup_dir, HELD_FILE)
-    if not os.path.exists(path):
+    local = _read(path) if os.path.exists(path) else None
+    if not extended.workers.info.is_chief:
+        return local is not None and _newer(local[0], backup) and \
+            _resume(backup, extended, local, path)
+    if local is None and not held_backups():
         return False
-    with np.load(path) as stored:
-        record = json.loads(bytes(stored["record"]).decode())
-        arrays = {key: stored[key] for key in stored.files if key != "record"}
-    if not _newer(record, backup._training_metadata_path):  # noqa: SLF001 - Keras' path
-        return False
-    reference = json.loads(record["reference"] or "{}")
-    if extended.workers.info.is_chief and reference.get("held") and \
-            not _servers_hold(extended, reference, path):
-        return False
+    with _asking(extended, path) as client:
+        for record, arrays, source in _newest_first(client, extended, local, path):
+            reference = json.loads(record["reference"] or "{}")
+            if _newer(record, backup) and (not reference.get("held") or
+                                           _servers_hold(client, reference, source)):
+                return _resume(backup, extended, (record, arrays), source)
+    return False
+
+
+def _newest_first(client, extended, local: tuple | None, path: str) -> list[tuple]:
+    """(record, arrays, source) of the servers' held backup when it is newer than the
+    chief's HELD_FILE (`local`), then of that file."""
+    mine = [(*local, path)] if local is not None else []
+    if client is None:
+        return mine
+    name = json.loads(local[0]["reference"] or "{}").get("checkpoint", "") if local else ""
+    run_id = _run_id(extended)
+    if run_id is None:
+        return mine  # (no run id: none of an attempt before to find on the servers)
+    try:
+        found = client.held_state(resume.resume_path(run_id), after=name)
+    except ParallaxError as err:
+        log.warning("could not read the servers' copy of the held backup (%s): resuming "
+                    "from %s", err, path if local else "the backup on disk")
+        return mine
+    if found is None:
+        return mine
+    try:
+        record, arrays = _unpacked(found[1])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        log.warning("the servers' copy of held checkpoint %s is unreadable (%s): resuming "
+                    "from %s", found[0], err, path if local else "the backup on disk")
+        return mine
+    return [(record, arrays, f"the servers' copy of held checkpoint {found[0]}"), *mine]
+
+
+def _run_id(extended) -> str | None:
+    """The run's id, before the plan too (then as configured: `parallax run` sets one)."""
+    if extended.cluster is not None:
+        return extended.cluster.run_id
+    return extended.config.run_id or os.environ.get(RUN_ID_ENV) or None
+
+
+def _resume(backup, extended, found: tuple, source: str) -> bool:
+    """Load the held backup `found` (record, arrays) into the model; False if it was saved
+    from another model."""
+    record, arrays = found
     model = backup.model
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)  # (as Keras' own load does)
-    if not _checked(model, record, path):
+    if not _checked(model, record, source):
         return False
     _assign(model, arrays)
-    extended.server_tables.restore(record["reference"], b"", f"held backup {path}")
+    extended.server_tables.restore(record["reference"], b"", f"held backup {source}")
     model._initial_epoch = record["epoch"]  # noqa: SLF001 - as Keras' `_load_model`
     backup._parallax_held = record  # noqa: SLF001 - read by `batch_resume.position`
     log.info("resuming from the held backup of epoch %d, batch %d (%s)", record["epoch"] + 1,
-             record["batch"] + 1, path)
+             record["batch"] + 1, source)
     return True
 
 
@@ -163,42 +241,78 @@ def _assign(model, arrays: dict[str, np.ndarray]) -> None:
         variables[key].assign(value)
 
 
-def _newer(record: dict, metadata_path: str) -> bool:
+def _newer(record: dict, backup) -> bool:
     """Whether the held backup was taken after the one on disk (Keras' record)."""
     try:
-        with open(metadata_path) as f:
+        with open(backup._training_metadata_path) as f:  # noqa: SLF001 - Keras' path
             disk = json.load(f)
     except (OSError, ValueError):
         return True
     return (record["epoch"], record["batch"]) > (disk.get("epoch", -1), disk.get("batch", -1))
 
 
-def _servers_hold(extended, reference: dict, path: str) -> bool:
-    """Chief: whether every server still holds the held backup's mark of the tables."""
+def _tables(reference: dict) -> list[str]:
+    return sorted({t["table"] for t in reference["tables"].values()})
+
+
+@contextlib.contextmanager
+def _asking(extended, path: str):
+    """Chief: a client of the servers, or None (said) when they cannot be reached."""
     from parallax.client.connection import client_options_from_env
     from parallax.client.ps_client import PSClient
-    tables = sorted({t["table"] for t in reference["tables"].values()})
     try:
-        with PSClient(extended.ps_addresses(),
-                      client_options_from_env(extended._client_options)) as client:  # noqa: SLF001
-            client.wait_ready(extended._connect_timeout)  # noqa: SLF001
-            held = client.holds(tables, reference["checkpoint"])
+        client = PSClient(extended.ps_addresses(),
+                          client_options_from_env(extended._client_options))  # noqa: SLF001
+        client.wait_ready(extended._connect_timeout)  # noqa: SLF001
     except ParallaxError as err:
         log.warning("could not ask the servers for the held backup %s (%s): resuming from "
                     "the backup on disk", path, err)
+        yield None
+        return
+    with client:
+        yield client
+
+
+def _servers_hold(client, reference: dict, source: str) -> bool:
+    """Chief: whether every server still holds the held backup's mark of the tables."""
+    if client is None:
+        return False
+    try:
+        held = client.holds(_tables(reference), reference["checkpoint"])
+    except ParallaxError as err:
+        log.warning("could not ask the servers for the held backup %s (%s): resuming from "
+                    "the backup on disk", source, err)
         return False
     if not held:
         log.info("the servers no longer hold the held backup %s (they started anew, or "
-                 "the run's tables were dropped): resuming from the backup on disk", path)
+                 "the run's tables were dropped): resuming from the backup on disk", source)
     return held
 
 
-def _write(path: str, record: dict, arrays: dict[str, np.ndarray]) -> None:
+def _packed(record: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A held backup's bytes: an npz of its record (JSON) and its arrays."""
+    out = io.BytesIO()
+    np.savez(out, record=np.frombuffer(json.dumps(record).encode(), np.uint8), **arrays)
+    return out.getvalue()
+
+
+def _unpacked(data: bytes | str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(record, arrays) of a held backup's bytes, or of its file."""
+    with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as stored:
+        record = json.loads(bytes(stored["record"]).decode())
+        return record, {key: stored[key] for key in stored.files if key != "record"}
+
+
+def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    return _unpacked(path)
+
+
+def _write(path: str, data: bytes) -> None:
     """The held backup, written under a temporary name and renamed into place."""
     temporary = f"{path}.parallax-{os.getpid()}"
     try:
         with open(temporary, "wb") as f:
-            np.savez(f, record=np.frombuffer(json.dumps(record).encode(), np.uint8), **arrays)
+            f.write(data)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

@@ -65,6 +65,11 @@ HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("parallax_held", def
 HELD_KEPT = 2  # the newest, and the one before it while a save is under way
 
 
+def resume_path(run_id: str) -> str:
+    """Where the servers keep a run's checkpoints for resuming (held ones too)."""
+    return f"resume/{run_id}"
+
+
 class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
     """The servers' part of a job's state, as seen by TF checkpoints and Keras files."""
 
@@ -130,7 +135,7 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
         tables = tables_by_variable(extended.plan, extended.remotes)
         for remote in tables.values():
             remote.land_pushes()
-        path = f"resume/{extended.cluster.run_id}"
+        path = resume_path(extended.cluster.run_id)
         held = HELD.get()
         try:
             names = list(dict.fromkeys(r.table.name for r in tables.values()))  # groups once
