@@ -13,14 +13,19 @@ the seconds from the kill to the restarted workers resuming, and to their first 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import random
 import select
+import shutil
 import signal
+import socket
 import struct
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launching import Launcher, mark, marked_processes, wait_gone  # noqa: F401 (fixture)
+from launching import MARK, Launcher, mark, marked_processes, wait_gone  # noqa: F401 (fixture)
 
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "chaos_worker.py")
 INTERVAL, EPOCHS = 4, 8                  # a checkpoint every 4 steps; 32 steps in all
@@ -345,6 +350,96 @@ def test_held_backups_of_async_tables_go_on_disk(tmp_path, mark):
         _run_to_end(chaos, mark)
     assert len(_restart_causes(chaos)) == 1, chaos.output()
     assert chaos.output().count("every backup is saved on disk") == 2, chaos.output()
+
+
+@pytest.mark.timeout(600)
+def test_a_recreated_kubernetes_gang_resumes_from_the_servers_held_backup(tmp_path, mark,
+                                                                          uninterrupted):
+    """`parallax k8s --max-restarts 1 --held-backups 3`, a backup every step: both worker
+    pods lost with their node at a random step (SIGKILL of every process of theirs, their
+    backup directories gone with their disks), the servers kept. The recreated pods' first
+    attempt keeps the run's tables, and the chief resumes from the servers' copy of the held
+    backup (the dense part it sent them with each held save): at most one step redone, the
+    uninterrupted run's weights."""
+    from parallax.client.local_cluster import LocalCluster
+    kill_step = random.randint(6, 14)
+    with LocalCluster(2, data_dir=tmp_path / "data") as cluster:
+        first = _gang(tmp_path, cluster, mark, "node-a", paced=True)
+        try:
+            _wait_for(first, f"step {kill_step}",
+                      lambda e: e["attempt"] == 0 and e["step"] >= kill_step)
+        finally:
+            for pid in marked_processes(mark):  # the node is lost: every process of both pods
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            first.wait(30)
+        killed_at = time.time()
+        assert not wait_gone(mark), marked_processes(mark)
+        shutil.rmtree(tmp_path / "node-a")  # the pods' disks
+        second = _gang(tmp_path, cluster, mark, "node-b", paced=False)
+        assert second.wait(150) == 0, second.output()
+    events = [dict(e, attempt=1) for e in _events(second)] + _events(first)
+    failure, = _failures(events, [killed_at])
+    print(f"\nchaos: recreated gang (kill at step {kill_step}): {json.dumps(failure)}")
+    assert 0 <= failure["steps_lost"] <= 1, (failure, second.output())
+    out = second.output()
+    assert "attempt 0: the servers keep run lost's tables" in out, out
+    assert "the servers' copy of held checkpoint" in out, out
+    _assert_same_weights(tmp_path / "lost.npz", uninterrupted())
+
+
+class _Gang:
+    """The two worker pods of a `parallax k8s` job (rendered, run on loopback against
+    `cluster`): their output collected line by line, as `Launcher`'s."""
+
+    def __init__(self, pods: list[subprocess.Popen]) -> None:
+        self.pods, self.out, self.err = pods, [], []
+        self._readers = [threading.Thread(target=self._read, args=(p.stdout,), daemon=True)
+                         for p in pods]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.out.append(line.rstrip("\n"))
+
+    @property
+    def proc(self):  # (`_wait_for` asks whether the job still runs: pod 0's supervisor)
+        return self.pods[0]
+
+    def wait(self, timeout: float) -> int:
+        codes = [p.wait(timeout) for p in self.pods]
+        for reader in self._readers:
+            reader.join(5)
+        return max(codes)
+
+    def output(self) -> str:
+        return "\n".join(self.out)
+
+
+def _gang(tmp: Path, cluster, mark: str, node: str, paced: bool) -> _Gang:
+    """Worker pods 0 and 1 of job `lost` (2 workers, --max-restarts 1, --held-backups 3),
+    their BackupAndRestore directories under TMP/NODE (the node's disk)."""
+    from parallax.env import ADDRESSES_ENV, RENDEZVOUS_ENV, TOKEN_FILE_ENV
+    from parallax.launch.k8s import K8sConfig, render
+    command = (sys.executable, WORKER, "--interval", str(INTERVAL), "--epochs", str(EPOCHS),
+               "--step-delay", str(STEP_DELAY if paced else 0.0), "--save-freq", "1",
+               "--backup", str(tmp / node / "backup"), "--out", str(tmp / "lost.npz"))
+    config = K8sConfig(name="lost", image="x", workers=2, servers=2, max_restarts=1,
+                       held_backups=HELD_EVERY, command=command)
+    (job,) = [o for o in render(config) if o["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (tmp / "token").write_text("the-jobs-token\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
+           ADDRESSES_ENV: ",".join(cluster.addresses), RENDEZVOUS_ENV: f"localhost:{port}",
+           TOKEN_FILE_ENV: str(tmp / "token"), MARK: mark}
+    argv = [str(Path(sys.executable).parent / "parallax"), *container["command"][1:]]
+    return _Gang([subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True) for i in (0, 1)])
 
 
 NO_BACKUP = """
