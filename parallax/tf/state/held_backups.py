@@ -69,7 +69,8 @@ def save(backup, extended) -> bool:
     arrays = _dense(backup.model)
     record = {"epoch": backup._current_epoch, "batch": backup._last_batch_seen,  # noqa: SLF001
               "reference": text,
-              "variables": _layout(backup.model, {k: a.shape for k, a in arrays.items()})}
+              "variables": _layout(backup.model, {k: a.shape for k, a in arrays.items()}),
+              "workers": extended.workers.info.size}
     data = _packed(record, arrays)
     if extended.workers.info.is_chief:
         _hold_on_servers(extended, json.loads(text), data)
@@ -189,8 +190,10 @@ def _run_id(extended) -> str | None:
 
 def _resume(backup, extended, found: tuple, source: str) -> bool:
     """Load the held backup `found` (record, arrays) into the model; False if it was saved
-    from another model."""
+    from another model or by another worker count."""
     record, arrays = found
+    if not _same_workers(record, extended, source):
+        return False
     model = backup.model
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)  # (as Keras' own load does)
@@ -203,6 +206,19 @@ def _resume(backup, extended, found: tuple, source: str) -> bool:
     log.info("resuming from the held backup of epoch %d, batch %d (%s)", record["epoch"] + 1,
              record["batch"] + 1, source)
     return True
+
+
+def _same_workers(record: dict, extended, source: str) -> bool:
+    """Whether the held backup was taken by as many workers as this job has: its tables on
+    the servers wait for that many pushes a step (a Kubernetes worker Job rendered again
+    with another -np keeps the servers and their marks)."""
+    saved, size = record.get("workers"), extended.workers.info.size
+    if saved is None or saved == size:
+        return True
+    log.warning("the held backup %s was taken by %d workers, this job has %d: resuming from "
+                "the backup on disk (the tables are made anew for %d)", source, saved, size,
+                size)
+    return False
 
 
 def position(backup) -> dict | None:
