@@ -416,7 +416,7 @@ class PSClient:
         try:
             return name, held_state.joined(pieces, len(where), name)
         except ConfigError as err:  # a piece dropped since it was listed
-            log.warning("%s: resuming without it", err)
+            log.warning("%s (dropped since the servers listed it): no held state read", err)
             return None
 
     def _restore_held(self, tables: Sequence[str], checkpoint: str) -> list:

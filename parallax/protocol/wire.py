@@ -78,14 +78,26 @@ def decode(tensor: ps_pb2.Tensor, field: str = "tensor") -> np.ndarray:
         raise WireError(f"{field}: dtype is unset; set it to one of {sorted(_NAMES)}")
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
-        raise WireError(f"{field}: negative dimension in shape {list(shape)}")
+        raise WireError(f"{field}: negative dimension in shape {_shown(shape)}")
     count = math.prod(shape)  # Python ints: a huge shape cannot overflow into a match
     expected = count * dtype.itemsize
     if len(tensor.content) != expected:
-        raise WireError(f"{field}: shape {list(shape)} of {dtype.name} needs {expected} bytes, "
+        needs = expected if expected < _SHOWN_BYTES else f"over {_SHOWN_BYTES}"
+        raise WireError(f"{field}: shape {_shown(shape)} of {dtype.name} needs {needs} bytes, "
                         f"got {len(tensor.content)}")
     try:  # a zero-sized shape with huge other dimensions passes the length check
         return np.frombuffer(tensor.content, dtype=dtype, count=count).reshape(shape)
     except ValueError as err:
-        raise WireError(f"{field}: shape {list(shape)} of {dtype.name} cannot be laid out "
+        raise WireError(f"{field}: shape {_shown(shape)} of {dtype.name} cannot be laid out "
                         f"({err}); send dimensions below 2**31") from None
+
+
+_SHOWN_BYTES = 1 << 64  # a larger size is said as "over" it (a huge shape's product has
+_SHOWN_DIMS = 8         # thousands of digits, past what Python converts to text)
+
+
+def _shown(shape: tuple) -> str:
+    """A shape for a message: its first dimensions when it has many."""
+    if len(shape) <= _SHOWN_DIMS:
+        return str(list(shape))
+    return str(list(shape[:_SHOWN_DIMS]))[:-1] + f", ... ({len(shape)} dimensions)]"

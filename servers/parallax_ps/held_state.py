@@ -54,7 +54,7 @@ class HeldStates:
         """Keep `piece` (a StatePiece) of held checkpoint `name` of `shards` (the shards
         here marked `name`: (table, index)) under `path`, then only the newest `keep`
         checkpoints' pieces under `path`."""
-        if piece.count < 1 or piece.index >= piece.count:
+        if piece.count < 1 or not 0 <= piece.index < piece.count:
             raise invalid(f"state piece {piece.index} of {piece.count} of held checkpoint "
                           f"{name!r}: send pieces 0..count-1 of count >= 1 (PSClient.save)")
         if keep < 1:
