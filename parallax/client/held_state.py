@@ -3,11 +3,13 @@
 The workers' part of a held commit (the chief's dense variables and where the backup was
 taken: `parallax.tf.state.held_backups`) goes to the servers beside the tables' marks
 (`PSClient.hold_state`), so that a worker's death, disk included, cannot take it: split
-evenly into at least one piece per server, of at most `piece_bytes` each (a message limit's
-worth: a large dense model makes more pieces, never a larger message), piece i on server
-i % S and, with replicated shards, also on the next server, so that one server's death keeps
-every piece as it keeps every shard. No server holds the whole state with two servers or
-more (three or more with replicated shards: with two, each keeps every piece).
+evenly into at least one piece per server holding the tables' shards, of at most
+`piece_bytes` each (a message limit's worth: a large dense model makes more pieces, never a
+larger message), piece i on the i-th of those servers (mod their count) and, with replicated
+shards, also on the next, so that one server's death keeps every piece as it keeps every
+shard. A server holding no shard of the tables gets no piece (it has no mark to drop it
+with). No server holds the whole state with two such servers or more (three or more with
+replicated shards: with two, each keeps every piece).
 Reading it back (`PSClient.held_state`) is all or nothing: a checkpoint that misses a piece
 on every live server is not held.
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from parallax.errors import ConfigError
+
+STATE_MARGIN_BYTES = 1 << 10  # a piece's message: its data, its fields, and protobuf's tags
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,17 @@ def split(state: bytes, servers: int, piece_bytes: int) -> list[bytes]:
     return [state[i * size:(i + 1) * size] for i in range(count)]
 
 
-def holders(index: int, servers: int, replicas: int) -> list[int]:
-    """The servers (positions) that keep piece `index`: its own, then its copies'."""
-    return sorted({(index + k) % servers for k in range(replicas)})
+def holders(index: int, marked: list[int], replicas: int) -> list[int]:
+    """The servers (positions) that keep piece `index`, among those holding the tables'
+    shards (`marked`, in order: a piece lives as long as their marks): its own, then its
+    copy's with replicated shards."""
+    return sorted({marked[(index + k) % len(marked)] for k in range(replicas)})
+
+
+def piece_limit(chunk_bytes: int, max_message_bytes: int, overhead: int) -> int:
+    """The most state bytes a piece may carry: the client's chunk, within the smallest
+    message a receiving server takes less the request's own fields (`overhead`)."""
+    return max(1, min(chunk_bytes, max_message_bytes) - overhead - STATE_MARGIN_BYTES)
 
 
 def newest_complete(listed: Iterable[tuple[int, Listed]]

@@ -362,30 +362,47 @@ class PSClient:
     def hold_state(self, path: str, tables: Sequence[str], checkpoint: str, state: bytes,
                    keep: int = DEFAULT_KEEP) -> None:
         """Keep `state` (bytes) on the servers with held checkpoint `checkpoint` of
-        `tables`, which `save(path, tables, held=True)` made: split over the servers, a
-        piece on each (and on the next with replicated shards: `held_state`), dropped with
-        the mark; the pieces of the newest `keep` held checkpoints under `path` are kept.
-        Raises ServerError RESOURCE_EXHAUSTED where a server's --memory-mb has no room
-        (the pieces sent stay until their mark goes)."""
-        pieces = held_state.split(state, len(self.servers), self.options.chunk_bytes)
+        `tables`, which `save(path, tables, held=True)` made: split over the servers that
+        hold the tables' shards, a piece on each (and on the next with replicated shards:
+        `held_state`), dropped with the mark; the pieces of the newest `keep` held
+        checkpoints under `path` are kept. Raises ServerError RESOURCE_EXHAUSTED where a
+        server's --memory-mb has no room (the pieces sent stay until their mark goes)."""
+        marked, largest = self._state_holders(tables)
+        request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
+                                    checkpoint=checkpoint, held=True, phase=ps_pb2.SAVE_COMMIT,
+                                    keep=keep)
+        overhead = request(state=ps_pb2.StatePiece(checkpoint=checkpoint)).ByteSize()
+        pieces = held_state.split(state, len(marked), held_state.piece_limit(
+            self.options.chunk_bytes, largest, overhead))
         calls = []
         for index, data in enumerate(pieces):
-            request = ps_pb2.SaveRequest(
-                path=path, tables=list(tables), checkpoint=checkpoint, held=True,
-                phase=ps_pb2.SAVE_COMMIT, keep=keep, state=ps_pb2.StatePiece(
-                    checkpoint=checkpoint, index=index, count=len(pieces), data=data))
-            for position in held_state.holders(index, len(self.servers),
-                                               self.options.replicas):
+            piece = request(state=ps_pb2.StatePiece(checkpoint=checkpoint, index=index,
+                                                    count=len(pieces), data=data))
+            for position in held_state.holders(index, marked, self.options.replicas):
                 server = self.servers[position]
-                if self.liveness.alive(server.address):
-                    calls.append((server, request, server.future("Save", request)))
+                calls.append((server, piece, server.future("Save", piece)))
         futures.wait([future for *_, future in calls])
-        for server, request, future in calls:
+        for server, piece, future in calls:
             try:
-                server.result(future, "Save", request)
+                server.result(future, "Save", piece)
             except ServerError as err:
                 if not self._lost(server, err):
                     raise
+
+    def _state_holders(self, tables: Sequence[str]) -> tuple[list[int], int]:
+        """(positions of the live servers holding a shard of `tables`, the largest message
+        every one of them takes): a held checkpoint's state goes there only."""
+        position = {server.address: i for i, server in enumerate(self.servers)}
+        holding = sorted((position[server.address], reply.max_message_bytes)
+                         for server, reply in self._answers(
+                             "Stats", ps_pb2.StatsRequest(tables=list(tables)))
+                         if reply.tables)
+        if not holding:
+            raise ConfigError(f"cannot hold a state with tables {sorted(tables)}: no server "
+                              f"of {self.addresses} holds them; create and save them first")
+        largest = min((size for _, size in holding if size > 0),
+                      default=self.options.max_message_bytes)
+        return [i for i, _ in holding], largest
 
     def held_state(self, path: str, after: str = "") -> tuple[str, bytes] | None:
         """(name, state) of the newest held checkpoint under `path` whose state
@@ -403,21 +420,35 @@ class PSClient:
         name, where = newest
         calls = []
         for index, servers in sorted(where.items()):
-            server = self.servers[servers[0]]
             request = ps_pb2.RestoreRequest(path=path, held=True, verify_only=True,
                                             checkpoint=name, state_piece=index + 1)
-            calls.append((index, server, request, server.future("Restore", request)))
+            server = self.servers[servers[0]]
+            calls.append((index, servers, request, server.future("Restore", request)))
         futures.wait([future for *_, future in calls])
-        pieces = {}
-        for index, server, request, future in calls:
-            for piece in server.result(future, "Restore", request).states:
-                if piece.index == index and len(piece.data) == piece.bytes:
-                    pieces[index] = piece.data
+        pieces = {index: data for index, servers, request, future in calls
+                  if (data := self._state_piece(index, servers, request, future)) is not None}
         try:
             return name, held_state.joined(pieces, len(where), name)
         except ConfigError as err:  # a piece dropped since it was listed
             log.warning("%s (dropped since the servers listed it): no held state read", err)
             return None
+
+    def _state_piece(self, index: int, servers: list[int], request, future) -> bytes | None:
+        """Piece `index` of a held state, from the first of `servers` (positions) that
+        answers with it whole (`future`: the call to the first, in flight); None if none
+        does."""
+        for k, position in enumerate(servers):
+            server = self.servers[position]
+            try:
+                reply = server.result(future if k == 0 else None, "Restore", request)
+            except ServerError as err:
+                if not self._lost(server, err) or k == len(servers) - 1:
+                    raise
+                continue  # (its copy, on the next server)
+            for piece in reply.states:
+                if piece.index == index and len(piece.data) == piece.bytes > 0:
+                    return piece.data
+        return None
 
     def _restore_held(self, tables: Sequence[str], checkpoint: str) -> list:
         request = functools.partial(ps_pb2.RestoreRequest, tables=list(tables),

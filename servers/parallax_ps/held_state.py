@@ -60,8 +60,18 @@ class HeldStates:
         if keep < 1:
             raise invalid(f"state piece of held checkpoint {name!r} with keep={keep}: keep "
                           f"at least 1 checkpoint's pieces")
+        if not piece.data or piece.checkpoint not in ("", name):
+            raise invalid(f"state piece {piece.index} of held checkpoint {name!r}: "
+                          f"{'no data' if not piece.data else f'it names {piece.checkpoint!r}'}"
+                          f"; send a piece's bytes with the request's checkpoint "
+                          f"(PSClient.hold_state)")
         with self._lock:
             state = self._states.get(name) or _State(path, name, tuple(sorted(shards)))
+            counts = {count for count, _ in state.pieces.values()} - {piece.count}
+            if counts:
+                raise invalid(f"state piece {piece.index} of {piece.count} of held checkpoint "
+                              f"{name!r}, whose pieces here count {sorted(counts)[0]}: send "
+                              f"every piece of one state with the same count")
             old = state.pieces.get(piece.index, (0, b""))[1]
             total = sum(s.nbytes for s in self._states.values()) - len(old) + len(piece.data)
             self._check_room(name, total, len(piece.data))

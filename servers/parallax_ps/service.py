@@ -583,6 +583,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         name = versions.checked_name(request.checkpoint)
         shards = self.selected(request.tables)
         if request.HasField("state"):
+            if not shards:  # (nothing here would ever drop it: it has no mark to go with)
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"a state piece of held checkpoint {name!r} of tables "
+                                   f"{sorted(request.tables)[:8]}, of which this server holds "
+                                   f"no shard: send it to the servers that do "
+                                   f"(PSClient.hold_state)")
             unmarked = [s.label for s in shards if not s.holds_mark(name)]
             if unmarked:
                 raise RequestError(grpc.StatusCode.NOT_FOUND,

@@ -113,3 +113,50 @@ def test_a_held_state_outlives_a_killed_server_with_replicas():
         victim.wait(10)
         assert client.holds([table.name], name)
         assert client.held_state("job") == (name, state)
+
+
+def test_a_state_goes_only_to_the_servers_holding_the_tables(client, table_name):
+    """A one-shard table on one of the two servers: its state goes to that server alone
+    (the other has no mark to drop it with: its pieces outlived every job before), and it
+    goes with the table."""
+    table = client.create_table(_spec(table_name, shards=1), placement=[1])
+    state = _state(MIB + 3, 5)
+    name = _commit(client, table_name, table, 0, state)
+    assert client.held_state(table_name) == (name, state)
+    assert _kept(client, table_name) == [0, len(state)]
+    request = ps_pb2.SaveRequest(path=table_name, tables=[table.name], checkpoint=name,
+                                 held=True, phase=ps_pb2.SAVE_COMMIT, keep=2,
+                                 state=ps_pb2.StatePiece(checkpoint=name, count=1, data=b"x"))
+    with pytest.raises(ServerError, match="FAILED_PRECONDITION.*of which this server holds "
+                                          "no shard: send it to the servers that do"):
+        client.servers[0].call("Save", request)
+    client.delete_table(table)
+    assert _kept(client, table_name) == [0, 0]
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"data": b""}, "no data"),
+    ({"checkpoint": "ckpt-00000000000000000001-aaaaaaaa"}, "it names 'ckpt-0"),
+    ({"count": 3}, "whose pieces here count 1: send every piece of one state with the same")])
+def test_a_bad_state_piece_is_refused_and_spoils_nothing(client, table_name, change, error):
+    table = client.create_table(_spec(table_name, shards=1), placement=[0])
+    state = _state(MIB, 6)  # in one piece: one server holds the table
+    name = _commit(client, table_name, table, 0, state)
+    piece = {"checkpoint": name, "index": 1, "count": 2, "data": b"spoiler", **change}
+    request = ps_pb2.SaveRequest(path=table_name, tables=[table.name], checkpoint=name,
+                                 held=True, phase=ps_pb2.SAVE_COMMIT, keep=2,
+                                 state=ps_pb2.StatePiece(**piece))
+    with pytest.raises(ServerError, match=f"INVALID_ARGUMENT.*{error}"):
+        client.servers[0].call("Save", request)
+    assert client.held_state(table_name) == (name, state)
+
+
+def test_pieces_fit_the_servers_message_limit():
+    """Client and servers at --max-message-mb 1: a 3 MiB state goes in pieces that fit the
+    servers' limit with the request's own fields (it was refused: 1048672 > 1048576)."""
+    state = _state(3 * MIB, 7)
+    with LocalCluster(2, extra_args=["--max-message-mb", "1"]) as cluster, \
+            PSClient(cluster.addresses, ClientOptions(timeout=20, max_message_mb=1)) as client:
+        table = client.create_table(_spec("limits", shards=2))
+        name = _commit(client, "limits", table, 0, state)
+        assert client.held_state("limits") == (name, state)

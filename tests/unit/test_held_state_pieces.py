@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.client.held_state import Listed, holders, joined, newest_complete, split
+from parallax.client.held_state import (STATE_MARGIN_BYTES, Listed, holders, joined,
+                                        newest_complete, piece_limit, split)
 from parallax.errors import ConfigError
 
 
@@ -20,10 +21,18 @@ def test_split_makes_a_piece_per_server_at_least_and_none_over_the_limit():
         split(b"", 2, 10)
 
 
-def test_holders_are_the_piece_server_and_with_replicas_the_next():
-    assert holders(4, 3, 1) == [1]
-    assert holders(2, 3, 2) == [0, 2]
-    assert holders(0, 1, 1) == [0]
+def test_holders_are_the_piece_server_and_with_replicas_the_next_among_those_marked():
+    assert holders(4, [0, 1, 2], 1) == [1]
+    assert holders(2, [0, 1, 2], 2) == [0, 2]
+    assert holders(0, [0], 1) == [0]
+    assert holders(3, [1, 3], 2) == [1, 3]  # servers 0 and 2 hold no shard of the tables
+    assert holders(0, [2], 2) == [2]
+
+
+def test_a_piece_fits_the_smallest_message_with_its_fields():
+    assert piece_limit(4 << 20, 1 << 20, 200) == (1 << 20) - 200 - STATE_MARGIN_BYTES
+    assert piece_limit(10000, 8 << 20, 100) == 10000 - 100 - STATE_MARGIN_BYTES
+    assert piece_limit(10, 10, 100) == 1
 
 
 def _listed(name: str, index: int, count: int) -> Listed:

@@ -94,6 +94,11 @@ def _hold_on_servers(extended, reference: dict, data: bytes) -> None:
             return
         if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
+        if "--memory-mb" not in str(err):  # (not the servers' room: this backup only)
+            log.warning("the servers refused held checkpoint %s's dense state (%s): a resume "
+                        "from the servers goes back to a backup before it",
+                        reference["checkpoint"], err)
+            return
         _state_refused.append(str(err))
         log.warning("the servers have no room for the held backups' dense state (%s): it "
                     "stays on the workers' disks only, and a chief whose backup directory is "
