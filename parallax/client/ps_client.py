@@ -392,7 +392,7 @@ class PSClient:
     def _state_holders(self, tables: Sequence[str]) -> tuple[list[int], int]:
         """(positions of the live servers holding a shard of `tables`, the largest message
         every one of them takes): a held checkpoint's state goes there only."""
-        position = {server.address: i for i, server in enumerate(self.servers)}
+        position = self._positions()
         holding = sorted((position[server.address], reply.max_message_bytes)
                          for server, reply in self._answers(
                              "Stats", ps_pb2.StatsRequest(tables=list(tables)))
@@ -404,13 +404,17 @@ class PSClient:
                       default=self.options.max_message_bytes)
         return [i for i, _ in holding], largest
 
+    def _positions(self) -> dict[str, int]:
+        """{server address: its position in `servers`}."""
+        return {server.address: i for i, server in enumerate(self.servers)}
+
     def held_state(self, path: str, after: str = "") -> tuple[str, bytes] | None:
         """(name, state) of the newest held checkpoint under `path` whose state
         (`hold_state`) the live servers keep whole; None when none is, or when it is not
         newer than checkpoint `after` (then nothing is read). The caller checks that its
         tables' marks are held too (`holds`)."""
         listing = ps_pb2.RestoreRequest(path=path, held=True, verify_only=True)
-        position = {server.address: i for i, server in enumerate(self.servers)}
+        position = self._positions()
         newest = held_state.newest_complete(
             (position[server.address], held_state.Listed(p.checkpoint, p.index, p.count,
                                                          p.bytes))

@@ -2,13 +2,13 @@
 
 A held checkpoint (`held.py`) keeps the tables' part of a commit in the servers' memory; its
 other part, the chief worker's dense variables and where the backup was taken, is sent after
-it as bytes split into pieces over the servers (`PSClient.save(held=True, state=...)`), so
-that a worker's death, disk and all, cannot take it. Each server keeps its pieces by
+it as bytes split into pieces over the servers holding the tables (`PSClient.hold_state`),
+so that a worker's death, disk and all, cannot take it. Each server keeps its pieces by
 checkpoint name under the save's path (a job's), the newest `keep` names per path, counted
 against --memory-mb with the tables: a piece that would pass the limit is refused,
 RESOURCE_EXHAUSTED. A piece lives as long as the mark it was sent with: dropped with it (an
-ABORT, `keep`, a rollback past it, a restore from disk, copies dropped under --memory-mb),
-which `prune` finds at the server's next Save or Restore.
+ABORT, `keep`, a rollback past it, a restore from disk, a deleted table, copies dropped
+under --memory-mb), which `prune` finds at the server's next Save, Restore or DeleteTable.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class HeldStates:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(s.nbytes for s in self._states.values())
+            return self._total()
 
     def add(self, path: str, name: str, shards: list[tuple[str, int]], piece,
             keep: int) -> None:
@@ -73,7 +73,7 @@ class HeldStates:
                               f"{name!r}, whose pieces here count {sorted(counts)[0]}: send "
                               f"every piece of one state with the same count")
             old = state.pieces.get(piece.index, (0, b""))[1]
-            total = sum(s.nbytes for s in self._states.values()) - len(old) + len(piece.data)
+            total = self._total() - len(old) + len(piece.data)
             self._check_room(name, total, len(piece.data))
             state.pieces[piece.index] = (piece.count, piece.data)
             self._states[name] = state
@@ -118,5 +118,9 @@ class HeldStates:
             f"tables passes its limit of {limit / _MIB:.1f} MiB (--memory-mb); raise "
             f"--memory-mb or add servers (the state is split over them)")
 
+    def _total(self) -> int:
+        """Bytes of every piece kept (call with the lock held)."""
+        return sum(s.nbytes for s in self._states.values())
+
     def _account(self) -> None:
-        self._budget.update(self, sum(s.nbytes for s in self._states.values()))
+        self._budget.update(self, self._total())

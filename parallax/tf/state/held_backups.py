@@ -144,7 +144,7 @@ def load(backup, extended) -> bool:
     disk); the other workers read theirs, and take the chief's position and dense
     variables."""
     path = os.path.join(backup.backup_dir, HELD_FILE)
-    local = _read(path) if os.path.exists(path) else None
+    local = _unpacked(path) if os.path.exists(path) else None
     if not extended.workers.info.is_chief:
         return local is not None and _newer(local[0], backup) and \
             _resume(backup, extended, local, path)
@@ -322,10 +322,6 @@ def _unpacked(data: bytes | str) -> tuple[dict, dict[str, np.ndarray]]:
     with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as stored:
         record = json.loads(bytes(stored["record"]).decode())
         return record, {key: stored[key] for key in stored.files if key != "record"}
-
-
-def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    return _unpacked(path)
 
 
 def _write(path: str, data: bytes) -> None:
