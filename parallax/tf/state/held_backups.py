@@ -5,20 +5,23 @@ A backup of a `ParallaxStrategy` model on disk holds everything (`resume`): the 
 every table to their data directory, and the Keras file gets the tables' rows too. With
 PARALLAX_HELD_BACKUPS=N (`parallax run --held-backups N`) one backup in N (each attempt's
 first, then every N-th, and any taken while the launcher asks the workers to stop) is made
-that way; the others are held: the servers mark the tables in memory
-(`PSClient.save(held=True)`, copy on write: servers/parallax_ps/held.py) and the worker
-writes HELD_FILE beside Keras' files: its dense variables and dense optimizer state, where
-the backup was taken ({"epoch", "batch"}, as Keras records it) and the reference to the
-mark. The chief sends the same bytes to the servers, split over them beside the mark
-(`PSClient.hold_state`: the dense part of the commit, outside the workers).
+that way, and held too (`saved_on_disk`: the newest held mark is then always the newest
+backup's, whichever way it was made); the others are held only: the servers mark the
+tables in memory (`PSClient.save(held=True)`, copy on write: servers/parallax_ps/held.py)
+and the worker writes HELD_FILE beside Keras' files: its dense variables and dense
+optimizer state, where the backup was taken ({"epoch", "batch"}, as Keras records it) and
+the reference to the mark. The chief sends the same bytes to the servers, split over them
+beside the mark (`PSClient.hold_state`: the dense part of the commit, outside the workers).
 
-A resumed `fit` loads the newer of the two backups: the held one only where the chief finds
+A resumed `fit` loads the newer of the two backups (the held one when both were taken at
+the same batch: it is restored from memory): the held one only where the chief finds
 every server still holding its mark (a worker died, the servers and the run's tables were
 kept: `parallax run` keeps them with --held-backups); after a server's restart, or with the
 run's tables dropped for a new worker count, the one on disk, older by at most N - 1
 backups. The chief reads the held backup from the servers when its HELD_FILE is gone or
-older (a chief rescheduled on a new host, its backup directory lost); the other workers
-take the chief's position and dense variables, whichever backup they had.
+older, by epoch and batch (a chief rescheduled on a new host, its backup directory
+lost); the other workers take the chief's position and dense variables, whichever backup
+they had.
 A job stops for the launcher (`rescale`) only after a backup on disk. Tables the
 servers cannot hold (keyed, async) make every backup one on disk, said once.
 """
@@ -54,6 +57,12 @@ def save(backup, extended) -> bool:
     every = held_backups()
     if not every or _refused or count % every == 0 or _asked_to_stop():
         return False
+    return _held(backup, extended)
+
+
+def _held(backup, extended) -> bool:
+    """Hold the tables' part of this backup on the servers and write its HELD_FILE (the
+    chief: its bytes to the servers too); False when the servers cannot hold them."""
     token = resume.HELD.set(True)
     try:
         text, _ = extended.server_tables.saved()
@@ -106,7 +115,13 @@ def _hold_on_servers(extended, reference: dict, data: bytes) -> None:
 
 
 def saved_on_disk(backup, extended) -> None:
-    """After a backup on disk: the held one is older now, and the servers' marks useless."""
+    """After a backup on disk: with held backups, hold it too (the servers' newest mark and
+    the dense part then are this step's, so that a node lost with its disk right after it
+    still resumes from here, and a worker's death from memory; the held save keeps the
+    newest HELD_KEPT marks); else drop an earlier held backup, older now."""
+    if held_backups() and not _refused and "://" not in backup.backup_dir and \
+            _held(backup, extended):
+        return
     path = os.path.join(backup.backup_dir, HELD_FILE)
     if os.path.exists(path):
         os.remove(path)
@@ -160,17 +175,18 @@ def load(backup, extended) -> bool:
 
 
 def _newest_first(client, extended, local: tuple | None, path: str) -> list[tuple]:
-    """(record, arrays, source) of the servers' held backup when it is newer than the
-    chief's HELD_FILE (`local`), then of that file."""
+    """(record, arrays, source) of the servers' held backup when it was taken after the
+    chief's HELD_FILE (`local`), by their positions (epoch, batch: checkpoint names sort by
+    the saving host's clock, which a chief moved to another host may have behind), then of
+    that file."""
     mine = [(*local, path)] if local is not None else []
     if client is None:
         return mine
-    name = json.loads(local[0]["reference"] or "{}").get("checkpoint", "") if local else ""
     run_id = _run_id(extended)
     if run_id is None:
         return mine  # (no run id: none of an attempt before to find on the servers)
     try:
-        found = client.held_state(resume.resume_path(run_id), after=name)
+        found = client.held_state(resume.resume_path(run_id))
     except ParallaxError as err:
         log.warning("could not read the servers' copy of the held backup (%s): resuming "
                     "from %s", err, path if local else "the backup on disk")
@@ -183,7 +199,13 @@ def _newest_first(client, extended, local: tuple | None, path: str) -> list[tupl
         log.warning("the servers' copy of held checkpoint %s is unreadable (%s): resuming "
                     "from %s", found[0], err, path if local else "the backup on disk")
         return mine
-    return [(record, arrays, f"the servers' copy of held checkpoint {found[0]}"), *mine]
+    theirs = (record, arrays, f"the servers' copy of held checkpoint {found[0]}")
+    return [theirs, *mine] if local is None or _position(record) > _position(local[0]) \
+        else [*mine, theirs]
+
+
+def _position(record: dict) -> tuple[int, int]:
+    return record["epoch"], record["batch"]
 
 
 def _run_id(extended) -> str | None:
@@ -263,13 +285,14 @@ def _assign(model, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _newer(record: dict, backup) -> bool:
-    """Whether the held backup was taken after the one on disk (Keras' record)."""
+    """Whether the held backup was taken after the one on disk (Keras' record), or with it
+    (`saved_on_disk`: the same state, restored from memory rather than from disk)."""
     try:
         with open(backup._training_metadata_path) as f:  # noqa: SLF001 - Keras' path
             disk = json.load(f)
     except (OSError, ValueError):
         return True
-    return (record["epoch"], record["batch"]) > (disk.get("epoch", -1), disk.get("batch", -1))
+    return _position(record) >= (disk.get("epoch", -1), disk.get("batch", -1))
 
 
 def _tables(reference: dict) -> list[str]:
