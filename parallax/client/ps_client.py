@@ -78,6 +78,8 @@ class PSClient:
             if options.replicas > 1 else []
         self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders)
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
+        self._newest = ""  # the newest checkpoint it saved or restored: its next save's name
+        #                    sorts after it, whatever this host's clock says (new_name)
 
     def __enter__(self) -> "PSClient":
         return self
@@ -231,20 +233,33 @@ class PSClient:
         tables only; `keep` bounds the held ones apart from those on disk."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
+        renamed = False
         while True:
             lost = self.liveness.lost
             try:
-                return self._save(path, tables, keep, in_memory=held)
+                return self._seen(self._save(path, tables, keep, in_memory=held))
             except ServerError as err:
+                newer = checkpoint_names.newer_named(str(err))
+                if newer and not renamed:  # (named on a clock ahead of this host's)
+                    log.warning("checkpoint %r: the servers hold %s, newer than this host's "
+                                "clock; saving again under a name after it", path, newer)
+                    self._newest, renamed = max(self._newest, newer), True
+                    continue
                 if self.liveness.lost == lost or not self._survives():
                     raise
                 log.warning("checkpoint %r: a server was lost while it was written (%s); "
                             "writing it again from the copies left", path, err)
 
+    def _seen(self, shards: list) -> list:
+        """`shards` (a save's or restore's answer), the newest checkpoint name noted."""
+        self._newest = max([self._newest, *(s.checkpoint for s in shards)])
+        return shards
+
     def _save(self, path: str, tables: Sequence[str], keep: int, in_memory: bool = False
               ) -> list[ps_pb2.ShardCheckpoint]:
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
-                                    checkpoint=checkpoint_names.new_name(), held=in_memory)
+                                    checkpoint=checkpoint_names.new_name(after=self._newest),
+                                    held=in_memory)
         lost = self.liveness.lost
         try:
             held = self._held_shards(tables)
@@ -312,15 +327,15 @@ class PSClient:
         step are dropped. `discard_pending`: so are those of a disk checkpoint's restore (a
         new attempt's, whose tables the workers of the attempt before left mid-step)."""
         if held:
-            return self._restore_held(tables, checkpoint)
+            return self._seen(self._restore_held(tables, checkpoint))
         try:
-            return self._restore(path, tables, checkpoint, discard_pending)
+            return self._seen(self._restore(path, tables, checkpoint, discard_pending))
         except ServerError as err:
             if checkpoint or err.code not in _VANISHED:
                 raise
             log.warning("restoring %r again from its newest checkpoint: %s (a concurrent "
                         "save with keep= may have removed the one verified)", path, err)
-            return self._restore(path, tables, checkpoint, discard_pending)
+            return self._seen(self._restore(path, tables, checkpoint, discard_pending))
 
     def _restore(self, path: str, tables: Sequence[str], checkpoint: str,
                  discard_pending: bool = False) -> list:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from parallax.protocol.checkpoint_names import is_name
+from parallax.protocol.checkpoint_names import SORTS_BEFORE, is_name
 from parallax_ps.errors import RequestError, invalid, precondition
 
 log = logging.getLogger("parallax_ps")
@@ -211,7 +211,7 @@ def _check_newest(root: Path, name: str) -> None:
     """Refuse to commit a checkpoint that would not be the newest."""
     newer = [n for n in committed(root) if n > name]
     if newer:
-        raise precondition(f"checkpoint {name} would sort before the existing {newer[-1]} "
+        raise precondition(f"checkpoint {name} {SORTS_BEFORE} {newer[-1]} "
                            f"under {root}: another save to this path committed a newer one "
                            f"first (or this client's clock went back); save again")
 

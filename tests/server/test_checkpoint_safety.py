@@ -20,7 +20,7 @@ import pytest
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
 from parallax.errors import ConfigError, ServerError
-from parallax.protocol import bulk_codec
+from parallax.protocol import bulk_codec, checkpoint_names
 from parallax.protocol.specs import SGD, Adagrad, Initializer, TableSpec
 from parallax.ps.v1 import ps_pb2
 
@@ -66,6 +66,38 @@ def test_refused_save_leaves_the_previous_checkpoint_restorable(client, table_na
     restored = client.restore(path, [table_name])
     assert _steps(restored) == {table_name: [1, 1]}
     np.testing.assert_array_equal(table.pull_all(), saved)
+
+
+def test_saves_on_a_clock_behind_the_newest_checkpoints_name_sort_after_it(
+        cluster, client, table_name, monkeypatch, caplog):
+    """A chief moved to a host whose clock is behind the one that named the newest
+    checkpoint (names sort by the naming host's clock): every save was refused ("would sort
+    before") until its clock caught up, failing the job at each. Now a client that restored
+    a checkpoint names its saves after it, and one that saw none saves again, once, under a
+    name after the one the refusal names."""
+    table = client.create_table(_sync_spec(table_name))
+    path = f"skew-{table_name}"
+    clock = checkpoint_names.time.time_ns
+    monkeypatch.setattr(checkpoint_names.time, "time_ns", lambda: clock() + 3600 * 10**9)
+    _full_step(table, 0)
+    ahead, = {s.checkpoint for s in client.save(path, [table_name])}  # a host an hour ahead
+    monkeypatch.undo()
+    options = ClientOptions(timeout=20)
+    with PSClient(cluster.addresses, options) as resumed, caplog.at_level("WARNING", "parallax"):
+        assert {s.checkpoint for s in resumed.restore(path, [table_name])} == {ahead}
+        _full_step(table, 1)
+        after_restore, = {s.checkpoint for s in resumed.save(path, [table_name])}
+        assert after_restore > ahead and not caplog.records, caplog.text
+    with PSClient(cluster.addresses, options) as fresh, caplog.at_level("WARNING", "parallax"):
+        _full_step(table, 2)
+        refused_once, = {s.checkpoint for s in fresh.save(path, [table_name])}
+        assert refused_once > after_restore
+        assert [r.getMessage() for r in caplog.records if "newer than this host's clock"
+                in r.getMessage()] == [f"checkpoint {path!r}: the servers hold {after_restore}, "
+                                       "newer than this host's clock; saving again under a "
+                                       "name after it"]
+    assert _steps(client.restore(path, [table_name])) == {table_name: [3, 3]}
+    assert {s.checkpoint for s in client.restore(path, [table_name])} == {refused_once}
 
 
 def test_torn_save_is_refused_by_a_client_without_table_handles(cluster, client, table_name):
