@@ -130,6 +130,7 @@ def install(extended) -> None:
     for method in ("fit", "evaluate", "predict"):
         _patch(keras.Model, method, _guarded(method, getattr(keras.Model, method)))
     _patch(keras.Model, "predict_on_batch", _on_batch(keras.Model.predict_on_batch))
+    _patch(keras.Model, "load_weights", _building_the_optimizer(keras.Model.load_weights))
     for kind in ("train", "test", "predict"):
         name = f"make_{kind}_function"
         _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
@@ -540,6 +541,24 @@ def _several_workers(strategy) -> bool:
 
 
 # ---- beside fit, evaluate and predict ----------------------------------------------------
+
+def _building_the_optimizer(original):
+    """`Model.load_weights` of a model in a ParallaxStrategy builds its optimizer first, as
+    Keras' own `BackupAndRestore` does: Keras skips the variables of an optimizer not built
+    yet ("Skipping variable loading for optimizer ..."), so a job resumed by `load_weights`
+    before its first step got its tables' optimizer slots back from the servers but its
+    dense optimizer state from initial values (not an exact resume; a warning said so)."""
+    @functools.wraps(original)
+    def load_weights(self, *args, **kwargs):
+        optimizer = getattr(self, "optimizer", None)
+        if _extended_of(self) is not None and self.built and self.trainable_variables and \
+                optimizer is not None and not optimizer.built:
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
+        return original(self, *args, **kwargs)
+
+    return load_weights
+
 
 def make_weight_saves_atomic() -> None:
     """Wrap `keras.Model.save_weights` once: a local file is written under a temporary name

@@ -148,6 +148,8 @@ def saved(tmp_path_factory) -> dict:
             losses[name] = model.evaluate(*_batch(), batch_size=64, verbose=0)
         model.save(base / "m.keras")
         losses["m.keras"] = losses["w-2.weights.h5"]
+        _first_loss(model)
+        losses["a step after w-2"] = model.evaluate(*_batch(), batch_size=64, verbose=0)
     return {"base": base, "losses": losses}
 
 
@@ -178,6 +180,24 @@ def test_weights_files_older_than_checkpoints_kept_load_their_rows(saved, name, 
         assert _first_loss(model) == pytest.approx(saved["losses"][name], abs=1e-6)
     warned = [w for w in _warnings(caplog) if "parameter-server tables" in w]
     assert (warned == []) if exact else (len(warned) == 1 and name in warned[0]), warned
+
+
+def test_weights_loaded_before_the_first_step_bring_back_the_dense_optimizer_state(
+        saved, caplog):
+    """`load_weights` in a new job, before any step (its optimizer not built yet): Keras
+    skipped the optimizer's variables ("Skipping variable loading for optimizer 'adagrad',
+    because it has 2 variables whereas the saved optimizer has 5"), so the dense layer's
+    Adagrad accumulators restarted while the table's came back from the servers, and the
+    next step differed from the uninterrupted job's."""
+    with _servers(data_dir=saved["base"] / "data") as strategy, \
+            caplog.at_level("WARNING"):
+        with strategy.scope():
+            model = _model()
+        model.load_weights(saved["base"] / "w-2.weights.h5")
+        _first_loss(model)
+        loss = model.evaluate(*_batch(), batch_size=64, verbose=0)
+    assert loss == pytest.approx(saved["losses"]["a step after w-2"], abs=1e-6)
+    assert not [w for w in _warnings(caplog) if "Skipping variable loading" in w]
 
 
 @pytest.mark.parametrize("obstacle, error", [
