@@ -89,8 +89,10 @@ import logging
 import os
 import socket
 import threading
+import warnings
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
@@ -130,7 +132,15 @@ def install(extended) -> None:
     for method in ("fit", "evaluate", "predict"):
         _patch(keras.Model, method, _guarded(method, getattr(keras.Model, method)))
     _patch(keras.Model, "predict_on_batch", _on_batch(keras.Model.predict_on_batch))
-    _patch(keras.Model, "load_weights", _building_the_optimizer(keras.Model.load_weights))
+    _patch(keras.Model, "load_weights", _deferring_optimizer_state(keras.Model.load_weights))
+    _patch(keras.Model, "_symbolic_build",  # noqa: SLF001 - Keras' method: fit builds there
+           _loading_deferred_state(keras.Model._symbolic_build))  # noqa: SLF001 - (the same)
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    _patch(BaseOptimizer, "load_own_variables",
+           _kept_until_built(BaseOptimizer.load_own_variables))
+    for owner in (BaseOptimizer, LossScaleOptimizer):
+        _patch(owner, "apply", _dropping_deferred_state(owner.apply))
     for kind in ("train", "test", "predict"):
         name = f"make_{kind}_function"
         _patch(keras.Model, name, _making(kind, getattr(keras.Model, name)))
@@ -542,22 +552,71 @@ def _several_workers(strategy) -> bool:
 
 # ---- beside fit, evaluate and predict ----------------------------------------------------
 
-def _building_the_optimizer(original):
-    """`Model.load_weights` of a model in a ParallaxStrategy builds its optimizer first, as
-    Keras' own `BackupAndRestore` does: Keras skips the variables of an optimizer not built
-    yet ("Skipping variable loading for optimizer ..."), so a job resumed by `load_weights`
-    before its first step got its tables' optimizer slots back from the servers but its
-    dense optimizer state from initial values (not an exact resume; a warning said so)."""
+# ---- the optimizer's state in a weights file loaded before the optimizer is built --------
+# Keras skips the variables of an optimizer not built yet ("Skipping variable loading for
+# optimizer ..."), so a job resumed by `load_weights` before its first step got its tables'
+# optimizer slots back from the servers but its dense optimizer state from initial values:
+# not an exact resume. In a ParallaxStrategy the optimizer keeps the file's state aside
+# and loads it once `fit` (or evaluate, train_on_batch...) has built it, with every variable
+# trainable then (a layer frozen while loading and unfrozen before training too), as
+# Keras' own `BackupAndRestore` loads after building. An optimizer first built elsewhere
+# (a custom loop's first `apply`) drops it with Keras' warning.
+_DEFERRED = "_parallax_deferred_state"
+
+
+def _deferring_optimizer_state(original):
     @functools.wraps(original)
     def load_weights(self, *args, **kwargs):
-        optimizer = getattr(self, "optimizer", None)
-        if _extended_of(self) is not None and self.built and self.trainable_variables and \
-                optimizer is not None and not optimizer.built:
-            with self.distribute_strategy.scope():
-                optimizer.build(self.trainable_variables)
-        return original(self, *args, **kwargs)
+        before = getattr(_state, "deferring", False)
+        _state.deferring = _extended_of(self) is not None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.deferring = before
 
     return load_weights
+
+
+def _kept_until_built(original):
+    @functools.wraps(original)
+    def load_own_variables(self, store):
+        self.__dict__.pop(_DEFERRED, None)  # (a newer file's state replaces it)
+        if getattr(_state, "deferring", False) and not self.built and \
+                len(store.keys()) > len(self.variables):
+            setattr(self, _DEFERRED, {key: np.array(store[key]) for key in store.keys()})
+            return None
+        return original(self, store)
+
+    return load_own_variables
+
+
+def _loading_deferred_state(original):
+    @functools.wraps(original)
+    def _symbolic_build(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        optimizer = getattr(self, "optimizer", None)
+        deferred = None if optimizer is None else optimizer.__dict__.pop(_DEFERRED, None)
+        if deferred is not None and optimizer.built:
+            optimizer.load_own_variables(deferred)  # (Keras warns if the counts differ)
+        return result
+
+    return _symbolic_build
+
+
+def _dropping_deferred_state(original):
+    @functools.wraps(original)
+    def apply(self, *args, **kwargs):
+        deferred = self.__dict__.pop(_DEFERRED, None)
+        if deferred is not None:
+            warnings.warn(f"Skipping variable loading for optimizer '{self.name}': "
+                          f"load_weights found it not built, and it was first built by "
+                          f"`apply`, not by `fit`, so the file's {len(deferred)} optimizer "
+                          f"variables were not loaded; build it before loading "
+                          f"(`model.optimizer.build(model.trainable_variables)`)",
+                          stacklevel=2)
+        return original(self, *args, **kwargs)
+
+    return apply
 
 
 def make_weight_saves_atomic() -> None:
