@@ -671,8 +671,8 @@ def make_backup_records_atomic() -> None:
         if not file_utils.exists(self.backup_dir):
             file_utils.makedirs(self.backup_dir)
         extended = _extended_of(self.model)
-        if extended is not None and extended.remotes and "://" not in self.backup_dir and \
-                held_backups.save(self, extended):
+        if extended is not None and extended.remotes and \
+                "://" not in os.fspath(self.backup_dir) and held_backups.save(self, extended):
             return
         for path, previous in ((self._weights_path, self._prev_weights_path),
                                (self._training_metadata_path,
@@ -687,7 +687,7 @@ def make_backup_records_atomic() -> None:
 
     def _load_model(self):
         extended = _extended_of(self.model)
-        if extended is None or "://" in self.backup_dir or \
+        if extended is None or "://" in os.fspath(self.backup_dir) or \
                 not held_backups.load(self, extended):
             original_load(self)
 
@@ -696,8 +696,8 @@ def make_backup_records_atomic() -> None:
     def on_train_end(self, logs=None):
         original_end(self, logs)
         extended = _extended_of(self.model)
-        if extended is not None and extended.remotes and self.delete_checkpoint:
-            extended.server_tables.release_held()  # (their held.npz went with the directory)
+        if extended is not None and extended.remotes:  # a finished fit resumes from none
+            extended.server_tables.release_held()  # held (else a later fit of the run did)
 
     setattr(_save_model, _ATOMIC_MARK, True)
     backup._save_model = _save_model  # noqa: SLF001 - Keras' method

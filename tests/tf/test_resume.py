@@ -207,6 +207,23 @@ def test_weights_loaded_before_the_first_step_bring_back_the_dense_optimizer_sta
     assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
 
 
+def test_a_later_fit_with_a_new_backup_directory_starts_afresh(tmp_path, monkeypatch):
+    """Held backups (PARALLAX_HELD_BACKUPS=3): a fit that ended with
+    `delete_checkpoint=False` left its held backup on the servers (the tables' mark and the
+    dense state), and a later fit of the same job with a new, empty `BackupAndRestore`
+    directory resumed from it, skipping 2 of its 3 epochs."""
+    monkeypatch.setenv("PARALLAX_HELD_BACKUPS", "3")
+    x, y = _batch()
+    with _servers(data_dir=tmp_path / "data") as strategy:
+        with strategy.scope():
+            model = _model()
+        first = keras.callbacks.BackupAndRestore(tmp_path / "a", delete_checkpoint=False)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[first])
+        second = keras.callbacks.BackupAndRestore(tmp_path / "b")
+        history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[second])
+    assert len(history.history["loss"]) == 3
+
+
 @pytest.mark.parametrize("obstacle, error", [
     ("file", "cannot write checkpoint file"),  # the data directory cannot be written
     ("ckpt-99999999999999999999-ffffffff", "FAILED_PRECONDITION: .* would sort before")])

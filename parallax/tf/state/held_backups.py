@@ -119,7 +119,7 @@ def saved_on_disk(backup, extended) -> None:
     the dense part then are this step's, so that a node lost with its disk right after it
     still resumes from here, and a worker's death from memory; the held save keeps the
     newest HELD_KEPT marks); else drop an earlier held backup, older now."""
-    if held_backups() and not _refused and "://" not in backup.backup_dir and \
+    if held_backups() and not _refused and "://" not in os.fspath(backup.backup_dir) and \
             _held(backup, extended):
         return
     path = os.path.join(backup.backup_dir, HELD_FILE)
