@@ -176,17 +176,16 @@ def load(backup, extended) -> bool:
 
 def _newest_first(client, extended, local: tuple | None, path: str) -> list[tuple]:
     """(record, arrays, source) of the servers' held backup when it was taken after the
-    chief's HELD_FILE (`local`), by their positions (epoch, batch: checkpoint names sort by
-    the saving host's clock, which a chief moved to another host may have behind), then of
-    that file."""
+    chief's HELD_FILE (`local`), by their positions (epoch, batch), then of that file."""
     mine = [(*local, path)] if local is not None else []
     if client is None:
         return mine
     run_id = _run_id(extended)
     if run_id is None:
         return mine  # (no run id: none of an attempt before to find on the servers)
-    try:
-        found = client.held_state(resume.resume_path(run_id))
+    name = json.loads(local[0]["reference"] or "{}").get("checkpoint", "") if local else ""
+    try:  # (not read when the servers' newest is the file's: names sort after those seen)
+        found = client.held_state(resume.resume_path(run_id), after=name)
     except ParallaxError as err:
         log.warning("could not read the servers' copy of the held backup (%s): resuming "
                     "from %s", err, path if local else "the backup on disk")
