@@ -201,6 +201,5 @@ def test_without_worker_0_no_attempt_opens(tmp_path):
 
 def test_a_rank_beyond_max_np_is_refused(tmp_path):
     g, *_ = _gang(tmp_path)
-    with pytest.raises(gang.GangRequestError, match=r"rank 3 is not a rank of this gang "
-                                                     r"\(0..2\)"):
+    with pytest.raises(gang.GangRequestError, match=r"rank 3 is not a rank of this gang"):
         g.poll(3)
