@@ -259,7 +259,9 @@ def _supervise(command: list[str], environ: dict[str, str], rank: int, size: int
         elif scaling is not None:  # one rank: no Horovod job (the template's size is stale)
             env = {k: v for k, v in env.items() if not k.startswith("HOROVOD_")}
         return env
-    leave = float(environ.get(gang.LEAVE_GRACE_ENV, gang.LEAVE_GRACE_S)) if scaling else None
+    leave = None  # worker 0 never leaves: no scale-down deletes index 0 (completions >= 1)
+    if scaling is not None and rank != 0:
+        leave = float(environ.get(gang.LEAVE_GRACE_ENV, gang.LEAVE_GRACE_S))
     with _warm(command, environ) as command:
         code = gang.Supervisor(f"http://{address}:{port}", rank, command, child_env,
                                timeout, token, leave).run()

@@ -551,8 +551,8 @@ def test_an_elastic_kubernetes_job_goes_1_2_1_workers_at_a_fixed_global_batch(tm
     from parallax.client.local_cluster import LocalCluster
     from parallax.launch.k8s import K8sConfig
     command = (sys.executable, WORKER, "--interval", str(INTERVAL), "--epochs", str(EPOCHS),
-               "--step-delay", str(STEP_DELAY), "--backup", str(tmp_path / "backup"),
-               "--out", str(tmp_path / "ela.npz"))
+               "--step-delay", str(STEP_DELAY), "--paced-attempts", "2",  # (the last: fast)
+               "--backup", str(tmp_path / "backup"), "--out", str(tmp_path / "ela.npz"))
     config = K8sConfig(name="ela", image="x", workers=1, min_workers=1, max_workers=2,
                        servers=2, command=command)
     with LocalCluster(2, data_dir=tmp_path / "data") as cluster:
