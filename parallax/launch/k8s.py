@@ -81,6 +81,11 @@ Job's backoffLimit (N x workers) and podFailurePolicy only recreate pods that we
 or lost worker 0. The servers keep checkpoints in --data-dir on a PersistentVolumeClaim per
 server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across attempts.
 
+With --min-np A --max-np B the worker Job may be scaled (`kubectl patch` of completions and
+parallelism together, between A and B): worker 0's gang runs each attempt with the pods
+there, and stops the commands at their next checkpoint whenever a pod comes or announces it
+leaves (parallax.launch.gang.Scaling), giving each attempt its own Horovod size and ranks.
+
 The modules, one role each: k8s_config (K8sConfig and its validation), k8s_render (the
 objects and their YAML), k8s_jobset (the JobSet of --format jobset), k8s_watch (the servers'
 job watcher), k8s_bootstrap (the worker pods' bootstrap), k8s_patch, k8s_security and

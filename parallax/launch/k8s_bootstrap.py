@@ -85,6 +85,8 @@ def worker_main(command: list[str], environ: Mapping[str, str] | None = None) ->
     size = bounds[1] if bounds else len(environ[WORKERS_ENV].split(",")) \
         if _tensorflow(environ) else int(environ.get("HOROVOD_SIZE", "1"))
     max_restarts = int(environ.get(MAX_RESTARTS_ENV, "0"))
+    if bounds and _beyond(environ, bounds[1]):
+        return 0
     rank = _rank(environ, size) if size > 1 or max_restarts or bounds else 0
     if rank is None:
         return 2
@@ -137,6 +139,18 @@ def _bounds(environ: Mapping[str, str]) -> tuple[int, int] | None:
         return None
     most = int(environ[gang.MAX_WORKERS_ENV])
     return int(environ.get(gang.MIN_WORKERS_ENV, most)), most
+
+
+def _beyond(environ: Mapping[str, str], most: int) -> bool:
+    """Whether this pod's index is --max-np or more (the Job scaled above it): it says so and
+    the pod ends with 0, not training (a failed pod would fail the Job)."""
+    index = environ.get("JOB_COMPLETION_INDEX", "")
+    if not index.isdecimal() or int(index) < most:
+        return False
+    print(f"parallax k8s worker {index}: index {index} is beyond the job's --max-np {most} "
+          f"(the Job was scaled above it): this pod does not train; scale the Job to "
+          f"{most} or fewer", flush=True)
+    return True
 
 
 def _tensorflow(environ: Mapping[str, str]) -> bool:

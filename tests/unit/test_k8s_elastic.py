@@ -203,3 +203,11 @@ def test_a_rank_beyond_max_np_is_refused(tmp_path):
     g, *_ = _gang(tmp_path)
     with pytest.raises(gang.GangRequestError, match=r"rank 3 is not a rank of this gang"):
         g.poll(3)
+
+
+def test_a_pod_beyond_max_np_ends_with_0_without_training(capsys):
+    from parallax.launch.k8s_bootstrap import worker_main
+    env = {gang.MIN_WORKERS_ENV: "1", gang.MAX_WORKERS_ENV: "2", "JOB_COMPLETION_INDEX": "2",
+           "PARALLAX_RENDEZVOUS": "localhost:1"}
+    assert worker_main(["false"], env) == 0
+    assert "index 2 is beyond the job's --max-np 2" in capsys.readouterr().out
