@@ -187,16 +187,19 @@ class Gang:
             self._restart_or_fail()
 
     def _ready(self) -> bool:
-        """Whether the next attempt may open (setting its `members`); an elastic gang that
-        waited `scaling.timeout` seconds for its `min_size` ranks fails."""
+        """Whether the next attempt may open (setting its `members`): an elastic gang opens
+        it with the ranks there once none came for `scaling.settle` seconds, at once when
+        they are the most it admits or the count it stopped the last attempt for; it fails
+        after `scaling.timeout` seconds without `min_size` ranks."""
         if self.scaling is None:
             return len(self.members) == self.size and not self._lost()
         there, now = self._there(), self.clock()
         if there != self._arrivals[0]:
             self._arrivals = (there, now)
         count = self._count(there)
-        if count >= self.scaling.min_size and (len(there) == self.size or
-                                               now - self._arrivals[1] >= self.scaling.settle):
+        settled = count in (self.size, self.asked) or \
+            now - self._arrivals[1] >= self.scaling.settle  # (the count asked for is there)
+        if count >= self.scaling.min_size and settled:
             self.members = sorted(there)[:count]
             return True
         if now - self.since > self.scaling.timeout:
