@@ -66,9 +66,11 @@ def test_bounds_equal_to_workers_render_the_fixed_job_as_before(bounds):
 
 
 @pytest.mark.parametrize("version", (f"{MIN_KUBERNETES}.0", "1.37.0"))
-def test_the_elastic_job_passes_the_kubernetes_schemas(version):
+@pytest.mark.parametrize("changes", [{}, {"max_restarts": 1, "held_backups": 2},
+                                     {"insecure": True}])
+def test_the_elastic_job_passes_the_kubernetes_schemas(version, changes):
     from kubernetes_validate import validate  # the test extra installs it: never skipped
-    for obj in render(dataclasses.replace(CONFIG, max_restarts=1, held_backups=2)):
+    for obj in render(dataclasses.replace(CONFIG, **changes)):
         validate(obj, version, strict=True)
 
 
