@@ -22,6 +22,16 @@ of PARALLAX_TOKEN_FILE, mounted from the job's Secret): worker 0 answers a reque
 it 401 and one naming a rank outside 0..size-1, a negative attempt or an exit code outside
 0..255 with 400, so no pod of the cluster but the job's own can end, fail or restart it.
 
+An elastic gang (`parallax k8s --min-np A --max-np B`, `Scaling`) admits the pods of indexes
+0..B-1, and each attempt runs the ranks that checked in then (`members`, at least A, worker
+0 first; their Horovod ranks are their places in it): a pod that comes (the Job scaled up)
+or announces that it leaves (`/parallax/gang/leave`: its supervisor got SIGTERM, the Job
+scaled down) makes worker 0 ask the running commands to stop right after their next
+checkpoint (`parallax.env.ask_rescale` into the rescale file of worker 0's command, the
+chief's; `parallax.tf.state.rescale`), and the next attempt goes on from it with the new
+count. Such a stop, and a failure caused by a rank that announced its leaving, use none of
+the restarts.
+
 The commands get PARALLAX_RESTART_COUNT = the attempt, and resume from their last checkpoint.
 A supervisor that cannot reach worker 0 for `timeout` seconds (its pod is gone) stops its
 command and exits LOST_GANG_EXIT: the Job's podFailurePolicy counts only that exit and
@@ -40,9 +50,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
-from parallax.env import GANG_TIMEOUT_ENV, TOKEN_FILE_ENV
+from parallax.env import (GANG_TIMEOUT_ENV, TOKEN_FILE_ENV, ask_rescale, global_batch,
+                          stopped_for_rescale, withdraw_rescale)
 from parallax.launch.restarts import Outcome, RestartBudget
 
 GANG_TIMEOUT_S = 60.0
@@ -55,6 +68,16 @@ _INTEGER = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only (str.isdigit takes 
 MAX_EXIT_CODE = 255  # a supervisor reports a signal's death as 128 + its number
 AUTH_HEADER = "Authorization"
 AUTH_SCHEME = "Bearer "
+LEAVE_PATH = PATH + "/leave"  # PUT ?rank=N: this rank's pod is going (a scale-down)
+MIN_WORKERS_ENV = "PARALLAX_MIN_WORKERS"  # an elastic worker Job's bounds (--min-np,
+MAX_WORKERS_ENV = "PARALLAX_MAX_WORKERS"  # --max-np); both unset: not elastic
+ELASTIC_TIMEOUT_ENV = "PARALLAX_ELASTIC_TIMEOUT"  # seconds to wait for --min-np pods
+LEAVE_GRACE_ENV = "PARALLAX_LEAVE_GRACE_S"  # seconds a leaving pod's command may take to stop
+ELASTIC_TIMEOUT_S = 600.0  # default --elastic-timeout, as `parallax run`'s
+SETTLE_S = 2.0     # an elastic gang opens an attempt once no pod came for this long
+FRESH_S = 5.0      # a pod that polled this recently is there (supervisors poll every POLL_S)
+LEAVE_QUIET_S = 2.0  # a poll this long after a rank's leave is a new pod of that index
+LEAVE_GRACE_S = 15.0  # + STOP_GRACE_S: below Kubernetes' default terminationGracePeriodSeconds (30)
 
 
 class GangRequestError(ValueError):
@@ -65,19 +88,40 @@ class GangRefused(Exception):
     """Worker 0 refused this supervisor's request (401: not the job's token; 400)."""
 
 
+@dataclass(frozen=True)
+class Scaling:
+    """An elastic gang's bounds: every attempt runs at least `min_size` ranks (waiting up to
+    `timeout` seconds for them), and stops at a checkpoint for another count through
+    `request`, the rescale file of worker 0's command (PARALLAX_RESCALE_FILE; its chief
+    reads it, and notes there the global batch, which the count must split)."""
+
+    min_size: int
+    request: Path
+    timeout: float = ELASTIC_TIMEOUT_S
+    settle: float = SETTLE_S
+
+
 class Gang:
     """Worker 0's record of every rank's attempt (thread-safe). `on_start(attempt)` runs before
-    an attempt opens; `step()` advances the states (call it every POLL_S)."""
+    an attempt opens (what it returns true: the servers kept the run's tables); `step()`
+    advances the states (call it every POLL_S). `size`: the ranks admitted (0..size-1); an
+    attempt runs `members`, all of them unless `scaling` makes the gang elastic."""
 
-    def __init__(self, size: int, budget: RestartBudget, on_start: Callable[[int], None],
+    def __init__(self, size: int, budget: RestartBudget, on_start: Callable[[int], object],
                  timeout: float = GANG_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                 say: Callable[[str], None] = print):
+                 say: Callable[[str], None] = print, scaling: Scaling | None = None):
         self.size, self.budget, self.on_start, self.say = size, budget, on_start, say
-        self.timeout, self.clock = timeout, clock
+        self.timeout, self.clock, self.scaling = timeout, clock, scaling
         self.attempt, self.state, self.code, self.cause = 0, "starting", 0, ""
+        self.members: list[int] = list(range(size))  # this attempt's ranks, in Horovod order
+        self.kept = False  # on_start said the servers kept the run's tables
         self.seen: dict[int, float] = {}
         self.exits: dict[int, int] = {}
         self.told: set[int] = set()  # ranks that saw the final state
+        self.leaving: dict[int, float] = {}  # rank -> when it announced it leaves
+        self.asked: int | None = None  # the count the running attempt was asked to stop for
+        self.since = clock()  # when the gang began waiting for this attempt's ranks
+        self._arrivals = (frozenset(), self.since)  # the ranks there, and since when
         self._lock = threading.Lock()
 
     def _check_rank(self, rank: int) -> None:
@@ -87,10 +131,25 @@ class Gang:
     def poll(self, rank: int) -> dict:
         self._check_rank(rank)
         with self._lock:
-            self.seen[rank] = self.clock()
+            now = self.clock()
+            self.seen[rank] = now
+            if now - self.leaving.get(rank, now) > LEAVE_QUIET_S:
+                del self.leaving[rank]  # a new pod of that index (the Job scaled up again)
             if self.state in FINAL:
                 self.told.add(rank)
-            return {"attempt": self.attempt, "state": self.state, "code": self.code}
+            status = {"attempt": self.attempt, "state": self.state, "code": self.code}
+            if self.scaling is not None:  # (which rank of how many, per attempt)
+                status.update(rank=self.members.index(rank) if rank in self.members else -1,
+                              size=len(self.members), kept=self.kept)
+            return status
+
+    def leave(self, rank: int) -> dict:
+        """`rank`'s pod is going (its supervisor got SIGTERM: the Job scaled down)."""
+        self._check_rank(rank)
+        with self._lock:
+            self.leaving[rank] = self.clock()
+        self.say(f"worker {rank}'s pod is leaving (SIGTERM: the Job scaled down?)")
+        return {}
 
     def report(self, rank: int, attempt: int, code: int) -> None:
         self._check_rank(rank)
@@ -102,11 +161,16 @@ class Gang:
                 self.exits.setdefault(rank, code)
 
     def everyone_told(self) -> bool:
-        return len(self.told) == self.size
+        """Whether the attempt's ranks, and any other pod polling now, saw the final state
+        (a pod that came too late for the last attempt must end with the job, not find
+        worker 0 gone)."""
+        with self._lock:
+            there = self._there() if self.scaling is not None else frozenset()
+        return set(self.members) | there <= self.told
 
     def _lost(self) -> list[int]:
         now = self.clock()
-        return [r for r in range(self.size)
+        return [r for r in self.members
                 if r not in self.exits and now - self.seen.get(r, -1e18) > self.timeout]
 
     def step(self) -> None:
@@ -114,15 +178,53 @@ class Gang:
             state = self.state
             if state == "running":
                 self._check_running()
-            ready = state == "starting" and len(self._present()) == self.size
-            ended = state == "aborting" and len(self.exits) + len(self._lost()) == self.size
+            ready = state == "starting" and self._ready()
+            ended = state == "aborting" and \
+                len(self.exits) + len(self._lost()) == len(self.members)
         if ready:
             self._open()
         elif ended:
             self._restart_or_fail()
 
-    def _present(self) -> list[int]:
-        return [r for r in range(self.size) if r not in self._lost()]
+    def _ready(self) -> bool:
+        """Whether the next attempt may open (setting its `members`): an elastic gang opens
+        it with the ranks there once none came for `scaling.settle` seconds, at once when
+        they are the most it admits or the count it stopped the last attempt for; it fails
+        after `scaling.timeout` seconds without `min_size` ranks."""
+        if self.scaling is None:
+            return len(self.members) == self.size and not self._lost()
+        there, now = self._there(), self.clock()
+        if there != self._arrivals[0]:
+            self._arrivals = (there, now)
+        count = self._count(there)
+        settled = count in (self.size, self.asked) or \
+            now - self._arrivals[1] >= self.scaling.settle  # (the count asked for is there)
+        if count >= self.scaling.min_size and settled:
+            self.members = sorted(there)[:count]
+            return True
+        if now - self.since > self.scaling.timeout:
+            least = self.scaling.min_size
+            self.cause = (f"{len(there)} worker pod(s) came within --elastic-timeout "
+                          f"{self.scaling.timeout:g} s; --min-np {least} needs {least}"
+                          + ("" if 0 in there else ", worker 0 among them"))
+            self.say(self.cause)
+            self.state, self.code = "failed", 1
+        return False
+
+    def _there(self) -> frozenset[int]:
+        """The ranks whose supervisors poll now and do not leave."""
+        now = self.clock()
+        return frozenset(r for r, t in self.seen.items()
+                         if now - t <= FRESH_S and r not in self.leaving)
+
+    def _count(self, there: frozenset[int]) -> int:
+        """The ranks an attempt would run: the most of `there` that split the global batch
+        the chief noted (any count before it noted one); 0 without worker 0, which serves
+        the rendezvous and runs the chief."""
+        if 0 not in there:
+            return 0
+        batch = global_batch(self.scaling.request)
+        return next((n for n in range(len(there), 0, -1) if not batch or batch % n == 0), 0)
 
     def _check_running(self) -> None:
         failed = {r: c for r, c in sorted(self.exits.items()) if c != 0}
@@ -131,29 +233,65 @@ class Gang:
             rank, code = next(iter(failed.items())) if failed else (lost[0], 1)
             self.cause = (f"worker {rank}'s command exited with {code}" if failed else
                           f"worker {rank} stopped answering for {self.timeout:g} s (pod gone?)")
+            going = sorted(set(self.members) & set(self.leaving))
+            if going:  # (its command's end fails the others' collectives first, often)
+                self.cause += f", worker {going[0]}'s pod having announced it leaves"
             self.state, self.code = "aborting", code
-        elif len(self.exits) == self.size:
+        elif len(self.exits) == len(self.members):
             self.state = "done"
+        elif self.scaling is not None:
+            self._ask_if_scaled()
+
+    def _ask_if_scaled(self) -> None:
+        """A pod came or is leaving: ask the running commands to stop at their next
+        checkpoint, to go on with the ranks there then (asked once per count)."""
+        there = self._there() | {r for r in self.members if r not in self.leaving}
+        wanted = self._count(there)
+        if wanted == self.asked or (wanted == len(self.members)
+                                    and not set(self.members) & set(self.leaving)):
+            return
+        self.asked = wanted
+        ask_rescale(self.scaling.request, max(wanted, 1))
+        self.say(f"attempt {self.attempt}: {len(there)} worker pod(s) there now: asking the "
+                 f"{len(self.members)} running to stop after their next checkpoint, to go on "
+                 f"with {wanted}")
 
     def _open(self) -> None:
+        if self.scaling is not None:
+            withdraw_rescale(self.scaling.request)
+            stopped_for_rescale(self.scaling.request, clear=True)
+            self.say(f"attempt {self.attempt}: {len(self.members)} worker(s), pods "
+                     f"{', '.join(map(str, self.members))}")
         try:
-            self.on_start(self.attempt)
+            kept = self.on_start(self.attempt)
         except Exception as err:  # noqa: BLE001 - servers unreachable etc.: the job fails
             self.cause = f"could not start attempt {self.attempt}: {err}"
             self.say(self.cause)
             self._finish("failed", 1)
             return
         with self._lock:
-            self.state = "running"
+            self.kept, self.asked, self.state = bool(kept), None, "running"
 
     def _restart_or_fail(self) -> None:
-        outcome = Outcome.failed(self.code, self.cause)
-        if self.budget.should_restart(outcome):  # logs, and sleeps the restart delay
-            with self._lock:
-                self.attempt, self.state, self.exits = self.attempt + 1, "starting", {}
-                self.code, self.cause = 0, ""
-        else:
-            self._finish("failed", self.code)
+        why = self._uncounted()
+        if why:
+            self.say(f"attempt {self.attempt} ended: {why}; the next starts from the last "
+                     f"checkpoint, using none of the restarts")
+        elif not self.budget.should_restart(Outcome.failed(self.code, self.cause)):
+            self._finish("failed", self.code)  # (should_restart logs, and sleeps the delay)
+            return
+        with self._lock:
+            self.attempt, self.state, self.exits = self.attempt + 1, "starting", {}
+            self.code, self.cause, self.since = 0, "", self.clock()
+
+    def _uncounted(self) -> str:
+        """Why the attempt that ended is no failure ("": it is): its commands stopped at a
+        checkpoint for a new count, or a rank that announced its leaving ended it."""
+        if self.scaling is None:
+            return ""
+        if stopped_for_rescale(self.scaling.request, clear=True) is not None:
+            return "the workers stopped after their checkpoint, as asked"
+        return self.cause if "announced it leaves" in self.cause else ""
 
     def _finish(self, state: str, code: int) -> None:
         with self._lock:
@@ -187,6 +325,8 @@ def handler_class(base: type, gang: Gang, token: str | None = None) -> type:
         def do_PUT(self):  # noqa: N802
             if not self.path.startswith(PATH):
                 return super().do_PUT()
+            if urllib.parse.urlsplit(self.path).path == LEAVE_PATH:
+                return self._answer(lambda q: gang.leave(q["rank"]), ("rank",))
             self._answer(lambda q: gang.report(q["rank"], q["attempt"], self._code(q)) or {},
                          ("rank", "attempt", "code"))
 
@@ -231,20 +371,25 @@ def run_steps(gang: Gang, stop: threading.Event) -> threading.Thread:
 # Every rank: the supervisor of its pod's command.
 
 class Supervisor:
-    """Runs `command` once per attempt that worker 0 at `url` opens; returns the exit code."""
+    """Runs `command` once per attempt that worker 0 at `url` opens (and makes this rank a
+    member of: an elastic gang's may not); returns the exit code. `child_env(status)`: the
+    command's environment for the attempt whose status worker 0 answered. `leave_grace`
+    (an elastic gang's pods): SIGTERM is a scale-down, told to worker 0, and the command
+    gets that many seconds to stop at its checkpoint before it is stopped; the pod then
+    ends with 0, not as a failure."""
 
     def __init__(self, url: str, rank: int, command: list[str],
-                 child_env: Callable[[int], Mapping[str, str]], timeout: float = GANG_TIMEOUT_S,
-                 token: str | None = None):
+                 child_env: Callable[[dict], Mapping[str, str]], timeout: float = GANG_TIMEOUT_S,
+                 token: str | None = None, leave_grace: float | None = None):
         self.url, self.rank, self.command = url.rstrip("/"), rank, command
-        self.child_env, self.timeout = child_env, timeout
+        self.child_env, self.timeout, self.leave_grace = child_env, timeout, leave_grace
         self.headers = {AUTH_HEADER: AUTH_SCHEME + token} if token else {}
         self.child: subprocess.Popen | None = None
         self.signum: int | None = None
 
-    def _call(self, method: str, **query) -> dict | None:
+    def _call(self, method: str, path: str = PATH, **query) -> dict | None:
         text = urllib.parse.urlencode({"rank": self.rank, **query})
-        request = urllib.request.Request(f"{self.url}{PATH}?{text}", method=method, data=(
+        request = urllib.request.Request(f"{self.url}{path}?{text}", method=method, data=(
             b"" if method == "PUT" else None), headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=5) as reply:
@@ -273,7 +418,8 @@ class Supervisor:
             if status is not None:
                 deadline = time.monotonic() + self.timeout
                 if status["state"] in FINAL or (status["state"] == "running"
-                                                and status["attempt"] > after):
+                                                and status["attempt"] > after
+                                                and status.get("rank", 0) >= 0):
                     return status
             time.sleep(POLL_S)
         return None
@@ -294,16 +440,31 @@ class Supervisor:
         while True:
             status = self._await_open(attempt)
             if self.signum is not None:
-                return 128 + self.signum
+                return self._leave() if self._leaving() else 128 + self.signum
             if status is None:
                 return self._lost()
             if status["state"] in FINAL:
                 return status["code"] if status["code"] != LOST_GANG_EXIT else 1
             attempt = status["attempt"]
-            code = self._attempt(attempt)
+            code = self._attempt(status)
             if code is None:
                 return self._lost()
             self._call("PUT", attempt=attempt, code=code)
+            if self._leaving():
+                return 0  # (worker 0 was told, before the command stopped)
+
+    def _leaving(self) -> bool:
+        """Whether SIGTERM came to an elastic gang's pod: the Job scaled it away."""
+        return self.leave_grace is not None and self.signum == signal.SIGTERM
+
+    def _leave(self) -> int:
+        """Tell worker 0 this pod is going (so the others stop at their next checkpoint, or,
+        should its command die first, restart from the last one without counting a
+        failure); exits 0: a pod deleted by a scale-down did not fail."""
+        self._call("PUT", LEAVE_PATH)
+        print(f"parallax k8s worker {self.rank}: SIGTERM: leaving the gang (the Job scaled "
+              f"down?); worker 0 was told", flush=True)
+        return 0
 
     def _lost(self) -> int:
         print(f"parallax k8s worker {self.rank}: lost worker 0 at {self.url} for "
@@ -311,12 +472,15 @@ class Supervisor:
               f"(raise {GANG_TIMEOUT_ENV} if worker 0 is only slow)", flush=True)
         return LOST_GANG_EXIT
 
-    def _attempt(self, attempt: int) -> int | None:
+    def _attempt(self, status: dict) -> int | None:
         """Run the command until it exits or the gang aborts; its code (None: worker 0 lost)."""
-        self.child = subprocess.Popen(self.command, env=dict(self.child_env(attempt)))
+        attempt = status["attempt"]
+        self.child = subprocess.Popen(self.command, env=dict(self.child_env(status)))
         last_contact = time.monotonic()
         while self.child.poll() is None:
             time.sleep(POLL_S)
+            if self._leaving():
+                return self._let_go()
             status = self._call("GET")
             if status is not None:
                 last_contact = time.monotonic()
@@ -339,7 +503,23 @@ class Supervisor:
             self.child.kill()
             self.child.wait()
 
+    def _let_go(self) -> int:
+        """This pod leaves while its command runs: worker 0 asks every rank's command to stop
+        at their next checkpoint; this one gets `leave_grace` seconds for it."""
+        self._leave()
+        try:
+            self.child.wait(self.leave_grace)
+        except subprocess.TimeoutExpired:
+            print(f"parallax k8s worker {self.rank}: the command did not reach a checkpoint "
+                  f"within {self.leave_grace:g} s ({LEAVE_GRACE_ENV}); stopping it: the gang "
+                  f"goes on from the last checkpoint", flush=True)
+            self._stop_child()
+        code = self.child.returncode
+        return code if code >= 0 else 128 - code
+
     def _on_signal(self, signum, _frame) -> None:
         self.signum = signum
+        if self._leaving():
+            return  # (the command stops at its checkpoint, asked through worker 0)
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)

@@ -81,6 +81,11 @@ Job's backoffLimit (N x workers) and podFailurePolicy only recreate pods that we
 or lost worker 0. The servers keep checkpoints in --data-dir on a PersistentVolumeClaim per
 server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across attempts.
 
+With --min-np A --max-np B the worker Job may be scaled (`kubectl patch` of completions and
+parallelism together, between A and B): worker 0's gang runs each attempt with the pods
+there, and stops the commands at their next checkpoint whenever a pod comes or announces it
+leaves (parallax.launch.gang.Scaling), giving each attempt its own Horovod size and ranks.
+
 The modules, one role each: k8s_config (K8sConfig and its validation), k8s_render (the
 objects and their YAML), k8s_jobset (the JobSet of --format jobset), k8s_watch (the servers'
 job watcher), k8s_bootstrap (the worker pods' bootstrap), k8s_patch, k8s_security and
@@ -99,6 +104,7 @@ from typing import Any
 from parallax.env import RESTART_COUNT_ENV
 from parallax.errors import ConfigError
 from parallax.launch import gang  # noqa: F401 - part of this module's API (k8s.gang)
+from parallax.launch.gang import ELASTIC_TIMEOUT_S
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_bootstrap import _fresh_start  # noqa: F401 - tests call it here
 from parallax.launch.k8s_bootstrap import worker_main
@@ -180,8 +186,18 @@ def _job_options(g) -> None:
                    help="seconds the workers give each server to answer at the first step "
                         f"(default {SERVER_WAIT_S:g}: a server pod may first wait for its "
                         "volume or pull its image; watch the StatefulSet JOB-ps)")
-    g.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="worker pods (default 1)")
+    g.add_argument("--workers", "-np", type=int, default=1, metavar="N",
+                   help="worker pods (default 1); with --min-np/--max-np, those the Job "
+                        "starts with")
+    g.add_argument("--min-np", dest="min_workers", type=int, default=None, metavar="N",
+                   help="an elastic Job: the fewest worker pods to train with when it is "
+                        "scaled (kubectl patch of completions and parallelism; default -np)")
+    g.add_argument("--max-np", dest="max_workers", type=int, default=None, metavar="N",
+                   help="an elastic Job: the most worker pods (default -np); the gang stops "
+                        "at a checkpoint and goes on with the pods there whenever they change")
+    g.add_argument("--elastic-timeout", type=float, default=ELASTIC_TIMEOUT_S, metavar="S",
+                   help="seconds worker 0 waits for --min-np pods before the job fails "
+                        f"(default {ELASTIC_TIMEOUT_S:g})")
     g.add_argument("--servers", type=int, default=2, metavar="S",
                    help="parameter servers (default 2)")
     g.add_argument("--mode", default="hybrid", metavar="MODE",
@@ -311,6 +327,8 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
                  + tuple(f"server_{n}" for n in RESOURCE_FIELDS)}
     config = K8sConfig(
         name=args.name, image=args.image, command=tuple(command), workers=args.workers,
+        min_workers=args.min_workers, max_workers=args.max_workers,
+        elastic_timeout=args.elastic_timeout,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
         replicas=args.replicas,
         cluster_domain=args.cluster_domain, server_wait_s=args.server_wait,

@@ -13,6 +13,7 @@ from parallax.client.replicas import check_flag
 from parallax.env import PLAN_KEYS, RUN_MODES
 from parallax.errors import ConfigError
 from parallax.launch import k8s_security as secure
+from parallax.launch.gang import ELASTIC_TIMEOUT_S
 from parallax.launch.k8s_labels import _SUBDOMAIN, key_problem, parse_selector, value_problem
 from parallax.launch.warm import WARM_STARTS
 
@@ -46,7 +47,10 @@ class K8sConfig:
     name: str                             # job name: a DNS-1123 label, also the run id
     image: str                            # an image built from this repository's Dockerfile
     command: tuple[str, ...]              # the training program, e.g. ("python", "train.py")
-    workers: int = 1
+    workers: int = 1                      # the worker pods the Job starts with (-np)
+    min_workers: int | None = None        # --min-np: an elastic Job's fewest (default workers)
+    max_workers: int | None = None        # --max-np: its most (default workers)
+    elastic_timeout: float = ELASTIC_TIMEOUT_S  # seconds worker 0 waits for --min-np pods
     servers: int = 2                      # 0 only with mode="allreduce"
     namespace: str = "default"
     cluster_domain: str = "cluster.local"  # the cluster's DNS domain (kubelet --cluster-domain)
@@ -195,6 +199,7 @@ def validate(config: K8sConfig) -> None:
     _validate_metrics(config)
     _validate_scrapers(config)
     _validate_restarts(config)
+    _validate_elastic(config)
     _validate_plan(config.plan)
     _validate_jobset(config)
     if config.collectives == "tensorflow" and config.plan.get("local_aggregation"):
@@ -392,6 +397,45 @@ def _validate_restarts(config: K8sConfig) -> None:
     if config.servers == 0 and (config.data_dir or config.data_volume_size):
         raise ConfigError("--data-dir and --data-volume-size are for the parameter servers, "
                           "and --servers is 0: drop them or give --servers 1 or more")
+
+
+def worker_bounds(config: K8sConfig) -> tuple[int, int]:
+    """(--min-np, --max-np): the fewest and most worker pods the Job may be scaled between,
+    each --workers unless given."""
+    return tuple(config.workers if value is None else value
+                 for value in (config.min_workers, config.max_workers))
+
+
+def elastic(config: K8sConfig) -> bool:
+    """Whether the worker Job may be scaled (`kubectl patch` of completions and parallelism):
+    its gang then follows the pods there (parallax.launch.gang.Scaling)."""
+    return worker_bounds(config) != (config.workers, config.workers)
+
+
+def _validate_elastic(config: K8sConfig) -> None:
+    for flag, value in (("--min-np", config.min_workers), ("--max-np", config.max_workers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{flag} {value!r} must be an integer (a worker count)")
+    least, most = worker_bounds(config)
+    if not 1 <= least <= config.workers <= most:
+        raise ConfigError(f"--min-np {least}, --workers {config.workers}, --max-np {most}: "
+                          f"need 1 <= --min-np <= --workers <= --max-np (the Job starts with "
+                          f"--workers pods; each bound defaults to it)")
+    if isinstance(config.elastic_timeout, bool) or not isinstance(
+            config.elastic_timeout, (int, float)) or not 0 < config.elastic_timeout <= 86400:
+        raise ConfigError(f"--elastic-timeout {config.elastic_timeout!r} must be seconds in "
+                          f"(0, 86400] (default {ELASTIC_TIMEOUT_S:g})")
+    if not elastic(config):
+        return
+    if config.collectives == "tensorflow":
+        raise ConfigError(f"--min-np {least} / --max-np {most} with --collectives tensorflow: "
+                          f"TensorFlow's collectives take every worker's address from the pod "
+                          f"template, which a scaled Job cannot change; give --collectives "
+                          f"horovod, or drop --min-np and --max-np")
+    if config.format == "jobset":
+        raise ConfigError(f"--min-np {least} / --max-np {most} with --format jobset: a "
+                          f"JobSet's replicatedJobs cannot be changed once it exists, so its "
+                          f"worker Job cannot be scaled; give --format job")
 
 
 def _validate_jobset(config: K8sConfig) -> None:

@@ -15,9 +15,9 @@ from parallax.launch import gang
 from parallax.launch import k8s_jobset, k8s_patch
 from parallax.launch import k8s_security as secure
 from parallax.launch.k8s_config import (CONFIG_DIR, CONFIG_FILE, DEFAULT_DATA_DIR,
-                                        GPU_RESOURCE, IMAGE_UID, K8sConfig, node_selector,
-                                        resource_setting, server_metrics_port, tolerations,
-                                        validate)
+                                        GPU_RESOURCE, IMAGE_UID, K8sConfig, elastic,
+                                        node_selector, resource_setting, server_metrics_port,
+                                        tolerations, validate, worker_bounds)
 from parallax.launch.k8s_labels import labels as _labels
 from parallax.launch.k8s_labels import meta as _meta
 from parallax.launch.k8s_labels import parse_selector, pod_host, subdomain
@@ -68,7 +68,27 @@ def job_config(config: K8sConfig) -> dict[str, Any]:
         "sync": config.sync, "workers": config.workers, "servers": config.servers,
         "server_port": config.server_port, "ps_addresses": ps_addresses(config),
         "run_id": config.name, "plan": dict(config.plan), "command": list(config.command),
+        **_elastic_sizes(config),
     }
+
+
+def _elastic_sizes(config: K8sConfig) -> dict[str, int]:
+    """An elastic Job's bounds, in job.json ("workers": the count it started with)."""
+    if not elastic(config):
+        return {}
+    least, most = worker_bounds(config)
+    return {"min_workers": least, "max_workers": most}
+
+
+def _horovod(config: K8sConfig) -> bool:
+    """Whether the workers may form a Horovod job: more than one of them, now or once the
+    Job is scaled up (--max-np)."""
+    return worker_bounds(config)[1] > 1 and config.collectives == "horovod"
+
+
+def _gang(config: K8sConfig) -> bool:
+    """Whether worker 0 coordinates a gang: restarts (--max-restarts) or an elastic count."""
+    return bool(config.max_restarts) or elastic(config)
 
 
 def _headless_service(config: K8sConfig, name: str, role: str,
@@ -130,20 +150,25 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
         env[REPLICAS_ENV] = str(config.replicas)
     if config.workers > 1 and config.collectives == "tensorflow":
         env[WORKERS_ENV] = ",".join(collective_addresses(config))  # the rank: the bootstrap
-    elif config.workers > 1:
+    elif _horovod(config):
         env.update({
             RENDEZVOUS_ENV: rendezvous_address(config),
-            "HOROVOD_SIZE": str(config.workers),
+            "HOROVOD_SIZE": str(config.workers),  # (an elastic gang's supervisor sets its own)
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_IFACE": config.gloo_iface,
         })
-    if config.max_restarts:
+    if _gang(config):
         env[RENDEZVOUS_ENV] = rendezvous_address(config)  # worker 0 coordinates the gang
-        env[MAX_RESTARTS_ENV] = str(config.max_restarts)
         env[WARM_STARTS_ENV] = config.warm_starts
+    if config.max_restarts:
+        env[MAX_RESTARTS_ENV] = str(config.max_restarts)
         if config.held_backups:
             env[HELD_BACKUPS_ENV] = str(config.held_backups)
+    if elastic(config):
+        least, most = worker_bounds(config)
+        env.update({gang.MIN_WORKERS_ENV: str(least), gang.MAX_WORKERS_ENV: str(most),
+                    gang.ELASTIC_TIMEOUT_ENV: f"{config.elastic_timeout:g}"})
     env.update(secure.worker_env(config))
     return env
 
@@ -375,7 +400,8 @@ def _worker_spec(config: K8sConfig) -> dict[str, Any]:
         worker["ports"] = [{"name": n, "containerPort": p} for n, p in ports]
     if _resources(config, "worker"):
         worker["resources"] = _resources(config, "worker")
-    backoff = 0 if config.format == "jobset" else config.max_restarts * config.workers
+    backoff = 0 if config.format == "jobset" else \
+        config.max_restarts * worker_bounds(config)[1]  # (N gangs of the most pods)
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": config.workers, "parallelism": config.workers,
@@ -394,7 +420,7 @@ def _worker_spec(config: K8sConfig) -> dict[str, Any]:
         pod["automountServiceAccountToken"] = False  # workers need no API access
     secure.mount_credentials(config, pod, worker, "client")
     secure.restrict(config, pod)
-    if config.max_restarts:
+    if _gang(config):
         spec["podFailurePolicy"] = _failure_policy()
     return spec
 
@@ -403,8 +429,7 @@ def worker_ports(config: K8sConfig) -> list[tuple[str, int]]:
     """The worker pods' ports: the rendezvous on worker 0 (a Horovod job, or the gang of
     --max-restarts), each worker's TensorFlow server (--collectives tensorflow)."""
     ports = []
-    horovod = config.workers > 1 and config.collectives == "horovod"
-    if horovod or config.max_restarts:
+    if _horovod(config) or _gang(config):
         ports.append(("rendezvous", config.rendezvous_port))
     if config.workers > 1 and config.collectives == "tensorflow":
         ports.append(("collective", config.collective_port))

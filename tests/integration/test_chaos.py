@@ -397,11 +397,16 @@ class _Gang:
     `cluster`): their output collected line by line, as `Launcher`'s."""
 
     def __init__(self, pods: list[subprocess.Popen]) -> None:
-        self.pods, self.out, self.err = pods, [], []
-        self._readers = [threading.Thread(target=self._read, args=(p.stdout,), daemon=True)
-                         for p in pods]
-        for reader in self._readers:
-            reader.start()
+        self.pods, self.out, self.err, self._readers = [], [], [], []
+        for pod in pods:
+            self.add(pod)
+
+    def add(self, pod: subprocess.Popen) -> None:
+        """One more pod (an elastic Job scaled up)."""
+        self.pods.append(pod)
+        self._readers.append(threading.Thread(target=self._read, args=(pod.stdout,),
+                                              daemon=True))
+        self._readers[-1].start()
 
     def _read(self, stream) -> None:
         for line in stream:
@@ -424,13 +429,22 @@ class _Gang:
 def _gang(tmp: Path, cluster, mark: str, node: str, paced: bool) -> _Gang:
     """Worker pods 0 and 1 of job `lost` (2 workers, --max-restarts 1, --held-backups 3),
     their BackupAndRestore directories under TMP/NODE (the node's disk)."""
-    from parallax.env import ADDRESSES_ENV, RENDEZVOUS_ENV, TOKEN_FILE_ENV
-    from parallax.launch.k8s import K8sConfig, render
+    from parallax.launch.k8s import K8sConfig
     command = (sys.executable, WORKER, "--interval", str(INTERVAL), "--epochs", str(EPOCHS),
                "--step-delay", str(STEP_DELAY if paced else 0.0), "--save-freq", "1",
                "--backup", str(tmp / node / "backup"), "--out", str(tmp / "lost.npz"))
     config = K8sConfig(name="lost", image="x", workers=2, servers=2, max_restarts=1,
                        held_backups=HELD_EVERY, command=command)
+    pod = _pods(tmp, cluster, mark, config)
+    return _Gang([pod(i) for i in (0, 1)])
+
+
+def _pods(tmp: Path, cluster, mark: str, config, **extra: str):
+    """A function starting the worker pod of an index of `config`'s rendered Job, on
+    loopback against `cluster` (its environment as rendered, `extra` over it), as the Job
+    controller would."""
+    from parallax.env import ADDRESSES_ENV, RENDEZVOUS_ENV, TOKEN_FILE_ENV
+    from parallax.launch.k8s import render
     (job,) = [o for o in render(config) if o["kind"] == "Job"]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     (tmp / "token").write_text("the-jobs-token\n")
@@ -439,11 +453,13 @@ def _gang(tmp: Path, cluster, mark: str, node: str, paced: bool) -> _Gang:
         port = s.getsockname()[1]
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
            ADDRESSES_ENV: ",".join(cluster.addresses), RENDEZVOUS_ENV: f"localhost:{port}",
-           TOKEN_FILE_ENV: str(tmp / "token"), MARK: mark}
+           TOKEN_FILE_ENV: str(tmp / "token"), MARK: mark, **extra}
     argv = [str(Path(sys.executable).parent / "parallax"), *container["command"][1:]]
-    return _Gang([subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(i)},
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True) for i in (0, 1)])
+
+    def pod(index: int) -> subprocess.Popen:
+        return subprocess.Popen(argv, env={**env, "JOB_COMPLETION_INDEX": str(index)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return pod
 
 
 NO_BACKUP = """
@@ -521,6 +537,58 @@ def test_an_elastic_job_goes_2_1_2_workers_at_a_fixed_global_batch(tmp_path, mar
           f"stopped for 2 workers at step {alone_done} (none redone), first step again "
           f"{rescaled - max(e['time'] for e in events if e['attempt'] == 1):.1f}s later")
     _assert_same_weights(tmp_path / "elastic.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_kubernetes_job_goes_1_2_1_workers_at_a_fixed_global_batch(tmp_path, mark,
+                                                                              uninterrupted):
+    """`parallax k8s -np 1 --min-np 1 --max-np 2` (no --max-restarts), its pods run on loopback:
+    pod 0 trains alone; the pod of index 1 starts mid-run (the Job scaled up to 2), and the
+    gang stops at the next checkpoint and goes on with 2; then pod 1 gets SIGTERM (scaled
+    down to 1), tells worker 0, and the gang stops at the next checkpoint again and goes on
+    with pod 0. Each change redoes no step, uses no restart, and the job ends with 0 and
+    the uninterrupted 2-worker run's weights (each step consumed the same global batch)."""
+    from parallax.client.local_cluster import LocalCluster
+    from parallax.launch.k8s import K8sConfig
+    command = (sys.executable, WORKER, "--interval", str(INTERVAL), "--epochs", str(EPOCHS),
+               "--step-delay", str(STEP_DELAY), "--paced-attempts", "2",  # (the last: fast)
+               "--backup", str(tmp_path / "backup"), "--out", str(tmp_path / "ela.npz"))
+    config = K8sConfig(name="ela", image="x", workers=1, min_workers=1, max_workers=2,
+                       servers=2, command=command)
+    with LocalCluster(2, data_dir=tmp_path / "data") as cluster:
+        pod = _pods(tmp_path, cluster, mark, config, HOROVOD_GLOO_IFACE="lo")
+        job = _Gang([pod(0)])
+        try:
+            _wait_for(job, "a step of pod 0 alone", lambda e: e["chaos"] == "step")
+            job.add(pod(1))  # kubectl patch job ela-worker: completions = parallelism = 2
+            two = _wait_for(job, "the attempt with 2 workers",
+                            lambda e: e["chaos"] == "start" and e["rank"] == 1)
+            _wait_for(job, "a step of 2 workers", lambda e: e["attempt"] == two["attempt"]
+                      and e["chaos"] == "step" and e["step"] > two["step"] + 1)
+            job.pods[1].send_signal(signal.SIGTERM)  # scaled down to 1: the pod is deleted
+            assert job.wait(150) == 0, job.output()
+        finally:
+            for proc in job.pods:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+    events, out = _events(job), job.output()
+    starts = {(e["attempt"], e["rank"]): e for e in events if e["chaos"] == "start"}
+    assert sorted(starts) == [(0, 0), (1, 0), (1, 1), (2, 0)], (sorted(starts), out)
+    assert starts[0, 0]["workers"] == starts[2, 0]["workers"] == "SingleWorker", starts
+    assert starts[1, 0]["workers"] != "SingleWorker", starts
+    pauses = []
+    for attempt in (1, 2):
+        done = max(e["step"] for e in events if e["attempt"] == attempt - 1)
+        assert starts[attempt, 0]["step"] == done and done % INTERVAL == 0, (starts, done)
+        first = min(e["time"] for e in events if e["attempt"] == attempt and e["chaos"] == "step")
+        pauses.append(first - max(e["time"] for e in events if e["attempt"] == attempt - 1))
+    assert starts[1, 1]["step"] == starts[1, 0]["step"], starts
+    assert out.count("using none of the restarts") == 2, out
+    assert "worker 1's pod is leaving" in out, out
+    print(f"\nchaos: elastic Kubernetes job 1 -> 2 -> 1 workers: stopped at steps "
+          f"{starts[1, 0]['step']} and {starts[2, 0]['step']} (none redone), first step "
+          f"again {pauses[0]:.1f}s and {pauses[1]:.1f}s later")
+    _assert_same_weights(tmp_path / "ela.npz", uninterrupted())
 
 
 def _assert_same_weights(chaos: Path, full: Path) -> None:
