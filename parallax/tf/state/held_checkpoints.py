@@ -234,11 +234,15 @@ def restorable(manager, latest: str | None) -> str | None:
     paths = list(dict.fromkeys([latest, *reversed(manager.checkpoints)]))
     checked = []
     for path in paths:
-        if not _is_held(manager, path) or _still_held(manager, path):
+        held = _is_held(manager, path)
+        if not held or _still_held(manager, path):
             if checked:
                 log.info("resuming from checkpoint %s: the servers no longer hold the newer "
                          "held checkpoint(s) %s (they started anew, or the run's tables "
                          "were dropped)", path, checked)
+            elif held:
+                log.info("resuming from held checkpoint %s (the servers hold its tables)",
+                         path)
             return path
         checked.append(path)
     log.warning("no checkpoint of %s is restorable: the servers no longer hold its held "
