@@ -106,6 +106,8 @@ def test_a_custom_loop_resumes_from_its_held_checkpoint_or_the_newest_on_disk(
             ["ckpt-4.index", "ckpt-5.index", "ckpt-6.index"]
         assert held_checkpoints.reference_of(str(first / "ckpt-6")).get("held")
         assert not held_checkpoints.reference_of(str(first / "ckpt-4")).get("held")
+        sizes = {n: (first / f"ckpt-{n}.data-00000-of-00001").stat().st_size for n in (4, 6)}
+        assert sizes[6] < sizes[4] / 2, sizes  # the held one holds no rows of the table
         shutil.copytree(first, second)
 
         # (a) a worker restarted, the servers and the run's tables kept: the held ckpt-6

@@ -7,7 +7,9 @@ process, a manager's save is on disk as before for one save in N (each process's
 then every N-th, and any taken while the launcher asks the workers to stop); the others are
 held: TensorFlow writes the checkpoint's files as usual (dense variables, optimizer, the
 user's step and iterator), but the tables' part is a mark the servers keep in memory
-(`resume.HELD`: `PSClient.save(held=True)`, copy on write), whose reference the files hold.
+(`resume.HELD`: `PSClient.save(held=True)`, copy on write), whose reference the files hold,
+and the tables' variables and slots save an empty value (`variables.WITHOUT_ROWS`: not
+every row read from the servers; restoring one leaves the table to the mark).
 Why here: custom loops (the MWMS and Horovod tutorials, the benchmark's workers) save
 through a manager, and the user changes nothing but the launcher's flag.
 
@@ -38,6 +40,7 @@ import tensorflow as tf
 
 from parallax.env import held_backups as held_every
 from parallax.errors import ServerError
+from parallax.tf.graph.variables import WITHOUT_ROWS
 from parallax.tf.state import held_backups, resume
 
 log = logging.getLogger("parallax")
@@ -122,6 +125,7 @@ def _to_hold(manager) -> bool:
 def _held_save(manager, extended, original, *args):
     """The save with the tables held; on the servers' refusal to hold them, on disk."""
     token = resume.HELD.set(True)
+    rows = WITHOUT_ROWS.set(True)  # (the tables' rows are not read into the files)
     counter = int(manager.checkpoint.save_counter.numpy())
     try:
         path = original(manager, *args)
@@ -134,6 +138,7 @@ def _held_save(manager, extended, original, *args):
                     "saved on disk", err)
         manager.checkpoint.save_counter.assign(counter)  # (the failed try counted one)
         resume.HELD.reset(token)
+        WITHOUT_ROWS.reset(rows)
         token = None
         path = original(manager, *args)
         if path is not None:
@@ -142,6 +147,7 @@ def _held_save(manager, extended, original, *args):
     finally:
         if token is not None:
             resume.HELD.reset(token)
+            WITHOUT_ROWS.reset(rows)
     if path is not None:
         _kinds(manager)[path] = extended.workers.info.is_chief
     return path
