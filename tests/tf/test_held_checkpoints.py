@@ -19,7 +19,7 @@ import tensorflow as tf
 import parallax
 from parallax.client.local_cluster import LocalCluster
 from parallax.env import HELD_BACKUPS_ENV, TABLES_KEPT_ENV
-from parallax.tf.state import held_checkpoints
+from parallax.tf.state import held_backups, held_checkpoints
 
 STEPS, STOP = 9, 6
 
@@ -89,6 +89,7 @@ def _names(manager) -> list[str]:
 def test_a_custom_loop_resumes_from_its_held_checkpoint_or_the_newest_on_disk(
         tmp_path, monkeypatch):
     monkeypatch.setenv(HELD_BACKUPS_ENV, "3")
+    monkeypatch.setattr(held_backups, "_refused", [])  # (no earlier refusal in the process)
     with LocalCluster(2) as cluster:
         full, _, _ = _train(_strategy(cluster, f"full-{int(time.time())}"), None, STEPS)
         want = _weights(full)
@@ -124,3 +125,18 @@ def test_a_custom_loop_resumes_from_its_held_checkpoint_or_the_newest_on_disk(
         model, manager, start = _train(_strategy(cluster, run_id), second, STEPS)
         assert start == 4
         np.testing.assert_allclose(_weights(model), want, atol=1e-6)
+
+
+def test_tables_the_servers_cannot_hold_are_saved_on_disk(tmp_path, monkeypatch, caplog):
+    """Async tables (the servers refuse to hold them): every save is on disk, numbered as
+    usual, said once."""
+    monkeypatch.setenv(HELD_BACKUPS_ENV, "3")
+    monkeypatch.setattr(held_backups, "_refused", [])  # (said once a process: this one's)
+    with LocalCluster(1, data_dir=tmp_path / "data") as cluster:
+        strategy = parallax.ParallaxStrategy(ps_addresses=cluster.addresses, log_plan=False,
+                                             run_id=f"async-{int(time.time())}", sync=False)
+        _, manager, _ = _train(strategy, tmp_path / "ckpt", 4)
+    assert _names(manager) == ["ckpt-3", "ckpt-4"]
+    assert not any(held_checkpoints.reference_of(p).get("held") for p in manager.checkpoints)
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert len(said) == 1, said
