@@ -122,7 +122,9 @@ def test_a_custom_loop_resumes_from_its_held_checkpoint_or_the_newest_on_disk(
     # (b) the servers restarted (their marks gone): the newest on disk, ckpt-4
     monkeypatch.delenv(TABLES_KEPT_ENV)
     with LocalCluster(2, data_dir=data) as cluster:
-        model, manager, start = _train(_strategy(cluster, run_id), second, STEPS)
+        strategy = _strategy(cluster, run_id)
+        assert tf.train.latest_checkpoint(str(second)) == str(second / "ckpt-4")
+        model, manager, start = _train(strategy, second, STEPS)
         assert start == 4
         np.testing.assert_allclose(_weights(model), want, atol=1e-6)
 

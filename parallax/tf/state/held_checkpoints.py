@@ -22,9 +22,10 @@ answer; the tables follow the chief's choice whatever the others restore (`resum
 `max_to_keep` counts every save, held or not, but never deletes the newest checkpoint on
 disk while held ones are newer: it is their fallback. After a save on disk the chief drops
 its held marks (`ServerTables.release_held`): a resume then picks the newer disk one.
-Not covered: `tf.train.Checkpoint.save` / `write` called without a manager and
-`tf.train.latest_checkpoint(directory)` (on disk, and not told apart); the chief's dense
-state is not sent to the servers (a chief that lost its disk resumes from nothing).
+`tf.train.latest_checkpoint(directory)` gives the same from the directory's `checkpoint` file.
+Not covered: `tf.train.Checkpoint.save` / `write` called without a manager (on disk); the
+chief's dense state is not sent to the servers (a chief that lost its disk resumes from
+nothing).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import functools
 import json
 import logging
 import threading
+import types
 import weakref
 
 import grpc
@@ -68,6 +70,7 @@ def install(extended) -> None:
         latest = original(self)
         return latest if getattr(_state, "saving", False) else restorable(self, latest)
     manager.latest_checkpoint = property(latest_checkpoint)
+    tf.train.latest_checkpoint = _latest_in(tf.train.latest_checkpoint)
 
 
 def _patch(owner, name: str, replacement) -> None:
@@ -255,6 +258,22 @@ def restorable(manager, latest: str | None) -> str | None:
                 "checkpoints %s and none is on disk; training starts anew",
                 manager.directory, checked)
     return None
+
+
+def _latest_in(original):
+    @functools.wraps(original)
+    def latest_checkpoint(checkpoint_dir, latest_filename=None):
+        """TF's, but the newest restorable of the directory's checkpoints (`restorable`), as
+        the tutorials call it to resume (the `checkpoint` file lists those a manager kept)."""
+        latest = original(checkpoint_dir, latest_filename)
+        state = tf.train.get_checkpoint_state(checkpoint_dir, latest_filename) \
+            if latest is not None else None
+        listed = types.SimpleNamespace(  # (what `restorable` reads of a manager)
+            checkpoints=list(state.all_model_checkpoint_paths) if state else [],
+            directory=checkpoint_dir)
+        return restorable(listed, latest)
+    setattr(latest_checkpoint, _MARK, True)
+    return latest_checkpoint
 
 
 def _still_held(manager, path: str) -> bool:
