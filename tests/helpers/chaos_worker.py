@@ -6,7 +6,8 @@ The checkpoint interval is one epoch of --interval steps, or --save-freq N steps
 (`BackupAndRestore(save_freq=N)`: a resumed fit starts after the batches its backup trained,
 parallax.tf.state.batch_resume; plain Keras 3 would start the epoch again from its first
 batch). Every epoch sees the same --interval batches (`shuffle=False`), so a restarted fit
-sees exactly what an uninterrupted one does from where it resumed on.
+sees exactly what an uninterrupted one does from where it resumed on. --loop custom trains
+the same steps in a custom loop with a `tf.train.CheckpointManager` instead (`custom_loop`).
 
 Every worker prints one JSON line per event, flushed, for the test to time its kills:
 {"chaos": "start", "attempt", "rank", "step", "time", "pid", "workers"} when training
@@ -64,6 +65,40 @@ class Progress(keras.callbacks.Callback):
         time.sleep(self.delay)
 
 
+def custom_loop(strategy, model, args, ids, labels, progress) -> None:
+    """The same training as `fit`'s in the MWMS tutorial's shape: every worker restores the
+    chief's `CheckpointManager.latest_checkpoint` (BACKUP/worker-0), the chief saves there
+    every --save-freq steps (max_to_keep=2), the others into BACKUP/worker-RANK."""
+    import tensorflow as tf
+    optimizer, rank = model.optimizer, strategy.worker.rank
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    chiefs = tf.train.CheckpointManager(checkpoint, os.path.join(args.backup, "worker-0"),
+                                        max_to_keep=2)
+    checkpoint.restore(chiefs.latest_checkpoint)
+    manager = chiefs if rank == 0 else tf.train.CheckpointManager(
+        checkpoint, os.path.join(args.backup, f"worker-{rank}"), max_to_keep=2)
+
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica, (x, y))
+
+    done = int(optimizer.iterations.numpy())
+    progress._say("start", done, pid=os.getpid(), workers=progress.workers)
+    for k in range(done, args.epochs * args.interval):
+        batch = slice((k % args.interval) * BATCH, (k % args.interval + 1) * BATCH)
+        step(tf.constant(ids[batch]), tf.constant(labels[batch]))
+        if (k + 1) % (args.save_freq or args.interval) == 0:
+            manager.save()
+        progress._say("step", k + 1)
+        time.sleep(progress.delay)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--interval", type=int, default=4, help="steps per epoch = per save")
@@ -77,6 +112,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="worker 0's final weights (.npz)")
     parser.add_argument("--cache-staleness", type=int, default=None)
     parser.add_argument("--wire-dtype", default=None)
+    parser.add_argument("--loop", choices=["fit", "custom"], default="fit",
+                        help="custom: a tf.function step and a CheckpointManager (custom_loop)")
     args = parser.parse_args()
     cache = None if args.cache_staleness is None else parallax.RowCache(
         staleness=args.cache_staleness)
@@ -89,11 +126,15 @@ def main() -> None:
     progress = Progress(args.interval, rank,
                         args.step_delay if attempt < args.paced_attempts else 0.0,
                         type(strategy.extended.workers).__name__)
-    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(args.backup, f"worker-{rank}"),
-                                                  save_freq=args.save_freq or "epoch"),
-                 progress]
-    model.fit(x=ids, y=labels, batch_size=BATCH, epochs=args.epochs,
-              steps_per_epoch=args.interval, shuffle=False, verbose=0, callbacks=callbacks)
+    if args.loop == "custom":
+        custom_loop(strategy, model, args, ids, labels, progress)
+    else:
+        callbacks = [keras.callbacks.BackupAndRestore(
+            os.path.join(args.backup, f"worker-{rank}"), save_freq=args.save_freq or "epoch"),
+            progress]
+        model.fit(x=ids, y=labels, batch_size=BATCH, epochs=args.epochs,
+                  steps_per_epoch=args.interval, shuffle=False, verbose=0,
+                  callbacks=callbacks)
     stats = strategy.cache_stats()
     progress._say("end", args.epochs * args.interval, cache_hits=stats and stats.hits,
                   wire=sorted({vp.wire_dtype for vp in strategy.plan.on_servers}))

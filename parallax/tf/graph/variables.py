@@ -20,6 +20,7 @@ sparse is only known after the first step is traced. Two consequences shape this
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import math
 import logging
@@ -37,6 +38,12 @@ log = logging.getLogger("parallax")
 _INIT_PARAMETERS = frozenset(inspect.signature(
     resource_variable_ops.ResourceVariable.__init__).parameters) - {"self"}
 _tracing = threading.local()
+# Set while a checkpoint whose tables the servers hold is written (a custom loop's held
+# save: parallax.tf.state.held_checkpoints): tables and their released slots then save an
+# empty value, not every row read from the servers, and restoring one leaves them as they
+# are (the checkpoint's reference rolls the servers back to its mark).
+WITHOUT_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("parallax_without_rows",
+                                                                    default=False)
 
 
 @contextlib.contextmanager
@@ -298,7 +305,17 @@ class ParallaxVariable(resource_variable_ops.ResourceVariable):
                 f"strategy.local_tables(): model.export(path)`")
         return super()._export_to_saved_model_graph(object_map, tensor_map, options, **kwargs)
 
+    def _serialize_to_tensors(self):
+        if WITHOUT_ROWS.get() and (self._parallax_remote is not None or
+                                   self._parallax_fill is not None):
+            return {"VARIABLE_VALUE": tf.zeros([0], self.dtype)}  # (the servers hold them)
+        return super()._serialize_to_tensors()
+
     def _restore_from_tensors(self, restored_tensors):
+        value = next(iter(restored_tensors.values()))
+        if value is not None and tf.executing_eagerly() and value.shape.num_elements() == 0 \
+                and self.shape.num_elements():
+            return None  # a held checkpoint's table (`WITHOUT_ROWS`): the servers hold it
         self._parallax_init = None  # a checkpoint's value replaces the deferred one
         if self._parallax_fill is not None:
             return None  # a released slot: the servers hold the real one

@@ -52,7 +52,7 @@ from parallax.tf.graph.fusion import StepFusion
 from parallax.tf.graph.remote import RemoteTable, StepTrace, in_xla_function
 from parallax.tf.graph.variables import (ParallaxVariable, analysis_trace, is_liftable,
                                          remote_of, restore_storage)
-from parallax.tf.state import rescale, resume
+from parallax.tf.state import held_checkpoints, rescale, resume
 from parallax.tf.state.resharding import Layout, ReshardReport, Resharder, check_layouts
 from parallax.tf.state.tuner import PartitionTuner
 from parallax.tf.strategy import binding
@@ -204,6 +204,7 @@ class ParallaxExtended(one_device_strategy.OneDeviceExtended):
         keras_patches.make_weight_saves_atomic()
         keras_patches.make_backup_records_atomic()
         keras_patches.install(self)  # fit/evaluate/predict: scope checks, rows, logs
+        held_checkpoints.install(self)  # CheckpointManager: held saves, restorable latest
         self._cluster_resolver = WorkerClusterResolver(self)  # strategy.cluster_resolver
         if info.size > 1 and _wants_servers(config) and resolve_cluster(
                 config.ps_addresses, config.run_id, start=False).embedded:
