@@ -117,6 +117,8 @@ def test_the_state_goes_where_each_save_found_the_tables_after_a_lost_server():
         _step(table, 1)
         before = _requests(client)
         second = _commit(client, "job", table, _state(MIB, 4))
-        assert _added(before, _requests(client), "Save") == [3, 3]  # its PREPARE, 2 pieces
+        after = _requests(client)
+        assert _added(before, after, "Save") == [3, 3]  # its PREPARE, 2 pieces (and copies)
+        assert _added(before, after, "Stats") == [1, 1]  # (the first _requests' own)
         assert client.holds([table.name], second)
         assert client.held_state("job") == (second, _state(MIB, 4))
