@@ -24,6 +24,32 @@ STATE_MARGIN_BYTES = 1 << 10  # a piece's message: its data, its fields, and pro
 
 
 @dataclass(frozen=True)
+class Holders:
+    """The servers holding a held checkpoint's tables, as its save's PREPARE answers named
+    them: where its state goes (`PSClient.hold_state`) without a Stats round to ask."""
+    checkpoint: str
+    tables: tuple[str, ...]  # sorted
+    positions: tuple[int, ...]  # of the servers whose answer named a shard, in order
+    largest: int  # the largest message every one of them takes, in bytes
+
+    def serves(self, checkpoint: str, tables) -> bool:
+        """Whether these are the holders of `checkpoint` of `tables`."""
+        return checkpoint == self.checkpoint and tuple(sorted(tables)) == self.tables
+
+
+def holders_of(checkpoint: str, tables, answers: Iterable[tuple[int, int, bool]],
+               default_largest: int) -> Holders | None:
+    """The Holders of `answers`: (server position, the largest message it takes, 0 when it
+    does not say; whether it holds a shard of `tables`) of every live server; None when none
+    holds one. `default_largest`: the client's own limit, where no holder says."""
+    holding = sorted((position, size) for position, size, holds in answers if holds)
+    if not holding:
+        return None
+    largest = min((size for _, size in holding if size > 0), default=default_largest)
+    return Holders(checkpoint, tuple(sorted(tables)), tuple(p for p, _ in holding), largest)
+
+
+@dataclass(frozen=True)
 class Listed:
     """A piece a server lists: which checkpoint, which piece of how many, its size."""
     checkpoint: str

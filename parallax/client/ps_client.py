@@ -80,6 +80,7 @@ class PSClient:
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
         self._newest = ""  # the newest checkpoint it saved or restored: its next save's name
         #                    sorts after it, whatever this host's clock says (new_name)
+        self._holders: held_state.Holders | None = None  # of the last held save (hold_state)
 
     def __enter__(self) -> "PSClient":
         return self
@@ -230,14 +231,16 @@ class PSClient:
         `held=True`: the servers keep it in memory instead (servers/parallax_ps/held.py):
         instant, then each row's first write after it copies that row aside; restore it with
         `restore(path, tables, name, held=True)` while the servers run. Fixed-vocabulary sync
-        tables only; `keep` bounds the held ones apart from those on disk."""
+        tables only; `keep` bounds the held ones apart from those on disk. One request per
+        server, all at once (`_save_held`)."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
         renamed = False
         while True:
             lost = self.liveness.lost
             try:
-                return self._seen(self._save(path, tables, keep, in_memory=held))
+                return self._seen(self._save_held(path, tables, keep) if held else
+                                  self._save(path, tables, keep))
             except ServerError as err:
                 newer = checkpoint_names.newer_named(str(err))
                 if newer and not renamed:  # (named on a clock ahead of this host's)
@@ -255,11 +258,13 @@ class PSClient:
         self._newest = max([self._newest, *(s.checkpoint for s in shards)])
         return shards
 
-    def _save(self, path: str, tables: Sequence[str], keep: int, in_memory: bool = False
+    def _save(self, path: str, tables: Sequence[str], keep: int
               ) -> list[ps_pb2.ShardCheckpoint]:
+        """A save on disk: PREPARE (write), COMMIT keep=0 (seal) and COMMIT keep (mark
+        complete, prune), the commits one server after another (they may share a data
+        directory); a checkpoint is complete only once every server has sealed it."""
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
-                                    checkpoint=checkpoint_names.new_name(after=self._newest),
-                                    held=in_memory)
+                                    checkpoint=checkpoint_names.new_name(after=self._newest))
         lost = self.liveness.lost
         try:
             held = self._held_shards(tables)
@@ -268,18 +273,50 @@ class PSClient:
             # they were all of a table's (else refused below as a table no server holds)
             self._check_all_written(held, _unique_shards(replies), lost)
             shards = self._shards_of(replies, tables, "save")
-            mixed = _mixed_steps([s for reply in replies for s in reply.shards])  # (copies)
-            if mixed:
-                raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
-                                  f"steps {mixed}); save between steps, after "
-                                  f"table.wait_step(k) and before any push of step k")
-            if not in_memory:  # (a held save has nothing to seal: its PREPARE marked it)
-                self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
+            self._check_one_step(path, replies)
+            self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
         except BaseException:
             self._abort(request(phase=ps_pb2.SAVE_ABORT))
             raise
         self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=keep))  # complete, prune
         return shards
+
+    def _save_held(self, path: str, tables: Sequence[str], keep: int
+                   ) -> list[ps_pb2.ShardCheckpoint]:
+        """A held save in one round: every server at once marks its shards and drops their
+        marks past the newest `keep` (PREPARE with keep). No commit round: a mark is used
+        only where every server holds it (`holds`, a held restore), so a mark that a save
+        failing elsewhere leaves is never used (and its ABORT drops it); a failed save
+        leaves the newest `keep` - 1 before it. With replicated shards, a server lost in
+        the round leaves no shard unmarked (each server marks the copies it keeps too).
+        The answers name the servers holding the tables and their message limits: where
+        this checkpoint's state goes (`hold_state`), with no round to ask them."""
+        name = checkpoint_names.new_name(after=self._newest)
+        request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
+                                    checkpoint=name, held=True)
+        try:
+            answers = self._answers("Save", request(phase=ps_pb2.SAVE_PREPARE, keep=keep))
+            replies = [reply for _, reply in answers]
+            shards = self._shards_of(replies, tables, "save")
+            self._check_one_step(path, replies)
+        except BaseException:
+            self._abort(request(phase=ps_pb2.SAVE_ABORT))
+            raise
+        position = self._positions()
+        self._holders = held_state.holders_of(
+            name, tables, ((position[server.address], reply.max_message_bytes,
+                            bool(reply.shards)) for server, reply in answers),
+            self.options.max_message_bytes)
+        return shards
+
+    @staticmethod
+    def _check_one_step(path: str, replies) -> None:
+        """Refuse a checkpoint whose sync tables' shards (copies too) are at mixed steps."""
+        mixed = _mixed_steps([s for reply in replies for s in reply.shards])
+        if mixed:
+            raise ConfigError(f"checkpoint {path!r} caught sync tables mid-step (shard "
+                              f"steps {mixed}); save between steps, after "
+                              f"table.wait_step(k) and before any push of step k")
 
     def _check_all_written(self, held: set | None, shards: list, lost: frozenset) -> None:
         """Replicated shards: raise unless every shard `held` was written (a server lost
@@ -381,8 +418,13 @@ class PSClient:
         hold the tables' shards, a piece on each (and on the next with replicated shards:
         `held_state`), dropped with the mark; the pieces of the newest `keep` held
         checkpoints under `path` are kept. Raises ServerError RESOURCE_EXHAUSTED where a
-        server's --memory-mb has no room (the pieces sent stay until their mark goes)."""
-        marked, largest = self._state_holders(tables)
+        server's --memory-mb has no room (the pieces sent stay until their mark goes).
+        One request per piece, all at once, to the servers this client's held save of
+        `checkpoint` found holding the tables (else asked first, with a Stats round)."""
+        holders = self._holders
+        if holders is None or not holders.serves(checkpoint, tables):
+            holders = self._state_holders(checkpoint, tables)
+        marked, largest = list(holders.positions), holders.largest
         request = functools.partial(ps_pb2.SaveRequest, path=path, tables=list(tables),
                                     checkpoint=checkpoint, held=True, phase=ps_pb2.SAVE_COMMIT,
                                     keep=keep)
@@ -404,20 +446,19 @@ class PSClient:
                 if not self._lost(server, err):
                     raise
 
-    def _state_holders(self, tables: Sequence[str]) -> tuple[list[int], int]:
-        """(positions of the live servers holding a shard of `tables`, the largest message
-        every one of them takes): a held checkpoint's state goes there only."""
+    def _state_holders(self, checkpoint: str, tables: Sequence[str]) -> held_state.Holders:
+        """The live servers holding a shard of `tables`, asked (a Stats round): a held
+        checkpoint's state goes there only."""
         position = self._positions()
-        holding = sorted((position[server.address], reply.max_message_bytes)
-                         for server, reply in self._answers(
-                             "Stats", ps_pb2.StatsRequest(tables=list(tables)))
-                         if reply.tables)
-        if not holding:
+        holders = held_state.holders_of(
+            checkpoint, tables, ((position[server.address], reply.max_message_bytes,
+                                  bool(reply.tables)) for server, reply in self._answers(
+                                      "Stats", ps_pb2.StatsRequest(tables=list(tables)))),
+            self.options.max_message_bytes)
+        if holders is None:
             raise ConfigError(f"cannot hold a state with tables {sorted(tables)}: no server "
                               f"of {self.addresses} holds them; create and save them first")
-        largest = min((size for _, size in holding if size > 0),
-                      default=self.options.max_message_bytes)
-        return [i for i, _ in holding], largest
+        return holders
 
     def _positions(self) -> dict[str, int]:
         """{server address: its position in `servers`}."""

@@ -348,8 +348,10 @@ def _joined(arrays: list[np.ndarray]) -> np.ndarray:
 
 # ---- held checkpoints (in memory: `held.py`) ---------------------------------------------------
 def save_held(request, shards: list[TableShard]) -> ps_pb2.SaveResponse:
-    """One phase of a held save: PREPARE marks every shard (all or none), COMMIT with keep
-    >= 1 keeps each shard's newest `keep` marks, ABORT drops the mark."""
+    """One phase of a held save: PREPARE marks every shard (all or none) and, with keep >=
+    1, then keeps each shard's newest `keep` marks (the client's one round: a mark needs no
+    commit, as it is used only where every server holds it); COMMIT with keep >= 1 keeps
+    them too (a client that prunes in a round of its own); ABORT drops the mark."""
     name = versions.checked_name(request.checkpoint)
     response = ps_pb2.SaveResponse()
     if request.phase == ps_pb2.SAVE_PREPARE:
@@ -363,6 +365,9 @@ def save_held(request, shards: list[TableShard]) -> ps_pb2.SaveResponse:
             for shard in marked:
                 shard.keep_held(0, name)
             raise
+        if request.keep > 0:  # (pruned once every shard here is marked: all or none)
+            for shard in shards:
+                shard.keep_held(request.keep, name)
     elif request.phase == ps_pb2.SAVE_ABORT or request.keep:
         for shard in shards:
             shard.keep_held(0 if request.phase == ps_pb2.SAVE_ABORT else request.keep, name)

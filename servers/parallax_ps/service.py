@@ -602,7 +602,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         response = checkpoint.save_held(request, shards)
         if request.phase == ps_pb2.SAVE_ABORT:
             self.held_states.drop(name)
-        self._prune_held()
+        self._prune_held()  # (PREPARE's or COMMIT's keep dropped marks: their pieces go)
+        if request.phase == ps_pb2.SAVE_PREPARE:  # (the state pieces sent next fit it)
+            response.max_message_bytes = self.max_message_bytes
         return response
 
     def _restore_held(self, request) -> ps_pb2.RestoreResponse:

@@ -6,7 +6,8 @@ The job (this file, run as the worker): one embedding table of --rows x 16 (Adag
 servers, which draw its initial rows) looked up by 8 ids a sample, a dense layer, 64 samples
 a step, --steps steps of Keras `fit`. One worker. Rounds alternate the three settings:
 
-    python docs/benchmarks/2026-12-05-held/backup_cost.py [--rows 1000000] [--rounds 3]
+    python docs/benchmarks/2026-12-05-held/backup_cost.py [--rows 1000000] [--rounds 3] \
+        [--settings none,held,disk]
 
 Prints one JSON line per run: the median ms a step (steps 5 on, backups included) and the
 held backups' N.
@@ -68,12 +69,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--held", type=int, default=100, help="--held-backups N")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default="none,held,disk",
+                        help="which of none, held, disk to run, comma-separated (disk "
+                             "takes ~2 s a step with 1M rows)")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--backup", default="")
     args = parser.parse_args()
     if args.worker:
         return worker(args.rows, args.steps, args.backup)
-    settings = ["none", f"held={args.held}", "disk"]
+    chosen = args.settings.split(",")
+    unknown = sorted(set(chosen) - {"none", "held", "disk"})
+    if unknown:
+        parser.error(f"--settings {args.settings}: {unknown} unknown; pick from none, held, "
+                     f"disk")
+    settings = [f"held={args.held}" if s == "held" else s for s in chosen]
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for setting in settings if round_ % 2 == 0 else settings[::-1]:

@@ -456,10 +456,12 @@ class ShardCheckpoint(_message.Message):
     def __init__(self, table: _Optional[str] = ..., shard_index: _Optional[int] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., file: _Optional[str] = ..., checkpoint: _Optional[str] = ..., sync: bool = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("shards",)
+    __slots__ = ("shards", "max_message_bytes")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardCheckpoint]
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardCheckpoint, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("path", "tables", "checkpoint", "verify_only", "held", "discard_pending", "state_piece")
