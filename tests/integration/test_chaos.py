@@ -274,20 +274,7 @@ def test_held_backups_through_a_killed_worker_and_a_killed_server(tmp_path, mark
     redone). The weights are the uninterrupted run's."""
     chaos = _start(tmp_path, "held", mark, STEP_DELAY, "--save-freq", "1", paced=2,
                    launch=("--held-backups", str(HELD_EVERY)))
-    kill_step = random.randint(6, 14)
-    try:
-        _wait_for(chaos, f"step {kill_step}",
-                  lambda e: e["attempt"] == 0 and e["step"] >= kill_step)
-        kill_times = [_kill(_start_of(chaos, 0, 1)["pid"])]
-        resumed = _start_of(chaos, 1, 0)["step"]
-        _wait_for(chaos, f"step {resumed + 5}",
-                  lambda e: e["attempt"] == 1 and e["step"] >= resumed + 5)
-        kill_times.append(_kill(_server_pids(mark)[1]))
-    finally:
-        _run_to_end(chaos, mark)
-    causes = _restart_causes(chaos)
-    assert len(causes) == 2 and "worker rank 1" in causes[0] and "parameter server" in \
-        causes[1], chaos.output()
+    kill_step, kill_times = _a_worker_then_a_server_killed(chaos, mark)
     events = _events(chaos)
     failures = _failures(events, kill_times)
     print(f"\nchaos: held backups (kill at step {kill_step}): {json.dumps(failures)}")
@@ -300,16 +287,9 @@ def test_held_backups_through_a_killed_worker_and_a_killed_server(tmp_path, mark
     _assert_same_weights(tmp_path / "held.npz", uninterrupted())
 
 
-@pytest.mark.timeout(900)  # two training runs
-def test_held_checkpoints_of_a_custom_loop_through_a_killed_worker_and_a_killed_server(
-        tmp_path, mark, uninterrupted):
-    """The same with a custom loop (`tf.train.CheckpointManager`, max_to_keep=2, a save every
-    step, `parallax.tf.state.held_checkpoints`): worker rank 1 SIGKILLed at a random step,
-    every worker resumes from the chief's held checkpoint (at most one step redone); then a
-    server, and the job resumes from the newest checkpoint on disk, which max_to_keep kept
-    (at most 3 steps redone). The weights are the uninterrupted custom loop's."""
-    chaos = _start(tmp_path, "loop", mark, STEP_DELAY, "--save-freq", "1", "--loop", "custom",
-                   paced=2, launch=("--held-backups", str(HELD_EVERY)))
+def _a_worker_then_a_server_killed(chaos, mark: str) -> tuple[int, list[float]]:
+    """SIGKILL worker rank 1 at a random step of the first attempt, then a server 5 steps
+    into the second; run the job to its end. (The step chosen, the kills' times.)"""
     kill_step = random.randint(6, 14)
     try:
         _wait_for(chaos, f"step {kill_step}",
@@ -324,6 +304,20 @@ def test_held_checkpoints_of_a_custom_loop_through_a_killed_worker_and_a_killed_
     causes = _restart_causes(chaos)
     assert len(causes) == 2 and "worker rank 1" in causes[0] and "parameter server" in \
         causes[1], chaos.output()
+    return kill_step, kill_times
+
+
+@pytest.mark.timeout(900)  # two training runs
+def test_held_checkpoints_of_a_custom_loop_through_a_killed_worker_and_a_killed_server(
+        tmp_path, mark, uninterrupted):
+    """The same with a custom loop (`tf.train.CheckpointManager`, max_to_keep=2, a save every
+    step, `parallax.tf.state.held_checkpoints`): worker rank 1 SIGKILLed at a random step,
+    every worker resumes from the chief's held checkpoint (at most one step redone); then a
+    server, and the job resumes from the newest checkpoint on disk, which max_to_keep kept
+    (at most 3 steps redone). The weights are the uninterrupted custom loop's."""
+    chaos = _start(tmp_path, "loop", mark, STEP_DELAY, "--save-freq", "1", "--loop", "custom",
+                   paced=2, launch=("--held-backups", str(HELD_EVERY)))
+    kill_step, kill_times = _a_worker_then_a_server_killed(chaos, mark)
     failures = _failures(_events(chaos), kill_times)
     print(f"\nchaos: held checkpoints, custom loop (kill at step {kill_step}): "
           f"{json.dumps(failures)}")
