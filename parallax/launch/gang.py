@@ -202,14 +202,33 @@ class Gang:
         if count >= self.scaling.min_size and settled:
             self.members = sorted(there)[:count]
             return True
-        if now - self.since > self.scaling.timeout:
+        unsplit = self._unsplit()
+        if unsplit:
+            self.cause = unsplit
+            self.say(self.cause)
+            self.state, self.code = "failed", 1
+        elif now - self.since > self.scaling.timeout:
             least = self.scaling.min_size
+            split = "" if len(there) < least or 0 not in there else (
+                f", but only {count} of them split the global batch "
+                f"{global_batch(self.scaling.request)} the chief noted")
             self.cause = (f"{len(there)} worker pod(s) came within --elastic-timeout "
-                          f"{self.scaling.timeout:g} s; --min-np {least} needs {least}"
+                          f"{self.scaling.timeout:g} s{split}; --min-np {least} needs {least}"
                           + ("" if 0 in there else ", worker 0 among them"))
             self.say(self.cause)
             self.state, self.code = "failed", 1
         return False
+
+    def _unsplit(self) -> str:
+        """Why no attempt can ever run ("" if one can): no worker count from --min-np to
+        --max-np splits the global batch the chief noted."""
+        batch = global_batch(self.scaling.request)
+        least = self.scaling.min_size
+        if not batch or any(batch % n == 0 for n in range(least, self.size + 1)):
+            return ""
+        return (f"no worker count from --min-np {least} to --max-np {self.size} splits the "
+                f"global batch {batch} the chief noted (each step consumes it whole, over "
+                f"the workers): render the job with bounds that include a divisor of it")
 
     def _there(self) -> frozenset[int]:
         """The ranks whose supervisors poll now and do not leave."""
@@ -247,8 +266,14 @@ class Gang:
         checkpoint, to go on with the ranks there then (asked once per count)."""
         there = self._there() | {r for r in self.members if r not in self.leaving}
         wanted = self._count(there)
-        if wanted == self.asked or (wanted == len(self.members)
-                                    and not set(self.members) & set(self.leaving)):
+        if wanted == len(self.members) and not set(self.members) & set(self.leaving):
+            if self.asked is not None:  # (the pod that came left again before the stop)
+                withdraw_rescale(self.scaling.request)
+                self.asked = None
+                self.say(f"attempt {self.attempt}: the {wanted} running are the pods there "
+                         f"again: the stop asked for is withdrawn")
+            return
+        if wanted == self.asked:
             return
         self.asked = wanted
         ask_rescale(self.scaling.request, max(wanted, 1))
@@ -460,10 +485,18 @@ class Supervisor:
     def _leave(self) -> int:
         """Tell worker 0 this pod is going (so the others stop at their next checkpoint, or,
         should its command die first, restart from the last one without counting a
-        failure); exits 0: a pod deleted by a scale-down did not fail."""
-        self._call("PUT", LEAVE_PATH)
+        failure); exits 0: a pod deleted by a scale-down did not fail. Asked again until
+        worker 0 answers, for half the leave grace (it may be briefly unreachable)."""
+        deadline = time.monotonic() + self.leave_grace / 2
+        answered = self._call("PUT", LEAVE_PATH) is not None
+        while not answered and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            answered = self._call("PUT", LEAVE_PATH) is not None
+        told = "worker 0 was told" if answered else (
+            f"worker 0 did not answer for {self.leave_grace / 2:g} s: the others' next "
+            f"collective fails, and the gang restarts from the last checkpoint")
         print(f"parallax k8s worker {self.rank}: SIGTERM: leaving the gang (the Job scaled "
-              f"down?); worker 0 was told", flush=True)
+              f"down?); {told}", flush=True)
         return 0
 
     def _lost(self) -> int:

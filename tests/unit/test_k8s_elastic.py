@@ -193,6 +193,36 @@ def test_the_gang_fails_after_the_elastic_timeout_without_min_np_pods(tmp_path):
     assert "1 worker pod(s) came within --elastic-timeout 30 s; --min-np 2 needs 2" in said[-1]
 
 
+def test_bounds_whose_counts_never_split_the_global_batch_fail_at_once(tmp_path):
+    """Before: the gang waited the whole --elastic-timeout, then said too few pods came."""
+    g, clock, said, _ = _gang(tmp_path, least=3, most=4)
+    note_global_batch(g.scaling.request, 10)  # neither 3 nor 4 splits it
+    _tick(g, clock, 1, 0, 1, 2, 3)
+    assert (g.state, g.code) == ("failed", 1)
+    assert "no worker count from --min-np 3 to --max-np 4 splits the global batch 10" in said[-1]
+
+
+def test_pods_there_that_do_not_split_the_batch_are_named_at_the_timeout(tmp_path):
+    g, clock, said, _ = _gang(tmp_path, least=3, most=4)
+    note_global_batch(g.scaling.request, 8)  # 4 would split it; 3 pods came
+    _tick(g, clock, 31, 0, 1, 2)
+    assert g.state == "failed"
+    assert "3 worker pod(s) came within --elastic-timeout 30 s, but only 2 of them split the " \
+        "global batch 8" in said[-1]
+
+
+def test_a_pod_that_comes_and_leaves_before_the_stop_withdraws_it(tmp_path):
+    """Before: the stop asked for stayed, and the running attempt stopped for nothing."""
+    g, clock, said, _ = _gang(tmp_path)
+    _tick(g, clock, 2.5, 0)
+    _tick(g, clock, 0.5, 0, 1)
+    assert rescale_request(g.scaling.request) is not None
+    g.leave(1)
+    _tick(g, clock, 6, 0)
+    assert rescale_request(g.scaling.request) is None and g.asked is None
+    assert "the stop asked for is withdrawn" in said[-1]
+
+
 def test_without_worker_0_no_attempt_opens(tmp_path):
     g, clock, said, _ = _gang(tmp_path)
     _tick(g, clock, 3, 1)
