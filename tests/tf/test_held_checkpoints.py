@@ -142,3 +142,40 @@ def test_tables_the_servers_cannot_hold_are_saved_on_disk(tmp_path, monkeypatch,
     assert not any(held_checkpoints.reference_of(p).get("held") for p in manager.checkpoints)
     said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_other_managers_neither_fail_nor_drop_the_held_checkpoints(tmp_path, monkeypatch):
+    """Two more managers beside the model's: one of a step counter (no tables: its
+    `latest_checkpoint` raised KeyError 'tables' at its second save, held like any), one of
+    the model (a "best model" manager: its first save, on disk, dropped every held mark of
+    the process, the model manager's newest held checkpoint then no longer restorable)."""
+    monkeypatch.setenv(HELD_BACKUPS_ENV, "3")
+    monkeypatch.setattr(held_backups, "_refused", [])
+    with LocalCluster(2, data_dir=tmp_path / "data") as cluster:
+        strategy = _strategy(cluster, f"managers-{int(time.time())}")
+        with strategy.scope():
+            model = _model()
+        step = tf.Variable(0, dtype=tf.int64)
+        counter = tf.train.CheckpointManager(tf.train.Checkpoint(step=step), tmp_path / "step",
+                                             max_to_keep=2)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        main = tf.train.CheckpointManager(checkpoint, tmp_path / "main", max_to_keep=5)
+
+        @tf.function
+        def train(x, y):
+            def replica(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(replica, (x, y))
+
+        for k in range(3):
+            train(*_batch(k))
+            main.save()
+            step.assign_add(1)
+            counter.save()
+            assert counter.latest_checkpoint.endswith(f"ckpt-{k + 1}")
+        tf.train.CheckpointManager(checkpoint, tmp_path / "best", max_to_keep=1).save()
+        again = tf.train.CheckpointManager(checkpoint, tmp_path / "main", max_to_keep=5)
+        assert again.latest_checkpoint.endswith("ckpt-3")  # held, still restorable

@@ -21,7 +21,10 @@ candidate's reference is read from its files, newest first, and the servers are 
 answer; the tables follow the chief's choice whatever the others restore (`resume`).
 `max_to_keep` counts every save, held or not, but never deletes the newest checkpoint on
 disk while held ones are newer: it is their fallback. After a save on disk the chief drops
-its held marks (`ServerTables.release_held`): a resume then picks the newer disk one.
+the held marks that manager's saves made (`ServerTables.release_held`): a resume then picks
+the newer disk one. The servers keep the newest HELD_KEPT marks of the tables whichever
+manager made them, so a second manager that saves the tables held (a "best model" one)
+pushes the first's out: its resume then falls back to its newest checkpoint on disk.
 `tf.train.latest_checkpoint(directory)` gives the same from the directory's `checkpoint` file.
 Not covered: `tf.train.Checkpoint.save` / `write` called without a manager (on disk); the
 chief's dense state is not sent to the servers (a chief that lost its disk resumes from
@@ -130,6 +133,8 @@ def _held_save(manager, extended, original, *args):
     token = resume.HELD.set(True)
     rows = WITHOUT_ROWS.set(True)  # (the tables' rows are not read into the files)
     counter = int(manager.checkpoint.save_counter.numpy())
+    tables = extended.server_tables
+    before = tables.held_saves  # (a checkpoint without the tables holds nothing)
     try:
         path = original(manager, *args)
     except ServerError as err:
@@ -151,16 +156,30 @@ def _held_save(manager, extended, original, *args):
         if token is not None:
             resume.HELD.reset(token)
             WITHOUT_ROWS.reset(rows)
+    held = path is not None and tables.held_saves > before and extended.workers.info.is_chief
     if path is not None:
-        _kinds(manager)[path] = extended.workers.info.is_chief
+        _kinds(manager)[path] = held
+    if held:
+        _marks(manager).add(tables.newest_held())
     return path
 
 
 def _saved_on_disk(manager, extended, path: str) -> None:
-    """After a save on disk: the held marks are older than it, never restored again."""
+    """After a save on disk: this manager's held marks are older than it, never restored
+    again (another manager's, saving the same tables, stay)."""
     _kinds(manager)[path] = False
-    if extended.workers.info.is_chief:
-        extended.server_tables.release_held()
+    marks = _marks(manager)
+    if marks and extended.workers.info.is_chief:
+        extended.server_tables.release_held(only=set(marks))
+    marks.clear()
+
+
+def _marks(manager) -> set[str]:
+    """The names of the held marks `manager`'s saves made (the chief's)."""
+    marks = getattr(manager, "_parallax_marks", None)
+    if marks is None:
+        marks = manager._parallax_marks = set()  # noqa: SLF001 - our own field
+    return marks
 
 
 def _kinds(manager) -> dict[str, bool]:
@@ -284,6 +303,9 @@ def _still_held(manager, path: str) -> bool:
         known = manager._parallax_asked = {}  # noqa: SLF001 - our own field
     if path not in known:
         reference = reference_of(path)
+        if not reference.get("tables") or not reference.get("checkpoint"):
+            known[path] = False  # (no mark to ask about: a reference without the tables)
+            return False
         with held_backups._asking(_job[0](), path) as client:  # noqa: SLF001
             known[path] = held_backups._servers_hold(client, reference, path)  # noqa: SLF001
     return known[path]

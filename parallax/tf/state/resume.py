@@ -38,6 +38,7 @@ import contextvars
 import dataclasses
 import json
 import logging
+from typing import Collection
 
 import grpc
 import numpy as np
@@ -168,10 +169,16 @@ class ServerTables(tf.__internal__.tracking.Trackable, KerasSaveable):
                                  {r.table.name: r.table.spec for r in tables.values()})
         return {**reference, INLINE: True}, rows
 
-    def release_held(self) -> None:
+    def newest_held(self) -> str | None:
+        """Chief: the name of the newest held checkpoint it made and has not dropped."""
+        return self._held[-1][1] if self._held else None
+
+    def release_held(self, only: Collection[str] | None = None) -> None:
         """Chief: have the servers drop the held checkpoints it made (a newer backup is on
-        disk, or the backups are deleted), so that they stop copying rows for them."""
-        held, self._held = self._held, []
+        disk, or the backups are deleted), so that they stop copying rows for them; `only`:
+        those of these names (a custom loop's manager drops its own)."""
+        held = [h for h in self._held if only is None or h[1] in only]
+        self._held = [h for h in self._held if h not in held]
         for names, name in held:
             try:
                 self._strategy_extended.client.drop_held(names, name)
