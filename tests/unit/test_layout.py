@@ -294,3 +294,14 @@ def test_the_layout_table_names_every_module():
                      f"/{p.name}`" not in table)
     assert "`parallax/ps/v1/`" in table
     assert not missing, f"not named in docs/architecture.md's layout table: {missing}"
+
+
+def test_every_test_module_has_its_own_name():
+    """pytest imports the tiers' test modules by their file names (no packages): two of one
+    name in different tiers stop `make test`'s collection ("import file mismatch"), which a
+    tier run alone never shows."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"test modules sharing a name: {twice}"
