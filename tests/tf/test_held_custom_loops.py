@@ -53,22 +53,27 @@ def _train(strategy, directory: Path | None, stop: int, extra: int = 0):
     if manager is not None:
         manager.restore_or_initialize()
 
-    @tf.function
-    def step(x, y):
-        def replica(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return strategy.reduce("MEAN", strategy.run(replica, (x, y)), axis=None)
-
+    step = _step(strategy, model)
     start = int(optimizer.iterations.numpy())
     for k in range(start, stop + extra):
         step(*_batch(k))
         if manager is not None and k < stop:
             manager.save()
     return model, manager, start
+
+
+def _step(strategy, model):
+    """One training step of `model` on a batch, every replica's loss averaged."""
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce("MEAN", strategy.run(replica, (x, y)), axis=None)
+    return step
 
 
 def _weights(model) -> np.ndarray:
@@ -160,16 +165,7 @@ def test_other_managers_neither_fail_nor_drop_the_held_checkpoints(tmp_path, mon
                                              max_to_keep=2)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         main = tf.train.CheckpointManager(checkpoint, tmp_path / "main", max_to_keep=5)
-
-        @tf.function
-        def train(x, y):
-            def replica(x, y):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-                grads = tape.gradient(loss, model.trainable_variables)
-                model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            strategy.run(replica, (x, y))
-
+        train = _step(strategy, model)
         for k in range(3):
             train(*_batch(k))
             main.save()
