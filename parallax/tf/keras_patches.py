@@ -671,8 +671,7 @@ def make_backup_records_atomic() -> None:
         if not file_utils.exists(self.backup_dir):
             file_utils.makedirs(self.backup_dir)
         extended = _extended_of(self.model)
-        if extended is not None and extended.remotes and \
-                "://" not in os.fspath(self.backup_dir) and held_backups.save(self, extended):
+        if extended is not None and extended.remotes and held_backups.save(self, extended):
             return
         for path, previous in ((self._weights_path, self._prev_weights_path),
                                (self._training_metadata_path,
@@ -687,8 +686,7 @@ def make_backup_records_atomic() -> None:
 
     def _load_model(self):
         extended = _extended_of(self.model)
-        if extended is None or "://" in os.fspath(self.backup_dir) or \
-                not held_backups.load(self, extended):
+        if extended is None or not held_backups.load(self, extended):
             original_load(self)
 
     original_end = backup.on_train_end

@@ -55,9 +55,15 @@ def save(backup, extended) -> bool:
     count = getattr(backup, "_parallax_backups", 0)
     backup._parallax_backups = count + 1  # noqa: SLF001 - our own field
     every = held_backups()
-    if not every or _refused or count % every == 0 or _asked_to_stop():
+    if not every or _refused or not _local(backup) or count % every == 0 or _asked_to_stop():
         return False
     return _held(backup, extended)
+
+
+def _local(backup) -> bool:
+    """Whether the backup directory is a local one: HELD_FILE is written beside Keras'
+    files, so a directory given as a URL (`gs://...`) has every backup on disk."""
+    return "://" not in os.fspath(backup.backup_dir)
 
 
 def _held(backup, extended) -> bool:
@@ -119,8 +125,7 @@ def saved_on_disk(backup, extended) -> None:
     the dense part then are this step's, so that a node lost with its disk right after it
     still resumes from here, and a worker's death from memory; the held save keeps the
     newest HELD_KEPT marks); else drop an earlier held backup, older now."""
-    if held_backups() and not _refused and "://" not in os.fspath(backup.backup_dir) and \
-            _held(backup, extended):
+    if held_backups() and not _refused and _local(backup) and _held(backup, extended):
         return
     path = os.path.join(backup.backup_dir, HELD_FILE)
     if os.path.exists(path):
@@ -158,6 +163,8 @@ def load(backup, extended) -> bool:
     HELD_FILE and the servers' copy (`PSClient.held_state`: its HELD_FILE gone with its
     disk); the other workers read theirs, and take the chief's position and dense
     variables."""
+    if not _local(backup):
+        return False
     path = os.path.join(backup.backup_dir, HELD_FILE)
     local = _unpacked(path) if os.path.exists(path) else None
     if not extended.workers.info.is_chief:
