@@ -27,6 +27,9 @@ RUN_ID_ENV = "PARALLAX_RUN_ID"           # the job's id: table names on the serv
 MODE_ENV = "PARALLAX_MODE"               # one of RUN_MODES, from `parallax run --mode`
 SYNC_ENV = "PARALLAX_SYNC"               # one of SYNC_MODES, from `parallax run --async`
 REPLICAS_ENV = "PARALLAX_REPLICAS"       # 1 or 2: copies of each shard (--replicas)
+REPLAY_ENV = "PARALLAX_REPLAY_MB"        # N > 0 (--replay-mb): each worker keeps up to N MiB
+#                                         of its pushes, to replay them to a server started
+#                                         again from its newest checkpoint (parallax.client.replay)
 RESTART_COUNT_ENV = "PARALLAX_RESTART_COUNT"  # 0, 1, ...: which attempt (--max-restarts)
 RESCALE_FILE_ENV = "PARALLAX_RESCALE_FILE"  # the launcher asks the workers there to stop at
 #                                         their next checkpoint (`rescale_request`,

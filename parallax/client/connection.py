@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from parallax.client.dataplane import DataPlaneClient
-from parallax.env import REPLICAS_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
+from parallax.env import REPLAY_ENV, REPLICAS_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ParallaxError, ServerError
 from parallax.protocol import bulk_codec, dataplane, security
 from parallax.protocol.refusals import STEP_AHEAD
@@ -79,6 +79,9 @@ class ClientOptions:
                                      # port when it has one (parallax.protocol.dataplane), else gRPC
     replicas: int = 1                # copies of each shard, each on its own server (2: a
                                      # server's death loses no step; parallax.client.replicas)
+    replay_mb: int = 0               # MiB of this worker's pushes kept to replay to a server
+                                     # started again from its newest checkpoint (0: none;
+                                     # parallax.client.replay)
 
     @property
     def max_message_bytes(self) -> int:
@@ -93,8 +96,8 @@ def client_options_from_env(base: ClientOptions | None = None,
                             environ: Mapping[str, str] | None = None) -> ClientOptions:
     """`base` (default ClientOptions()) with the TLS files and token of the environment
     (`PARALLAX_TLS_*`, `PARALLAX_TOKEN_FILE`; a job's `JobCredentials.worker_env()`) and its
-    `PARALLAX_REPLICAS` filled into the fields `base` leaves unset; unchanged when none is
-    set."""
+    `PARALLAX_REPLICAS` and `PARALLAX_REPLAY_MB` filled into the fields `base` leaves unset;
+    unchanged when none is set."""
     base = base or ClientOptions()
     env = os.environ if environ is None else environ
     changes = {field: env[name] for field, name in (
@@ -102,6 +105,8 @@ def client_options_from_env(base: ClientOptions | None = None,
         if env.get(name) and getattr(base, field) is None}
     if env.get(REPLICAS_ENV) and base.replicas == 1:
         changes["replicas"] = _replicas(env[REPLICAS_ENV])
+    if env.get(REPLAY_ENV) and base.replay_mb == 0:
+        changes["replay_mb"] = _replay_mb(env[REPLAY_ENV])
     if env.get(TOKEN_FILE_ENV) and base.token is None:
         changes["token"] = security.read_token(env[TOKEN_FILE_ENV])
     if (changes.get("tls_cert") or changes.get("tls_key")) and not (
@@ -110,6 +115,13 @@ def client_options_from_env(base: ClientOptions | None = None,
                           f"a client certificate needs TLS; set {TLS_CA_ENV} to the CA that "
                           f"signed the servers' certificates")
     return dataclasses.replace(base, **changes) if changes else base
+
+
+def _replay_mb(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ConfigError(f"{REPLAY_ENV}={text!r} must be a whole number of MiB (0: no "
+                          f"replay)")
+    return int(text)
 
 
 def _replicas(text: str) -> int:
