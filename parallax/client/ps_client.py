@@ -9,7 +9,7 @@ from typing import Sequence
 
 import grpc
 
-from parallax.client import held_state
+from parallax.client import held_state, replay
 from parallax.client.connection import ClientOptions, ServerConnection
 from parallax.client.replica_push import CopyConnection
 from parallax.client.replicas import (Liveness, check_replicable, check_replicas, replica_sets,
@@ -76,7 +76,8 @@ class PSClient:
         self.liveness = Liveness()
         holders = [CopyConnection(s, self.liveness, self._survives) for s in self.servers] \
             if options.replicas > 1 else []
-        self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders)
+        self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders) \
+            if not options.replay_mb else replay.replayed(self.servers, options.replay_mb)
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
         self._newest = ""  # the newest checkpoint it saved or restored: its next save's name
         #                    sorts after it, whatever this host's clock says (new_name)

@@ -1,0 +1,257 @@
+"""Replayed servers (`ClientOptions.replay_mb`, `parallax run --replay-mb N`): a server's
+death costs no step and no copy of its shards.
+
+Every worker keeps its own pushes to each server, as the encoded requests it sent (newest
+last, up to its share of `replay_mb` MiB per server, the oldest dropped first). When a
+server dies, the launcher starts it again on the same address, from the newest checkpoint
+on disk in its data directory (`parallax_ps --restore-newest`): each shard starts at that
+checkpoint's step. A worker that finds the server gone (a request fails UNAVAILABLE: its
+data-plane connection is refused, or is answered by another server than the one before)
+waits for it to serve again, creates its tables there again (the server restores each
+shard as it is created and answers its step) and sends again, in order, every push it kept
+of a step the shard has not applied; then it sends the failed request again (a read), or
+counts it done (a push: it was among those sent again). A sync step is applied once every
+worker's push is in, summed in worker order, so the shards come back bit for bit as the
+lost server held them, and the job goes on: no step redone, no worker restarted, no other
+server touched.
+
+Costs: nothing on the wire and no request in steady state; each worker's memory for the
+pushes since the newest checkpoint (their bytes: about what it sends the servers a step,
+times the steps between checkpoints); at a death, the replacement's start, its restore and
+the replay. Safe against a server that was only unreachable for a while: pushes it holds
+are refused as repeats (ALREADY_EXISTS), and a step it applied is not sent again.
+
+Limits: sync tables only (an async shard applies pushes as they arrive). The pushes must
+reach back to the checkpoint the replacement restores: a worker that dropped older pushes
+(`replay_mb` too small for the checkpoints' interval) or that started after that
+checkpoint (a worker resumed from a held backup, which dies with its server) cannot
+rebuild the shard, and the job fails, naming it (`--max-restarts` then restarts it from
+the checkpoint). Rows written by InitRows or ImportRows (initial values, a reshard, a
+restore) are not kept: the replacement takes them from its checkpoint. A worker notices
+the restart promptly over the data plane (the default); over gRPC alone, a read the
+replacement holds for a step not replayed yet ends at its deadline first.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import grpc
+
+from parallax.client.replicas import caught_up, is_behind
+from parallax.errors import ServerError
+from parallax.protocol import bulk_codec
+from parallax.ps.v1 import ps_pb2
+
+log = logging.getLogger("parallax")
+PUSHES = frozenset({"Push", "PushMany"})  # the writes kept and sent again
+REPLACEMENT_WAIT_S = 120.0  # how long a worker waits for a lost server to serve again
+NOT_CREATED_PAUSE_S = 0.05  # between asks for a shard another worker has yet to create
+_REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: done
+
+
+class ReplayError(ServerError):
+    """A lost server cannot be rebuilt from this worker's pushes."""
+
+
+def _steps(method: str, request) -> list[tuple[str, int, int]]:
+    """(table, shard, step) of every part of a kept push."""
+    if method == "Push":
+        push = bulk_codec.decode_push_request(bytes(request))
+        return [(push.table, push.shard_index, push.step)]
+    return [(h.table, h.shard_index, h.step) for h, *_ in request.parts]
+
+
+def _size(method: str, request) -> int:
+    return len(request) if method == "Push" else len(request.packed())
+
+
+class PushLog:
+    """One server's pushes from this worker, oldest first, up to `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: collections.deque = collections.deque()  # (method, request, bytes)
+        self.bytes = 0
+        self.dropped = 0  # pushes dropped for room: older steps cannot be sent again
+
+    def keep(self, method: str, request):
+        """`request`, settled (encoded now: its gradients may be reused), kept."""
+        if method != "Push":
+            request = request.settled()
+        size = _size(method, request)
+        self.entries.append((method, request, size))
+        self.bytes += size
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            _, _, dropped = self.entries.popleft()
+            self.bytes -= dropped
+            self.dropped += 1
+        return request
+
+    def tables(self) -> set[str]:
+        """The tables of the kept pushes (read only after a failure)."""
+        return {t for method, request, _ in self.entries for t, _, _ in _steps(method, request)}
+
+    def since(self, steps: dict[tuple[str, int], int], address: str) -> list:
+        """The kept pushes with a part of a step the server has not applied (`steps`: each
+        shard's applied steps, as the replacement answered), in order; raises ReplayError
+        when the pushes kept do not reach back to a shard's step."""
+        first: dict[tuple[str, int], int] = {}
+        out = []
+        for method, request, _ in self.entries:
+            parts = _steps(method, request)
+            for table, shard, step in parts:
+                first.setdefault((table, shard), step)
+            ahead = [step >= steps.get((table, shard), 0) for table, shard, step in parts]
+            if all(ahead):
+                out.append((method, request))
+            elif any(ahead):
+                raise ReplayError(f"server {address}: a kept push has parts of steps both "
+                                  f"applied and not applied there; it cannot be sent again",
+                                  address=address, table=None, code=grpc.StatusCode.DATA_LOSS)
+        for key, step in steps.items():
+            if key in first and first[key] > step:
+                raise self._gap(address, key, step, first[key])
+        return out
+
+    def _gap(self, address: str, key: tuple[str, int], step: int, kept: int) -> ReplayError:
+        table, shard = key
+        why = (f"it dropped {self.dropped} older push(es) to stay within --replay-mb "
+               f"({self.max_bytes >> 20} MiB for this server)" if self.dropped else
+               "it started after that checkpoint (resumed from a newer one, held only in "
+               "the lost server's memory)")
+        return ReplayError(
+            f"server {address} was started again from a checkpoint at step {step} of table "
+            f"{table!r} shard {shard}, but this worker kept its pushes only from step {kept}: "
+            f"{why}. Save checkpoints on disk more often, or raise --replay-mb "
+            f"(ClientOptions.replay_mb); --max-restarts restarts the job from the checkpoint",
+            address=address, table=table, code=grpc.StatusCode.DATA_LOSS)
+
+
+class ReplayedConnection:
+    """One server, as every table's shards placed on it reach it (the interface of
+    `ServerConnection` that tables and multi-table calls use). It keeps the pushes sent
+    through it and the tables created through it, and rebuilds the server's shards on a
+    replacement (`recover`) when a request fails UNAVAILABLE."""
+
+    def __init__(self, conn, max_bytes: int) -> None:
+        self.conn = conn
+        self.address, self.options = conn.address, conn.options
+        self.log = PushLog(max_bytes)
+        self.created: dict[tuple[str, int], object] = {}  # (table, shard) -> CreateTable
+        self._lock = threading.RLock()  # held while recovering: sends wait for the end
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+    def _kept(self, method: str, request):
+        if method in PUSHES:
+            with self._lock:
+                return self.log.keep(method, request)
+        if method == "CreateTable":
+            self.created[(request.spec.name, request.shard_index)] = request
+        elif method == "DeleteTable":
+            for key in [k for k in self.created if k[0] == request.table]:
+                del self.created[key]
+        return request
+
+    def future(self, method: str, request, timeout: float | None = None):
+        return self.conn.future(method, self._kept(method, request), timeout)
+
+    def result(self, future, method: str, request, table=None, timeout: float | None = None,
+               done_on_retry: tuple = ()):
+        if future is None:  # (the call is made now: `many_calls._in_flight`'s last)
+            request = self._kept(method, request)
+        return self._answer(method, request, table, timeout, done_on_retry, future)
+
+    def call(self, method: str, request, table=None, timeout: float | None = None,
+             done_on_retry: tuple = (), pending=None):
+        if pending is None:
+            request = self._kept(method, request)
+        return self._answer(method, request, table, timeout, done_on_retry, pending)
+
+    def _answer(self, method: str, request, table, timeout, done_on_retry, pending):
+        try:
+            return self.conn.call(method, request, table, timeout, done_on_retry, pending,
+                                  gone=_gone)
+        except ServerError as err:
+            if not self._lost(err) or method == "DeleteTable":
+                raise
+            self.recover(err)
+        if method in PUSHES:
+            return None  # sent again by `recover` (a retry that found its first landed)
+        return self.conn.call(method, request, table, timeout, done_on_retry)
+
+    def _lost(self, err: ServerError) -> bool:
+        """Whether `err` says the server is gone, or is another (a replacement): it did not
+        answer (UNAVAILABLE), or it does not know a table this worker created or pushed to
+        (NOT_FOUND: a gRPC channel reconnects to a new process without a word)."""
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            return True
+        if err.code != grpc.StatusCode.NOT_FOUND:
+            return False
+        known = {t for t, _ in self.created} | self.log.tables()
+        return any(repr(name) in str(err) for name in known)
+
+    def recover(self, err: ServerError) -> None:
+        """Rebuild this server's shards of this worker's tables: wait for it to serve again,
+        create the tables (a replacement restores each shard from its newest checkpoint and
+        answers its step), send again every kept push of a step not applied there."""
+        with self._lock:
+            log.warning("server %s: %s; waiting up to %.0fs for it to serve again, to send "
+                        "it this worker's pushes since its newest checkpoint", self.address,
+                        err, REPLACEMENT_WAIT_S)
+            started = time.monotonic()
+            self.conn.wait_healthy(REPLACEMENT_WAIT_S)
+            for (table, _), request in list(self.created.items()):
+                self.conn.call("CreateTable", request, table)
+            again = self.log.since(self._steps(), self.address)
+            for method, request in again:
+                self._send_again(method, request)
+            log.warning("server %s serves again: %d push(es) of this worker sent again, "
+                        "%.1fs after the loss was seen", self.address, len(again),
+                        time.monotonic() - started)
+
+    def _steps(self) -> dict[tuple[str, int], int]:
+        """The steps each shard this worker pushed to has applied there, once it exists (a
+        table created by another worker: once that worker has created it again)."""
+        shards = {(t, s) for method, request, _ in self.log.entries
+                  for t, s, _ in _steps(method, request)}
+        return {(t, s): self._step(t, s) for t, s in sorted(shards | set(self.created))}
+
+    def _step(self, table: str, shard: int) -> int:
+        request = ps_pb2.StepRequest(table=table, shard_index=shard, min_step=0)
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while True:
+            try:
+                return self.conn.call("WaitStep", request, table).step
+            except ServerError as err:
+                if err.code != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                    raise
+            time.sleep(NOT_CREATED_PAUSE_S)
+
+    def _send_again(self, method: str, request) -> None:
+        try:
+            self.conn.call(method, request, None, None, _REPEAT)
+        except ServerError as err:
+            if err.code in _REPEAT:
+                return  # it holds this push already (it was never lost)
+            if not is_behind(err):
+                raise
+            caught_up(self.conn, err, method, request, None, None, _REPEAT)
+
+
+def _gone() -> bool:
+    """After an UNAVAILABLE, no retries of the connection's own: `recover` waits for the
+    server (a retry could reach its replacement before this worker's pushes did, and be
+    held there for a step that only those pushes close)."""
+    return True
+
+
+def replayed(servers: list, replay_mb: int) -> list:
+    """Per server, what its shards' requests go through (replay_mb > 0)."""
+    share = (replay_mb << 20) // max(1, len(servers))
+    return [ReplayedConnection(server, share) for server in servers]
+
