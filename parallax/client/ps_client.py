@@ -122,6 +122,8 @@ class PSClient:
         """A handle on an existing table (no RPC)."""
         if self.options.replicas > 1:
             check_replicable(spec)
+        if self.options.replay_mb:
+            replay.check_replayable(spec)
         return ShardedTable(spec, [self._routes[p] for p in self._placement(spec, placement)],
                             self.session)
 

@@ -41,7 +41,7 @@ import time
 import grpc
 
 from parallax.client.replicas import caught_up, is_behind
-from parallax.errors import ServerError
+from parallax.errors import ConfigError, ServerError
 from parallax.protocol import bulk_codec
 from parallax.ps.v1 import ps_pb2
 
@@ -54,6 +54,14 @@ _REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: 
 
 class ReplayError(ServerError):
     """A lost server cannot be rebuilt from this worker's pushes."""
+
+
+def check_replayable(spec) -> None:
+    """Raise for a table whose pushes could not rebuild it in the same order."""
+    if spec.sync_mode != "sync":
+        raise ConfigError(f"table {spec.name!r}: replay_mb (--replay-mb) needs sync tables (an "
+                          f"async table applies pushes as they arrive, an order no replay "
+                          f"can repeat); train in sync mode or run without --replay-mb")
 
 
 def _steps(method: str, request) -> list[tuple[str, int, int]]:
