@@ -26,7 +26,9 @@ Topologies (processes; "127.0.0.1" on loopback):
   hybrid, ps       workers worker0..W-1 (Horovod gloo ranks) + parallax servers ps0..S-1
                    (hybrid_py: hybrid's, with PARALLAX_NATIVE=0 in every process: the numpy
                    data path beside the compiled one; hybrid_r2: with PARALLAX_REPLICAS=2, a
-                   copy of every shard on the next server; both on request)
+                   copy of every shard on the next server; hybrid_replay: with
+                   PARALLAX_REPLAY_MB, each worker keeping its pushes to replay them to a
+                   server started again; all on request)
   allreduce        workers only (the plan puts nothing on servers)
   horovod[_dense]  workers only (Horovod gloo ranks)
   mwms             workers only (TF_CONFIG, ring collectives)
@@ -64,8 +66,8 @@ from parallax.bench.metrics import (analytic, summarize_windows,  # noqa: F401 (
 from parallax.bench.cgroups import CpuGroups
 from parallax.bench.netns import EmulatedCluster, LinkSpec
 from parallax.bench.sampler import ResourceSampler
-from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, NATIVE_ENV, REPLICAS_ENV,
-                          RUN_ID_ENV, TF_THREAD_ENVS, WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
+from parallax.env import (ADDRESSES_ENV, HOROVOD_CYCLE_TIME_ENV, NATIVE_ENV, REPLAY_ENV,
+                          REPLICAS_ENV, RUN_ID_ENV, TF_THREAD_ENVS, WORKER_CYCLE_TIME_MS, WORKER_RANK_ENV, WORKERS_ENV)
 from parallax.errors import ConfigError, ParallaxError
 from parallax.runtime.cpu_quota import MIN_INTER_OP
 from parallax.client.local_cluster import ready_address
@@ -74,9 +76,11 @@ SYSTEMS = summary.SYSTEMS
 CACHED, cache_system, cache_staleness = summary.CACHED, summary.cache_system, \
     summary.cache_staleness
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in summary.ON_REQUEST)
+REPLAY_MB = 256  # hybrid_replay's --replay-mb: MiB of its pushes each worker keeps
 # A variant runs its base system's processes with more environment in every process.
 VARIANTS = {"hybrid_py": ("hybrid", {NATIVE_ENV: "0"}),
-            "hybrid_r2": ("hybrid", {REPLICAS_ENV: "2"})}
+            "hybrid_r2": ("hybrid", {REPLICAS_ENV: "2"}),
+            "hybrid_replay": ("hybrid", {REPLAY_ENV: str(REPLAY_MB)})}
 SERVED = topology.SERVED  # systems with parameter servers
 LOOPBACK = "loopback"
 TF_PORT = 23400          # TF servers and MWMS workers inside namespaces

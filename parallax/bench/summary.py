@@ -14,11 +14,12 @@ from parallax.placement import traffic_model
 from parallax.placement.traffic_model import StepTraffic, Workload
 
 SYSTEMS = ("hybrid", "ps", "allreduce", "tf_ps", "mwms", "horovod", "horovod_dense",
-           "hybrid_tf", "hybrid_py", "hybrid_r2")
+           "hybrid_tf", "hybrid_py", "hybrid_r2", "hybrid_replay")
 # hybrid_tf: hybrid whose dense sums are TensorFlow's collectives; hybrid_py: hybrid on the
 # numpy data path (PARALLAX_NATIVE=0 in every process), to measure the compiled kernels;
-# hybrid_r2: hybrid with a copy of every shard (PARALLAX_REPLICAS=2), to price replication
-ON_REQUEST = ("hybrid_tf", "hybrid_py", "hybrid_r2")  # run only when named in --systems
+# hybrid_r2: hybrid with a copy of every shard (PARALLAX_REPLICAS=2), to price replication;
+# hybrid_replay: hybrid whose workers keep their pushes (PARALLAX_REPLAY_MB), to price that
+ON_REQUEST = ("hybrid_tf", "hybrid_py", "hybrid_r2", "hybrid_replay")  # run only when named in --systems
 WORKLOADS = ("lm", "ctr", "dense")
 PARALLAX = "hybrid"
 CACHED = "hybrid_cache"  # + staleness: hybrid with a worker row cache, e.g. hybrid_cache4
@@ -26,7 +27,7 @@ BYTES_TARGET = 1.2      # hybrid's measured bytes within this factor of the anal
 DENSE_TOLERANCE = 5.0   # percent: on a dense model hybrid is plain all-reduce, like Horovod
 
 _MODEL = {"hybrid": "hybrid", "hybrid_tf": "hybrid", "hybrid_py": "hybrid", "hybrid_r2": "hybrid",
-          "ps": "ps", "tf_ps": "ps",
+          "hybrid_replay": "hybrid", "ps": "ps", "tf_ps": "ps",
           "allreduce": "allreduce",
           "horovod": "allreduce", "horovod_dense": "horovod_sparse_as_dense", "mwms": "mwms"}
 

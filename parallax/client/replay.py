@@ -66,10 +66,15 @@ def check_replayable(spec) -> None:
 
 def _steps(method: str, request) -> list[tuple[str, int, int]]:
     """(table, shard, step) of every part of a kept push."""
+    return [(t, shard, step) for t, shard, step, _ in _parts(method, request)]
+
+
+def _parts(method: str, request) -> list[tuple[str, int, int, int]]:
+    """(table, shard, step, chunk) of every part of a kept push."""
     if method == "Push":
         push = bulk_codec.decode_push_request(bytes(request))
-        return [(push.table, push.shard_index, push.step)]
-    return [(h.table, h.shard_index, h.step) for h, *_ in request.parts]
+        return [(push.table, push.shard_index, push.step, push.chunk_index)]
+    return [(h.table, h.shard_index, h.step, h.chunk_index) for h, *_ in request.parts]
 
 
 def _size(method: str, request) -> int:
@@ -107,12 +112,18 @@ class PushLog:
         shard's applied steps, as the replacement answered), in order; raises ReplayError
         when the pushes kept do not reach back to a shard's step."""
         first: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, int], tuple[int, int]] = {}
         out = []
         for method, request, _ in self.entries:
-            parts = _steps(method, request)
-            for table, shard, step in parts:
+            parts = _parts(method, request)
+            if any((step, chunk) <= last.get((t, shard), (-1, -1))
+                   for t, shard, step, chunk in parts):
+                first, out = {}, []  # the tables were rolled back (a restore): the pushes
+                #                      before it are of steps taken again since
+            for table, shard, step, chunk in parts:
                 first.setdefault((table, shard), step)
-            ahead = [step >= steps.get((table, shard), 0) for table, shard, step in parts]
+                last[(table, shard)] = (step, chunk)
+            ahead = [step >= steps.get((t, shard), 0) for t, shard, step, _ in parts]
             if all(ahead):
                 out.append((method, request))
             elif any(ahead):
@@ -261,5 +272,8 @@ def _gone() -> bool:
 def replayed(servers: list, replay_mb: int) -> list:
     """Per server, what its shards' requests go through (replay_mb > 0)."""
     share = (replay_mb << 20) // max(1, len(servers))
+    log.info("keeping this worker's pushes, up to %d MiB per server, to send them again to a "
+             "server started again from its newest checkpoint (replay_mb=%d)", share >> 20,
+             replay_mb)
     return [ReplayedConnection(server, share) for server in servers]
 

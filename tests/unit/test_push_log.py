@@ -77,3 +77,14 @@ def test_a_push_with_parts_on_both_sides_of_the_servers_steps_is_refused():
 def _parts(method: str, request):
     from parallax.client.replay import _steps
     return _steps(method, request)
+
+
+def test_pushes_from_before_a_rollback_are_not_sent_again():
+    """A restore took the tables back to step 1: the steps taken again since replace the
+    ones kept from before it."""
+    log = PushLog(1 << 20)
+    for step in (0, 1, 2, 3, 1, 2):
+        log.keep("Push", _push("a", 0, step))
+    again = log.since({("a", 0): 1}, "h:1")
+    assert [_parts(m, r)[0][2] for m, r in again] == [1, 2]
+    assert all(r is e[1] for (_, r), e in zip(again, list(log.entries)[4:]))
