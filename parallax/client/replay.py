@@ -21,15 +21,17 @@ times the steps between checkpoints); at a death, the replacement's start, its r
 the replay. Safe against a server that was only unreachable for a while: pushes it holds
 are refused as repeats (ALREADY_EXISTS), and a step it applied is not sent again.
 
-Limits: sync tables only (an async shard applies pushes as they arrive). The pushes must
-reach back to the checkpoint the replacement restores: a worker that dropped older pushes
-(`replay_mb` too small for the checkpoints' interval) or that started after that
-checkpoint (a worker resumed from a held backup, which dies with its server) cannot
+Limits: a replacement must restore its shards from a checkpoint (a shard at step 0 there
+is refused: rows the job wrote when it began, such as initial values the workers drew,
+would be missing). Sync tables only (an async shard applies pushes as they arrive). The
+pushes must reach back to the checkpoint the replacement restores: a worker that dropped
+older pushes (`replay_mb` too small for the checkpoints' interval) or that started after
+that checkpoint (a worker resumed from a held backup, which dies with its server) cannot
 rebuild the shard, and the job fails, naming it (`--max-restarts` then restarts it from
-the checkpoint). Rows written by InitRows or ImportRows (initial values, a reshard, a
-restore) are not kept: the replacement takes them from its checkpoint. A worker notices
-the restart promptly over the data plane (the default); over gRPC alone, a read the
-replacement holds for a step not replayed yet ends at its deadline first.
+the checkpoint). Rows written by InitRows or ImportRows after the checkpoint (a reshard)
+are not kept. A worker notices the restart promptly over the data plane (the default);
+over gRPC alone, a read the replacement holds for a step not replayed yet ends at its
+deadline first.
 """
 from __future__ import annotations
 
@@ -226,12 +228,31 @@ class ReplayedConnection:
             self.conn.wait_healthy(REPLACEMENT_WAIT_S)
             for (table, _), request in list(self.created.items()):
                 self.conn.call("CreateTable", request, table)
-            again = self.log.since(self._steps(), self.address)
+            steps = self._steps()
+            self._check_restored(steps)
+            again = self.log.since(steps, self.address)
             for method, request in again:
                 self._send_again(method, request)
             log.warning("server %s serves again: %d push(es) of this worker sent again, "
                         "%.1fs after the loss was seen", self.address, len(again),
                         time.monotonic() - started)
+
+    def _check_restored(self, steps: dict[tuple[str, int], int]) -> None:
+        """Raise unless every shard this worker pushed to came back from a checkpoint: one
+        at step 0 was made anew (a server started without `--restore-newest`), and the rows
+        written into it when the job began (InitRows: initial values drawn by the workers;
+        ImportRows) would be missing: the replay would train on other rows."""
+        fresh = sorted(key for key, step in steps.items() if step == 0 and key[0] in
+                       self.log.tables())
+        if fresh:
+            table, shard = fresh[0]
+            raise ReplayError(
+                f"server {self.address} serves again, but table {table!r} shard {shard} is "
+                f"at step 0 there: it was not restored from a checkpoint (start a lost server "
+                f"again with parallax_ps --restore-newest and its data directory, as "
+                f"`parallax run --replay-mb` does), so the rows it held cannot be rebuilt "
+                f"from this worker's pushes alone", address=self.address, table=table,
+                code=grpc.StatusCode.DATA_LOSS)
 
     def _steps(self) -> dict[tuple[str, int], int]:
         """The steps each shard this worker pushed to has applied there, once it exists (a

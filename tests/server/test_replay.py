@@ -10,6 +10,7 @@ are test_replicas.py's).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -20,19 +21,45 @@ import pytest
 from conftest import in_threads
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
+from parallax.client.many import pull_many, push_many
 from parallax.client.replay import ReplayError
-from test_replicas import OPTIONS, STEPS, WORKERS, _specs, _work
+from test_replicas import OPTIONS, STEPS, WORKERS, _ids, _specs
 
 REPLAY = ClientOptions(**{**OPTIONS.__dict__, "replay_mb": 64})
+SAVE_AT, KILL_AT = 4, 7  # a checkpoint once 4 steps are applied; server 1 killed at step 7
+
+
+def _steps(client: PSClient, specs, worker: int, steps: range, kill=None) -> None:
+    """One worker: pull its ids at each step, push a gradient made of the rows it read
+    (through PushMany at odd steps, per-table pushes at even ones)."""
+    tables = [client.table(spec) for spec in specs]
+    for step in steps:
+        ids = [_ids(worker, step), _ids(worker + 7, step)]
+        rows = pull_many(tables, ids, [step, step])
+        grads = [r * 0.5 + 0.01 * (worker + 1) for r in rows]
+        if step % 2:
+            push_many(tables, ids, grads, [step, step], worker, [0.0, 0.0])
+        else:
+            for table, i, g in zip(tables, ids, grads):
+                table.push(i, g, step=step, worker=worker)
+        if kill is not None and step == KILL_AT:
+            kill()
 
 
 def _train(cluster: LocalCluster, prefix: str, options: ClientOptions, kill=None):
+    """The 2-worker job: SAVE_AT steps, a checkpoint, the other steps (`kill` called by
+    worker 0 after its push of step KILL_AT); the tables' rows at the end."""
     specs = _specs(prefix)
     clients = [PSClient(cluster.addresses, options) for _ in range(WORKERS)]
     try:
         for spec in specs:
             clients[0].create_table(spec)
-        in_threads(lambda w: _work(clients[w], specs, w, kill if w == 0 else None), WORKERS)
+        in_threads(lambda w: _steps(clients[w], specs, w, range(SAVE_AT)), WORKERS)
+        assert all(clients[0].table(s).wait_step(SAVE_AT) == SAVE_AT for s in specs)
+        if cluster.data_dir is not None:
+            clients[0].save("ckpt", [s.name for s in specs])
+        in_threads(lambda w: _steps(clients[w], specs, w, range(SAVE_AT, STEPS),
+                                    kill if w == 0 else None), WORKERS)
         final = [clients[0].table(s) for s in specs]
         assert all(t.wait_step(STEPS) == STEPS for t in final)
         return [t.pull_all() for t in final]
@@ -56,37 +83,61 @@ def _restart(cluster: LocalCluster, index: int, *args: str):
 
 
 @pytest.fixture(scope="module")
-def baseline():
-    with LocalCluster(2) as cluster:
+def baseline(tmp_path_factory):
+    with LocalCluster(2, data_dir=tmp_path_factory.mktemp("plain")) as cluster:
         return _train(cluster, "plain", OPTIONS)
 
 
-def test_a_server_started_again_is_rebuilt_from_the_workers_pushes(baseline):
-    """No checkpoint: the replacement starts with the tables' initial rows (the servers draw
-    them from the spec's seed) and the workers send it every push since step 0."""
-    with LocalCluster(2) as cluster:
+def test_a_server_started_again_from_its_checkpoint_is_rebuilt_from_the_workers_pushes(
+        tmp_path, baseline):
+    """The replacement restores its shards from the checkpoint at step SAVE_AT; each worker
+    sends it its pushes of the steps since; the job ends bit for bit as the uninterrupted
+    one, with no step redone."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
         dead = []
-        rows = _train(cluster, "replayed", REPLAY,
-                      kill=lambda: dead.append(_restart(cluster, 1)))
+        rows = _train(cluster, "plain", REPLAY,
+                      kill=lambda: dead.append(_restart(cluster, 1, "--restore-newest")))
         assert dead[0].proc.returncode == -signal.SIGKILL
     for got, want in zip(rows, baseline):
         np.testing.assert_array_equal(got, want)
 
 
-def test_pushes_that_do_not_reach_back_to_the_servers_step_fail_naming_why():
-    """A log too small for one push keeps only the newest: the replacement (at step 0) needs
-    the older ones, and the worker says so instead of training on wrong rows."""
+def _one_worker_job(cluster: LocalCluster, options: ClientOptions):
+    client = PSClient(cluster.addresses, options)
+    spec = dataclasses.replace(_specs("one")[0], num_workers=1)
+    table = client.create_table(spec)
+    return client, spec, table
+
+
+def test_a_server_started_again_without_its_checkpoint_is_refused():
+    """A replacement that did not restore its shards holds them at step 0, without the rows
+    the job wrote when it began: the worker says so instead of training on other rows."""
+    with LocalCluster(2) as cluster:
+        client, _, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), np.ones((100, 4), np.float32), step=0)
+            _restart(cluster, 1)
+            with pytest.raises(ReplayError, match="shard 1 is at step 0 there: it was not "
+                                                  "restored from a checkpoint") as err:
+                table.pull_all()
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_pushes_that_do_not_reach_back_to_the_checkpoint_fail_naming_why(tmp_path):
+    """A log with room for one push keeps only the newest: the replacement (restored at
+    step 1) needs the older ones, and the worker says so."""
     tiny = ClientOptions(**{**OPTIONS.__dict__, "replay_mb": 1, "timeout": 10})
-    with LocalCluster(2) as cluster, PSClient(cluster.addresses, tiny) as client:
-        spec = _specs("gap")[0]
-        spec = type(spec)(**{**spec.__dict__, "num_workers": 1})
-        table = client.create_table(spec)
-        for conn in client._routes:  # noqa: SLF001 - a log of a few hundred bytes
-            conn.log.max_bytes = 1
-        for step in range(3):
-            table.push(np.arange(100), np.ones((100, 4), np.float32), step=step)
-        _restart(cluster, 1)
-        with pytest.raises(ReplayError, match="kept its pushes only from step 2: it dropped "
-                                              r"2 older push\(es\)") as err:
-            table.pull_all()
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, tiny)
+        with client:
+            for conn in client._routes:  # noqa: SLF001 - room for the newest push only
+                conn.log.max_bytes = 1
+            table.push(np.arange(100), np.ones((100, 4), np.float32), step=0)
+            client.save("ckpt", [spec.name])
+            for step in range(1, 4):
+                table.push(np.arange(100), np.ones((100, 4), np.float32), step=step)
+            _restart(cluster, 1, "--restore-newest")
+            with pytest.raises(ReplayError, match="kept its pushes only from step 3: it "
+                                                  r"dropped 3 older push\(es\)") as err:
+                table.pull_all()
         assert err.value.code == grpc.StatusCode.DATA_LOSS
