@@ -161,3 +161,34 @@ def test_the_flag_needs_a_data_directory():
     with pytest.raises(SystemExit):
         parse_args(["--restore-newest"])
     assert parse_args(["--restore-newest", "--data-dir", "/tmp/d"]).restore_newest
+
+
+def test_a_server_started_again_answers_at_its_address_with_its_shards(tmp_path):
+    """LocalCluster.replace, as `parallax run --replay-mb` uses it: same flags, same port."""
+    from parallax.errors import ParallaxError
+    spec = _spec("again")
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        addresses = cluster.addresses
+        with PSClient(addresses, OPTIONS) as client:
+            table = client.create_table(spec)  # a shard on each server
+            _train(table, 0, 3)
+            saved = Snapshot(client, tmp_path, spec.name)
+            _train(table, 3, 5)
+        for _ in range(2):  # (the replacement's death: the same again)
+            victim = cluster.servers[1].proc
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+            cluster.replace(1, ["--restore-newest"])
+            assert cluster.addresses == addresses
+        with PSClient(addresses, OPTIONS) as client:
+            assert [(a.created, a.step) for a in _create(client, spec)] == [(False, 5),
+                                                                            (True, 3)]
+            rows = client.table(spec).pull_all()  # (partition "mod": odd ids on shard 1)
+            np.testing.assert_array_equal(rows[1::2], saved.arrays["values"][1::2])
+            assert not np.array_equal(rows[0::2], saved.arrays["values"][0::2])  # lived on
+        os.kill(cluster.servers[0].proc.pid, signal.SIGKILL)
+        cluster.servers[0].proc.wait(10)
+        with pytest.raises(ParallaxError, match="exited with code 2 before it was ready; its "
+                                                "output:(.|\n)*--no-such-flag"):
+            cluster.replace(0, ["--no-such-flag"])
+        assert cluster.servers[0].address == addresses[0]
