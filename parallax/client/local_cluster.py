@@ -154,10 +154,15 @@ class LocalCluster:
     def addresses(self) -> list[str]:
         return [s.address for s in self.servers if s.address]
 
-    def start(self) -> "LocalCluster":
-        args = ["--host", self.host, "--port", "0", *self.extra_args]
+    def _args(self, port: int | str = 0) -> list[str]:
+        """Every server's flags but its metrics port."""
+        args = ["--host", self.host, "--port", str(port), *self.extra_args]
         if self.data_dir is not None:
             args += ["--data-dir", str(self.data_dir)]
+        return args
+
+    def start(self) -> "LocalCluster":
+        args = self._args()
         try:
             self.servers = [ServerProcess(i, self.command + args +
                                           metrics_args(self.metrics_port, i), self.echo)
@@ -168,6 +173,26 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def replace(self, index: int, extra_args: list[str] = ()) -> ServerProcess:
+        """Start server `index`, which has exited, again with the same flags plus
+        `extra_args`, on the port it had: the clients find it at the address they know (its
+        data plane may get another port: they ask it again). Raises ParallaxError, with its
+        output, when it does not start (it is killed then); `stop` stops it like the others."""
+        old = self.servers[index]
+        port = old.address.rsplit(":", 1)[1]
+        server = ServerProcess(index, self.command + self._args(port) + list(extra_args)
+                               + metrics_args(self.metrics_port, index), self.echo)
+        self.servers[index] = server
+        try:
+            server.wait_ready(self.start_timeout)
+        except ParallaxError:
+            if server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait()
+            server.address = server.address or old.address  # (what it was to listen on)
+            raise
+        return server
 
     def stop(self, timeout: float = 15.0) -> list[int | None]:
         self.exit_codes = stop_servers(self.servers, timeout)

@@ -2,7 +2,8 @@
 for the first attempt, kept for the next where a worker failed or the workers stopped for a
 new count (the run's tables dropped from them), started again after a server's failure; and
 what the launcher watches them for while an attempt runs: deaths (`ServerLosses`, which
-with --replicas 2 tells the deaths the job goes on without) and silence (`HealthWatch`)."""
+with --replicas 2 tells the deaths the job goes on without, and with --replay-mb starts the
+dead server again: `Replacements`) and silence (`HealthWatch`)."""
 from __future__ import annotations
 
 import signal
@@ -19,22 +20,72 @@ if TYPE_CHECKING:
     from parallax.launch.run import LaunchConfig
 
 
+MAX_REPLACEMENTS = 3  # starts of one server per attempt with --replay-mb; then the job ends
+RESTORE_NEWEST = "--restore-newest"  # (parallax_ps.server): the replacement's own shards
+
+
+class Replacements:
+    """With --replay-mb: each of our servers that dies is started again on its address with
+    --restore-newest, its shards then restored from their newest checkpoint as the workers
+    create them there, and the workers replay their pushes since
+    (`parallax.client.replay`), so the job goes on, no step redone. At most
+    MAX_REPLACEMENTS starts of a server per attempt: a server that keeps dying ends the job
+    as a death without --replay-mb does (--max-restarts acts on it)."""
+
+    def __init__(self, cluster, say: Callable[[str], None], health=None,
+                 limit: int = MAX_REPLACEMENTS) -> None:
+        self.cluster, self.say, self.health, self.limit = cluster, say, health, limit
+        self.starts: dict[int, int] = {}  # this attempt's, per server index
+
+    def replace(self, server) -> bool:
+        """Start `server` (dead) again; False when it may not (its starts are spent) or
+        its replacement did not start (said, with its output): the job ends then."""
+        done = self.starts.get(server.index, 0)
+        code = server.proc.returncode
+        if done >= self.limit:
+            self.say(f"parameter server {server.index} ({server.address}) exited with code "
+                     f"{code}, after {done} start(s) again in this attempt (--replay-mb "
+                     f"starts a server at most {self.limit} times an attempt)")
+            return False
+        self.starts[server.index] = done + 1
+        try:
+            new = self.cluster.replace(server.index, [RESTORE_NEWEST])
+        except ParallaxError as err:
+            self.say(f"parameter server {server.index} ({server.address}) exited with code "
+                     f"{code}, and could not be started again (--replay-mb): {err}")
+            return False
+        if self.health is not None:
+            self.health.restart_clock(new.address)  # (its silence counts from now)
+        self.say(f"parameter server {server.index} ({server.address}) exited with code {code}; "
+                 f"started again there (--replay-mb, start {done + 1} of {self.limit} this "
+                 f"attempt, pid {new.proc.pid}): its tables restore from their newest "
+                 f"checkpoint, and the workers replay their pushes since")
+        return True
+
+
 class ServerLosses:
     """The servers of ours that died; with --replicas 2, those the job goes on without (every
-    shard still has a live copy: `parallax.client.replicas.survives`)."""
+    shard still has a live copy: `parallax.client.replicas.survives`); with --replay-mb,
+    those started again (`replacements`), which the job goes on with."""
 
     def __init__(self, cluster, replicas: int, say: Callable[[str], None],
-                 on_loss: Callable | None = None) -> None:
+                 on_loss: Callable | None = None,
+                 replacements: Replacements | None = None) -> None:
         self.cluster, self.replicas, self.say = cluster, replicas, say
         self.on_loss = on_loss  # called with each server the job goes on without
+        self.replacements = replacements
         self.lost: set[int] = set()
         self.addresses: set[str] = set()  # of the servers lost and gone on without
 
     def fatal(self):
         """The first newly dead server the job cannot go on without, or None."""
-        for server in (self.cluster.servers if self.cluster is not None else ()):
+        for server in (list(self.cluster.servers) if self.cluster is not None else ()):
             if server.index in self.lost or server.proc.poll() is None:
                 continue
+            if self.replacements is not None:
+                if self.replacements.replace(server):
+                    continue
+                return self.cluster.servers[server.index]  # (its replacement, if it failed)
             if not survives(self.lost | {server.index}, len(self.cluster.servers),
                             self.replicas):
                 return server
@@ -52,8 +103,11 @@ class ServerLosses:
         """With --replicas 2, whether the job goes on without a server silent past
         --health-timeout: one of ours is killed (its workers' requests then fail over to its
         copies) and judged by `fatal` as it exits; one started elsewhere is left out, if
-        every shard keeps a copy (a hung one fails its workers' requests at their deadline)."""
+        every shard keeps a copy (a hung one fails its workers' requests at their deadline).
+        With --replay-mb, one of ours is killed too, and `fatal` starts it again."""
         index, address, age = silent
+        if self.replacements is not None:
+            return self._kill_to_replace(index, address, age)
         if self.replicas == 1 or not survives(self.lost | {index}, servers, self.replicas):
             return False
         ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
@@ -69,6 +123,19 @@ class ServerLosses:
         self.say(f"parameter server {index} ({address}) has not answered a health check for "
                  f"{age:.0f}s (--health-timeout); with --replicas {self.replicas} the job goes on "
                  f"with its copies")
+        return True
+
+
+    def _kill_to_replace(self, index: int, address: str, age: float) -> bool:
+        """--replay-mb: kill our silent server (SIGKILL), for `fatal` to start it again."""
+        ours = [s for s in self.cluster.servers if s.address == address]
+        if not ours:
+            return False
+        if ours[0].proc.poll() is None:
+            self.say(f"parameter server {index} ({address}) has not answered a health check "
+                     f"for {age:.0f}s (--health-timeout); with --replay-mb it is stopped "
+                     f"(SIGKILL) and started again")
+            ours[0].proc.kill()
         return True
 
 
@@ -108,6 +175,13 @@ class HealthWatch:
                         self._answered[index] = time.monotonic()
                 except ParallaxError:
                     pass  # refused credentials: not an answer
+
+    def restart_clock(self, address: str) -> None:
+        """Count the silence of the server at `address` from now: one started again there
+        (--replay-mb) was silent while it was dead and starting, not hung."""
+        for index, server in enumerate(self._servers):
+            if server.address == address:
+                self._answered[index] = time.monotonic()
 
     def silent(self, lost: set[str] = frozenset()) -> tuple[int, str, float] | None:
         """(index, address, seconds) of the server silent the longest, past the timeout,

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from parallax.client.replicas import check_flag
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, HELD_BACKUPS_ENV, MODE_ENV,
-                          REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV,
+                          REPLAY_ENV, REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV,
                           RUN_ID_ENV, RUN_MODES, SYNC_ENV, TABLES_KEPT_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
                           WORKER_METRICS_PREFIX, ask_rescale,
@@ -62,7 +62,8 @@ from parallax.errors import ConfigError, ParallaxError
 from parallax.launch.backends import WorkerBackend, choose
 from parallax.launch.backends import horovodrun as horovodrun_backend
 from parallax.launch.elastic import ELASTIC_TIMEOUT_S, Elastic, RescaleWatch
-from parallax.launch.job_servers import (HealthWatch, JobServers, ServerLosses, check_external,
+from parallax.launch.job_servers import (MAX_REPLACEMENTS, HealthWatch, JobServers,
+                                         Replacements, ServerLosses, check_external,
                                          report_dead_server, report_silent_server)
 from parallax.launch.restarts import RESTART_DELAY_S, Outcome, RestartBudget
 from parallax.launch.warm import WARM_STARTS, gpu_machine, wanted, warm_process, why_cold
@@ -137,6 +138,10 @@ class LaunchConfig:
     warm_starts: str = "auto"             # --warm-starts auto|on|off: fork workers from a
                                           # process with TensorFlow imported
                                           # (parallax.launch.warm); auto: with restarts
+    replay_mb: int = 0                    # --replay-mb N: each worker keeps N MiB of its
+                                          # pushes, and a server of ours that dies is started
+                                          # again from its newest checkpoint, the pushes since
+                                          # replayed to it (job_servers.Replacements); 0: off
 
 
 def _check_metrics_port(config: LaunchConfig) -> None:
@@ -268,6 +273,7 @@ def validate(config: LaunchConfig) -> list[str]:
                               f"the data directory is --data-dir; drop it")
     _check_metrics_port(config)
     _check_replicas(config)
+    _check_replay(config)
     _check_elastic(config)
     if config.held_backups < 0:
         raise ConfigError(f"--held-backups {config.held_backups} must be >= 0 (N: one backup "
@@ -328,6 +334,33 @@ def _check_replicas(config: LaunchConfig) -> None:
         from parallax.launch.hosts import load_hosts
         servers = load_hosts(config.hosts).num_servers
     check_flag(config.replicas, servers, config.sync is not False)
+
+
+def _check_replay(config: LaunchConfig) -> None:
+    """--replay-mb N: the launcher starts its own dead servers again, and the workers'
+    replay rebuilds their shards exactly only where sync steps sum the workers' pushes in a
+    fixed order."""
+    n = config.replay_mb
+    if n < 0:
+        raise ConfigError(f"--replay-mb {n} must be >= 0 (MiB of pushes each worker keeps to "
+                          f"replay to a server started again; 0: off)")
+    if n == 0:
+        return
+    if config.replicas > 1:
+        raise ConfigError(f"--replay-mb {n} with --replicas {config.replicas}: give one (copies "
+                          f"of each shard, or a lost server started again from its checkpoint "
+                          f"and the pushes since replayed to it)")
+    if config.sync is False:
+        raise ConfigError(f"--replay-mb {n} with --async: a replay rebuilds a shard exactly "
+                          f"only from sync steps (the workers' pushes summed in a fixed "
+                          f"order); drop one of them")
+    external = ("--ps-addresses" if config.num_servers == 0 else
+                "--hosts/-H/--hostfile" if config.hosts is not None else None)
+    if external is not None:
+        raise ConfigError(f"--replay-mb {n} with {external}: those servers are not ours to "
+                          f"start again (--replay-mb starts a lost server anew on this "
+                          f"machine, from the checkpoints in its data directory); use "
+                          f"--servers N, or drop --replay-mb")
 
 
 def _check_restart_storage(config: LaunchConfig, layout) -> None:
@@ -808,10 +841,11 @@ def _warm(warm, config: LaunchConfig, program: list[str], layout,
 
 
 def _makes_data_dir(config: LaunchConfig) -> bool:
-    """Whether the launcher makes the servers' data directory: restarts are on, it starts
-    the servers, and no --data-dir was given."""
-    return bool(config.max_restarts or config.discovery_script) and config.data_dir is None \
-        and config.num_servers > 0
+    """Whether the launcher makes the servers' data directory: restarts are on (of the job,
+    or, --replay-mb, of a server, which restores from its checkpoints there), it starts the
+    servers, and no --data-dir was given."""
+    return bool(config.max_restarts or config.discovery_script or config.replay_mb) \
+        and config.data_dir is None and config.num_servers > 0
 
 
 @contextlib.contextmanager
@@ -824,9 +858,11 @@ def _restart_data_dir(config: LaunchConfig, run_id: str):
     with tempfile.TemporaryDirectory(prefix=f"parallax-{run_id}-") as data_dir:
         given = " and ".join(flag for flag, on in (
             ("--max-restarts", config.max_restarts),
-            ("--host-discovery-script", config.discovery_script)) if on)
+            ("--host-discovery-script", config.discovery_script),
+            ("--replay-mb", config.replay_mb)) if on)
+        users = "a server started again" if given == "--replay-mb" else "the next attempts"
         _say(f"{given} without --data-dir: the servers keep their checkpoints in {data_dir} "
-             f"for the next attempts (removed at the end)")
+             f"for {users} (removed at the end)")
         yield dataclasses.replace(config, data_dir=data_dir)
 
 
@@ -862,6 +898,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
             env[REPLICAS_ENV] = str(config.replicas)
         if config.held_backups:
             env[HELD_BACKUPS_ENV] = str(config.held_backups)
+        if config.replay_mb:
+            env[REPLAY_ENV] = str(config.replay_mb)
         if servers.kept:
             env[TABLES_KEPT_ENV] = "1"
         env.update(worker_metrics_env(config))
@@ -873,7 +911,8 @@ def _attempt(config: LaunchConfig, program: list[str], run_id: str, attempt: int
         if watch is not None:
             watch.start()
         losses = ServerLosses(cluster, config.replicas, _say, _rereplication(
-            stops, config.num_workers, watch) if cluster else None)
+            stops, config.num_workers, watch) if cluster else None,
+            Replacements(cluster, _say, health) if cluster and config.replay_mb else None)
         try:
             outcome = _supervise(job, losses, signals, health, stops)
         finally:
@@ -959,7 +998,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
               "[--run-id ID] [--server-arg=ARG ...] [--data-dir DIR] "
               "[--server-start-timeout S] [--health-timeout S] [--max-restarts N] "
               "[--restart-delay S] [--secure] [--mode hybrid|ps|allreduce] [--async] "
-              "[--replicas 1|2] [--held-backups N] "
+              "[--replicas 1|2] [--replay-mb N] [--held-backups N] "
               "[-H HOST:N,... | --hosts FILE | --hostfile FILE | --host-discovery-script SCRIPT "
               "[--min-np N] [--max-np N] [--elastic-timeout S]] [--horovodrun-arg=ARG ...] "
               "[--collectives auto|horovod|tensorflow] [--warm-starts auto|on|off] "
@@ -1052,6 +1091,14 @@ def parse_args(argv: list[str]) -> LaunchConfig:
                         help="copies of each table shard: 2 keeps one on the next server too, "
                              "so that the death of a server loses no step and stops nothing "
                              "(sync mode, at least 2 servers; default 1)")
+    parser.add_argument("--replay-mb", type=int, default=0, metavar="N",
+                        help="when a parameter server started here dies, start it again on "
+                             "its address from its newest checkpoint (--restore-newest), and "
+                             "the workers, each keeping up to N MiB of its pushes "
+                             f"({REPLAY_ENV}), replay those since: the job goes on, no step "
+                             f"redone (sync mode, servers started here; at most "
+                             f"{MAX_REPLACEMENTS} starts of a server an attempt, then the job "
+                             "ends as for a server's death; default 0: off)")
     parser.add_argument("--held-backups", type=int, default=0, metavar="N",
                         help="Keras BackupAndRestore: one backup in N on disk, the tables of "
                              "the others held in the servers' memory (a backup every step "
@@ -1100,7 +1147,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         sync=args.sync, horovodrun_args=_split_each(args.horovodrun_arg),
         log_level=args.log_level, collectives=args.collectives,
         metrics_port=args.metrics_port, replicas=args.replicas,
-        held_backups=args.held_backups,
+        held_backups=args.held_backups, replay_mb=args.replay_mb,
         discovery_script=args.host_discovery_script, min_workers=args.min_workers,
         max_workers=args.max_workers, elastic_timeout=args.elastic_timeout,
         warm_starts=args.warm_starts)

@@ -168,6 +168,18 @@ def open_checkpoint(data_dir: Path | None, request) -> tuple[Path, dict]:
     return directory, versions.read_manifest(directory)
 
 
+def newest_holding(data_dir: Path, table: str) -> tuple[Path, dict] | None:
+    """(directory, verified manifest) of the newest complete checkpoint under `data_dir`
+    (any path) that holds `table`; None when none does. A newer one whose manifest is
+    damaged is an error (DATA_LOSS), not skipped: an older one would start the shard at a
+    step the workers may no longer hold the pushes since."""
+    for directory in reversed(versions.complete_under(data_dir)):
+        manifest = versions.read_manifest(directory)
+        if any(p.get("table") == table for p in manifest.get("shards", ())):
+            return directory, manifest
+    return None
+
+
 def _table_parts(directory: Path, manifest: dict, table: str,
                  own: tuple[int, int]) -> list[dict]:
     """The manifest's record of every shard of `table`, a complete set; else, where servers

@@ -55,6 +55,7 @@ class ServerConfig:
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
     data_port: int = 0  # PullMany/PushMany as frames on this port (0: any free one; -1: off)
     log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.runtime.logs)
+    restore_newest: bool = False  # a created shard starts from its table's newest checkpoint
 
     @property
     def max_message_bytes(self) -> int:
@@ -125,7 +126,7 @@ class RunningServer:
             if token else None)
         self.service = ParameterServerService(config.data_dir, limit,
                                               memory_budget(config.memory_mb), config.threads,
-                                              resident_bytes())
+                                              resident_bytes(), config.restore_newest)
         add_to_server(self.service, self.server, self.wait_pool)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -237,7 +238,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "the same token; about 30x less CPU per request than gRPC "
                              "(default 0: any free port, announced over gRPC; -1: none, "
                              "clients use gRPC)")
+    parser.add_argument("--restore-newest", action="store_true",
+                        help="this server replaces one that was lost (parallax run "
+                             "--replay-mb starts it so): every table shard created on it "
+                             "starts from the newest complete checkpoint of its table under "
+                             "--data-dir (any checkpoint path), at that checkpoint's step, "
+                             "and the workers replay their pushes since; creating a table "
+                             "with no checkpoint there is refused (needs --data-dir)")
     args = parser.parse_args(argv)
+    if args.restore_newest and args.data_dir is None:
+        parser.error("--restore-newest restores each table from the checkpoints in "
+                     "--data-dir: give --data-dir (the lost server's), or drop it")
     if not -1 <= args.data_port < 65536:
         parser.error(f"--data-port {args.data_port} is not a TCP port (0-65535), or -1")
     if args.memory_mb is not None and args.memory_mb < 1:
@@ -270,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host,
                         memory_mb=args.memory_mb, log_level=args.log_level,
-                        data_port=args.data_port)
+                        data_port=args.data_port, restore_newest=args.restore_newest)
 
 
 def _orphaned(parent: int, stop: threading.Event) -> None:

@@ -216,9 +216,12 @@ def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None,
-                 baseline_bytes: int = 0) -> None:
-        """`baseline_bytes`: the process's resident memory before any table (`MemoryBudget`)."""
+                 baseline_bytes: int = 0, restore_newest: bool = False) -> None:
+        """`baseline_bytes`: the process's resident memory before any table (`MemoryBudget`);
+        `restore_newest` (--restore-newest): every shard created starts from the newest
+        complete checkpoint of its table in `data_dir` (`_restore_newest`)."""
         self.data_dir = data_dir
+        self.restore_newest = restore_newest
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
@@ -287,14 +290,43 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 _check_same_spec(sibling, spec)  # one table, one spec on every shard
                 self._check_wait_threads(spec)
                 shard = TableShard(spec, request.shard_index, self.budget)
+                if self.restore_newest:
+                    self._restore_newest(shard)  # before any request can reach it
                 with self._lock:
                     self._shards[key] = shard
                 log.debug("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
-                return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows),
+                return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows,
+                                                   step=shard.steps.step),
                         spec.name, shard.storage.num_rows, 0)
         _check_same_spec(existing, spec)
         return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
                                            step=existing.steps.step), spec.name, 0, 0)
+
+    def _restore_newest(self, shard: TableShard) -> None:
+        """Fill a new shard from the newest complete checkpoint of its table on disk, as a
+        Restore of it would (rows, slots, step, dynamic state): this server replaces one
+        that was lost, whose workers replay their pushes since that checkpoint's step. With
+        none, the shard is dropped and the CreateTable refused: fresh rows would silently
+        lose everything trained before the pushes the workers still hold."""
+        try:
+            found = checkpoint.newest_holding(self.data_dir, shard.spec.name)
+            if found is None:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"table {shard.spec.name!r}: no complete checkpoint of it under the data "
+                    f"directory {self.data_dir}, and a server started with --restore-newest "
+                    f"needs a checkpoint of it (it replaces a lost server: each shard starts "
+                    f"from its table's newest checkpoint and the workers replay their pushes "
+                    f"since); save one first, or run without --replay-mb")
+            directory, manifest = found
+            ids, values, slots, step, state = checkpoint.load_for_shard(shard, directory,
+                                                                        manifest)
+            shard.restore(ids, values, slots, step, state, discard_pending=True)
+        except BaseException:
+            shard.close("its restore failed")  # (releases what it claimed of --memory-mb)
+            raise
+        log.info("created %s from checkpoint %s: %d rows at step %d", shard.label,
+                 directory, len(ids), step)
 
     def _check_wait_threads(self, spec: TableSpec) -> None:
         """Refuse a sync shard whose workers, with those of the sync shards held, could wait

@@ -235,6 +235,19 @@ def complete_names(root: Path) -> list[str]:
     return [n for n in committed(root) if is_complete(root / n)]
 
 
+def complete_under(data_dir: Path) -> list[Path]:
+    """Every complete checkpoint under every checkpoint path of `data_dir`, oldest first by
+    name (names sort by time, whatever their path): what a server started with
+    --restore-newest chooses from. Checkpoints, stagings and deletions are not searched
+    inside (none holds another checkpoint)."""
+    found = []
+    for top, dirs, _ in os.walk(data_dir):
+        here = Path(top)
+        found += [here / d for d in dirs if is_name(d) and is_complete(here / d)]
+        dirs[:] = [d for d in dirs if not is_name(d) and not d.startswith((STAGING, DELETING))]
+    return sorted(found, key=lambda path: path.name)
+
+
 def _remove(path: Path) -> None:
     """Delete a directory; renamed first, so a crash midway leaves no half checkpoint."""
     doomed = path.with_name(f"{DELETING}{path.name}-{secrets.token_hex(4)}")

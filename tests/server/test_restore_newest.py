@@ -1,0 +1,194 @@
+"""A server started with --restore-newest (a replacement for a lost one, `parallax run
+--replay-mb`): each shard created on it starts from the newest complete checkpoint of its
+table in its data directory, at that checkpoint's step, as a Restore of it would; a table
+with no checkpoint there is refused FAILED_PRECONDITION; a shard that exists is untouched.
+
+Real server processes on loopback, killed with SIGKILL and replaced on the same data
+directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import Snapshot
+from parallax.client import ClientOptions, PSClient
+from parallax.client.local_cluster import LocalCluster
+from parallax.protocol.specs import Adam, Initializer, TableSpec
+from parallax.ps.v1 import ps_pb2
+
+OPTIONS = ClientOptions(timeout=20, retries=2, backoff=0.05)
+SHARDS = 2
+
+
+def _spec(name: str) -> TableSpec:
+    return TableSpec(name=name, vocabulary_size=200, dim=4, shard_count=SHARDS,
+                     optimizer=Adam(0.05), initializer=Initializer("normal", seed=5))
+
+
+def _train(table, first: int, last: int) -> None:
+    """Steps first..last-1 of one worker, every step touching different rows."""
+    for step in range(first, last):
+        rng = np.random.default_rng(step)
+        ids = np.unique(rng.integers(0, 200, size=50))
+        table.push(ids, rng.normal(size=(len(ids), 4)), step=step)
+
+
+def _kill(cluster: LocalCluster) -> None:
+    victim = cluster.servers[0].proc
+    os.kill(victim.pid, signal.SIGKILL)
+    assert victim.wait(10) == -signal.SIGKILL
+
+
+def _create(client: PSClient, spec: TableSpec) -> list[ps_pb2.CreateTableResponse]:
+    """Each shard's own CreateTable answer (PSClient.create_table keeps none of them)."""
+    table = client.table(spec)
+    return [conn.stub().CreateTable(ps_pb2.CreateTableRequest(spec=spec.to_proto(),
+                                                              shard_index=i), timeout=30)
+            for i, conn in enumerate(table.shards)]
+
+
+@pytest.fixture
+def replacement(tmp_path):
+    """`start()`: a server with --restore-newest on `tmp_path`, and a client of it."""
+    opened = []
+
+    def start():
+        cluster = LocalCluster(1, data_dir=tmp_path, extra_args=["--restore-newest"]).start()
+        client = PSClient(cluster.addresses, OPTIONS)
+        opened.append((cluster, client))
+        return client
+    yield start
+    for cluster, client in opened:
+        client.close()
+        cluster.stop()
+
+
+def test_a_replacement_starts_each_shard_at_the_checkpoint(tmp_path, replacement):
+    spec = _spec("kept")
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        table = client.create_table(spec)
+        _train(table, 0, 3)
+        saved = Snapshot(client, tmp_path, spec.name)  # a checkpoint at step 3
+        _train(table, 3, 6)  # lost with the server
+        _kill(cluster)
+    client = replacement()
+    answers = _create(client, spec)
+    assert [(a.created, a.step) for a in answers] == [(True, 3)] * SHARDS
+    Snapshot(client, tmp_path, spec.name).assert_equal(saved)  # rows, slots and step
+    _train(client.table(spec), 3, 4)  # training goes on at the checkpoint's step
+
+
+def test_the_newest_complete_checkpoint_is_chosen_whatever_its_path(tmp_path, replacement):
+    spec = _spec("newer")
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        table = client.create_table(spec)
+        _train(table, 0, 2)
+        client.save("z-older", [spec.name])
+        _train(table, 2, 4)
+        newer = Snapshot(client, tmp_path, spec.name)  # at step 4, under path snap-...
+        _train(table, 4, 5)
+        client.save("a/nested", [spec.name])
+        unfinished = next((tmp_path / "a" / "nested").glob("ckpt-*"))
+        (unfinished / "COMPLETE").unlink()  # committed by some servers only: never chosen
+        _kill(cluster)
+    client = replacement()
+    assert {a.step for a in _create(client, spec)} == {4}
+    Snapshot(client, tmp_path, spec.name).assert_equal(newer)
+
+
+def test_a_table_without_a_checkpoint_is_refused(tmp_path, replacement):
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        client.save("other", [client.create_table(_spec("saved")).spec.name])
+        _kill(cluster)
+    client = replacement()
+    with pytest.raises(grpc.RpcError) as refused:
+        _create(client, _spec("never_saved"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details()
+    for named in (str(tmp_path), "'never_saved'", "--restore-newest", "save one first",
+                  "without --replay-mb"):
+        assert named in details
+    assert {a.step for a in _create(client, _spec("saved"))} == {0}  # its table restores
+
+
+def test_an_empty_data_directory_refuses_too(tmp_path, replacement):
+    shutil.rmtree(tmp_path)
+    client = replacement()
+    with pytest.raises(grpc.RpcError, match="no complete checkpoint of it under the data "
+                                            "directory") as refused:
+        _create(client, _spec("nothing"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_an_existing_shard_is_left_as_it_is(tmp_path, replacement):
+    spec = _spec("existing")
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        _train(client.create_table(spec), 0, 2)
+        client.save("p", [spec.name])
+        _kill(cluster)
+    client = replacement()
+    assert {a.step for a in _create(client, spec)} == {2}
+    table = client.table(spec)
+    _train(table, 2, 4)  # (the replayed pushes)
+    rows = table.pull_all()
+    answers = _create(client, spec)
+    assert [(a.created, a.step) for a in answers] == [(False, 4)] * SHARDS
+    np.testing.assert_array_equal(table.pull_all(), rows)
+
+
+def test_without_the_flag_a_created_shard_answers_step_0(tmp_path):
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        spec = _spec("plain")
+        _train(client.create_table(spec), 0, 2)
+        client.save("p", [spec.name])
+        client.delete_table(client.table(spec))
+        assert [(a.created, a.step) for a in _create(client, spec)] == [(True, 0)] * SHARDS
+
+
+def test_the_flag_needs_a_data_directory():
+    from parallax_ps.server import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--restore-newest"])
+    assert parse_args(["--restore-newest", "--data-dir", "/tmp/d"]).restore_newest
+
+
+def test_a_server_started_again_answers_at_its_address_with_its_shards(tmp_path):
+    """LocalCluster.replace, as `parallax run --replay-mb` uses it: same flags, same port."""
+    from parallax.errors import ParallaxError
+    spec = _spec("again")
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        addresses = cluster.addresses
+        with PSClient(addresses, OPTIONS) as client:
+            table = client.create_table(spec)  # a shard on each server
+            _train(table, 0, 3)
+            saved = Snapshot(client, tmp_path, spec.name)
+            _train(table, 3, 5)
+        for _ in range(2):  # (the replacement's death: the same again)
+            victim = cluster.servers[1].proc
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+            cluster.replace(1, ["--restore-newest"])
+            assert cluster.addresses == addresses
+        with PSClient(addresses, OPTIONS) as client:
+            assert [(a.created, a.step) for a in _create(client, spec)] == [(False, 5),
+                                                                            (True, 3)]
+            rows = client.table(spec).pull_all()  # (partition "mod": odd ids on shard 1)
+            np.testing.assert_array_equal(rows[1::2], saved.arrays["values"][1::2])
+            assert not np.array_equal(rows[0::2], saved.arrays["values"][0::2])  # lived on
+        os.kill(cluster.servers[0].proc.pid, signal.SIGKILL)
+        cluster.servers[0].proc.wait(10)
+        with pytest.raises(ParallaxError, match="exited with code 2 before it was ready; its "
+                                                "output:(.|\n)*--no-such-flag"):
+            cluster.replace(0, ["--no-such-flag"])
+        assert cluster.servers[0].address == addresses[0]
