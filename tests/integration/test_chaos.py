@@ -213,6 +213,40 @@ def test_killed_servers_with_replicas_lose_no_step_and_their_copies_come_back(tm
 
 
 @pytest.mark.timeout(600)
+def test_killed_servers_started_again_are_rebuilt_from_the_workers_pushes(tmp_path, mark,
+                                                                        uninterrupted):
+    """`--replay-mb 64`: server 1 is SIGKILLed two steps after a checkpoint, and later
+    server 0; the launcher starts each again on its address from its newest checkpoint, and
+    the workers send it their pushes since (`parallax.client.replay`). The job goes on in
+    its one attempt, no step redone, no worker restarted, no copy of any shard kept, and
+    ends with the uninterrupted run's weights. Printed: the longest pause between two
+    steps after each kill."""
+    chaos = _start(tmp_path, "replayed", mark, STEP_DELAY, launch=("--replay-mb", "64"))
+    kills = []
+    try:
+        kills.append(_kill_a_server(chaos, mark))
+        _wait_for(chaos, "step 14", lambda e: e["step"] >= 14 and e["time"] > kills[0] + 1)
+        kills.append(_kill(_server_pids(mark)[0]))  # server 0 (server 1's pid is newer now)
+    finally:
+        _run_to_end(chaos, mark)
+    assert not _restart_causes(chaos), chaos.output()
+    assert chaos.output().count("started again there (--replay-mb") == 2, chaos.output()
+    events = _events(chaos)
+    assert {e["attempt"] for e in events} == {0}, events
+    for rank in (0, 1):
+        steps = [e["step"] for e in events if e["chaos"] == "step" and e["rank"] == rank]
+        assert steps == list(range(1, INTERVAL * EPOCHS + 1)), (rank, steps)  # none redone
+    times = sorted(e["time"] for e in events if e["chaos"] == "step" and e["rank"] == 0)
+    for killed_at in kills:
+        after = [t for t in times if t > killed_at]
+        print(f"\nchaos: server killed with --replay-mb: first step after the kill "
+              f"{after[0] - killed_at:.2f}s, longest pause between steps after it "
+              f"{max(b - a for a, b in zip([killed_at] + after, after)):.2f}s "
+              f"(steps take {STEP_DELAY}s)")
+    _assert_same_weights(tmp_path / "replayed.npz", uninterrupted())
+
+
+@pytest.mark.timeout(600)
 def test_a_worker_killed_during_a_servers_takeover_resumes_with_every_server(tmp_path, mark,
                                                                              uninterrupted):
     """`--replicas 2`: server 1 SIGKILLed at a random step, and worker rank 1 right after,
