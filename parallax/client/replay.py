@@ -194,16 +194,17 @@ class ReplayedConnection:
         return self._answer(method, request, table, timeout, done_on_retry, pending)
 
     def _answer(self, method: str, request, table, timeout, done_on_retry, pending):
-        try:
-            return self.conn.call(method, request, table, timeout, done_on_retry, pending,
-                                  gone=_gone)
-        except ServerError as err:
-            if not self._lost(err) or method == "DeleteTable":
-                raise
-            self.recover(err)
-        if method in PUSHES:
-            return None  # sent again by `recover` (a retry that found its first landed)
-        return self.conn.call(method, request, table, timeout, done_on_retry)
+        while True:
+            try:
+                return self.conn.call(method, request, table, timeout, done_on_retry,
+                                      pending, gone=_gone)
+            except ServerError as err:
+                if not self._lost(err) or method == "DeleteTable":
+                    raise
+                self.recover(err)
+            if method in PUSHES:
+                return None  # sent again by `recover` (a retry that found its first landed)
+            pending = None  # a read: made again (on a server lost again: rebuilt again)
 
     def _lost(self, err: ServerError) -> bool:
         """Whether `err` says the server is gone, or is another (a replacement): it did not
@@ -219,23 +220,39 @@ class ReplayedConnection:
     def recover(self, err: ServerError) -> None:
         """Rebuild this server's shards of this worker's tables: wait for it to serve again,
         create the tables (a replacement restores each shard from its newest checkpoint and
-        answers its step), send again every kept push of a step not applied there."""
+        answers its step), send again every kept push of a step not applied there. A
+        replacement lost in turn while this goes on is waited for again (the launcher starts
+        a server a few times an attempt), within REPLACEMENT_WAIT_S from the first loss."""
         with self._lock:
             log.warning("server %s: %s; waiting up to %.0fs for it to serve again, to send "
                         "it this worker's pushes since its newest checkpoint", self.address,
                         err, REPLACEMENT_WAIT_S)
             started = time.monotonic()
-            self.conn.wait_healthy(REPLACEMENT_WAIT_S)
-            for (table, _), request in list(self.created.items()):
-                self.conn.call("CreateTable", request, table)
-            steps = self._steps()
-            self._check_restored(steps)
-            again = self.log.since(steps, self.address)
-            for method, request in again:
-                self._send_again(method, request)
+            while True:
+                try:
+                    sent = self._rebuild(REPLACEMENT_WAIT_S - (time.monotonic() - started))
+                    break
+                except ServerError as again:
+                    if again.code != grpc.StatusCode.UNAVAILABLE or \
+                            time.monotonic() - started > REPLACEMENT_WAIT_S:
+                        raise
+                    log.warning("server %s was lost again while this worker rebuilt its "
+                                "shards there (%s); waiting for it again", self.address, again)
             log.warning("server %s serves again: %d push(es) of this worker sent again, "
-                        "%.1fs after the loss was seen", self.address, len(again),
+                        "%.1fs after the loss was seen", self.address, sent,
                         time.monotonic() - started)
+
+    def _rebuild(self, wait_s: float) -> int:
+        """One try of `recover`; the pushes sent again."""
+        self.conn.wait_healthy(max(1.0, wait_s))
+        for (table, _), request in list(self.created.items()):
+            self.conn.call("CreateTable", request, table)
+        steps = self._steps()
+        self._check_restored(steps)
+        again = self.log.since(steps, self.address)
+        for method, request in again:
+            self._send_again(method, request)
+        return len(again)
 
     def _check_restored(self, steps: dict[tuple[str, int], int]) -> None:
         """Raise unless every shard this worker pushed to came back from a checkpoint: one

@@ -88,16 +88,21 @@ def baseline(tmp_path_factory):
         return _train(cluster, "plain", OPTIONS)
 
 
+@pytest.mark.parametrize("kills", [1, 2])
 def test_a_server_started_again_from_its_checkpoint_is_rebuilt_from_the_workers_pushes(
-        tmp_path, baseline):
+        tmp_path, baseline, kills):
     """The replacement restores its shards from the checkpoint at step SAVE_AT; each worker
     sends it its pushes of the steps since; the job ends bit for bit as the uninterrupted
-    one, with no step redone."""
+    one, with no step redone. kills=2: the replacement is killed too as soon as it serves
+    (while worker 1 may be rebuilding its shards there), and another started."""
     with LocalCluster(2, data_dir=tmp_path) as cluster:
         dead = []
-        rows = _train(cluster, "plain", REPLAY,
-                      kill=lambda: dead.append(_restart(cluster, 1, "--restore-newest")))
-        assert dead[0].proc.returncode == -signal.SIGKILL
+
+        def kill() -> None:
+            for _ in range(kills):
+                dead.append(_restart(cluster, 1, "--restore-newest"))
+        rows = _train(cluster, "plain", REPLAY, kill=kill)
+        assert [d.proc.returncode for d in dead] == [-signal.SIGKILL] * kills
     for got, want in zip(rows, baseline):
         np.testing.assert_array_equal(got, want)
 
