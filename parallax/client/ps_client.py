@@ -238,7 +238,7 @@ class PSClient:
         server, all at once (`_save_held`)."""
         if keep < 1:
             raise ConfigError(f"keep={keep}: keep at least 1 checkpoint")
-        renamed = False
+        renamed, rebuilds = False, 0
         while True:
             lost = self.liveness.lost
             try:
@@ -251,10 +251,26 @@ class PSClient:
                                 "clock; saving again under a name after it", path, newer)
                     self._newest, renamed = max(self._newest, newer), True
                     continue
+                if self._rebuilt(err, rebuilds):
+                    rebuilds += 1
+                    continue
                 if self.liveness.lost == lost or not self._survives():
                     raise
                 log.warning("checkpoint %r: a server was lost while it was written (%s); "
                             "writing it again from the copies left", path, err)
+
+    def _rebuilt(self, err: ServerError, rebuilds: int) -> bool:
+        """Replayed servers: whether `err` met a server lost and started again, now rebuilt
+        with the steps this worker pushed (`ReplayedConnection.recover`, `wait_replayed`),
+        so that a save may be made again (at most MAX_SAVE_REBUILDS times a save)."""
+        if not self.options.replay_mb or rebuilds >= replay.MAX_SAVE_REBUILDS:
+            return False
+        route = next((r for r in self._routes if r.address == err.address), None)
+        if route is None or not route.lost(err):
+            return False
+        route.recover(err)
+        route.wait_replayed()
+        return True
 
     def _seen(self, shards: list) -> list:
         """`shards` (a save's or restore's answer), the newest checkpoint name noted."""
@@ -275,6 +291,7 @@ class PSClient:
             # first: shards a server lost as it wrote them start the save again, even when
             # they were all of a table's (else refused below as a table no server holds)
             self._check_all_written(held, _unique_shards(replies), lost)
+            self._check_none_started_again(tables, _unique_shards(replies))
             shards = self._shards_of(replies, tables, "save")
             self._check_one_step(path, replies)
             self._in_turn("Save", request(phase=ps_pb2.SAVE_COMMIT, keep=0))
@@ -332,6 +349,24 @@ class PSClient:
                           f"{missing} not written", address=",".join(gone) or self.addresses[0],
                           table=None, code=grpc.StatusCode.UNAVAILABLE if gone else
                           grpc.StatusCode.DATA_LOSS)
+
+    def _check_none_started_again(self, tables: Sequence[str], shards: list) -> None:
+        """Replayed servers: raise NOT_FOUND, naming the server, when a shard this client
+        created was not written (its server was started again and holds it no more), rather
+        than commit a checkpoint without it: the save then waits for the shards' rebuild
+        and starts again (`_rebuilt`)."""
+        if not self.options.replay_mb:
+            return
+        written = {(s.table, s.shard_index) for s in shards}
+        for route in self._routes:
+            missing = sorted(k for k in route.created
+                             if (not tables or k[0] in tables) and k not in written)
+            if missing:
+                table, shard = missing[0]
+                raise ServerError(f"checkpoint: server {route.address} holds no shard {shard} "
+                                  f"of table {table!r} (started again since it was created)",
+                                  address=route.address, table=table,
+                                  code=grpc.StatusCode.NOT_FOUND)
 
     def _in_turn(self, method: str, request) -> None:
         """Call every server, one after another (servers may share a data directory)."""

@@ -50,6 +50,7 @@ from parallax.ps.v1 import ps_pb2
 log = logging.getLogger("parallax")
 PUSHES = frozenset({"Push", "PushMany"})  # the writes kept and sent again
 REPLACEMENT_WAIT_S = 120.0  # how long a worker waits for a lost server to serve again
+MAX_SAVE_REBUILDS = 3  # a save that meets a server started again waits for its rebuild
 NOT_CREATED_PAUSE_S = 0.05  # between asks for a shard another worker has yet to create
 _REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: done
 
@@ -199,14 +200,14 @@ class ReplayedConnection:
                 return self.conn.call(method, request, table, timeout, done_on_retry,
                                       pending, gone=_gone)
             except ServerError as err:
-                if not self._lost(err) or method == "DeleteTable":
+                if not self.lost(err) or method == "DeleteTable":
                     raise
                 self.recover(err)
             if method in PUSHES:
                 return None  # sent again by `recover` (a retry that found its first landed)
             pending = None  # a read: made again (on a server lost again: rebuilt again)
 
-    def _lost(self, err: ServerError) -> bool:
+    def lost(self, err: ServerError) -> bool:
         """Whether `err` says the server is gone, or is another (a replacement): it did not
         answer (UNAVAILABLE), or it does not know a table this worker created or pushed to
         (NOT_FOUND: a gRPC channel reconnects to a new process without a word)."""
@@ -253,6 +254,17 @@ class ReplayedConnection:
         for method, request in again:
             self._send_again(method, request)
         return len(again)
+
+    def wait_replayed(self) -> None:
+        """Wait until every step this worker pushed here is applied (every worker has sent
+        its pushes again): a save must not catch the rebuilt shards behind the others."""
+        last: dict[tuple[str, int], int] = {}
+        for method, request, _ in self.log.entries:
+            for table, shard, step in _steps(method, request):
+                last[(table, shard)] = step
+        for (table, shard), step in sorted(last.items()):
+            self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
+                                                          min_step=step + 1), table)
 
     def _check_restored(self, steps: dict[tuple[str, int], int]) -> None:
         """Raise unless every shard this worker pushed to came back from a checkpoint: one

@@ -146,3 +146,23 @@ def test_pushes_that_do_not_reach_back_to_the_checkpoint_fail_naming_why(tmp_pat
                                                   r"dropped 3 older push\(es\)") as err:
                 table.pull_all()
         assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_a_save_that_meets_a_server_started_again_waits_for_its_rebuild(tmp_path):
+    """A save right after a server was started again (before any pull or push reached it)
+    would find it holding no shard: it rebuilds the server first and saves every shard,
+    instead of committing a checkpoint without them."""
+    ones = np.ones((100, 4), np.float32)
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ones, step=0)
+            client.save("ckpt", [spec.name])
+            table.push(np.arange(100), ones, step=1)
+            want = table.pull_all()
+            _restart(cluster, 1, "--restore-newest")
+            saved = client.save("ckpt", [spec.name])
+            assert sorted((s.shard_index, s.step) for s in saved) == [(0, 2), (1, 2), (2, 2)]
+            _restart(cluster, 1, "--restore-newest")  # restores the save above: no replay
+            np.testing.assert_array_equal(table.pull_all(), want)
+            assert table.wait_step(0) == 2
