@@ -125,7 +125,6 @@ class ServerLosses:
                  f"with its copies")
         return True
 
-
     def _kill_to_replace(self, index: int, address: str, age: float) -> bool:
         """--replay-mb: kill our silent server (SIGKILL), for `fatal` to start it again."""
         ours = [s for s in self.cluster.servers if s.address == address]

@@ -52,8 +52,8 @@ from pathlib import Path
 
 from parallax.client.replicas import check_flag
 from parallax.env import (ADDRESSES_ENV, COLLECTIVES, ELASTIC_ENV, HELD_BACKUPS_ENV, MODE_ENV,
-                          REPLAY_ENV, REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV, RESTART_COUNT_ENV,
-                          RUN_ID_ENV, RUN_MODES, SYNC_ENV, TABLES_KEPT_ENV,
+                          REPLAY_ENV, REPLICAS_ENV, RESCALE_AT_START, RESCALE_FILE_ENV,
+                          RESTART_COUNT_ENV, RUN_ID_ENV, RUN_MODES, SYNC_ENV, TABLES_KEPT_ENV,
                           WORKER_METRICS_HOST_ENV, WORKER_METRICS_PORT_ENV,
                           WORKER_METRICS_PREFIX, ask_rescale,
                           is_run_id, new_run_id, parse_worker_metrics_line, rescale_reason,

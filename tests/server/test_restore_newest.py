@@ -69,8 +69,17 @@ def replacement(tmp_path):
         cluster.stop()
 
 
-def test_a_replacement_starts_each_shard_at_the_checkpoint(tmp_path, replacement):
-    spec = _spec("kept")
+def _dynamic(name: str) -> TableSpec:
+    """A keyed table whose rows are admitted and evicted: per-row use history, counters and
+    an admission sketch are saved with it."""
+    return TableSpec(name=name, hashed_keys=True, dim=4, shard_count=SHARDS,
+                     optimizer=Adam(0.05), initializer=Initializer("normal", seed=5),
+                     max_rows_per_shard=40, eviction="lru", admit_after=2)
+
+
+@pytest.mark.parametrize("make", [_spec, _dynamic], ids=["fixed", "dynamic"])
+def test_a_replacement_starts_each_shard_at_the_checkpoint(tmp_path, replacement, make):
+    spec = make("kept")
     with LocalCluster(1, data_dir=tmp_path) as cluster, \
             PSClient(cluster.addresses, OPTIONS) as client:
         table = client.create_table(spec)
@@ -81,7 +90,9 @@ def test_a_replacement_starts_each_shard_at_the_checkpoint(tmp_path, replacement
     client = replacement()
     answers = _create(client, spec)
     assert [(a.created, a.step) for a in answers] == [(True, 3)] * SHARDS
-    Snapshot(client, tmp_path, spec.name).assert_equal(saved)  # rows, slots and step
+    restored = Snapshot(client, tmp_path, spec.name)
+    restored.assert_equal(saved)  # rows, slots, step, a dynamic table's row state
+    assert spec.dynamic == ("dyn_uses" in restored.arrays)
     _train(client.table(spec), 3, 4)  # training goes on at the checkpoint's step
 
 
