@@ -107,16 +107,12 @@ class ServerLosses:
         With --replay-mb, one of ours is killed too, and `fatal` starts it again."""
         index, address, age = silent
         if self.replacements is not None:
-            return self._kill_to_replace(index, address, age)
+            return self._killed(index, address, age, "with --replay-mb it is stopped (SIGKILL) "
+                                                     "and started again")
         if self.replicas == 1 or not survives(self.lost | {index}, servers, self.replicas):
             return False
-        ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
-        if ours:
-            if ours[0].proc.poll() is None:
-                self.say(f"parameter server {index} ({address}) has not answered a health check "
-                         f"for {age:.0f}s (--health-timeout); with --replicas {self.replicas} it "
-                         f"is stopped (SIGKILL) and its copies take over")
-                ours[0].proc.kill()
+        if self._killed(index, address, age, f"with --replicas {self.replicas} it is stopped "
+                                             f"(SIGKILL) and its copies take over"):
             return True
         self.lost.add(index)
         self.addresses.add(address)
@@ -125,15 +121,15 @@ class ServerLosses:
                  f"with its copies")
         return True
 
-    def _kill_to_replace(self, index: int, address: str, age: float) -> bool:
-        """--replay-mb: kill our silent server (SIGKILL), for `fatal` to start it again."""
-        ours = [s for s in self.cluster.servers if s.address == address]
+    def _killed(self, index: int, address: str, age: float, then: str) -> bool:
+        """Kill our silent server at `address` (SIGKILL), saying `then` (what follows: `fatal`
+        judges it as it exits); False for a server that is not ours."""
+        ours = [s for s in getattr(self.cluster, "servers", ()) if s.address == address]
         if not ours:
             return False
         if ours[0].proc.poll() is None:
             self.say(f"parameter server {index} ({address}) has not answered a health check "
-                     f"for {age:.0f}s (--health-timeout); with --replay-mb it is stopped "
-                     f"(SIGKILL) and started again")
+                     f"for {age:.0f}s (--health-timeout); {then}")
             ours[0].proc.kill()
         return True
 

@@ -18,54 +18,25 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import in_threads
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
-from parallax.client.many import pull_many, push_many
 from parallax.client.replay import ReplayError
-from test_replicas import OPTIONS, STEPS, WORKERS, _ids, _specs
+from test_replicas import OPTIONS, _specs
+from test_replicas import _train as replicated_job
 
 REPLAY = ClientOptions(**{**OPTIONS.__dict__, "replay_mb": 64})
-SAVE_AT, KILL_AT = 4, 7  # a checkpoint once 4 steps are applied; server 1 killed at step 7
-
-
-def _steps(client: PSClient, specs, worker: int, steps: range, kill=None) -> None:
-    """One worker: pull its ids at each step, push a gradient made of the rows it read
-    (through PushMany at odd steps, per-table pushes at even ones)."""
-    tables = [client.table(spec) for spec in specs]
-    for step in steps:
-        ids = [_ids(worker, step), _ids(worker + 7, step)]
-        rows = pull_many(tables, ids, [step, step])
-        grads = [r * 0.5 + 0.01 * (worker + 1) for r in rows]
-        if step % 2:
-            push_many(tables, ids, grads, [step, step], worker, [0.0, 0.0])
-        else:
-            for table, i, g in zip(tables, ids, grads):
-                table.push(i, g, step=step, worker=worker)
-        if kill is not None and step == KILL_AT:
-            kill()
+SAVE_AT = 4  # a checkpoint once 4 steps are applied (server 1 is killed at step 5)
 
 
 def _train(cluster: LocalCluster, prefix: str, options: ClientOptions, kill=None):
-    """The 2-worker job: SAVE_AT steps, a checkpoint, the other steps (`kill` called by
-    worker 0 after its push of step KILL_AT); the tables' rows at the end."""
-    specs = _specs(prefix)
-    clients = [PSClient(cluster.addresses, options) for _ in range(WORKERS)]
-    try:
-        for spec in specs:
-            clients[0].create_table(spec)
-        in_threads(lambda w: _steps(clients[w], specs, w, range(SAVE_AT)), WORKERS)
-        assert all(clients[0].table(s).wait_step(SAVE_AT) == SAVE_AT for s in specs)
+    """The 2-worker job of test_replicas: SAVE_AT steps, a checkpoint (with a data
+    directory), the other steps (`kill` called by worker 0 after its push of step KILL_AT);
+    the tables' rows at the end."""
+    def save(client: PSClient, specs) -> None:
         if cluster.data_dir is not None:
-            clients[0].save("ckpt", [s.name for s in specs])
-        in_threads(lambda w: _steps(clients[w], specs, w, range(SAVE_AT, STEPS),
-                                    kill if w == 0 else None), WORKERS)
-        final = [clients[0].table(s) for s in specs]
-        assert all(t.wait_step(STEPS) == STEPS for t in final)
-        return [t.pull_all() for t in final]
-    finally:
-        for client in clients:
-            client.close()
+            client.save("ckpt", [s.name for s in specs])
+    return replicated_job(cluster.addresses, prefix, 1, kill, options=options,
+                          pause_at=SAVE_AT, pause=save)
 
 
 def _restart(cluster: LocalCluster, index: int, *args: str):

@@ -41,10 +41,12 @@ def _ids(worker: int, step: int) -> np.ndarray:
     return np.unique(rng.integers(0, 500, size=60))
 
 
-def _work(client: PSClient, specs, worker: int, kill=None) -> None:
-    """One worker: pull its ids at each step, push a gradient made of the rows it read."""
+def _work(client: PSClient, specs, worker: int, kill=None, steps: range = range(STEPS),
+          kill_at: int = KILL_AT) -> None:
+    """One worker: pull its ids at each step, push a gradient made of the rows it read;
+    `kill()` after its push of step `kill_at`."""
     tables = [client.table(spec) for spec in specs]
-    for step in range(STEPS):
+    for step in steps:
         ids = [_ids(worker, step), _ids(worker + 7, step)]
         rows = pull_many(tables, ids, [step, step])
         grads = [r * 0.5 + 0.01 * (worker + 1) for r in rows]
@@ -53,18 +55,26 @@ def _work(client: PSClient, specs, worker: int, kill=None) -> None:
         else:
             for table, i, g in zip(tables, ids, grads):
                 table.push(i, g, step=step, worker=worker)
-        if kill is not None and step == KILL_AT:
+        if kill is not None and step == kill_at:
             kill()
 
 
-def _train(addresses, prefix: str, replicas: int, kill=None) -> list[np.ndarray]:
-    options = ClientOptions(**{**OPTIONS.__dict__, "replicas": replicas})
+def _train(addresses, prefix: str, replicas: int, kill=None, *, options=None, pause_at=0,
+           pause=None) -> list[np.ndarray]:
+    """The 2-worker job (`kill` called by worker 0 after its push of step KILL_AT); with
+    `pause`, its first `pause_at` steps, then `pause(client, specs)`, then the others."""
+    options = options or ClientOptions(**{**OPTIONS.__dict__, "replicas": replicas})
     specs = _specs(prefix)
     clients = [PSClient(addresses, options) for _ in range(WORKERS)]
     try:
         for spec in specs:
             clients[0].create_table(spec)
-        in_threads(lambda w: _work(clients[w], specs, w, kill if w == 0 else None), WORKERS)
+        if pause is not None:
+            in_threads(lambda w: _work(clients[w], specs, w, steps=range(pause_at)), WORKERS)
+            assert all(clients[0].table(s).wait_step(pause_at) == pause_at for s in specs)
+            pause(clients[0], specs)
+        in_threads(lambda w: _work(clients[w], specs, w, kill if w == 0 else None,
+                                   range(pause_at, STEPS)), WORKERS)
         final = [clients[0].table(s) for s in specs]
         assert all(t.wait_step(STEPS) == STEPS for t in final)
         return [t.pull_all() for t in final]
