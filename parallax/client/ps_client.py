@@ -77,7 +77,8 @@ class PSClient:
         holders = [CopyConnection(s, self.liveness, self._survives) for s in self.servers] \
             if options.replicas > 1 else []
         self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders) \
-            if not options.replay_mb else replay.replayed(self.servers, options.replay_mb)
+            if not options.replay_mb else replay.replayed(self.servers, options.replay_mb,
+                                                          replay.Timeline())
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
         self._newest = ""  # the newest checkpoint it saved or restored: its next save's name
         #                    sorts after it, whatever this host's clock says (new_name)
@@ -137,6 +138,8 @@ class PSClient:
             calls.append((conn, conn.future("CreateTable", request), request))
         for conn, future, request in calls:
             conn.result(future, "CreateTable", request, spec.name)
+        for conn in self._replayed():
+            conn.note_identity()
         return table
 
     def reshard(self, table: ShardedTable, name: str, shard_count: int,
@@ -242,8 +245,12 @@ class PSClient:
         while True:
             lost = self.liveness.lost
             try:
-                return self._seen(self._save_held(path, tables, keep) if held else
-                                  self._save(path, tables, keep))
+                for conn in self._replayed():
+                    conn.verify()
+                shards = self._seen(self._save_held(path, tables, keep) if held else
+                                    self._save(path, tables, keep))
+                self._timeline_saved(shards, held)
+                return shards
             except ServerError as err:
                 newer = checkpoint_names.newer_named(str(err))
                 if newer and not renamed:  # (named on a clock ahead of this host's)
@@ -259,6 +266,18 @@ class PSClient:
                 log.warning("checkpoint %r: a server was lost while it was written (%s); "
                             "writing it again from the copies left", path, err)
 
+    def _replayed(self) -> list:
+        """The `ReplayedConnection` of each server (replay_mb > 0), else none."""
+        return self._routes if self.options.replay_mb else []
+
+    def _timeline_saved(self, shards: list, held: bool) -> None:
+        """Replayed servers: the checkpoint a save made may be restored by a replacement;
+        a save on disk holds every table's rows written before it."""
+        for conn in self._replayed():
+            conn.timeline.saved(s.checkpoint for s in shards)
+            if not held:
+                conn.written.clear()
+
     def _rebuilt(self, err: ServerError, rebuilds: int) -> bool:
         """Replayed servers: whether `err` met a server lost and started again, now rebuilt
         with the steps this worker pushed (`ReplayedConnection.recover`, `wait_replayed`),
@@ -266,9 +285,8 @@ class PSClient:
         if not self.options.replay_mb or rebuilds >= replay.MAX_SAVE_REBUILDS:
             return False
         route = next((r for r in self._routes if r.address == err.address), None)
-        if route is None or not route.lost(err):
+        if route is None or not route.lost(err) or not route.recover(err):
             return False
-        route.recover(err)
         route.wait_replayed()
         return True
 
@@ -317,6 +335,7 @@ class PSClient:
         try:
             answers = self._answers("Save", request(phase=ps_pb2.SAVE_PREPARE, keep=keep))
             replies = [reply for _, reply in answers]
+            self._check_none_started_again(tables, _unique_shards(replies))
             shards = self._shards_of(replies, tables, "save")
             self._check_one_step(path, replies)
         except BaseException:
@@ -401,6 +420,14 @@ class PSClient:
         every server once every server has verified it holds it; the pushes of the open
         step are dropped. `discard_pending`: so are those of a disk checkpoint's restore (a
         new attempt's, whose tables the workers of the attempt before left mid-step)."""
+        shards = self._restored(path, tables, checkpoint, held, discard_pending)
+        for conn in self._replayed():  # (pushes kept before it are of abandoned steps)
+            conn.timeline.restored(s.checkpoint for s in shards)
+            conn.forget()
+        return shards
+
+    def _restored(self, path: str, tables: Sequence[str], checkpoint: str, held: bool,
+                  discard_pending: bool) -> list[ps_pb2.ShardCheckpoint]:
         if held:
             return self._seen(self._restore_held(tables, checkpoint))
         try:

@@ -44,7 +44,7 @@ import grpc
 
 from parallax.client.replicas import caught_up, is_behind
 from parallax.errors import ConfigError, ServerError
-from parallax.protocol import bulk_codec
+from parallax.protocol import bulk_codec, checkpoint_names
 from parallax.ps.v1 import ps_pb2
 
 log = logging.getLogger("parallax")
@@ -106,6 +106,10 @@ class PushLog:
             self.dropped += 1
         return request
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = self.dropped = 0
+
     def tables(self) -> set[str]:
         """The tables of the kept pushes (read only after a failure)."""
         return {t for method, request, _ in self.entries for t, _, _ in _steps(method, request)}
@@ -123,8 +127,8 @@ class PushLog:
                    for t, shard, step, chunk in parts):
                 first, out = {}, []  # the tables were rolled back (a restore): the pushes
                 #                      before it are of steps taken again since
-            for table, shard, step, chunk in parts:
-                first.setdefault((table, shard), step)
+            for table, shard, step, chunk in parts:  # (a step whose first kept chunk is
+                first.setdefault((table, shard), step + (chunk > 0))  # not its first: gone)
                 last[(table, shard)] = (step, chunk)
             ahead = [step >= steps.get((t, shard), 0) for t, shard, step, _ in parts]
             if all(ahead):
@@ -152,32 +156,91 @@ class PushLog:
             address=address, table=table, code=grpc.StatusCode.DATA_LOSS)
 
 
+class Timeline:
+    """The checkpoints a client saved or restored since its pushes began to be kept (a
+    restore starts it again): the only ones a replacement may restore its shards from, for
+    the pushes kept to follow them. Shared by a client's `ReplayedConnection`s."""
+
+    def __init__(self) -> None:
+        self.started = checkpoint_names.new_name()  # (before any checkpoint this job makes)
+        self.names: set[str] = set()
+
+    def saved(self, names) -> None:
+        self.names.update(n for n in names if n)
+
+    def restored(self, names) -> None:
+        self.names = {n for n in names if n}
+
+    def allows(self, name: str) -> str:
+        """Why a replacement's shards may not come from checkpoint `name` ("": they may)."""
+        if not name:
+            return "it was not restored from a checkpoint (created anew)"
+        if self.names and name not in self.names:
+            return (f"it was restored from checkpoint {name}, which this worker neither saved "
+                    f"nor restored (one of an abandoned timeline: saved before a restore to "
+                    f"an older one, or by another run)")
+        if not self.names and name < self.started:
+            return (f"it was restored from checkpoint {name}, older than this worker's start "
+                    f"(another run's, or the one this attempt resumed from: this worker "
+                    f"cannot tell which)")
+        return ""
+
+
 class ReplayedConnection:
     """One server, as every table's shards placed on it reach it (the interface of
     `ServerConnection` that tables and multi-table calls use). It keeps the pushes sent
     through it and the tables created through it, and rebuilds the server's shards on a
-    replacement (`recover`) when a request fails UNAVAILABLE."""
+    replacement (`recover`): a server of another identity (`server_id`) than the one its
+    shards were created or rebuilt on, found when a request fails UNAVAILABLE or NOT_FOUND
+    or once one of its channels has lost its connection (a gRPC channel reconnects to a new
+    process without a word, and a read could then wait there for a step only this worker's
+    pushes close)."""
 
-    def __init__(self, conn, max_bytes: int) -> None:
-        self.conn = conn
+    def __init__(self, conn, max_bytes: int, timeline: Timeline) -> None:
+        self.conn, self.timeline = conn, timeline
         self.address, self.options = conn.address, conn.options
         self.log = PushLog(max_bytes)
         self.created: dict[tuple[str, int], object] = {}  # (table, shard) -> CreateTable
+        self.written: set[str] = set()  # tables given rows (InitRows, ImportRows) since the
+        #                                 last save on disk: a replacement would lack them
+        self.server_id = 0  # the server the shards are on (0: not asked yet)
+        self._suspect = False  # a channel lost its connection: ask the server's identity
         self._lock = threading.RLock()  # held while recovering: sends wait for the end
+        for channel in getattr(conn, "_channels", ()):
+            channel.subscribe(_Watch(self).changed, try_to_connect=False)
 
     def __getattr__(self, name):
         return getattr(self.conn, name)
 
     def _kept(self, method: str, request):
+        self._check_identity()
         if method in PUSHES:
             with self._lock:
                 return self.log.keep(method, request)
         if method == "CreateTable":
             self.created[(request.spec.name, request.shard_index)] = request
+        elif method in ("InitRows", "ImportRows"):
+            self.written.add(_table_of(request))
         elif method == "DeleteTable":
             for key in [k for k in self.created if k[0] == request.table]:
                 del self.created[key]
         return request
+
+    def _check_identity(self) -> None:
+        """After a channel lost its connection, rebuild before sending if the server is
+        another now."""
+        if not self._suspect:
+            return
+        self._suspect = False
+        if self.server_id and self._identity() not in (0, self.server_id):
+            self.recover(ServerError(f"server {self.address} is another process now (its "
+                                     f"connection was lost)", address=self.address,
+                                     table=None, code=grpc.StatusCode.UNAVAILABLE))
+
+    def _identity(self) -> int:
+        """The server's `server_id` (0: it does not say, an older server)."""
+        reply = self.conn.call("DataPlane", ps_pb2.DataPlaneRequest())
+        return reply.server_id
 
     def future(self, method: str, request, timeout: float | None = None):
         return self.conn.future(method, self._kept(method, request), timeout)
@@ -197,20 +260,21 @@ class ReplayedConnection:
     def _answer(self, method: str, request, table, timeout, done_on_retry, pending):
         while True:
             try:
+                if pending is False:  # (sent before: a repeat counts as done)
+                    return _again(self.conn, method, request, table, timeout, done_on_retry)
                 return self.conn.call(method, request, table, timeout, done_on_retry,
                                       pending, gone=_gone)
             except ServerError as err:
                 if not self.lost(err) or method == "DeleteTable":
                     raise
-                self.recover(err)
-            if method in PUSHES:
-                return None  # sent again by `recover` (a retry that found its first landed)
-            pending = None  # a read: made again (on a server lost again: rebuilt again)
+                if self.recover(err) and method in PUSHES:
+                    return None  # sent again by `recover` (as a retry that found it landed)
+            pending = False
 
     def lost(self, err: ServerError) -> bool:
-        """Whether `err` says the server is gone, or is another (a replacement): it did not
-        answer (UNAVAILABLE), or it does not know a table this worker created or pushed to
-        (NOT_FOUND: a gRPC channel reconnects to a new process without a word)."""
+        """Whether `err` may mean the server is gone or another now (`recover` tells): it did
+        not answer (UNAVAILABLE), or it does not know a table this worker created or pushed
+        to (NOT_FOUND)."""
         if err.code == grpc.StatusCode.UNAVAILABLE:
             return True
         if err.code != grpc.StatusCode.NOT_FOUND:
@@ -218,23 +282,32 @@ class ReplayedConnection:
         known = {t for t, _ in self.created} | self.log.tables()
         return any(repr(name) in str(err) for name in known)
 
-    def recover(self, err: ServerError) -> None:
-        """Rebuild this server's shards of this worker's tables: wait for it to serve again,
-        create the tables (a replacement restores each shard from its newest checkpoint and
-        answers its step), send again every kept push of a step not applied there. A
-        replacement lost in turn while this goes on is waited for again (the launcher starts
-        a server a few times an attempt), within REPLACEMENT_WAIT_S from the first loss."""
+    def recover(self, err: ServerError) -> bool:
+        """Wait for the server to serve again; if it is another (a replacement), rebuild this
+        worker's shards there: create the tables (a replacement restores each shard from its
+        newest checkpoint and answers its step and checkpoint), send again every kept push
+        of a step not applied there. Whether it rebuilt (False: the same server, only
+        unreachable for a while, or a NOT_FOUND of its own). A replacement lost in turn is
+        waited for again, within REPLACEMENT_WAIT_S from the first loss."""
         with self._lock:
-            log.warning("server %s: %s; waiting up to %.0fs for it to serve again, to send "
-                        "it this worker's pushes since its newest checkpoint", self.address,
-                        err, REPLACEMENT_WAIT_S)
             started = time.monotonic()
             while True:
                 try:
-                    sent = self._rebuild(REPLACEMENT_WAIT_S - (time.monotonic() - started))
+                    self.conn.wait_healthy(max(1.0, REPLACEMENT_WAIT_S - (time.monotonic()
+                                                                          - started)))
+                    identity = self._identity()
+                    if identity and identity == self.server_id:
+                        if err.code == grpc.StatusCode.NOT_FOUND:
+                            raise err  # (the same server: a table deleted, not a restart)
+                        return False
+                    log.warning("server %s: %s; it serves again as another process: sending "
+                                "it this worker's pushes since its checkpoint", self.address,
+                                err)
+                    sent = self._rebuild()
+                    self.server_id = identity
                     break
                 except ServerError as again:
-                    if again.code != grpc.StatusCode.UNAVAILABLE or \
+                    if again.code != grpc.StatusCode.UNAVAILABLE or again is err or \
                             time.monotonic() - started > REPLACEMENT_WAIT_S:
                         raise
                     log.warning("server %s was lost again while this worker rebuilt its "
@@ -242,14 +315,21 @@ class ReplayedConnection:
             log.warning("server %s serves again: %d push(es) of this worker sent again, "
                         "%.1fs after the loss was seen", self.address, sent,
                         time.monotonic() - started)
+            return True
 
-    def _rebuild(self, wait_s: float) -> int:
-        """One try of `recover`; the pushes sent again."""
-        self.conn.wait_healthy(max(1.0, wait_s))
-        for (table, _), request in list(self.created.items()):
-            self.conn.call("CreateTable", request, table)
+    def note_identity(self) -> None:
+        """Ask the server's identity once, after this worker created its tables there."""
+        if not self.server_id:
+            self.server_id = self._identity()
+
+    def _rebuild(self) -> int:
+        """One try of `recover` on a replacement; the pushes sent again."""
+        restored = {}
+        for key, request in list(self.created.items()):
+            reply = self.conn.call("CreateTable", request, key[0])
+            restored[key] = getattr(reply, "restored_from", "") if reply.created else None
         steps = self._steps()
-        self._check_restored(steps)
+        self._check_restored(steps, restored)
         again = self.log.since(steps, self.address)
         for method, request in again:
             self._send_again(method, request)
@@ -266,22 +346,40 @@ class ReplayedConnection:
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
                                                           min_step=step + 1), table)
 
-    def _check_restored(self, steps: dict[tuple[str, int], int]) -> None:
-        """Raise unless every shard this worker pushed to came back from a checkpoint: one
-        at step 0 was made anew (a server started without `--restore-newest`), and the rows
-        written into it when the job began (InitRows: initial values drawn by the workers;
-        ImportRows) would be missing: the replay would train on other rows."""
-        fresh = sorted(key for key, step in steps.items() if step == 0 and key[0] in
-                       self.log.tables())
-        if fresh:
-            table, shard = fresh[0]
-            raise ReplayError(
-                f"server {self.address} serves again, but table {table!r} shard {shard} is "
-                f"at step 0 there: it was not restored from a checkpoint (start a lost server "
-                f"again with parallax_ps --restore-newest and its data directory, as "
-                f"`parallax run --replay-mb` does), so the rows it held cannot be rebuilt "
-                f"from this worker's pushes alone", address=self.address, table=table,
-                code=grpc.StatusCode.DATA_LOSS)
+    def verify(self) -> None:
+        """Before a save: rebuild first if the server is another now, and wait for every
+        worker's pushes there (else the save would catch its shards behind the others)."""
+        if self.server_id and self._identity() not in (0, self.server_id):
+            self.recover(ServerError(f"server {self.address} is another process now",
+                                     address=self.address, table=None,
+                                     code=grpc.StatusCode.UNAVAILABLE))
+            self.wait_replayed()
+
+    def _check_restored(self, steps: dict[tuple[str, int], int],
+                        restored: dict[tuple[str, int], str | None]) -> None:
+        """Raise unless every shard this worker pushed to came back from a checkpoint its
+        pushes follow (`Timeline.allows`; one at step 0 that this worker did not create
+        again: created anew), and no rows written since the last save (InitRows, ImportRows)
+        are missing: the replay would train on other rows."""
+        pushed = self.log.tables()
+        for (table, shard), step in sorted(steps.items()):
+            if table in self.written:
+                why = ("rows were written into it (initial values, a reshard, a restore from "
+                       "a file) since the last checkpoint on disk")
+            elif table not in pushed:
+                continue
+            else:
+                name = restored.get((table, shard))
+                why = self.timeline.allows(name) if name is not None else \
+                    ("it is at step 0: created anew" if step == 0 else "")
+            if why:
+                raise ReplayError(
+                    f"server {self.address} serves again, but table {table!r} shard {shard} "
+                    f"there cannot be rebuilt from this worker's pushes: {why}. A lost server "
+                    f"is started again with parallax_ps --restore-newest and its data "
+                    f"directory (as `parallax run --replay-mb` does) from the newest checkpoint "
+                    f"on disk; --max-restarts restarts the job from its checkpoint instead",
+                    address=self.address, table=table, code=grpc.StatusCode.DATA_LOSS)
 
     def _steps(self) -> dict[tuple[str, int], int]:
         """The steps each shard this worker pushed to has applied there, once it exists (a
@@ -311,6 +409,46 @@ class ReplayedConnection:
                 raise
             caught_up(self.conn, err, method, request, None, None, _REPEAT)
 
+    def forget(self) -> None:
+        """After a restore (a rollback): the kept pushes and written tables are of steps
+        taken again from it, never to be sent again."""
+        with self._lock:
+            self.log.clear()
+            self.written.clear()
+
+
+class _Watch:
+    """A channel's connectivity, for its connection: one lost after it was ready makes the
+    connection ask the server's identity before its next request."""
+
+    def __init__(self, conn: ReplayedConnection) -> None:
+        self.conn, self.ready = conn, False
+
+    def changed(self, state) -> None:
+        if state == grpc.ChannelConnectivity.READY:
+            self.ready = True
+        elif self.ready:
+            self.ready, self.conn._suspect = False, True  # noqa: SLF001
+
+
+def _table_of(request) -> str:
+    """The table an InitRows or ImportRows request (or its stream's first chunk) writes."""
+    first = next(iter(request())) if callable(request) else request
+    if isinstance(first, (list, tuple)):
+        first = first[0]
+    return getattr(first, "table", "") or getattr(first, "name", "")
+
+
+def _again(conn, method: str, request, table, timeout, done_on_retry):
+    """A request sent again after its server was found the same: an answer in
+    `done_on_retry` (a push it holds, a step it closed) means the first attempt landed."""
+    try:
+        return conn.call(method, request, table, timeout, done_on_retry)
+    except ServerError as err:
+        if err.code in done_on_retry and not is_behind(err):
+            return None
+        raise
+
 
 def _gone() -> bool:
     """After an UNAVAILABLE, no retries of the connection's own: `recover` waits for the
@@ -319,11 +457,11 @@ def _gone() -> bool:
     return True
 
 
-def replayed(servers: list, replay_mb: int) -> list:
+def replayed(servers: list, replay_mb: int, timeline: Timeline) -> list:
     """Per server, what its shards' requests go through (replay_mb > 0)."""
     share = (replay_mb << 20) // max(1, len(servers))
     log.info("keeping this worker's pushes, up to %d MiB per server, to send them again to a "
              "server started again from its newest checkpoint (replay_mb=%d)", share >> 20,
              replay_mb)
-    return [ReplayedConnection(server, share) for server in servers]
+    return [ReplayedConnection(server, share, timeline) for server in servers]
 
