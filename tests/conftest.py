@@ -231,6 +231,7 @@ class Snapshot:
         path = f"snap-{name}-{next(_names)}"
         shards = client.save(path, [name])
         self.step = {(s.shard_index): s.step for s in shards}
+        self.checkpoint = shards[0].checkpoint if shards else ""  # its name (ckpt-...)
         self.arrays: dict[str, np.ndarray] = {}
         parts = sorted(Path(s.file) for s in shards)  # in the new checkpoint directory
         loaded = [dict(np.load(p)) for p in parts]

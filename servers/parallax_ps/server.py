@@ -55,7 +55,7 @@ class ServerConfig:
     memory_mb: int | None = None  # what tables may use; None: the cgroup limit, else the RAM
     data_port: int = 0  # PullMany/PushMany as frames on this port (0: any free one; -1: off)
     log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.runtime.logs)
-    restore_newest: bool = False  # a created shard starts from its table's newest checkpoint
+    restore_newest: bool = False  # a created shard starts from its newest checkpoint, if any
 
     @property
     def max_message_bytes(self) -> int:
@@ -243,8 +243,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "--replay-mb starts it so): every table shard created on it "
                              "starts from the newest complete checkpoint of its table under "
                              "--data-dir (any checkpoint path), at that checkpoint's step, "
-                             "and the workers replay their pushes since; creating a table "
-                             "with no checkpoint there is refused (needs --data-dir)")
+                             "and the workers replay their pushes since (CreateTable "
+                             "answers the checkpoint's name in restored_from); a table with "
+                             "no complete checkpoint there is created fresh at step 0, as "
+                             "without the flag (needs --data-dir)")
     args = parser.parse_args(argv)
     if args.restore_newest and args.data_dir is None:
         parser.error("--restore-newest restores each table from the checkpoints in "

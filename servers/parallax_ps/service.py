@@ -290,34 +290,35 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 _check_same_spec(sibling, spec)  # one table, one spec on every shard
                 self._check_wait_threads(spec)
                 shard = TableShard(spec, request.shard_index, self.budget)
+                restored_from = ""
                 if self.restore_newest:
-                    self._restore_newest(shard)  # before any request can reach it
+                    restored_from = self._restore_newest(shard)  # before any request reaches it
                 with self._lock:
                     self._shards[key] = shard
                 log.debug("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
                 return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows,
-                                                   step=shard.steps.step),
+                                                   step=shard.steps.step,
+                                                   restored_from=restored_from),
                         spec.name, shard.storage.num_rows, 0)
         _check_same_spec(existing, spec)
         return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
                                            step=existing.steps.step), spec.name, 0, 0)
 
-    def _restore_newest(self, shard: TableShard) -> None:
+    def _restore_newest(self, shard: TableShard) -> str:
         """Fill a new shard from the newest complete checkpoint of its table on disk, as a
         Restore of it would (rows, slots, step, dynamic state): this server replaces one
-        that was lost, whose workers replay their pushes since that checkpoint's step. With
-        none, the shard is dropped and the CreateTable refused: fresh rows would silently
-        lose everything trained before the pushes the workers still hold."""
+        that was lost, whose workers replay their pushes since that checkpoint's step.
+        Returns the checkpoint's name (its directory's name, as ShardCheckpoint.checkpoint
+        gives it: CreateTableResponse.restored_from). With none, the shard stays as created,
+        fresh at step 0, and "" is returned, as on a server without the flag: a table first
+        created after the server was started again (a reshard target) must be creatable,
+        and a worker refuses itself to replay onto a shard that was not restored."""
         try:
             found = checkpoint.newest_holding(self.data_dir, shard.spec.name)
             if found is None:
-                raise RequestError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"table {shard.spec.name!r}: no complete checkpoint of it under the data "
-                    f"directory {self.data_dir}, and a server started with --restore-newest "
-                    f"needs a checkpoint of it (it replaces a lost server: each shard starts "
-                    f"from its table's newest checkpoint and the workers replay their pushes "
-                    f"since); save one first, or run without --replay-mb")
+                log.info("created %s fresh: no complete checkpoint of table %r under %s",
+                         shard.label, shard.spec.name, self.data_dir)
+                return ""
             directory, manifest = found
             ids, values, slots, step, state = checkpoint.load_for_shard(shard, directory,
                                                                         manifest)
@@ -327,6 +328,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise
         log.info("created %s from checkpoint %s: %d rows at step %d", shard.label,
                  directory, len(ids), step)
+        return directory.name
 
     def _check_wait_threads(self, spec: TableSpec) -> None:
         """Refuse a sync shard whose workers, with those of the sync shards held, could wait

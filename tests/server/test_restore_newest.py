@@ -1,7 +1,9 @@
 """A server started with --restore-newest (a replacement for a lost one, `parallax run
 --replay-mb`): each shard created on it starts from the newest complete checkpoint of its
-table in its data directory, at that checkpoint's step, as a Restore of it would; a table
-with no checkpoint there is refused FAILED_PRECONDITION; a shard that exists is untouched.
+table in its data directory, at that checkpoint's step, as a Restore of it would, and its
+CreateTable answer names that checkpoint (restored_from); a table with no checkpoint there
+is created fresh at step 0 with restored_from empty, as without the flag (a worker refuses
+itself to replay onto it); a shard that exists is untouched.
 
 Real server processes on loopback, killed with SIGKILL and replaced on the same data
 directory.
@@ -12,7 +14,6 @@ import os
 import shutil
 import signal
 
-import grpc
 import numpy as np
 import pytest
 
@@ -89,7 +90,9 @@ def test_a_replacement_starts_each_shard_at_the_checkpoint(tmp_path, replacement
         _kill(cluster)
     client = replacement()
     answers = _create(client, spec)
-    assert [(a.created, a.step) for a in answers] == [(True, 3)] * SHARDS
+    assert [(a.created, a.step, a.restored_from) for a in answers] == \
+        [(True, 3, saved.checkpoint)] * SHARDS
+    assert saved.checkpoint.startswith("ckpt-")
     restored = Snapshot(client, tmp_path, spec.name)
     restored.assert_equal(saved)  # rows, slots, step, a dynamic table's row state
     assert spec.dynamic == ("dyn_uses" in restored.arrays)
@@ -111,33 +114,34 @@ def test_the_newest_complete_checkpoint_is_chosen_whatever_its_path(tmp_path, re
         (unfinished / "COMPLETE").unlink()  # committed by some servers only: never chosen
         _kill(cluster)
     client = replacement()
-    assert {a.step for a in _create(client, spec)} == {4}
+    assert {(a.step, a.restored_from) for a in _create(client, spec)} == {(4, newer.checkpoint)}
     Snapshot(client, tmp_path, spec.name).assert_equal(newer)
 
 
-def test_a_table_without_a_checkpoint_is_refused(tmp_path, replacement):
+def test_a_table_without_a_checkpoint_is_created_fresh(tmp_path, replacement):
+    """A table first created after the server was started again (a reshard target, say):
+    created as without the flag, at step 0, restored from nothing."""
     with LocalCluster(1, data_dir=tmp_path) as cluster, \
             PSClient(cluster.addresses, OPTIONS) as client:
-        client.save("other", [client.create_table(_spec("saved")).spec.name])
+        saved = client.save("other", [client.create_table(_spec("saved")).spec.name])
         _kill(cluster)
     client = replacement()
-    with pytest.raises(grpc.RpcError) as refused:
-        _create(client, _spec("never_saved"))
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    details = refused.value.details()
-    for named in (str(tmp_path), "'never_saved'", "--restore-newest", "save one first",
-                  "without --replay-mb"):
-        assert named in details
-    assert {a.step for a in _create(client, _spec("saved"))} == {0}  # its table restores
+    fresh = _spec("never_saved")
+    assert [(a.created, a.step, a.restored_from) for a in _create(client, fresh)] == \
+        [(True, 0, "")] * SHARDS
+    table = client.table(fresh)
+    _train(table, 0, 2)  # trains as any new table does
+    assert [(a.created, a.step, a.restored_from) for a in _create(client, fresh)] == \
+        [(False, 2, "")] * SHARDS
+    assert {(a.step, a.restored_from) for a in _create(client, _spec("saved"))} == \
+        {(0, saved[0].checkpoint)}  # its table restores
 
 
-def test_an_empty_data_directory_refuses_too(tmp_path, replacement):
+def test_an_empty_data_directory_creates_fresh_too(tmp_path, replacement):
     shutil.rmtree(tmp_path)
     client = replacement()
-    with pytest.raises(grpc.RpcError, match="no complete checkpoint of it under the data "
-                                            "directory") as refused:
-        _create(client, _spec("nothing"))
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [(a.created, a.step, a.restored_from) for a in _create(client, _spec("nothing"))] \
+        == [(True, 0, "")] * SHARDS
 
 
 def test_an_existing_shard_is_left_as_it_is(tmp_path, replacement):
@@ -148,12 +152,12 @@ def test_an_existing_shard_is_left_as_it_is(tmp_path, replacement):
         client.save("p", [spec.name])
         _kill(cluster)
     client = replacement()
-    assert {a.step for a in _create(client, spec)} == {2}
+    assert {(a.step, bool(a.restored_from)) for a in _create(client, spec)} == {(2, True)}
     table = client.table(spec)
     _train(table, 2, 4)  # (the replayed pushes)
     rows = table.pull_all()
     answers = _create(client, spec)
-    assert [(a.created, a.step) for a in answers] == [(False, 4)] * SHARDS
+    assert [(a.created, a.step, a.restored_from) for a in answers] == [(False, 4, "")] * SHARDS
     np.testing.assert_array_equal(table.pull_all(), rows)
 
 
@@ -164,7 +168,8 @@ def test_without_the_flag_a_created_shard_answers_step_0(tmp_path):
         _train(client.create_table(spec), 0, 2)
         client.save("p", [spec.name])
         client.delete_table(client.table(spec))
-        assert [(a.created, a.step) for a in _create(client, spec)] == [(True, 0)] * SHARDS
+        assert [(a.created, a.step, a.restored_from) for a in _create(client, spec)] == \
+            [(True, 0, "")] * SHARDS
 
 
 def test_the_flag_needs_a_data_directory():
@@ -192,8 +197,8 @@ def test_a_server_started_again_answers_at_its_address_with_its_shards(tmp_path)
             cluster.replace(1, ["--restore-newest"])
             assert cluster.addresses == addresses
         with PSClient(addresses, OPTIONS) as client:
-            assert [(a.created, a.step) for a in _create(client, spec)] == [(False, 5),
-                                                                            (True, 3)]
+            assert [(a.created, a.step, a.restored_from) for a in _create(client, spec)] == \
+                [(False, 5, ""), (True, 3, saved.checkpoint)]
             rows = client.table(spec).pull_all()  # (partition "mod": odd ids on shard 1)
             np.testing.assert_array_equal(rows[1::2], saved.arrays["values"][1::2])
             assert not np.array_equal(rows[0::2], saved.arrays["values"][0::2])  # lived on

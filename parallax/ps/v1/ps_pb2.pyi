@@ -276,14 +276,16 @@ class CreateTableRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class CreateTableResponse(_message.Message):
-    __slots__ = ("created", "rows", "step")
+    __slots__ = ("created", "rows", "step", "restored_from")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     created: bool
     rows: int
     step: int
-    def __init__(self, created: bool = ..., rows: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    restored_from: str
+    def __init__(self, created: bool = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., restored_from: _Optional[str] = ...) -> None: ...
 
 class DeleteTableRequest(_message.Message):
     __slots__ = ("table", "shard_index")
