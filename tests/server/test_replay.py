@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -20,7 +22,9 @@ import pytest
 
 from parallax.client import ClientOptions, PSClient
 from parallax.client.local_cluster import SERVER_COMMAND, LocalCluster, ServerProcess
+from conftest import in_threads
 from parallax.client.replay import ReplayError
+from parallax.errors import ServerError
 from test_replicas import OPTIONS, _specs
 from test_replicas import _train as replicated_job
 
@@ -93,8 +97,9 @@ def test_a_server_started_again_without_its_checkpoint_is_refused():
         with client:
             table.push(np.arange(100), np.ones((100, 4), np.float32), step=0)
             _restart(cluster, 1)
-            with pytest.raises(ReplayError, match="shard 1 is at step 0 there: it was not "
-                                                  "restored from a checkpoint") as err:
+            with pytest.raises(ReplayError, match=r"shard 1 there cannot be rebuilt from this "
+                                                  r"worker's pushes: it was not restored from "
+                                                  r"a checkpoint \(created anew\)") as err:
                 table.pull_all()
         assert err.value.code == grpc.StatusCode.DATA_LOSS
 
@@ -137,3 +142,126 @@ def test_a_save_that_meets_a_server_started_again_waits_for_its_rebuild(tmp_path
             _restart(cluster, 1, "--restore-newest")  # restores the save above: no replay
             np.testing.assert_array_equal(table.pull_all(), want)
             assert table.wait_step(0) == 2
+
+
+ONES = np.ones((100, 4), np.float32)
+
+
+@pytest.mark.parametrize("whose", ["abandoned", "another run's"])
+def test_a_replacement_restored_from_a_checkpoint_the_pushes_do_not_follow_is_refused(
+        tmp_path, whose):
+    """abandoned: checkpoint B was saved, then the job restored the older A and went on, so
+    the replacement's newest checkpoint is B, of steps taken again since; another run's:
+    a run that saved nothing yet meets a checkpoint of the same table left by an earlier
+    run in the data directory. Replaying on either would train on other rows: refused."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            client.save("ckpt", [spec.name])
+            if whose == "abandoned":
+                table.push(np.arange(100), ONES, step=1)
+                client.save("ckpt", [spec.name])  # B
+                client.restore("ckpt", [spec.name], checkpoint=_oldest(tmp_path / "ckpt"))
+            else:  # (the earlier run's tables dropped, as the launcher drops them)
+                client.delete_table(table)
+                client.close()
+                client = PSClient(cluster.addresses, REPLAY)
+                table = client.create_table(spec)
+                table.push(np.arange(100), ONES, step=0)
+            table.push(np.arange(100), ONES, step=1)
+            _restart(cluster, 1, "--restore-newest")
+            why = "neither saved nor restored" if whose == "abandoned" else \
+                "older than this worker's start"
+            with pytest.raises(ReplayError, match=why):
+                table.pull_all()
+            client.close()
+
+
+def _oldest(path) -> str:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith("ckpt-"))[0]
+
+
+def test_a_death_right_after_a_restore_sends_nothing_from_before_it(tmp_path):
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            client.save("ckpt", [spec.name])
+            want = table.pull_all()
+            for step in (1, 2):
+                table.push(np.arange(100), ONES, step=step)
+            client.restore("ckpt", [spec.name])
+            _restart(cluster, 1, "--restore-newest")
+            np.testing.assert_array_equal(table.pull_all(), want)
+            assert table.wait_step(0) == 1
+
+
+def test_rows_written_since_the_last_save_refuse_a_replay(tmp_path):
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            client.save("ckpt", [spec.name])
+            table.assign(np.arange(4), np.zeros((4, 4), np.float32))
+            table.push(np.arange(100), ONES, step=1)
+            _restart(cluster, 1, "--restore-newest")
+            with pytest.raises(ReplayError, match="rows were written into it"):
+                table.pull_all()
+
+
+def test_a_table_another_client_deleted_is_not_created_again(tmp_path):
+    """NOT_FOUND from the same server (its identity unchanged) is the table's deletion, not
+    a restart: the error stands and the table stays deleted."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client, PSClient(cluster.addresses, OPTIONS) as other:
+            table.push(np.arange(100), ONES, step=0)
+            other.delete_table(other.table(spec))
+            with pytest.raises(ServerError, match="does not exist") as err:
+                table.pull(np.arange(4))
+            assert not isinstance(err.value, ReplayError)
+            with pytest.raises(ServerError, match="does not exist"):
+                other.table(spec).wait_step(0)
+
+
+@pytest.mark.parametrize("then", ["pull", "save", "held save"])
+def test_a_worker_that_reaches_a_replacement_after_another_rebuilt_it_rebuilds_too(
+        tmp_path, then):
+    """Worker 1 finds the replacement first and sends it its pushes; worker 0's next
+    request reaches it over a gRPC channel that reconnected without a word (a per-table
+    pull, WaitStep before a save): worker 0 sees the server is another process and sends
+    its pushes too, instead of waiting there for a step only they close."""
+    specs = [dataclasses.replace(_specs("late")[0], num_workers=2)]
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        clients = [PSClient(cluster.addresses, REPLAY) for _ in range(2)]
+        tables = [c.create_table(specs[0]) for c in clients]
+        try:
+            def step(worker: int, at: int) -> None:
+                tables[worker].pull(np.arange(worker, 100, 2), min_step=at)
+                tables[worker].push(np.arange(worker, 100, 2), ONES[:50], step=at,
+                                    worker=worker)
+            for at in range(2):
+                in_threads(lambda w: step(w, at), 2)
+            tables[0].wait_step(2)
+            clients[0].save("ckpt", [specs[0].name])
+            for at in range(2, 4):
+                in_threads(lambda w: step(w, at), 2)
+            tables[0].wait_step(4)
+            _restart(cluster, 1, "--restore-newest")
+            first = threading.Thread(target=step, args=(1, 4))
+            first.start()
+            time.sleep(1.0)  # (worker 1 rebuilds first, then waits for worker 0's pushes)
+            if then == "pull":
+                step(0, 4)
+            else:
+                saved = clients[0].save("ckpt", [specs[0].name], held=then == "held save")
+                assert sorted((s.shard_index, s.step) for s in saved) == \
+                    [(0, 4), (1, 4), (2, 4)]
+                step(0, 4)
+            first.join(30)
+            assert not first.is_alive()
+            assert tables[0].wait_step(5) == 5
+        finally:
+            for c in clients:
+                c.close()
