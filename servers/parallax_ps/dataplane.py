@@ -25,7 +25,6 @@ import contextlib
 import errno
 import hmac
 import logging
-import secrets
 import socket
 import ssl
 import threading
@@ -94,14 +93,16 @@ def _refuse(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
 
 class DataPlaneServer:
     """Listens on `host:port` (0: any free port; `.port` is the real one) and serves
-    PullMany/PushMany frames with `service`'s handlers; `.server_id` identifies this run."""
+    PullMany/PushMany frames with `service`'s handlers; `.server_id` identifies this run:
+    the service's (`ParameterServerService.server_id`), so its hello and the DataPlane RPC
+    always agree."""
 
     def __init__(self, service: ParameterServerService, host: str, port: int,
                  max_message_bytes: int, token: str | None = None,
                  tls: ssl.SSLContext | None = None,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.service, self.max_message_bytes = service, max_message_bytes
-        self.server_id = secrets.randbits(64)
+        self.server_id = service.server_id
         self._expected = (token or "").encode()
         self._tls, self._max_connections = tls, max_connections
         self._listener = _listen(host, port)

@@ -157,7 +157,6 @@ class RunningServer:
             if config.tls_cert else None)
         if self.data_plane is not None:
             self.service.data_port = self.data_plane.port
-            self.service.data_server_id = self.data_plane.server_id
             self.service.data_idle_timeout_s = int(self.data_plane.idle_timeout_s)
         self.server.start()
         for name in ("", SERVICE_NAME):

@@ -213,6 +213,16 @@ def _check_same_spec(existing: TableShard | None, spec: TableSpec) -> None:
                            f"or create it with the same spec")
 
 
+def new_server_id() -> int:
+    """A random nonzero 64-bit id, made once per server process (DataPlaneResponse.server_id,
+    with or without a data plane, and its data plane's hello): a client tells a server
+    started again on the same address from the one it talked to."""
+    while True:
+        found = secrets.randbits(64)
+        if found:
+            return found
+
+
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None,
@@ -225,7 +235,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
-        self.data_server_id = 0
+        self.server_id = new_server_id()  # this process's; its data plane's hello says it too
         self.save_owner = secrets.token_hex(8)  # names this server's claims in a save
         self.data_idle_timeout_s = 0
         self.memory_bytes = memory_bytes
@@ -477,7 +487,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def DataPlane(self, request, context):
         """Where PullMany and PushMany are also served as frames (0: nowhere)."""
         return ps_pb2.DataPlaneResponse(port=self.data_port, version=dataplane.VERSION,
-                                        server_id=self.data_server_id,
+                                        server_id=self.server_id,
                                         max_message_bytes=self.max_message_bytes,
                                         idle_timeout_s=self.data_idle_timeout_s,
                                         packed=True), "", 0, 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -32,7 +33,7 @@ from parallax.protocol.bulk_codec import PushHeader
 from parallax.protocol.packed_codec import PushManyParts
 from parallax.protocol.security import generate_job_credentials, read_token
 from parallax.protocol.specs import SGD, Adagrad, TableSpec
-from parallax.ps.v1 import ps_pb2
+from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 
 VOCAB, DIM = 50, 3
 
@@ -472,3 +473,39 @@ def test_a_frames_deadline_is_held_to_the_servers_maximum(given):
     remaining = _Context(given).time_remaining()
     assert 0 < remaining <= MAX_DEADLINE_S
     assert _Context(2.0).time_remaining() <= 2.0  # a sensible deadline is kept
+
+
+# ---- server identity without a data plane ---------------------------------------------------
+def _identity(address: str) -> ps_pb2.DataPlaneResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        return stub.DataPlane(ps_pb2.DataPlaneRequest(), timeout=10)
+
+
+@pytest.mark.parametrize("args", [[], ["--data-port", "-1"]], ids=["data_plane", "none"])
+def test_every_server_process_answers_its_own_nonzero_id(args):
+    """DataPlaneResponse.server_id is one random nonzero id per server process, with or
+    without a data plane (port 0 still means none), and the data plane's hello answers the
+    same one: two servers, and a server started again on its port, answer different ids."""
+    with LocalCluster(2, extra_args=args) as cluster:
+        first = [_identity(address) for address in cluster.addresses]
+        os.kill(cluster.servers[0].proc.pid, signal.SIGKILL)
+        cluster.servers[0].proc.wait(10)
+        cluster.replace(0)
+        again = _identity(cluster.addresses[0])
+    ids = [reply.server_id for reply in (*first, again)]
+    assert all(ids) and len(set(ids)) == 3, ids
+    assert all(bool(reply.port) == (not args) for reply in (*first, again))
+    if args:
+        return
+    host = cluster.addresses[0].rsplit(":", 1)[0]
+    with LocalCluster(1) as cluster:  # (the hello: the same id, and no other)
+        reply = _identity(cluster.addresses[0])
+        plane = DataPlaneClient(host, reply.port, ClientOptions(timeout=5), reply.server_id)
+        plane.check()
+        plane.close()
+        other = DataPlaneClient(host, reply.port, ClientOptions(timeout=5), reply.server_id ^ 1)
+        with pytest.raises(grpc.RpcError) as refused:
+            other.check()
+        other.close()
+    assert "another server" in refused.value.details()
