@@ -464,4 +464,3 @@ def replayed(servers: list, replay_mb: int, timeline: Timeline) -> list:
              "server started again from its newest checkpoint (replay_mb=%d)", share >> 20,
              replay_mb)
     return [ReplayedConnection(server, share, timeline) for server in servers]
-
