@@ -5,33 +5,27 @@ Every worker keeps its own pushes to each server, as the encoded requests it sen
 last, up to its share of `replay_mb` MiB per server, the oldest dropped first). When a
 server dies, the launcher starts it again on the same address, from the newest checkpoint
 on disk in its data directory (`parallax_ps --restore-newest`): each shard starts at that
-checkpoint's step. A worker that finds the server gone (a request fails UNAVAILABLE: its
-data-plane connection is refused, or is answered by another server than the one before)
-waits for it to serve again, creates its tables there again (the server restores each
-shard as it is created and answers its step) and sends again, in order, every push it kept
-of a step the shard has not applied; then it sends the failed request again (a read), or
-counts it done (a push: it was among those sent again). A sync step is applied once every
-worker's push is in, summed in worker order, so the shards come back bit for bit as the
-lost server held them, and the job goes on: no step redone, no worker restarted, no other
-server touched.
+checkpoint's step and names it (`restored_from`). A worker tells the replacement from the
+server before by its identity (`server_id`), asked when a request fails UNAVAILABLE or
+NOT_FOUND, or once a channel lost its connection (`ReplayedConnection`); it then creates
+its tables there again and sends again, in order, every push it kept of a step a shard
+has not applied; then it sends the failed request again (a read), or counts it done (a
+push: it was among those sent again). A sync step is applied once every worker's push is
+in, summed in worker order, so the shards come back bit for bit as the lost server held
+them, and the job goes on: no step redone, no worker restarted, no other server touched.
 
-Costs: nothing on the wire and no request in steady state; each worker's memory for the
-pushes since the newest checkpoint (their bytes: about what it sends the servers a step,
-times the steps between checkpoints); at a death, the replacement's start, its restore and
-the replay. Safe against a server that was only unreachable for a while: pushes it holds
-are refused as repeats (ALREADY_EXISTS), and a step it applied is not sent again.
+Costs: nothing on the wire and no request in steady state but one identity question per
+server after a lost connection and per save; each worker's memory for its newest pushes
+(up to `replay_mb`); at a death, the replacement's start, its restore and the replay.
 
-Limits: a replacement must restore its shards from a checkpoint (a shard at step 0 there
-is refused: rows the job wrote when it began, such as initial values the workers drew,
-would be missing). Sync tables only (an async shard applies pushes as they arrive). The
-pushes must reach back to the checkpoint the replacement restores: a worker that dropped
-older pushes (`replay_mb` too small for the checkpoints' interval) or that started after
-that checkpoint (a worker resumed from a held backup, which dies with its server) cannot
-rebuild the shard, and the job fails, naming it (`--max-restarts` then restarts it from
-the checkpoint). Rows written by InitRows or ImportRows after the checkpoint (a reshard)
-are not kept. A worker notices the restart promptly over the data plane (the default);
-over gRPC alone, a read the replacement holds for a step not replayed yet ends at its
-deadline first.
+Refused (ReplayError, DATA_LOSS, naming why; `--max-restarts` then restarts the job from
+its checkpoint), rather than train on other rows: a shard not restored from a checkpoint;
+one restored from a checkpoint the worker's pushes do not follow (`Timeline`); pushes that
+do not reach back to its step (dropped for room, or the worker started after it); rows
+written by InitRows or ImportRows since the last save on disk. Sync tables only (an async
+shard applies pushes as they arrive). Over gRPC alone a read reaching the replacement
+before the channel's loss is seen could wait there: the connectivity watch makes that a
+race of a few milliseconds.
 """
 from __future__ import annotations
 
