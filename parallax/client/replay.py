@@ -200,8 +200,8 @@ class ReplayedConnection:
         self.server_id = 0  # the server the shards are on (0: not asked yet)
         self._suspect = False  # a channel lost its connection: ask the server's identity
         self._lock = threading.RLock()  # held while recovering: sends wait for the end
-        for channel in getattr(conn, "_channels", ()):
-            channel.subscribe(_Watch(self).changed, try_to_connect=False)
+        for channel in getattr(conn, "_channels", ())[:1]:  # (all reach one server; each
+            channel.subscribe(_Watch(self).changed, try_to_connect=False)  # watch: a thread)
 
     def __getattr__(self, name):
         return getattr(self.conn, name)
@@ -223,18 +223,25 @@ class ReplayedConnection:
     def _check_identity(self) -> None:
         """After a channel lost its connection, rebuild before sending if the server is
         another now."""
-        if not self._suspect:
+        if not self._suspect or not self.server_id:
             return
         self._suspect = False
-        if self.server_id and self._identity() not in (0, self.server_id):
+        try:
+            same = self._identity() in (0, self.server_id)
+        except ServerError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            self.recover(err)  # (gone still, or again: waited for, rebuilt if another)
+            return
+        if not same:
             self.recover(ServerError(f"server {self.address} is another process now (its "
                                      f"connection was lost)", address=self.address,
                                      table=None, code=grpc.StatusCode.UNAVAILABLE))
 
     def _identity(self) -> int:
-        """The server's `server_id` (0: it does not say, an older server)."""
-        reply = self.conn.call("DataPlane", ps_pb2.DataPlaneRequest())
-        return reply.server_id
+        """The server's `server_id` (0: it does not say, an older server); no retries of the
+        connection's own (a server gone is waited for by `recover`)."""
+        return self.conn.call("DataPlane", ps_pb2.DataPlaneRequest(), gone=_gone).server_id
 
     def future(self, method: str, request, timeout: float | None = None):
         return self.conn.future(method, self._kept(method, request), timeout)
@@ -341,12 +348,22 @@ class ReplayedConnection:
                                                           min_step=step + 1), table)
 
     def verify(self) -> None:
-        """Before a save: rebuild first if the server is another now, and wait for every
-        worker's pushes there (else the save would catch its shards behind the others)."""
-        if self.server_id and self._identity() not in (0, self.server_id):
-            self.recover(ServerError(f"server {self.address} is another process now",
-                                     address=self.address, table=None,
-                                     code=grpc.StatusCode.UNAVAILABLE))
+        """Before a save: rebuild first if the server is gone or another now, and wait for
+        every worker's pushes there (else the save would catch its shards behind the
+        others)."""
+        if not self.server_id or not self._suspect:
+            return
+        self._suspect = False
+        try:
+            same = self._identity() in (0, self.server_id)
+            err = ServerError(f"server {self.address} is another process now",
+                              address=self.address, table=None,
+                              code=grpc.StatusCode.UNAVAILABLE)
+        except ServerError as gone:
+            if gone.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            same, err = False, gone
+        if not same and self.recover(err):
             self.wait_replayed()
 
     def _check_restored(self, steps: dict[tuple[str, int], int],
@@ -449,6 +466,17 @@ def _gone() -> bool:
     server (a retry could reach its replacement before this worker's pushes did, and be
     held there for a step that only those pushes close)."""
     return True
+
+
+def resumed(tables, checkpoint: str) -> None:
+    """Every worker of a job resumed from `checkpoint` (the chief restored it): a
+    replacement may restore it, and pushes kept before it are of abandoned steps. (Only the
+    chief's client restores; the others learn it here.)"""
+    conns = {id(c): c for table in tables for c in table.shards
+             if isinstance(c, ReplayedConnection)}
+    for conn in conns.values():
+        conn.timeline.restored([checkpoint])
+        conn.forget()
 
 
 def replayed(servers: list, replay_mb: int, timeline: Timeline) -> list:

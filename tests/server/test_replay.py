@@ -45,16 +45,25 @@ def _train(cluster: LocalCluster, prefix: str, options: ClientOptions, kill=None
 
 def _restart(cluster: LocalCluster, index: int, *args: str):
     """Kill server `index` (SIGKILL) and start another on its port; returns the dead one."""
+    dead = _kill(cluster, index)
+    _start_again(cluster, dead, *args)
+    return dead
+
+
+def _kill(cluster: LocalCluster, index: int):
     dead = cluster.servers[index]
     os.kill(dead.proc.pid, signal.SIGKILL)
     dead.proc.wait(10)
+    return dead
+
+
+def _start_again(cluster: LocalCluster, dead, *args: str) -> None:
     port = dead.address.rsplit(":", 1)[1]
     command = [*SERVER_COMMAND, "--host", cluster.host, "--port", port, *args]
     if cluster.data_dir is not None:
         command += ["--data-dir", str(cluster.data_dir)]
-    cluster.servers[index] = ServerProcess(index, command, None)
-    assert cluster.servers[index].wait_ready(60) == dead.address
-    return dead
+    cluster.servers[dead.index] = ServerProcess(dead.index, command, None)
+    assert cluster.servers[dead.index].wait_ready(60) == dead.address
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +274,29 @@ def test_a_worker_that_reaches_a_replacement_after_another_rebuilt_it_rebuilds_t
         finally:
             for c in clients:
                 c.close()
+
+
+@pytest.mark.parametrize("request_", ["pull", "push"])
+def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(tmp_path,
+                                                                          request_):
+    """The replacement comes 2 s after the kill, as a launcher's does: a request made in
+    between (its channel lost, the server's identity not to be had) waits for it."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            client.save("ckpt", [spec.name])
+            table.push(np.arange(100), ONES, step=1)
+            want = table.pull_all()
+            dead = _kill(cluster, 1)
+            time.sleep(0.5)  # (the channel sees its connection go)
+            later = threading.Timer(2.0, _start_again, (cluster, dead, "--restore-newest"))
+            later.start()
+            try:
+                if request_ == "pull":
+                    np.testing.assert_array_equal(table.pull_all(), want)
+                else:
+                    table.push(np.arange(100), ONES, step=2)
+                    assert table.wait_step(0) == 3
+            finally:
+                later.join()

@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from parallax.client import replay
 from parallax.errors import ConfigError, ServerError
 from parallax.placement.plan import Plan
 from parallax.protocol.checkpoint_names import NO_DATA_DIR
@@ -468,6 +469,7 @@ class Resumption:
         """Every worker (collective): continue from the saved step if the chief restored."""
         if workers.broadcast_object(self.restored if workers.info.is_chief else None):
             set_steps(remotes, self.reference)
+            replay.resumed([r.table for r in remotes.values()], self.reference["checkpoint"])
 
 
 def set_steps(remotes: dict, reference: dict) -> None:
