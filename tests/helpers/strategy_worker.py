@@ -7,6 +7,9 @@
 Several cases run in one process (each with its own run id, so its own tables), which saves
 the cost of starting TensorFlow and Horovod for every case. Worker 0 writes, per case, the
 final values of every trainable variable (tables pulled from the servers) to OUT/<case>.npz.
+`--setup`, `--cases` and `--out` may be given again: each group runs in turn in this one
+process (the tests' two one-process references: one TensorFlow start-up instead of two). A
+plain group comes before any parallax one, so parallax is not imported while it trains.
 """
 from __future__ import annotations
 
@@ -220,8 +223,9 @@ def run_case(case: str, setup: str, steps: int, batch: int, out: Path, run_id: s
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setup", choices=("plain", "parallax"), required=True)
-    parser.add_argument("--cases", required=True,
+    parser.add_argument("--setup", choices=("plain", "parallax"), required=True,
+                        action="append", help="once per group (with --cases and --out)")
+    parser.add_argument("--cases", required=True, action="append",
                         help="comma-separated model-optimizer-loop[-mode], mode: hybrid (default)"
                              ", ps, allreduce, localagg (hybrid with local aggregation), reshard "
                              "(hybrid, resharded twice midway), tuned (hybrid with a short "
@@ -229,16 +233,21 @@ def main(argv: list[str]) -> int:
                              "staleness 0), cache0reshard (both)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, action="append")
     parser.add_argument("--export-case", default="", help="save this case's trained model")
     parser.add_argument("--disagree", action="store_true",
                         help="worker 1 builds a table one row larger (a broken job)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not len(args.setup) == len(args.cases) == len(args.out):
+        parser.error("give --setup, --cases and --out once per group")
+    if "parallax" in args.setup and "plain" in args.setup[args.setup.index("parallax"):]:
+        parser.error("a plain group after a parallax one would train with parallax imported")
     run_id = os.environ.get("PARALLAX_RUN_ID", "eq")
-    for case in args.cases.split(","):
-        run_case(case, args.setup, args.steps, args.batch, args.out, run_id, args.export_case,
-                 args.disagree)
+    for setup, cases, out in zip(args.setup, args.cases, args.out):
+        out.mkdir(parents=True, exist_ok=True)
+        for case in cases.split(","):
+            run_case(case, setup, args.steps, args.batch, out, run_id, args.export_case,
+                     args.disagree)
     return 0
 
 

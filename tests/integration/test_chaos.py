@@ -179,7 +179,8 @@ def test_killed_servers_with_replicas_lose_no_step_and_their_copies_come_back(tm
     first one's shards before that. It ends with the uninterrupted run's weights (which ran
     without copies). Printed: the longest pause between two steps after each kill, and the
     pause of each stop."""
-    chaos = _start(tmp_path, "copies", mark, STEP_DELAY, launch=("--replicas", "2"))
+    # paced: the two attempts with a kill (the third, after the second stop, runs at speed)
+    chaos = _start(tmp_path, "copies", mark, STEP_DELAY, paced=2, launch=("--replicas", "2"))
     kills = []
     try:
         kills.append(_kill_a_server(chaos, mark))
@@ -259,7 +260,8 @@ def test_a_worker_killed_during_a_servers_takeover_resumes_with_every_server(tmp
     --max-restarts) from its last checkpoint on every server, started again, and it ends
     with the uninterrupted run's weights. Printed: the steps and the failure's cost."""
     step = random.Random().randint(SERVER_KILL_STEP - 1, SERVER_KILL_STEP + 1)
-    chaos = _start(tmp_path, "takeover", mark, STEP_DELAY, launch=("--replicas", "2"))
+    chaos = _start(tmp_path, "takeover", mark, STEP_DELAY, paced=1,  # kills: attempt 0 only
+                   launch=("--replicas", "2"))
     try:
         _wait_for(chaos, f"step {step}", lambda e: e["attempt"] == 0 and e["step"] >= step)
         _kill(_server_pids(mark)[1])
