@@ -29,6 +29,7 @@ from test_replicas import OPTIONS, _specs
 from test_replicas import _train as replicated_job
 
 REPLAY = ClientOptions(**{**OPTIONS.__dict__, "replay_mb": 64})
+ONES = np.ones((100, 4), np.float32)
 SAVE_AT = 4  # a checkpoint once 4 steps are applied (server 1 is killed at step 5)
 
 
@@ -104,7 +105,7 @@ def test_a_server_started_again_without_its_checkpoint_is_refused():
     with LocalCluster(2) as cluster:
         client, _, table = _one_worker_job(cluster, REPLAY)
         with client:
-            table.push(np.arange(100), np.ones((100, 4), np.float32), step=0)
+            table.push(np.arange(100), ONES, step=0)
             _restart(cluster, 1)
             with pytest.raises(ReplayError, match=r"shard 1 there cannot be rebuilt from this "
                                                   r"worker's pushes: it was not restored from "
@@ -122,10 +123,10 @@ def test_pushes_that_do_not_reach_back_to_the_checkpoint_fail_naming_why(tmp_pat
         with client:
             for conn in client._routes:  # noqa: SLF001 - room for the newest push only
                 conn.log.max_bytes = 1
-            table.push(np.arange(100), np.ones((100, 4), np.float32), step=0)
+            table.push(np.arange(100), ONES, step=0)
             client.save("ckpt", [spec.name])
             for step in range(1, 4):
-                table.push(np.arange(100), np.ones((100, 4), np.float32), step=step)
+                table.push(np.arange(100), ONES, step=step)
             _restart(cluster, 1, "--restore-newest")
             with pytest.raises(ReplayError, match="kept its pushes only from step 3: it "
                                                   r"dropped 3 older push\(es\)") as err:
@@ -133,27 +134,30 @@ def test_pushes_that_do_not_reach_back_to_the_checkpoint_fail_naming_why(tmp_pat
         assert err.value.code == grpc.StatusCode.DATA_LOSS
 
 
+def _a_checkpoint_and_a_step(client: PSClient, spec, table, then=None) -> np.ndarray:
+    """A one-worker job's step 0, a checkpoint, `then()`, step 1; the rows after it."""
+    table.push(np.arange(100), ONES, step=0)
+    client.save("ckpt", [spec.name])
+    if then is not None:
+        then()
+    table.push(np.arange(100), ONES, step=1)
+    return table.pull_all()
+
+
 def test_a_save_that_meets_a_server_started_again_waits_for_its_rebuild(tmp_path):
     """A save right after a server was started again (before any pull or push reached it)
     would find it holding no shard: it rebuilds the server first and saves every shard,
     instead of committing a checkpoint without them."""
-    ones = np.ones((100, 4), np.float32)
     with LocalCluster(2, data_dir=tmp_path) as cluster:
         client, spec, table = _one_worker_job(cluster, REPLAY)
         with client:
-            table.push(np.arange(100), ones, step=0)
-            client.save("ckpt", [spec.name])
-            table.push(np.arange(100), ones, step=1)
-            want = table.pull_all()
+            want = _a_checkpoint_and_a_step(client, spec, table)
             _restart(cluster, 1, "--restore-newest")
             saved = client.save("ckpt", [spec.name])
             assert sorted((s.shard_index, s.step) for s in saved) == [(0, 2), (1, 2), (2, 2)]
             _restart(cluster, 1, "--restore-newest")  # restores the save above: no replay
             np.testing.assert_array_equal(table.pull_all(), want)
             assert table.wait_step(0) == 2
-
-
-ONES = np.ones((100, 4), np.float32)
 
 
 @pytest.mark.parametrize("whose", ["abandoned", "another run's"])
@@ -210,10 +214,8 @@ def test_rows_written_since_the_last_save_refuse_a_replay(tmp_path):
     with LocalCluster(2, data_dir=tmp_path) as cluster:
         client, spec, table = _one_worker_job(cluster, REPLAY)
         with client:
-            table.push(np.arange(100), ONES, step=0)
-            client.save("ckpt", [spec.name])
-            table.assign(np.arange(4), np.zeros((4, 4), np.float32))
-            table.push(np.arange(100), ONES, step=1)
+            _a_checkpoint_and_a_step(client, spec, table, then=lambda: table.assign(
+                np.arange(4), np.zeros((4, 4), np.float32)))
             _restart(cluster, 1, "--restore-newest")
             with pytest.raises(ReplayError, match="rows were written into it"):
                 table.pull_all()
@@ -277,17 +279,14 @@ def test_a_worker_that_reaches_a_replacement_after_another_rebuilt_it_rebuilds_t
 
 
 @pytest.mark.parametrize("request_", ["pull", "push"])
-def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(tmp_path,
-                                                                          request_):
+def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(
+        tmp_path, request_):
     """The replacement comes 2 s after the kill, as a launcher's does: a request made in
     between (its channel lost, the server's identity not to be had) waits for it."""
     with LocalCluster(2, data_dir=tmp_path) as cluster:
         client, spec, table = _one_worker_job(cluster, REPLAY)
         with client:
-            table.push(np.arange(100), ONES, step=0)
-            client.save("ckpt", [spec.name])
-            table.push(np.arange(100), ONES, step=1)
-            want = table.pull_all()
+            want = _a_checkpoint_and_a_step(client, spec, table)
             dead = _kill(cluster, 1)
             time.sleep(0.5)  # (the channel sees its connection go)
             later = threading.Timer(2.0, _start_again, (cluster, dead, "--restore-newest"))
