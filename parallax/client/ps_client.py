@@ -400,8 +400,8 @@ class PSClient:
         """Best effort: a server that cannot be reached now drops the staging at a later
         save; servers that committed keep the checkpoint, never marked complete."""
         for server in self.live_servers():
-            try:
-                server.call("Save", request)
+            try:  # (no retries on a server gone: it drops the staging at a later save)
+                server.call("Save", request, gone=lambda s=server: not s.healthy(1.0))
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
                 if checkpoint_names.NO_DATA_DIR in str(exc):
                     continue  # it cannot save at all, so it staged nothing to abort
