@@ -245,8 +245,10 @@ class PSClient:
         while True:
             lost = self.liveness.lost
             try:
-                for conn in self._replayed():
-                    conn.verify()
+                for conn in self._replayed():  # (servers started again: rebuilt first)
+                    changed = conn.changed()
+                    if changed is not None:
+                        self._rebuilt(changed, 0)
                 shards = self._seen(self._save_held(path, tables, keep) if held else
                                     self._save(path, tables, keep))
                 self._timeline_saved(shards, held)
@@ -285,9 +287,22 @@ class PSClient:
         if not self.options.replay_mb or rebuilds >= replay.MAX_SAVE_REBUILDS:
             return False
         route = next((r for r in self._routes if r.address == err.address), None)
-        if route is None or not route.lost(err) or not route.recover(err):
+        if route is None or not route.lost(err):
             return False
-        route.wait_replayed()
+        try:
+            if not route.recover(err, replay.SAVE_WAIT_S):
+                return False
+            route.wait_replayed(replay.SAVE_WAIT_S)
+        except ServerError as late:
+            if late.code not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            raise replay.ReplayError(
+                f"checkpoint: server {err.address} was started again, and the other workers "
+                f"did not send it their pushes within {replay.SAVE_WAIT_S:.0f}s (they may be "
+                f"waiting for this worker in a collective): the save fails rather than write "
+                f"its shards behind the others ({late})", address=err.address, table=None,
+                code=grpc.StatusCode.UNAVAILABLE) from None
         return True
 
     def _seen(self, shards: list) -> list:

@@ -44,6 +44,7 @@ from parallax.ps.v1 import ps_pb2
 log = logging.getLogger("parallax")
 PUSHES = frozenset({"Push", "PushMany"})  # the writes kept and sent again
 REPLACEMENT_WAIT_S = 120.0  # how long a worker waits for a lost server to serve again
+SAVE_WAIT_S = 10.0  # what a save waits for the other workers' pushes to a rebuilt server
 MAX_SAVE_REBUILDS = 3  # a save that meets a server started again waits for its rebuild
 NOT_CREATED_PAUSE_S = 0.05  # between asks for a shard another worker has yet to create
 _REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: done
@@ -158,25 +159,32 @@ class Timeline:
     def __init__(self) -> None:
         self.started = checkpoint_names.new_name()  # (before any checkpoint this job makes)
         self.names: set[str] = set()
+        self.saves = False  # this worker saves (the chief): it knows every checkpoint
 
     def saved(self, names) -> None:
         self.names.update(n for n in names if n)
+        self.saves = True
 
     def restored(self, names) -> None:
         self.names = {n for n in names if n}
 
     def allows(self, name: str) -> str:
-        """Why a replacement's shards may not come from checkpoint `name` ("": they may)."""
+        """Why a replacement's shards may not come from checkpoint `name` ("": they may).
+        The worker that saves knows every checkpoint of its timeline; another knows the one
+        the job resumed from, and that the chief saves later ones."""
         if not name:
             return "it was not restored from a checkpoint (created anew)"
-        if self.names and name not in self.names:
+        if name in self.names:
+            return ""
+        if self.saves:
             return (f"it was restored from checkpoint {name}, which this worker neither saved "
                     f"nor restored (one of an abandoned timeline: saved before a restore to "
                     f"an older one, or by another run)")
-        if not self.names and name < self.started:
-            return (f"it was restored from checkpoint {name}, older than this worker's start "
-                    f"(another run's, or the one this attempt resumed from: this worker "
-                    f"cannot tell which)")
+        floor = max(self.names, default=self.started)
+        if name < floor:
+            return (f"it was restored from checkpoint {name}, older than "
+                    + ("the one this job resumed from" if self.names else "this worker's start")
+                    + " (another run's, or one of an abandoned timeline)")
         return ""
 
 
@@ -283,7 +291,7 @@ class ReplayedConnection:
         known = {t for t, _ in self.created} | self.log.tables()
         return any(repr(name) in str(err) for name in known)
 
-    def recover(self, err: ServerError) -> bool:
+    def recover(self, err: ServerError, wait_s: float | None = None) -> bool:
         """Wait for the server to serve again; if it is another (a replacement), rebuild this
         worker's shards there: create the tables (a replacement restores each shard from its
         newest checkpoint and answers its step and checkpoint), send again every kept push
@@ -304,7 +312,7 @@ class ReplayedConnection:
                     log.warning("server %s: %s; it serves again as another process: sending "
                                 "it this worker's pushes since its checkpoint", self.address,
                                 err)
-                    sent = self._rebuild()
+                    sent = self._rebuild(wait_s)
                     self.server_id = identity
                     break
                 except ServerError as again:
@@ -323,20 +331,21 @@ class ReplayedConnection:
         if not self.server_id:
             self.server_id = self._identity()
 
-    def _rebuild(self) -> int:
-        """One try of `recover` on a replacement; the pushes sent again."""
+    def _rebuild(self, wait_s: float | None = None) -> int:
+        """One try of `recover` on a replacement; the pushes sent again (`wait_s`: the most
+        a push may wait for the other workers' pushes of the step before it)."""
         restored = {}
         for key, request in list(self.created.items()):
             reply = self.conn.call("CreateTable", request, key[0])
-            restored[key] = getattr(reply, "restored_from", "") if reply.created else None
+            restored[key] = reply.restored_from  # (also for a shard another worker created)
         steps = self._steps()
         self._check_restored(steps, restored)
         again = self.log.since(steps, self.address)
         for method, request in again:
-            self._send_again(method, request)
+            self._send_again(method, request, wait_s)
         return len(again)
 
-    def wait_replayed(self) -> None:
+    def wait_replayed(self, wait_s: float | None = None) -> None:
         """Wait until every step this worker pushed here is applied (every worker has sent
         its pushes again): a save must not catch the rebuilt shards behind the others."""
         last: dict[tuple[str, int], int] = {}
@@ -345,26 +354,23 @@ class ReplayedConnection:
                 last[(table, shard)] = step
         for (table, shard), step in sorted(last.items()):
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
-                                                          min_step=step + 1), table)
+                                                          min_step=step + 1), table, wait_s)
 
-    def verify(self) -> None:
-        """Before a save: rebuild first if the server is gone or another now, and wait for
-        every worker's pushes there (else the save would catch its shards behind the
-        others)."""
+    def changed(self) -> ServerError | None:
+        """Before a save: the error to rebuild from (`PSClient._rebuilt`) if the server is
+        gone or another now, judged once its connection was lost; else None."""
         if not self.server_id or not self._suspect:
-            return
+            return None
         self._suspect = False
         try:
-            same = self._identity() in (0, self.server_id)
-            err = ServerError(f"server {self.address} is another process now",
-                              address=self.address, table=None,
-                              code=grpc.StatusCode.UNAVAILABLE)
+            if self._identity() in (0, self.server_id):
+                return None
         except ServerError as gone:
             if gone.code != grpc.StatusCode.UNAVAILABLE:
                 raise
-            same, err = False, gone
-        if not same and self.recover(err):
-            self.wait_replayed()
+            return gone
+        return ServerError(f"server {self.address} is another process now",
+                           address=self.address, table=None, code=grpc.StatusCode.UNAVAILABLE)
 
     def _check_restored(self, steps: dict[tuple[str, int], int],
                         restored: dict[tuple[str, int], str | None]) -> None:
@@ -410,7 +416,7 @@ class ReplayedConnection:
                     raise
             time.sleep(NOT_CREATED_PAUSE_S)
 
-    def _send_again(self, method: str, request) -> None:
+    def _send_again(self, method: str, request, wait_s: float | None = None) -> None:
         try:
             self.conn.call(method, request, None, None, _REPEAT)
         except ServerError as err:
@@ -418,7 +424,7 @@ class ReplayedConnection:
                 return  # it holds this push already (it was never lost)
             if not is_behind(err):
                 raise
-            caught_up(self.conn, err, method, request, None, None, _REPEAT)
+            caught_up(self.conn, err, method, request, None, wait_s, _REPEAT)
 
     def forget(self) -> None:
         """After a restore (a rollback): the kept pushes and written tables are of steps

@@ -299,3 +299,29 @@ def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(
                     assert table.wait_step(0) == 3
             finally:
                 later.join()
+
+
+def test_a_save_whose_other_workers_never_come_fails_naming_why(tmp_path, monkeypatch):
+    """The chief saves right after a server was started again while the other worker sends
+    nothing (it would wait for the chief in a collective): the save fails within
+    SAVE_WAIT_S, saying so, instead of waiting for ever or writing shards behind."""
+    from parallax.client import replay
+    monkeypatch.setattr(replay, "SAVE_WAIT_S", 1.0)
+    spec = dataclasses.replace(_specs("alone")[0], num_workers=2)
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        clients = [PSClient(cluster.addresses, REPLAY) for _ in range(2)]
+        tables = [c.create_table(spec) for c in clients]
+        try:
+            for worker, table in enumerate(tables):
+                table.push(np.arange(worker, 100, 2), ONES[:50], step=0, worker=worker)
+            tables[0].wait_step(1)
+            clients[0].save("ckpt", [spec.name])
+            for worker, table in enumerate(tables):
+                table.push(np.arange(worker, 100, 2), ONES[:50], step=1, worker=worker)
+            tables[0].wait_step(2)
+            _restart(cluster, 1, "--restore-newest")
+            with pytest.raises(ReplayError, match="did not send it their pushes within 1s"):
+                clients[0].save("ckpt", [spec.name])
+        finally:
+            for client in clients:
+                client.close()
