@@ -107,7 +107,12 @@ class PushLog:
 
     def tables(self) -> set[str]:
         """The tables of the kept pushes (read only after a failure)."""
-        return {t for method, request, _ in self.entries for t, _, _ in _steps(method, request)}
+        return {t for t, _ in self.last_steps()}
+
+    def last_steps(self) -> dict[tuple[str, int], int]:
+        """(table, shard) -> the step of its newest kept push (read only after a failure)."""
+        return {(t, shard): step for method, request, _ in self.entries
+                for t, shard, step in _steps(method, request)}
 
     def since(self, steps: dict[tuple[str, int], int], address: str) -> list:
         """The kept pushes with a part of a step the server has not applied (`steps`: each
@@ -230,21 +235,10 @@ class ReplayedConnection:
 
     def _check_identity(self) -> None:
         """After a channel lost its connection, rebuild before sending if the server is
-        another now."""
-        if not self._suspect or not self.server_id:
-            return
-        self._suspect = False
-        try:
-            same = self._identity() in (0, self.server_id)
-        except ServerError as err:
-            if err.code != grpc.StatusCode.UNAVAILABLE:
-                raise
-            self.recover(err)  # (gone still, or again: waited for, rebuilt if another)
-            return
-        if not same:
-            self.recover(ServerError(f"server {self.address} is another process now (its "
-                                     f"connection was lost)", address=self.address,
-                                     table=None, code=grpc.StatusCode.UNAVAILABLE))
+        gone (waited for) or another now."""
+        err = self.changed()
+        if err is not None:
+            self.recover(err)
 
     def _identity(self) -> int:
         """The server's `server_id` (0: it does not say, an older server); no retries of the
@@ -348,17 +342,13 @@ class ReplayedConnection:
     def wait_replayed(self, wait_s: float | None = None) -> None:
         """Wait until every step this worker pushed here is applied (every worker has sent
         its pushes again): a save must not catch the rebuilt shards behind the others."""
-        last: dict[tuple[str, int], int] = {}
-        for method, request, _ in self.log.entries:
-            for table, shard, step in _steps(method, request):
-                last[(table, shard)] = step
-        for (table, shard), step in sorted(last.items()):
+        for (table, shard), step in sorted(self.log.last_steps().items()):
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
                                                           min_step=step + 1), table, wait_s)
 
     def changed(self) -> ServerError | None:
-        """Before a save: the error to rebuild from (`PSClient._rebuilt`) if the server is
-        gone or another now, judged once its connection was lost; else None."""
+        """The error to rebuild from (`recover`; before a save, `PSClient._rebuilt`) if the
+        server is gone or another now, judged once its connection was lost; else None."""
         if not self.server_id or not self._suspect:
             return None
         self._suspect = False
@@ -401,9 +391,8 @@ class ReplayedConnection:
     def _steps(self) -> dict[tuple[str, int], int]:
         """The steps each shard this worker pushed to has applied there, once it exists (a
         table created by another worker: once that worker has created it again)."""
-        shards = {(t, s) for method, request, _ in self.log.entries
-                  for t, s, _ in _steps(method, request)}
-        return {(t, s): self._step(t, s) for t, s in sorted(shards | set(self.created))}
+        shards = set(self.log.last_steps()) | set(self.created)
+        return {(t, s): self._step(t, s) for t, s in sorted(shards)}
 
     def _step(self, table: str, shard: int) -> int:
         request = ps_pb2.StepRequest(table=table, shard_index=shard, min_step=0)

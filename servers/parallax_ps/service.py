@@ -300,22 +300,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 _check_same_spec(sibling, spec)  # one table, one spec on every shard
                 self._check_wait_threads(spec)
                 shard = TableShard(spec, request.shard_index, self.budget)
-                restored_from = ""
-                if self.restore_newest:
-                    restored_from = self._restore_newest(shard)  # before any request reaches it
-                shard.restored_from = restored_from  # (answered to every later creation too)
+                if self.restore_newest:  # (before any request reaches it; answered to
+                    shard.restored_from = self._restore_newest(shard)  # later creations too)
                 with self._lock:
                     self._shards[key] = shard
                 log.debug("created %s: %d rows x %d", shard.label, shard.storage.num_rows, spec.dim)
                 return (ps_pb2.CreateTableResponse(created=True, rows=shard.storage.num_rows,
                                                    step=shard.steps.step,
-                                                   restored_from=restored_from),
+                                                   restored_from=shard.restored_from),
                         spec.name, shard.storage.num_rows, 0)
         _check_same_spec(existing, spec)
         return (ps_pb2.CreateTableResponse(created=False, rows=existing.storage.num_rows,
                                            step=existing.steps.step,
-                                           restored_from=getattr(existing, "restored_from",
-                                                                 "")), spec.name, 0, 0)
+                                           restored_from=existing.restored_from),
+                spec.name, 0, 0)
 
     def _restore_newest(self, shard: TableShard) -> str:
         """Fill a new shard from the newest complete checkpoint of its table on disk, as a

@@ -98,6 +98,8 @@ class _Applied:
 
 
 class TableShard:
+    restored_from = ""  # the checkpoint a --restore-newest server created it from (CreateTable)
+
     def __init__(self, spec: TableSpec, shard_index: int,
                  budget: MemoryBudget | None = None) -> None:
         if not 0 <= shard_index < spec.shard_count:
