@@ -76,9 +76,10 @@ class PSClient:
         self.liveness = Liveness()
         holders = [CopyConnection(s, self.liveness, self._survives) for s in self.servers] \
             if options.replicas > 1 else []
+        self._timeline = replay.Timeline()  # (replay_mb > 0: shared by its connections)
         self._routes = replica_sets(self.servers, options.replicas, self.liveness, holders) \
             if not options.replay_mb else replay.replayed(self.servers, options.replay_mb,
-                                                          replay.Timeline())
+                                                          self._timeline)
         self.session = secrets.randbits(63) + 1  # this client's identity in async pushes
         self._newest = ""  # the newest checkpoint it saved or restored: its next save's name
         #                    sorts after it, whatever this host's clock says (new_name)
@@ -275,10 +276,11 @@ class PSClient:
     def _timeline_saved(self, shards: list, held: bool) -> None:
         """Replayed servers: the checkpoint a save made may be restored by a replacement;
         a save on disk holds every table's rows written before it."""
-        for conn in self._replayed():
-            conn.timeline.saved(s.checkpoint for s in shards)
-            if not held:
-                conn.written.clear()
+        if not self._replayed():
+            return
+        self._timeline.saved(s.checkpoint for s in shards)
+        for conn in self._replayed() if not held else ():
+            conn.written.clear()
 
     def _rebuilt(self, err: ServerError, rebuilds: int) -> bool:
         """Replayed servers: whether `err` met a server lost and started again, now rebuilt
@@ -436,8 +438,9 @@ class PSClient:
         step are dropped. `discard_pending`: so are those of a disk checkpoint's restore (a
         new attempt's, whose tables the workers of the attempt before left mid-step)."""
         shards = self._restored(path, tables, checkpoint, held, discard_pending)
+        if self._replayed():
+            self._timeline.restored(s.checkpoint for s in shards)
         for conn in self._replayed():  # (pushes kept before it are of abandoned steps)
-            conn.timeline.restored(s.checkpoint for s in shards)
             conn.forget()
         return shards
 
