@@ -7,6 +7,7 @@ anything else is an answer from the server and is raised at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from parallax.client.dataplane import DataPlaneClient
 from parallax.env import REPLAY_ENV, REPLICAS_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_FILE_ENV
 from parallax.errors import ConfigError, ParallaxError, ServerError
-from parallax.protocol import bulk_codec, dataplane, security
+from parallax.protocol import bulk_codec, dataplane, security, server_identity
 from parallax.protocol.refusals import STEP_AHEAD
 from parallax.ps.v1 import ps_pb2, ps_pb2_grpc
 from parallax.version import PROTOCOL_VERSION
@@ -273,6 +274,9 @@ class ServerConnection:
         # data port that could not be reached), or never (gRPC only, or settled)
         self._plane_asked_at = 0.0 if options.data_plane else math.inf
         self._plane_lock = threading.Lock()
+        # the server process this connection's calls ask for (its `server_id`; 0: any), as
+        # the caller's thread sees it now (`parallax.client.replay`); None: any
+        self.expected = None
 
     def stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return self._stubs[next(self._next)]
@@ -301,7 +305,8 @@ class ServerConnection:
                         STEP_AHEAD not in (err.details() or ""):  # (that one never landed)
                     return None
                 if err.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.options.retries \
-                        or (gone is not None and gone()):
+                        or (gone is not None and gone()) or \
+                        server_identity.replaced(err.details()):  # (no retry reaches it)
                     raise describe(method, self.address, table, err, attempts) from None
                 time.sleep(retry_delay(self.options.backoff, attempts))
 
@@ -310,21 +315,27 @@ class ServerConnection:
         request leaves now, from this thread, and its answer is read by whoever asks for it
         (`_PlaneCall`: no thread hand-off); any other call runs on an RPC thread."""
         timeout = timeout or self.options.timeout
+        expected = self.expected() if self.expected is not None else 0
         if method in dataplane.SERVED:
-            plane = self._data_plane()
+            plane = self.data_plane_of(expected)
             if plane is not None:
                 return _PlaneCall(self, plane, plane.invoker(method, started=True)(
                     request, timeout=timeout))
-        return _RPC_THREADS.submit(self._method(method), request, timeout=timeout)
+        return _RPC_THREADS.submit(self._method(method, expected), request, timeout=timeout)
 
-    def _method(self, method: str):
+    def _method(self, method: str, expected: int | None = None):
         """The callable for `method`: the data plane's for PullMany/PushMany when the server
-        has one, else the gRPC stub's."""
+        has one (and is the process `expected`), else the gRPC stub's, asking for that
+        process (`server_identity`: another refuses the call)."""
+        if expected is None:
+            expected = self.expected() if self.expected is not None else 0
         if method in dataplane.SERVED:
-            plane = self._data_plane()
+            plane = self.data_plane_of(expected)
             if plane is not None:
                 return self._through(plane, plane.invoker(method))
-        return getattr(self.stub(), method)
+        call = getattr(self.stub(), method)
+        return functools.partial(call, metadata=server_identity.metadata(expected)) \
+            if expected else call
 
     def _through(self, plane: DataPlaneClient, invoke):
         """`invoke`, forgetting the data plane when it cannot be reached: the retry of
@@ -352,7 +363,13 @@ class ServerConnection:
         """host:port of the data plane this connection uses, once known (None: gRPC)."""
         return self._plane.where if self._plane is not None else None
 
-    def _data_plane(self) -> DataPlaneClient | None:
+    def data_plane_of(self, expected: int = 0) -> DataPlaneClient | None:
+        """The data plane of the server process `expected` (0: any), if known or found now;
+        None: use gRPC for this call (which another process refuses)."""
+        plane = self._known_plane(expected)
+        return plane if plane is None or not expected or plane.server_id == expected else None
+
+    def _known_plane(self, expected: int) -> DataPlaneClient | None:
         """Where the server's data plane listens, asked when due and connected; None (use
         gRPC for this call) for a server without one, one whose data port cannot be reached
         now (asked again after PLANE_RETRY_S), or while another thread is asking."""
@@ -362,18 +379,28 @@ class ServerConnection:
             return self._plane  # another call is asking: this one goes over gRPC
         try:
             if self._plane is None and time.monotonic() >= self._plane_asked_at:
-                self._plane, self._plane_asked_at = self._find_data_plane()
+                self._plane, self._plane_asked_at = self._find_data_plane(expected)
         finally:
             self._plane_lock.release()
         return self._plane
 
-    def _find_data_plane(self) -> tuple[DataPlaneClient | None, float]:
+    def identity(self) -> int:
+        """The server process's `server_id` (0: an older server that does not say), asked
+        of whatever process serves the address now; no retries."""
+        try:
+            return self.stub().DataPlane(ps_pb2.DataPlaneRequest(),
+                                         timeout=min(10.0, self.options.timeout)).server_id
+        except grpc.RpcError as err:
+            raise describe("DataPlane", self.address, None, err) from None
+
+    def _find_data_plane(self, expected: int = 0) -> tuple[DataPlaneClient | None, float]:
         """(the data plane or None, when to ask again if None: now for a server that could
         not be asked, later for a data port that could not be reached, never for a server
         without one)."""
         try:
             reply = self.stub().DataPlane(ps_pb2.DataPlaneRequest(),
-                                          timeout=min(10.0, self.options.timeout))
+                                          timeout=min(10.0, self.options.timeout),
+                                          metadata=server_identity.metadata(expected))
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return None, 0.0  # the call itself will say what is wrong

@@ -180,6 +180,11 @@ class DataPlaneClient:
             if time.monotonic() - since < self._reuse_s and _still_open(sock):
                 return sock
             _close(sock)  # idle long enough for the server to have closed it, or closed
+        return self.connect()
+
+    def connect(self) -> socket.socket:
+        """A new connection, greeted (and, when this client knows the server's id, to that
+        server process only); raises DataPlaneError."""
         try:
             return self._connect()
         except (OSError, EOFError, FrameError, ssl.SSLError) as exc:

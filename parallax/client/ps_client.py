@@ -92,6 +92,8 @@ class PSClient:
         self.close()
 
     def close(self) -> None:
+        for route in self._replayed():
+            route.stop_watching()
         for server in self.servers:
             server.close()
 
@@ -246,10 +248,6 @@ class PSClient:
         while True:
             lost = self.liveness.lost
             try:
-                for conn in self._replayed():  # (servers started again: rebuilt first)
-                    changed = conn.changed()
-                    if changed is not None:
-                        self._rebuilt(changed, 0)
                 shards = self._seen(self._save_held(path, tables, keep) if held else
                                     self._save(path, tables, keep))
                 self._timeline_saved(shards, held)
@@ -291,9 +289,8 @@ class PSClient:
         route = next((r for r in self._routes if r.address == err.address), None)
         if route is None or not route.lost(err):
             return False
-        try:
-            if not route.recover(err, replay.SAVE_WAIT_S):
-                return False
+        try:  # (rebuilt now, or already by its `_Watch`, or the same server again)
+            route.recover(err, replay.SAVE_WAIT_S)
             route.wait_replayed(replay.SAVE_WAIT_S)
         except ServerError as late:
             if late.code not in (grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -301,7 +298,8 @@ class PSClient:
                 raise
             raise replay.ReplayError(
                 f"checkpoint: server {err.address} was started again, and the other workers "
-                f"did not send it their pushes within {replay.SAVE_WAIT_S:.0f}s (they may be "
+                f"did not send it their pushes within {replay.SAVE_WAIT_S:.0f}s (one without a "
+                f"data plane finds the loss only at its next request there, and may be "
                 f"waiting for this worker in a collective): the save fails rather than write "
                 f"its shards behind the others ({late})", address=err.address, table=None,
                 code=grpc.StatusCode.UNAVAILABLE) from None

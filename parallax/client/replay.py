@@ -6,31 +6,36 @@ last, up to its share of `replay_mb` MiB per server, the oldest dropped first). 
 server dies, the launcher starts it again on the same address, from the newest checkpoint
 on disk in its data directory (`parallax_ps --restore-newest`): each shard starts at that
 checkpoint's step and names it (`restored_from`). A worker tells the replacement from the
-server before by its identity (`server_id`), asked when a request fails UNAVAILABLE or
-NOT_FOUND, or once a channel lost its connection (`ReplayedConnection`); it then creates
-its tables there again and sends again, in order, every push it kept of a step a shard
-has not applied; then it sends the failed request again (a read), or counts it done (a
-push: it was among those sent again). A sync step is applied once every worker's push is
+server before by its identity (`server_id`): every request asks for the process its
+shards are on (`parallax.protocol.server_identity`), which the replacement refuses; and a
+thread per server sleeps on an idle data-plane connection, which closes when the server
+dies, so that a worker waiting elsewhere (for the chief in a collective, whose save waits
+for this worker's pushes) rebuilds at once (`_Watch`). The worker then creates its tables
+there again and sends again, in order, every push it kept of a step a shard has not
+applied; then it sends the failed request again (a read), or counts it done (a push: it
+was among those sent again). A sync step is applied once every worker's push is
 in, summed in worker order, so the shards come back bit for bit as the lost server held
 them, and the job goes on: no step redone, no worker restarted, no other server touched.
 
-Costs: nothing on the wire and no request in steady state but one identity question per
-server after a lost connection and per save; each worker's memory for its newest pushes
-(up to `replay_mb`); at a death, the replacement's start, its restore and the replay.
+Costs: in steady state ~30 bytes of metadata per gRPC call, no request and no CPU (the
+watching thread sleeps in recv); each worker's memory for its newest pushes (up to
+`replay_mb`) and one idle data-plane connection per server; at a death, the replacement's
+start, its restore and the replay.
 
 Refused (ReplayError, DATA_LOSS, naming why; `--max-restarts` then restarts the job from
 its checkpoint), rather than train on other rows: a shard not restored from a checkpoint;
 one restored from a checkpoint the worker's pushes do not follow (`Timeline`); pushes that
 do not reach back to its step (dropped for room, or the worker started after it); rows
 written by InitRows or ImportRows since the last save on disk. Sync tables only (an async
-shard applies pushes as they arrive). Over gRPC alone a read reaching the replacement
-before the channel's loss is seen could wait there: the connectivity watch makes that a
-race of a few milliseconds.
+shard applies pushes as they arrive). Without a data plane (gRPC only) nothing watches:
+a death is found by the worker's next request to that server, so a death during the
+chief's save ends the save (SAVE_WAIT_S) when the other workers already wait for the chief.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 import time
 
@@ -198,10 +203,10 @@ class ReplayedConnection:
     `ServerConnection` that tables and multi-table calls use). It keeps the pushes sent
     through it and the tables created through it, and rebuilds the server's shards on a
     replacement (`recover`): a server of another identity (`server_id`) than the one its
-    shards were created or rebuilt on, found when a request fails UNAVAILABLE or NOT_FOUND
-    or once one of its channels has lost its connection (a gRPC channel reconnects to a new
-    process without a word, and a read could then wait there for a step only this worker's
-    pushes close)."""
+    shards were created or rebuilt on. Every call asks for that process
+    (`ServerConnection.expected`), so the replacement refuses it (a gRPC channel reconnects
+    to a new process without a word, and a read could then wait there for a step only this
+    worker's pushes close); `_Watch` finds the death without a request."""
 
     def __init__(self, conn, max_bytes: int, timeline: Timeline) -> None:
         self.conn, self.timeline = conn, timeline
@@ -211,19 +216,33 @@ class ReplayedConnection:
         self.written: set[str] = set()  # tables given rows (InitRows, ImportRows) since the
         #                                 last save on disk: a replacement would lack them
         self.server_id = 0  # the server the shards are on (0: not asked yet)
-        self._suspect = False  # a channel lost its connection: ask the server's identity
         self._lock = threading.RLock()  # held while recovering: sends wait for the end
-        for channel in getattr(conn, "_channels", ())[:1]:  # (all reach one server; each
-            channel.subscribe(_Watch(self).changed, try_to_connect=False)  # watch: a thread)
+        self._rebuilder: int | None = None  # the thread rebuilding, asking for `_rebuilding`
+        self._rebuilding = 0
+        self._watch: _Watch | None = None
+        conn.expected = self._expected
 
     def __getattr__(self, name):
         return getattr(self.conn, name)
 
+    def _expected(self) -> int:
+        """The server process a call of this thread asks for: the one the shards are on
+        (a replacement refuses the call until they are rebuilt there, and the caller then
+        waits for the rebuild); the replacement for the thread rebuilding them."""
+        return self._rebuilding if self._rebuilder == threading.get_ident() else self.server_id
+
+    def _sent(self, method: str, request, timeout: float | None):
+        """(the push started, or None for any other request, made by the caller; the
+        request as kept). A push is kept and started in one hold of the lock: a rebuild
+        sends a kept push again only if it was started before, so to the server before
+        (lost with it, or refused by the replacement: its retry then finds it landed)."""
+        if method not in PUSHES:
+            return None, self._kept(method, request)
+        with self._lock:
+            request = self.log.keep(method, request)
+            return self.conn.future(method, request, timeout), request
+
     def _kept(self, method: str, request):
-        self._check_identity()
-        if method in PUSHES:
-            with self._lock:
-                return self.log.keep(method, request)
         if method == "CreateTable":
             self.created[(request.spec.name, request.shard_index)] = request
         elif method in ("InitRows", "ImportRows"):
@@ -233,31 +252,20 @@ class ReplayedConnection:
                 del self.created[key]
         return request
 
-    def _check_identity(self) -> None:
-        """After a channel lost its connection, rebuild before sending if the server is
-        gone (waited for) or another now."""
-        err = self.changed()
-        if err is not None:
-            self.recover(err)
-
-    def _identity(self) -> int:
-        """The server's `server_id` (0: it does not say, an older server); no retries of the
-        connection's own (a server gone is waited for by `recover`)."""
-        return self.conn.call("DataPlane", ps_pb2.DataPlaneRequest(), gone=_gone).server_id
-
     def future(self, method: str, request, timeout: float | None = None):
-        return self.conn.future(method, self._kept(method, request), timeout)
+        started, request = self._sent(method, request, timeout)
+        return started if started is not None else self.conn.future(method, request, timeout)
 
     def result(self, future, method: str, request, table=None, timeout: float | None = None,
                done_on_retry: tuple = ()):
         if future is None:  # (the call is made now: `many_calls._in_flight`'s last)
-            request = self._kept(method, request)
+            future, request = self._sent(method, request, timeout)
         return self._answer(method, request, table, timeout, done_on_retry, future)
 
     def call(self, method: str, request, table=None, timeout: float | None = None,
              done_on_retry: tuple = (), pending=None):
         if pending is None:
-            request = self._kept(method, request)
+            pending, request = self._sent(method, request, timeout)
         return self._answer(method, request, table, timeout, done_on_retry, pending)
 
     def _answer(self, method: str, request, table, timeout, done_on_retry, pending):
@@ -290,15 +298,16 @@ class ReplayedConnection:
         worker's shards there: create the tables (a replacement restores each shard from its
         newest checkpoint and answers its step and checkpoint), send again every kept push
         of a step not applied there. Whether it rebuilt (False: the same server, only
-        unreachable for a while, or a NOT_FOUND of its own). A replacement lost in turn is
-        waited for again, within REPLACEMENT_WAIT_S from the first loss."""
+        unreachable for a while or rebuilt already, or a NOT_FOUND of its own). A
+        replacement lost in turn is waited for again, within REPLACEMENT_WAIT_S from the
+        first loss."""
         with self._lock:
             started = time.monotonic()
             while True:
                 try:
                     self.conn.wait_healthy(max(1.0, REPLACEMENT_WAIT_S - (time.monotonic()
                                                                           - started)))
-                    identity = self._identity()
+                    identity = self.conn.identity()
                     if identity and identity == self.server_id:
                         if err.code == grpc.StatusCode.NOT_FOUND:
                             raise err  # (the same server: a table deleted, not a restart)
@@ -306,8 +315,7 @@ class ReplayedConnection:
                     log.warning("server %s: %s; it serves again as another process: sending "
                                 "it this worker's pushes since its checkpoint", self.address,
                                 err)
-                    sent = self._rebuild(wait_s)
-                    self.server_id = identity
+                    sent = self._rebuild_on(identity, wait_s)
                     break
                 except ServerError as again:
                     if again.code != grpc.StatusCode.UNAVAILABLE or again is err or \
@@ -318,12 +326,25 @@ class ReplayedConnection:
             log.warning("server %s serves again: %d push(es) of this worker sent again, "
                         "%.1fs after the loss was seen", self.address, sent,
                         time.monotonic() - started)
-            return True
+        self._start_watch()
+        return True
 
     def note_identity(self) -> None:
         """Ask the server's identity once, after this worker created its tables there."""
         if not self.server_id:
-            self.server_id = self._identity()
+            self.server_id = self.conn.identity()
+            self._start_watch()
+
+    def _rebuild_on(self, identity: int, wait_s: float | None) -> int:
+        """`_rebuild` on server process `identity`, which only this thread's calls ask for
+        until it is done (the others' are refused there and wait for it)."""
+        self._rebuilder, self._rebuilding = threading.get_ident(), identity
+        try:
+            sent = self._rebuild(wait_s)
+        finally:
+            self._rebuilder = None
+        self.server_id = identity
+        return sent
 
     def _rebuild(self, wait_s: float | None = None) -> int:
         """One try of `recover` on a replacement; the pushes sent again (`wait_s`: the most
@@ -345,22 +366,6 @@ class ReplayedConnection:
         for (table, shard), step in sorted(self.log.last_steps().items()):
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
                                                           min_step=step + 1), table, wait_s)
-
-    def changed(self) -> ServerError | None:
-        """The error to rebuild from (`recover`; before a save, `PSClient._rebuilt`) if the
-        server is gone or another now, judged once its connection was lost; else None."""
-        if not self.server_id or not self._suspect:
-            return None
-        self._suspect = False
-        try:
-            if self._identity() in (0, self.server_id):
-                return None
-        except ServerError as gone:
-            if gone.code != grpc.StatusCode.UNAVAILABLE:
-                raise
-            return gone
-        return ServerError(f"server {self.address} is another process now",
-                           address=self.address, table=None, code=grpc.StatusCode.UNAVAILABLE)
 
     def _check_restored(self, steps: dict[tuple[str, int], int],
                         restored: dict[tuple[str, int], str | None]) -> None:
@@ -422,19 +427,73 @@ class ReplayedConnection:
             self.log.clear()
             self.written.clear()
 
+    def _start_watch(self) -> None:
+        """Watch the server the shards are on (`_Watch`; none without a data plane)."""
+        plane = self.conn.data_plane_of(self.server_id) if self.server_id else None
+        if self._watch is not None:
+            self._watch.close()
+        self._watch = _Watch(self, plane) if plane is not None else None
+
+    def stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+
 
 class _Watch:
-    """A channel's connectivity, for its connection: one lost after it was ready makes the
-    connection ask the server's identity before its next request."""
+    """A thread that sleeps on an idle data-plane connection to the server (in recv: no CPU,
+    no request). The server's death closes it: the thread then rebuilds this worker's
+    shards on the replacement at once (`ReplayedConnection.recover`), not at this worker's
+    next request there, which can wait for another worker that waits for these pushes (a
+    save). A connection the server closed as idle (after an idle timeout) is opened again.
+    A host that vanishes without closing it is found by the next request instead."""
 
-    def __init__(self, conn: ReplayedConnection) -> None:
-        self.conn, self.ready = conn, False
+    def __init__(self, conn: ReplayedConnection, plane) -> None:
+        self.conn, self.plane, self.closed = conn, plane, False
+        self._sock = None
+        threading.Thread(target=self._run, daemon=True,
+                         name=f"parallax-replay-watch {conn.address}").start()
 
-    def changed(self, state) -> None:
-        if state == grpc.ChannelConnectivity.READY:
-            self.ready = True
-        elif self.ready:
-            self.ready, self.conn._suspect = False, True  # noqa: SLF001
+    def _run(self) -> None:
+        while not self.closed:
+            try:
+                self._sock = self.plane.connect()  # (to the same server process only)
+            except grpc.RpcError as err:
+                if not self.closed:
+                    self._lost(err)
+                return  # (a rebuild starts a watch of its own)
+            _sleep_until_closed(self._sock)
+
+    def _lost(self, err: grpc.RpcError) -> None:
+        loss = ServerError(f"server {self.conn.address} was lost ({err.details()})",
+                           address=self.conn.address, table=None,
+                           code=grpc.StatusCode.UNAVAILABLE)
+        try:
+            self.conn.recover(loss)
+        except ServerError as failed:  # (the next request to it meets it again, and raises)
+            log.warning("server %s: could not rebuild this worker's shards there while it "
+                        "waited: %s", self.conn.address, failed)
+
+    def close(self) -> None:
+        self.closed = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes the thread's recv)
+            except OSError:
+                pass
+
+
+def _sleep_until_closed(sock) -> None:
+    """Return once the peer closed `sock` (or sent anything: it never answers unasked)."""
+    try:
+        sock.settimeout(None)
+        sock.recv(1)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _table_of(request) -> str:

@@ -77,9 +77,10 @@ def _deny(code: grpc.StatusCode, message: str):
     return abort
 
 
-def _denying_handler(handler, message: str):
+def denying_handler(handler, message: str,
+                    code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED):
     """A handler of the same shape (streaming or not) as `handler` that only rejects."""
-    deny = _deny(grpc.StatusCode.UNAUTHENTICATED, message)
+    deny = _deny(code, message)
     requests = handler is not None and handler.request_streaming
     responses = handler is not None and handler.response_streaming
     if requests and responses:
@@ -120,7 +121,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         else:
             message = ("wrong cluster token: the 'authorization' metadata does not match this "
                        "server's --token-file; use the job's token")
-        return _denying_handler(continuation(handler_call_details), message)
+        return denying_handler(continuation(handler_call_details), message)
 
 
 def server_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from parallax import native
 from parallax.env import READY_PREFIX
 from parallax.errors import ConfigError
-from parallax.protocol import security
+from parallax.protocol import security, server_identity
 from parallax.runtime import lifeline, logs
 from parallax.runtime.malloc_tuning import reuse_freed_memory
 from parallax_ps import metrics, native_path, versions
@@ -115,18 +115,19 @@ class RunningServer:
             config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
         self.wait_pool = futures.ThreadPoolExecutor(max_workers=config.threads,
                                                     thread_name_prefix="ps-wait")
+        self.service = ParameterServerService(config.data_dir, limit,
+                                              memory_budget(config.memory_mb), config.threads,
+                                              resident_bytes(), config.restore_newest)
+        checks = [security.TokenInterceptor(token, [security.HEALTH_CHECK] if
+                                            config.health_without_token else [])] \
+            if token else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.reserved_threads,
                                        thread_name_prefix="ps"),
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
-            interceptors=[security.TokenInterceptor(token, [security.HEALTH_CHECK] if
-                                                    config.health_without_token else [])]
-            if token else None)
-        self.service = ParameterServerService(config.data_dir, limit,
-                                              memory_budget(config.memory_mb), config.threads,
-                                              resident_bytes(), config.restore_newest)
+            interceptors=[*checks, server_identity.IdentityInterceptor(self.service.server_id)])
         add_to_server(self.service, self.server, self.wait_pool)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

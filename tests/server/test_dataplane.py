@@ -122,7 +122,7 @@ def test_a_server_that_does_not_know_the_methods_is_named_no_parallax_server(cap
     conn = ServerConnection(f"127.0.0.1:{port}", ClientOptions(timeout=5))
     try:
         with caplog.at_level(logging.WARNING, logger="parallax"):
-            assert conn._data_plane() is None  # asked once, gRPC from then on
+            assert conn.data_plane_of() is None  # asked once, gRPC from then on
         with pytest.raises(ServerError) as info:
             conn.call("Stats", ps_pb2.StatsRequest())
     finally:
@@ -228,7 +228,7 @@ def test_connections_that_never_say_hello_cost_a_bounded_number_of_threads():
     idle = []
     try:
         with PSClient([server.address]) as client:
-            host, port = (client.servers[0]._data_plane().where.rsplit(":", 1))
+            host, port = (client.servers[0].data_plane_of().where.rsplit(":", 1))
             idle = [socket.create_connection((host, int(port))) for _ in range(80)]
             time.sleep(0.5)
             threads = len(os.listdir(f"/proc/{server.proc.pid}/task"))
@@ -248,7 +248,7 @@ def test_a_declared_length_costs_no_memory_until_the_bytes_arrive():
     server = _Server(_free_port(), _free_port())
     try:
         with PSClient([server.address]) as client:
-            host, port = client.servers[0]._data_plane().where.rsplit(":", 1)
+            host, port = client.servers[0].data_plane_of().where.rsplit(":", 1)
         before = server.rss_mb()
         socks = []
         for _ in range(4):
@@ -271,7 +271,7 @@ def test_a_request_over_the_servers_limit_is_resource_exhausted_as_over_grpc():
     server = _Server(_free_port(), _free_port(), "--max-message-mb", "1")
     try:
         with PSClient([server.address]) as client:
-            plane = client.servers[0]._data_plane()
+            plane = client.servers[0].data_plane_of()
             with pytest.raises(grpc.RpcError) as info:
                 plane.call("PushMany", bytes(16 << 20), 10.0)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
@@ -284,7 +284,7 @@ def test_the_data_plane_keeps_accepting_after_running_out_of_file_descriptors():
     server = _Server(_free_port(), _free_port(), prefix=("prlimit", "--nofile=96:96"))
     try:
         with PSClient([server.address]) as client:
-            plane = client.servers[0]._data_plane()
+            plane = client.servers[0].data_plane_of()
             host, port = plane.where.rsplit(":", 1)
             crowd = []
             for _ in range(150):  # past the server's descriptors: accept fails for a while
@@ -394,7 +394,7 @@ def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
                             tls_key=str(creds.client_key), token=token, retries=0)
     with LocalCluster(1, extra_args=[*creds.server_args(), "--max-message-mb", "1"]) as cluster:
         with PSClient(cluster.addresses, options) as client:
-            plane = client.servers[0]._data_plane()
+            plane = client.servers[0].data_plane_of()
             with pytest.raises(grpc.RpcError) as info:
                 plane.call("PushMany", bytes(8 << 20), 10.0)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -404,7 +404,7 @@ def test_over_the_limits_is_resource_exhausted_over_tls_and_for_answers(creds):
         with PSClient(cluster.addresses, small) as client:
             client.create_table(TableSpec(name="big", vocabulary_size=40_000, dim=16))
             body = packed_codec.encode_pull_many(["big"], [0], [0], [np.arange(40_000)])
-            plane = client.servers[0]._data_plane()
+            plane = client.servers[0].data_plane_of()
             with pytest.raises(grpc.RpcError) as info:
                 plane.call("PullMany", body, 10.0)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
@@ -439,7 +439,7 @@ def test_a_malformed_packed_frame_is_refused_and_changes_nothing(servers):
         tables = _tables(client, "packed_bad_")
         before = _train(tables, steps=1)
         plane = DataPlaneClient(*servers.addresses[0].rsplit(":", 1)[:1],
-                                client.servers[0]._data_plane().port, ClientOptions())
+                                client.servers[0].data_plane_of().port, ClientOptions())
         try:
             header = PushHeader(tables[0].name, 0, 1, 0, 0.5, 0, 1, tables[0].session)
             body = PushManyParts([(header, 2, DIM, np.float32)],
@@ -509,3 +509,35 @@ def test_every_server_process_answers_its_own_nonzero_id(args):
             other.check()
         other.close()
     assert "another server" in refused.value.details()
+
+
+def test_a_call_asking_for_another_server_process_is_refused_and_not_retried():
+    """`parallax-server-id` metadata (server_identity): a call asking for this process, or
+    for none, is served; one asking for another (a client whose shards were on the process
+    before a restart) is refused UNAVAILABLE naming it, streaming calls too, and the
+    client's connection does not retry it."""
+    from parallax.protocol import server_identity
+    with LocalCluster(1) as cluster:
+        address = cluster.addresses[0]
+        mine = _identity(address).server_id
+        with grpc.insecure_channel(address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            request = ps_pb2.StatsRequest()
+            stub.Stats(request, timeout=10, metadata=server_identity.metadata(mine))
+            for call, body in ((stub.Stats, request),
+                               (stub.InitRows, iter([ps_pb2.InitRowsChunk()]))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(body, timeout=10, metadata=server_identity.metadata(mine ^ 1))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert server_identity.replaced(refused.value.details())
+        conn = ServerConnection(address, ClientOptions(timeout=5, retries=5, backoff=2.0))
+        conn.expected = lambda: mine ^ 1
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=server_identity.REPLACED):
+            conn.call("Stats", ps_pb2.StatsRequest())
+        assert time.monotonic() - started < 1.0  # (five retries would wait seconds)
+        assert conn.data_plane_of(mine ^ 1) is None  # and its data plane is not used
+        conn.expected = lambda: mine
+        conn.call("Stats", ps_pb2.StatsRequest())
+        assert conn.data_plane_of(mine) is not None
+        conn.close()

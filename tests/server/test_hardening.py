@@ -555,7 +555,7 @@ def test_a_request_of_more_parts_than_a_step_needs_is_refused_before_any_work():
                  "carries 100000 parts", "at most 4 per table shard", "fewer, larger parts")
         assert time.monotonic() - t0 < 5
         host, _ = cluster.addresses[0].rsplit(":", 1)
-        plane = DataPlaneClient(host, client.servers[0]._data_plane().port, ClientOptions())
+        plane = DataPlaneClient(host, client.servers[0].data_plane_of().port, ClientOptions())
         try:
             body = packed_codec.encode_pull_many(["keys"] * 100_000, [0] * 100_000,
                                                  [0] * 100_000,

@@ -10,6 +10,7 @@ are test_replicas.py's).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -301,27 +302,47 @@ def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(
                 later.join()
 
 
-def test_a_save_whose_other_workers_never_come_fails_naming_why(tmp_path, monkeypatch):
-    """The chief saves right after a server was started again while the other worker sends
-    nothing (it would wait for the chief in a collective): the save fails within
-    SAVE_WAIT_S, saying so, instead of waiting for ever or writing shards behind."""
-    from parallax.client import replay
-    monkeypatch.setattr(replay, "SAVE_WAIT_S", 1.0)
+@contextlib.contextmanager
+def _save_while_the_other_worker_sends_nothing(tmp_path, options: ClientOptions):
+    """The chief saves right after server 1 was started again, while the other worker sends
+    nothing (it would wait for the chief in a collective); the chief's client first."""
     spec = dataclasses.replace(_specs("alone")[0], num_workers=2)
     with LocalCluster(2, data_dir=tmp_path) as cluster:
-        clients = [PSClient(cluster.addresses, REPLAY) for _ in range(2)]
+        clients = [PSClient(cluster.addresses, options) for _ in range(2)]
         tables = [c.create_table(spec) for c in clients]
         try:
-            for worker, table in enumerate(tables):
-                table.push(np.arange(worker, 100, 2), ONES[:50], step=0, worker=worker)
-            tables[0].wait_step(1)
-            clients[0].save("ckpt", [spec.name])
-            for worker, table in enumerate(tables):
-                table.push(np.arange(worker, 100, 2), ONES[:50], step=1, worker=worker)
-            tables[0].wait_step(2)
+            for step in range(2):
+                for worker, table in enumerate(tables):
+                    table.push(np.arange(worker, 100, 2), ONES[:50], step=step, worker=worker)
+                tables[0].wait_step(step + 1)
+                if step == 0:
+                    clients[0].save("ckpt", [spec.name])
+            expected = tables[0].pull(np.arange(100))
             _restart(cluster, 1, "--restore-newest")
-            with pytest.raises(ReplayError, match="did not send it their pushes within 1s"):
-                clients[0].save("ckpt", [spec.name])
+            yield clients[0], spec.name, expected, tables[0]
         finally:
             for client in clients:
                 client.close()
+
+
+def test_a_save_while_the_other_worker_sends_nothing_is_rebuilt_by_its_watch(tmp_path):
+    """Each worker watches its servers (an idle data-plane connection a thread sleeps on):
+    the other worker sends its pushes to the replacement by itself, so the chief's save
+    goes on, and holds the rows before the kill."""
+    with _save_while_the_other_worker_sends_nothing(tmp_path, REPLAY) as (chief, name,
+                                                                       expected, table):
+        shards = chief.save("ckpt", [name])
+        assert {s.step for s in shards} == {2}
+        np.testing.assert_array_equal(table.pull(np.arange(100)), expected)
+
+
+def test_a_save_whose_other_workers_never_come_fails_naming_why(tmp_path, monkeypatch):
+    """Without a data plane nothing watches: the other worker finds the loss only at its
+    next request there, so the save fails within SAVE_WAIT_S, saying so, instead of
+    waiting for ever or writing shards behind."""
+    from parallax.client import replay
+    monkeypatch.setattr(replay, "SAVE_WAIT_S", 1.0)
+    grpc_only = ClientOptions(**{**REPLAY.__dict__, "data_plane": False})
+    with _save_while_the_other_worker_sends_nothing(tmp_path, grpc_only) as (chief, name, _, _):
+        with pytest.raises(ReplayError, match="did not send it their pushes within 1s"):
+            chief.save("ckpt", [name])
