@@ -4,17 +4,18 @@ death costs no step and no copy of its shards.
 Every worker keeps its own pushes to each server, as the encoded requests it sent (newest
 last, up to its share of `replay_mb` MiB per server, the oldest dropped first). When a
 server dies, the launcher starts it again on the same address, from the newest checkpoint
-on disk in its data directory (`parallax_ps --restore-newest`): each shard starts at that
-checkpoint's step and names it (`restored_from`). A worker tells the replacement from the
-server before by its identity (`server_id`): every request asks for the process its
-shards are on (`parallax.protocol.server_identity`), which the replacement refuses; and a
-thread per server sleeps on an idle data-plane connection, which closes when the server
-dies, so that a worker waiting elsewhere (for the chief in a collective, whose save waits
-for this worker's pushes) rebuilds at once (`_Watch`). The worker then creates its tables
-there again and sends again, in order, every push it kept of a step a shard has not
-applied; then it sends the failed request again (a read), or counts it done (a push: it
-was among those sent again). A sync step is applied once every worker's push is
-in, summed in worker order, so the shards come back bit for bit as the lost server held
+on disk in its data directory (`parallax_ps --restore-newest`; under `parallax k8s
+--replay-mb` Kubernetes restarts its container, `--restore-newest-on-restart`): each shard
+starts at that checkpoint's step and names it (`restored_from`). A worker tells the
+replacement from the server before by its identity (`server_id`): every request asks for
+the process its shards are on (`parallax.protocol.server_identity`), which the replacement
+refuses; and a thread per server sleeps on an idle data-plane connection, which closes
+when the server dies, so that a worker waiting elsewhere (for the chief in a collective,
+whose save waits for this worker's pushes) rebuilds at once (`_Watch`). The worker then
+creates its tables there again and sends again, in order, every push it kept of a step a
+shard has not applied; then it sends the failed request again (a read), or counts it done
+(a push: it was among those sent again). A sync step is applied once every worker's push
+is in, summed in worker order, so the shards come back bit for bit as the lost server held
 them, and the job goes on: no step redone, no worker restarted, no other server touched.
 
 Costs: in steady state ~30 bytes of metadata per gRPC call, no request and no CPU (the
@@ -389,8 +390,10 @@ class ReplayedConnection:
                     f"server {self.address} serves again, but table {table!r} shard {shard} "
                     f"there cannot be rebuilt from this worker's pushes: {why}. A lost server "
                     f"is started again with parallax_ps --restore-newest and its data "
-                    f"directory (as `parallax run --replay-mb` does) from the newest checkpoint "
-                    f"on disk; --max-restarts restarts the job from its checkpoint instead",
+                    f"directory (as `parallax run --replay-mb` does; `parallax k8s "
+                    f"--replay-mb`: a container restarted in its pod, from a checkpoint saved "
+                    f"since the pod started) from the newest checkpoint on disk; "
+                    f"--max-restarts restarts the job from its checkpoint instead",
                     address=self.address, table=table, code=grpc.StatusCode.DATA_LOSS)
 
     def _steps(self) -> dict[tuple[str, int], int]:

@@ -81,6 +81,11 @@ Job's backoffLimit (N x workers) and podFailurePolicy only recreate pods that we
 or lost worker 0. The servers keep checkpoints in --data-dir on a PersistentVolumeClaim per
 server (--data-volume-size) or an emptyDir, and PARALLAX_RUN_ID stays JOB across attempts.
 
+With --replay-mb N every worker keeps N MiB of its pushes (PARALLAX_REPLAY_MB) and each
+server runs with --restore-newest-on-restart $(PARALLAX_POD_UID), its pod's uid: a container
+restarted in its pod restores its newest checkpoint saved since the pod started and the
+workers replay their pushes since; a pod's first start never restores (parallax_ps.instance).
+
 With --min-np A --max-np B the worker Job may be scaled (`kubectl patch` of completions and
 parallelism together, between A and B): worker 0's gang runs each attempt with the pods
 there, and stops the commands at their next checkpoint whenever a pod comes or announces it
@@ -101,7 +106,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parallax.env import RESTART_COUNT_ENV
+from parallax.env import REPLAY_ENV, RESTART_COUNT_ENV
 from parallax.errors import ConfigError
 from parallax.launch import gang  # noqa: F401 - part of this module's API (k8s.gang)
 from parallax.launch.gang import ELASTIC_TIMEOUT_S
@@ -206,6 +211,15 @@ def _job_options(g) -> None:
     g.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="copies of each table shard: 2 keeps one on the next server pod too, "
                         "so that a server pod's death loses no step (default 1)")
+    g.add_argument("--replay-mb", type=int, default=0, metavar="N",
+                   help="each worker keeps up to N MiB of its pushes to each server "
+                        f"({REPLAY_ENV}); a server container that Kubernetes restarts in its "
+                        "pod restores its newest checkpoint saved since the pod started "
+                        "(--restore-newest-on-restart, the pod's uid) and the workers replay "
+                        "their pushes since: the job goes on, no step redone (sync, "
+                        "--replicas 1; a pod recreated, e.g. on another node, starts fresh "
+                        "and the workers' replay is refused: --max-restarts restarts the "
+                        "job; default 0: off)")
     g.add_argument("--plan", default="{}", metavar="JSON", help='plan overrides as JSON, e.g. '
                    '\'{"shards": 4, "placement": {"dense/kernel": "ps"}}\'; ParallaxStrategy '
                    'applies those its own arguments leave unset')
@@ -275,8 +289,8 @@ def _server_options(g) -> None:
                         "ServiceAccount, Role or RoleBinding): delete them yourself")
     g.add_argument("--data-dir", metavar="DIR",
                    help="the servers' --data-dir, where they write checkpoints (resume/<run "
-                        f"id>); default {DEFAULT_DATA_DIR} with --max-restarts or "
-                        "--data-volume-size, else none")
+                        f"id>); default {DEFAULT_DATA_DIR} with --max-restarts, --replay-mb "
+                        "or --data-volume-size, else none")
     g.add_argument("--data-volume-size", metavar="Q",
                    help="a PersistentVolumeClaim of this size per server mounted at "
                         "--data-dir, so a restarted or moved server pod keeps its "
@@ -330,7 +344,7 @@ def config_from_args(argv: list[str]) -> tuple[K8sConfig, str | None]:
         min_workers=args.min_workers, max_workers=args.max_workers,
         elastic_timeout=args.elastic_timeout,
         servers=args.servers, namespace=args.namespace, mode=args.mode, sync=args.sync,
-        replicas=args.replicas,
+        replicas=args.replicas, replay_mb=args.replay_mb,
         cluster_domain=args.cluster_domain, server_wait_s=args.server_wait,
         server_port=args.server_port, rendezvous_port=args.rendezvous_port, plan=plan,
         collectives=args.collectives, collective_port=args.collective_port,

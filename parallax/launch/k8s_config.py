@@ -58,6 +58,8 @@ class K8sConfig:
     mode: str = "hybrid"                  # hybrid | ps | allreduce
     sync: bool = True
     replicas: int = 1                     # 2: a copy of each shard on the next server pod
+    replay_mb: int = 0                    # N: each worker keeps N MiB of its pushes, replayed
+                                          # to a server container restarted in its pod
     server_port: int = 7000
     rendezvous_port: int = 7070           # Horovod gloo rendezvous, served by worker 0
     collectives: str = "horovod"          # horovod | tensorflow: the workers' dense sums
@@ -193,12 +195,18 @@ def validate(config: K8sConfig) -> None:
         if arg.split("=", 1)[0] == "--data-dir":
             raise ConfigError(f"--server-arg {arg!r}: the servers' data directory is "
                               f"--data-dir (mounted on its volume); give that instead")
+        if arg.split("=", 1)[0] in RESTORE_ARGS:
+            raise ConfigError(f"--server-arg {arg!r}: a server pod runs the same command on "
+                              f"every start, so it would restore on its first start too, "
+                              f"maybe from an earlier run's checkpoints on its volume; give "
+                              f"--replay-mb N (restores on a container's restart only)")
     _validate_security(config)
     _validate_resources(config)
     _validate_scheduling(config)
     _validate_metrics(config)
     _validate_scrapers(config)
     _validate_restarts(config)
+    _validate_replay(config)
     _validate_elastic(config)
     _validate_plan(config.plan)
     _validate_jobset(config)
@@ -207,6 +215,7 @@ def validate(config: K8sConfig) -> None:
                           "aggregation gathers gradients through Horovod; drop one of them")
 
 
+RESTORE_ARGS = ("--restore-newest", "--restore-newest-on-restart")  # set by --replay-mb
 SECURITY_ARGS = ("--token-file", "--tls-cert", "--tls-key", "--tls-client-ca",
                  "--health-without-token")
 
@@ -397,6 +406,29 @@ def _validate_restarts(config: K8sConfig) -> None:
     if config.servers == 0 and (config.data_dir or config.data_volume_size):
         raise ConfigError("--data-dir and --data-volume-size are for the parameter servers, "
                           "and --servers is 0: drop them or give --servers 1 or more")
+
+
+def _validate_replay(config: K8sConfig) -> None:
+    """--replay-mb N: a server container restarted in its pod restores its newest checkpoint
+    and the workers replay their pushes since, exactly only where sync steps sum them in a
+    fixed order on one copy of each shard (as `parallax run --replay-mb`)."""
+    n = config.replay_mb
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"--replay-mb {n!r} must be an integer >= 0 (MiB of pushes each "
+                          f"worker keeps to replay to a server started again; 0: off)")
+    if n == 0:
+        return
+    if config.servers == 0:
+        raise ConfigError(f"--replay-mb {n} with --servers 0: there is no parameter server "
+                          f"to replay to; drop --replay-mb, or give --servers 1 or more")
+    if config.replicas > 1:
+        raise ConfigError(f"--replay-mb {n} with --replicas {config.replicas}: give one (copies "
+                          f"of each shard, or a lost server started again from its checkpoint "
+                          f"and the pushes since replayed to it)")
+    if not config.sync:
+        raise ConfigError(f"--replay-mb {n} with --async: a replay rebuilds a shard exactly "
+                          f"only from sync steps (the workers' pushes summed in a fixed "
+                          f"order); drop one of them")
 
 
 def worker_bounds(config: K8sConfig) -> tuple[int, int]:

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import yaml
 
 from parallax.env import (ADDRESSES_ENV, CONNECT_TIMEOUT_ENV, HELD_BACKUPS_ENV, JOB_CONFIG_ENV,
-                          MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, REPLICAS_ENV, RUN_ID_ENV,
-                          SYNC_ENV, WARM_STARTS_ENV, WORKERS_ENV)
+                          MAX_RESTARTS_ENV, MODE_ENV, RENDEZVOUS_ENV, REPLAY_ENV, REPLICAS_ENV,
+                          RUN_ID_ENV, SYNC_ENV, WARM_STARTS_ENV, WORKERS_ENV)
 from parallax.launch import gang
 from parallax.launch import k8s_jobset, k8s_patch
 from parallax.launch import k8s_security as secure
@@ -28,11 +28,11 @@ WATCHER = {"requests": {"cpu": "10m", "memory": "64Mi"},   # `parallax k8s watch
 
 
 def server_data_dir(config: K8sConfig) -> str | None:
-    """Where the servers keep checkpoints: --data-dir, else DEFAULT_DATA_DIR when a volume
-    or restarts need one, else None (no checkpoints on the servers)."""
+    """Where the servers keep checkpoints: --data-dir, else DEFAULT_DATA_DIR when a volume,
+    restarts or replays (--replay-mb) need one, else None (no checkpoints on the servers)."""
     if not config.servers:
         return None
-    if config.data_dir or config.data_volume_size or config.max_restarts:
+    if config.data_dir or config.data_volume_size or config.max_restarts or config.replay_mb:
         return config.data_dir or DEFAULT_DATA_DIR
     return None
 
@@ -148,6 +148,8 @@ def worker_env(config: K8sConfig) -> dict[str, str]:
         env[ADDRESSES_ENV] = ",".join(ps_addresses(config))
     if config.replicas > 1:
         env[REPLICAS_ENV] = str(config.replicas)
+    if config.replay_mb:
+        env[REPLAY_ENV] = str(config.replay_mb)
     if config.workers > 1 and config.collectives == "tensorflow":
         env[WORKERS_ENV] = ",".join(collective_addresses(config))  # the rank: the bootstrap
     elif _horovod(config):
@@ -226,18 +228,34 @@ def _server_container(config: K8sConfig) -> dict[str, Any]:
                     "--data-port", str(config.server_port + 1),  # the data plane
                     *(["--metrics-host", "0.0.0.0", "--metrics-port", str(metrics)]
                       if metrics else []),
-                    *(["--data-dir", data_dir] if data_dir else [])],
+                    *(["--data-dir", data_dir] if data_dir else []),
+                    *_restore_args(config)],
         "ports": [{"name": "grpc", "containerPort": config.server_port},
                   {"name": "data", "containerPort": config.server_port + 1},
                   *([{"name": "metrics", "containerPort": metrics}] if metrics else [])],
         "readinessProbe": dict(probe, initialDelaySeconds=2),
         "livenessProbe": dict(probe, initialDelaySeconds=10, periodSeconds=10),
     }
+    if config.replay_mb:
+        server["env"] = [{"name": POD_UID_ENV,
+                          "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
     if data_dir:
         server["volumeMounts"] = [{"name": "data", "mountPath": data_dir}]
     if _resources(config, "ps"):
         server["resources"] = _resources(config, "ps")
     return server
+
+
+POD_UID_ENV = "PARALLAX_POD_UID"  # the server container's pod's uid (the downward API)
+
+
+def _restore_args(config: K8sConfig) -> list[str]:
+    """With --replay-mb: the server restores each shard from its newest checkpoint when its
+    container starts again in the same pod (the pod's uid, the same across its container's
+    restarts), never on a pod's first start (parallax_ps.instance)."""
+    if not config.replay_mb:
+        return []
+    return ["--restore-newest-on-restart", f"$({POD_UID_ENV})"]  # (the kubelet expands it)
 
 
 def _data_claim(config: K8sConfig) -> dict[str, Any]:

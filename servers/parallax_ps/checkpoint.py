@@ -168,12 +168,17 @@ def open_checkpoint(data_dir: Path | None, request) -> tuple[Path, dict]:
     return directory, versions.read_manifest(directory)
 
 
-def newest_holding(data_dir: Path, table: str) -> tuple[Path, dict] | None:
+def newest_holding(data_dir: Path, table: str,
+                   skip: frozenset[str] = frozenset()) -> tuple[Path, dict] | None:
     """(directory, verified manifest) of the newest complete checkpoint under `data_dir`
-    (any path) that holds `table`; None when none does. A newer one whose manifest is
-    damaged is an error (DATA_LOSS), not skipped: an older one would start the shard at a
-    step the workers may no longer hold the pushes since."""
+    (any path) that holds `table`, but for those `skip` names (paths relative to
+    `data_dir`: --restore-newest-on-restart's, older than the server's instance); None when
+    none does. A newer one whose manifest is damaged is an error (DATA_LOSS), not skipped:
+    an older one would start the shard at a step the workers may no longer hold the pushes
+    since."""
     for directory in reversed(versions.complete_under(data_dir)):
+        if str(directory.relative_to(data_dir)) in skip:
+            continue
         manifest = versions.read_manifest(directory)
         if any(p.get("table") == table for p in manifest.get("shards", ())):
             return directory, manifest

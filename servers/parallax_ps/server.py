@@ -27,7 +27,7 @@ from parallax.errors import ConfigError
 from parallax.protocol import security, server_identity
 from parallax.runtime import lifeline, logs
 from parallax.runtime.malloc_tuning import reuse_freed_memory
-from parallax_ps import metrics, native_path, versions
+from parallax_ps import instance, metrics, native_path, versions
 from parallax_ps.dataplane import DataPlaneServer
 from parallax_ps.service import SERVICE_NAME, ParameterServerService, add_to_server
 
@@ -56,6 +56,7 @@ class ServerConfig:
     data_port: int = 0  # PullMany/PushMany as frames on this port (0: any free one; -1: off)
     log_level: str | None = None  # None: PARALLAX_LOG_LEVEL, else info (parallax.runtime.logs)
     restore_newest: bool = False  # a created shard starts from its newest checkpoint, if any
+    restore_newest_on_restart: str | None = None  # that, once this instance starts again
 
     @property
     def max_message_bytes(self) -> int:
@@ -100,6 +101,15 @@ def resident_bytes() -> int:
     return 0
 
 
+def _restore_policy(config: ServerConfig) -> tuple[bool, frozenset[str]]:
+    """(whether created shards restore their newest checkpoint, the checkpoints they never
+    restore): --restore-newest, or --restore-newest-on-restart's instance marker."""
+    if config.restore_newest_on_restart is None:
+        return config.restore_newest, frozenset()
+    start = instance.begin(config.data_dir, config.restore_newest_on_restart)
+    return start.restarted, start.before
+
+
 class RunningServer:
     """A started server; `address` is host:port with the real port when 0 was asked."""
 
@@ -115,9 +125,10 @@ class RunningServer:
             config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
         self.wait_pool = futures.ThreadPoolExecutor(max_workers=config.threads,
                                                     thread_name_prefix="ps-wait")
+        restore, skip = _restore_policy(config)
         self.service = ParameterServerService(config.data_dir, limit,
                                               memory_budget(config.memory_mb), config.threads,
-                                              resident_bytes(), config.restore_newest)
+                                              resident_bytes(), restore, skip)
         checks = [security.TokenInterceptor(token, [security.HEALTH_CHECK] if
                                             config.health_without_token else [])] \
             if token else []
@@ -247,10 +258,16 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                              "answers the checkpoint's name in restored_from); a table with "
                              "no complete checkpoint there is created fresh at step 0, as "
                              "without the flag (needs --data-dir)")
+    parser.add_argument("--restore-newest-on-restart", metavar="INSTANCE", default=None,
+                        help="--restore-newest, but only when this instance starts again "
+                             "(parallax k8s --replay-mb gives the pod's uid: the same for "
+                             "its container's restarts): the first start of INSTANCE notes "
+                             "it in --data-dir (.instance-*.json, with the checkpoints there "
+                             "then) and creates shards fresh; a start again restores each "
+                             "from its newest checkpoint saved since that first start, "
+                             "never from an older one (another run's)")
     args = parser.parse_args(argv)
-    if args.restore_newest and args.data_dir is None:
-        parser.error("--restore-newest restores each table from the checkpoints in "
-                     "--data-dir: give --data-dir (the lost server's), or drop it")
+    _check_restore_flags(parser, args)
     if not -1 <= args.data_port < 65536:
         parser.error(f"--data-port {args.data_port} is not a TCP port (0-65535), or -1")
     if args.memory_mb is not None and args.memory_mb < 1:
@@ -283,7 +300,26 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host,
                         memory_mb=args.memory_mb, log_level=args.log_level,
-                        data_port=args.data_port, restore_newest=args.restore_newest)
+                        data_port=args.data_port, restore_newest=args.restore_newest,
+                        restore_newest_on_restart=args.restore_newest_on_restart)
+
+
+def _check_restore_flags(parser: argparse.ArgumentParser, args) -> None:
+    if args.restore_newest and args.data_dir is None:
+        parser.error("--restore-newest restores each table from the checkpoints in "
+                     "--data-dir: give --data-dir (the lost server's), or drop it")
+    again = args.restore_newest_on_restart
+    if again is None:
+        return
+    if args.restore_newest:
+        parser.error("--restore-newest restores on every start, --restore-newest-on-restart "
+                     "on a start again of its instance only: give one of them")
+    if not again.strip():
+        parser.error("--restore-newest-on-restart needs an instance name that is the same "
+                     "on every start of this server and only on those (e.g. a pod's uid)")
+    if args.data_dir is None:
+        parser.error("--restore-newest-on-restart keeps its marker and restores from the "
+                     "checkpoints in --data-dir: give --data-dir, or drop it")
 
 
 def _orphaned(parent: int, stop: threading.Event) -> None:

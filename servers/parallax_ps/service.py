@@ -226,12 +226,15 @@ def new_server_id() -> int:
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, data_dir: Path | None, max_message_bytes: int,
                  memory_bytes: int = 0, wait_threads: int | None = None,
-                 baseline_bytes: int = 0, restore_newest: bool = False) -> None:
+                 baseline_bytes: int = 0, restore_newest: bool = False,
+                 restore_skip: frozenset[str] = frozenset()) -> None:
         """`baseline_bytes`: the process's resident memory before any table (`MemoryBudget`);
         `restore_newest` (--restore-newest): every shard created starts from the newest
-        complete checkpoint of its table in `data_dir` (`_restore_newest`)."""
+        complete checkpoint of its table in `data_dir` (`_restore_newest`), but for those
+        `restore_skip` names (--restore-newest-on-restart: `parallax_ps.instance`)."""
         self.data_dir = data_dir
         self.restore_newest = restore_newest
+        self.restore_skip = restore_skip
         self.wait_threads = wait_threads  # threads for WAITING_METHODS; None: not checked
         self.max_message_bytes = max_message_bytes
         self.data_port = 0  # set by the server once its data plane listens
@@ -325,7 +328,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         created after the server was started again (a reshard target) must be creatable,
         and a worker refuses itself to replay onto a shard that was not restored."""
         try:
-            found = checkpoint.newest_holding(self.data_dir, shard.spec.name)
+            found = checkpoint.newest_holding(self.data_dir, shard.spec.name,
+                                              self.restore_skip)
             if found is None:
                 log.info("created %s fresh: no complete checkpoint of table %r under %s",
                          shard.label, shard.spec.name, self.data_dir)

@@ -93,6 +93,42 @@ def test_a_server_started_again_from_its_checkpoint_is_rebuilt_from_the_workers_
         np.testing.assert_array_equal(got, want)
 
 
+POD = ("--restore-newest-on-restart", "pod-1")  # parallax k8s --replay-mb: the pod's uid
+
+
+def test_a_pod_restarted_in_place_is_rebuilt_from_the_workers_pushes(tmp_path, baseline):
+    """`parallax k8s --replay-mb`: server 1 runs with the same command on every start, as a
+    container in its pod; its first start creates fresh, its start again after a SIGKILL
+    restores the job's checkpoint and the workers replay: the uninterrupted run's rows."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        _restart(cluster, 1, *POD)  # (the pod's first start, before the job)
+        dead = []
+        rows = _train(cluster, "plain", REPLAY,
+                      kill=lambda: dead.append(_restart(cluster, 1, *POD)))
+        assert [d.proc.returncode for d in dead] == [-signal.SIGKILL]
+    for got, want in zip(rows, baseline):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_pod_restarted_before_its_jobs_first_save_takes_no_earlier_checkpoint(tmp_path):
+    """An earlier run's checkpoint of the same table on the data dir (a kept claim): the
+    pod's first start creates fresh beside it, and its restart before the job saved does
+    not restore it either (it predates the pod): the worker refuses, naming that."""
+    with LocalCluster(2, data_dir=tmp_path) as cluster:  # the earlier run
+        client, spec, table = _one_worker_job(cluster, OPTIONS)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            client.save("ckpt", [spec.name])
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        _restart(cluster, 1, *POD)
+        client, spec, table = _one_worker_job(cluster, REPLAY)
+        with client:
+            table.push(np.arange(100), ONES, step=0)
+            _restart(cluster, 1, *POD)
+            with pytest.raises(ReplayError, match=r"it was not restored from a checkpoint"):
+                table.pull_all()
+
+
 def _one_worker_job(cluster: LocalCluster, options: ClientOptions):
     client = PSClient(cluster.addresses, options)
     spec = dataclasses.replace(_specs("one")[0], num_workers=1)

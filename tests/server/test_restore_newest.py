@@ -210,3 +210,82 @@ def test_a_server_started_again_answers_at_its_address_with_its_shards(tmp_path)
                                                 "output:(.|\n)*--no-such-flag"):
             cluster.replace(0, ["--no-such-flag"])
         assert cluster.servers[0].address == addresses[0]
+
+
+# --restore-newest-on-restart INSTANCE (`parallax k8s --replay-mb`: the pod's uid): a
+# container restarted in its pod restores; a first start never does, whatever is on disk.
+
+def _on_restart(tmp_path, instance: str) -> LocalCluster:
+    return LocalCluster(1, data_dir=tmp_path,
+                        extra_args=["--restore-newest-on-restart", instance]).start()
+
+
+def _restart(cluster: LocalCluster) -> PSClient:
+    """The same command again on the same port and data dir (a container's restart)."""
+    _kill(cluster)
+    cluster.replace(0)
+    return PSClient(cluster.addresses, OPTIONS)
+
+
+def test_a_first_start_creates_fresh_and_its_restart_restores_newest(tmp_path):
+    spec = _spec("pod")
+    with LocalCluster(1, data_dir=tmp_path) as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        _train(client.create_table(spec), 0, 2)
+        earlier = Snapshot(client, tmp_path, spec.name)  # an earlier run's, same table name
+    with _on_restart(tmp_path, "pod-uid-1") as cluster:
+        with PSClient(cluster.addresses, OPTIONS) as client:
+            assert [(a.created, a.step, a.restored_from) for a in _create(client, spec)] \
+                == [(True, 0, "")] * SHARDS  # the earlier run's checkpoint is not taken
+            _train(client.table(spec), 0, 3)
+        with _restart(cluster) as client:  # before this instance saved: nothing of its own
+            assert {(a.step, a.restored_from) for a in _create(client, spec)} == {(0, "")}
+            _train(client.table(spec), 0, 3)
+            saved = Snapshot(client, tmp_path, spec.name)
+            _train(client.table(spec), 3, 5)
+        with _restart(cluster) as client:
+            assert [(a.created, a.step, a.restored_from) for a in _create(client, spec)] \
+                == [(True, 3, saved.checkpoint)] * SHARDS
+            Snapshot(client, tmp_path, spec.name).assert_equal(saved)
+    assert saved.checkpoint != earlier.checkpoint
+
+
+def test_another_instance_on_the_same_data_dir_is_a_first_start(tmp_path):
+    """A pod recreated on a kept volume (a new uid): fresh, and its own restarts skip what
+    the one before saved."""
+    spec = _spec("moved")
+    with _on_restart(tmp_path, "pod-uid-1") as cluster, \
+            PSClient(cluster.addresses, OPTIONS) as client:
+        _train(client.create_table(spec), 0, 2)
+        Snapshot(client, tmp_path, spec.name)
+    with _on_restart(tmp_path, "pod-uid-2") as cluster:
+        with PSClient(cluster.addresses, OPTIONS) as client:
+            assert {(a.step, a.restored_from) for a in _create(client, spec)} == {(0, "")}
+        with _restart(cluster) as client:
+            assert {(a.step, a.restored_from) for a in _create(client, spec)} == {(0, "")}
+    markers = sorted(p.name for p in tmp_path.glob(".instance-*.json"))
+    assert len(markers) == 2  # one per instance
+
+
+def test_a_damaged_marker_is_a_first_start(tmp_path):
+    from parallax_ps.instance import marker_path
+    spec = _spec("damaged")
+    with _on_restart(tmp_path, "pod-uid-1") as cluster:
+        with PSClient(cluster.addresses, OPTIONS) as client:
+            _train(client.create_table(spec), 0, 2)
+            Snapshot(client, tmp_path, spec.name)
+        marker_path(tmp_path, "pod-uid-1").write_text("{not json")
+        with _restart(cluster) as client:
+            assert {(a.step, a.restored_from) for a in _create(client, spec)} == {(0, "")}
+
+
+def test_the_restart_flag_needs_an_instance_and_a_data_directory():
+    from parallax_ps.server import parse_args
+    for argv in (["--restore-newest-on-restart", "pod"],
+                 ["--restore-newest-on-restart", " ", "--data-dir", "/tmp/d"],
+                 ["--restore-newest-on-restart", "pod", "--restore-newest",
+                  "--data-dir", "/tmp/d"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    config = parse_args(["--restore-newest-on-restart", "pod", "--data-dir", "/tmp/d"])
+    assert (config.restore_newest_on_restart, config.restore_newest) == ("pod", False)
