@@ -335,7 +335,7 @@ class ServerConnection:
                 return self._through(plane, plane.invoker(method))
         call = getattr(self.stub(), method)
         return functools.partial(call, metadata=server_identity.metadata(expected)) \
-            if expected else call
+            if expected and method not in server_identity.ANY_PROCESS else call
 
     def _through(self, plane: DataPlaneClient, invoke):
         """`invoke`, forgetting the data plane when it cannot be reached: the retry of
@@ -353,10 +353,17 @@ class ServerConnection:
         """After a failure of the data-plane connection itself (not an answer): ask the
         server where its data plane is again at the next call."""
         if getattr(err, "transport", False):
-            with self._plane_lock:
-                if self._plane is plane:
-                    self._plane, self._plane_asked_at = None, 0.0
-            plane.close()
+            self.forget_plane(plane)
+
+    def forget_plane(self, plane: DataPlaneClient | None = None) -> None:
+        """Ask the server where its data plane is again at the next call (`plane`: only if
+        it is still the one known; None: whichever, e.g. a process before a restart's)."""
+        with self._plane_lock:
+            known = self._plane
+            if known is None or (plane is not None and known is not plane):
+                return
+            self._plane, self._plane_asked_at = None, 0.0
+        known.close()
 
     @property
     def data_plane(self) -> str | None:

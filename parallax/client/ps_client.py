@@ -17,7 +17,7 @@ from parallax.client.replicas import (Liveness, check_replicable, check_replicas
 from parallax.client.row_mover import MoveReport, move_rows
 from parallax.client.table import ShardedTable
 from parallax.errors import ConfigError, ServerError
-from parallax.protocol import checkpoint_names
+from parallax.protocol import checkpoint_names, server_identity
 from parallax.protocol.specs import TableSpec
 from parallax.ps.v1 import ps_pb2
 
@@ -248,6 +248,9 @@ class PSClient:
         while True:
             lost = self.liveness.lost
             try:
+                for route in self._replayed():  # (rebuilt by a watch: the others' pushes)
+                    if route.unreplayed:
+                        self._caught_up(route)
                 shards = self._seen(self._save_held(path, tables, keep) if held else
                                     self._save(path, tables, keep))
                 self._timeline_saved(shards, held)
@@ -284,26 +287,35 @@ class PSClient:
         """Replayed servers: whether `err` met a server lost and started again, now rebuilt
         with the steps this worker pushed (`ReplayedConnection.recover`, `wait_replayed`),
         so that a save may be made again (at most MAX_SAVE_REBUILDS times a save)."""
-        if not self.options.replay_mb or rebuilds >= replay.MAX_SAVE_REBUILDS:
+        if not self.options.replay_mb or rebuilds >= replay.MAX_SAVE_REBUILDS or \
+                isinstance(err, replay.ReplayError):
             return False
         route = next((r for r in self._routes if r.address == err.address), None)
         if route is None or not route.lost(err):
             return False
-        try:  # (rebuilt now, or already by its `_Watch`, or the same server again)
-            route.recover(err, replay.SAVE_WAIT_S)
+        # (rebuilt now, or already by its `_Watch`, or the same server again)
+        self._caught_up(route, lambda: route.recover(err, replay.SAVE_WAIT_S))
+        return True
+
+    def _caught_up(self, route, rebuild=None) -> None:
+        """Replayed servers: `rebuild()` if given, then wait until the other workers' pushes
+        are applied on `route`'s rebuilt shards (bounded), so that a save does not write
+        them behind the job's step; ReplayError when they do not come."""
+        try:
+            if rebuild is not None:
+                rebuild()
             route.wait_replayed(replay.SAVE_WAIT_S)
         except ServerError as late:
             if late.code not in (grpc.StatusCode.DEADLINE_EXCEEDED,
                                  grpc.StatusCode.FAILED_PRECONDITION):
                 raise
             raise replay.ReplayError(
-                f"checkpoint: server {err.address} was started again, and the other workers "
+                f"checkpoint: server {route.address} was started again, and the other workers "
                 f"did not send it their pushes within {replay.SAVE_WAIT_S:.0f}s (one without a "
                 f"data plane finds the loss only at its next request there, and may be "
                 f"waiting for this worker in a collective): the save fails rather than write "
-                f"its shards behind the others ({late})", address=err.address, table=None,
+                f"its shards behind the others ({late})", address=route.address, table=None,
                 code=grpc.StatusCode.UNAVAILABLE) from None
-        return True
 
     def _seen(self, shards: list) -> list:
         """`shards` (a save's or restore's answer), the newest checkpoint name noted."""
@@ -418,8 +430,9 @@ class PSClient:
             try:  # (no retries on a server gone: it drops the staging at a later save)
                 server.call("Save", request, gone=lambda s=server: not s.healthy(1.0))
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
-                if checkpoint_names.NO_DATA_DIR in str(exc):
-                    continue  # it cannot save at all, so it staged nothing to abort
+                if checkpoint_names.NO_DATA_DIR in str(exc) or \
+                        server_identity.replaced(str(exc)):
+                    continue  # it cannot save at all (or is a replacement): nothing staged
                 log.warning("could not abort checkpoint %s on %s: %s", request.checkpoint,
                             server.address, exc)
 

@@ -53,6 +53,7 @@ REPLACEMENT_WAIT_S = 120.0  # how long a worker waits for a lost server to serve
 SAVE_WAIT_S = 10.0  # what a save waits for the other workers' pushes to a rebuilt server
 MAX_SAVE_REBUILDS = 3  # a save that meets a server started again waits for its rebuild
 NOT_CREATED_PAUSE_S = 0.05  # between asks for a shard another worker has yet to create
+WATCH_RETRY_S, WATCH_RETRY_MAX_S = 0.2, 5.0  # a watch's pauses between failed connections
 _REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: done
 
 
@@ -220,6 +221,8 @@ class ReplayedConnection:
         self._lock = threading.RLock()  # held while recovering: sends wait for the end
         self._rebuilder: int | None = None  # the thread rebuilding, asking for `_rebuilding`
         self._rebuilding = 0
+        self.unreplayed = False  # rebuilt here, the other workers' pushes not seen applied
+        self.closed = False
         self._watch: _Watch | None = None
         conn.expected = self._expected
 
@@ -327,24 +330,28 @@ class ReplayedConnection:
             log.warning("server %s serves again: %d push(es) of this worker sent again, "
                         "%.1fs after the loss was seen", self.address, sent,
                         time.monotonic() - started)
-        self._start_watch()
         return True
 
     def note_identity(self) -> None:
-        """Ask the server's identity once, after this worker created its tables there."""
+        """Ask the server's identity once, after this worker created its tables there, and
+        watch it (`_Watch`; not without a data plane)."""
         if not self.server_id:
             self.server_id = self.conn.identity()
-            self._start_watch()
+            if self.server_id and self.options.data_plane and self._watch is None:
+                self._watch = _Watch(self)
 
     def _rebuild_on(self, identity: int, wait_s: float | None) -> int:
         """`_rebuild` on server process `identity`, which only this thread's calls ask for
-        until it is done (the others' are refused there and wait for it)."""
+        until it is done (the others' are refused there and wait for it). The data plane
+        of the process before is forgotten; a save waits for the other workers' pushes
+        first (`unreplayed`)."""
         self._rebuilder, self._rebuilding = threading.get_ident(), identity
+        self.conn.forget_plane()
         try:
             sent = self._rebuild(wait_s)
         finally:
             self._rebuilder = None
-        self.server_id = identity
+        self.server_id, self.unreplayed = identity, True
         return sent
 
     def _rebuild(self, wait_s: float | None = None) -> int:
@@ -367,6 +374,7 @@ class ReplayedConnection:
         for (table, shard), step in sorted(self.log.last_steps().items()):
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
                                                           min_step=step + 1), table, wait_s)
+        self.unreplayed = False
 
     def _check_restored(self, steps: dict[tuple[str, int], int],
                         restored: dict[tuple[str, int], str | None]) -> None:
@@ -430,55 +438,85 @@ class ReplayedConnection:
             self.log.clear()
             self.written.clear()
 
-    def _start_watch(self) -> None:
-        """Watch the server the shards are on (`_Watch`; none without a data plane)."""
-        plane = self.conn.data_plane_of(self.server_id) if self.server_id else None
-        if self._watch is not None:
-            self._watch.close()
-        self._watch = _Watch(self, plane) if plane is not None else None
-
     def stop_watching(self) -> None:
+        self.closed = True
         if self._watch is not None:
             self._watch.close()
 
 
 class _Watch:
-    """A thread that sleeps on an idle data-plane connection to the server (in recv: no CPU,
-    no request). The server's death closes it: the thread then rebuilds this worker's
-    shards on the replacement at once (`ReplayedConnection.recover`), not at this worker's
-    next request there, which can wait for another worker that waits for these pushes (a
-    save). A connection the server closed as idle (after an idle timeout) is opened again.
-    A host that vanishes without closing it is found by the next request instead."""
+    """A thread that sleeps on an idle data-plane connection to the server the shards are
+    on (in recv: no CPU, no request), for the life of the route. The server's death closes
+    it: the thread then rebuilds this worker's shards on the replacement at once
+    (`ReplayedConnection.recover`, its waits for the other workers bounded by
+    SAVE_WAIT_S, tried again while they fail), not at this worker's next request there,
+    which can wait for another worker that waits for these pushes (a save). A connection
+    the server closed as idle, or a failed reconnection to the same server, is opened
+    again (after WATCH_RETRY_S, growing). A host that vanishes without closing it is found
+    by the next request instead."""
 
-    def __init__(self, conn: ReplayedConnection, plane) -> None:
-        self.conn, self.plane, self.closed = conn, plane, False
+    def __init__(self, route: ReplayedConnection) -> None:
+        self.route, self.closed = route, False
         self._sock = None
+        self._unrebuilt: grpc.RpcError | None = None  # a loss whose rebuild failed: again
+        self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True,
-                         name=f"parallax-replay-watch {conn.address}").start()
+                         name=f"parallax-replay-watch {route.address}").start()
 
     def _run(self) -> None:
+        pause = WATCH_RETRY_S
         while not self.closed:
-            try:
-                self._sock = self.plane.connect()  # (to the same server process only)
-            except grpc.RpcError as err:
-                if not self.closed:
-                    self._lost(err)
-                return  # (a rebuild starts a watch of its own)
-            _sleep_until_closed(self._sock)
+            sock = self._connected()
+            if sock is not None:
+                pause = WATCH_RETRY_S
+                _sleep_until_closed(sock)
+                continue
+            if not self.closed:
+                time.sleep(pause)
+                pause = min(2 * pause, WATCH_RETRY_MAX_S)
+
+    def _connected(self):
+        """A connection to the route's server process to sleep on; None after a failure
+        (a loss is recovered from first)."""
+        if self._unrebuilt is not None:
+            self._lost(self._unrebuilt)
+            return None
+        conn = self.route.conn
+        plane = conn.data_plane_of(self.route.server_id)
+        if plane is None:
+            return None  # (being found by another thread, or none at the moment)
+        try:
+            sock = plane.connect()  # (to the same server process only)
+        except grpc.RpcError as err:
+            conn.forget_plane_after(plane, err)
+            self._lost(err)
+            return None
+        with self._lock:
+            if self.closed:
+                _close_quietly(sock)
+                return None
+            self._sock = sock
+        return sock
 
     def _lost(self, err: grpc.RpcError) -> None:
-        loss = ServerError(f"server {self.conn.address} was lost ({err.details()})",
-                           address=self.conn.address, table=None,
+        if self.closed:
+            return
+        loss = ServerError(f"server {self.route.address} was lost ({err.details()})",
+                           address=self.route.address, table=None,
                            code=grpc.StatusCode.UNAVAILABLE)
         try:
-            self.conn.recover(loss)
-        except ServerError as failed:  # (the next request to it meets it again, and raises)
-            log.warning("server %s: could not rebuild this worker's shards there while it "
-                        "waited: %s", self.conn.address, failed)
+            self.route.recover(loss, SAVE_WAIT_S)
+            self._unrebuilt = None
+        except Exception as failed:  # noqa: BLE001 - the next request meets it, and raises
+            self._unrebuilt = err
+            if not self.closed:
+                log.warning("server %s: this worker could not rebuild its shards there yet "
+                            "(%s); trying again", self.route.address, failed)
 
     def close(self) -> None:
-        self.closed = True
-        sock = self._sock
+        with self._lock:
+            self.closed = True
+            sock = self._sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # (wakes the thread's recv)
@@ -493,6 +531,10 @@ def _sleep_until_closed(sock) -> None:
         sock.recv(1)
     except OSError:
         pass
+    _close_quietly(sock)
+
+
+def _close_quietly(sock) -> None:
     try:
         sock.close()
     except OSError:

@@ -17,6 +17,7 @@ from parallax.protocol.security import denying_handler
 
 HEADER = "parallax-server-id"
 REPLACED = "was started again as another server process"  # in the refusal's details
+ANY_PROCESS = frozenset({"Stats", "Barrier"})  # answered by any process: sent without it
 
 
 def metadata(server_id: int) -> tuple[tuple[str, str], ...] | None:

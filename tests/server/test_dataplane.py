@@ -514,30 +514,33 @@ def test_every_server_process_answers_its_own_nonzero_id(args):
 def test_a_call_asking_for_another_server_process_is_refused_and_not_retried():
     """`parallax-server-id` metadata (server_identity): a call asking for this process, or
     for none, is served; one asking for another (a client whose shards were on the process
-    before a restart) is refused UNAVAILABLE naming it, streaming calls too, and the
-    client's connection does not retry it."""
+    before a restart) is refused UNAVAILABLE naming it, before its handler, streaming calls
+    too, and the client's connection does not retry it (Stats asks for any process)."""
     from parallax.protocol import server_identity
     with LocalCluster(1) as cluster:
         address = cluster.addresses[0]
         mine = _identity(address).server_id
+        unknown = ps_pb2.StepRequest(table="nowhere")
         with grpc.insecure_channel(address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
-            request = ps_pb2.StatsRequest()
-            stub.Stats(request, timeout=10, metadata=server_identity.metadata(mine))
-            for call, body in ((stub.Stats, request),
-                               (stub.InitRows, iter([ps_pb2.InitRowsChunk()]))):
-                with pytest.raises(grpc.RpcError) as refused:
-                    call(body, timeout=10, metadata=server_identity.metadata(mine ^ 1))
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert server_identity.replaced(refused.value.details())
+            for asked, code in ((mine, grpc.StatusCode.NOT_FOUND), (0, grpc.StatusCode.NOT_FOUND),
+                                (mine ^ 1, grpc.StatusCode.UNAVAILABLE)):
+                with pytest.raises(grpc.RpcError) as answer:
+                    stub.WaitStep(unknown, timeout=10, metadata=server_identity.metadata(asked))
+                assert answer.value.code() == code
+            assert server_identity.replaced(answer.value.details())
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.InitRows(iter([ps_pb2.InitRowsChunk()]), timeout=10,
+                              metadata=server_identity.metadata(mine ^ 1))
+            assert server_identity.replaced(refused.value.details())
         conn = ServerConnection(address, ClientOptions(timeout=5, retries=5, backoff=2.0))
         conn.expected = lambda: mine ^ 1
         started = time.monotonic()
         with pytest.raises(ServerError, match=server_identity.REPLACED):
-            conn.call("Stats", ps_pb2.StatsRequest())
+            conn.call("WaitStep", unknown)
         assert time.monotonic() - started < 1.0  # (five retries would wait seconds)
         assert conn.data_plane_of(mine ^ 1) is None  # and its data plane is not used
-        conn.expected = lambda: mine
         conn.call("Stats", ps_pb2.StatsRequest())
+        conn.expected = lambda: mine
         assert conn.data_plane_of(mine) is not None
         conn.close()

@@ -365,8 +365,8 @@ def test_a_save_while_the_other_worker_sends_nothing_is_rebuilt_by_its_watch(tmp
     """Each worker watches its servers (an idle data-plane connection a thread sleeps on):
     the other worker sends its pushes to the replacement by itself, so the chief's save
     goes on, and holds the rows before the kill."""
-    with _save_while_the_other_worker_sends_nothing(tmp_path, REPLAY) as (chief, name,
-                                                                       expected, table):
+    with _save_while_the_other_worker_sends_nothing(tmp_path, REPLAY) as job:
+        chief, name, expected, table = job
         shards = chief.save("ckpt", [name])
         assert {s.step for s in shards} == {2}
         np.testing.assert_array_equal(table.pull(np.arange(100)), expected)
@@ -382,3 +382,36 @@ def test_a_save_whose_other_workers_never_come_fails_naming_why(tmp_path, monkey
     with _save_while_the_other_worker_sends_nothing(tmp_path, grpc_only) as (chief, name, _, _):
         with pytest.raises(ReplayError, match="did not send it their pushes within 1s"):
             chief.save("ckpt", [name])
+
+
+def test_an_idle_worker_rebuilds_by_itself_each_time_and_a_save_waits_for_a_late_one(
+        tmp_path, monkeypatch):
+    """Server 1 dies twice while worker 1 sends nothing: its watch rebuilds it both times
+    (the data plane of each replacement used and watched after), and the chief's save
+    waits for worker 1's pushes even when the chief's own watch rebuilt first and worker
+    1's rebuild comes 2 s later: the checkpoint holds the job's step, not the restored
+    one (a table whose shards are all on server 1 has no other shard to disagree with)."""
+    spec = dataclasses.replace(_specs("alone")[0], num_workers=2)
+    with LocalCluster(2, data_dir=tmp_path) as cluster:
+        clients = [PSClient(cluster.addresses, REPLAY) for _ in range(2)]
+        tables = [c.create_table(spec, [1] * spec.shard_count) for c in clients]
+        idle = clients[1]._routes[1]  # noqa: SLF001 - worker 1's route to server 1
+        try:
+            for step in range(4):
+                for worker, table in enumerate(tables):
+                    table.push(np.arange(worker, 100, 2), ONES[:50], step=step, worker=worker)
+                tables[0].wait_step(step + 1)
+                if step == 0:
+                    clients[0].save("ckpt", [spec.name])
+                if step in (1, 3):
+                    if step == 3:  # (worker 1 late: the chief's watch rebuilds first)
+                        late = idle.recover
+                        monkeypatch.setattr(idle, "recover", lambda err, wait_s=None: (
+                            time.sleep(2.0), late(err, wait_s))[1])
+                    _restart(cluster, 1, "--restore-newest")
+                    time.sleep(0.5)
+                    assert {s.step for s in clients[0].save("ckpt", [spec.name])} == {step + 1}
+                    assert idle.conn.data_plane_of(idle.server_id) is not None
+        finally:
+            for client in clients:
+                client.close()
