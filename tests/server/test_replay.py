@@ -338,6 +338,17 @@ def test_a_request_made_while_the_server_is_dead_waits_for_its_replacement(
                 later.join()
 
 
+def _steps_of_two_workers(clients: list, tables: list, steps) -> None:
+    """Each worker pushes its half of the rows at each of `steps`; the chief saves after
+    step 0."""
+    for step in steps:
+        for worker, table in enumerate(tables):
+            table.push(np.arange(worker, 100, 2), ONES[:50], step=step, worker=worker)
+        tables[0].wait_step(step + 1)
+        if step == 0:
+            clients[0].save("ckpt", [tables[0].name])
+
+
 @contextlib.contextmanager
 def _save_while_the_other_worker_sends_nothing(tmp_path, options: ClientOptions):
     """The chief saves right after server 1 was started again, while the other worker sends
@@ -347,12 +358,7 @@ def _save_while_the_other_worker_sends_nothing(tmp_path, options: ClientOptions)
         clients = [PSClient(cluster.addresses, options) for _ in range(2)]
         tables = [c.create_table(spec) for c in clients]
         try:
-            for step in range(2):
-                for worker, table in enumerate(tables):
-                    table.push(np.arange(worker, 100, 2), ONES[:50], step=step, worker=worker)
-                tables[0].wait_step(step + 1)
-                if step == 0:
-                    clients[0].save("ckpt", [spec.name])
+            _steps_of_two_workers(clients, tables, range(2))
             expected = tables[0].pull(np.arange(100))
             _restart(cluster, 1, "--restore-newest")
             yield clients[0], spec.name, expected, tables[0]
@@ -398,11 +404,7 @@ def test_an_idle_worker_rebuilds_by_itself_each_time_and_a_save_waits_for_a_late
         idle = clients[1]._routes[1]  # noqa: SLF001 - worker 1's route to server 1
         try:
             for step in range(4):
-                for worker, table in enumerate(tables):
-                    table.push(np.arange(worker, 100, 2), ONES[:50], step=step, worker=worker)
-                tables[0].wait_step(step + 1)
-                if step == 0:
-                    clients[0].save("ckpt", [spec.name])
+                _steps_of_two_workers(clients, tables, [step])
                 if step in (1, 3):
                     if step == 3:  # (worker 1 late: the chief's watch rebuilds first)
                         late = idle.recover
