@@ -409,8 +409,9 @@ class ServerConnection:
                                           timeout=min(10.0, self.options.timeout),
                                           metadata=server_identity.metadata(expected))
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return None, 0.0  # the call itself will say what is wrong
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
+                return None, 0.0  # the call itself will say what is wrong (or was closed)
             log.warning("%s; using gRPC for PullMany/PushMany",
                         describe("DataPlane", self.address, None, err))
             return None, math.inf

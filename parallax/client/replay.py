@@ -55,6 +55,8 @@ MAX_SAVE_REBUILDS = 3  # a save that meets a server started again waits for its 
 NOT_CREATED_PAUSE_S = 0.05  # between asks for a shard another worker has yet to create
 WATCH_RETRY_S, WATCH_RETRY_MAX_S = 0.2, 5.0  # a watch's pauses between failed connections
 _REPEAT = (grpc.StatusCode.ALREADY_EXISTS,)  # a push the server holds already: done
+_FINAL = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+          grpc.StatusCode.DATA_LOSS)  # a watch's rebuild that cannot succeed by waiting
 
 
 class ReplayError(ServerError):
@@ -121,10 +123,12 @@ class PushLog:
         return {(t, shard): step for method, request, _ in self.entries
                 for t, shard, step in _steps(method, request)}
 
-    def since(self, steps: dict[tuple[str, int], int], address: str) -> list:
+    def since(self, steps: dict[tuple[str, int], int], address: str,
+              deleted: set[str] = frozenset()) -> list:
         """The kept pushes with a part of a step the server has not applied (`steps`: each
-        shard's applied steps, as the replacement answered), in order; raises ReplayError
-        when the pushes kept do not reach back to a shard's step."""
+        shard's applied steps, as the replacement answered), in order, but for those only of
+        `deleted` tables; raises ReplayError when the pushes kept do not reach back to a
+        shard's step."""
         first: dict[tuple[str, int], int] = {}
         last: dict[tuple[str, int], tuple[int, int]] = {}
         out = []
@@ -138,6 +142,8 @@ class PushLog:
                 first.setdefault((table, shard), step + (chunk > 0))  # not its first: gone)
                 last[(table, shard)] = (step, chunk)
             ahead = [step >= steps.get((t, shard), 0) for t, shard, step, _ in parts]
+            if all(t in deleted for t, _, _, _ in parts):
+                continue  # (of tables deleted since: never sent again)
             if all(ahead):
                 out.append((method, request))
             elif any(ahead):
@@ -222,6 +228,9 @@ class ReplayedConnection:
         self._rebuilder: int | None = None  # the thread rebuilding, asking for `_rebuilding`
         self._rebuilding = 0
         self.unreplayed = False  # rebuilt here, the other workers' pushes not seen applied
+        self.rebuilds = 0  # rebuilds made (a wait for the pushes counts only if none ended)
+        self._lost_at: float | None = None  # the first loss not recovered from (monotonic)
+        self.deleted: set[str] = set()  # tables this worker deleted: never waited for again
         self.closed = False
         self._watch: _Watch | None = None
         conn.expected = self._expected
@@ -249,11 +258,13 @@ class ReplayedConnection:
     def _kept(self, method: str, request):
         if method == "CreateTable":
             self.created[(request.spec.name, request.shard_index)] = request
+            self.deleted.discard(request.spec.name)
         elif method in ("InitRows", "ImportRows"):
             self.written.add(_table_of(request))
         elif method == "DeleteTable":
             for key in [k for k in self.created if k[0] == request.table]:
                 del self.created[key]
+            self.deleted.add(request.table)
         return request
 
     def future(self, method: str, request, timeout: float | None = None):
@@ -304,15 +315,19 @@ class ReplayedConnection:
         of a step not applied there. Whether it rebuilt (False: the same server, only
         unreachable for a while or rebuilt already, or a NOT_FOUND of its own). A
         replacement lost in turn is waited for again, within REPLACEMENT_WAIT_S from the
-        first loss."""
+        first loss not recovered from (whichever thread saw it: a server dead for good is
+        not waited for once per thread)."""
         with self._lock:
-            started = time.monotonic()
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
+            started = self._lost_at
             while True:
                 try:
                     self.conn.wait_healthy(max(1.0, REPLACEMENT_WAIT_S - (time.monotonic()
                                                                           - started)))
                     identity = self.conn.identity()
                     if identity and identity == self.server_id:
+                        self._lost_at = None
                         if err.code == grpc.StatusCode.NOT_FOUND:
                             raise err  # (the same server: a table deleted, not a restart)
                         return False
@@ -320,6 +335,7 @@ class ReplayedConnection:
                                 "it this worker's pushes since its checkpoint", self.address,
                                 err)
                     sent = self._rebuild_on(identity, wait_s)
+                    self._lost_at = None
                     break
                 except ServerError as again:
                     if again.code != grpc.StatusCode.UNAVAILABLE or again is err or \
@@ -352,6 +368,7 @@ class ReplayedConnection:
         finally:
             self._rebuilder = None
         self.server_id, self.unreplayed = identity, True
+        self.rebuilds += 1
         return sent
 
     def _rebuild(self, wait_s: float | None = None) -> int:
@@ -363,7 +380,7 @@ class ReplayedConnection:
             restored[key] = reply.restored_from  # (also for a shard another worker created)
         steps = self._steps()
         self._check_restored(steps, restored)
-        again = self.log.since(steps, self.address)
+        again = self.log.since(steps, self.address, self.deleted)
         for method, request in again:
             self._send_again(method, request, wait_s)
         return len(again)
@@ -371,10 +388,15 @@ class ReplayedConnection:
     def wait_replayed(self, wait_s: float | None = None) -> None:
         """Wait until every step this worker pushed here is applied (every worker has sent
         its pushes again): a save must not catch the rebuilt shards behind the others."""
-        for (table, shard), step in sorted(self.log.last_steps().items()):
+        rebuilds = self.rebuilds
+        for (table, shard), step in sorted(self._last_steps().items()):
             self.conn.call("WaitStep", ps_pb2.StepRequest(table=table, shard_index=shard,
                                                           min_step=step + 1), table, wait_s)
-        self.unreplayed = False
+        self.unreplayed = self.rebuilds != rebuilds  # (rebuilt again meanwhile: wait again)
+
+    def _last_steps(self) -> dict[tuple[str, int], int]:
+        """`PushLog.last_steps` but for the tables this worker deleted since."""
+        return {k: v for k, v in self.log.last_steps().items() if k[0] not in self.deleted}
 
     def _check_restored(self, steps: dict[tuple[str, int], int],
                         restored: dict[tuple[str, int], str | None]) -> None:
@@ -407,7 +429,7 @@ class ReplayedConnection:
     def _steps(self) -> dict[tuple[str, int], int]:
         """The steps each shard this worker pushed to has applied there, once it exists (a
         table created by another worker: once that worker has created it again)."""
-        shards = set(self.log.last_steps()) | set(self.created)
+        shards = set(self._last_steps()) | set(self.created)
         return {(t, s): self._step(t, s) for t, s in sorted(shards)}
 
     def _step(self, table: str, shard: int) -> int:
@@ -481,14 +503,13 @@ class _Watch:
         if self._unrebuilt is not None:
             self._lost(self._unrebuilt)
             return None
-        conn = self.route.conn
-        plane = conn.data_plane_of(self.route.server_id)
+        plane = self.route.conn.data_plane_of(self.route.server_id) if not self.closed \
+            else None
         if plane is None:
             return None  # (being found by another thread, or none at the moment)
         try:
             sock = plane.connect()  # (to the same server process only)
-        except grpc.RpcError as err:
-            conn.forget_plane_after(plane, err)
+        except grpc.RpcError as err:  # (the plane is forgotten by a rebuild, if one is due)
             self._lost(err)
             return None
         with self._lock:
@@ -508,8 +529,15 @@ class _Watch:
             self.route.recover(loss, SAVE_WAIT_S)
             self._unrebuilt = None
         except Exception as failed:  # noqa: BLE001 - the next request meets it, and raises
-            self._unrebuilt = err
-            if not self.closed:
+            first, self._unrebuilt = self._unrebuilt is None, err
+            if self.closed:
+                return
+            if isinstance(failed, ReplayError) or getattr(failed, "code", None) in _FINAL:
+                log.warning("server %s: this worker cannot rebuild its shards there (%s); "
+                            "it stops watching it (its next request there fails so)",
+                            self.route.address, failed)
+                self.closed = True
+            elif first:
                 log.warning("server %s: this worker could not rebuild its shards there yet "
                             "(%s); trying again", self.route.address, failed)
 

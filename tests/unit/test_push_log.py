@@ -40,6 +40,18 @@ def test_a_server_restored_at_a_step_gets_every_kept_push_from_it_in_order():
     assert log.since({("a", 0): 4, ("b", 1): 4, ("c", 0): 4}, "h:1") == []
 
 
+def test_the_pushes_only_of_deleted_tables_are_not_sent_again():
+    log = PushLog(1 << 20)
+    for step in range(2):
+        log.keep("Push", _push("gone", 0, step))
+        log.keep("PushMany", _push_many(("a", 0, step), ("gone", 1, step)))
+        log.keep("Push", _push("a", 1, step))
+    again = log.since({("a", 0): 0, ("a", 1): 0}, "h:1", deleted={"gone"})
+    got = [[(t, s, step) for t, s, step in _parts(m, r)] for m, r in again]
+    assert got == [[("a", 0, 0), ("gone", 1, 0)], [("a", 1, 0)],
+                   [("a", 0, 1), ("gone", 1, 1)], [("a", 1, 1)]]  # (mixed ones stay)
+
+
 def test_a_kept_request_no_longer_reads_the_arrays_it_was_made_from():
     grads = np.ones((3, 2), np.float32)
     request = PushManyParts([(PushHeader("a", 0, 0, 0, 0.0, 0, 1, 0), 3, 2,
