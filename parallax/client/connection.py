@@ -315,7 +315,7 @@ class ServerConnection:
         request leaves now, from this thread, and its answer is read by whoever asks for it
         (`_PlaneCall`: no thread hand-off); any other call runs on an RPC thread."""
         timeout = timeout or self.options.timeout
-        expected = self.expected() if self.expected is not None else 0
+        expected = self._asked()
         if method in dataplane.SERVED:
             plane = self.data_plane_of(expected)
             if plane is not None:
@@ -323,12 +323,16 @@ class ServerConnection:
                     request, timeout=timeout))
         return _RPC_THREADS.submit(self._method(method, expected), request, timeout=timeout)
 
+    def _asked(self) -> int:
+        """The server process this thread's call asks for (0: any)."""
+        return self.expected() if self.expected is not None else 0
+
     def _method(self, method: str, expected: int | None = None):
         """The callable for `method`: the data plane's for PullMany/PushMany when the server
         has one (and is the process `expected`), else the gRPC stub's, asking for that
         process (`server_identity`: another refuses the call)."""
         if expected is None:
-            expected = self.expected() if self.expected is not None else 0
+            expected = self._asked()
         if method in dataplane.SERVED:
             plane = self.data_plane_of(expected)
             if plane is not None:

@@ -112,10 +112,10 @@ class DataPlaneClient:
             header = dataplane.REQUEST.pack(dataplane.MAGIC, code, float(timeout), len(body))
             _send(sock, header, body)
         except socket.timeout:
-            _close(sock)
+            close_quietly(sock)
             raise self._late(timeout) from None
         except OSError as exc:
-            _close(sock)
+            close_quietly(sock)
             raise _lost(f"data-plane connection to {self.where} failed: {exc}") from None
         return sock
 
@@ -126,13 +126,13 @@ class DataPlaneClient:
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
             payload = dataplane.recv_exact(sock, self._answer_size(sock, method, length))
         except socket.timeout:
-            _close(sock)
+            close_quietly(sock)
             raise self._late(timeout) from None
         except (OSError, EOFError, FrameError) as exc:
-            _close(sock)
+            close_quietly(sock)
             raise _lost(f"data-plane connection to {self.where} failed: {exc}") from None
         if status:
-            _close(sock)  # the server may close it after an error: never reuse it
+            close_quietly(sock)  # the server may close it after an error: never reuse it
             raise DataPlaneError(_CODES.get(status, grpc.StatusCode.UNKNOWN),
                                  payload.decode("utf-8", "replace"))
         self._give_back(sock)
@@ -145,7 +145,7 @@ class DataPlaneClient:
 
     def _answer_size(self, sock: socket.socket, method: str, length: int) -> int:
         if length > self.options.max_message_bytes + (1 << 20):
-            _close(sock)
+            close_quietly(sock)
             raise DataPlaneError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"{method}'s answer of {length} bytes is over this client's "
                                  f"limit of {self.options.max_message_bytes} bytes; raise "
@@ -160,14 +160,14 @@ class DataPlaneClient:
         with self._lock:
             idle, self._idle, self._closed = self._idle, [], True
         for sock, _ in idle:
-            _close(sock)
+            close_quietly(sock)
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:  # not into a forked child's pool: the socket is its parent's
             if not self._closed and len(self._idle) < MAX_IDLE and self._pid == os.getpid():
                 self._idle.append((sock, time.monotonic()))
                 return
-        _close(sock)
+        close_quietly(sock)
 
     def _take(self) -> socket.socket:
         while True:
@@ -179,7 +179,7 @@ class DataPlaneClient:
                 break
             if time.monotonic() - since < self._reuse_s and _still_open(sock):
                 return sock
-            _close(sock)  # idle long enough for the server to have closed it, or closed
+            close_quietly(sock)  # idle long enough for the server to have closed it, or closed
         return self.connect()
 
     def connect(self) -> socket.socket:
@@ -202,16 +202,16 @@ class DataPlaneClient:
             status, length = dataplane.read_header(sock, dataplane.RESPONSE)
             payload = dataplane.recv_exact(sock, min(length, 1 << 16))
         except BaseException:
-            _close(sock)
+            close_quietly(sock)
             raise
         if status:  # refused: a wrong token is an answer; a full server sends us to gRPC
-            _close(sock)
+            close_quietly(sock)
             details = payload.decode("utf-8", "replace")
             code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
             raise _lost(details) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else \
                 DataPlaneError(code, details)
         if self.server_id and bytes(payload) != dataplane.SERVER_ID.pack(self.server_id):
-            _close(sock)
+            close_quietly(sock)
             raise _lost(f"{self.where} is the data plane of another server (a restarted "
                         f"server, or another job's on the same port)")
         return sock
@@ -262,7 +262,7 @@ class Started:
                 self._error = self._abandoned()
                 self._done = True
         if sock is not None:
-            _close(sock)
+            close_quietly(sock)
 
     def _abandoned(self) -> DataPlaneError:
         """What reading an abandoned call raises: in a forked child, a lost connection (the
@@ -292,7 +292,7 @@ def _send(sock: socket.socket, header: bytes, body: bytes) -> None:
         sock.settimeout(_LATE_ANSWER_S)
 
 
-def _close(sock: socket.socket) -> None:
+def close_quietly(sock: socket.socket) -> None:
     try:
         sock.close()
     except OSError:

@@ -42,6 +42,7 @@ import time
 
 import grpc
 
+from parallax.client.dataplane import close_quietly
 from parallax.client.replicas import caught_up, is_behind
 from parallax.errors import ConfigError, ServerError
 from parallax.protocol import bulk_codec, checkpoint_names
@@ -231,7 +232,6 @@ class ReplayedConnection:
         self.rebuilds = 0  # rebuilds made (a wait for the pushes counts only if none ended)
         self._lost_at: float | None = None  # the first loss not recovered from (monotonic)
         self.deleted: set[str] = set()  # tables this worker deleted: never waited for again
-        self.closed = False
         self._watch: _Watch | None = None
         conn.expected = self._expected
 
@@ -461,7 +461,6 @@ class ReplayedConnection:
             self.written.clear()
 
     def stop_watching(self) -> None:
-        self.closed = True
         if self._watch is not None:
             self._watch.close()
 
@@ -514,7 +513,7 @@ class _Watch:
             return None
         with self._lock:
             if self.closed:
-                _close_quietly(sock)
+                close_quietly(sock)
                 return None
             self._sock = sock
         return sock
@@ -559,14 +558,7 @@ def _sleep_until_closed(sock) -> None:
         sock.recv(1)
     except OSError:
         pass
-    _close_quietly(sock)
-
-
-def _close_quietly(sock) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
+    close_quietly(sock)
 
 
 def _table_of(request) -> str:
