@@ -138,12 +138,19 @@ def _one_worker_job(cluster: LocalCluster, options: ClientOptions):
 
 def test_a_server_started_again_without_its_checkpoint_is_refused():
     """A replacement that did not restore its shards holds them at step 0, without the rows
-    the job wrote when it began: the worker says so instead of training on other rows."""
+    the job wrote when it began: the worker says so instead of training on other rows. Its
+    watch, which met that first, stops watching (waiting cannot mend it) instead of trying
+    again for as long as the client lives."""
     with LocalCluster(2) as cluster:
         client, _, table = _one_worker_job(cluster, REPLAY)
         with client:
             table.push(np.arange(100), ONES, step=0)
             _restart(cluster, 1)
+            watch = f"parallax-replay-watch {cluster.addresses[1]}"
+            deadline = time.monotonic() + 10
+            while any(t.name == watch for t in threading.enumerate()):
+                assert time.monotonic() < deadline, "the watch goes on trying"
+                time.sleep(0.1)
             with pytest.raises(ReplayError, match=r"shard 1 there cannot be rebuilt from this "
                                                   r"worker's pushes: it was not restored from "
                                                   r"a checkpoint \(created anew\)") as err:
